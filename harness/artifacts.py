@@ -1,0 +1,120 @@
+"""The run directory: what one launch (one model x topology x fault) leaves on disk.
+
+Layout of a run directory (schema ARTIFACT_SCHEMA_VERSION):
+  manifest.json      topology, model spec, fault, seed, dtype, weights/prompts hashes, versions,
+                     device, harness git commit, wall times, status ("ok" | "error"), error text,
+                     rank log tails
+  layout.json        the layout each rank actually holds (see RankActual), target and speculator
+  cases.json         per prompt: text, prompt ids, teacher-forced sequence, decode start,
+                     probe positions, greedy generation (ids and text)
+  tensors.safetensors  per prompt i (float32 unless noted):
+      prefill_logits.{i}   [T, V]    teacher-forced sequence in one prefill forward
+      decode_logits.{i}    [T-D, V]  positions D..T-1, each from a one-token decode step
+                                     through the paged KV cache (D = decode start)
+      hidden.{i}           [L+1, P, H]  decode path, residual stream after embedding and each layer,
+                                        at the P probe positions
+      attn.{i}             [L, P, heads, head_dim]  decode path, per-head attention output
+                                                    (before o_proj) in global head order
+      gen_tokens.{i}       [N] int64     greedy generation
+      gen_topk_ids.{i}     [N, k] int64  top-k token ids at each generation step
+      gen_topk_logprobs.{i} [N, k]       their log-probabilities
+  rank{r}.log        stdout/stderr of each rank (written by the launcher)
+Every stage after the launch reads only these files.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from harness.errors import RunError
+
+ARTIFACT_SCHEMA_VERSION = 1
+TENSORS_FILE = "tensors.safetensors"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One prompt's inputs and its greedy generation."""
+
+    index: int
+    prompt: str
+    prompt_ids: tuple[int, ...]
+    sequence_ids: tuple[int, ...]
+    decode_start: int
+    probe_positions: tuple[int, ...]
+    generated_ids: tuple[int, ...] = ()
+    generated_text: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "prompt": self.prompt, "prompt_ids": list(self.prompt_ids),
+                "sequence_ids": list(self.sequence_ids), "decode_start": self.decode_start,
+                "probe_positions": list(self.probe_positions), "generated_ids": list(self.generated_ids),
+                "generated_text": self.generated_text}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Case":
+        return cls(index=d["index"], prompt=d["prompt"], prompt_ids=tuple(d["prompt_ids"]),
+                   sequence_ids=tuple(d["sequence_ids"]), decode_start=d["decode_start"],
+                   probe_positions=tuple(d["probe_positions"]), generated_ids=tuple(d["generated_ids"]),
+                   generated_text=d.get("generated_text", ""))
+
+
+@dataclass
+class RunArtifacts:
+    """An in-memory view of a run directory."""
+
+    path: Path
+    manifest: dict[str, Any]
+    layout: dict[str, Any] = field(default_factory=dict)
+    cases: list[Case] = field(default_factory=list)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.manifest.get("status") == "ok"
+
+    def tensor(self, kind: str, case: int) -> torch.Tensor:
+        key = f"{kind}.{case}"
+        if key not in self.tensors:
+            raise RunError(f"{self.path}: tensor {key!r} missing from {TENSORS_FILE}")
+        return self.tensors[key]
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON atomically (a crash never leaves half a file)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str))
+    tmp.replace(path)
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise RunError(f"missing {path}") from exc
+    except json.JSONDecodeError as exc:
+        raise RunError(f"corrupt JSON in {path}: {exc}") from exc
+
+
+def write_run(path: Path, manifest: dict[str, Any], layout: dict[str, Any], cases: list[Case],
+              tensors: dict[str, torch.Tensor]) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path / TENSORS_FILE))
+    write_json(path / "layout.json", layout)
+    write_json(path / "cases.json", [c.to_dict() for c in cases])
+    write_json(path / "manifest.json", {"schema_version": ARTIFACT_SCHEMA_VERSION, **manifest})
+
+
+def read_run(path: Path, with_tensors: bool = True) -> RunArtifacts:
+    manifest = read_json(path / "manifest.json")
+    if manifest.get("status") != "ok":
+        return RunArtifacts(path=path, manifest=manifest)
+    tensors = load_file(str(path / TENSORS_FILE)) if with_tensors else {}
+    return RunArtifacts(path=path, manifest=manifest, layout=read_json(path / "layout.json"),
+                        cases=[Case.from_dict(c) for c in read_json(path / "cases.json")], tensors=tensors)

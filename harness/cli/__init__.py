@@ -1,0 +1,52 @@
+"""The thin command line: one module per subcommand; only this package exits."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from types import ModuleType
+
+from harness import __version__
+from harness.errors import ConfigError, HarnessError
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
+
+
+def _subcommands() -> list[ModuleType]:
+    from harness.cli import list_cmd, plan
+    mods: list[ModuleType] = [plan, list_cmd]
+    for name in ("run", "report", "baseline", "worker"):
+        try:
+            mods.append(__import__(f"harness.cli.{name}", fromlist=[name]))
+        except ModuleNotFoundError as exc:
+            if exc.name != f"harness.cli.{name}":
+                raise
+    return mods
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        print(f"harness: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="harness", description="Multi-GPU correctness and accuracy regression harness.")
+    parser.add_argument("--version", action="version", version=f"harness {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for mod in _subcommands():
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"harness: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except HarnessError as exc:
+        print(f"harness: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR

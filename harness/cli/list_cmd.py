@@ -1,0 +1,65 @@
+"""`harness list [suites|topologies|models|faults]`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+from harness.specs.loader import load_yaml
+from harness.specs.model import load_model, shipped_models
+from harness.specs.suite import load_suite, shipped_suites
+from harness.specs.topology import load_catalog
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("list", help="list shipped suites, topologies, models or faults")
+    p.add_argument("what", nargs="?", default="all", choices=("all", "suites", "topologies", "models", "faults"))
+    p.set_defaults(func=run)
+
+
+def _suites() -> list[str]:
+    out = []
+    for name in shipped_suites():
+        s = load_suite(name)
+        out.append(f"{name:<12} v{s.version}  models={','.join(s.models)}  topologies={','.join(s.topologies)}"
+                   f"  {s.description}")
+    return out
+
+
+def _topologies() -> list[str]:
+    cat = load_catalog()
+    out = [f"{name:<16} {t.canonical_name}" for name, t in cat.topologies.items()]
+    out += [f"{name:<16} set: {', '.join(members)}" for name, members in cat.sets.items()]
+    out.append("(any tp<N>[dcp<M>][-draft|-mtp] name works without being listed)")
+    return out
+
+
+def _models() -> list[str]:
+    out = []
+    for name, path in shipped_models().items():
+        m = load_model(name)
+        note = (load_yaml(path) or {}).get("source", "synthetic")
+        out.append(f"{name:<14} heads={m.heads} kv={m.kv_heads} head_dim={m.head_dim} hidden={m.hidden} "
+                   f"layers={m.layers} vocab={m.vocab} dtype={m.dtype} source={note}")
+    return out
+
+
+def _faults() -> list[str]:
+    try:
+        from harness.engine.faults import FAULTS
+    except ModuleNotFoundError:
+        return ["(no engine installed)"]
+    return [f"{f.name:<18} [{f.check}] {f.description}" for f in FAULTS.values()]
+
+
+SECTIONS: dict[str, Callable[[], list[str]]] = {
+    "suites": _suites, "topologies": _topologies, "models": _models, "faults": _faults}
+
+
+def run(args: argparse.Namespace) -> int:
+    names = list(SECTIONS) if args.what == "all" else [args.what]
+    for name in names:
+        if len(names) > 1:
+            print(f"# {name}")
+        print("\n".join(SECTIONS[name]()))
+    return 0

@@ -1,0 +1,76 @@
+"""`harness plan`: the per-rank layout of a model over a topology, as a table or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from harness.fmt import human_bytes, id_ranges, table
+from harness.errors import ConfigError
+from harness.layout import LAYOUT_SCHEMA_VERSION, plan_layout, plan_speculator, pool_capacity
+from harness.specs.model import ModelSpec, load_model
+from harness.specs.topology import load_catalog
+
+GIB = 1024 ** 3
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="per-rank head/KV layout of a model over a topology")
+    p.add_argument("--model", required=True, help="shipped model name, model spec .yaml, checkpoint or .gguf")
+    p.add_argument("--topo", required=True, help="one topology, e.g. tp4dcp4 or tp8dcp2-mtp")
+    p.add_argument("--budget-gib", type=float, default=None, help="KV memory budget per rank, GiB")
+    p.add_argument("--max-seq-len", type=int, default=None, help="tokens per sequence slot (default: model's)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.set_defaults(func=run)
+
+
+def plan_document(model: ModelSpec, topo_name: str, budget_gib: float | None, max_seq_len: int | None,
+                  block_size: int) -> dict[str, Any]:
+    """The versioned JSON document of `harness plan` (schema in README, 'harness plan --format json')."""
+    topos = load_catalog().resolve(topo_name)
+    if len(topos) != 1:
+        raise ConfigError(f"--topo {topo_name!r} names {len(topos)} topologies; plan takes exactly one")
+    topo = topos[0]
+    plan = plan_layout(model.attention_shape, topo.tp, topo.dcp)
+    doc: dict[str, Any] = {"schema_version": LAYOUT_SCHEMA_VERSION, "model": model.name,
+                           "topology": topo.to_dict(), **plan.to_dict(), "capacity": None, "speculator": None}
+    seq = max_seq_len or model.max_seq_len
+    if budget_gib is not None:
+        doc["capacity"] = {"max_seq_len": seq,
+                           **pool_capacity(plan, int(budget_gib * GIB), seq, block_size).to_dict()}
+    if topo.speculator != "none":
+        spec_plan = plan_speculator(model.speculator_shape, topo.tp)
+        doc["speculator"] = {"kind": topo.speculator, **spec_plan.to_dict()}
+    return doc
+
+
+def render_table(doc: dict[str, Any]) -> str:
+    rows = [[str(r["rank"]), id_ranges(r["q_heads"]), id_ranges(r["kv_heads"]), str(r["dcp_group"]),
+             str(r["dcp_rank"]), str(r["kv_tp_rank"]), id_ranges(r["q_to_kv"])] for r in doc["ranks"]]
+    out = [f"model {doc['model']} on {doc['topology']['name']} (tp={doc['tp']}, dcp={doc['dcp']}, "
+           f"kv_tp_size={doc['kv_tp_size']}, gcd={doc['kv_gcd']})",
+           table(["rank", "q_heads", "kv_heads", "dcp_group", "dcp_rank", "kv_tp_rank", "reads_kv"], rows),
+           f"KV bytes/token per rank (stored token): {doc['kv_bytes_per_token_per_rank']} "
+           f"({human_bytes(doc['kv_bytes_per_token_per_rank'])})",
+           f"KV bytes/token per DCP group: {doc['kv_bytes_per_token_per_dcp_group']}; "
+           f"all ranks: {doc['kv_bytes_per_token_total']}",
+           f"KV duplication: x{doc['kv_duplication']} (ranks holding each KV head: {doc['kv_replicas']})"]
+    cap = doc["capacity"]
+    if cap:
+        out.append(f"capacity per rank: {cap['slots']} slots of {cap['max_seq_len']} tokens = {cap['blocks']} "
+                   f"blocks x {cap['block_size']} tokens ({human_bytes(cap['pool_bytes'])} of "
+                   f"{human_bytes(cap['budget_bytes'])})")
+    spec = doc["speculator"]
+    if spec:
+        out.append(f"speculator ({spec['kind']}, plain TP layout, dcp=1): KV heads per rank "
+                   + ", ".join(f"r{r['rank']}:{id_ranges(r['kv_heads'])}" for r in spec["ranks"])
+                   + f"; {spec['kv_bytes_per_token_per_rank']} bytes/token per rank")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    doc = plan_document(load_model(args.model), args.topo, args.budget_gib, args.max_seq_len, args.block_size)
+    print(json.dumps(doc, indent=2) if args.format == "json" else render_table(doc))
+    return 0

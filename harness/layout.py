@@ -1,0 +1,275 @@
+"""The layout planner: the only place in the project with head and token partition math.
+
+Rules (see DESIGN.md section 2):
+- Q heads are split by tp: rank r holds heads [r * heads/tp, (r + 1) * heads/tp).
+- KV heads are split over kv_tp_size = tp // dcp ranks, with kv_tp_rank = tp_rank // dcp, so
+  the ranks of one DCP group (consecutive tp ranks sharing kv_tp_rank) hold identical KV heads.
+- When kv_heads does not divide evenly over kv_tp_size, g = gcd(kv_heads, kv_tp_size) and groups
+  of kv_tp_size / g KV-parallel ranks share the same kv_heads / g heads (GCD duplication).
+- The Q -> KV mapping is always taken from global indices: kv(q) = q // (heads / kv_heads).
+- Token t of a sequence is stored on DCP rank t % dcp of its group.
+- A speculator (draft or MTP) is not part of the DCP group: it uses the plain TP layout (dcp = 1).
+
+All functions are pure; invalid configurations raise one ConfigError naming the numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from harness.errors import ConfigError
+
+LAYOUT_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The numbers of a model that its partition depends on."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
+    dtype_bytes: int
+    ffn: int = 0
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.heads // self.kv_heads
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """What one rank holds and how its Q heads read KV heads (all ids global)."""
+
+    rank: int
+    q_heads: tuple[int, ...]
+    kv_heads: tuple[int, ...]
+    kv_tp_rank: int
+    dcp_rank: int
+    dcp_group: int
+    dcp_members: tuple[int, ...]
+    group_q_heads: tuple[int, ...]
+    q_to_kv: tuple[int, ...]
+    q_to_local_kv: tuple[int, ...]
+    group_q_to_local_kv: tuple[int, ...]
+    ffn_shard: tuple[int, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank, "q_heads": list(self.q_heads), "kv_heads": list(self.kv_heads),
+            "dcp_group": self.dcp_group, "dcp_rank": self.dcp_rank, "dcp_members": list(self.dcp_members),
+            "kv_tp_rank": self.kv_tp_rank, "q_to_kv": list(self.q_to_kv),
+            "group_q_heads": list(self.group_q_heads), "ffn_shard": list(self.ffn_shard),
+        }
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """The full partition of one model over one (tp, dcp)."""
+
+    shape: AttentionShape
+    tp: int
+    dcp: int
+    kv_tp_size: int
+    kv_gcd: int
+    ranks: tuple[RankLayout, ...]
+    kv_replicas: tuple[int, ...]
+    kv_duplication: int
+    kv_bytes_per_token_per_rank: int
+
+    @property
+    def dcp_groups(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(dict.fromkeys(r.dcp_members for r in self.ranks))
+
+    @property
+    def kv_bytes_per_token_per_dcp_group(self) -> int:
+        """Each token is stored once per DCP group (on its owner rank)."""
+        return self.kv_bytes_per_token_per_rank
+
+    @property
+    def kv_bytes_per_token_total(self) -> int:
+        """All ranks together, per sequence token: groups x one stored copy each."""
+        return self.kv_bytes_per_token_per_rank * (self.tp // self.dcp)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tp": self.tp, "dcp": self.dcp, "kv_tp_size": self.kv_tp_size, "kv_gcd": self.kv_gcd,
+            "ranks": [r.to_dict() for r in self.ranks],
+            "kv_replicas": list(self.kv_replicas), "kv_duplication": self.kv_duplication,
+            "kv_bytes_per_token_per_rank": self.kv_bytes_per_token_per_rank,
+            "kv_bytes_per_token_per_dcp_group": self.kv_bytes_per_token_per_dcp_group,
+            "kv_bytes_per_token_total": self.kv_bytes_per_token_total,
+        }
+
+
+@dataclass(frozen=True)
+class PoolCapacity:
+    """A rank's paged KV pool sized from a memory budget, in whole per-sequence slots."""
+
+    budget_bytes: int
+    block_size: int
+    blocks_per_slot: int
+    slots: int
+    block_bytes: int
+
+    @property
+    def blocks(self) -> int:
+        return self.slots * self.blocks_per_slot
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.blocks * self.block_bytes
+
+    @property
+    def tokens_per_rank(self) -> int:
+        return self.blocks * self.block_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"budget_bytes": self.budget_bytes, "block_size": self.block_size,
+                "blocks_per_slot": self.blocks_per_slot, "slots": self.slots, "blocks": self.blocks,
+                "block_bytes": self.block_bytes, "pool_bytes": self.pool_bytes,
+                "tokens_per_rank": self.tokens_per_rank}
+
+
+def validate(shape: AttentionShape, tp: int, dcp: int) -> None:
+    """Raise one ConfigError naming the numbers of the first rule the configuration breaks."""
+    for name, value in (("heads", shape.heads), ("kv_heads", shape.kv_heads), ("head_dim", shape.head_dim),
+                        ("layers", shape.layers), ("tp", tp), ("dcp", dcp)):
+        if value <= 0:
+            raise ConfigError(f"{name}={value} must be positive")
+    if shape.heads % shape.kv_heads:
+        raise ConfigError(f"heads={shape.heads} is not divisible by kv_heads={shape.kv_heads}")
+    if tp % dcp:
+        raise ConfigError(f"dcp={dcp} does not divide tp={tp}")
+    if shape.heads % tp:
+        raise ConfigError(f"heads={shape.heads} is not divisible by tp={tp}")
+    if shape.ffn and shape.ffn % tp:
+        raise ConfigError(f"ffn={shape.ffn} is not divisible by tp={tp}")
+
+
+def kv_of_q(shape: AttentionShape, q_head: int) -> int:
+    """The global KV head that global Q head `q_head` reads."""
+    return q_head // shape.q_per_kv
+
+
+def kv_heads_of(shape: AttentionShape, kv_tp_rank: int, kv_tp_size: int) -> tuple[int, ...]:
+    """KV heads held by KV-parallel rank `kv_tp_rank` of `kv_tp_size`, with GCD duplication."""
+    g = math.gcd(shape.kv_heads, kv_tp_size)
+    ranks_per_group = kv_tp_size // g
+    per_group = shape.kv_heads // g
+    group = kv_tp_rank // ranks_per_group
+    return tuple(range(group * per_group, (group + 1) * per_group))
+
+
+def q_heads_of(shape: AttentionShape, tp_rank: int, tp: int) -> tuple[int, ...]:
+    per_rank = shape.heads // tp
+    return tuple(range(tp_rank * per_rank, (tp_rank + 1) * per_rank))
+
+
+def dcp_members_of(rank: int, dcp: int) -> tuple[int, ...]:
+    """The ranks of `rank`'s DCP group: consecutive tp ranks sharing kv_tp_rank = rank // dcp."""
+    first = (rank // dcp) * dcp
+    return tuple(range(first, first + dcp))
+
+
+def local_kv_index(q_heads: tuple[int, ...], kv_heads: tuple[int, ...], shape: AttentionShape) -> tuple[int, ...]:
+    """For each global Q head, the index of its KV head among `kv_heads`; raises if not held."""
+    out = []
+    for q in q_heads:
+        kv = kv_of_q(shape, q)
+        if kv not in kv_heads:
+            raise ConfigError(f"layout error: Q head {q} reads KV head {kv}, not among held KV heads {list(kv_heads)}")
+        out.append(kv_heads.index(kv))
+    return tuple(out)
+
+
+def naive_local_kv_index(n_q: int, n_kv: int) -> tuple[int, ...]:
+    """The buggy mapping (fault gcd-naive-gqa): repeat_interleave over local counts, ignoring global ids."""
+    per = max(1, n_q // n_kv)
+    return tuple(min(i // per, n_kv - 1) for i in range(n_q))
+
+
+def kv_bytes_per_stored_token(shape: AttentionShape, n_kv_heads: int) -> int:
+    """K and V, every layer, for the KV heads one rank holds, for one token stored on that rank."""
+    return 2 * shape.layers * n_kv_heads * shape.head_dim * shape.dtype_bytes
+
+
+def plan_layout(shape: AttentionShape, tp: int, dcp: int = 1, kv_dcp: int | None = None) -> LayoutPlan:
+    """The partition of `shape` over tp ranks with decode context parallel size dcp.
+
+    `kv_dcp` overrides the dcp used for the KV split (faults only: kv_dcp=1 under dcp>1 is the
+    TP-only layout that breaks DCP groups).
+    """
+    validate(shape, tp, dcp)
+    kv_split_dcp = dcp if kv_dcp is None else kv_dcp
+    kv_tp_size = tp // kv_split_dcp
+    g = math.gcd(shape.kv_heads, kv_tp_size)
+    ranks = []
+    for rank in range(tp):
+        kv_tp_rank = rank // kv_split_dcp
+        q_heads = q_heads_of(shape, rank, tp)
+        kv_heads = kv_heads_of(shape, kv_tp_rank, kv_tp_size)
+        members = dcp_members_of(rank, dcp)
+        group_q = tuple(q for m in members for q in q_heads_of(shape, m, tp))
+        ffn_per_rank = shape.ffn // tp if shape.ffn else 0
+        ranks.append(RankLayout(
+            rank=rank, q_heads=q_heads, kv_heads=kv_heads, kv_tp_rank=kv_tp_rank,
+            dcp_rank=rank % dcp, dcp_group=rank // dcp, dcp_members=members, group_q_heads=group_q,
+            q_to_kv=tuple(kv_of_q(shape, q) for q in q_heads),
+            q_to_local_kv=_mapping_or_naive(q_heads, kv_heads, shape),
+            group_q_to_local_kv=_mapping_or_naive(group_q, kv_heads, shape),
+            ffn_shard=(rank * ffn_per_rank, (rank + 1) * ffn_per_rank)))
+    replicas = tuple(sum(kv in r.kv_heads for r in ranks) for kv in range(shape.kv_heads))
+    return LayoutPlan(
+        shape=shape, tp=tp, dcp=dcp, kv_tp_size=kv_tp_size, kv_gcd=g, ranks=tuple(ranks),
+        kv_replicas=replicas, kv_duplication=kv_tp_size // g,
+        kv_bytes_per_token_per_rank=kv_bytes_per_stored_token(shape, len(ranks[0].kv_heads)))
+
+
+def _mapping_or_naive(q_heads: tuple[int, ...], kv_heads: tuple[int, ...], shape: AttentionShape) -> tuple[int, ...]:
+    """Global-index mapping; where a Q head's KV head is not held (only under a fault's layout),
+    fall back to the local-count mapping the buggy engines used."""
+    if all(kv_of_q(shape, q) in kv_heads for q in q_heads):
+        return local_kv_index(q_heads, kv_heads, shape)
+    return naive_local_kv_index(len(q_heads), len(kv_heads))
+
+
+def plan_speculator(shape: AttentionShape, tp: int) -> LayoutPlan:
+    """The speculator keeps the plain TP layout: it is not part of the DCP group (dcp = 1)."""
+    return plan_layout(shape, tp, dcp=1)
+
+
+def token_owner(position: int, dcp: int) -> int:
+    """The DCP rank that stores the K/V of token `position`."""
+    return position % dcp
+
+
+def local_token_count(seq_len: int, dcp_rank: int, dcp: int) -> int:
+    """How many of positions 0..seq_len-1 DCP rank `dcp_rank` stores."""
+    return len(range(dcp_rank, seq_len, dcp))
+
+
+def pool_capacity(plan: LayoutPlan, budget_bytes: int, max_seq_len: int, block_size: int = 16) -> PoolCapacity:
+    """Size a rank's KV pool from a budget: a whole number of per-sequence slots, each holding
+    the rank's share (ceil(max_seq_len / dcp) tokens) of one max-length sequence.
+
+    Raises naming the shortfall when the budget cannot hold one slot (never clamps to one).
+    """
+    if block_size <= 0 or max_seq_len <= 0 or budget_bytes < 0:
+        raise ConfigError(f"block_size={block_size}, max_seq_len={max_seq_len} must be positive "
+                          f"and budget={budget_bytes} bytes non-negative")
+    tokens_per_slot = -(-max_seq_len // plan.dcp)
+    blocks_per_slot = -(-tokens_per_slot // block_size)
+    block_bytes = block_size * plan.kv_bytes_per_token_per_rank
+    slot_bytes = blocks_per_slot * block_bytes
+    slots = budget_bytes // slot_bytes
+    if slots < 1:
+        raise ConfigError(
+            f"KV budget of {budget_bytes} bytes per rank cannot hold one sequence slot of {slot_bytes} bytes "
+            f"({blocks_per_slot} blocks x {block_size} tokens x {plan.kv_bytes_per_token_per_rank} bytes/token, "
+            f"max_seq_len={max_seq_len}, dcp={plan.dcp}): short by {slot_bytes - budget_bytes} bytes")
+    return PoolCapacity(budget_bytes=budget_bytes, block_size=block_size, blocks_per_slot=blocks_per_slot,
+                        slots=slots, block_bytes=block_bytes)

@@ -1,0 +1,1 @@
+"""Frozen, self-validating specs: Topology, ModelSpec, Suite."""

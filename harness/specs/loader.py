@@ -1,0 +1,69 @@
+"""Build frozen dataclasses from YAML mappings, rejecting unknown keys with "did you mean"."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any, Mapping, TypeVar
+
+import yaml
+
+from harness.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
+    """A ' (did you mean X?)' suffix when a close match exists, else ''."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_keys(where: str, data: Mapping[str, Any], allowed: list[str] | tuple[str, ...],
+               required: tuple[str, ...] = ()) -> None:
+    """Reject unknown keys and missing required ones, naming them and what is valid."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}: {data!r}")
+    for key in data:
+        if key not in allowed:
+            raise ConfigError(
+                f"{where}: unknown key {key!r}{did_you_mean(str(key), allowed)}; "
+                f"valid keys: {', '.join(sorted(allowed))}")
+    for key in required:
+        if key not in data:
+            raise ConfigError(f"{where}: missing required key {key!r}")
+
+
+def build(cls: type[T], where: str, data: Mapping[str, Any], **extra: Any) -> T:
+    """Construct dataclass `cls` from `data` after checking its keys against the fields."""
+    fields = [f for f in dataclasses.fields(cls) if f.init and f.name not in extra]  # type: ignore[arg-type]
+    names = tuple(f.name for f in fields)
+    required = tuple(f.name for f in fields if f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING)
+    check_keys(where, data, names, required)
+    try:
+        return cls(**dict(data), **extra)
+    except TypeError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+
+
+def load_yaml(path: Path) -> Any:
+    """Parse one YAML file, with errors naming the file."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from exc
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+
+
+def expect_int(where: str, name: str, value: Any, minimum: int = 0) -> int:
+    """Validate an integer field (bools rejected)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{where}: {name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{where}: {name}={value} must be >= {minimum}")
+    return value

@@ -1,0 +1,117 @@
+"""ModelSpec: the architecture numbers of one decoder model and where its weights come from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from harness.errors import ConfigError
+from harness.layout import AttentionShape
+from harness.paths import MODELS_DIR
+from harness.specs.loader import build, did_you_mean, expect_int, load_yaml
+
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+SOURCES: tuple[str, ...] = ("synthetic", "hf", "gguf", "package")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama/Qwen-style decoder. `source` says where weights come from:
+    synthetic (seeded init), hf (checkpoint folder), gguf (file), package (a pip package shipping a GGUF)."""
+
+    name: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    layers: int
+    ffn: int
+    vocab: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+    dtype: str = "float32"
+    source: str = "synthetic"
+    seed: int = 0
+    init_std: float = 0.08
+    path: str = ""
+    package: str = ""
+    max_seq_len: int = 2048
+    chat_template: bool = False
+    speculator_layers: int = 1
+
+    def __post_init__(self) -> None:
+        where = f"model {self.name!r}"
+        for name in ("heads", "kv_heads", "head_dim", "hidden", "layers", "ffn", "vocab", "max_seq_len"):
+            expect_int(where, name, getattr(self, name), minimum=1)
+        if self.heads % self.kv_heads:
+            raise ConfigError(f"{where}: heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"{where}: head_dim={self.head_dim} must be even for RoPE")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"{where}: dtype={self.dtype!r} is not one of {', '.join(DTYPES)}"
+                              f"{did_you_mean(self.dtype, DTYPES)}")
+        if self.source not in SOURCES:
+            raise ConfigError(f"{where}: source={self.source!r} is not one of {', '.join(SOURCES)}"
+                              f"{did_you_mean(self.source, SOURCES)}")
+        if self.source in ("hf", "gguf") and not self.path:
+            raise ConfigError(f"{where}: source={self.source} needs a path")
+        if self.source == "package" and not self.package:
+            raise ConfigError(f"{where}: source=package needs a package name")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ConfigError(f"{where}: rope_theta={self.rope_theta} and norm_eps={self.norm_eps} must be > 0")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def attention_shape(self) -> AttentionShape:
+        return AttentionShape(heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                              layers=self.layers, dtype_bytes=self.dtype_bytes, ffn=self.ffn)
+
+    @property
+    def speculator_shape(self) -> AttentionShape:
+        """The draft / MTP module: the target's head layout with `speculator_layers` layers."""
+        return replace(self.attention_shape, layers=self.speculator_layers)
+
+    def with_dtype(self, dtype: str) -> "ModelSpec":
+        return replace(self, dtype=dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def model_from_dict(where: str, data: dict[str, Any], name: str = "") -> ModelSpec:
+    data = dict(data)
+    if name and "name" not in data:
+        data["name"] = name
+    return build(ModelSpec, where, data)
+
+
+def shipped_models(folder: Path = MODELS_DIR) -> dict[str, Path]:
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+
+
+def load_model(ref: str, folder: Path = MODELS_DIR) -> ModelSpec:
+    """A model by shipped name, by path to a YAML model spec, or by checkpoint folder / GGUF file."""
+    shipped = shipped_models(folder)
+    if ref in shipped:
+        return model_from_dict(str(shipped[ref]), load_yaml(shipped[ref]) or {}, name=ref)
+    path = Path(ref)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ConfigError(f"model spec file {ref!r} does not exist")
+        return model_from_dict(str(path), load_yaml(path) or {}, name=path.stem)
+    if path.is_dir() or path.suffix == ".gguf":
+        from harness.engine.checkpoint import spec_from_checkpoint  # heavy imports only when needed
+        return spec_from_checkpoint(path)
+    raise ConfigError(f"unknown model {ref!r}{did_you_mean(ref, tuple(shipped))}; valid: "
+                      f"{', '.join(shipped)}, a model spec .yaml, a checkpoint folder or a .gguf file")

@@ -1,0 +1,89 @@
+"""Suite: which models, topologies, prompts and checks one matrix runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from harness.errors import ConfigError
+from harness.paths import SUITES_DIR
+from harness.specs.loader import build, did_you_mean, expect_int, load_yaml
+
+CHECKS: tuple[str, ...] = ("layout", "logits", "generation", "gsm8k", "lossless", "acceptance",
+                           "speculator_layout")
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One suite file. `checks` maps a check name to its settings (tolerances per dtype etc.)."""
+
+    name: str
+    version: int
+    models: tuple[str, ...]
+    topologies: tuple[str, ...]
+    prompts: tuple[str, ...]
+    description: str = ""
+    reference: str = "tp1"
+    seeds: tuple[int, ...] = (0,)
+    max_new_tokens: int = 16
+    decode_prefix_tokens: int = 4
+    checks: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    gsm8k: Mapping[str, Any] = field(default_factory=dict)
+    speculative: Mapping[str, Any] = field(default_factory=dict)
+    profiles: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        where = f"suite {self.name!r}"
+        expect_int(where, "version", self.version, minimum=1)
+        expect_int(where, "max_new_tokens", self.max_new_tokens, minimum=1)
+        expect_int(where, "decode_prefix_tokens", self.decode_prefix_tokens, minimum=1)
+        for attr in ("models", "topologies", "prompts", "seeds"):
+            value = getattr(self, attr)
+            if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+                raise ConfigError(f"{where}: {attr} must be a list, got {value!r}")
+            object.__setattr__(self, attr, tuple(value))
+        if not self.models:
+            raise ConfigError(f"{where}: models is empty")
+        if not self.topologies:
+            raise ConfigError(f"{where}: topologies is empty")
+        if not self.prompts and not self.gsm8k:
+            raise ConfigError(f"{where}: needs prompts or gsm8k settings")
+        for seed in self.seeds:
+            expect_int(where, "seed", seed)
+        if not isinstance(self.checks, Mapping):
+            raise ConfigError(f"{where}: checks must be a mapping of check name to settings")
+        for check, settings in self.checks.items():
+            if check not in CHECKS:
+                raise ConfigError(f"{where}: unknown check {check!r}{did_you_mean(check, CHECKS)}; "
+                                  f"valid checks: {', '.join(CHECKS)}")
+            if settings is not None and not isinstance(settings, Mapping):
+                raise ConfigError(f"{where}: settings of check {check!r} must be a mapping, got {settings!r}")
+
+    def check_settings(self, check: str) -> Mapping[str, Any]:
+        return self.checks.get(check) or {}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version, "models": list(self.models),
+                "topologies": list(self.topologies), "reference": self.reference, "seeds": list(self.seeds),
+                "max_new_tokens": self.max_new_tokens, "checks": dict(self.checks)}
+
+
+def shipped_suites(folder: Path = SUITES_DIR) -> dict[str, Path]:
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+
+
+def load_suite(ref: str, folder: Path = SUITES_DIR) -> Suite:
+    """A suite by shipped name or by path to a suite YAML."""
+    shipped = shipped_suites(folder)
+    if ref in shipped:
+        path = shipped[ref]
+    elif Path(ref).is_file():
+        path = Path(ref)
+    else:
+        raise ConfigError(f"unknown suite {ref!r}{did_you_mean(ref, tuple(shipped))}; "
+                          f"valid: {', '.join(shipped)} or a path to a suite .yaml")
+    data = load_yaml(path) or {}
+    if isinstance(data, dict):
+        data.setdefault("name", path.stem)
+    return build(Suite, str(path), data)

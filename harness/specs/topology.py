@@ -1,0 +1,145 @@
+"""Topology: how one run splits the model (tp, dcp, speculator). Parsed from names and YAML."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from harness.errors import ConfigError
+from harness.paths import TOPOLOGIES_DIR
+from harness.specs.loader import check_keys, did_you_mean, expect_int, load_yaml
+
+SPECULATORS: tuple[str, ...] = ("none", "draft", "mtp")
+_NAME_RE = re.compile(r"^tp(?P<tp>\d+)(?:dcp(?P<dcp>\d+))?(?:-(?P<spec>[a-z]+))?$")
+NAME_GRAMMAR = "tp<N>[dcp<M>][-draft|-mtp], e.g. tp1, tp4, tp4dcp4, tp8dcp2-mtp, tp4-draft"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """One parallel configuration. World size = tp; dcp splits each TP group's tokens."""
+
+    tp: int
+    dcp: int = 1
+    speculator: str = "none"
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        where = f"topology {self.name or '?'}"
+        expect_int(where, "tp", self.tp, minimum=1)
+        expect_int(where, "dcp", self.dcp, minimum=1)
+        if self.tp % self.dcp:
+            raise ConfigError(f"{where}: dcp={self.dcp} does not divide tp={self.tp}; "
+                              f"valid dcp values: {divisors(self.tp)}")
+        if self.speculator not in SPECULATORS:
+            raise ConfigError(f"{where}: speculator={self.speculator!r} is not one of "
+                              f"{', '.join(SPECULATORS)}{did_you_mean(self.speculator, SPECULATORS)}")
+        if not self.name:
+            object.__setattr__(self, "name", self.canonical_name)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp
+
+    @property
+    def kv_tp_size(self) -> int:
+        """Ranks that split KV heads: tp // dcp (ranks of one DCP group share KV heads)."""
+        return self.tp // self.dcp
+
+    @property
+    def canonical_name(self) -> str:
+        base = f"tp{self.tp}" + (f"dcp{self.dcp}" if self.dcp > 1 else "")
+        return base + ("" if self.speculator == "none" else f"-{self.speculator}")
+
+    def without_speculator(self) -> "Topology":
+        return Topology(tp=self.tp, dcp=self.dcp)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "tp": self.tp, "dcp": self.dcp, "speculator": self.speculator,
+                "world_size": self.world_size}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def parse_topology_name(name: str) -> Topology:
+    """Parse `tp4dcp4-mtp` style names; raise naming the grammar on anything else."""
+    match = _NAME_RE.match(name.strip())
+    if not match:
+        raise ConfigError(f"bad topology name {name!r}; expected {NAME_GRAMMAR}")
+    spec = match.group("spec") or "none"
+    if spec not in SPECULATORS or (match.group("spec") and spec == "none"):
+        raise ConfigError(f"bad topology name {name!r}: speculator suffix -{spec} is not -draft or -mtp"
+                          f"{did_you_mean(spec, ('draft', 'mtp'))}")
+    return Topology(tp=int(match.group("tp")), dcp=int(match.group("dcp") or 1), speculator=spec,
+                    name=name.strip())
+
+
+@dataclass(frozen=True)
+class TopologyCatalog:
+    """Named topologies and named sets from topologies/*.yaml."""
+
+    topologies: Mapping[str, Topology]
+    sets: Mapping[str, tuple[str, ...]]
+
+    def resolve(self, expr: str, all_names: tuple[str, ...] = ()) -> list[Topology]:
+        """Resolve `tp4,dcp-nightly,tp8dcp8` (or `all` = `all_names`) into unique topologies, in order."""
+        out: dict[str, Topology] = {}
+        items = [p.strip() for p in expr.split(",") if p.strip()]
+        if not items:
+            raise ConfigError(f"empty topology list {expr!r}; expected names or sets separated by commas")
+        for item in items:
+            for topo in self._resolve_one(item, all_names, seen=()):
+                out.setdefault(topo.name, topo)
+        return list(out.values())
+
+    def _resolve_one(self, item: str, all_names: tuple[str, ...], seen: tuple[str, ...]) -> list[Topology]:
+        if item == "all":
+            if not all_names:
+                raise ConfigError("--topo all needs a suite whose topologies it means")
+            return [t for name in all_names for t in self._resolve_one(name, (), seen)]
+        if item in self.sets:
+            if item in seen:
+                raise ConfigError(f"topology set {item!r} includes itself")
+            return [t for name in self.sets[item] for t in self._resolve_one(name, all_names, seen + (item,))]
+        if item in self.topologies:
+            return [self.topologies[item]]
+        if _NAME_RE.match(item):
+            return [parse_topology_name(item)]
+        known = tuple(self.topologies) + tuple(self.sets)
+        raise ConfigError(f"unknown topology or set {item!r}{did_you_mean(item, known)}; "
+                          f"expected {NAME_GRAMMAR}, or a set: {', '.join(sorted(self.sets)) or '(none)'}")
+
+
+def _topology_from_yaml(where: str, name: str, data: Any) -> Topology:
+    if isinstance(data, str):
+        return _renamed(parse_topology_name(data), name)
+    check_keys(f"{where}: topology {name}", data, ("tp", "dcp", "speculator"), ("tp",))
+    return Topology(name=name, **data)
+
+
+def _renamed(topo: Topology, name: str) -> Topology:
+    return Topology(tp=topo.tp, dcp=topo.dcp, speculator=topo.speculator, name=name)
+
+
+def load_catalog(dirs: tuple[Path, ...] = (TOPOLOGIES_DIR,)) -> TopologyCatalog:
+    """Read every topologies/*.yaml: keys `topologies: {name: {tp, dcp, speculator}}` and `sets: {name: [..]}`."""
+    topologies: dict[str, Topology] = {}
+    sets: dict[str, tuple[str, ...]] = {}
+    for folder in dirs:
+        for path in sorted(folder.glob("*.yaml")):
+            data = load_yaml(path) or {}
+            check_keys(str(path), data, ("topologies", "sets"))
+            for name, body in (data.get("topologies") or {}).items():
+                topologies[name] = _topology_from_yaml(str(path), name, body)
+            for name, members in (data.get("sets") or {}).items():
+                if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
+                    raise ConfigError(f"{path}: set {name!r} must be a list of topology names, got {members!r}")
+                sets[name] = tuple(members)
+    catalog = TopologyCatalog(topologies=topologies, sets=sets)
+    for name, members in sets.items():
+        for member in members:
+            catalog.resolve(member)  # validates every member now, naming the bad one
+    return catalog

@@ -1,0 +1,115 @@
+"""Verdicts: what every check returns, and how a cell's checks combine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Verdict(str, Enum):
+    PASS = "PASS"
+    WARN = "WARN"
+    FAIL = "FAIL"
+    ERROR = "ERROR"
+    SKIP = "SKIP"
+
+    @property
+    def severity(self) -> int:
+        return {"SKIP": 0, "PASS": 1, "WARN": 2, "ERROR": 3, "FAIL": 4}[self.value]
+
+
+def worst(verdicts: list[Verdict]) -> Verdict:
+    """The cell status: the most severe verdict (FAIL over ERROR over WARN over PASS over SKIP)."""
+    return max(verdicts, key=lambda v: v.severity) if verdicts else Verdict.SKIP
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check of one cell: a verdict, a one-line reason, and the numbers behind it."""
+
+    name: str
+    verdict: Verdict
+    reason: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "verdict": self.verdict.value, "reason": self.reason, "metrics": self.metrics}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CheckResult":
+        return cls(name=data["name"], verdict=Verdict(data["verdict"]), reason=data["reason"],
+                   metrics=dict(data.get("metrics") or {}))
+
+
+@dataclass(frozen=True)
+class Localization:
+    """Where a parity failure starts: a layer, the diverging heads, the ranks owning them, the KV heads read."""
+
+    layer: int
+    heads: tuple[int, ...]
+    ranks: tuple[int, ...]
+    kv_heads: tuple[int, ...]
+    summary: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layer": self.layer, "heads": list(self.heads), "ranks": list(self.ranks),
+                "kv_heads": list(self.kv_heads), "summary": self.summary}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Localization":
+        return cls(layer=data["layer"], heads=tuple(data["heads"]), ranks=tuple(data["ranks"]),
+                   kv_heads=tuple(data["kv_heads"]), summary=data.get("summary", ""))
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """One cell of the matrix: (suite, model, topology, fault, seed) and its checks.
+
+    `details` holds per-cell drill-down data for the report (per-prompt metrics, per-layer errors,
+    per-head heat map, first diverging token, layout tables); it is JSON-serialisable.
+    """
+
+    suite: str
+    model: str
+    topology: str
+    fault: str | None
+    seed: int
+    checks: tuple[CheckResult, ...]
+    clean_exit: bool
+    localization: Localization | None = None
+    command: str = ""
+    run_dir: str = ""
+    reference_dir: str = ""
+    wall_s: float = 0.0
+    error_log: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def status(self) -> Verdict:
+        return worst([c.verdict for c in self.checks])
+
+    @property
+    def silent_corruption(self) -> bool:
+        """A FAIL in a run whose processes all exited cleanly."""
+        return self.clean_exit and self.status is Verdict.FAIL
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"suite": self.suite, "model": self.model, "topology": self.topology, "fault": self.fault,
+                "seed": self.seed, "status": self.status.value, "silent_corruption": self.silent_corruption,
+                "clean_exit": self.clean_exit,
+                "localization": self.localization.to_dict() if self.localization else None,
+                "checks": [c.to_dict() for c in self.checks], "command": self.command,
+                "run_dir": self.run_dir, "reference_dir": self.reference_dir, "wall_s": self.wall_s,
+                "error_log": self.error_log, "details": self.details}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CellResult":
+        loc = data.get("localization")
+        return cls(suite=data["suite"], model=data["model"], topology=data["topology"], fault=data.get("fault"),
+                   seed=int(data.get("seed", 0)), checks=tuple(CheckResult.from_dict(c) for c in data["checks"]),
+                   clean_exit=bool(data.get("clean_exit", True)),
+                   localization=Localization.from_dict(loc) if loc else None, command=data.get("command", ""),
+                   run_dir=data.get("run_dir", ""), reference_dir=data.get("reference_dir", ""),
+                   wall_s=float(data.get("wall_s", 0.0)), error_log=data.get("error_log", ""),
+                   details=dict(data.get("details") or {}))
