@@ -146,8 +146,8 @@ def validate(shape: AttentionShape, tp: int, dcp: int) -> None:
         raise ConfigError(f"dcp={dcp} does not divide tp={tp}")
     if shape.heads % tp:
         raise ConfigError(f"heads={shape.heads} is not divisible by tp={tp}")
-    if shape.ffn and shape.ffn % tp:
-        raise ConfigError(f"ffn={shape.ffn} is not divisible by tp={tp}")
+    if shape.ffn and shape.ffn < tp:
+        raise ConfigError(f"ffn={shape.ffn} is smaller than tp={tp}: some rank would hold no MLP columns")
 
 
 def kv_of_q(shape: AttentionShape, q_head: int) -> int:
@@ -214,19 +214,23 @@ def plan_layout(shape: AttentionShape, tp: int, dcp: int = 1, kv_dcp: int | None
         kv_heads = kv_heads_of(shape, kv_tp_rank, kv_tp_size)
         members = dcp_members_of(rank, dcp)
         group_q = tuple(q for m in members for q in q_heads_of(shape, m, tp))
-        ffn_per_rank = shape.ffn // tp if shape.ffn else 0
         ranks.append(RankLayout(
             rank=rank, q_heads=q_heads, kv_heads=kv_heads, kv_tp_rank=kv_tp_rank,
             dcp_rank=rank % dcp, dcp_group=rank // dcp, dcp_members=members, group_q_heads=group_q,
             q_to_kv=tuple(kv_of_q(shape, q) for q in q_heads),
             q_to_local_kv=_mapping_or_naive(q_heads, kv_heads, shape),
             group_q_to_local_kv=_mapping_or_naive(group_q, kv_heads, shape),
-            ffn_shard=(rank * ffn_per_rank, (rank + 1) * ffn_per_rank)))
+            ffn_shard=ffn_shard(shape.ffn, rank, tp)))
     replicas = tuple(sum(kv in r.kv_heads for r in ranks) for kv in range(shape.kv_heads))
     return LayoutPlan(
         shape=shape, tp=tp, dcp=dcp, kv_tp_size=kv_tp_size, kv_gcd=g, ranks=tuple(ranks),
         kv_replicas=replicas, kv_duplication=kv_tp_size // g,
         kv_bytes_per_token_per_rank=kv_bytes_per_stored_token(shape, len(ranks[0].kv_heads)))
+
+
+def ffn_shard(ffn: int, rank: int, tp: int) -> tuple[int, int]:
+    """MLP columns [lo, hi) of `rank`: contiguous, sizes differing by at most one (1536 over tp9)."""
+    return (rank * ffn // tp, (rank + 1) * ffn // tp)
 
 
 def _mapping_or_naive(q_heads: tuple[int, ...], kv_heads: tuple[int, ...], shape: AttentionShape) -> tuple[int, ...]:

@@ -92,7 +92,7 @@ class TopologyCatalog:
             raise ConfigError(f"empty topology list {expr!r}; expected names or sets separated by commas")
         for item in items:
             for topo in self._resolve_one(item, all_names, seen=()):
-                out.setdefault(topo.name, topo)
+                out.setdefault(topo.canonical_name, topo)  # one run per configuration
         return list(out.values())
 
     def _resolve_one(self, item: str, all_names: tuple[str, ...], seen: tuple[str, ...]) -> list[Topology]:
