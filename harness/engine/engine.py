@@ -1,0 +1,208 @@
+"""Engine: one rank's model, KV cache and the three things a run asks of it.
+
+- teacher-forced logits on the prefill path (one forward over a whole sequence),
+- teacher-forced logits on the decode path (a short prefill, then one token at a time through the
+  cache), with per-layer hidden states and per-head attention outputs captured at probe positions,
+- batched greedy generation with per-step top-k log-probabilities.
+Every rank calls the same methods in the same order (lockstep); all ranks return the same results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from harness.engine.faults import FaultFlags
+from harness.engine.kvcache import PagedKVCache
+from harness.engine.model import Batch, Capture, Decoder, Hyper
+from harness.engine.parallel import ParallelState
+from harness.engine.parallelize import actual_layout, engine_plan, head_map, shard_weights
+from harness.layout import LayoutPlan, pool_capacity
+from harness.specs.model import ModelSpec
+
+TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                        "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    budget_bytes: int = 256 * 1024 ** 2
+    max_seq_len: int = 1024
+    block_size: int = 16
+
+    def to_dict(self) -> dict[str, int]:
+        return {"budget_bytes": self.budget_bytes, "max_seq_len": self.max_seq_len, "block_size": self.block_size}
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Greedy generation of one batch: new tokens and top-k (ids, logprobs) per step, per sequence."""
+
+    tokens: list[list[int]]
+    topk_ids: list[torch.Tensor]
+    topk_logprobs: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DecodePath:
+    """Teacher-forced decode of one sequence: logits [T-D, V], hidden [L+1, P, H], attn [L, P, heads, hd]."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    attn: torch.Tensor
+
+
+class Engine:
+    """The model of one rank, built from full weights and the (possibly faulty) layout plan."""
+
+    def __init__(self, spec: ModelSpec, full_weights: dict[str, torch.Tensor], state: ParallelState,
+                 flags: FaultFlags = FaultFlags(), pool: PoolSettings = PoolSettings(),
+                 dtype: str | None = None) -> None:
+        self.spec = spec
+        self.state = state
+        self.flags = flags
+        self.dtype = TORCH_DTYPES[dtype or spec.dtype]
+        self.plan: LayoutPlan = engine_plan(spec, state.tp, state.dcp, flags)
+        self.rank_layout = self.plan.ranks[state.rank]
+        self.heads = head_map(self.rank_layout, flags)
+        self.capacity = pool_capacity(self.plan, pool.budget_bytes, pool.max_seq_len, pool.block_size)
+        self.pool = pool
+        weights = shard_weights(full_weights, spec, self.rank_layout, self.dtype, state.device)
+        self.cache = PagedKVCache(self.capacity, spec.layers, self.heads.n_kv, spec.head_dim, self.dtype,
+                                  state.device)
+        self.decoder = Decoder(weights, self.heads, Hyper(spec.head_dim, spec.rope_theta, spec.norm_eps),
+                               state.collectives(), self.cache, flags)
+        self._weights = weights
+        self._next_seq = 0
+
+    @property
+    def max_batch(self) -> int:
+        return self.capacity.slots
+
+    def layout_report(self) -> dict[str, Any]:
+        return actual_layout(self.rank_layout, self.heads, self._weights, self.spec, self.cache.pool_bytes,
+                             self.capacity.blocks)
+
+    # -- building blocks ---------------------------------------------------------------------------
+
+    def _new_sequences(self, n: int) -> list[int]:
+        ids = list(range(self._next_seq, self._next_seq + n))
+        self._next_seq += n
+        for seq_id in ids:
+            self.cache.add_sequence(seq_id)
+        return ids
+
+    def _batch(self, seq_ids: Sequence[int], chunks: Sequence[Sequence[int]], starts: Sequence[int]) -> Batch:
+        """Right-padded batch of new tokens `chunks[b]` placed at positions starts[b]...; [B, S] tensors."""
+        width = max(len(c) for c in chunks)
+        ids = torch.zeros((len(chunks), width), dtype=torch.long)
+        valid = torch.zeros((len(chunks), width), dtype=torch.bool)
+        for b, chunk in enumerate(chunks):
+            ids[b, :len(chunk)] = torch.tensor(list(chunk), dtype=torch.long)
+            valid[b, :len(chunk)] = True
+        positions = torch.tensor(list(starts))[:, None] + torch.arange(width)[None, :]  # [B, S]
+        dev = self.state.device
+        return Batch(tuple(seq_ids), ids.to(dev), positions.to(dev), valid.to(dev))
+
+    def _forward(self, seq_ids: Sequence[int], chunks: Sequence[Sequence[int]], starts: Sequence[int],
+                 capture: Capture | None = None) -> torch.Tensor:
+        return self.decoder.forward(self._batch(seq_ids, chunks, starts), capture).float()
+
+    def _release(self, seq_ids: Sequence[int]) -> None:
+        for seq_id in seq_ids:
+            self.cache.free_sequence(seq_id)
+
+    def _batches(self, n: int) -> list[range]:
+        step = max(1, self.max_batch)
+        return [range(i, min(n, i + step)) for i in range(0, n, step)]
+
+    # -- what a run asks -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill_logits(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Logits [T_i, V] of each whole sequence from one batched prefill forward."""
+        out: list[torch.Tensor] = []
+        for part in self._batches(len(sequences)):
+            seqs = [sequences[i] for i in part]
+            ids = self._new_sequences(len(seqs))
+            logits = self._forward(ids, seqs, [0] * len(seqs))
+            out += [logits[b, :len(s)].cpu() for b, s in enumerate(seqs)]
+            self._release(ids)
+        return out
+
+    @torch.no_grad()
+    def decode_path(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
+                    probes: Sequence[Sequence[int]]) -> list[DecodePath]:
+        """Prefill each sequence's first starts[i] tokens, then feed the rest one token per step."""
+        out: list[DecodePath] = []
+        for part in self._batches(len(sequences)):
+            out += self._decode_batch([sequences[i] for i in part], [starts[i] for i in part],
+                                      [probes[i] for i in part])
+        return out
+
+    def _decode_batch(self, seqs: list[Sequence[int]], starts: list[int],
+                      probes: list[Sequence[int]]) -> list[DecodePath]:
+        ids = self._new_sequences(len(seqs))
+        self._forward(ids, [s[:d] for s, d in zip(seqs, starts)], [0] * len(seqs))
+        logits: list[list[torch.Tensor]] = [[] for _ in seqs]
+        hidden: list[list[torch.Tensor]] = [[] for _ in seqs]
+        attn: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for step in range(max(len(s) - d for s, d in zip(seqs, starts))):
+            active = [b for b, (s, d) in enumerate(zip(seqs, starts)) if d + step < len(s)]
+            cap = Capture()
+            pos = [starts[b] + step for b in active]
+            step_logits = self._forward([ids[b] for b in active], [[seqs[b][p]] for b, p in zip(active, pos)],
+                                        pos, cap)
+            for j, (b, p) in enumerate(zip(active, pos)):
+                logits[b].append(step_logits[j, 0].cpu())
+                if p in probes[b]:
+                    hidden[b].append(torch.stack([h[j, 0] for h in cap.hidden]).float().cpu())  # [L+1, H]
+                    attn[b].append(torch.stack([a[j, 0] for a in cap.attn]))  # [L, n_q, hd]
+        self._release(ids)
+        return [DecodePath(logits=torch.stack(lg), hidden=torch.stack(hd, dim=1),
+                           attn=self._gather_heads(torch.stack(at, dim=1)))
+                for lg, hd, at in zip(logits, hidden, attn)]
+
+    def _gather_heads(self, attn: torch.Tensor) -> torch.Tensor:
+        """[L, P, n_q_local, hd] -> [L, P, heads, hd] in global head order (rank order = head order)."""
+        return self.decoder.comm.gather_tp(attn, dim=2).float().cpu()
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_k: int = 5,
+                 stop_token_ids: frozenset[int] = frozenset()) -> Generation:
+        """Greedy generation, batched; a sequence stops at a stop token or after max_new_tokens."""
+        tokens: list[list[int]] = []
+        topk_ids: list[torch.Tensor] = []
+        topk_lp: list[torch.Tensor] = []
+        for part in self._batches(len(prompts)):
+            g = self._generate_batch([prompts[i] for i in part], max_new_tokens, top_k, stop_token_ids)
+            tokens += g.tokens
+            topk_ids += g.topk_ids
+            topk_lp += g.topk_logprobs
+        return Generation(tokens, topk_ids, topk_lp)
+
+    def _generate_batch(self, prompts: list[Sequence[int]], max_new: int, top_k: int,
+                        stop: frozenset[int]) -> Generation:
+        ids = self._new_sequences(len(prompts))
+        logits = self._forward(ids, prompts, [0] * len(prompts))
+        last = torch.stack([logits[b, len(p) - 1] for b, p in enumerate(prompts)])  # [B, V]
+        new: list[list[int]] = [[] for _ in prompts]
+        tk_ids: list[list[torch.Tensor]] = [[] for _ in prompts]
+        tk_lp: list[list[torch.Tensor]] = [[] for _ in prompts]
+        active = list(range(len(prompts)))
+        while active:
+            logprobs = torch.log_softmax(last.double(), dim=-1)
+            top = torch.topk(logprobs, k=min(top_k, logprobs.shape[-1]), dim=-1)
+            for j, b in enumerate(active):
+                new[b].append(int(top.indices[j, 0]))
+                tk_ids[b].append(top.indices[j].cpu())
+                tk_lp[b].append(top.values[j].float().cpu())
+            active = [b for b in active if len(new[b]) < max_new and new[b][-1] not in stop]
+            if not active:
+                break
+            pos = [len(prompts[b]) + len(new[b]) - 1 for b in active]
+            last = self._forward([ids[b] for b in active], [[new[b][-1]] for b in active], pos)[:, 0]
+        self._release(ids)
+        return Generation(new, [torch.stack(t) for t in tk_ids], [torch.stack(t) for t in tk_lp])

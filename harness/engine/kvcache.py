@@ -1,0 +1,107 @@
+"""A paged KV cache for the KV heads one rank holds.
+
+Fixed-size blocks in one pool per layer; each sequence owns a block table and appends the tokens this
+rank stores (all of them under TP; under DCP only the ones it owns). Tokens carry their positions so a
+speculative rollback can drop entries past a new length. Capacity comes from the layout planner's
+budget rule (whole per-sequence slots).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.errors import RunError
+from harness.layout import PoolCapacity
+
+
+@dataclass
+class SequenceState:
+    """One sequence's block table and the positions of the tokens stored here, in storage order."""
+
+    blocks: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+
+    @property
+    def stored(self) -> int:
+        return len(self.positions)
+
+
+class PagedKVCache:
+    """Pools k/v[layer]: [num_blocks, block_size, kv_heads_local, head_dim]."""
+
+    def __init__(self, capacity: PoolCapacity, layers: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.capacity = capacity
+        self.block_size = capacity.block_size
+        shape = (capacity.blocks, capacity.block_size, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self._free = list(range(capacity.blocks - 1, -1, -1))
+        self.seqs: dict[int, SequenceState] = {}
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def add_sequence(self, seq_id: int) -> None:
+        if seq_id in self.seqs:
+            raise RunError(f"sequence {seq_id} already in the KV cache")
+        self.seqs[seq_id] = SequenceState()
+
+    def free_sequence(self, seq_id: int) -> None:
+        state = self.seqs.pop(seq_id)
+        self._free.extend(reversed(state.blocks))
+
+    def reset(self) -> None:
+        for seq_id in list(self.seqs):
+            self.free_sequence(seq_id)
+
+    def reserve(self, seq_id: int, positions: list[int]) -> list[tuple[int, int]]:
+        """Allocate storage for `positions` (appended in order); returns (block, offset) of each."""
+        state = self.seqs[seq_id]
+        slots = []
+        for pos in positions:
+            index = state.stored
+            if index // self.block_size >= len(state.blocks):
+                if not self._free:
+                    raise RunError(f"KV pool exhausted: {self.capacity.blocks} blocks of {self.block_size} tokens "
+                                   f"are all in use (sequence {seq_id} needs one more)")
+                state.blocks.append(self._free.pop())
+            slots.append((state.blocks[index // self.block_size], index % self.block_size))
+            state.positions.append(pos)
+        return slots
+
+    def write(self, layer: int, slots: list[tuple[int, int]], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k/v [n, kv_heads, head_dim] at `slots` (n entries) of `layer`."""
+        if not slots:
+            return
+        blocks = torch.tensor([b for b, _ in slots], device=k.device)
+        offsets = torch.tensor([o for _, o in slots], device=k.device)
+        self.k[layer][blocks, offsets] = k
+        self.v[layer][blocks, offsets] = v
+
+    def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All stored k/v of a sequence: [stored, kv_heads, head_dim] each, in storage order."""
+        state = self.seqs[seq_id]
+        n = state.stored
+        if n == 0:
+            empty = self.k[layer].new_zeros((0, *self.k[layer].shape[2:]))
+            return empty, empty.clone()
+        blocks = torch.tensor(state.blocks, device=self.k[layer].device)
+        # [n_blocks, block_size, kv, hd] -> [n_blocks * block_size, kv, hd] -> first n tokens
+        k = self.k[layer][blocks].flatten(0, 1)[:n]
+        v = self.v[layer][blocks].flatten(0, 1)[:n]
+        return k, v
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Drop stored tokens at positions >= length (speculative rollback) and free emptied blocks."""
+        state = self.seqs[seq_id]
+        keep = [p for p in state.positions if p < length]
+        if keep != state.positions[:len(keep)]:
+            raise RunError("KV cache positions are not in increasing order; cannot roll back")
+        state.positions = keep
+        needed = -(-len(keep) // self.block_size)
+        while len(state.blocks) > needed:
+            self._free.append(state.blocks.pop())

@@ -1,0 +1,221 @@
+"""The decoder: RMSNorm, RoPE, GQA attention over a paged KV cache, SwiGLU MLP.
+
+No distributed code here: the model holds one rank's shard of the weights (see parallelize.py) and
+calls a Collectives object, whose operations are identities at world size 1. One attention path
+serves prefill, extend and decode: new tokens' K/V are stored (only on their owner rank under DCP),
+then the DCP group's Q heads attend to the tokens stored on this rank, and the group merges the
+partial outputs with their log-sum-exp weights. With dcp = 1 the group is the rank itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from harness.engine.faults import FaultFlags
+from harness.engine.kvcache import PagedKVCache
+from harness.engine.parallel import Collectives
+
+
+@dataclass
+class LayerWeights:
+    """One layer's local shard: Q rows of own heads, K/V rows of held KV heads, FFN columns of own shard."""
+
+    attn_norm: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    mlp_norm: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+
+
+@dataclass
+class LocalWeights:
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+
+
+@dataclass(frozen=True)
+class HeadMap:
+    """How this rank's attention reads its KV heads (indices into the KV heads it holds)."""
+
+    n_q: int
+    n_kv: int
+    group_q_to_local_kv: tuple[int, ...]
+    own_slice: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Hyper:
+    head_dim: int
+    rope_theta: float
+    norm_eps: float
+
+
+@dataclass
+class Capture:
+    """Per-layer tensors of one forward, for localization: residual stream and per-head attention output."""
+
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    attn: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """New tokens of several sequences, right-padded: ids/positions [B, S], valid [B, S]."""
+
+    seq_ids: tuple[int, ...]
+    ids: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    var = x.pow(2).mean(-1, keepdim=True)
+    return x * torch.rsqrt(var + eps) * weight
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE (Hugging Face Llama convention). x: [B, S, heads, hd], positions: [B, S]."""
+    hd = x.shape[-1]
+    calc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=calc, device=x.device) / hd))
+    freqs = positions.to(calc)[..., None] * inv_freq  # [B, S, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, S, 1, hd]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    half = hd // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    kv_index: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [B, S, Hq, hd] over k/v [B, L, Hkv, hd] with mask [B, S, L] (True = visible).
+
+    Query head h reads KV head kv_index[h]. Returns (out [B, S, Hq, hd], lse [B, S, Hq]); a query with
+    no visible key gets out = 0 and lse = -inf, so an LSE merge gives it no weight.
+    """
+    idx = torch.tensor(kv_index, device=k.device)
+    k_sel, v_sel = k[:, :, idx], v[:, :, idx]  # [B, L, Hq, hd]
+    scores = torch.einsum("bshd,blhd->bhsl", q, k_sel) / (q.shape[-1] ** 0.5)
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, Hq, S]
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("bhsl,blhd->bshd", probs, v_sel)
+    return out, lse.transpose(1, 2)
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor, mean: bool = False) -> torch.Tensor:
+    """Merge DCP partials: outs [G, B, S, H, hd], lses [G, B, S, H] -> [B, S, H, hd].
+
+    `mean` is the dcp-lse-merge fault: an unweighted average of the partial outputs.
+    """
+    if mean:
+        return outs.mean(dim=0)
+    top = lses.max(dim=0).values
+    weights = torch.exp(lses - torch.where(torch.isinf(top), torch.zeros_like(top), top))  # [G, B, S, H]
+    total = weights.sum(dim=0).clamp_min(torch.finfo(outs.dtype).tiny)
+    return (weights[..., None] * outs).sum(dim=0) / total[..., None]
+
+
+class Decoder:
+    """One rank's view of the model: forward over new tokens of a batch, through the paged KV cache."""
+
+    def __init__(self, weights: LocalWeights, heads: HeadMap, hyper: Hyper, comm: Collectives,
+                 cache: PagedKVCache, flags: FaultFlags) -> None:
+        self.w = weights
+        self.heads = heads
+        self.hyper = hyper
+        self.comm = comm
+        self.cache = cache
+        self.flags = flags
+
+    def forward(self, batch: Batch, capture: Capture | None = None) -> torch.Tensor:
+        """Logits [B, S, V] for every new token; stores the new tokens' K/V first."""
+        slots, stored_mask = self._reserve(batch)
+        blk, off, key_pos, key_valid = self._key_index(batch.seq_ids)
+        # visible[b, s, l]: key l is stored and not after query s
+        visible = key_valid[:, None, :] & (key_pos[:, None, :] <= batch.positions[:, :, None])
+        x = self.w.embed[batch.ids]  # [B, S, H]
+        if capture is not None:
+            capture.hidden.append(x)
+        for i, layer in enumerate(self.w.layers):
+            attn = self._attention(i, layer, rms_norm(x, layer.attn_norm, self.hyper.norm_eps), batch,
+                                   slots, stored_mask, (blk, off), visible)
+            if capture is not None:
+                capture.attn.append(attn)
+            x = x + self.comm.reduce_tp(attn.flatten(2) @ layer.o.T)
+            h = rms_norm(x, layer.mlp_norm, self.hyper.norm_eps)
+            x = x + self.comm.reduce_tp((F.silu(h @ layer.gate.T) * (h @ layer.up.T)) @ layer.down.T)
+            if capture is not None:
+                capture.hidden.append(x)
+        return rms_norm(x, self.w.norm, self.hyper.norm_eps) @ self.w.lm_head.T
+
+    def _reserve(self, batch: Batch) -> tuple[list[tuple[int, int]], torch.Tensor]:
+        """Cache slots for the new tokens this rank stores: all under TP; under DCP its own tokens
+        (t % dcp == dcp_rank), or every token under the dcp-token-owner fault (decode steps only)."""
+        dcp, me = self.comm.dcp, self.comm.dcp_rank
+        decode_step = batch.ids.shape[1] == 1
+        store_all = self.flags.store_on_all_dcp_ranks and decode_step
+        stored = batch.valid & ((batch.positions % dcp == me) | store_all)  # [B, S]
+        slots: list[tuple[int, int]] = []
+        for b, seq_id in enumerate(batch.seq_ids):
+            slots += self.cache.reserve(seq_id, batch.positions[b][stored[b]].tolist())
+        return slots, stored
+
+    def _key_index(self, seq_ids: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """Padded (block, offset, position, valid) of every stored token of each sequence: [B, L] each."""
+        states = [self.cache.seqs[s] for s in seq_ids]
+        length = max(1, max(s.stored for s in states))
+        bs = self.cache.block_size
+        blk = torch.zeros((len(states), length), dtype=torch.long)
+        off = torch.zeros_like(blk)
+        pos = torch.zeros_like(blk)
+        valid = torch.zeros((len(states), length), dtype=torch.bool)
+        for b, st in enumerate(states):
+            n = st.stored
+            idx = torch.arange(n)
+            blk[b, :n] = torch.tensor(st.blocks, dtype=torch.long)[idx // bs] if n else blk[b, :n]
+            off[b, :n] = idx % bs
+            pos[b, :n] = torch.tensor(st.positions, dtype=torch.long)
+            valid[b, :n] = True
+        dev = self.cache.k[0].device
+        return blk.to(dev), off.to(dev), pos.to(dev), valid.to(dev)
+
+    def _attention(self, i: int, layer: LayerWeights, h: torch.Tensor, batch: Batch,
+                   slots: list[tuple[int, int]], stored: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor],
+                   visible: torch.Tensor) -> torch.Tensor:
+        """Attention output of this rank's own Q heads: [B, S, n_q, hd]."""
+        B, S, _ = h.shape
+        hd, hm = self.hyper.head_dim, self.heads
+        q = _proj(h, layer.q, layer.q_bias).view(B, S, hm.n_q, hd)  # [B, S, Hq_local, hd]
+        k = _proj(h, layer.k, layer.k_bias).view(B, S, hm.n_kv, hd)  # [B, S, Hkv_local, hd]
+        v = _proj(h, layer.v, layer.v_bias).view(B, S, hm.n_kv, hd)
+        q = rope(q, batch.positions, self.hyper.rope_theta)
+        k = rope(k, batch.positions, self.hyper.rope_theta)
+        self.cache.write(i, slots, k[stored], v[stored])
+        blk, off = index
+        k_all, v_all = self.cache.k[i][blk, off], self.cache.v[i][blk, off]  # [B, L, Hkv_local, hd]
+        group_q = self.comm.gather_dcp(q, dim=2)  # [B, S, dcp * Hq_local, hd], member order
+        out, lse = local_attention(group_q, k_all, v_all, visible, hm.group_q_to_local_kv)
+        if self.comm.dcp > 1:
+            merged = merge_partials(self.comm.stack_dcp(out), self.comm.stack_dcp(lse), self.flags.lse_merge_mean)
+        else:
+            merged = out
+        lo, hi = hm.own_slice
+        return merged[:, :, lo:hi]
+
+
+def _proj(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x @ w.T
+    return y + b if b is not None else y

@@ -1,0 +1,94 @@
+"""Apply a layout plan to full weights: one rank's shard, its head map and its actual-layout report.
+
+Head assignment comes only from the layout planner; faults change which plan or mapping is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from harness.engine.faults import FaultFlags
+from harness.engine.model import HeadMap, LayerWeights, LocalWeights
+from harness.layout import LayoutPlan, RankLayout, naive_local_kv_index, plan_layout
+from harness.specs.model import ModelSpec
+
+
+def engine_plan(spec: ModelSpec, tp: int, dcp: int, flags: FaultFlags) -> LayoutPlan:
+    """The plan the engine actually uses (the correct one unless a fault replaces the KV split)."""
+    return plan_layout(spec.attention_shape, tp, dcp, kv_dcp=flags.kv_layout_dcp)
+
+
+def head_map(rank: RankLayout, flags: FaultFlags) -> HeadMap:
+    """Which local KV slot each of the DCP group's Q heads reads; global-index mapping unless naive."""
+    n_q, n_kv = len(rank.q_heads), len(rank.kv_heads)
+    group_map = (naive_local_kv_index(len(rank.group_q_heads), n_kv) if flags.naive_gqa
+                 else rank.group_q_to_local_kv)
+    own = rank.group_q_heads.index(rank.q_heads[0])
+    return HeadMap(n_q=n_q, n_kv=n_kv, group_q_to_local_kv=tuple(group_map), own_slice=(own, own + n_q))
+
+
+def _rows(w: torch.Tensor, heads: tuple[int, ...], head_dim: int) -> torch.Tensor:
+    """Rows of the given heads from a [n_heads * hd, ...] projection."""
+    # [n_heads * hd, ...] -> [n_heads, hd, ...] -> selected heads -> [len(heads) * hd, ...]
+    return w.view(-1, head_dim, *w.shape[1:])[list(heads)].reshape(len(heads) * head_dim, *w.shape[1:])
+
+
+def shard_weights(full: dict[str, torch.Tensor], spec: ModelSpec, rank: RankLayout,
+                  dtype: torch.dtype, device: torch.device) -> LocalWeights:
+    """Column-parallel Q/K/V/gate/up, row-parallel o/down; embeddings, norms and lm_head replicated."""
+    hd = spec.head_dim
+    lo, hi = rank.ffn_shard
+    cast = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
+    layers = []
+    for i in range(spec.layers):
+        p = f"layers.{i}."
+        bias = lambda name, heads: (cast(_rows(full[p + name], heads, hd))  # noqa: E731
+                                    if p + name in full else None)
+        layers.append(LayerWeights(
+            attn_norm=cast(full[p + "attn_norm.weight"]),
+            q=cast(_rows(full[p + "q.weight"], rank.q_heads, hd)),
+            k=cast(_rows(full[p + "k.weight"], rank.kv_heads, hd)),
+            v=cast(_rows(full[p + "v.weight"], rank.kv_heads, hd)),
+            # o: [H, heads * hd] -> columns of own heads
+            o=cast(_rows(full[p + "o.weight"].T, rank.q_heads, hd).T),
+            mlp_norm=cast(full[p + "mlp_norm.weight"]),
+            gate=cast(full[p + "gate.weight"][lo:hi]),
+            up=cast(full[p + "up.weight"][lo:hi]),
+            down=cast(full[p + "down.weight"][:, lo:hi]),
+            q_bias=bias("q.bias", rank.q_heads), k_bias=bias("k.bias", rank.kv_heads),
+            v_bias=bias("v.bias", rank.kv_heads)))
+    lm_head = full.get("lm_head.weight", full["embed.weight"])
+    return LocalWeights(embed=cast(full["embed.weight"]), layers=layers, norm=cast(full["norm.weight"]),
+                        lm_head=cast(lm_head))
+
+
+def kv_checksums(weights: LocalWeights, rank: RankLayout, head_dim: int) -> dict[str, str]:
+    """sha256 (first 16 hex) of each held KV head's K/V rows over all layers, as this rank holds them."""
+    out = {}
+    for j, kv in enumerate(rank.kv_heads):
+        h = hashlib.sha256()
+        for layer in weights.layers:
+            for t in (layer.k, layer.v, layer.k_bias, layer.v_bias):
+                if t is not None:
+                    # [n_kv * hd, ...] -> head j's rows
+                    h.update(t.view(-1, head_dim, *t.shape[1:])[j].detach().float().cpu().numpy().tobytes())
+        out[str(kv)] = h.hexdigest()[:16]
+    return out
+
+
+def actual_layout(rank: RankLayout, heads: HeadMap, weights: LocalWeights, spec: ModelSpec,
+                  pool_bytes: int, pool_blocks: int) -> dict[str, Any]:
+    """What this rank really holds and reads, for the layout check (global ids throughout)."""
+    group_reads = [rank.kv_heads[j] for j in heads.group_q_to_local_kv]
+    lo, hi = heads.own_slice
+    return {
+        "rank": rank.rank, "q_heads": list(rank.q_heads), "kv_heads": list(rank.kv_heads),
+        "dcp_group": rank.dcp_group, "dcp_rank": rank.dcp_rank, "dcp_members": list(rank.dcp_members),
+        "kv_tp_rank": rank.kv_tp_rank, "q_to_kv": group_reads[lo:hi],
+        "group_q_heads": list(rank.group_q_heads), "group_q_to_kv": group_reads,
+        "kv_pool_bytes": pool_bytes, "kv_pool_blocks": pool_blocks,
+        "kv_weight_checksums": kv_checksums(weights, rank, spec.head_dim),
+    }

@@ -1,0 +1,38 @@
+"""The engine in this process at world size 1: for tests, benchmarks and the GSM8K wrapper at tp1."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from harness.engine.engine import Engine, PoolSettings
+from harness.engine.parallel import ParallelState
+from harness.engine.tokenizer import Tokenizer, load_tokenizer
+from harness.engine.weights import load_weights
+from harness.specs.model import ModelSpec
+
+
+def reference_logits(spec: ModelSpec, weights: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
+    """Logits [T, V] (float32) of one sequence at tp1 from a single prefill forward."""
+    engine = Engine(spec, weights, ParallelState.single(), pool=PoolSettings(max_seq_len=max(16, len(ids))))
+    return engine.prefill_logits([ids])[0]
+
+
+class LocalGenerator:
+    """Greedy batched generation at tp1 in this process (the GSM8K LM's generator protocol)."""
+
+    rank = 0
+    world_size = 1
+
+    def __init__(self, spec: ModelSpec, pool: PoolSettings = PoolSettings(), device: str = "cpu") -> None:
+        self.tokenizer: Tokenizer = load_tokenizer(spec)
+        self.engine = Engine(spec, load_weights(spec), ParallelState.single(device), pool=pool)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: set[int]) -> list[list[int]]:
+        return self.engine.generate(prompts, max_new_tokens, stop_token_ids=frozenset(stop_token_ids)).tokens
+
+
+def greedy(spec: ModelSpec, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    engine = Engine(spec, load_weights(spec), ParallelState.single())
+    return engine.generate(prompts, max_new_tokens).tokens

@@ -1,0 +1,73 @@
+"""The reference engine under real torchrun/gloo processes matches tp1 for every split it allows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.artifacts import RunArtifacts
+
+# (model, topology): every shipped tiny model at the splits its heads allow, incl. GCD duplication
+# (tiny-kv6 at tp4), MQA at tp8 and the SmolLM2 head layout at tp3/tp9.
+SPLITS = [
+    ("tiny-gqa", "tp2"), ("tiny-gqa", "tp4"), ("tiny-gqa", "tp4dcp2"), ("tiny-gqa", "tp4dcp4"),
+    ("tiny-gqa", "tp8dcp8"),
+    ("tiny-kv6", "tp4"), ("tiny-kv6", "tp4dcp2"),
+    ("tiny-mqa", "tp8"), ("tiny-mqa", "tp4dcp4"),
+    ("tiny-9h3kv", "tp3"), ("tiny-9h3kv", "tp3dcp3"), ("tiny-9h3kv", "tp9"),
+]
+ATOL = 2e-4  # fp32 logits of magnitude ~10: reduction-order noise is ~1e-5
+
+
+def _max_err(a: RunArtifacts, b: RunArtifacts, kind: str) -> float:
+    return max((a.tensor(kind, c.index) - b.tensor(kind, c.index)).abs().max().item() for c in a.cases)
+
+
+@pytest.mark.parametrize(("model", "topo"), SPLITS)
+def test_parallel_matches_tp1(run, model: str, topo: str) -> None:
+    ref, par = run(model, "tp1"), run(model, topo)
+    assert ref.ok and par.ok, par.manifest.get("error")
+    for kind in ("prefill_logits", "decode_logits", "hidden", "attn"):
+        assert _max_err(ref, par, kind) < ATOL, kind
+    for c in ref.cases:
+        assert torch.equal(ref.tensor("gen_tokens", c.index), par.tensor("gen_tokens", c.index))
+    ranks = par.layout["target"]["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(par.manifest["topology"]["tp"]))
+
+
+def test_decode_through_cache_equals_full_recompute(run) -> None:
+    ref = run("tiny-gqa", "tp1")
+    for c in ref.cases:
+        full = ref.tensor("prefill_logits", c.index)[c.decode_start:]  # [T-D, V]
+        assert torch.allclose(ref.tensor("decode_logits", c.index), full, atol=1e-4)
+
+
+def test_dcp_stores_each_token_once_per_group(run) -> None:
+    """Under tp4dcp4 every rank holds all KV heads (kv_tp_size 1) with identical K/V weights."""
+    par = run("tiny-gqa", "tp4dcp4")
+    ranks = par.layout["target"]["ranks"]
+    assert all(r["kv_heads"] == [0, 1] for r in ranks)
+    assert len({tuple(sorted(r["kv_weight_checksums"].items())) for r in ranks}) == 1
+
+
+@pytest.mark.parametrize(("fault", "model", "topo", "kinds"), [
+    ("dcp-tp-kv-layout", "tiny-gqa", "tp4dcp4", ("decode_logits", "prefill_logits")),
+    ("dcp-lse-merge", "tiny-gqa", "tp4dcp4", ("decode_logits",)),
+    ("dcp-token-owner", "tiny-gqa", "tp4dcp4", ("decode_logits",)),
+    ("gcd-naive-gqa", "tiny-kv6", "tp4", ("decode_logits", "prefill_logits")),
+])
+def test_fault_changes_parallel_output_only(run, fault: str, model: str, topo: str, kinds: tuple[str, ...]) -> None:
+    ref, clean, broken = run(model, "tp1"), run(model, topo), run(model, topo, fault)
+    assert broken.ok, broken.manifest.get("error")
+    for kind in kinds:
+        assert _max_err(ref, broken, kind) > 0.1, (fault, kind)
+        assert _max_err(ref, clean, kind) < ATOL
+    # a fault only acts in a parallel run: at tp1 it is inert
+    ref_fault = run(model, "tp1", fault) if fault == "gcd-naive-gqa" else ref
+    assert _max_err(ref, ref_fault, "decode_logits") == 0.0
+
+
+def test_dcp_token_owner_leaves_prefill_alone(run) -> None:
+    """The token-owner bug lives in decode only: the prefill path still matches."""
+    ref, broken = run("tiny-gqa", "tp1"), run("tiny-gqa", "tp4dcp4", "dcp-token-owner")
+    assert _max_err(ref, broken, "prefill_logits") < ATOL
