@@ -10,7 +10,7 @@ from harness.errors import ConfigError
 from harness.paths import SUITES_DIR
 from harness.specs.loader import build, did_you_mean, expect_int, load_yaml
 
-CHECKS: tuple[str, ...] = ("layout", "logits", "generation", "gsm8k", "lossless", "acceptance",
+CHECKS: tuple[str, ...] = ("layout", "logits", "generation", "localization", "gsm8k", "lossless", "acceptance",
                            "speculator_layout")
 
 

@@ -1,0 +1,169 @@
+"""Greedy generation agreement: reference vs parallel tokens, benign only at near ties.
+
+Per prompt, the first step where the greedy tokens differ is a divergence. It is benign only
+where the parallel token is among the reference's top-k at that step with a reference logprob gap
+(top-1 minus that token) at or below the near-tie bound = max(near_tie, near_tie_factor x the
+noise run's top-2 gap error); so the reference's top-2 gap is a near tie too. Any other divergence
+(a clear gap, a token outside the reference's top-k, different lengths) FAILs the check.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from harness.artifacts import Case, RunArtifacts
+from harness.compare.bounds import Bound, json_float
+from harness.compare.settings import GenerationSettings
+from harness.errors import RunError
+from harness.verdict import CheckResult, Verdict
+
+Decoder = Callable[[Sequence[int]], str]
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first index where the sequences differ (a length difference counts), or None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _ids_text(ids: Sequence[int]) -> str:
+    return "".join(f"[{i}]" for i in ids)
+
+
+def top2_gaps(logprobs: torch.Tensor) -> torch.Tensor:
+    """[N, k] top-k logprobs -> [N] top-1 minus top-2 (inf where k < 2)."""
+    lp = logprobs.to(torch.float64)
+    if lp.shape[-1] < 2:
+        return torch.full(lp.shape[:1], float("inf"), dtype=torch.float64)
+    return lp[:, 0] - lp[:, 1]
+
+
+def noise_gap_error(ref: RunArtifacts, noise: RunArtifacts | None) -> tuple[float | None, str | None]:
+    """Max |reference top-2 gap - noise top-2 gap| over the steps both runs share a context
+    (up to and including their first divergence); None and why when there is no usable noise run."""
+    if noise is None:
+        return None, None
+    if not noise.ok:
+        return None, "noise run failed"
+    worst_err = 0.0
+    try:
+        for case in ref.cases:
+            ref_gap = top2_gaps(ref.tensor("gen_topk_logprobs", case.index))  # [N]
+            noise_gap = top2_gaps(noise.tensor("gen_topk_logprobs", case.index))  # [N']
+            div = first_divergence(ref.tensor("gen_tokens", case.index).tolist(),
+                                   noise.tensor("gen_tokens", case.index).tolist())
+            steps = min(len(ref_gap), len(noise_gap), len(ref_gap) if div is None else div + 1)
+            err = (ref_gap[:steps] - noise_gap[:steps]).abs()  # [steps]
+            err = err[torch.isfinite(ref_gap[:steps]) | torch.isfinite(noise_gap[:steps])]
+            if err.numel():
+                if not bool(torch.isfinite(err).all()):
+                    return None, f"noise run unusable: non-finite logprobs in prompt {case.index}"
+                worst_err = max(worst_err, float(err.max()))
+    except RunError as exc:
+        return None, f"noise run unusable: {exc}"
+    return worst_err, None
+
+
+def _context(ids: Sequence[int], pos: int, width: int, decode: Decoder) -> dict[str, str]:
+    return {"before": decode(ids[max(0, pos - width):pos]),
+            "token": decode(ids[pos:pos + 1]) if pos < len(ids) else "",
+            "after": decode(ids[pos + 1:pos + 1 + width])}
+
+
+def _compare_case(index: int, ref: RunArtifacts, par: RunArtifacts, par_case: Case | None, bound: float,
+                  settings: GenerationSettings, decode: Decoder | None) -> dict[str, Any]:
+    """One prompt, in the report's schema (harness/report/details.py): texts, first_divergence
+    (token index or None), benign, ref_token/par_token (text) with their ids, context_ref and
+    context_par ({before, token, after}), and the gaps that decided benign."""
+    ref_ids = [int(x) for x in ref.tensor("gen_tokens", index).tolist()]
+    par_ids = [int(x) for x in par.tensor("gen_tokens", index).tolist()]
+    ref_case = next((c for c in ref.cases if c.index == index), None)
+    word = decode or _ids_text
+    pos = first_divergence(ref_ids, par_ids)
+    out: dict[str, Any] = {
+        "index": index, "prompt": ref_case.prompt if ref_case else "",
+        "ref_text": decode(ref_ids) if decode else (ref_case.generated_text if ref_case else ""),
+        "par_text": decode(par_ids) if decode else (par_case.generated_text if par_case else ""),
+        "ref_tokens": len(ref_ids), "par_tokens": len(par_ids), "first_divergence": pos, "benign": None}
+    if pos is None:
+        return out
+    out.update({
+        "benign": False, "near_tie_bound": bound, "ref_gap": None, "par_token_gap": None,
+        "ref_token": _token_text(ref_ids, pos, word), "par_token": _token_text(par_ids, pos, word),
+        "ref_token_id": ref_ids[pos] if pos < len(ref_ids) else None,
+        "par_token_id": par_ids[pos] if pos < len(par_ids) else None,
+        "context_ref": _context(ref_ids, pos, settings.context_tokens, word),
+        "context_par": _context(par_ids, pos, settings.context_tokens, word)})
+    lps = ref.tensor("gen_topk_logprobs", index).to(torch.float64)  # [N, k]
+    ids = ref.tensor("gen_topk_ids", index)  # [N, k]
+    if pos < len(ref_ids) and pos < len(par_ids) and pos < lps.shape[0]:
+        out["ref_gap"] = json_float(float(top2_gaps(lps[pos:pos + 1])[0]))
+        hits = (ids[pos] == par_ids[pos]).nonzero()
+        if hits.numel():
+            gap = float(lps[pos, 0] - lps[pos, int(hits[0, 0])])
+            out["par_token_gap"] = json_float(gap)
+            out["benign"] = gap <= bound
+    return out
+
+
+def _token_text(ids: Sequence[int], pos: int, word: Decoder) -> str | None:
+    return word(ids[pos:pos + 1]) if pos < len(ids) else None
+
+
+def _describe(p: dict[str, Any]) -> str:
+    """'prompt 2 diverges at token 3: ref ' Paris' vs par ' the' (ref gap 4.2e+00 > near-tie 1.0e-03)'."""
+    ref_t = "<end>" if p["ref_token"] is None else repr(p["ref_token"])
+    par_t = "<end>" if p["par_token"] is None else repr(p["par_token"])
+    if p["ref_token"] is None or p["par_token"] is None:
+        why = f"lengths differ: ref {p['ref_tokens']} vs par {p['par_tokens']} tokens"
+    elif p["par_token_gap"] is None:
+        gap = "nan" if p["ref_gap"] is None else f"{p['ref_gap']:.1e}"
+        why = f"par token not in the reference top-k; ref top-2 gap {gap}"
+    else:
+        why = f"ref gap {p['par_token_gap']:.1e} > near-tie {p['near_tie_bound']:.1e}"
+    return f"prompt {p['index']} diverges at token {p['first_divergence']}: ref {ref_t} vs par {par_t} ({why})"
+
+
+def check_generation(ref: RunArtifacts, par: RunArtifacts, settings: GenerationSettings,
+                     noise: RunArtifacts | None = None,
+                     decode: Decoder | None = None) -> tuple[CheckResult, list[dict[str, Any]]]:
+    """Compare gen_tokens.{i} of every prompt; returns the check and one dict per prompt.
+
+    `decode` turns token ids into text; without it texts come from each run's Case.generated_text
+    and tokens show as [id]."""
+    if not ref.cases:
+        return CheckResult("generation", Verdict.SKIP, "no prompts"), []
+    gap_err, note = noise_gap_error(ref, noise)
+    bound = Bound(settings.near_tie, settings.near_tie_factor, gap_err)
+    par_cases = {c.index: c for c in par.cases}
+    try:
+        prompts = [_compare_case(c.index, ref, par, par_cases.get(c.index), bound.limit, settings, decode)
+                   for c in ref.cases]
+    except RunError as exc:
+        return CheckResult("generation", Verdict.ERROR, str(exc)), []
+    diverged = [p for p in prompts if p["first_divergence"] is not None]
+    bad = [p for p in diverged if not p["benign"]]
+    n = len(prompts)
+    tie = f"near-tie bound {bound.limit:.1e} {bound.describe()}"
+    if bad:
+        verdict = Verdict.FAIL
+        reason = f"{_describe(bad[0])}; {len(bad)}/{n} prompts diverge outside near ties"
+    elif diverged:
+        verdict = Verdict.PASS
+        reason = (f"{n - len(diverged)}/{n} prompts identical; {len(diverged)} diverge at near ties "
+                  f"(first at token {diverged[0]['first_divergence']} of prompt {diverged[0]['index']}; {tie})")
+    else:
+        verdict = Verdict.PASS
+        reason = f"{n}/{n} prompts identical ({sum(p['ref_tokens'] for p in prompts)} tokens)"
+    if note:
+        reason += f"; {note}"
+    metrics = {"prompts": n, "identical": n - len(diverged), "benign_divergences": len(diverged) - len(bad),
+               "divergences": len(bad), "near_tie_bound": bound.to_dict(), "noise_note": note,
+               "first_divergence": ({"prompt": (bad or diverged)[0]["index"],
+                                     "position": (bad or diverged)[0]["first_divergence"]}
+                                    if diverged else None)}
+    return CheckResult("generation", verdict, reason, metrics), prompts

@@ -1,0 +1,195 @@
+"""Layout invariants: what each rank actually holds (layout.json) against the planner.
+
+`actual` is layout.json's "target" (or "speculator") entry:
+  {"ranks": [{rank, q_heads, kv_heads, dcp_group, dcp_rank, dcp_members, kv_tp_rank,
+              q_to_kv, group_q_heads, group_q_to_kv, kv_pool_bytes, kv_pool_blocks,
+              kv_weight_checksums: {"<kv head>": "<hex>"}}],
+   "pool": {budget_bytes, block_size, max_seq_len}}
+Every problem found is collected; the verdict is FAIL when there is any, ERROR when the entry is
+malformed (missing keys), PASS otherwise.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Mapping, Sequence
+
+from harness.errors import ConfigError
+from harness.fmt import id_ranges
+from harness.layout import LayoutPlan, PoolCapacity, RankLayout, kv_of_q, pool_capacity
+from harness.verdict import CheckResult, Verdict
+
+RANK_KEYS: tuple[str, ...] = ("rank", "q_heads", "kv_heads", "dcp_group", "dcp_rank", "dcp_members",
+                              "kv_tp_rank", "q_to_kv", "group_q_heads", "group_q_to_kv",
+                              "kv_pool_bytes", "kv_pool_blocks", "kv_weight_checksums")
+
+
+def expected_pool(plan: LayoutPlan, actual: Mapping[str, Any]) -> PoolCapacity:
+    """The planner's pool for the budget the run reports; raises ConfigError (shortfall) or
+    KeyError (no pool entry)."""
+    pool = actual["pool"]
+    return pool_capacity(plan, int(pool["budget_bytes"]), int(pool["max_seq_len"]), int(pool["block_size"]))
+
+
+def _malformed(actual: Mapping[str, Any]) -> str | None:
+    ranks = actual.get("ranks") if isinstance(actual, Mapping) else None
+    if not isinstance(ranks, list) or not ranks:
+        return "layout entry has no 'ranks' list"
+    for i, entry in enumerate(ranks):
+        missing = [k for k in RANK_KEYS if not isinstance(entry, Mapping) or k not in entry]
+        if missing:
+            return f"layout ranks[{i}] lacks {', '.join(missing)}"
+    return None
+
+
+def _rank_problems(planned: RankLayout, got: Mapping[str, Any]) -> list[str]:
+    r = planned.rank
+    out = []
+    for key, want in (("q_heads", planned.q_heads), ("kv_heads", planned.kv_heads),
+                      ("group_q_heads", planned.group_q_heads)):
+        if tuple(got[key]) != want:
+            out.append(f"rank {r} holds {key.replace('_', ' ')} {id_ranges(got[key])}, planned {id_ranges(want)}")
+    for key, want_value in (("dcp_group", planned.dcp_group), ("dcp_rank", planned.dcp_rank),
+                            ("kv_tp_rank", planned.kv_tp_rank)):
+        if got[key] != want_value:
+            out.append(f"rank {r} has {key} {got[key]}, planned {want_value}")
+    if tuple(got["dcp_members"]) != planned.dcp_members:
+        out.append(f"rank {r} has DCP members {id_ranges(got['dcp_members'])}, "
+                   f"planned {id_ranges(planned.dcp_members)}")
+    return out
+
+
+def _mapping_problems(plan: LayoutPlan, got: Mapping[str, Any], heads_key: str, map_key: str,
+                      label: str) -> list[str]:
+    """Each Q head must read kv_of_q (global index), and that KV head must be held by the rank."""
+    r, heads, reads, held = got["rank"], list(got[heads_key]), list(got[map_key]), set(got["kv_heads"])
+    if len(heads) != len(reads):
+        return [f"rank {r} maps {len(reads)} {label}s to KV heads but holds {len(heads)}"]
+    wrong = [(q, kv) for q, kv in zip(heads, reads) if kv != kv_of_q(plan.shape, q)]
+    out = []
+    if wrong:
+        out.append(f"rank {r} {label}s {id_ranges(q for q, _ in wrong)} read KV heads "
+                   f"{','.join(str(kv) for _, kv in wrong)}, should read "
+                   f"{','.join(str(kv_of_q(plan.shape, q)) for q, _ in wrong)}")
+    not_held = sorted({kv for kv in reads if kv not in held})
+    if not_held:
+        out.append(f"rank {r} {label}s read KV heads {id_ranges(not_held)} it does not hold "
+                   f"(holds {id_ranges(held)})")
+    return out
+
+
+def _group_problems(plan: LayoutPlan, by_rank: Mapping[int, Mapping[str, Any]]) -> tuple[list[str], list[int]]:
+    """KV head ids identical on every rank of each planned DCP group."""
+    out, groups = [], []
+    for members in plan.dcp_groups:
+        held = {m: tuple(by_rank[m]["kv_heads"]) for m in members if m in by_rank}
+        if len(set(held.values())) > 1:
+            group = plan.ranks[members[0]].dcp_group
+            groups.append(group)
+            out.append(f"KV head ids differ inside DCP group {group}: "
+                       + ", ".join(f"rank {m} holds {id_ranges(kv)}" for m, kv in held.items()))
+    return out, groups
+
+
+def _checksum_problems(by_rank: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    """One K/V weight checksum per KV head across every rank holding it."""
+    out = []
+    seen: dict[int, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for r, got in sorted(by_rank.items()):
+        sums = {str(k): v for k, v in got["kv_weight_checksums"].items()}
+        extra = sorted(set(sums) - {str(kv) for kv in got["kv_heads"]})
+        if extra:
+            out.append(f"rank {r} reports K/V weight checksums of KV heads {','.join(extra)} it does not hold")
+        for kv in got["kv_heads"]:
+            if str(kv) not in sums:
+                out.append(f"rank {r} reports no K/V weight checksum for KV head {kv}")
+            else:
+                seen[kv][sums[str(kv)]].append(r)
+    for kv, by_sum in sorted(seen.items()):
+        if len(by_sum) > 1:
+            out.append(f"K/V weights of KV head {kv} differ between ranks holding it: "
+                       + " vs ".join(f"ranks {id_ranges(rs)} ({s[:12]})" for s, rs in by_sum.items()))
+    return out
+
+
+def _replication_problems(plan: LayoutPlan, by_rank: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    counts = [sum(kv in got["kv_heads"] for got in by_rank.values()) for kv in range(plan.shape.kv_heads)]
+    return [f"KV head {kv} held by {n} rank(s), planned {want}"
+            for kv, (n, want) in enumerate(zip(counts, plan.kv_replicas)) if n != want]
+
+
+def _pool_problems(pool: PoolCapacity, by_rank: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    out = []
+    for key, want in (("kv_pool_bytes", pool.pool_bytes), ("kv_pool_blocks", pool.blocks)):
+        off: dict[int, list[int]] = defaultdict(list)
+        for r, got in sorted(by_rank.items()):
+            if got[key] != want:
+                off[got[key]].append(r)
+        out += [f"ranks {id_ranges(rs)} have {key.replace('_', ' ')} {value}, planned {want}"
+                + (f" ({value / want:.2f}x)" if want else "") for value, rs in off.items()]
+    return out
+
+
+def check_layout(plan: LayoutPlan, actual: Mapping[str, Any], pool_expected: PoolCapacity | None,
+                 name: str = "layout", check_checksums: bool = True) -> CheckResult:
+    """Compare one model's actual per-rank layout with `plan`; `pool_expected` None skips the pool."""
+    malformed = _malformed(actual)
+    if malformed:
+        return CheckResult(name, Verdict.ERROR, malformed, {"problems": [malformed]})
+    by_rank = {int(e["rank"]): e for e in actual["ranks"]}
+    problems: list[str] = []
+    planned_ranks = {r.rank for r in plan.ranks}
+    if set(by_rank) != planned_ranks:
+        problems.append(f"layout reports ranks {id_ranges(by_rank)}, planned {id_ranges(planned_ranks)}")
+    for planned in plan.ranks:
+        if planned.rank in by_rank:
+            problems += _rank_problems(planned, by_rank[planned.rank])
+    group_problems, groups = _group_problems(plan, by_rank)
+    problems = group_problems + problems  # the most telling problem first
+    for got in by_rank.values():
+        problems += _mapping_problems(plan, got, "q_heads", "q_to_kv", "Q head")
+        if (list(got["group_q_heads"]), list(got["group_q_to_kv"])) != (list(got["q_heads"]), list(got["q_to_kv"])):
+            problems += _mapping_problems(plan, got, "group_q_heads", "group_q_to_kv", "group Q head")
+    if check_checksums:
+        problems += _checksum_problems(by_rank)
+    problems += _replication_problems(plan, by_rank)
+    if pool_expected is not None:
+        problems += _pool_problems(pool_expected, by_rank)
+    metrics: dict[str, Any] = {"problems": problems, "kv_ids_differ_in_groups": groups,
+                               "tp": plan.tp, "dcp": plan.dcp, "kv_replicas": list(plan.kv_replicas),
+                               "pool_expected": pool_expected.to_dict() if pool_expected else None}
+    if problems:
+        extra = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        return CheckResult(name, Verdict.FAIL, problems[0] + extra, metrics)
+    first = plan.ranks[0]
+    pool = (f"; KV pool {pool_expected.blocks} blocks ({pool_expected.pool_bytes} bytes) per rank"
+            if pool_expected else "")
+    reason = (f"{len(plan.ranks)} ranks as planned: {len(first.q_heads)} Q / {len(first.kv_heads)} KV heads "
+              f"per rank, KV replicas {id_ranges(set(plan.kv_replicas))}, {len(plan.dcp_groups)} DCP group(s){pool}")
+    return CheckResult(name, Verdict.PASS, reason, metrics)
+
+
+def check_layout_with_pool(plan: LayoutPlan, actual: Mapping[str, Any], name: str = "layout",
+                           check_pool: bool = True, check_checksums: bool = True) -> CheckResult:
+    """check_layout with the expected pool sized from the budget the run reports; a budget the
+    planner cannot fit one slot into is itself a problem (the run should have failed loudly)."""
+    pool_note: str | None = None
+    pool: PoolCapacity | None = None
+    if check_pool:
+        try:
+            pool = expected_pool(plan, actual)
+        except ConfigError as exc:
+            pool_note = f"KV pool: {exc}"
+        except (KeyError, TypeError, ValueError) as exc:
+            return CheckResult(name, Verdict.ERROR, f"layout entry has no usable 'pool' ({exc!r})")
+    result = check_layout(plan, actual, pool, name, check_checksums)
+    if pool_note is None or result.verdict is Verdict.ERROR:
+        return result
+    problems = [pool_note, *result.metrics["problems"]]
+    extra = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+    return CheckResult(name, Verdict.FAIL, problems[0] + extra, {**result.metrics, "problems": problems})
+
+
+def kv_groups_differ(result: CheckResult) -> Sequence[int]:
+    """DCP groups whose ranks hold different KV head ids, as found by check_layout."""
+    return tuple(result.metrics.get("kv_ids_differ_in_groups", ()))

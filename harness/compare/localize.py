@@ -1,0 +1,131 @@
+"""Localization of a parity failure: the first diverging layer, then the diverging heads in it.
+
+Relative L2 error, in float64, of the parallel run against the reference:
+- residual stream hidden.{i} [L+1, P, H]: per hidden index, the max over prompts and probe
+  positions of |par - ref| / |ref| over H (index 0 is the embedding output, index l+1 layer l);
+- attention output attn.{i} [L, P, heads, head_dim]: per layer and head, the same over head_dim.
+The noise floor is the same error of the noise run (reference recomputed in float64) against the
+reference; a value diverges above max(rel_floor, factor x noise) (per hidden index; per layer for
+heads, the noise being the layer's largest head error). Non-finite errors count as diverging.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+from harness.artifacts import Case, RunArtifacts
+from harness.compare.bounds import Bound, json_float
+from harness.compare.settings import LocalizationSettings
+from harness.errors import RunError
+from harness.fmt import id_ranges
+from harness.layout import LayoutPlan, kv_of_q
+from harness.verdict import Localization
+
+_TINY = 1e-30
+
+
+def relative_error(ref: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """|other - ref| / |ref| along the last dim, float64; NaN becomes +inf."""
+    ref64, other64 = ref.to(torch.float64), other.to(torch.float64)
+    err = (other64 - ref64).norm(dim=-1) / ref64.norm(dim=-1).clamp_min(_TINY)
+    return torch.nan_to_num(err, nan=math.inf)
+
+
+def layer_errors(ref: RunArtifacts, other: RunArtifacts, cases: Sequence[Case]) -> torch.Tensor:
+    """[L+1] max over prompts and probe positions of the residual-stream relative error."""
+    per_case = [relative_error(ref.tensor("hidden", c.index), other.tensor("hidden", c.index)).amax(dim=-1)
+                for c in cases]  # each [L+1, P] -> [L+1]
+    return torch.stack(per_case).amax(dim=0)  # [cases, L+1] -> [L+1]
+
+
+def head_errors(ref: RunArtifacts, other: RunArtifacts, cases: Sequence[Case]) -> torch.Tensor:
+    """[L, heads] max over prompts and probe positions of the attention-output relative error."""
+    per_case = [relative_error(ref.tensor("attn", c.index), other.tensor("attn", c.index)).amax(dim=1)
+                for c in cases]  # each [L, P, heads] -> [L, heads]
+    return torch.stack(per_case).amax(dim=0)  # [cases, L, heads] -> [L, heads]
+
+
+def _floats(t: torch.Tensor) -> list[Any]:
+    return [_floats(row) for row in t] if t.dim() > 1 else [json_float(float(x)) for x in t]
+
+
+def _noise(fn: Any, ref: RunArtifacts, noise: RunArtifacts | None, cases: Sequence[Case]) -> torch.Tensor | None:
+    if noise is None or not noise.ok:
+        return None
+    try:
+        return fn(ref, noise, cases)
+    except (RunError, RuntimeError):
+        return None
+
+
+def _bounds(count: int, noise: torch.Tensor | None, settings: LocalizationSettings) -> list[float]:
+    """One bound per entry: max(rel_floor, factor x noise), or rel_floor without a noise run."""
+    noises: list[float | None] = [None] * count if noise is None else [float(n) for n in noise]
+    return [Bound(settings.rel_floor, settings.factor, n).limit for n in noises]
+
+
+def _owners(plan: LayoutPlan, heads: Sequence[int]) -> list[int]:
+    owner = {q: r.rank for r in plan.ranks for q in r.q_heads}
+    return [owner[h] for h in heads]
+
+
+def _head_summary(layer: int, heads: list[int], plan: LayoutPlan) -> tuple[list[int], list[int], str]:
+    ranks = sorted(set(_owners(plan, heads)))
+    kv = sorted({kv_of_q(plan.shape, h) for h in heads})
+    groups = sorted({plan.ranks[r].dcp_group for r in ranks})
+    group_text = (f" (DCP group{'s' if len(groups) > 1 else ''} {id_ranges(groups)})" if plan.dcp > 1 else "")
+    summary = (f"layer {layer} attention: heads {id_ranges(heads)} on rank{'s' if len(ranks) > 1 else ''} "
+               f"{id_ranges(ranks)}{group_text} diverge; reads KV head{'s' if len(kv) > 1 else ''} {id_ranges(kv)}")
+    return ranks, kv, summary
+
+
+def localize(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None, plan: LayoutPlan,
+             cases: Sequence[Case], settings: LocalizationSettings) -> tuple[Localization | None, dict[str, Any]]:
+    """The first diverging layer and heads (None when every layer is within its bound) and the
+    details: {"layer_errors": {error, noise, threshold}, "head_errors": {error, noise, threshold,
+    owner_ranks, kv_heads}} with one entry per hidden index / layer (non-finite values as None)."""
+    if not cases:
+        return None, {"note": "no prompts"}
+    try:
+        hidden = layer_errors(ref, par, cases)  # [L+1]
+    except (RunError, RuntimeError) as exc:
+        return None, {"note": f"no hidden states to localize with: {exc}"}
+    hidden_noise = _noise(layer_errors, ref, noise, cases)
+    hidden_limit = _bounds(len(hidden), hidden_noise, settings)
+    details: dict[str, Any] = {"layer_errors": {
+        "error": _floats(hidden), "noise": None if hidden_noise is None else _floats(hidden_noise),
+        "threshold": hidden_limit}}
+    try:
+        heads = head_errors(ref, par, cases)  # [L, heads]
+    except (RunError, RuntimeError) as exc:
+        heads = None
+        details["note"] = f"no attention outputs: {exc}"
+    head_limit: list[float] = []
+    if heads is not None:
+        head_noise = _noise(head_errors, ref, noise, cases)
+        head_limit = _bounds(heads.shape[0], None if head_noise is None else head_noise.amax(dim=-1), settings)
+        all_heads = range(heads.shape[-1])
+        details["head_errors"] = {
+            "error": _floats(heads), "noise": None if head_noise is None else _floats(head_noise),
+            "threshold": head_limit, "owner_ranks": _owners(plan, all_heads),
+            "kv_heads": [kv_of_q(plan.shape, h) for h in all_heads]}
+    first = next((j for j, (e, t) in enumerate(zip(hidden.tolist(), hidden_limit)) if not e <= t), None)
+    if first is None:
+        return None, details
+    err = f"rel err {hidden[first]:.1e} > {hidden_limit[first]:.1e}"
+    if first == 0:
+        return Localization(layer=-1, heads=(), ranks=(), kv_heads=(),
+                            summary=f"embeddings: the embedding output already differs ({err})"), details
+    layer = first - 1
+    bad = ([h for h, e in enumerate(heads[layer].tolist()) if not e <= head_limit[layer]]
+           if heads is not None and layer < heads.shape[0] else [])
+    if not bad:
+        return Localization(layer=layer, heads=(), ranks=(), kv_heads=(), summary=(
+            f"layer {layer}: residual stream diverges ({err}) while its attention heads stay within "
+            f"noise: MLP, norm or residual")), details
+    ranks, kv, summary = _head_summary(layer, bad, plan)
+    return Localization(layer=layer, heads=tuple(bad), ranks=tuple(ranks), kv_heads=tuple(kv),
+                        summary=summary), details

@@ -1,0 +1,204 @@
+"""Teacher-forced logits parity: reference [T, V] vs parallel [T, V] logits, per position.
+
+Verdict (bounds from LogitsSettings, noise-scaled, see bounds.Bound):
+- FAIL: NaN/Inf in either run's logits, a shape mismatch, max KL or max abs error beyond
+  fail_ratio x its bound, or a top-1 flip outside a near tie (reference logprob gap between the
+  two tokens above max(top1_tie_floor, 2 x the max-abs FAIL bound): no accepted error explains it).
+- WARN: max KL or max abs error between its bound and fail_ratio x bound, or mean top-k overlap
+  below topk_warn.
+- PASS otherwise; ERROR when a run lacks the tensors; SKIP without prompts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from harness.artifacts import RunArtifacts
+from harness.compare.bounds import Bound, json_float
+from harness.compare.settings import LogitsSettings
+from harness.errors import RunError
+from harness.verdict import CheckResult, Verdict, worst
+
+LOGITS_PATHS: tuple[str, ...] = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class PositionMetrics:
+    """Per-position metrics of one prompt; every tensor is [T] (float64 or bool)."""
+
+    kl: torch.Tensor            # KL(ref || par) of the softmax distributions, nats
+    max_abs: torch.Tensor       # max over the vocabulary of |ref - par|
+    mean_abs: torch.Tensor      # mean over the vocabulary of |ref - par|
+    top1_match: torch.Tensor    # argmax agrees
+    flip_gap: torch.Tensor      # ref logprob of ref's top-1 minus ref logprob of par's top-1 (0 on match)
+    topk_overlap: torch.Tensor  # |topk(ref) & topk(par)| / k
+
+
+def position_metrics(ref: torch.Tensor, par: torch.Tensor, k: int) -> PositionMetrics:
+    """Metrics of finite logits `ref` and `par` of equal shape [T, V], computed in float64."""
+    ref64, par64 = ref.to(torch.float64), par.to(torch.float64)
+    ref_lp = torch.log_softmax(ref64, dim=-1)  # [T, V]
+    par_lp = torch.log_softmax(par64, dim=-1)  # [T, V]
+    kl = (ref_lp.exp() * (ref_lp - par_lp)).sum(dim=-1).clamp_min(0.0)  # [T]
+    diff = (ref64 - par64).abs()  # [T, V]
+    ref_top1 = ref64.argmax(dim=-1)  # [T]
+    par_top1 = par64.argmax(dim=-1)  # [T]
+    flip_gap = (ref_lp.gather(-1, ref_top1[:, None]) - ref_lp.gather(-1, par_top1[:, None]))[:, 0]  # [T]
+    k_eff = max(1, min(k, ref64.shape[-1]))
+    ref_topk = ref64.topk(k_eff, dim=-1).indices  # [T, k]
+    par_topk = par64.topk(k_eff, dim=-1).indices  # [T, k]
+    shared = (ref_topk[:, :, None] == par_topk[:, None, :]).any(dim=-1).sum(dim=-1)  # [T]
+    return PositionMetrics(kl=kl, max_abs=diff.amax(dim=-1), mean_abs=diff.mean(dim=-1),
+                           top1_match=ref_top1 == par_top1, flip_gap=flip_gap,
+                           topk_overlap=shared.to(torch.float64) / k_eff)
+
+
+def nonfinite_problem(who: str, logits: torch.Tensor, offset: int = 0) -> str | None:
+    """'parallel logits contain 3 NaN and 0 Inf values (first at position 6)' or None when all
+    finite; row r of `logits` [T, V] is sequence position offset + r."""
+    bad = ~torch.isfinite(logits)
+    if not bool(bad.any()):
+        return None
+    n_nan = int(torch.isnan(logits).sum())
+    first_row = int(bad.reshape(bad.shape[0], -1).any(dim=-1).nonzero()[0, 0]) if bad.dim() > 1 else 0
+    return (f"{who} logits contain {n_nan} NaN and {int(bad.sum()) - n_nan} Inf values "
+            f"(first at position {offset + first_row})")
+
+
+@dataclass(frozen=True)
+class _Case:
+    """One prompt's comparison: metrics, or the problem that prevented them."""
+
+    index: int
+    offset: int  # sequence position of row 0 (the decode start on the decode path)
+    metrics: PositionMetrics | None
+    problem: str | None
+
+
+def _compare_case(kind: str, ref: RunArtifacts, other: RunArtifacts, who: str, index: int,
+                  offset: int, k: int) -> _Case:
+    """Raises RunError when a tensor is missing."""
+    a, b = ref.tensor(kind, index), other.tensor(kind, index)
+    problem = None
+    if a.shape != b.shape:
+        problem = f"{who} {kind} shape {list(b.shape)} != reference {list(a.shape)}"
+    else:
+        problem = nonfinite_problem("reference", a, offset) or nonfinite_problem(who, b, offset)
+    if problem:
+        return _Case(index=index, offset=offset, metrics=None, problem=f"prompt {index}: {problem}")
+    return _Case(index=index, offset=offset, metrics=position_metrics(a, b, k), problem=None)
+
+
+def _noise_levels(kind: str, ref: RunArtifacts, noise: RunArtifacts | None,
+                  k: int) -> tuple[float | None, float | None, str | None]:
+    """(max KL, max abs error) of the reference against the noise run, or Nones and why."""
+    if noise is None:
+        return None, None, None
+    if not noise.ok:
+        return None, None, "noise run failed"
+    kls: list[float] = []
+    abss: list[float] = []
+    try:
+        for case in ref.cases:
+            got = _compare_case(kind, ref, noise, "noise", case.index, 0, k)
+            if got.metrics is None:
+                return None, None, f"noise run unusable: {got.problem}"
+            kls.append(_max(got.metrics.kl))
+            abss.append(_max(got.metrics.max_abs))
+    except RunError as exc:
+        return None, None, f"noise run unusable: {exc}"
+    return max(kls, default=0.0), max(abss, default=0.0), None
+
+
+def _max(t: torch.Tensor) -> float:
+    return float(t.max()) if t.numel() else 0.0
+
+
+def _mean(t: torch.Tensor, empty: float = 0.0) -> float:
+    return float(t.to(torch.float64).mean()) if t.numel() else empty
+
+
+def _prompt_dict(case: _Case, kl: Bound, abs_: Bound, tie_bound: float) -> dict[str, Any]:
+    if case.metrics is None:
+        return {"index": case.index, "problem": case.problem, "positions": 0, "first_diverging_position": None}
+    m = case.metrics
+    flips = ~m.top1_match
+    bad_flips = flips & (m.flip_gap > tie_bound)
+    diverging = (m.kl > kl.limit) | (m.max_abs > abs_.limit) | bad_flips  # [T]
+    rows = diverging.nonzero()
+    return {
+        "index": case.index, "problem": None, "positions": int(m.kl.numel()), "offset": case.offset,
+        "max_kl": _max(m.kl), "mean_kl": _mean(m.kl),
+        "max_abs": _max(m.max_abs), "mean_abs": _mean(m.mean_abs),
+        "top1_agreement": _mean(m.top1_match, 1.0), "topk_overlap": _mean(m.topk_overlap, 1.0),
+        "top1_flips": int(flips.sum()), "benign_flips": int((flips & ~bad_flips).sum()),
+        "first_diverging_position": case.offset + int(rows[0, 0]) if rows.numel() else None,
+        "kl": [float(x) for x in m.kl], "max_abs_per_position": [float(x) for x in m.max_abs],
+    }
+
+
+def check_logits(path: str, ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None,
+                 settings: LogitsSettings) -> tuple[CheckResult, list[dict[str, Any]]]:
+    """Compare `{path}_logits.{i}` of every prompt; returns the check and one dict per prompt."""
+    if path not in LOGITS_PATHS:
+        raise ValueError(f"logits path {path!r} is not one of {LOGITS_PATHS}")
+    name, kind = f"logits_{path}", f"{path}_logits"
+    if not ref.cases:
+        return CheckResult(name, Verdict.SKIP, f"{path}: no prompts"), []
+    try:
+        cases = [_compare_case(kind, ref, par, "parallel", c.index,
+                               c.decode_start if path == "decode" else 0, settings.topk) for c in ref.cases]
+    except RunError as exc:
+        return CheckResult(name, Verdict.ERROR, f"{path}: {exc}"), []
+    noise_kl, noise_abs, noise_note = _noise_levels(kind, ref, noise, settings.topk)
+    kl = Bound(settings.kl_floor, settings.kl_factor, noise_kl, settings.fail_ratio)
+    abs_ = Bound(settings.abs_floor, settings.abs_factor, noise_abs, settings.fail_ratio)
+    tie_bound = max(settings.top1_tie_floor, 2.0 * abs_.fail_limit)
+    prompts = [_prompt_dict(c, kl, abs_, tie_bound) for c in cases]
+    return _verdict(name, path, cases, prompts, kl, abs_, tie_bound, settings, noise_note), prompts
+
+
+def _verdict(name: str, path: str, cases: list[_Case], prompts: list[dict[str, Any]], kl: Bound,
+             abs_: Bound, tie_bound: float, settings: LogitsSettings, noise_note: str | None) -> CheckResult:
+    problems = [c.problem for c in cases if c.problem]
+    valid = [c.metrics for c in cases if c.metrics is not None]
+    verdicts: list[Verdict] = [Verdict.FAIL] if problems else []
+    parts = [problems[0] + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")] if problems else []
+    metrics: dict[str, Any] = {"path": path, "problems": problems, "k": settings.topk, "tie_bound": tie_bound,
+                               "kl_bound": kl.to_dict(), "abs_bound": abs_.to_dict(), "first_divergence": None,
+                               "noise_note": noise_note}
+    if valid:
+        def cat(attr: str) -> torch.Tensor:
+            return torch.cat([getattr(m, attr) for m in valid])  # [T] per prompt -> [sum of T]
+
+        max_kl, max_abs = _max(cat("kl")), _max(cat("max_abs"))
+        top1, topk = _mean(cat("top1_match"), 1.0), _mean(cat("topk_overlap"), 1.0)
+        flips = sum(p.get("top1_flips", 0) for p in prompts)
+        bad = flips - sum(p.get("benign_flips", 0) for p in prompts)
+        first = next(({"prompt": p["index"], "position": p["first_diverging_position"]} for p in prompts
+                      if p["first_diverging_position"] is not None), None)
+        verdicts += [kl.grade(max_kl), abs_.grade(max_abs)]
+        parts += [kl.compare("max KL", max_kl), abs_.compare("max abs", max_abs), f"top-1 agreement {top1:.2f}"]
+        if bad:
+            verdicts.append(Verdict.FAIL)
+            parts.append(f"{bad} top-1 flip(s) outside near ties (gap > {tie_bound:.1e})")
+        elif flips:
+            parts.append(f"{flips} top-1 flip(s) at near ties (benign)")
+        if topk < settings.topk_warn:
+            verdicts.append(Verdict.WARN)
+            parts.append(f"top-{settings.topk} overlap {topk:.2f} < {settings.topk_warn:.2f}")
+        metrics.update({"positions": int(cat("kl").numel()), "max_kl": max_kl, "mean_kl": _mean(cat("kl")),
+                        "max_abs": max_abs, "mean_abs": _mean(cat("mean_abs")), "top1_agreement": top1,
+                        "topk_overlap": topk, "top1_flips": flips, "benign_flips": flips - bad,
+                        "first_divergence": first})
+    if noise_note:
+        parts.append(noise_note)
+    verdict = worst(verdicts) if verdicts else Verdict.PASS
+    return CheckResult(name, verdict, f"{path}: " + "; ".join(parts), {k: _jsonable(v) for k, v in metrics.items()})
+
+
+def _jsonable(value: Any) -> Any:
+    return json_float(value) if isinstance(value, float) else value

@@ -1,0 +1,163 @@
+"""Tolerances of the parity checks: one frozen dataclass per check, parsed from a suite.
+
+Every tolerance default lives here, once. A suite sets them under `checks.<name>`, either flat
+(applies to every dtype) or per dtype, the dtype entry overriding the flat keys:
+
+    checks:
+      logits: {kl_factor: 100, float32: {kl_floor: 1.0e-8}, bfloat16: {kl_floor: 1.0e-3}}
+
+Noise-scaled bounds: a metric passes at or below max(floor, factor * noise), where noise is the
+same metric measured between the reference run and the reference recomputed in float64. Between
+that bound and fail_ratio times it the check WARNs; beyond it FAILs (see bounds.Bound).
+Localization settings are read from `checks.localization` (absent from Suite.CHECKS for now).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping, TypeVar
+
+from harness.errors import ConfigError
+from harness.specs.loader import build, did_you_mean
+from harness.specs.model import DTYPES
+from harness.specs.suite import Suite
+
+T = TypeVar("T")
+
+# dtypes a settings section may name: the model dtypes, and float64 (the noise recompute).
+SETTINGS_DTYPES: tuple[str, ...] = (*DTYPES, "float64")
+
+
+def _coerce_fields(obj: Any) -> None:
+    """Type-check fields after YAML loading; '1e-8' (a YAML 1.1 string) becomes a float.
+    Errors start with the class name, which _build replaces by where the keys came from."""
+    where = type(obj).__name__
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.type in ("float", float):
+            if isinstance(value, str):
+                try:
+                    value = float(value)
+                except ValueError:
+                    raise ConfigError(f"{where}: {f.name} must be a number, got {value!r}") from None
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{where}: {f.name} must be a number, got {value!r}")
+            if value != value or value < 0:
+                raise ConfigError(f"{where}: {f.name}={value} must be a non-negative number")
+            object.__setattr__(obj, f.name, float(value))
+        elif f.type in ("int", int):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{where}: {f.name} must be a positive integer, got {value!r}")
+        elif f.type in ("bool", bool) and not isinstance(value, bool):
+            raise ConfigError(f"{where}: {f.name} must be true or false, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LayoutSettings:
+    """Layout invariants have no tolerance; these switch optional parts off."""
+
+    check_pool: bool = True        # KV pool bytes/blocks per rank as the planner sizes them
+    check_checksums: bool = True   # K/V weight checksums identical on every rank holding a KV head
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self)
+
+
+@dataclass(frozen=True)
+class LogitsSettings:
+    """Teacher-forced logits parity (prefill and decode paths)."""
+
+    kl_floor: float = 1e-6         # nats: smallest per-position KL(ref||par) bound
+    kl_factor: float = 50.0        # x the noise run's max KL
+    abs_floor: float = 1e-3        # smallest per-logit max abs error bound
+    abs_factor: float = 50.0       # x the noise run's max abs error
+    fail_ratio: float = 10.0       # WARN between bound and fail_ratio x bound, FAIL beyond
+    topk: int = 5                  # k of the top-k overlap
+    topk_warn: float = 0.8         # mean top-k overlap below this WARNs (never FAILs on its own)
+    top1_tie_floor: float = 1e-4   # a top-1 flip is benign where the reference logprob gap between
+    #                                the two tokens is <= max(this, 2 x the max-abs FAIL bound)
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self)
+        if self.fail_ratio < 1:
+            raise ConfigError(f"LogitsSettings: fail_ratio={self.fail_ratio} must be >= 1")
+        if self.topk_warn > 1:
+            raise ConfigError(f"LogitsSettings: topk_warn={self.topk_warn} must be within [0, 1]")
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Greedy generation agreement."""
+
+    near_tie: float = 1e-3         # logprob gap below which a reference step is a near tie
+    near_tie_factor: float = 5.0   # x the noise run's top-2 gap error (bound = max of the two)
+    context_tokens: int = 4        # tokens of text shown on each side of the first divergence
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self)
+
+
+@dataclass(frozen=True)
+class LocalizationSettings:
+    """First diverging layer and heads: relative L2 error of hidden states and attention outputs."""
+
+    rel_floor: float = 1e-4        # smallest relative-error bound (layer and head)
+    factor: float = 50.0           # x the noise run's relative error at the same layer
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self)
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    """The resolved settings of all parity checks for one dtype."""
+
+    dtype: str = "float32"
+    layout: LayoutSettings = field(default_factory=LayoutSettings)
+    logits: LogitsSettings = field(default_factory=LogitsSettings)
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
+    localization: LocalizationSettings = field(default_factory=LocalizationSettings)
+
+    @classmethod
+    def from_suite(cls, suite: Suite, dtype: str) -> "CheckSettings":
+        if dtype not in SETTINGS_DTYPES:
+            raise ConfigError(f"unknown dtype {dtype!r}{did_you_mean(dtype, SETTINGS_DTYPES)}; "
+                              f"valid: {', '.join(SETTINGS_DTYPES)}")
+        where = f"suite {suite.name!r}: checks"
+        return cls(
+            dtype=dtype,
+            layout=parse_section(LayoutSettings, f"{where}.layout", suite.check_settings("layout"), dtype),
+            logits=parse_section(LogitsSettings, f"{where}.logits", suite.check_settings("logits"), dtype),
+            generation=parse_section(GenerationSettings, f"{where}.generation",
+                                     suite.check_settings("generation"), dtype),
+            localization=parse_section(LocalizationSettings, f"{where}.localization",
+                                       suite.check_settings("localization"), dtype))
+
+
+def parse_section(cls: type[T], where: str, raw: Mapping[str, Any] | None, dtype: str) -> T:
+    """Build `cls` from flat keys overridden by the `dtype` sub-mapping; every dtype section is
+    validated (unknown keys rejected with "did you mean") even when it is not the one used."""
+    raw = raw or {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
+    flat = {k: v for k, v in raw.items() if not isinstance(v, Mapping)}
+    sections = {k: v for k, v in raw.items() if isinstance(v, Mapping)}
+    for name, section in sections.items():
+        if name not in SETTINGS_DTYPES:
+            raise ConfigError(f"{where}: {name!r} is not a dtype section{did_you_mean(str(name), SETTINGS_DTYPES)}"
+                              f" (a mapping value must be keyed by a dtype: {', '.join(SETTINGS_DTYPES)})")
+        _build(cls, f"{where}.{name}", {**flat, **section})
+    return _build(cls, where, {**flat, **sections.get(dtype, {})})
+
+
+def _build(cls: type[T], where: str, data: Mapping[str, Any]) -> T:
+    """loader.build, with value errors from __post_init__ also naming where the keys came from."""
+    try:
+        return build(cls, where, data)
+    except ConfigError as exc:
+        message = str(exc)
+        if message.startswith(where):
+            raise
+        own = f"{cls.__name__}: "
+        raise ConfigError(f"{where}: {message[len(own):] if message.startswith(own) else message}") from exc
