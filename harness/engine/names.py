@@ -1,0 +1,131 @@
+"""Canonical weight names and shapes, and their spellings in Hugging Face and GGUF checkpoints.
+
+Canonical names (all weights are [out, in] like torch.nn.Linear):
+  embed.weight [V, H]; norm.weight [H]; lm_head.weight [V, H] (only when not tied);
+  layers.{i}.attn_norm.weight [H]; layers.{i}.q.weight [heads*hd, H]; layers.{i}.k.weight / v.weight [kv*hd, H];
+  layers.{i}.q.bias / k.bias / v.bias (only with qkv_bias); layers.{i}.o.weight [H, heads*hd];
+  layers.{i}.mlp_norm.weight [H]; layers.{i}.gate.weight / up.weight [ffn, H]; layers.{i}.down.weight [H, ffn].
+"""
+
+from __future__ import annotations
+
+import re
+
+from harness.specs.model import ModelSpec
+
+Shape = tuple[int, ...]
+
+# canonical per-layer suffix -> Hugging Face per-layer suffix (Llama, Qwen2 and Mistral agree)
+HF_LAYER_NAMES: dict[str, str] = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "q.weight": "self_attn.q_proj.weight",
+    "k.weight": "self_attn.k_proj.weight",
+    "v.weight": "self_attn.v_proj.weight",
+    "q.bias": "self_attn.q_proj.bias",
+    "k.bias": "self_attn.k_proj.bias",
+    "v.bias": "self_attn.v_proj.bias",
+    "o.weight": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "gate.weight": "mlp.gate_proj.weight",
+    "up.weight": "mlp.up_proj.weight",
+    "down.weight": "mlp.down_proj.weight",
+}
+HF_TOP_NAMES: dict[str, str] = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+
+# canonical per-layer suffix -> GGUF per-layer suffix (llama.cpp's llama and qwen2 architectures)
+GGUF_LAYER_NAMES: dict[str, str] = {
+    "attn_norm.weight": "attn_norm.weight",
+    "q.weight": "attn_q.weight",
+    "k.weight": "attn_k.weight",
+    "v.weight": "attn_v.weight",
+    "q.bias": "attn_q.bias",
+    "k.bias": "attn_k.bias",
+    "v.bias": "attn_v.bias",
+    "o.weight": "attn_output.weight",
+    "mlp_norm.weight": "ffn_norm.weight",
+    "gate.weight": "ffn_gate.weight",
+    "up.weight": "ffn_up.weight",
+    "down.weight": "ffn_down.weight",
+}
+GGUF_TOP_NAMES: dict[str, str] = {
+    "embed.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
+
+
+def layer_shapes(spec: ModelSpec) -> dict[str, Shape]:
+    """Per-layer canonical suffix -> shape."""
+    q_out, kv_out = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    shapes: dict[str, Shape] = {
+        "attn_norm.weight": (spec.hidden,),
+        "q.weight": (q_out, spec.hidden),
+        "k.weight": (kv_out, spec.hidden),
+        "v.weight": (kv_out, spec.hidden),
+        "o.weight": (spec.hidden, q_out),
+        "mlp_norm.weight": (spec.hidden,),
+        "gate.weight": (spec.ffn, spec.hidden),
+        "up.weight": (spec.ffn, spec.hidden),
+        "down.weight": (spec.hidden, spec.ffn),
+    }
+    if spec.qkv_bias:
+        shapes.update({"q.bias": (q_out,), "k.bias": (kv_out,), "v.bias": (kv_out,)})
+    return shapes
+
+
+def expected_shapes(spec: ModelSpec) -> dict[str, Shape]:
+    """Every canonical tensor name the spec calls for -> its shape."""
+    shapes: dict[str, Shape] = {"embed.weight": (spec.vocab, spec.hidden)}
+    per_layer = layer_shapes(spec)
+    for i in range(spec.layers):
+        shapes.update({f"layers.{i}.{suffix}": shape for suffix, shape in per_layer.items()})
+    shapes["norm.weight"] = (spec.hidden,)
+    if not spec.tied_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab, spec.hidden)
+    return shapes
+
+
+def _translate(name: str, top: dict[str, str], layer: dict[str, str], layer_prefix: str) -> str:
+    match = _LAYER_RE.fullmatch(name)
+    if match:
+        return f"{layer_prefix}{match.group(1)}.{layer[match.group(2)]}"
+    return top[name]
+
+
+def _translate_back(name: str, top: dict[str, str], layer: dict[str, str], layer_prefix: str) -> str | None:
+    inverse_top = {v: k for k, v in top.items()}
+    if name in inverse_top:
+        return inverse_top[name]
+    if not name.startswith(layer_prefix):
+        return None
+    index, _, suffix = name[len(layer_prefix):].partition(".")
+    inverse_layer = {v: k for k, v in layer.items()}
+    if not index.isdigit() or suffix not in inverse_layer:
+        return None
+    return f"layers.{int(index)}.{inverse_layer[suffix]}"
+
+
+def hf_name(canonical: str) -> str:
+    """Canonical name -> Hugging Face parameter name."""
+    return _translate(canonical, HF_TOP_NAMES, HF_LAYER_NAMES, "model.layers.")
+
+
+def canonical_from_hf(name: str) -> str | None:
+    """Hugging Face parameter name -> canonical name, or None when it is not one we know."""
+    return _translate_back(name, HF_TOP_NAMES, HF_LAYER_NAMES, "model.layers.")
+
+
+def gguf_name(canonical: str) -> str:
+    """Canonical name -> GGUF tensor name."""
+    return _translate(canonical, GGUF_TOP_NAMES, GGUF_LAYER_NAMES, "blk.")
+
+
+def canonical_from_gguf(name: str) -> str | None:
+    """GGUF tensor name -> canonical name, or None when it is not one we know."""
+    return _translate_back(name, GGUF_TOP_NAMES, GGUF_LAYER_NAMES, "blk.")

@@ -1,0 +1,203 @@
+"""Full (unsharded) float32 CPU weights under canonical names (see harness.engine.names), from any source.
+
+Sources: seeded synthetic init, Hugging Face folders (safetensors), GGUF files (dequantized), and GGUFs
+shipped inside pip packages. Q/K rows always follow the Hugging Face rotate_half RoPE convention.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from harness.engine.checkpoint import checkpoint_path, hf_config, read_json
+from harness.engine.gguf_file import architecture, dequantize, open_gguf, unpermute_rows
+from harness.engine.names import Shape, canonical_from_gguf, canonical_from_hf, expected_shapes
+from harness.errors import ConfigError
+from harness.specs.model import ModelSpec
+
+# Synthetic init. The lm_head (or the tied embedding) is scaled so that the logits have a standard
+# deviation of about SYNTHETIC_LOGIT_STD: top-2 gaps of greedy decoding are then rarely near-ties.
+SYNTHETIC_LOGIT_STD = 4.0
+SYNTHETIC_NORM_NOISE = 0.1
+SYNTHETIC_BIAS_STD = 0.02
+IGNORED_HF_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
+
+
+def load_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Every canonical tensor of `spec` as a float32 CPU tensor, checked against the spec's shapes."""
+    if spec.source == "synthetic":
+        return synthetic_weights(spec)
+    path = checkpoint_path(spec)
+    weights = load_hf_folder(spec, path) if spec.source == "hf" else load_gguf_file(spec, path)
+    check_weights(spec, weights, path)
+    return weights
+
+
+def weights_hash(weights: dict[str, torch.Tensor]) -> str:
+    """sha256 hex over sorted names, dtypes, shapes and raw bytes."""
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        tensor = weights[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def check_weights(spec: ModelSpec, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """One ConfigError naming the checkpoint when a tensor is missing, unexpected or of the wrong shape."""
+    expected = expected_shapes(spec)
+    missing = [name for name in expected if name not in weights]
+    if missing:
+        raise ConfigError(f"checkpoint {path}: missing tensor {missing[0]!r} "
+                          f"({len(missing)} missing in all) for model {spec.name!r}")
+    unexpected = sorted(set(weights) - set(expected))
+    if unexpected:
+        raise ConfigError(f"checkpoint {path}: unexpected tensor {unexpected[0]!r} for model {spec.name!r} "
+                          f"(qkv_bias={spec.qkv_bias}, tied_embeddings={spec.tied_embeddings})")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise shape_error(spec, name, tuple(weights[name].shape), path)
+
+
+def shape_error(spec: ModelSpec, name: str, shape: Shape, path: Path) -> ConfigError:
+    """The error for canonical tensor `name` found with a shape that `spec` does not call for."""
+    return ConfigError(f"checkpoint {path}: tensor {name!r} has shape {tuple(shape)}, "
+                       f"model {spec.name!r} expects {expected_shapes(spec).get(name)}")
+
+
+# ---- synthetic ---------------------------------------------------------------------------------------
+
+
+def _generator(seed: int, name: str) -> np.random.Generator:
+    """A generator that depends only on (seed, name), so tensors are independent of creation order."""
+    entropy = [seed % 2**64, zlib.crc32(name.encode("utf-8"))]
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
+
+
+def _synthetic_std(spec: ModelSpec, name: str) -> float:
+    output_matrix = name == "lm_head.weight" or (name == "embed.weight" and spec.tied_embeddings)
+    if output_matrix:
+        return SYNTHETIC_LOGIT_STD / spec.hidden ** 0.5  # logits = rmsnormed hidden (rms ~1) @ lm_head.T
+    if name.endswith(".bias"):
+        return SYNTHETIC_BIAS_STD
+    return spec.init_std
+
+
+def _synthetic_tensor(spec: ModelSpec, name: str, shape: Shape) -> torch.Tensor:
+    noise = _generator(spec.seed, name).standard_normal(shape)  # float64, then rounded once to float32
+    if name.endswith("norm.weight"):
+        values = 1.0 + SYNTHETIC_NORM_NOISE * noise
+    else:
+        values = _synthetic_std(spec, name) * noise
+    return torch.from_numpy(values.astype(np.float32))
+
+
+def synthetic_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Seeded weights: N(0, init_std) matrices, norms 1 + N(0, 0.1), small biases, a wide lm_head."""
+    return {name: _synthetic_tensor(spec, name, shape) for name, shape in expected_shapes(spec).items()}
+
+
+# ---- Hugging Face folders ------------------------------------------------------------------------------
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those of model.safetensors.index.json, else every *.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError(f"{index}: no weight_map")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ConfigError(f"{index} lists {absent[0]!r}, which is missing from {folder}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"checkpoint folder {folder} has no *.safetensors files")
+    return files
+
+
+def _hf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                yield key, handle.get_tensor(key)
+    except (SafetensorError, OSError) as exc:
+        raise ConfigError(f"{path}: not a readable safetensors file: {exc}") from exc
+
+
+def _canonical_hf(spec: ModelSpec, key: str, path: Path) -> str | None:
+    """The canonical name of HF tensor `key`, None for tensors to skip; unknown tensors are an error."""
+    if key.endswith(IGNORED_HF_SUFFIXES) or (key == "lm_head.weight" and spec.tied_embeddings):
+        return None
+    name = canonical_from_hf(key)
+    if name is None:
+        raise ConfigError(f"{path}: tensor {key!r} is not part of a Llama/Qwen2/Mistral model "
+                          f"(unsupported architecture?)")
+    return name
+
+
+def load_hf_folder(spec: ModelSpec, folder: Path) -> dict[str, torch.Tensor]:
+    """Canonical float32 weights from a Hugging Face checkpoint folder (single or sharded safetensors)."""
+    if not folder.is_dir():
+        raise ConfigError(f"checkpoint folder {folder} does not exist")
+    hf_config(folder)  # a folder without config.json is not a checkpoint
+    weights: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(folder):
+        for key, tensor in _hf_tensors(path):
+            name = _canonical_hf(spec, key, path)
+            if name is not None:
+                weights[name] = tensor.to(torch.float32).contiguous()
+    return weights
+
+
+# ---- GGUF ----------------------------------------------------------------------------------------------
+
+
+def _gguf_heads(spec: ModelSpec, name: str) -> int | None:
+    """How many heads the llama.cpp converter permuted this tensor's rows by; None if not permuted."""
+    suffix = name.partition(".")[2].partition(".")[2]  # layers.{i}.q.weight -> q.weight
+    if suffix.startswith("q."):
+        return spec.heads
+    if suffix.startswith("k."):
+        return spec.kv_heads
+    return None
+
+
+def _gguf_tensor(spec: ModelSpec, arch: str, name: str, values: np.ndarray) -> torch.Tensor:
+    heads = _gguf_heads(spec, name) if arch == "llama" else None  # qwen2 GGUFs keep HF row order
+    if heads is not None:
+        values = unpermute_rows(values, heads)
+    return torch.from_numpy(values)
+
+
+def _gguf_canonical(name: str, arch: str, path: Path) -> str | None:
+    canonical = canonical_from_gguf(name)
+    if canonical is None and not name.startswith("rope_"):  # rope_* factors come only with rope scaling
+        raise ConfigError(f"GGUF file {path}: tensor {name!r} is not part of a {arch} model")
+    return canonical
+
+
+def load_gguf_file(spec: ModelSpec, path: Path) -> dict[str, torch.Tensor]:
+    """Canonical float32 weights dequantized from a llama / qwen2 GGUF file (Q/K rows un-permuted for llama)."""
+    reader = open_gguf(path)
+    arch = architecture(reader)
+    expected = expected_shapes(spec)
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = _gguf_canonical(tensor.name, arch, path)
+        if name is None:
+            continue
+        values = dequantize(tensor)
+        if name in expected and values.shape != expected[name]:  # checked before the un-permute reshapes rows
+            raise shape_error(spec, name, values.shape, path)
+        weights[name] = _gguf_tensor(spec, arch, name, values)
+    return weights
