@@ -24,7 +24,6 @@ Every stage after the launch reads only these files.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness.errors import RunError
+from harness.jsonio import read_json, write_json
 
 ARTIFACT_SCHEMA_VERSION = 1
 TENSORS_FILE = "tensors.safetensors"
@@ -84,22 +84,6 @@ class RunArtifacts:
         if key not in self.tensors:
             raise RunError(f"{self.path}: tensor {key!r} missing from {TENSORS_FILE}")
         return self.tensors[key]
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Write JSON atomically (a crash never leaves half a file)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str))
-    tmp.replace(path)
-
-
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise RunError(f"missing {path}") from exc
-    except json.JSONDecodeError as exc:
-        raise RunError(f"corrupt JSON in {path}: {exc}") from exc
 
 
 def write_run(path: Path, manifest: dict[str, Any], layout: dict[str, Any], cases: list[Case],

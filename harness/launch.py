@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from harness.artifacts import read_json, write_json
+from harness.jsonio import read_json, write_json
 from harness.engine.worker import Job
 
 LOG_TAIL_LINES = 40

@@ -15,6 +15,7 @@ import torch
 
 from harness.engine.gguf_file import architecture, field, float32_decimal, open_gguf, tensor_index
 from harness.engine.names import hf_name
+from harness import jsonio
 from harness.errors import ConfigError
 from harness.specs.model import ModelSpec
 
@@ -37,12 +38,7 @@ def spec_from_checkpoint(path: Path) -> ModelSpec:
 
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from `path`, with errors naming the file."""
-    try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror}") from exc
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: invalid JSON: {exc}") from exc
+    data = jsonio.read_json(path, ConfigError)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data

@@ -28,6 +28,8 @@ class Suite:
     seeds: tuple[int, ...] = (0,)
     max_new_tokens: int = 16
     decode_prefix_tokens: int = 4
+    kv_budget_mib: int = 64
+    max_seq_len: int = 512
     checks: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     gsm8k: Mapping[str, Any] = field(default_factory=dict)
     speculative: Mapping[str, Any] = field(default_factory=dict)
@@ -38,6 +40,8 @@ class Suite:
         expect_int(where, "version", self.version, minimum=1)
         expect_int(where, "max_new_tokens", self.max_new_tokens, minimum=1)
         expect_int(where, "decode_prefix_tokens", self.decode_prefix_tokens, minimum=1)
+        expect_int(where, "kv_budget_mib", self.kv_budget_mib, minimum=1)
+        expect_int(where, "max_seq_len", self.max_seq_len, minimum=1)
         for attr in ("models", "topologies", "prompts", "seeds"):
             value = getattr(self, attr)
             if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):

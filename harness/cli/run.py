@@ -1,0 +1,73 @@
+"""`harness run`: the matrix of a suite over topologies, compared with the tp1 reference, reported."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from harness.errors import ConfigError
+from harness.paths import REPORTS_DIR
+from harness.runner import RunRequest, Runner, default_cache_dir
+from harness.specs.model import load_model
+from harness.specs.suite import load_suite
+from harness.specs.topology import load_catalog
+
+MIB = 1024 ** 2
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("run", help="run a suite over topologies and write a report")
+    p.add_argument("--suite", default="dcp", help="shipped suite name or suite .yaml (default: dcp)")
+    p.add_argument("--topo", default=None,
+                   help="topology, comma list, set name, or 'all' (default: the suite's topologies)")
+    p.add_argument("--model", default=None, help="override the suite's models (name, .yaml, checkpoint, .gguf)")
+    p.add_argument("--fault", default=None, help="inject a known bug into the parallel runs (harness list faults)")
+    p.add_argument("--seed", type=int, action="append", default=None, help="seed (repeatable; default: suite's)")
+    p.add_argument("--out", type=Path, default=None, help="report folder (default: reports/<run-id>)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--kv-budget-mib", type=int, default=None, help="KV pool budget per rank, MiB (default: suite's)")
+    p.add_argument("--max-seq-len", type=int, default=None, help="tokens per KV sequence slot (default: suite's)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a launch is killed")
+    p.add_argument("--collective-timeout", type=float, default=120.0, help="seconds before a collective fails")
+    p.add_argument("--cache-dir", type=Path, default=None, help="reference-run cache (default: $HARNESS_CACHE_DIR "
+                   "or ~/.cache/llm-parallel-harness)")
+    p.set_defaults(func=run)
+
+
+def run_id(suite: str) -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + f"-{suite}"
+
+
+def build_request(args: argparse.Namespace) -> RunRequest:
+    suite = load_suite(args.suite)
+    catalog = load_catalog()
+    topologies = catalog.resolve(args.topo or ",".join(suite.topologies), all_names=suite.topologies)
+    models = (load_model(args.model),) if args.model else tuple(load_model(m) for m in suite.models)
+    budget_mib = suite.kv_budget_mib if args.kv_budget_mib is None else args.kv_budget_mib
+    max_seq_len = suite.max_seq_len if args.max_seq_len is None else args.max_seq_len
+    if budget_mib <= 0 or max_seq_len <= 0:
+        raise ConfigError(f"--kv-budget-mib={budget_mib} and --max-seq-len={max_seq_len} must be > 0")
+    return RunRequest(
+        suite=suite, models=models, topologies=tuple(topologies), fault=args.fault,
+        seeds=tuple(args.seed) if args.seed else suite.seeds, out_dir=Path(args.out or REPORTS_DIR / run_id(suite.name)),
+        cache_dir=args.cache_dir or default_cache_dir(), device=args.device, timeout_s=args.timeout,
+        collective_timeout_s=args.collective_timeout,
+        pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)))
+
+
+def run(args: argparse.Namespace) -> int:
+    from harness.report import render_all
+    from harness.report.results import exit_code
+    from harness.report.text import print_matrix
+
+    req = build_request(args)
+    runner = Runner(req, progress=lambda line: print(line, flush=True))
+    start = time.time()
+    cells = runner.run()
+    paths = render_all(req.out_dir, cells, runner.provenance(sys.argv[1:]), req.out_dir.name)
+    print(print_matrix(cells))
+    print(f"report: {paths['html']} ({time.time() - start:.1f} s)")
+    return exit_code(cells)

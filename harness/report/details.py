@@ -1,0 +1,331 @@
+"""Views of a cell's `details` for the HTML drill-down: what the report reads, and how.
+
+`details` is JSON written by the compare stage. Every section is optional: a section whose key is
+absent renders nothing. Keys read (anything else is ignored):
+
+  layout        {"planned": {"ranks": [RANK, ...]}, "actual": {"ranks": [RANK, ...], "pool": {...}}}
+                RANK: {"rank", "q_heads", "kv_heads", "dcp_group", "dcp_rank", "kv_tp_rank", "q_to_kv",
+                keys containing "pool" or "bytes" (e.g. "kv_pool_bytes", "kv_pool_blocks"), keys
+                containing "checksum" (a hex string, or a list or {kv head: hex} of them; shown as
+                8-digit prefixes)}. Columns: the keys above that any rank has, plus any other key
+                whose actual value differs from the planned one. Ranks are matched by "rank" (else by
+                position). The scalars of actual.pool (or planned.pool) are listed under the table.
+  speculator_layout  like layout, for the draft/MTP model (plain TP layout).
+  prompts       [{"index", "prompt", "prefill": {metric: value}, "decode": {metric: value},
+                  "generation": {"ref_text", "par_text", "first_divergence": int | null,
+                  "benign": bool, "ref_token", "par_token", "context_ref", "context_par"}}]
+                context_*: a string, or {"before", "token", "after"} (the token is highlighted).
+  layer_errors  {"error": [...], "noise": [...] | null, "threshold": [...] | number}, one entry per
+                hidden index as in artifacts' hidden.{i}: 0 = embedding output, i = output of layer i-1.
+  head_errors   {"error": [[per head] per layer], "threshold": number | [per layer] | [[...]],
+                 "owner_ranks": [rank | [ranks] per head], "kv_heads": [KV head id per head]}
+  speculator    {"histogram": [steps per accepted length 0..k], "reference_histogram": [...],
+                 "layout": {like layout}, and scalars such as "kind", "k", "mean_acceptance",
+                 "reference_mean_acceptance" (shown as a table)}
+  gsm8k         {scalars such as "task", "score", "n", "answer_agreement", "generation_agreement",
+                 "p_value" (nested objects such as "scores": {filter: score} show as scores.filter);
+                 "baseline": {scalars: "score", "n", "stderr", "threshold", "alpha", "beta", "sigma",
+                 "min_detectable_drop", ...}; "flips": [{"index", "question", "target", "ref_answer",
+                 "par_answer", ...}] (any keys; one table column per key)}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from markupsafe import Markup
+
+from harness.fmt import human_bytes
+from harness.report.matrix import format_number, is_scalar, metrics_text
+from harness.report.svg import acceptance_bars
+
+MAX_TABLE_ROWS = 200
+_PROMPT_SKIP = ("index", "prompt", "offset")
+_PROMPT_FIRST = ("max_kl", "max_abs", "top1_agreement", "first_diverging_position", "problem")
+_PROMPT_SHOWN = 4
+_LAYOUT_FIRST = ("q_heads", "kv_heads", "dcp_group", "dcp_rank", "kv_tp_rank", "q_to_kv", "q_to_local_kv")
+
+
+@dataclass(frozen=True)
+class LayoutCell:
+    text: str
+    title: str
+    mismatch: bool
+
+
+@dataclass(frozen=True)
+class LayoutRow:
+    rank: str
+    cells: tuple[LayoutCell, ...]
+    mismatch: bool
+
+
+@dataclass(frozen=True)
+class LayoutView:
+    columns: tuple[str, ...]
+    rows: tuple[LayoutRow, ...]
+    source: str
+    mismatches: int
+    pool: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Context:
+    before: str
+    token: str
+    after: str
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """A few metrics shown, all of them in the tooltip."""
+
+    shown: tuple[str, ...]
+    title: str
+
+
+@dataclass(frozen=True)
+class PromptView:
+    index: str
+    prompt: str
+    prefill: Metrics
+    decode: Metrics
+    generation: str
+    diverged: bool
+    benign: bool
+    ref_token: str
+    par_token: str
+    token_ids: str
+    context_ref: Context | None
+    context_par: Context | None
+    ref_text: str
+    par_text: str
+
+
+@dataclass(frozen=True)
+class TableView:
+    columns: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+    omitted: int
+
+
+@dataclass(frozen=True)
+class Facts:
+    items: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class SpeculatorView:
+    facts: Facts
+    layout: LayoutView | None
+    histogram: Markup | None
+
+
+@dataclass(frozen=True)
+class Gsm8kView:
+    facts: Facts
+    baseline: Facts | None
+    flips: TableView | None
+    flip_count: int
+
+
+def _dict(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError(f"{what} is {type(value).__name__}, not an object")
+    return value
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError(f"{what} is {type(value).__name__}, not a list")
+    return value
+
+
+def facts(data: dict[str, Any], skip: tuple[str, ...] = ()) -> Facts:
+    """The scalar entries of an object, and those of its nested objects as 'outer.inner', formatted."""
+    items: list[tuple[str, str]] = []
+    for key, value in data.items():
+        if key in skip:
+            continue
+        if isinstance(value, dict):
+            items += [(f"{key}.{k}", format_number(v)) for k, v in value.items() if is_scalar(v)]
+        elif is_scalar(value):
+            items.append((key, format_number(value)))
+    return Facts(tuple(items))
+
+
+def _compact(value: Any) -> str:
+    if is_scalar(value) or isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return format_number(value)
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def table_view(records: Any, what: str) -> TableView | None:
+    """A list of objects as a table; columns in order of first appearance."""
+    rows = [_dict(r, f"{what}[{i}]") for i, r in enumerate(_list(records, what))]
+    if not rows:
+        return None
+    columns = tuple(dict.fromkeys(k for r in rows for k in r))
+    shown = rows[:MAX_TABLE_ROWS]
+    return TableView(columns=columns, rows=tuple(tuple(_compact(r.get(c)) if c in r else "" for c in columns)
+                                                 for r in shown), omitted=len(rows) - len(shown))
+
+
+def _checksum_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value[:8]
+    if isinstance(value, list):
+        return ",".join(_checksum_text(v) for v in value)
+    if isinstance(value, dict):
+        return " ".join(f"{k}:{_checksum_text(v)}" for k, v in value.items())
+    return format_number(value)
+
+
+def _layout_text(key: str, value: Any) -> tuple[str, str]:
+    """(shown text, full text for the tooltip) of one layout value."""
+    full = _compact(value)
+    if "checksum" in key:
+        return _checksum_text(value), full
+    if "bytes" in key and isinstance(value, int) and not isinstance(value, bool):
+        return human_bytes(value), f"{value} bytes"
+    return full, full
+
+
+def _ranks(section: Any, what: str) -> dict[Any, dict[str, Any]]:
+    if section is None:
+        return {}
+    ranks = _list(_dict(section, what).get("ranks", []), f"{what}.ranks")
+    out: dict[Any, dict[str, Any]] = {}
+    for i, r in enumerate(ranks):
+        row = _dict(r, f"{what}.ranks[{i}]")
+        out[row.get("rank", i)] = row
+    return out
+
+
+def _differs(planned: dict[str, Any] | None, actual: dict[str, Any] | None, key: str) -> bool:
+    """Both sides have the key and disagree on it."""
+    return planned is not None and actual is not None and key in planned and key in actual \
+        and planned[key] != actual[key]
+
+
+def layout_view(data: Any) -> LayoutView | None:
+    """Per-rank layout, actual against planned; mismatching values highlighted."""
+    section = _dict(data, "layout")
+    planned, actual = _ranks(section.get("planned"), "planned"), _ranks(section.get("actual"), "actual")
+    if not planned and not actual:
+        return None
+    source = "actual vs planned" if planned and actual else "planned only" if planned else "actual only"
+    ranks = list(dict.fromkeys([*actual, *planned]))
+    keys = list(dict.fromkeys(k for rows in (actual, planned) for r in rows.values() for k in r))
+    differs = {k for r in ranks for k in keys if _differs(planned.get(r), actual.get(r), k)}
+    columns = [k for k in _LAYOUT_FIRST if k in keys]
+    columns += [k for k in keys if ("pool" in k or "bytes" in k) and k not in columns]
+    columns += [k for k in keys if "checksum" in k and k not in columns]
+    columns += [k for k in keys if k in differs and k not in columns and k != "rank"]
+    rows = []
+    for r in ranks:
+        shown = actual.get(r, planned.get(r, {}))
+        cells = []
+        for k in columns:
+            text, title = _layout_text(k, shown[k]) if k in shown else ("", "")
+            bad = _differs(planned.get(r), actual.get(r), k)
+            if bad:
+                plan_text, plan_full = _layout_text(k, planned[r][k])
+                text, title = f"{text} (plan {plan_text})", f"actual {title}; planned {plan_full}"
+            cells.append(LayoutCell(text=text, title=title, mismatch=bad))
+        rows.append(LayoutRow(rank=format_number(r), cells=tuple(cells), mismatch=any(c.mismatch for c in cells)))
+    return LayoutView(columns=tuple(columns), rows=tuple(rows), source=source,
+                      mismatches=sum(c.mismatch for row in rows for c in row.cells), pool=_pool(section))
+
+
+def _pool(section: dict[str, Any]) -> tuple[str, ...]:
+    """'name=value' of the pool object of the actual layout, else of the planned one."""
+    for side in ("actual", "planned"):
+        part = section.get(side)
+        pool = part.get("pool") if isinstance(part, dict) else None
+        if isinstance(pool, dict):
+            return tuple(f"{k}={_layout_text(k, v)[0]}" for k, v in pool.items() if is_scalar(v))
+    return ()
+
+
+def _context(value: Any) -> Context | None:
+    if isinstance(value, str):
+        return Context(before=value, token="", after="")
+    if isinstance(value, dict):
+        return Context(before=str(value.get("before", "")), token=str(value.get("token", "")),
+                       after=str(value.get("after", "")))
+    return None
+
+
+def _token(value: Any, diverged: bool) -> str:
+    """A diverging token, quoted so that whitespace shows; None is the end of the text."""
+    if value is None:
+        return "(end of text)" if diverged else ""
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _generation_text(gen: dict[str, Any]) -> tuple[str, bool, bool]:
+    """(one-line outcome, diverged, benign)."""
+    if not gen:
+        return "", False, False
+    first = gen.get("first_divergence")
+    benign = gen.get("benign") is True
+    if first is None:
+        return "identical", False, False
+    return f"diverges at token {format_number(first)}" + (" (benign near-tie)" if benign else ""), True, benign
+
+
+def _token_ids(ref: Any, par: Any) -> str:
+    """'ref 17 vs par 42' when the generation names the diverging token ids."""
+    if ref is None and par is None:
+        return ""
+    return f"ref {format_number(ref)} vs par {format_number(par)}"
+
+
+def _metrics(value: Any, what: str) -> Metrics:
+    data = _dict(value or {}, what)
+    ordered = {**{k: data[k] for k in _PROMPT_FIRST if k in data}, **data}
+    items = metrics_text(ordered, skip=_PROMPT_SKIP)
+    return Metrics(shown=tuple(items[:_PROMPT_SHOWN]), title="\n".join(items))
+
+
+def _prompt_view(i: int, raw: Any) -> PromptView:
+    p = _dict(raw, f"prompts[{i}]")
+    gen = _dict(p.get("generation") or {}, f"prompts[{i}].generation")
+    outcome, diverged, benign = _generation_text(gen)
+    return PromptView(index=format_number(p.get("index", i)), prompt=str(p.get("prompt", "")),
+                      prefill=_metrics(p.get("prefill"), f"prompts[{i}].prefill"),
+                      decode=_metrics(p.get("decode"), f"prompts[{i}].decode"),
+                      generation=outcome, diverged=diverged, benign=benign,
+                      ref_token=_token(gen.get("ref_token"), diverged),
+                      par_token=_token(gen.get("par_token"), diverged),
+                      token_ids=_token_ids(gen.get("ref_token_id"), gen.get("par_token_id")),
+                      context_ref=_context(gen.get("context_ref")), context_par=_context(gen.get("context_par")),
+                      ref_text=str(gen.get("ref_text", "")), par_text=str(gen.get("par_text", "")))
+
+
+def prompts_view(data: Any) -> tuple[PromptView, ...] | None:
+    views = tuple(_prompt_view(i, p) for i, p in enumerate(_list(data, "prompts")))
+    return views or None
+
+
+def speculator_view(data: Any) -> SpeculatorView | None:
+    section = _dict(data, "speculator")
+    layout = section.get("layout")
+    view = SpeculatorView(facts=facts(section), layout=layout_view(layout) if layout is not None else None,
+                          histogram=acceptance_bars(section.get("histogram"), section.get("reference_histogram")))
+    return view if view.facts.items or view.layout or view.histogram else None
+
+
+def gsm8k_view(data: Any) -> Gsm8kView | None:
+    section = _dict(data, "gsm8k")
+    baseline = section.get("baseline")
+    flips = section.get("flips")
+    view = Gsm8kView(facts=facts(section, skip=("baseline", "flips")),
+                     baseline=facts(_dict(baseline, "gsm8k.baseline")) if baseline is not None else None,
+                     flips=table_view(flips, "gsm8k.flips") if flips is not None else None,
+                     flip_count=len(flips) if isinstance(flips, list) else 0)
+    return view if view.facts.items or view.baseline or view.flips else None

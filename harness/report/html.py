@@ -1,0 +1,206 @@
+"""index.html: one self-contained page (inline CSS and SVG, no script, no URL), all user text escaped.
+
+The first screen answers "can I ship this build?": the headline, a silent-corruption banner naming
+cells and suspects, the matrix (cell x check, coloured by verdict, key number, reason on hover) and
+the provenance. Below it, one <details> drill-down per cell (see details.py for the data it reads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from markupsafe import Markup
+
+from harness import __version__
+from harness.report.details import (
+    Gsm8kView,
+    LayoutView,
+    PromptView,
+    SpeculatorView,
+    gsm8k_view,
+    layout_view,
+    prompts_view,
+    speculator_view,
+)
+from harness.report.logs import clean_log, xml_safe
+from harness.report.matrix import (
+    Matrix,
+    MatrixRow,
+    build_matrix,
+    headline,
+    key_number,
+    localization_text,
+    metrics_text,
+    suspect_text,
+)
+from harness.report.results import summary_counts
+from harness.report.svg import head_heatmap, layer_error_plot
+from harness.verdict import CellResult, CheckResult, Verdict
+
+HTML_FILE = "index.html"
+TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
+_PROVENANCE_KEYS = ("harness_version", "git_commit", "torch_version", "python", "device", "dtypes", "seeds",
+                    "hostname")
+# details written by another harness version may not have the shape this one expects: such a
+# section is replaced by a one-line note instead of breaking the whole report.
+_MALFORMED = (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class BannerItem:
+    label: str
+    anchor: str
+    failed: str
+    suspect: str
+
+
+@dataclass(frozen=True)
+class CheckView:
+    """One check in the drill-down: its scalar metrics and its lists of text (e.g. every problem)."""
+
+    check: CheckResult
+    key: str
+    metrics: tuple[str, ...]
+    lists: tuple[tuple[str, tuple[str, ...]], ...]
+
+
+def check_view(check: CheckResult) -> CheckView:
+    lists = tuple((name, tuple(str(v) for v in value)) for name, value in check.metrics.items()
+                  if isinstance(value, list) and value and all(isinstance(v, str) for v in value))
+    return CheckView(check=check, key=key_number(check), metrics=tuple(metrics_text(check.metrics)), lists=lists)
+
+
+@dataclass(frozen=True)
+class CellView:
+    row: MatrixRow
+    checks: tuple[CheckView, ...]
+    anchor: str
+    expanded: bool
+    first_problem: str
+    localization: str
+    layout: LayoutView | None
+    speculator_layout: LayoutView | None
+    prompts: tuple[PromptView, ...] | None
+    layer_plot: Markup | None
+    head_map: Markup | None
+    speculator: SpeculatorView | None
+    gsm8k: Gsm8kView | None
+    notes: tuple[str, ...]
+
+
+def _section(details: dict[str, Any], key: str, build: Callable[[Any], T | None], notes: list[str]) -> T | None:
+    """build(details[key]); None when the key is absent, a note when its data is malformed."""
+    data = details.get(key)
+    if data is None:
+        return None
+    try:
+        return build(data)
+    except _MALFORMED as exc:
+        notes.append(f"details[{key!r}] could not be shown ({type(exc).__name__}: {exc})")
+        return None
+
+
+def _object(data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise TypeError(f"expected an object, got {type(data).__name__}")
+    return data
+
+
+def _anchor(row: MatrixRow) -> str:
+    return f"cell-{row.index}"
+
+
+def _first_problem(cell: CellResult) -> str:
+    for verdict in (Verdict.FAIL, Verdict.ERROR, Verdict.WARN):
+        for check in cell.checks:
+            if check.verdict is verdict:
+                return f"{check.name}: {check.reason}"
+    return "" if cell.checks else "no checks ran"
+
+
+def cell_view(row: MatrixRow) -> CellView:
+    cell = row.cell
+    notes: list[str] = []
+    details = cell.details if isinstance(cell.details, dict) else {}
+    loc = cell.localization
+    heads = loc.heads if loc else ()
+    return CellView(
+        row=row, checks=tuple(map(check_view, cell.checks)), anchor=_anchor(row),
+        expanded=cell.status in (Verdict.FAIL, Verdict.ERROR),
+        first_problem=_first_problem(cell), localization=localization_text(loc) if loc else "",
+        layout=_section(details, "layout", layout_view, notes),
+        speculator_layout=_section(details, "speculator_layout", layout_view, notes),
+        prompts=_section(details, "prompts", prompts_view, notes),
+        layer_plot=_section(details, "layer_errors",
+                            lambda d: layer_error_plot(_object(d), loc.layer if loc else None), notes),
+        head_map=_section(details, "head_errors", lambda d: head_heatmap(_object(d), heads), notes),
+        speculator=_section(details, "speculator", speculator_view, notes),
+        gsm8k=_section(details, "gsm8k", gsm8k_view, notes),
+        notes=tuple(notes))
+
+
+def banner_items(matrix: Matrix) -> list[BannerItem]:
+    """The silent-corruption cells with their failed checks and suspects."""
+    items = []
+    for row in matrix.rows:
+        cell = row.cell
+        if not cell.silent_corruption:
+            continue
+        failed = ", ".join(c.name for c in cell.checks if c.verdict is Verdict.FAIL)
+        items.append(BannerItem(label=row.label, anchor=_anchor(row), failed=failed, suspect=suspect_text(cell)))
+    return items
+
+
+def _provenance_items(provenance: dict[str, Any]) -> list[tuple[str, str]]:
+    items = []
+    for key in _PROVENANCE_KEYS:
+        if key in provenance:
+            value = provenance[key]
+            items.append((key, ", ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)))
+    return items
+
+
+def _sources(provenance: dict[str, Any]) -> list[str]:
+    sources = provenance.get("sources")
+    if not isinstance(sources, list):
+        return []
+    return [f"{s.get('run_id', '?')} ({s.get('dir', '?')})" for s in sources if isinstance(s, dict)]
+
+
+def _printable(value: Any) -> Any:
+    """Every printed string without control characters (generated text can hold any byte)."""
+    return xml_safe(value) if isinstance(value, str) and not isinstance(value, Markup) else value
+
+
+def _environment() -> Environment:
+    env = Environment(loader=FileSystemLoader(str(TEMPLATES_DIR)), autoescape=True, undefined=StrictUndefined,
+                      trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, finalize=_printable)
+    env.globals.update(clean_log=clean_log)
+    return env
+
+
+def render_html(cells: list[CellResult], provenance: dict[str, Any], run_id: str) -> str:
+    matrix = build_matrix(cells)
+    views = [cell_view(r) for r in matrix.rows]
+    problems = [v for v in views if v.row.cell.status in (Verdict.FAIL, Verdict.ERROR)
+                and not v.row.cell.silent_corruption]
+    page = _environment().get_template("index.html.j2").render(
+        run_id=run_id, head=headline(cells), counts=summary_counts(cells), verdicts=list(Verdict),
+        matrix=matrix, banner=banner_items(matrix), problems=problems, cells=views,
+        provenance=_provenance_items(provenance), command=str(provenance.get("command", "")),
+        sources=_sources(provenance), harness_version=__version__,
+        rendered=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    # No URL of any kind in the file: user text that holds one (a prompt quoting a link) keeps its
+    # look, since the entity renders as '/', but the source never contains '://'.
+    return page.replace("://", ":&#47;&#47;")
+
+
+def write_html(out_dir: Path, cells: list[CellResult], provenance: dict[str, Any], run_id: str) -> Path:
+    path = out_dir / HTML_FILE
+    path.write_text(render_html(cells, provenance, run_id), encoding="utf-8")
+    return path

@@ -1,0 +1,203 @@
+"""The matrix (cell x check) and the headline, shared by the HTML page, summary.md and the terminal.
+
+The number shown in a matrix cell is the check's key number: the metric that
+`metrics["headline"]` names when a check sets it, otherwise the first of KEY_METRICS present
+with a value (None values are skipped).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from harness.fmt import id_ranges
+from harness.verdict import CellResult, CheckResult, Localization, Verdict
+
+KEY_METRICS: tuple[str, ...] = (
+    "max_kl", "kl_max", "kl", "first_divergence", "mean_acceptance", "acceptance", "score", "accuracy",
+    "answer_agreement", "agreement", "mismatches", "max_abs", "max_abs_error", "problems",
+)
+_SHORT: dict[str, str] = {"max_kl": "KL", "kl_max": "KL", "kl": "KL", "first_divergence": "div@",
+                          "mean_acceptance": "acc", "acceptance": "acc", "answer_agreement": "agree",
+                          "max_abs": "max|d|", "max_abs_error": "max|d|"}
+_TOOLTIP_METRICS = 12
+
+
+@dataclass(frozen=True)
+class MatrixCell:
+    """One check of one cell; verdict None where the cell has no such check."""
+
+    verdict: Verdict | None
+    key: str
+    reason: str
+    tooltip: str
+
+
+@dataclass(frozen=True)
+class MatrixRow:
+    index: int
+    cell: CellResult
+    label: str
+    keys: tuple[str, ...]
+    checks: tuple[MatrixCell, ...]
+
+
+@dataclass(frozen=True)
+class Matrix:
+    key_headers: tuple[str, ...]
+    check_names: tuple[str, ...]
+    rows: tuple[MatrixRow, ...]
+
+
+@dataclass(frozen=True)
+class Headline:
+    """The answer to "can I ship this build?": an overall verdict, a title and one sentence."""
+
+    verdict: Verdict
+    title: str
+    text: str
+
+
+def format_number(value: Any) -> str:
+    """A short, readable rendering of a metric value."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return str(value)
+        if value == 0:
+            return "0"
+        if abs(value) < 1e-3 or abs(value) >= 1e5:
+            return f"{value:.2e}"
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return id_ranges(value) if list(value) == sorted(set(value)) else ",".join(map(str, value))
+    return str(value)
+
+
+def is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _key_value(value: Any) -> str | None:
+    """A metric as a key number: a scalar, a non-empty list (its length), a {prompt, position}."""
+    if value is None:
+        return None
+    if is_scalar(value):
+        return format_number(value)
+    if isinstance(value, list):
+        return str(len(value)) if value else None
+    if isinstance(value, dict) and is_scalar(value.get("position")) and value.get("position") is not None:
+        prompt = value.get("prompt")
+        return format_number(value["position"]) + (f" p{format_number(prompt)}" if is_scalar(prompt) else "")
+    return None
+
+
+def key_number(check: CheckResult) -> str:
+    """The check's key number for the matrix, e.g. 'KL 3.2e-01' or 'div@5 p2'; '' when it has none."""
+    named = check.metrics.get("headline")
+    names = [named] if isinstance(named, str) else list(KEY_METRICS)
+    for name in names:
+        text = _key_value(check.metrics.get(name))
+        if text is not None:
+            short = _SHORT.get(name, name)
+            return f"{short}{'' if short.endswith('@') else ' '}{text}"
+    return ""
+
+
+def metrics_text(metrics: dict[str, Any], limit: int | None = None, skip: tuple[str, ...] = ()) -> list[str]:
+    """'name=value' for the scalar metrics and the scalars of nested objects ('bound.limit=...');
+    None values, lists and the 'headline' marker left out."""
+    items: list[str] = []
+    for key, value in metrics.items():
+        if key == "headline" or key in skip:
+            continue
+        if isinstance(value, dict):
+            items += [f"{key}.{k}={format_number(v)}" for k, v in value.items() if v is not None and is_scalar(v)]
+        elif value is not None and is_scalar(value):
+            items.append(f"{key}={format_number(value)}")
+    return items if limit is None else items[:limit]
+
+
+def localization_text(loc: Localization) -> str:
+    """The localization's own summary, or one built from its numbers."""
+    if loc.summary:
+        return loc.summary
+    return (f"layer {loc.layer}: heads {id_ranges(loc.heads)} on ranks {id_ranges(loc.ranks)}, "
+            f"KV heads {id_ranges(loc.kv_heads)}")
+
+
+def suspect_text(cell: CellResult) -> str:
+    """Where a failing cell's corruption is: its localization, else its first failed check."""
+    if cell.localization:
+        return localization_text(cell.localization)
+    failed = [c for c in cell.checks if c.verdict is Verdict.FAIL]
+    return f"not localized; {failed[0].name}: {failed[0].reason}" if failed else "not localized"
+
+
+def _cell_key(cell: CellResult) -> tuple[str, str, str, str | None]:
+    return (cell.suite, cell.model, cell.topology, cell.fault)
+
+
+def cell_labels(cells: list[CellResult]) -> list[str]:
+    """'suite/model/topology[/fault]' per cell, with ' seed N' where a cell ran with several seeds."""
+    seeds: dict[tuple[str, str, str, str | None], set[int]] = defaultdict(set)
+    for c in cells:
+        seeds[_cell_key(c)].add(c.seed)
+    labels = []
+    for c in cells:
+        label = "/".join(p for p in (c.suite, c.model, c.topology, c.fault) if p)
+        labels.append(f"{label} seed {c.seed}" if len(seeds[_cell_key(c)]) > 1 else label)
+    return labels
+
+
+def _matrix_cell(check: CheckResult | None) -> MatrixCell:
+    if check is None:
+        return MatrixCell(verdict=None, key="", reason="", tooltip="not run for this cell")
+    tooltip = "\n".join([f"{check.verdict.value}: {check.reason}", *metrics_text(check.metrics, _TOOLTIP_METRICS)])
+    return MatrixCell(verdict=check.verdict, key=key_number(check), reason=check.reason, tooltip=tooltip)
+
+
+def build_matrix(cells: list[CellResult]) -> Matrix:
+    """Rows in the cells' order; check columns in order of first appearance."""
+    names = list(dict.fromkeys(ch.name for c in cells for ch in c.checks))
+    show = {"suite": len({c.suite for c in cells}) > 1, "model": True, "topology": True,
+            "fault": any(c.fault for c in cells), "seed": len({c.seed for c in cells}) > 1}
+    headers = tuple(h for h, on in show.items() if on)
+    rows = []
+    for i, (cell, label) in enumerate(zip(cells, cell_labels(cells))):
+        values = {"suite": cell.suite, "model": cell.model, "topology": cell.topology,
+                  "fault": cell.fault or "-", "seed": str(cell.seed)}
+        by_name = {ch.name: ch for ch in cell.checks}
+        rows.append(MatrixRow(index=i, cell=cell, label=label, keys=tuple(values[h] for h in headers),
+                              checks=tuple(_matrix_cell(by_name.get(n)) for n in names)))
+    return Matrix(key_headers=headers, check_names=tuple(names), rows=tuple(rows))
+
+
+def headline(cells: list[CellResult]) -> Headline:
+    """The overall verdict of a set of cells, phrased for a release manager."""
+    n = len(cells)
+    count = {v: sum(1 for c in cells if c.status is v) for v in Verdict}
+    silent = sum(1 for c in cells if c.silent_corruption)
+    if count[Verdict.FAIL]:
+        extra = f", {count[Verdict.ERROR]} could not run" if count[Verdict.ERROR] else ""
+        return Headline(Verdict.FAIL, "NOT SHIPPABLE",
+                        f"{count[Verdict.FAIL]} of {n} cells FAIL ({silent} silent corruption){extra}.")
+    if count[Verdict.ERROR]:
+        return Headline(Verdict.ERROR, "INCOMPLETE",
+                        f"{count[Verdict.ERROR]} of {n} cells could not run (ERROR); no check failed "
+                        f"in the cells that ran.")
+    if n == 0 or count[Verdict.SKIP] == n:
+        return Headline(Verdict.SKIP, "NOTHING CHECKED", f"all {n} cells were skipped." if n else "no cells.")
+    if count[Verdict.WARN]:
+        return Headline(Verdict.WARN, "SHIPPABLE WITH WARNINGS",
+                        f"no failures; {count[Verdict.WARN]} of {n} cells warn.")
+    checked = n - count[Verdict.SKIP]
+    return Headline(Verdict.PASS, "SHIPPABLE",
+                    "the one checked cell passes." if checked == 1 else f"all {checked} checked cells pass.")

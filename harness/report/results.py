@@ -1,0 +1,123 @@
+"""results.json: the machine-readable result of a run (or of a merge of runs).
+
+Schema, version RESULTS_SCHEMA_VERSION = 1 (a reader refuses any other version):
+
+    {
+      "schema_version": 1,
+      "run_id": "20250101-120000-dcp",          # the reports/<run-id>/ folder name
+      "created": "2025-01-01T12:00:00+00:00",   # UTC, when this file was written
+      "provenance": {                           # how the numbers were produced
+        "harness_version": "0.1.0", "git_commit": "abc123...", "torch_version": "2.x",
+        "python": "3.11.7", "device": "cpu", "dtypes": ["float32"], "seeds": [0],
+        "command": "harness run --suite dcp --topo tp4dcp4", "hostname": "ci-7",
+        "sources": [...]                        # only after `harness report A B`: each input's
+      },                                        #   {dir, run_id, provenance}
+      "summary": {"cells": 5, "pass": 2, "warn": 0, "fail": 1, "error": 1, "skip": 1,
+                  "silent_corruption": 1},      # cells counted by their status
+      "cells": [                                # one per (suite, model, topology, fault, seed)
+        {
+          "suite": "dcp", "model": "tiny-gqa", "topology": "tp4dcp4",
+          "fault": "dcp-tp-kv-layout" | null, "seed": 0,
+          "status": "PASS" | "WARN" | "FAIL" | "ERROR" | "SKIP",   # the worst check verdict
+          "silent_corruption": true,            # FAIL while every process exited cleanly
+          "clean_exit": true,
+          "localization": {"layer": 0, "heads": [4, 5], "ranks": [1, 3], "kv_heads": [1],
+                           "summary": "layer 0 attention: ..."} | null,
+          "checks": [{"name": "logits", "verdict": "FAIL", "reason": "one line",
+                      "metrics": {"max_kl": 3.2, ...}}],
+          "command": "harness run ...",         # reproduces this cell alone
+          "run_dir": "...", "reference_dir": "...", "wall_s": 12.3,
+          "error_log": "",                      # log tail of a broken run (ERROR cells)
+          "details": {...}                      # drill-down data for the HTML report; its keys
+        }                                       #   are described in harness/report/details.py
+      ]
+    }
+
+Status and silent_corruption are derived from the checks and clean_exit on reading; the file
+stores them so that other tools need not recompute them. Non-finite floats, where a check or
+detail holds one, are written as Python's json writes them (NaN, Infinity, -Infinity).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from harness.jsonio import read_json, write_json
+from harness.cli import EXIT_ERROR, EXIT_FAIL, EXIT_OK
+from harness.errors import ConfigError, RunError
+from harness.verdict import CellResult, Verdict
+
+RESULTS_SCHEMA_VERSION = 1
+RESULTS_FILE = "results.json"
+
+
+class ResultsError(ConfigError):
+    """A missing, corrupt or wrong-version results.json (the CLI exits 2 with this one line)."""
+
+
+def summary_counts(cells: list[CellResult]) -> dict[str, int]:
+    """Cells counted by status, plus how many are silent corruption."""
+    by_status = Counter(c.status for c in cells)
+    counts = {"cells": len(cells)}
+    counts.update({v.value.lower(): by_status.get(v, 0) for v in Verdict})
+    counts["silent_corruption"] = sum(1 for c in cells if c.silent_corruption)
+    return counts
+
+
+def exit_code(cells: list[CellResult]) -> int:
+    """0 when every cell passes, warns or is skipped; 1 on any FAIL; 3 on any ERROR and no FAIL."""
+    statuses = {c.status for c in cells}
+    if Verdict.FAIL in statuses:
+        return EXIT_FAIL
+    if Verdict.ERROR in statuses:
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+def results_document(cells: list[CellResult], provenance: dict[str, Any], run_id: str) -> dict[str, Any]:
+    """The results.json document (see the module docstring)."""
+    return {"schema_version": RESULTS_SCHEMA_VERSION, "run_id": run_id,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "provenance": provenance, "summary": summary_counts(cells),
+            "cells": [c.to_dict() for c in cells]}
+
+
+def write_results(out_dir: Path, cells: list[CellResult], provenance: dict[str, Any], run_id: str) -> Path:
+    """Write out_dir/results.json atomically and return its path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / RESULTS_FILE
+    write_json(path, results_document(cells, provenance, run_id))
+    return path
+
+
+def read_results(run_dir: Path) -> tuple[list[CellResult], dict[str, Any], str]:
+    """Read run_dir/results.json (or the file itself when given one): (cells, provenance, run_id)."""
+    path = run_dir if run_dir.is_file() else run_dir / RESULTS_FILE
+    try:
+        doc = read_json(path)
+    except RunError as exc:
+        raise ResultsError(str(exc)) from exc
+    if not isinstance(doc, dict):
+        raise ResultsError(f"corrupt {path}: the top level is not a JSON object")
+    version = doc.get("schema_version")
+    if version != RESULTS_SCHEMA_VERSION:
+        raise ResultsError(f"{path} has schema_version {version!r}; this harness reads "
+                           f"schema_version {RESULTS_SCHEMA_VERSION}")
+    raw_cells = doc.get("cells")
+    if not isinstance(raw_cells, list):
+        raise ResultsError(f"corrupt {path}: 'cells' is not a list")
+    cells = [_cell_from_dict(path, i, c) for i, c in enumerate(raw_cells)]
+    provenance = doc.get("provenance")
+    return cells, dict(provenance) if isinstance(provenance, dict) else {}, str(doc.get("run_id", path.parent.name))
+
+
+def _cell_from_dict(path: Path, index: int, data: Any) -> CellResult:
+    try:
+        return CellResult.from_dict(data)
+    except KeyError as exc:
+        raise ResultsError(f"corrupt {path}: cell {index} lacks the key {exc.args[0]!r}") from exc
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ResultsError(f"corrupt {path}: cell {index}: {exc}") from exc

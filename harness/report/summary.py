@@ -1,0 +1,84 @@
+"""summary.md: the Markdown summary for CI step pages (headline, counts, matrix, corruption list).
+
+It holds no links; user text is escaped so that it cannot break the table or inject HTML.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from harness.report.matrix import Matrix, build_matrix, headline, suspect_text
+from harness.report.results import summary_counts
+from harness.verdict import CellResult, Verdict
+
+SUMMARY_FILE = "summary.md"
+_MD_SPECIAL = {"\\": "\\\\", "|": "\\|", "`": "\\`", "*": "\\*", "[": "\\[", "]": "\\]",
+               "<": "&lt;", ">": "&gt;", "&": "&amp;"}
+_PROVENANCE_KEYS = ("harness_version", "git_commit", "torch_version", "python", "device", "dtypes", "seeds",
+                    "hostname")
+
+
+def md_escape(text: str) -> str:
+    """Text safe inside a Markdown table cell: one line, no markup, '://' defanged."""
+    out = "".join(_MD_SPECIAL.get(ch, ch) for ch in " ".join(str(text).split()))
+    return out.replace("://", ":&#47;&#47;")
+
+
+def _table(matrix: Matrix) -> list[str]:
+    headers = [*matrix.key_headers, "status", *matrix.check_names]
+    lines = ["| " + " | ".join(md_escape(h) for h in headers) + " |", "|" + "---|" * len(headers)]
+    for row in matrix.rows:
+        status = _verdict(row.cell.status) + (" (silent corruption)" if row.cell.silent_corruption else "")
+        checks = [(_verdict(c.verdict) + (f" {md_escape(c.key)}" if c.key else "")) if c.verdict else "-"
+                  for c in row.checks]
+        lines.append("| " + " | ".join([*(md_escape(k) for k in row.keys), status, *checks]) + " |")
+    return lines
+
+
+def _verdict(v: Verdict) -> str:
+    return f"**{v.value}**" if v in (Verdict.FAIL, Verdict.ERROR) else v.value
+
+
+def _problems(matrix: Matrix) -> list[str]:
+    out: list[str] = []
+    silent = [r for r in matrix.rows if r.cell.silent_corruption]
+    if silent:
+        out += ["", "### Silent corruption", ""]
+        for r in silent:
+            failed = ", ".join(ch.name for ch in r.cell.checks if ch.verdict is Verdict.FAIL)
+            out.append(f"- {md_escape(r.label)} (failed: {md_escape(failed)}): {md_escape(suspect_text(r.cell))}")
+    other = [r for r in matrix.rows
+             if r.cell.status in (Verdict.FAIL, Verdict.ERROR) and not r.cell.silent_corruption]
+    if other:
+        out += ["", "### Other failures and errors", ""]
+        for r in other:
+            bad = [ch for ch in r.cell.checks if ch.verdict in (Verdict.FAIL, Verdict.ERROR)]
+            reason = "; ".join(f"{ch.name}: {ch.reason}" for ch in bad) or "no checks ran"
+            out.append(f"- {md_escape(r.label)} {r.cell.status.value}: {md_escape(reason)}")
+    return out
+
+
+def render_summary(cells: list[CellResult], provenance: dict[str, Any], run_id: str) -> str:
+    matrix = build_matrix(cells)
+    head = headline(cells)
+    counts = summary_counts(cells)
+    count_line = ", ".join(f"{counts[v.value.lower()]} {v.value}" for v in Verdict)
+    prov = " · ".join(f"{k} {md_escape(_plain(provenance[k]))}" for k in _PROVENANCE_KEYS if k in provenance)
+    lines = [f"## Harness report {md_escape(run_id)}: {head.verdict.value}", "",
+             f"**{head.title}**: {md_escape(head.text)}", "",
+             f"{counts['cells']} cells: {count_line}; {counts['silent_corruption']} silent corruption.", "",
+             *_table(matrix), *_problems(matrix)]
+    if prov:
+        lines += ["", f"Provenance: {prov}"]
+    return "\n".join(lines) + "\n"
+
+
+def _plain(value: Any) -> str:
+    return ", ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def write_summary(out_dir: Path, cells: list[CellResult], provenance: dict[str, Any], run_id: str) -> Path:
+    path = out_dir / SUMMARY_FILE
+    path.write_text(render_summary(cells, provenance, run_id), encoding="utf-8")
+    return path

@@ -1,0 +1,243 @@
+"""The matrix flow, written once: plan cells -> reference runs (cached) -> one launch per cell ->
+compare -> CellResults. Stages talk through run directories (harness/artifacts.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from harness import __version__
+from harness.artifacts import RunArtifacts, read_run
+from harness.compare.cell import compare_cell
+from harness.compare.settings import CheckSettings
+from harness.engine.faults import FAULTS, fault_flags
+from harness.engine.tokenizer import Tokenizer, load_tokenizer
+from harness.engine.worker import ENGINE_VERSION, Job
+from harness.errors import ConfigError
+from harness.launch import launch
+from harness.layout import plan_layout
+from harness.paths import PROJECT_ROOT
+from harness.specs.model import ModelSpec
+from harness.specs.suite import Suite
+from harness.specs.topology import Topology
+from harness.verdict import CellResult, CheckResult, Verdict
+
+NOISE_DTYPE = {"float32": "float64", "bfloat16": "float32", "float16": "float32"}
+REFERENCE = Topology(tp=1, name="tp1")
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """What `harness run` was asked to do, resolved and validated."""
+
+    suite: Suite
+    models: tuple[ModelSpec, ...]
+    topologies: tuple[Topology, ...]
+    fault: str | None
+    seeds: tuple[int, ...]
+    out_dir: Path
+    cache_dir: Path
+    device: str = "cpu"
+    timeout_s: float = 900.0
+    collective_timeout_s: float = 120.0
+    pool: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class CellPlan:
+    model: ModelSpec
+    topology: Topology
+    fault: str | None
+    seed: int
+    skip_reason: str | None
+
+    @property
+    def slug(self) -> str:
+        return f"{self.model.name}/{self.topology.name}{'-' + self.fault if self.fault else ''}/seed{self.seed}"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("HARNESS_CACHE_DIR", Path.home() / ".cache" / "llm-parallel-harness"))
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(PROJECT_ROOT), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else ""
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def _engine_source_hash() -> str:
+    """Reference runs are cached by content; the engine's own source is part of that content."""
+    h = hashlib.sha256(ENGINE_VERSION.encode())
+    for path in sorted((PROJECT_ROOT / "harness" / "engine").glob("*.py")) + [PROJECT_ROOT / "harness" / "cases.py"]:
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _weights_key(model: ModelSpec) -> dict[str, Any]:
+    """Identifies the weights without loading them: the spec, plus size and mtime of a weight file."""
+    key: dict[str, Any] = {"spec": model.to_dict()}
+    if model.path:
+        path = Path(model.path)
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        key["files"] = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.exists()]
+    return key
+
+
+def seeded(model: ModelSpec, seed: int) -> ModelSpec:
+    """A run seed also reseeds synthetic weights, so seeds cover different models, not only prompts."""
+    return replace(model, seed=model.seed + seed) if model.source == "synthetic" else model
+
+
+def skip_reason(model: ModelSpec, topo: Topology, fault: str | None) -> str | None:
+    """Why a cell cannot run (model does not split, fault does not apply), or None."""
+    try:
+        plan_layout(model.attention_shape, topo.tp, topo.dcp)
+    except ConfigError as exc:
+        return f"{model.name} does not split at {topo.name}: {exc}"
+    if topo.speculator != "none":
+        return f"{topo.name}: speculative decoding cells are not implemented yet"
+    if fault:
+        try:
+            fault_flags(fault, topo)
+        except ConfigError as exc:
+            return str(exc)
+    return None
+
+
+def plan_cells(req: RunRequest) -> list[CellPlan]:
+    if req.fault and req.fault not in FAULTS:
+        fault_flags(req.fault, REFERENCE)  # raises the did-you-mean error
+    return [CellPlan(m, t, req.fault, seed, skip_reason(m, t, req.fault))
+            for m in req.models for seed in req.seeds for t in req.topologies]
+
+
+class Runner:
+    """Runs a matrix; the reference (and its noise-floor twin) is launched once per (model, seed)."""
+
+    def __init__(self, req: RunRequest, progress: Callable[[str], None] = print) -> None:
+        self.req = req
+        self.progress = progress
+        self._refs: dict[tuple[str, int], tuple[RunArtifacts, RunArtifacts | None]] = {}
+        self._commit = git_commit()
+        self._engine_hash = _engine_source_hash()
+        self._tokenizers: dict[str, Tokenizer] = {}
+
+    def job(self, model: ModelSpec, topo: Topology, fault: str | None, seed: int, out_dir: Path,
+            dtype: str | None = None) -> Job:
+        s = self.req.suite
+        return Job(model=seeded(model, seed).to_dict(), topology=topo.to_dict(), prompts=list(s.prompts), out_dir=str(out_dir),
+                   fault=fault, dtype=dtype, seed=seed, max_new_tokens=s.max_new_tokens,
+                   decode_prefix_tokens=s.decode_prefix_tokens, pool=dict(self.req.pool), device=self.req.device,
+                   collective_timeout_s=self.req.collective_timeout_s, git_commit=self._commit)
+
+    def _cached(self, model: ModelSpec, seed: int, dtype: str) -> RunArtifacts:
+        """A tp1 run of `model` in `dtype`, from the content-keyed cache or launched now."""
+        job = self.job(model, REFERENCE, None, seed, Path("."), dtype)
+        content = {k: v for k, v in job.__dict__.items() if k not in ("out_dir", "git_commit", "collective_timeout_s")}
+        key = hashlib.sha256(json.dumps({"job": content, "weights": _weights_key(model),
+                                         "engine": self._engine_hash}, sort_keys=True, default=str).encode())
+        run_dir = self.req.cache_dir / "runs" / f"{model.name}-tp1-{dtype}-{key.hexdigest()[:16]}"
+        if (run_dir / "manifest.json").exists():
+            cached = read_run(run_dir)
+            if cached.ok:
+                self.progress(f"  reference {model.name} {dtype} seed {seed}: cached ({run_dir})")
+                return cached
+        self.progress(f"  reference {model.name} {dtype} seed {seed}: running")
+        result = launch(Job(**{**job.__dict__, "out_dir": str(run_dir)}), self.req.timeout_s)
+        if not result.ok:
+            raise ReferenceFailed(f"reference run of {model.name} ({dtype}) failed: {result.error}", run_dir)
+        return read_run(run_dir)
+
+    def references(self, model: ModelSpec, seed: int) -> tuple[RunArtifacts, RunArtifacts | None]:
+        key = (model.name, seed)
+        if key not in self._refs:
+            ref = self._cached(model, seed, model.dtype)
+            noise = self._cached(model, seed, NOISE_DTYPE[model.dtype])
+            self._refs[key] = (ref, noise)
+        return self._refs[key]
+
+    def _decoder(self, model: ModelSpec) -> Callable[[Sequence[int]], str]:
+        if model.name not in self._tokenizers:
+            self._tokenizers[model.name] = load_tokenizer(model)
+        return self._tokenizers[model.name].decode
+
+    def command(self, cell: CellPlan) -> str:
+        parts = ["harness", "run", "--suite", self.req.suite.name, "--topo", cell.topology.name,
+                 "--model", cell.model.name, "--seed", str(cell.seed)]
+        if cell.fault:
+            parts += ["--fault", cell.fault]
+        if self.req.device != "cpu":
+            parts += ["--device", self.req.device]
+        return " ".join(parts)
+
+    def run_cell(self, cell: CellPlan) -> CellResult:
+        base = dict(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
+                    fault=cell.fault, seed=cell.seed, command=self.command(cell))
+        if cell.skip_reason:
+            return CellResult(**base, checks=(CheckResult("cell", Verdict.SKIP, cell.skip_reason),), clean_exit=True)
+        try:
+            ref, noise = self.references(cell.model, cell.seed)
+        except ReferenceFailed as exc:
+            return CellResult(**base, checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False,
+                              reference_dir=str(exc.run_dir), error_log=_tails_text(exc.run_dir))
+        run_dir = self.req.out_dir / "runs" / cell.slug
+        result = launch(self.job(cell.model, cell.topology, cell.fault, cell.seed, run_dir), self.req.timeout_s)
+        if not result.ok:
+            return CellResult(**base, checks=(CheckResult("run", Verdict.ERROR, result.error),), clean_exit=False,
+                              run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s,
+                              error_log=format_tails(result.log_tails))
+        par = read_run(run_dir)
+        plan = plan_layout(cell.model.attention_shape, cell.topology.tp, cell.topology.dcp)
+        settings = CheckSettings.from_suite(self.req.suite, cell.model.dtype)
+        checks, loc, details = compare_cell(ref, par, noise, plan, settings, decode=self._decoder(cell.model))
+        return CellResult(**base, checks=tuple(checks), clean_exit=True, localization=loc, run_dir=str(run_dir),
+                          reference_dir=str(ref.path), wall_s=result.wall_s, details=details)
+
+    def run(self) -> list[CellResult]:
+        cells = plan_cells(self.req)
+        results = []
+        for i, cell in enumerate(cells, 1):
+            self.progress(f"[{i}/{len(cells)}] {cell.slug} ...")
+            result = self.run_cell(cell)
+            reason = next((c.reason for c in result.checks if c.verdict is result.status), "")
+            self.progress(f"[{i}/{len(cells)}] {cell.slug}: {result.status.value} ({result.wall_s:.1f} s)"
+                          + (f" - {reason}" if result.status is not Verdict.PASS else ""))
+            results.append(result)
+        return results
+
+    def provenance(self, argv: list[str]) -> dict[str, Any]:
+        import platform
+
+        import torch
+        return {"harness_version": __version__, "git_commit": self._commit, "torch_version": torch.__version__,
+                "python": platform.python_version(), "device": self.req.device,
+                "dtypes": sorted({m.dtype for m in self.req.models}), "seeds": list(self.req.seeds),
+                "command": " ".join(["harness", *argv]), "hostname": platform.node(),
+                "suite": self.req.suite.name, "suite_version": self.req.suite.version, "engine": "reference",
+                "engine_version": ENGINE_VERSION}
+
+
+class ReferenceFailed(Exception):
+    def __init__(self, message: str, run_dir: Path) -> None:
+        super().__init__(message)
+        self.run_dir = run_dir
+
+
+def format_tails(tails: dict[str, str]) -> str:
+    return "\n".join(f"--- {name} ---\n{text}" for name, text in tails.items() if text)
+
+
+def _tails_text(run_dir: Path) -> str:
+    try:
+        return format_tails(json.loads((run_dir / "manifest.json").read_text()).get("log_tails") or {})
+    except (OSError, json.JSONDecodeError):
+        return ""

@@ -1,0 +1,125 @@
+"""`harness run` end to end over real gloo runs: verdicts, faults as silent corruption, exit codes,
+a killed rank as an ERROR cell, and the report files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main
+from harness.engine.worker import INJECT_ENV
+
+SMALL_SUITE = """
+name: small
+version: 1
+models: [tiny-gqa]
+topologies: [tp2, tp2dcp2]
+max_new_tokens: 8
+decode_prefix_tokens: 2
+kv_budget_mib: 4
+max_seq_len: 128
+prompts: ["The capital of France is", "<script>alert(1)</script> & more"]
+checks: {layout: {}, logits: {}, generation: {}}
+"""
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def suite_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("suite") / "small.yaml"
+    path.write_text(SMALL_SUITE)
+    return path
+
+
+def _results(out: Path) -> dict:
+    return json.loads((out / "results.json").read_text())
+
+
+def test_main_command_passes_and_writes_every_report_file(tmp_path: Path, cache_dir: Path) -> None:
+    """The README's main command, as a user runs it (fresh process)."""
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "-m", "harness", "run", "--suite", "dcp", "--topo", "tp4dcp4",
+                           "--out", str(out), "--cache-dir", str(cache_dir)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"report: {out / 'index.html'}" in proc.stdout
+    doc = _results(out)
+    (cell,) = doc["cells"]
+    assert (cell["topology"], cell["status"], cell["silent_corruption"]) == ("tp4dcp4", "PASS", False)
+    assert {c["name"] for c in cell["checks"]} >= {"layout", "logits_prefill", "logits_decode", "generation"}
+    for name in ("index.html", "junit.xml", "summary.md"):
+        assert (out / name).stat().st_size > 0
+
+
+def test_set_runs_each_topology_once_and_the_reference_once(tmp_path: Path, suite_file: Path, cache_dir: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["run", "--suite", str(suite_file), "--topo", "tp2,tp2dcp2,tp2", "--out", str(tmp_path / "a"),
+               "--cache-dir", str(cache_dir)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert [c["topology"] for c in _results(tmp_path / "a")["cells"]] == ["tp2", "tp2dcp2"]
+    assert out.count("reference tiny-gqa float32 seed 0") == 1
+    # a second run reuses the cached reference
+    assert main(["run", "--suite", str(suite_file), "--topo", "tp2", "--out", str(tmp_path / "b"),
+                 "--cache-dir", str(cache_dir)]) == 0
+    assert "float32 seed 0: cached" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("fault", "model", "topo", "heads", "ranks"), [
+    ("dcp-tp-kv-layout", "tiny-gqa", "tp4dcp4", list(range(8)), [0, 1, 2, 3]),
+    ("dcp-lse-merge", "tiny-gqa", "tp4dcp4", list(range(8)), [0, 1, 2, 3]),
+    ("dcp-token-owner", "tiny-gqa", "tp4dcp4", list(range(8)), [0, 1, 2, 3]),
+    # heads=24 kv=6 tp=4: the naive local mapping is wrong for Q heads 2-9 and 14-21 only
+    ("gcd-naive-gqa", "tiny-kv6", "tp4", [2, 3, 4, 5, 6, 7, 8, 9, 14, 15, 16, 17, 18, 19, 20, 21], [0, 1, 2, 3]),
+])
+def test_fault_is_flagged_as_silent_corruption_with_localization(
+        tmp_path: Path, suite_file: Path, cache_dir: Path, fault: str, model: str, topo: str,
+        heads: list[int], ranks: list[int]) -> None:
+    rc = main(["run", "--suite", str(suite_file), "--model", model, "--topo", topo, "--fault", fault,
+               "--out", str(tmp_path), "--cache-dir", str(cache_dir)])
+    assert rc == 1
+    (cell,) = _results(tmp_path)["cells"]
+    assert cell["status"] == "FAIL" and cell["silent_corruption"] is True
+    assert cell["fault"] == fault
+    loc = cell["localization"]
+    assert loc["layer"] == 0 and loc["heads"] == heads and loc["ranks"] == ranks
+    verdicts = {c["name"]: c["verdict"] for c in cell["checks"]}
+    assert verdicts["logits_decode"] == "FAIL"
+    if fault == "dcp-tp-kv-layout":
+        assert verdicts["layout"] == "FAIL" and "KV head ids differ inside DCP group 0" in loc["summary"]
+    if fault == "dcp-token-owner":
+        assert verdicts["logits_prefill"] == "PASS"  # the bug lives in decode only
+    html = (tmp_path / "index.html").read_text()
+    assert "silent" in html.lower() and f"--fault {fault}" in html
+
+
+def test_killed_rank_is_an_error_cell_and_other_cells_complete(tmp_path: Path, suite_file: Path,
+                                                              cache_dir: Path) -> None:
+    env = {**os.environ, INJECT_ENV: "crash:1"}
+    proc = subprocess.run([sys.executable, "-m", "harness", "run", "--suite", str(suite_file), "--topo", "tp1,tp2",
+                           "--out", str(tmp_path), "--cache-dir", str(cache_dir), "--timeout", "120"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    cells = {c["topology"]: c for c in _results(tmp_path)["cells"]}
+    assert cells["tp1"]["status"] == "PASS"
+    assert cells["tp2"]["status"] == "ERROR" and cells["tp2"]["silent_corruption"] is False
+    assert "injected failure: crash on rank 1" in cells["tp2"]["error_log"]
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--suite", "dcp", "--topo", "tp4dcp3", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "dcp=3 does not divide tp=4" in err[0]
+    assert main(["run", "--suite", "dcp", "--topo", "tp4dcp4", "--fault", "dcp-lse-merj",
+                 "--out", str(tmp_path)]) == 2
+    assert "did you mean 'dcp-lse-merge'" in capsys.readouterr().err
+    assert main(["run", "--suite", "nope"]) == 2
