@@ -25,4 +25,4 @@ def read_json(path: Path, error: type[HarnessError] = RunError) -> Any:
     except OSError as exc:
         raise error(f"cannot read {path}: {exc.strerror}") from exc
     except json.JSONDecodeError as exc:
-        raise error(f"corrupt JSON in {path}: {exc}") from exc
+        raise error(f"{path}: invalid JSON: {exc}") from exc

@@ -54,6 +54,19 @@ class DecodePath:
     attn: torch.Tensor
 
 
+def build_batch(seq_ids: Sequence[int], chunks: Sequence[Sequence[int]], starts: Sequence[int],
+                device: torch.device) -> Batch:
+    """Right-padded batch of new tokens `chunks[b]` placed at positions starts[b]...; [B, S] tensors."""
+    width = max(len(c) for c in chunks)
+    ids = torch.zeros((len(chunks), width), dtype=torch.long)
+    valid = torch.zeros((len(chunks), width), dtype=torch.bool)
+    for b, chunk in enumerate(chunks):
+        ids[b, :len(chunk)] = torch.tensor(list(chunk), dtype=torch.long)
+        valid[b, :len(chunk)] = True
+    positions = torch.tensor(list(starts))[:, None] + torch.arange(width)[None, :]  # [B, S]
+    return Batch(tuple(seq_ids), ids.to(device), positions.to(device), valid.to(device))
+
+
 class Engine:
     """The model of one rank, built from full weights and the (possibly faulty) layout plan."""
 
@@ -95,16 +108,7 @@ class Engine:
         return ids
 
     def _batch(self, seq_ids: Sequence[int], chunks: Sequence[Sequence[int]], starts: Sequence[int]) -> Batch:
-        """Right-padded batch of new tokens `chunks[b]` placed at positions starts[b]...; [B, S] tensors."""
-        width = max(len(c) for c in chunks)
-        ids = torch.zeros((len(chunks), width), dtype=torch.long)
-        valid = torch.zeros((len(chunks), width), dtype=torch.bool)
-        for b, chunk in enumerate(chunks):
-            ids[b, :len(chunk)] = torch.tensor(list(chunk), dtype=torch.long)
-            valid[b, :len(chunk)] = True
-        positions = torch.tensor(list(starts))[:, None] + torch.arange(width)[None, :]  # [B, S]
-        dev = self.state.device
-        return Batch(tuple(seq_ids), ids.to(dev), positions.to(dev), valid.to(dev))
+        return build_batch(seq_ids, chunks, starts, self.state.device)
 
     def _forward(self, seq_ids: Sequence[int], chunks: Sequence[Sequence[int]], starts: Sequence[int],
                  capture: Capture | None = None) -> torch.Tensor:
@@ -117,6 +121,32 @@ class Engine:
     def _batches(self, n: int) -> list[range]:
         step = max(1, self.max_batch)
         return [range(i, min(n, i + step)) for i in range(0, n, step)]
+
+    # -- sequence API: speculative decoding drives the target through these ----------------------------
+
+    def open_sequences(self, n: int) -> list[int]:
+        """Register n new, empty sequences in the KV cache; returns their ids."""
+        return self._new_sequences(n)
+
+    def close_sequences(self, seq_ids: Sequence[int]) -> None:
+        """Free the KV blocks of finished sequences."""
+        self._release(seq_ids)
+
+    def extend(self, seq_ids: Sequence[int], chunks: Sequence[Sequence[int]],
+               starts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed tokens chunks[b] at positions starts[b].. of sequence seq_ids[b] through the cache (their
+        K/V is stored). Returns float32 logits [B, S, V] and the last layer's residual stream (before the
+        final norm) [B, S, H], right-padded to the longest chunk."""
+        hidden = self.decoder.hidden(self._batch(seq_ids, chunks, starts))
+        return self.decoder.logits(hidden).float(), hidden
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Roll back: drop the cached K/V of positions >= length of sequence `seq_id`."""
+        self.cache.truncate(seq_id, length)
+
+    def stored_positions(self, seq_id: int) -> list[int]:
+        """Positions whose K/V this rank holds for `seq_id` (its own tokens only, under DCP)."""
+        return list(self.cache.seqs[seq_id].positions)
 
     # -- what a run asks -----------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ class Fault:
     check: str
     description: str
     needs_dcp: bool = False
-    needs_speculator: str = ""
+    needs_speculator: str = ""  # "": none; "any": a draft or MTP speculator; "draft" / "mtp": that kind
 
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
@@ -33,6 +33,16 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("dcp-token-owner", "logits_decode",
           "during decode the new token's K/V is stored on every rank of its DCP group instead of only on its "
           "owner (t % dcp), so the LSE merge counts it several times", needs_dcp=True),
+    Fault("draft-dcp-kv-heads", "speculator_layout",
+          "the speculator's KV heads and KV pool computed with the target's dcp (kv_tp_size = tp // dcp) "
+          "although it is not part of the DCP group: its KV pool is over-allocated (SGLang draft worker, "
+          "CI OOM); output and acceptance unchanged", needs_dcp=True, needs_speculator="any"),
+    Fault("draft-stale-kv", "acceptance",
+          "rejected draft tokens' K/V not rolled back in the speculator's cache, so later proposals attend "
+          "to them: acceptance drops, greedy output stays lossless", needs_speculator="any"),
+    Fault("mtp-wrong-hidden", "acceptance",
+          "the MTP module fed the target's hidden state of the wrong position (t-1 instead of t): "
+          "acceptance drops, greedy output stays lossless", needs_speculator="mtp"),
 )}
 
 
@@ -44,6 +54,9 @@ class FaultFlags:
     naive_gqa: bool = False
     lse_merge_mean: bool = False
     store_on_all_dcp_ranks: bool = False
+    speculator_kv_dcp: bool = False     # draft-dcp-kv-heads: speculator KV split by tp // dcp
+    speculator_stale_kv: bool = False   # draft-stale-kv: no rollback of the speculator's cache
+    mtp_hidden_shift: int = 0           # mtp-wrong-hidden: MTP reads the target hidden this many positions early
 
 
 def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
@@ -55,9 +68,16 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
     fault = FAULTS[name]
     if fault.needs_dcp and topology.dcp == 1:
         raise ConfigError(f"fault {name} needs a DCP topology (dcp > 1), got {topology.name}")
+    wanted = fault.needs_speculator
+    if wanted and (topology.speculator == "none" or wanted not in ("any", topology.speculator)):
+        kind = "a -draft or -mtp" if wanted == "any" else f"a -{wanted}"
+        raise ConfigError(f"fault {name} needs {kind} topology (speculative decoding), got {topology.name}")
     return FaultFlags(
         kv_layout_dcp=1 if name == "dcp-tp-kv-layout" else None,
         naive_gqa=name == "gcd-naive-gqa",
         lse_merge_mean=name == "dcp-lse-merge",
         store_on_all_dcp_ranks=name == "dcp-token-owner",
+        speculator_kv_dcp=name == "draft-dcp-kv-heads",
+        speculator_stale_kv=name == "draft-stale-kv",
+        mtp_hidden_shift=1 if name == "mtp-wrong-hidden" else 0,
     )

@@ -142,11 +142,22 @@ class Decoder:
 
     def forward(self, batch: Batch, capture: Capture | None = None) -> torch.Tensor:
         """Logits [B, S, V] for every new token; stores the new tokens' K/V first."""
+        return self.logits(self.hidden(batch, capture))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and lm_head of last-layer residual states x [B, S, H] -> [B, S, V]."""
+        return rms_norm(x, self.w.norm, self.hyper.norm_eps) @ self.w.lm_head.T
+
+    def hidden(self, batch: Batch, capture: Capture | None = None,
+               embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream after the last layer (before the final norm), [B, S, H], for every new
+        token; stores the new tokens' K/V first. `embeds` [B, S, H] replaces the token embeddings as
+        the first layer's input (an MTP module feeds its projected [hidden; embedding] this way)."""
         slots, stored_mask = self._reserve(batch)
         blk, off, key_pos, key_valid = self._key_index(batch.seq_ids)
         # visible[b, s, l]: key l is stored and not after query s
         visible = key_valid[:, None, :] & (key_pos[:, None, :] <= batch.positions[:, :, None])
-        x = self.w.embed[batch.ids]  # [B, S, H]
+        x = self.w.embed[batch.ids] if embeds is None else embeds  # [B, S, H]
         if capture is not None:
             capture.hidden.append(x)
         for i, layer in enumerate(self.w.layers):
@@ -159,7 +170,7 @@ class Decoder:
             x = x + self.comm.reduce_tp((F.silu(h @ layer.gate.T) * (h @ layer.up.T)) @ layer.down.T)
             if capture is not None:
                 capture.hidden.append(x)
-        return rms_norm(x, self.w.norm, self.hyper.norm_eps) @ self.w.lm_head.T
+        return x
 
     def _reserve(self, batch: Batch) -> tuple[list[tuple[int, int]], torch.Tensor]:
         """Cache slots for the new tokens this rank stores: all under TP; under DCP its own tokens
