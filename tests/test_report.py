@@ -193,7 +193,7 @@ def test_results_round_trip(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("content, message", [
-    ("{not json", "corrupt JSON"),
+    ("{not json", "invalid JSON"),
     ("[1, 2]", "not a JSON object"),
     ('{"schema_version": 99, "cells": []}', "schema_version 99"),
     ('{"cells": []}', "schema_version None"),

@@ -114,6 +114,6 @@ def test_subprocess_merge_exit_codes(tmp_path: Path) -> None:
     assert _harness(str(clean), "--out", str(tmp_path / "o3"), cwd=tmp_path).returncode == 0
     (tmp_path / "crashed" / "results.json").write_text("not json")
     bad = _harness(str(clean), str(crashed), cwd=tmp_path)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "corrupt JSON" in bad.stderr
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "invalid JSON" in bad.stderr
     merged = json.loads((tmp_path / "o1" / "results.json").read_text())
     assert merged["summary"]["fail"] == 1 and merged["summary"]["silent_corruption"] == 1
