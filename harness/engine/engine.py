@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from harness.engine.faults import FaultFlags
+from harness.errors import ConfigError
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.model import Batch, Capture, Decoder, Hyper
 from harness.engine.parallel import ParallelState
@@ -100,6 +101,13 @@ class Engine:
 
     # -- building blocks ---------------------------------------------------------------------------
 
+    def check_lengths(self, lengths: Sequence[int]) -> None:
+        """A sequence longer than a pool slot would exhaust the pool mid-run: say so up front."""
+        longest = max(lengths, default=0)
+        if longest > self.pool.max_seq_len:
+            raise ConfigError(f"a sequence of {longest} tokens exceeds max_seq_len={self.pool.max_seq_len} "
+                              f"of the KV pool slots; raise --max-seq-len (or the suite's max_seq_len)")
+
     def _new_sequences(self, n: int) -> list[int]:
         ids = list(range(self._next_seq, self._next_seq + n))
         self._next_seq += n
@@ -153,6 +161,7 @@ class Engine:
     @torch.no_grad()
     def prefill_logits(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Logits [T_i, V] of each whole sequence from one batched prefill forward."""
+        self.check_lengths([len(s) for s in sequences])
         out: list[torch.Tensor] = []
         for part in self._batches(len(sequences)):
             seqs = [sequences[i] for i in part]
@@ -166,6 +175,7 @@ class Engine:
     def decode_path(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
                     probes: Sequence[Sequence[int]]) -> list[DecodePath]:
         """Prefill each sequence's first starts[i] tokens, then feed the rest one token per step."""
+        self.check_lengths([len(s) for s in sequences])
         out: list[DecodePath] = []
         for part in self._batches(len(sequences)):
             out += self._decode_batch([sequences[i] for i in part], [starts[i] for i in part],
@@ -203,6 +213,7 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_k: int = 5,
                  stop_token_ids: frozenset[int] = frozenset()) -> Generation:
         """Greedy generation, batched; a sequence stops at a stop token or after max_new_tokens."""
+        self.check_lengths([len(p) + max_new_tokens for p in prompts])
         tokens: list[list[int]] = []
         topk_ids: list[torch.Tensor] = []
         topk_lp: list[torch.Tensor] = []
@@ -216,8 +227,9 @@ class Engine:
     def _generate_batch(self, prompts: list[Sequence[int]], max_new: int, top_k: int,
                         stop: frozenset[int]) -> Generation:
         ids = self._new_sequences(len(prompts))
-        logits = self._forward(ids, prompts, [0] * len(prompts))
-        last = torch.stack([logits[b, len(p) - 1] for b, p in enumerate(prompts)])  # [B, V]
+        hidden = self.decoder.hidden(self._batch(ids, prompts, [0] * len(prompts)))  # [B, S, H]
+        last_hidden = torch.stack([hidden[b, len(p) - 1] for b, p in enumerate(prompts)])  # [B, H]
+        last = self.decoder.logits(last_hidden[:, None])[:, 0].float()  # [B, V]: only the last position
         new: list[list[int]] = [[] for _ in prompts]
         tk_ids: list[list[torch.Tensor]] = [[] for _ in prompts]
         tk_lp: list[list[torch.Tensor]] = [[] for _ in prompts]

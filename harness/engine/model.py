@@ -108,11 +108,21 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     idx = torch.tensor(kv_index, device=k.device)
     k_sel, v_sel = k[:, :, idx], v[:, :, idx]  # [B, L, Hq, hd]
     scores = torch.einsum("bshd,blhd->bhsl", q, k_sel) / (q.shape[-1] ** 0.5)
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    scores.masked_fill_(~mask[:, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, Hq, S]
-    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
     out = torch.einsum("bhsl,blhd->bshd", probs, v_sel)
     return out, lse.transpose(1, 2)
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    kv_index: tuple[int, ...]) -> torch.Tensor:
+    """local_attention's output without the LSE (no merge needs it), through torch's fused kernel."""
+    idx = torch.tensor(kv_index, device=k.device)
+    # [B, S|L, H, hd] -> [B, H, S|L, hd] for scaled_dot_product_attention
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k[:, :, idx].transpose(1, 2),
+                                         v[:, :, idx].transpose(1, 2), attn_mask=mask[:, None])
+    return out.transpose(1, 2).nan_to_num(0.0)  # [B, S, Hq, hd]; fully masked (padding) rows -> 0
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor, mean: bool = False) -> torch.Tensor:
@@ -217,12 +227,11 @@ class Decoder:
         self.cache.write(i, slots, k[stored], v[stored])
         blk, off = index
         k_all, v_all = self.cache.k[i][blk, off], self.cache.v[i][blk, off]  # [B, L, Hkv_local, hd]
+        if self.comm.dcp == 1:
+            return fused_attention(q, k_all, v_all, visible, hm.group_q_to_local_kv)
         group_q = self.comm.gather_dcp(q, dim=2)  # [B, S, dcp * Hq_local, hd], member order
         out, lse = local_attention(group_q, k_all, v_all, visible, hm.group_q_to_local_kv)
-        if self.comm.dcp > 1:
-            merged = merge_partials(self.comm.stack_dcp(out), self.comm.stack_dcp(lse), self.flags.lse_merge_mean)
-        else:
-            merged = out
+        merged = merge_partials(self.comm.stack_dcp(out), self.comm.stack_dcp(lse), self.flags.lse_merge_mean)
         lo, hi = hm.own_slice
         return merged[:, :, lo:hi]
 

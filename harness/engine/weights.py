@@ -50,7 +50,48 @@ def weights_hash(weights: dict[str, torch.Tensor]) -> str:
 
 def check_weights(spec: ModelSpec, weights: dict[str, torch.Tensor], path: Path) -> None:
     """One ConfigError naming the checkpoint when a tensor is missing, unexpected or of the wrong shape."""
+    check_shapes(spec, {name: tuple(t.shape) for name, t in weights.items()}, path)
+
+
+def validate_checkpoint(spec: ModelSpec) -> None:
+    """The cheap check before any rank starts: every tensor's name and shape from the file headers
+    (safetensors metadata, GGUF tensor infos), without reading or dequantizing the data."""
+    if spec.source != "synthetic":
+        path = checkpoint_path(spec)
+        check_shapes(spec, checkpoint_shapes(spec, path), path)
+
+
+def checkpoint_shapes(spec: ModelSpec, path: Path) -> dict[str, Shape]:
+    """Canonical name -> shape of every tensor in a checkpoint, read from headers only."""
+    shapes: dict[str, Shape] = {}
+    if spec.source == "hf":
+        from safetensors import SafetensorError, safe_open
+        if not path.is_dir():
+            raise ConfigError(f"checkpoint folder {path} does not exist")
+        hf_config(path)
+        for file in safetensors_files(path):
+            try:
+                with safe_open(str(file), framework="pt") as handle:
+                    for key in handle.keys():
+                        name = _canonical_hf(spec, key, file)
+                        if name is not None:
+                            shapes[name] = tuple(handle.get_slice(key).get_shape())
+            except (SafetensorError, OSError) as exc:
+                raise ConfigError(f"{file}: not a readable safetensors file: {exc}") from exc
+        return shapes
+    reader = open_gguf(path)
+    arch = architecture(reader)
+    for tensor in reader.tensors:
+        name = _gguf_canonical(tensor.name, arch, path)
+        if name is not None:
+            shapes[name] = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+    return shapes
+
+
+def check_shapes(spec: ModelSpec, shapes: dict[str, Shape], path: Path) -> None:
+    """One ConfigError naming the checkpoint when a tensor is missing, unexpected or of the wrong shape."""
     expected = expected_shapes(spec)
+    weights = shapes
     missing = [name for name in expected if name not in weights]
     if missing:
         raise ConfigError(f"checkpoint {path}: missing tensor {missing[0]!r} "
@@ -60,8 +101,8 @@ def check_weights(spec: ModelSpec, weights: dict[str, torch.Tensor], path: Path)
         raise ConfigError(f"checkpoint {path}: unexpected tensor {unexpected[0]!r} for model {spec.name!r} "
                           f"(qkv_bias={spec.qkv_bias}, tied_embeddings={spec.tied_embeddings})")
     for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
-            raise shape_error(spec, name, tuple(weights[name].shape), path)
+        if tuple(weights[name]) != shape:
+            raise shape_error(spec, name, tuple(weights[name]), path)
 
 
 def shape_error(spec: ModelSpec, name: str, shape: Shape, path: Path) -> ConfigError:
