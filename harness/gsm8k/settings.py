@@ -1,0 +1,67 @@
+"""A suite's `gsm8k:` settings, parsed once into a frozen, self-validating spec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from harness.errors import ConfigError
+from harness.gsm8k.records import FILTERS, STRICT
+from harness.gsm8k.stats import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DETECT_DROP
+from harness.specs.loader import build, did_you_mean, expect_int
+
+
+@dataclass(frozen=True)
+class GSM8KSettings:
+    """How one suite runs and gates GSM8K. Scores, drops and agreements are fractions in 0..1.
+
+    task: lm-eval variant (gsm8k, gsm8k_cot, ...); limit: first N test questions (None: all 1319);
+    num_fewshot: None keeps the variant's count; chat_template: render prompts with the model's
+    chat template (instruct models); filter: the lm-eval filter whose score is gated and compared;
+    alpha, beta, sigma: the baseline gate (sigma None: from the measured score); detect_drop: the
+    drop the gate must be able to detect, else WARN; min_answer_agreement: the paired check fails
+    below this fraction of equal extracted answers.
+    """
+
+    task: str = "gsm8k"
+    limit: int | None = None
+    num_fewshot: int | None = None
+    chat_template: bool = False
+    fewshot_as_multiturn: bool = False
+    max_new_tokens: int = 256
+    batch_size: int = 8
+    filter: str = STRICT
+    alpha: float = DEFAULT_ALPHA
+    beta: float = DEFAULT_BETA
+    sigma: float | None = None
+    detect_drop: float = DEFAULT_DETECT_DROP
+    min_answer_agreement: float = 0.9
+
+    def __post_init__(self) -> None:
+        where = "gsm8k settings"
+        if self.limit is not None:
+            expect_int(where, "limit", self.limit, minimum=1)
+        if self.num_fewshot is not None:
+            expect_int(where, "num_fewshot", self.num_fewshot, minimum=0)
+        expect_int(where, "max_new_tokens", self.max_new_tokens, minimum=1)
+        expect_int(where, "batch_size", self.batch_size, minimum=1)
+        if self.filter not in FILTERS:
+            raise ConfigError(f"{where}: filter={self.filter!r} is not one of {', '.join(FILTERS)}"
+                              f"{did_you_mean(self.filter, FILTERS)}")
+        for name in ("alpha", "beta", "detect_drop", "min_answer_agreement"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+                raise ConfigError(f"{where}: {name}={value!r} must be a fraction in (0, 1]")
+        if self.alpha >= 1.0 or self.beta >= 1.0:
+            raise ConfigError(f"{where}: alpha={self.alpha} and beta={self.beta} must be < 1")
+        if self.sigma is not None and (isinstance(self.sigma, bool) or not isinstance(self.sigma, (int, float))
+                                       or not 0.0 < self.sigma <= 0.5):
+            raise ConfigError(f"{where}: sigma={self.sigma!r} must be in (0, 0.5] (a Bernoulli sigma on 0..1)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+def gsm8k_settings(data: Mapping[str, Any] | None, where: str = "gsm8k settings") -> GSM8KSettings:
+    """Parse a suite's `gsm8k:` mapping (unknown keys rejected with 'did you mean')."""
+    return build(GSM8KSettings, where, dict(data or {}))

@@ -1,0 +1,53 @@
+"""A suite's gsm8k settings, and the paired check built from them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from harness.errors import ConfigError
+from harness.gsm8k.checks import PAIRED_CHECK, paired_check
+from harness.gsm8k.records import FLEXIBLE, STRICT
+from harness.gsm8k.settings import GSM8KSettings, gsm8k_settings
+from harness.verdict import Verdict
+
+
+def test_defaults_and_parse() -> None:
+    s = gsm8k_settings({"task": "gsm8k_cot", "limit": 50, "filter": FLEXIBLE, "detect_drop": 0.1})
+    assert (s.task, s.limit, s.filter, s.detect_drop, s.alpha, s.beta, s.sigma) == \
+        ("gsm8k_cot", 50, FLEXIBLE, 0.1, 0.05, 0.2, None)
+    assert gsm8k_settings(None) == GSM8KSettings()
+    assert gsm8k_settings(s.to_dict()) == s
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"limt": 5}, "did you mean 'limit'"),
+    ({"limit": 0}, "limit=0 must be >= 1"),
+    ({"filter": "strict"}, "did you mean 'strict-match'"),
+    ({"alpha": 5}, "alpha=5 must be a fraction"),
+    ({"detect_drop": 5.0}, "detect_drop=5.0 must be a fraction"),
+    ({"sigma": 50}, "sigma=50 must be in"),
+    ({"batch_size": True}, "batch_size must be an integer"),
+])
+def test_bad_settings(data: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        gsm8k_settings(data)
+
+
+def _comparison(n: int, b: int, c: int, p: float, agree: float) -> dict[str, Any]:
+    return {"n": n, "filter": STRICT, "ref_score": 0.5, "par_score": 0.5 - (b - c) / n, "answer_agreement": agree,
+            "generation_agreement": agree, "b": b, "c": c, "p_value": p, "flips": []}
+
+
+def test_paired_check_pass_fail() -> None:
+    settings = GSM8KSettings()
+    ok = paired_check(_comparison(100, 0, 0, 1.0, 1.0), settings)
+    assert ok.name == PAIRED_CHECK and ok.verdict is Verdict.PASS
+    noisy = paired_check(_comparison(100, 2, 1, 1.0, 0.97), settings)
+    assert noisy.verdict is Verdict.PASS and "within noise" in noisy.reason
+    worse = paired_check(_comparison(100, 8, 0, 0.0078125, 0.92), settings)
+    assert worse.verdict is Verdict.FAIL and "significantly worse" in worse.reason
+    scrambled = paired_check(_comparison(20, 1, 1, 1.0, 0.5), settings)
+    assert scrambled.verdict is Verdict.FAIL and "answers disagree" in scrambled.reason
+    assert scrambled.metrics["answer_agreement"] == 0.5
