@@ -18,6 +18,9 @@ from harness.compare.settings import CheckSettings
 from harness.engine.faults import FAULTS, fault_flags
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
 from harness.engine.worker import ENGINE_VERSION, Job
+from harness.baseline import BASELINES_DIR
+from harness.gsm8k.cell import gsm8k_checks
+from harness.gsm8k.settings import GSM8KSettings
 from harness.errors import ConfigError
 from harness.launch import launch
 from harness.layout import plan_layout
@@ -46,6 +49,9 @@ class RunRequest:
     timeout_s: float = 900.0
     collective_timeout_s: float = 120.0
     pool: tuple[tuple[str, int], ...] = ()
+    gsm8k: GSM8KSettings | None = None
+    gsm8k_data: str | None = None
+    baselines_dir: Path = BASELINES_DIR
 
 
 @dataclass(frozen=True)
@@ -133,11 +139,14 @@ class Runner:
 
     def job(self, model: ModelSpec, topo: Topology, fault: str | None, seed: int, out_dir: Path,
             dtype: str | None = None) -> Job:
-        s = self.req.suite
-        return Job(model=seeded(model, seed).to_dict(), topology=topo.to_dict(), prompts=list(s.prompts), out_dir=str(out_dir),
-                   fault=fault, dtype=dtype, seed=seed, max_new_tokens=s.max_new_tokens,
-                   decode_prefix_tokens=s.decode_prefix_tokens, pool=dict(self.req.pool), device=self.req.device,
-                   collective_timeout_s=self.req.collective_timeout_s, git_commit=self._commit)
+        s, req = self.req.suite, self.req
+        in_model_dtype = dtype in (None, model.dtype)  # the noise-floor twin skips GSM8K
+        gsm8k = ({"settings": req.gsm8k.to_dict(), "data_path": req.gsm8k_data}
+                 if req.gsm8k is not None and in_model_dtype else None)
+        return Job(model=seeded(model, seed).to_dict(), topology=topo.to_dict(), prompts=list(s.prompts),
+                   out_dir=str(out_dir), fault=fault, dtype=dtype, seed=seed, max_new_tokens=s.max_new_tokens,
+                   decode_prefix_tokens=s.decode_prefix_tokens, pool=dict(req.pool), device=req.device,
+                   collective_timeout_s=req.collective_timeout_s, git_commit=self._commit, gsm8k=gsm8k)
 
     def _cached(self, model: ModelSpec, seed: int, dtype: str) -> RunArtifacts:
         """A tp1 run of `model` in `dtype`, from the content-keyed cache or launched now."""
@@ -199,6 +208,11 @@ class Runner:
         plan = plan_layout(cell.model.attention_shape, cell.topology.tp, cell.topology.dcp)
         settings = CheckSettings.from_suite(self.req.suite, cell.model.dtype)
         checks, loc, details = compare_cell(ref, par, noise, plan, settings, decode=self._decoder(cell.model))
+        if self.req.gsm8k is not None:
+            gsm8k_checks_, details["gsm8k"] = gsm8k_checks(ref.path, run_dir, self.req.gsm8k, self.req.suite.name,
+                                                          cell.model.name, cell.topology.name, str(self.req.out_dir),
+                                                          self.req.baselines_dir)
+            checks += gsm8k_checks_
         return CellResult(**base, checks=tuple(checks), clean_exit=True, localization=loc, run_dir=str(run_dir),
                           reference_dir=str(ref.path), wall_s=result.wall_s, details=details)
 

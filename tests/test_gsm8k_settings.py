@@ -51,3 +51,14 @@ def test_paired_check_pass_fail() -> None:
     scrambled = paired_check(_comparison(20, 1, 1, 1.0, 0.5), settings)
     assert scrambled.verdict is Verdict.FAIL and "answers disagree" in scrambled.reason
     assert scrambled.metrics["answer_agreement"] == 0.5
+
+
+def test_paired_check_fails_on_generation_disagreement_with_equal_answers() -> None:
+    """A small model whose answers never parse agrees on '[invalid]' everywhere: the generations
+    still expose a broken parallel run (the SmolLM2 tp3dcp3 KV-layout bug looks exactly like this)."""
+    settings = GSM8KSettings()
+    same_answers = {**_comparison(10, 0, 0, 1.0, 1.0), "generation_agreement": 0.0}
+    broken = paired_check(same_answers, settings)
+    assert broken.verdict is Verdict.FAIL and "generations disagree" in broken.reason
+    mostly_same = {**_comparison(10, 0, 0, 1.0, 1.0), "generation_agreement": 0.9}
+    assert paired_check(mostly_same, settings).verdict is Verdict.PASS

@@ -8,11 +8,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.baseline import BASELINES_DIR
 from harness.errors import ConfigError
 from harness.paths import REPORTS_DIR
 from harness.runner import RunRequest, Runner, default_cache_dir
 from harness.specs.model import load_model
-from harness.specs.suite import load_suite
+from harness.gsm8k.data import resolve_source
+from harness.gsm8k.settings import gsm8k_settings
+from harness.specs.suite import load_suite, with_profile
 from harness.specs.topology import load_catalog
 
 MIB = 1024 ** 2
@@ -30,6 +33,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--kv-budget-mib", type=int, default=None, help="KV pool budget per rank, MiB (default: suite's)")
     p.add_argument("--max-seq-len", type=int, default=None, help="tokens per KV sequence slot (default: suite's)")
+    p.add_argument("--profile", default=None, help="a profile of the suite (e.g. nightly) overriding its settings")
+    p.add_argument("--gsm8k-path", default=None, help="folder with GSM8K test.jsonl/train.jsonl "
+                   "(default: $HARNESS_GSM8K_PATH, else the hub through datasets)")
+    p.add_argument("--baselines-dir", type=Path, default=BASELINES_DIR, help="stored GSM8K baselines (default: baselines/)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a launch is killed")
     p.add_argument("--collective-timeout", type=float, default=120.0, help="seconds before a collective fails")
     p.add_argument("--cache-dir", type=Path, default=None, help="reference-run cache (default: $HARNESS_CACHE_DIR "
@@ -42,7 +49,7 @@ def run_id(suite: str) -> str:
 
 
 def build_request(args: argparse.Namespace) -> RunRequest:
-    suite = load_suite(args.suite)
+    suite = with_profile(load_suite(args.suite), args.profile)
     catalog = load_catalog()
     topologies = catalog.resolve(args.topo or ",".join(suite.topologies), all_names=suite.topologies)
     models = (load_model(args.model),) if args.model else tuple(load_model(m) for m in suite.models)
@@ -50,11 +57,17 @@ def build_request(args: argparse.Namespace) -> RunRequest:
     max_seq_len = suite.max_seq_len if args.max_seq_len is None else args.max_seq_len
     if budget_mib <= 0 or max_seq_len <= 0:
         raise ConfigError(f"--kv-budget-mib={budget_mib} and --max-seq-len={max_seq_len} must be > 0")
+    gsm8k = gsm8k_settings(suite.gsm8k, f"suite {suite.name}: gsm8k") if suite.gsm8k else None
+    gsm8k_data = None
+    if gsm8k is not None:  # resolved here so a bad path is one error before any rank starts
+        folder = resolve_source(args.gsm8k_path).folder
+        gsm8k_data = str(folder) if folder else None
     return RunRequest(
         suite=suite, models=models, topologies=tuple(topologies), fault=args.fault,
         seeds=tuple(args.seed) if args.seed else suite.seeds, out_dir=Path(args.out or REPORTS_DIR / run_id(suite.name)),
         cache_dir=args.cache_dir or default_cache_dir(), device=args.device, timeout_s=args.timeout,
-        collective_timeout_s=args.collective_timeout,
+        collective_timeout_s=args.collective_timeout, gsm8k=gsm8k, gsm8k_data=gsm8k_data,
+        baselines_dir=args.baselines_dir,
         pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)))
 
 

@@ -8,7 +8,8 @@ import torch
 
 from harness.engine.engine import Engine, PoolSettings
 from harness.engine.parallel import ParallelState
-from harness.engine.tokenizer import Tokenizer, load_tokenizer
+from harness.engine.generator import EngineGenerator
+from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights
 from harness.specs.model import ModelSpec
 
@@ -19,18 +20,12 @@ def reference_logits(spec: ModelSpec, weights: dict[str, torch.Tensor], ids: lis
     return engine.prefill_logits([ids])[0]
 
 
-class LocalGenerator:
+class LocalGenerator(EngineGenerator):
     """Greedy batched generation at tp1 in this process (the GSM8K LM's generator protocol)."""
 
-    rank = 0
-    world_size = 1
-
     def __init__(self, spec: ModelSpec, pool: PoolSettings = PoolSettings(), device: str = "cpu") -> None:
-        self.tokenizer: Tokenizer = load_tokenizer(spec)
-        self.engine = Engine(spec, load_weights(spec), ParallelState.single(device), pool=pool)
-
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: set[int]) -> list[list[int]]:
-        return self.engine.generate(prompts, max_new_tokens, stop_token_ids=frozenset(stop_token_ids)).tokens
+        super().__init__(Engine(spec, load_weights(spec), ParallelState.single(device), pool=pool),
+                         load_tokenizer(spec))
 
 
 def greedy(spec: ModelSpec, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:

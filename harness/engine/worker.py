@@ -15,12 +15,14 @@ from typing import Any
 import torch
 
 from harness import __version__
-from harness.artifacts import Case, read_json, write_run
+from harness.artifacts import Case, write_run
+from harness.gsm8k.cell import RESULT_FILE as GSM8K_FILE
+from harness.jsonio import read_json, write_json
 from harness.cases import build_cases
 from harness.engine.engine import Engine, PoolSettings
 from harness.engine.faults import fault_flags
 from harness.engine.parallel import ParallelState
-from harness.engine.tokenizer import load_tokenizer
+from harness.engine.tokenizer import Tokenizer, load_tokenizer
 from harness.engine.weights import load_weights, weights_hash
 from harness.specs.model import model_from_dict
 from harness.specs.topology import Topology
@@ -47,6 +49,7 @@ class Job:
     device: str = "cpu"
     collective_timeout_s: float = 60.0
     git_commit: str = ""
+    gsm8k: dict[str, Any] | None = None
 
     @classmethod
     def load(cls, path: Path) -> "Job":
@@ -66,6 +69,16 @@ def _inject_failure(rank: int) -> None:
             time.sleep(10 ** 6)
 
 
+def _run_gsm8k(job: Job, engine: Engine, tokenizer: Tokenizer) -> dict[str, Any] | None:
+    """GSM8K through lm-eval on this engine, in lockstep on every rank (lm-eval imported only here)."""
+    if not job.gsm8k:
+        return None
+    from harness.gsm8k.engine_eval import evaluate_engine
+    from harness.gsm8k.settings import gsm8k_settings
+    settings = gsm8k_settings(job.gsm8k["settings"])
+    return evaluate_engine(engine, tokenizer, settings, job.gsm8k.get("data_path")).to_dict()
+
+
 def run_job(job: Job) -> None:
     t0 = time.time()
     topo = Topology(tp=job.topology["tp"], dcp=job.topology["dcp"], name=job.topology["name"])
@@ -82,6 +95,7 @@ def run_job(job: Job) -> None:
     prefill = engine.prefill_logits(sequences)
     decode = engine.decode_path(sequences, [c.decode_start for c in cases], [c.probe_positions for c in cases])
     gen = engine.generate([list(c.prompt_ids) for c in cases], job.max_new_tokens, job.top_k)
+    gsm8k = _run_gsm8k(job, engine, tokenizer)
     t_run = time.time()
     layouts = state.gather_objects(engine.layout_report())
     if state.rank == 0:
@@ -104,6 +118,8 @@ def run_job(job: Job) -> None:
             "wall_s": {"init": t_init - t0, "load": t_load - t_init, "run": t_run - t_load,
                        "total": time.time() - t0},
         }
+        if gsm8k is not None:
+            write_json(Path(job.out_dir) / GSM8K_FILE, gsm8k)
         write_run(Path(job.out_dir), manifest, layout, done, tensors)
     state.barrier()
     state.shutdown()

@@ -11,8 +11,9 @@ PAIRED_CHECK = "gsm8k_paired"
 
 
 def paired_check(comparison: Mapping[str, Any], settings: GSM8KSettings) -> CheckResult:
-    """FAIL when the parallel run is significantly worse (exact McNemar p < alpha with b > c) or its
-    extracted answers agree with the reference's on fewer than `min_answer_agreement` of the questions.
+    """FAIL when the parallel run is significantly worse (exact McNemar p < alpha with b > c), or its
+    extracted answers agree with the reference's on fewer than `min_answer_agreement` of the questions,
+    or its greedy generations are identical on fewer than `min_generation_agreement` of them.
 
     `comparison` is `stats.paired_comparison`'s result; it becomes the check's metrics (flips included).
     """
@@ -27,6 +28,10 @@ def paired_check(comparison: Mapping[str, Any], settings: GSM8KSettings) -> Chec
     if agree < settings.min_answer_agreement:
         return CheckResult(PAIRED_CHECK, Verdict.FAIL,
                            f"answers disagree with the reference beyond {settings.min_answer_agreement:.0%} "
+                           f"agreement: {numbers}", dict(comparison))
+    if gen_agree < settings.min_generation_agreement:
+        return CheckResult(PAIRED_CHECK, Verdict.FAIL,
+                           f"generations disagree with the reference beyond {settings.min_generation_agreement:.0%} "
                            f"agreement: {numbers}", dict(comparison))
     if b or c:
         return CheckResult(PAIRED_CHECK, Verdict.PASS, f"flips within noise: {numbers}", dict(comparison))

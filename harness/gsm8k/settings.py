@@ -20,7 +20,9 @@ class GSM8KSettings:
     chat template (instruct models); filter: the lm-eval filter whose score is gated and compared;
     alpha, beta, sigma: the baseline gate (sigma None: from the measured score); detect_drop: the
     drop the gate must be able to detect, else WARN; min_answer_agreement: the paired check fails
-    below this fraction of equal extracted answers.
+    below this fraction of equal extracted answers; min_generation_agreement: ... or below this fraction
+    of identical greedy generations (vLLM's MTP rule: 80%; small models' answers often all fail to
+    parse, so equal answers alone can hide a broken run).
     """
 
     task: str = "gsm8k"
@@ -36,6 +38,7 @@ class GSM8KSettings:
     sigma: float | None = None
     detect_drop: float = DEFAULT_DETECT_DROP
     min_answer_agreement: float = 0.9
+    min_generation_agreement: float = 0.8
 
     def __post_init__(self) -> None:
         where = "gsm8k settings"
@@ -48,7 +51,7 @@ class GSM8KSettings:
         if self.filter not in FILTERS:
             raise ConfigError(f"{where}: filter={self.filter!r} is not one of {', '.join(FILTERS)}"
                               f"{did_you_mean(self.filter, FILTERS)}")
-        for name in ("alpha", "beta", "detect_drop", "min_answer_agreement"):
+        for name in ("alpha", "beta", "detect_drop", "min_answer_agreement", "min_generation_agreement"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
                 raise ConfigError(f"{where}: {name}={value!r} must be a fraction in (0, 1]")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -71,6 +71,26 @@ class Suite:
         return {"name": self.name, "version": self.version, "models": list(self.models),
                 "topologies": list(self.topologies), "reference": self.reference, "seeds": list(self.seeds),
                 "max_new_tokens": self.max_new_tokens, "checks": dict(self.checks)}
+
+
+PROFILE_KEYS: tuple[str, ...] = ("gsm8k", "max_new_tokens", "max_seq_len", "kv_budget_mib", "seeds", "topologies")
+
+
+def with_profile(suite: Suite, profile: str | None) -> Suite:
+    """The suite with profile `profile`'s settings laid over it (gsm8k settings merge key by key)."""
+    if profile is None:
+        return suite
+    if profile not in suite.profiles:
+        raise ConfigError(f"suite {suite.name!r} has no profile {profile!r}"
+                          f"{did_you_mean(profile, tuple(suite.profiles))}; valid: {', '.join(suite.profiles) or '(none)'}")
+    over = dict(suite.profiles[profile] or {})
+    for key in over:
+        if key not in PROFILE_KEYS:
+            raise ConfigError(f"suite {suite.name!r} profile {profile!r}: unknown key {key!r}"
+                              f"{did_you_mean(key, PROFILE_KEYS)}; valid: {', '.join(PROFILE_KEYS)}")
+    if "gsm8k" in over:
+        over["gsm8k"] = {**suite.gsm8k, **(over["gsm8k"] or {})}
+    return replace(suite, **over)
 
 
 def shipped_suites(folder: Path = SUITES_DIR) -> dict[str, Path]:

@@ -1,0 +1,24 @@
+"""GSM8K on the reference engine inside a run: every rank evaluates the same requests in lockstep
+(the LM reports rank 0 / world size 1 to lm-eval, so it does not shard them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.engine.engine import Engine
+from harness.engine.generator import EngineGenerator
+from harness.engine.tokenizer import Tokenizer
+from harness.gsm8k.data import resolve_source
+from harness.gsm8k.lm import HarnessLM
+from harness.gsm8k.records import GSM8KResult
+from harness.gsm8k.settings import GSM8KSettings
+from harness.gsm8k.tasks import evaluate_with
+
+
+def evaluate_engine(engine: Engine, tokenizer: Tokenizer, settings: GSM8KSettings,
+                    data_path: str | Path | None) -> GSM8KResult:
+    lm = HarnessLM(EngineGenerator(engine, tokenizer), batch_size=settings.batch_size,
+                   max_gen_toks=settings.max_new_tokens, max_length=engine.pool.max_seq_len - settings.max_new_tokens)
+    return evaluate_with(lm, settings.task, resolve_source(data_path), limit=settings.limit,
+                         num_fewshot=settings.num_fewshot, apply_chat_template=settings.chat_template,
+                         fewshot_as_multiturn=settings.fewshot_as_multiturn)
