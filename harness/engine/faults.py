@@ -41,8 +41,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "rejected draft tokens' K/V not rolled back in the speculator's cache, so later proposals attend "
           "to them: acceptance drops, greedy output stays lossless", needs_speculator="any"),
     Fault("mtp-wrong-hidden", "acceptance",
-          "the MTP module fed the target's hidden state of the wrong position (t-1 instead of t): "
-          "acceptance drops, greedy output stays lossless", needs_speculator="mtp"),
+          "the MTP module fed the target's hidden state of the wrong position (t-1 instead of t): its "
+          "proposals change (a trained MTP's acceptance drops; a synthetic one's accept trace leaves the "
+          "reference's), greedy output stays lossless", needs_speculator="mtp"),
 )}
 
 

@@ -1,0 +1,275 @@
+"""Checks of speculative decoding (-draft / -mtp cells): lossless output and acceptance.
+
+Run-directory inputs (written by the worker; see harness.engine.speculative):
+  tensors  spec_tokens.{i}    [N] int64   greedy tokens generated with the speculator
+           spec_accepted.{i}  [S] int64   accepted draft tokens (0..k) at each verify step
+           gen_tokens.{i}, gen_topk_ids.{i}, gen_topk_logprobs.{i}: plain greedy decoding, same run
+  manifest "speculative": {"kind", "k", ...}
+
+lossless: the speculator never changes greedy output, so spec_tokens must equal the same run's
+  gen_tokens. A divergence is benign only at a near tie of the plain run (the speculative token is
+  in its top-k with a logprob gap <= near_tie): verification runs the extend path, whose logits
+  differ from one-token decode steps by float rounding.
+acceptance: against the reference topology's run with the same speculator (tp1-draft / tp1-mtp).
+  Accepted length of a step = accepted draft tokens + 1 (tokens committed per target forward).
+  Both runs decode the same prompts to the same tokens (lossless), so they are paired, not samples:
+  a correct parallel run proposes exactly what the reference proposed, up to float near ties of the
+  speculator, and its per-step accept trace is the reference's. Hence two gates:
+    - mean drop: FAIL when mean accepted length < reference - max(abs_floor, rel_floor x reference);
+    - trace: FAIL when more than trace_fail_fraction of the prompts have an accept trace that differs
+      from the reference's (the speculator computes something else, even when the mean holds: e.g.
+      an MTP fed the wrong hidden states on a synthetic model, where the hidden carries little);
+  and WARN when the histograms' total-variation distance exceeds tv_warn without a FAIL.
+  A collapsed drafter leaves every accuracy gate green: this check is the only place it shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from harness.artifacts import RunArtifacts
+from harness.compare.generation import first_divergence, top2_gaps
+from harness.errors import ConfigError, RunError
+from harness.verdict import CheckResult, Verdict
+
+
+def _validate(obj: Any) -> None:
+    """Numbers non-negative (YAML strings like '1e-3' accepted); fractions within [0, 1]."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{type(obj).__name__}: {f.name} must be a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0:
+            raise ConfigError(f"{type(obj).__name__}: {f.name}={value!r} must be a non-negative number")
+        if f.name.endswith(("fraction", "_warn")) and value > 1:
+            raise ConfigError(f"{type(obj).__name__}: {f.name}={value} must be within [0, 1]")
+        object.__setattr__(obj, f.name, float(value))
+
+
+@dataclass(frozen=True)
+class LosslessSettings:
+    """Speculative vs plain greedy output of one run (suite `checks.lossless`)."""
+
+    near_tie: float = 1e-3          # benign divergence: plain logprob gap to the speculative token <= this
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+@dataclass(frozen=True)
+class AcceptanceSettings:
+    """Acceptance against the reference topology with the same speculator (suite `checks.acceptance`)."""
+
+    abs_floor: float = 0.05         # tokens: a mean accepted length drop at or below this passes
+    rel_floor: float = 0.03         # x the reference's mean accepted length (the larger floor applies)
+    trace_fail_fraction: float = 0.25  # FAIL when more prompts than this fraction have a different trace
+    tv_warn: float = 0.1            # WARN above this total-variation distance of the histograms
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    def floor(self, reference_mean: float) -> float:
+        return max(self.abs_floor, self.rel_floor * reference_mean)
+
+
+# ---- metrics ---------------------------------------------------------------------------------------------
+
+
+def histogram(accepted: Sequence[Sequence[int]], k: int) -> list[int]:
+    """Verify steps per accepted draft-token count 0..k, over all prompts."""
+    counts = [0] * (k + 1)
+    for steps in accepted:
+        for a in steps:
+            if not 0 <= a <= k:
+                raise RunError(f"accepted count {a} outside 0..{k}")
+            counts[a] += 1
+    return counts
+
+
+def mean_accepted_length(accepted: Sequence[Sequence[int]]) -> float:
+    """Mean of (accepted + 1) over all verify steps; NaN without steps."""
+    flat = [a for steps in accepted for a in steps]
+    return sum(a + 1 for a in flat) / len(flat) if flat else float("nan")
+
+
+def total_variation(p: Sequence[int], q: Sequence[int]) -> float:
+    """Total-variation distance of two histograms (normalised); 0 when both are empty."""
+    sp, sq = sum(p), sum(q)
+    if not sp or not sq:
+        return 0.0 if sp == sq else 1.0
+    return 0.5 * sum(abs(a / sp - b / sq) for a, b in zip(p, q))
+
+
+# ---- lossless ----------------------------------------------------------------------------------------------
+
+
+def _lossless_case(index: int, spec: list[int], plain: list[int], topk_ids: torch.Tensor | None,
+                   topk_logprobs: torch.Tensor | None, near_tie: float) -> dict[str, Any]:
+    pos = first_divergence(plain, spec)
+    out: dict[str, Any] = {"index": index, "tokens": len(plain), "spec_tokens": len(spec),
+                           "first_divergence": pos, "benign": None}
+    if pos is None:
+        return out
+    out.update({"benign": False, "plain_token": plain[pos] if pos < len(plain) else None,
+                "spec_token": spec[pos] if pos < len(spec) else None, "gap": None})
+    if topk_ids is None or topk_logprobs is None or out["plain_token"] is None or out["spec_token"] is None:
+        return out
+    if pos < topk_ids.shape[0]:
+        hits = (topk_ids[pos] == spec[pos]).nonzero()
+        if hits.numel():
+            lps = topk_logprobs.to(torch.float64)
+            gap = float(lps[pos, 0] - lps[pos, int(hits[0, 0])])
+            out["gap"] = gap
+            out["top2_gap"] = float(top2_gaps(lps[pos:pos + 1])[0])
+            out["benign"] = gap <= near_tie
+    return out
+
+
+def check_lossless(spec_tokens: Sequence[Sequence[int]], plain_tokens: Sequence[Sequence[int]],
+                   settings: LosslessSettings = LosslessSettings(),
+                   plain_topk_ids: Sequence[torch.Tensor] | None = None,
+                   plain_topk_logprobs: Sequence[torch.Tensor] | None = None,
+                   indices: Sequence[int] | None = None) -> CheckResult:
+    """Speculative greedy tokens vs plain greedy tokens of the same run, prompt by prompt."""
+    if len(spec_tokens) != len(plain_tokens):
+        return CheckResult("lossless", Verdict.ERROR, f"{len(spec_tokens)} speculative generations for "
+                                                      f"{len(plain_tokens)} prompts")
+    if not plain_tokens:
+        return CheckResult("lossless", Verdict.SKIP, "no prompts")
+    idx = list(indices) if indices is not None else list(range(len(plain_tokens)))
+    cases = [_lossless_case(i, list(s), list(p), plain_topk_ids[j] if plain_topk_ids else None,
+                            plain_topk_logprobs[j] if plain_topk_logprobs else None, settings.near_tie)
+             for j, (i, s, p) in enumerate(zip(idx, spec_tokens, plain_tokens))]
+    diverged = [c for c in cases if c["first_divergence"] is not None]
+    bad = [c for c in diverged if not c["benign"]]
+    n = len(cases)
+    metrics: dict[str, Any] = {"prompts": n, "identical": n - len(diverged), "divergences": len(bad),
+                               "benign_divergences": len(diverged) - len(bad), "near_tie": settings.near_tie,
+                               "tokens": sum(c["tokens"] for c in cases), "per_prompt": cases}
+    if bad:
+        c = bad[0]
+        gap = ("not in the plain top-k" if c["gap"] is None
+               else f"plain logprob gap {c['gap']:.1e} > {settings.near_tie:.1e}")
+        reason = (f"prompt {c['index']}: speculative output diverges from plain greedy at token "
+                  f"{c['first_divergence']} ({c['spec_token']} vs {c['plain_token']}; {gap}); "
+                  f"{len(bad)}/{n} prompts not lossless")
+        return CheckResult("lossless", Verdict.FAIL, reason, metrics)
+    if diverged:
+        return CheckResult("lossless", Verdict.PASS, f"{n - len(diverged)}/{n} prompts identical; "
+                           f"{len(diverged)} diverge only at near ties (gap <= {settings.near_tie:.1e})", metrics)
+    return CheckResult("lossless", Verdict.PASS,
+                       f"{n}/{n} prompts identical to plain greedy ({metrics['tokens']} tokens)", metrics)
+
+
+# ---- acceptance ---------------------------------------------------------------------------------------------
+
+
+def _trace_divergence(ref: Sequence[int], par: Sequence[int]) -> int | None:
+    return first_divergence(list(ref), list(par))
+
+
+def check_acceptance(ref_accepted: Sequence[Sequence[int]], par_accepted: Sequence[Sequence[int]], k: int,
+                     settings: AcceptanceSettings = AcceptanceSettings(),
+                     indices: Sequence[int] | None = None) -> CheckResult:
+    """Mean accepted length, histogram and per-prompt accept traces of a parallel run vs the reference."""
+    if len(ref_accepted) != len(par_accepted):
+        return CheckResult("acceptance", Verdict.ERROR,
+                           f"reference has {len(ref_accepted)} prompts, parallel {len(par_accepted)}")
+    try:
+        ref_hist, par_hist = histogram(ref_accepted, k), histogram(par_accepted, k)
+    except RunError as exc:
+        return CheckResult("acceptance", Verdict.ERROR, str(exc))
+    ref_mean, par_mean = mean_accepted_length(ref_accepted), mean_accepted_length(par_accepted)
+    if math.isnan(ref_mean) or math.isnan(par_mean):
+        return CheckResult("acceptance", Verdict.SKIP, "no verify steps (max_new_tokens too small?)")
+    idx = list(indices) if indices is not None else list(range(len(ref_accepted)))
+    traces = [(i, _trace_divergence(r, p)) for i, r, p in zip(idx, ref_accepted, par_accepted)]
+    diverged = [(i, step) for i, step in traces if step is not None]
+    floor = settings.floor(ref_mean)
+    drop = ref_mean - par_mean
+    tv = total_variation(ref_hist, par_hist)
+    frac = len(diverged) / len(traces) if traces else 0.0
+    metrics: dict[str, Any] = {
+        "k": k, "mean_accepted_length": par_mean, "reference_mean_accepted_length": ref_mean,
+        "drop": drop, "floor": floor, "histogram": par_hist, "reference_histogram": ref_hist,
+        "total_variation": tv, "steps": sum(par_hist), "reference_steps": sum(ref_hist),
+        "acceptance_rate": (par_mean - 1) / k, "reference_acceptance_rate": (ref_mean - 1) / k,
+        "traces_differ": len(diverged), "prompts": len(traces),
+        "first_trace_divergence": ({"prompt": diverged[0][0], "step": diverged[0][1]} if diverged else None)}
+    means = f"mean accepted length {par_mean:.3f} vs reference {ref_mean:.3f}"
+    traces_text = f"{len(diverged)}/{len(traces)} prompts' accept traces differ"
+    if drop > floor:
+        return CheckResult("acceptance", Verdict.FAIL, f"{means}: drop {drop:.3f} > floor {floor:.3f} "
+                           f"(max({settings.abs_floor:g}, {settings.rel_floor:g} x ref)); {traces_text}", metrics)
+    if frac > settings.trace_fail_fraction:
+        i, step = diverged[0]
+        return CheckResult("acceptance", Verdict.FAIL, f"{traces_text} from the reference (> "
+                           f"{settings.trace_fail_fraction:.0%}; first: prompt {i} step {step}): the speculator "
+                           f"proposes differently; {means}", metrics)
+    if tv > settings.tv_warn:
+        return CheckResult("acceptance", Verdict.WARN, f"{means}; histogram total-variation distance "
+                           f"{tv:.3f} > {settings.tv_warn:g}; {traces_text}", metrics)
+    return CheckResult("acceptance", Verdict.PASS, f"{means} (floor {floor:.3f}); {traces_text}", metrics)
+
+
+# ---- from run directories ------------------------------------------------------------------------------------
+
+
+def speculative_manifest(run: RunArtifacts) -> Mapping[str, Any] | None:
+    entry = run.manifest.get("speculative")
+    return entry if isinstance(entry, Mapping) else None
+
+
+def _tokens(run: RunArtifacts, kind: str) -> list[list[int]]:
+    return [[int(t) for t in run.tensor(kind, c.index).tolist()] for c in run.cases]
+
+
+def lossless_from_run(par: RunArtifacts, settings: LosslessSettings = LosslessSettings()) -> CheckResult:
+    """The lossless check of one -draft / -mtp run directory."""
+    if speculative_manifest(par) is None:
+        return CheckResult("lossless", Verdict.ERROR, "run has no speculative decoding results")
+    try:
+        spec, plain = _tokens(par, "spec_tokens"), _tokens(par, "gen_tokens")
+        ids = [par.tensor("gen_topk_ids", c.index) for c in par.cases]
+        lps = [par.tensor("gen_topk_logprobs", c.index) for c in par.cases]
+    except RunError as exc:
+        return CheckResult("lossless", Verdict.ERROR, str(exc))
+    return check_lossless(spec, plain, settings, ids, lps, [c.index for c in par.cases])
+
+
+def acceptance_from_runs(ref: RunArtifacts, par: RunArtifacts,
+                         settings: AcceptanceSettings = AcceptanceSettings()) -> CheckResult:
+    """The acceptance check of a -draft / -mtp run against the reference run with the same speculator."""
+    ref_m, par_m = speculative_manifest(ref), speculative_manifest(par)
+    if ref_m is None or par_m is None:
+        who = "reference" if ref_m is None else "parallel"
+        return CheckResult("acceptance", Verdict.ERROR, f"{who} run has no speculative decoding results")
+    if (ref_m.get("kind"), ref_m.get("k")) != (par_m.get("kind"), par_m.get("k")):
+        return CheckResult("acceptance", Verdict.ERROR, f"reference speculates with {ref_m.get('kind')} "
+                           f"k={ref_m.get('k')}, parallel with {par_m.get('kind')} k={par_m.get('k')}")
+    try:
+        ref_acc, par_acc = _tokens(ref, "spec_accepted"), _tokens(par, "spec_accepted")
+    except RunError as exc:
+        return CheckResult("acceptance", Verdict.ERROR, str(exc))
+    return check_acceptance(ref_acc, par_acc, int(par_m["k"]), settings, [c.index for c in par.cases])
+
+
+def speculator_details(acceptance: CheckResult, kind: str, layout: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The cell's `details["speculator"]` section for the report (harness/report/details.py)."""
+    m = acceptance.metrics
+    out: dict[str, Any] = {"kind": kind, "k": m.get("k"), "histogram": m.get("histogram"),
+                           "reference_histogram": m.get("reference_histogram"),
+                           "mean_acceptance": m.get("mean_accepted_length"),
+                           "reference_mean_acceptance": m.get("reference_mean_accepted_length"),
+                           "traces_differ": m.get("traces_differ")}
+    if layout is not None:
+        out["layout"] = dict(layout)
+    return out

@@ -1,0 +1,277 @@
+"""Speculators: a draft model or a DeepSeek-style MTP module, built from the target's weights.
+
+- draft: a separate small model sharing the target's vocabulary and tokenizer: the target's first
+  `spec.speculator_layers` layers, its final norm and lm_head, plus seeded relative noise of scale
+  `draft_noise` on the layer weights, so its agreement with the target (and so the acceptance) is a knob.
+- mtp: `spec.speculator_layers` decoder layer(s) fed with
+      x_p = eh_proj @ concat[hnorm(h_{p-1}); enorm(embed(token_p))],   eh_proj: [H, 2H]
+  where h_{p-1} is the target's last-layer residual state at position p-1 (the MTP module's own output
+  during a proposal chain); its output at p, through its own final norm and the target's (shared)
+  embedding and lm_head, predicts token p+1. Synthetic init: copies of the target's first layers, and an
+  eh_proj passing the token embedding at the target's embedding scale plus `mtp_hidden_mix` x the
+  hidden state (see `mtp_weights`).
+
+Agreement on synthetic models. A random target's next token is a chaotic function of its whole
+depth: a speculator with fewer layers than the target (or one that must predict from the hidden state
+alone) agrees on few tokens (mean accepted length ~1.1-1.3 at k=3 on the tiny models with
+speculator_layers=1). Give the tiny models speculator_layers = layers; then draft_noise 0.1 and
+mtp_hidden_mix 0.1 give mean accepted lengths of ~1.9-2.0 at k=3 (tiny-gqa). The hidden state carries
+no extra information about a random target's future, so on synthetic models it only perturbs the MTP's
+proposals (mtp-wrong-hidden changes them without a systematic drop; the acceptance check's trace gate
+flags that).
+
+A speculator is not part of the DCP group: it runs its own Decoder over its own PagedKVCache with the
+plain TP layout of harness.layout.plan_speculator (dcp = 1) and a dcp = 1 view of the TP group, even
+when the target runs with DCP. Its KV pool holds as many sequence slots as the target's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from harness.engine.engine import TORCH_DTYPES, Engine, PoolSettings, build_batch
+from harness.engine.faults import FaultFlags
+from harness.engine.kvcache import PagedKVCache
+from harness.engine.model import Decoder, HeadMap, Hyper, LocalWeights, rms_norm
+from harness.engine.parallel import ParallelState
+from harness.engine.parallelize import actual_layout, head_map, shard_weights
+from harness.errors import ConfigError
+from harness.layout import LayoutPlan, PoolCapacity, plan_layout, plan_speculator, pool_capacity
+from harness.specs.loader import build
+from harness.specs.model import ModelSpec
+
+SPECULATOR_KINDS: tuple[str, ...] = ("draft", "mtp")
+NOISE_SALT = 0x5EED_D2AF  # keeps the draft's noise independent of the synthetic init's draws
+MTP_EXTRA: tuple[str, ...] = ("eh_proj.weight", "hnorm.weight", "enorm.weight")
+
+
+@dataclass(frozen=True)
+class SpeculativeSettings:
+    """How a -draft / -mtp run speculates (a suite's `speculative:` mapping).
+
+    k: draft tokens proposed per verify step. draft_noise: relative std of the noise added to the
+    draft's layer weights (0 = exact copies of the target's first layers). mtp_hidden_mix: weight of
+    the target hidden state against the token embedding in the MTP input (0 ignores the hidden state).
+    """
+
+    k: int = 3
+    draft_noise: float = 0.1
+    mtp_hidden_mix: float = 0.1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ConfigError(f"speculative: k must be a positive integer, got {self.k!r}")
+        for name in ("draft_noise", "mtp_hidden_mix"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 10:
+                raise ConfigError(f"speculative: {name} must be a number in [0, 10), got {value!r}")
+            object.__setattr__(self, name, float(value))
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any] | None, where: str = "speculative") -> "SpeculativeSettings":
+        """From a suite's `speculative:` mapping; unknown keys are rejected with "did you mean"."""
+        return build(cls, where, dict(data or {}))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---- weights ---------------------------------------------------------------------------------------------
+
+
+def speculator_spec(spec: ModelSpec) -> ModelSpec:
+    """The speculator's architecture: the target's with `speculator_layers` layers."""
+    return dataclasses.replace(spec, layers=spec.speculator_layers)
+
+
+def _noise(seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Standard normal noise that depends only on (seed, name): identical in every process."""
+    entropy = [seed % 2**64, zlib.crc32(name.encode("utf-8")), NOISE_SALT]
+    gen = np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
+    return torch.from_numpy(gen.standard_normal(shape).astype(np.float32))
+
+
+def _shared(spec: ModelSpec, target: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Embedding, final norm and lm_head, shared with the target."""
+    out = {"embed.weight": target["embed.weight"], "norm.weight": target["norm.weight"].clone()}
+    if "lm_head.weight" in target:
+        out["lm_head.weight"] = target["lm_head.weight"]
+    return out
+
+
+def _layers(spec: ModelSpec, target: Mapping[str, torch.Tensor], noise: float) -> dict[str, torch.Tensor]:
+    """Copies of the target's first speculator_layers layers; with noise, each tensor t gets
+    t + noise * rms(t) * N(0, 1), seeded by (spec.seed, name)."""
+    if spec.speculator_layers > spec.layers:
+        raise ConfigError(f"model {spec.name!r}: speculator_layers={spec.speculator_layers} exceeds "
+                          f"layers={spec.layers}")
+    out = {}
+    for name, t in target.items():
+        if not name.startswith("layers.") or int(name.split(".")[1]) >= spec.speculator_layers:
+            continue
+        if noise > 0:
+            rms = t.pow(2).mean().sqrt()
+            t = t + noise * rms * _noise(spec.seed, name, tuple(t.shape))
+        out[name] = t.clone()
+    return out
+
+
+def draft_weights(spec: ModelSpec, target: Mapping[str, torch.Tensor], noise: float) -> dict[str, torch.Tensor]:
+    """The draft model: target's first layers (+ noise), final norm and lm_head; canonical names."""
+    return {**_shared(spec, target), **_layers(spec, target, noise)}
+
+
+def mtp_weights(spec: ModelSpec, target: Mapping[str, torch.Tensor], hidden_mix: float) -> dict[str, torch.Tensor]:
+    """The MTP module: decoder layer(s) copied from the target's first layers, its own final norm (a copy
+    of the target's), shared embedding and lm_head, and eh_proj [H, 2H] acting on
+    concat[hnorm(h); enorm(e)] (both norms unit weight, so each half has rms ~1):
+        eh_proj = [hidden_mix * s * I | s * I],   s = rms of the target's embedding matrix,
+    i.e. the MTP input is the token embedding at the scale the first layer expects, plus the target's
+    hidden state mixed in with relative weight hidden_mix."""
+    embed = target["embed.weight"]
+    scale = float(embed.pow(2).mean().sqrt())
+    eye = torch.eye(spec.hidden, dtype=torch.float32)
+    return {**_shared(spec, target), **_layers(spec, target, 0.0),
+            "eh_proj.weight": torch.cat([hidden_mix * scale * eye, scale * eye], dim=1),  # [H, 2H]
+            "hnorm.weight": torch.ones(spec.hidden), "enorm.weight": torch.ones(spec.hidden)}
+
+
+def speculator_weights(kind: str, spec: ModelSpec, target: Mapping[str, torch.Tensor],
+                       settings: SpeculativeSettings) -> dict[str, torch.Tensor]:
+    if kind == "draft":
+        return draft_weights(spec, target, settings.draft_noise)
+    if kind == "mtp":
+        return mtp_weights(spec, target, settings.mtp_hidden_mix)
+    raise ConfigError(f"unknown speculator kind {kind!r}; valid: {', '.join(SPECULATOR_KINDS)}")
+
+
+# ---- layout and pool ---------------------------------------------------------------------------------------
+
+
+def speculator_plan(spec: ModelSpec, tp: int, dcp: int, flags: FaultFlags) -> LayoutPlan:
+    """The plan the speculator actually uses: plan_speculator (plain TP, dcp = 1), unless the
+    draft-dcp-kv-heads fault splits its KV heads over tp // dcp like the target's (tokens still all
+    stored on every rank, since the speculator does not run DCP attention)."""
+    if flags.speculator_kv_dcp:
+        return plan_layout(spec.speculator_shape, tp, dcp=1, kv_dcp=dcp)
+    return plan_speculator(spec.speculator_shape, tp)
+
+
+def slot_pool(plan: LayoutPlan, slots: int, max_seq_len: int, block_size: int) -> PoolCapacity:
+    """A pool of exactly `slots` sequence slots for `plan`, sized by the planner's own rule: the budget
+    is `slots` times the planner's slot size (blocks_per_slot x block_bytes)."""
+    unit = pool_capacity(plan, 2 ** 62, max_seq_len, block_size)  # only its per-slot numbers are used
+    return pool_capacity(plan, slots * unit.blocks_per_slot * unit.block_bytes, max_seq_len, block_size)
+
+
+# ---- the speculator of one rank ------------------------------------------------------------------------------
+
+
+class Speculator:
+    """One rank's draft model or MTP module over its own paged KV cache (plain TP layout, dcp = 1)."""
+
+    def __init__(self, kind: str, spec: ModelSpec, target_weights: Mapping[str, torch.Tensor],
+                 state: ParallelState, settings: SpeculativeSettings, slots: int,
+                 pool: PoolSettings = PoolSettings(), flags: FaultFlags = FaultFlags(),
+                 dtype: str | None = None) -> None:
+        self.kind = kind
+        self.spec = speculator_spec(spec)
+        self.flags = flags
+        self.dtype = TORCH_DTYPES[dtype or spec.dtype]
+        self.state = state
+        self.pool = pool
+        self.expected_plan = plan_speculator(spec.speculator_shape, state.tp)
+        self.plan = speculator_plan(spec, state.tp, state.dcp, flags)
+        self.rank_layout = self.plan.ranks[state.rank]
+        self.heads: HeadMap = head_map(self.rank_layout, FaultFlags())
+        # the budget granted by the planner (plain TP layout) vs the pool this engine sizes for itself
+        self.granted = slot_pool(self.expected_plan, slots, pool.max_seq_len, pool.block_size)
+        self.capacity = slot_pool(self.plan, slots, pool.max_seq_len, pool.block_size)
+        full = speculator_weights(kind, spec, target_weights, settings)
+        self._weights: LocalWeights = shard_weights(full, self.spec, self.rank_layout, self.dtype, state.device)
+        self._extra = {n: full[n].to(device=state.device, dtype=self.dtype) for n in MTP_EXTRA if n in full}
+        self.cache = PagedKVCache(self.capacity, self.spec.layers, self.heads.n_kv, spec.head_dim, self.dtype,
+                                  state.device)
+        tp_only = dataclasses.replace(state, dcp=1, dcp_group=None)  # same TP group, no DCP group
+        self.decoder = Decoder(self._weights, self.heads, Hyper(spec.head_dim, spec.rope_theta, spec.norm_eps),
+                               tp_only.collectives(), self.cache, FaultFlags())
+        self._next_seq = 0
+
+    @property
+    def uses_hidden(self) -> bool:
+        """An MTP module reads the target's hidden states; a draft model reads only tokens."""
+        return self.kind == "mtp"
+
+    # -- sequences ---------------------------------------------------------------------------------------
+
+    def open_sequences(self, n: int) -> list[int]:
+        ids = list(range(self._next_seq, self._next_seq + n))
+        self._next_seq += n
+        for seq_id in ids:
+            self.cache.add_sequence(seq_id)
+        return ids
+
+    def close_sequences(self, seq_ids: Sequence[int]) -> None:
+        for seq_id in seq_ids:
+            self.cache.free_sequence(seq_id)
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        self.cache.truncate(seq_id, length)
+
+    def stored_positions(self, seq_id: int) -> list[int]:
+        return list(self.cache.seqs[seq_id].positions)
+
+    # -- forward -----------------------------------------------------------------------------------------
+
+    def extend(self, seq_ids: Sequence[int], chunks: Sequence[Sequence[int]], starts: Sequence[int],
+               hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed tokens chunks[b] at positions starts[b].. through the speculator's cache. An MTP module also
+        takes `hidden` [B, S, H]: the hidden state paired with each token (the target's at the position
+        before, or its own output during a proposal chain). Returns float32 logits [B, S, V] and its own
+        last residual state [B, S, H] (right-padded)."""
+        batch = build_batch(seq_ids, chunks, starts, self.state.device)
+        embeds = None
+        if self.uses_hidden:
+            if hidden is None or hidden.shape[:2] != batch.ids.shape:
+                raise ValueError(f"MTP needs a hidden state per token: {tuple(batch.ids.shape)}, got "
+                                 f"{None if hidden is None else tuple(hidden.shape)}")
+            embeds = self._mtp_input(hidden.to(self.dtype), batch.ids)
+        x = self.decoder.hidden(batch, embeds=embeds)
+        return self.decoder.logits(x).float(), x
+
+    def _mtp_input(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """eh_proj @ concat[hnorm(hidden); enorm(embed(ids))]: [B, S, 2H] -> [B, S, H]."""
+        eps = self.spec.norm_eps
+        h = rms_norm(hidden, self._extra["hnorm.weight"], eps)
+        e = rms_norm(self._weights.embed[ids], self._extra["enorm.weight"], eps)
+        return torch.cat([h, e], dim=-1) @ self._extra["eh_proj.weight"].T
+
+    # -- layout report -----------------------------------------------------------------------------------
+
+    def layout_report(self) -> dict[str, Any]:
+        """This rank's actual speculator layout (same keys as the target's; see parallelize.actual_layout)."""
+        return actual_layout(self.rank_layout, self.heads, self._weights, self.spec, self.cache.pool_bytes,
+                             self.capacity.blocks)
+
+    def layout_entry(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+        """layout.json's "speculator" entry from every rank's layout_report(), in rank order. Its "pool"
+        carries the budget the planner grants (slots x plain-TP slot size), which the speculator_layout
+        check re-sizes with plan_speculator; a pool sized from another plan shows as a mismatch."""
+        return {"kind": self.kind, "layers": self.spec.layers, "slots": self.granted.slots,
+                "ranks": ranks, "pool": {"budget_bytes": self.granted.budget_bytes,
+                                         "max_seq_len": self.pool.max_seq_len,
+                                         "block_size": self.pool.block_size}}
+
+
+def speculator_for(engine: Engine, kind: str, target_weights: Mapping[str, torch.Tensor],
+                   settings: SpeculativeSettings) -> Speculator:
+    """The speculator of `engine`'s rank: same model, ParallelState, fault flags, dtype and slot count."""
+    dtype = next(name for name, dt in TORCH_DTYPES.items() if dt == engine.dtype)
+    return Speculator(kind, engine.spec, target_weights, engine.state, settings, engine.capacity.slots,
+                      engine.pool, engine.flags, dtype)
