@@ -15,6 +15,7 @@ from harness import __version__
 from harness.artifacts import RunArtifacts, read_run
 from harness.compare.cell import compare_cell
 from harness.compare.settings import CheckSettings
+from harness.compare.speculative import acceptance_from_runs, lossless_from_run, speculator_details
 from harness.engine.faults import FAULTS, fault_flags
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
 from harness.engine.worker import ENGINE_VERSION, Job
@@ -23,7 +24,7 @@ from harness.gsm8k.cell import gsm8k_checks
 from harness.gsm8k.settings import GSM8KSettings
 from harness.errors import ConfigError
 from harness.launch import launch
-from harness.layout import plan_layout
+from harness.layout import plan_layout, plan_speculator
 from harness.paths import PROJECT_ROOT
 from harness.specs.model import ModelSpec
 from harness.specs.suite import Suite
@@ -110,7 +111,12 @@ def skip_reason(model: ModelSpec, topo: Topology, fault: str | None) -> str | No
     except ConfigError as exc:
         return f"{model.name} does not split at {topo.name}: {exc}"
     if topo.speculator != "none":
-        return f"{topo.name}: speculative decoding cells are not implemented yet"
+        if model.speculator_layers > model.layers:
+            return f"{model.name}: speculator_layers={model.speculator_layers} exceeds layers={model.layers}"
+        try:
+            plan_speculator(model.speculator_shape, topo.tp)
+        except ConfigError as exc:
+            return f"{model.name}'s speculator does not split at {topo.name}: {exc}"
     if fault:
         try:
             fault_flags(fault, topo)
@@ -146,30 +152,34 @@ class Runner:
         return Job(model=seeded(model, seed).to_dict(), topology=topo.to_dict(), prompts=list(s.prompts),
                    out_dir=str(out_dir), fault=fault, dtype=dtype, seed=seed, max_new_tokens=s.max_new_tokens,
                    decode_prefix_tokens=s.decode_prefix_tokens, pool=dict(req.pool), device=req.device,
-                   collective_timeout_s=req.collective_timeout_s, git_commit=self._commit, gsm8k=gsm8k)
+                   collective_timeout_s=req.collective_timeout_s, git_commit=self._commit, gsm8k=gsm8k,
+                   speculative=dict(s.speculative) if topo.speculator != "none" else {})
 
-    def _cached(self, model: ModelSpec, seed: int, dtype: str) -> RunArtifacts:
-        """A tp1 run of `model` in `dtype`, from the content-keyed cache or launched now."""
-        job = self.job(model, REFERENCE, None, seed, Path("."), dtype)
+    def _cached(self, model: ModelSpec, seed: int, dtype: str, topo: Topology = REFERENCE) -> RunArtifacts:
+        """A tp1 run of `model` in `dtype` (with `topo`'s speculator), from the content-keyed cache or launched now."""
+        job = self.job(model, topo, None, seed, Path("."), dtype)
         content = {k: v for k, v in job.__dict__.items() if k not in ("out_dir", "git_commit", "collective_timeout_s")}
         key = hashlib.sha256(json.dumps({"job": content, "weights": _weights_key(model),
                                          "engine": self._engine_hash}, sort_keys=True, default=str).encode())
-        run_dir = self.req.cache_dir / "runs" / f"{model.name}-tp1-{dtype}-{key.hexdigest()[:16]}"
+        run_dir = self.req.cache_dir / "runs" / f"{model.name}-{topo.name}-{dtype}-{key.hexdigest()[:16]}"
+        label = f"reference {model.name} {topo.name} {dtype} seed {seed}"
         if (run_dir / "manifest.json").exists():
             cached = read_run(run_dir)
             if cached.ok:
-                self.progress(f"  reference {model.name} {dtype} seed {seed}: cached ({run_dir})")
+                self.progress(f"  {label}: cached ({run_dir})")
                 return cached
-        self.progress(f"  reference {model.name} {dtype} seed {seed}: running")
+        self.progress(f"  {label}: running")
         result = launch(Job(**{**job.__dict__, "out_dir": str(run_dir)}), self.req.timeout_s)
         if not result.ok:
             raise ReferenceFailed(f"reference run of {model.name} ({dtype}) failed: {result.error}", run_dir)
         return read_run(run_dir)
 
-    def references(self, model: ModelSpec, seed: int) -> tuple[RunArtifacts, RunArtifacts | None]:
-        key = (model.name, seed)
+    def references(self, model: ModelSpec, seed: int, speculator: str = "none") -> tuple[RunArtifacts, RunArtifacts | None]:
+        """The reference (tp1, with the cell's speculator kind) and the noise-floor twin (tp1, float64)."""
+        key = (model.name, seed, speculator)
         if key not in self._refs:
-            ref = self._cached(model, seed, model.dtype)
+            ref_topo = Topology(tp=1, speculator=speculator)
+            ref = self._cached(model, seed, model.dtype, ref_topo)
             noise = self._cached(model, seed, NOISE_DTYPE[model.dtype])
             self._refs[key] = (ref, noise)
         return self._refs[key]
@@ -194,7 +204,7 @@ class Runner:
         if cell.skip_reason:
             return CellResult(**base, checks=(CheckResult("cell", Verdict.SKIP, cell.skip_reason),), clean_exit=True)
         try:
-            ref, noise = self.references(cell.model, cell.seed)
+            ref, noise = self.references(cell.model, cell.seed, cell.topology.speculator)
         except ReferenceFailed as exc:
             return CellResult(**base, checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False,
                               reference_dir=str(exc.run_dir), error_log=_tails_text(exc.run_dir))
@@ -207,7 +217,16 @@ class Runner:
         par = read_run(run_dir)
         plan = plan_layout(cell.model.attention_shape, cell.topology.tp, cell.topology.dcp)
         settings = CheckSettings.from_suite(self.req.suite, cell.model.dtype)
-        checks, loc, details = compare_cell(ref, par, noise, plan, settings, decode=self._decoder(cell.model))
+        spec_plan = (plan_speculator(cell.model.speculator_shape, cell.topology.tp)
+                     if cell.topology.speculator != "none" else None)
+        checks, loc, details = compare_cell(ref, par, noise, plan, settings, speculator_plan=spec_plan,
+                                            decode=self._decoder(cell.model))
+        if spec_plan is not None:
+            acceptance = acceptance_from_runs(ref, par, settings.acceptance)
+            checks += [lossless_from_run(par, settings.lossless), acceptance]
+            details["speculator"] = speculator_details(acceptance, cell.topology.speculator,
+                                                       {"planned": spec_plan.to_dict(),
+                                                        "actual": par.layout.get("speculator")})
         if self.req.gsm8k is not None:
             gsm8k_checks_, details["gsm8k"] = gsm8k_checks(ref.path, run_dir, self.req.gsm8k, self.req.suite.name,
                                                           cell.model.name, cell.topology.name, str(self.req.out_dir),

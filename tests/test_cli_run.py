@@ -67,7 +67,7 @@ def test_set_runs_each_topology_once_and_the_reference_once(tmp_path: Path, suit
     out = capsys.readouterr().out
     assert rc == 0, out
     assert [c["topology"] for c in _results(tmp_path / "a")["cells"]] == ["tp2", "tp2dcp2"]
-    assert out.count("reference tiny-gqa float32 seed 0") == 1
+    assert out.count("reference tiny-gqa tp1 float32 seed 0") == 1
     # a second run reuses the cached reference
     assert main(["run", "--suite", str(suite_file), "--topo", "tp2", "--out", str(tmp_path / "b"),
                  "--cache-dir", str(cache_dir)]) == 0

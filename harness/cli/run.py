@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.baseline import BASELINES_DIR
+from harness.engine.speculator import SpeculativeSettings
 from harness.errors import ConfigError
 from harness.paths import REPORTS_DIR
 from harness.runner import RunRequest, Runner, default_cache_dir
@@ -57,6 +58,7 @@ def build_request(args: argparse.Namespace) -> RunRequest:
     max_seq_len = suite.max_seq_len if args.max_seq_len is None else args.max_seq_len
     if budget_mib <= 0 or max_seq_len <= 0:
         raise ConfigError(f"--kv-budget-mib={budget_mib} and --max-seq-len={max_seq_len} must be > 0")
+    SpeculativeSettings.from_mapping(suite.speculative, f"suite {suite.name}: speculative")  # fail before launching
     gsm8k = gsm8k_settings(suite.gsm8k, f"suite {suite.name}: gsm8k") if suite.gsm8k else None
     gsm8k_data = None
     if gsm8k is not None:  # resolved here so a bad path is one error before any rank starts

@@ -110,6 +110,35 @@ class LocalizationSettings:
 
 
 @dataclass(frozen=True)
+class LosslessSettings:
+    """Speculative vs plain greedy output of one run (suite `checks.lossless`)."""
+
+    near_tie: float = 1e-3          # benign divergence: plain logprob gap to the speculative token <= this
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self)
+
+
+@dataclass(frozen=True)
+class AcceptanceSettings:
+    """Acceptance against the reference topology with the same speculator (suite `checks.acceptance`)."""
+
+    abs_floor: float = 0.05         # tokens: a mean accepted length drop at or below this passes
+    rel_floor: float = 0.03         # x the reference's mean accepted length (the larger floor applies)
+    trace_fail_fraction: float = 0.25  # FAIL when more prompts than this fraction have a different trace
+    tv_warn: float = 0.1            # WARN above this total-variation distance of the histograms
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self)
+        for name in ("trace_fail_fraction", "tv_warn"):
+            if getattr(self, name) > 1:
+                raise ConfigError(f"{type(self).__name__}: {name}={getattr(self, name)} must be within [0, 1]")
+
+    def floor(self, reference_mean: float) -> float:
+        return max(self.abs_floor, self.rel_floor * reference_mean)
+
+
+@dataclass(frozen=True)
 class CheckSettings:
     """The resolved settings of all parity checks for one dtype."""
 
@@ -118,6 +147,8 @@ class CheckSettings:
     logits: LogitsSettings = field(default_factory=LogitsSettings)
     generation: GenerationSettings = field(default_factory=GenerationSettings)
     localization: LocalizationSettings = field(default_factory=LocalizationSettings)
+    lossless: LosslessSettings = field(default_factory=LosslessSettings)
+    acceptance: AcceptanceSettings = field(default_factory=AcceptanceSettings)
 
     @classmethod
     def from_suite(cls, suite: Suite, dtype: str) -> "CheckSettings":
@@ -132,7 +163,10 @@ class CheckSettings:
             generation=parse_section(GenerationSettings, f"{where}.generation",
                                      suite.check_settings("generation"), dtype),
             localization=parse_section(LocalizationSettings, f"{where}.localization",
-                                       suite.check_settings("localization"), dtype))
+                                       suite.check_settings("localization"), dtype),
+            lossless=parse_section(LosslessSettings, f"{where}.lossless", suite.check_settings("lossless"), dtype),
+            acceptance=parse_section(AcceptanceSettings, f"{where}.acceptance", suite.check_settings("acceptance"),
+                                     dtype))
 
 
 def parse_section(cls: type[T], where: str, raw: Mapping[str, Any] | None, dtype: str) -> T:

@@ -25,62 +25,16 @@ acceptance: against the reference topology's run with the same speculator (tp1-d
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from harness.artifacts import RunArtifacts
 from harness.compare.generation import first_divergence, top2_gaps
-from harness.errors import ConfigError, RunError
+from harness.compare.settings import AcceptanceSettings, LosslessSettings
+from harness.errors import RunError
 from harness.verdict import CheckResult, Verdict
-
-
-def _validate(obj: Any) -> None:
-    """Numbers non-negative (YAML strings like '1e-3' accepted); fractions within [0, 1]."""
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                raise ConfigError(f"{type(obj).__name__}: {f.name} must be a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0:
-            raise ConfigError(f"{type(obj).__name__}: {f.name}={value!r} must be a non-negative number")
-        if f.name.endswith(("fraction", "_warn")) and value > 1:
-            raise ConfigError(f"{type(obj).__name__}: {f.name}={value} must be within [0, 1]")
-        object.__setattr__(obj, f.name, float(value))
-
-
-@dataclass(frozen=True)
-class LosslessSettings:
-    """Speculative vs plain greedy output of one run (suite `checks.lossless`)."""
-
-    near_tie: float = 1e-3          # benign divergence: plain logprob gap to the speculative token <= this
-
-    def __post_init__(self) -> None:
-        _validate(self)
-
-
-@dataclass(frozen=True)
-class AcceptanceSettings:
-    """Acceptance against the reference topology with the same speculator (suite `checks.acceptance`)."""
-
-    abs_floor: float = 0.05         # tokens: a mean accepted length drop at or below this passes
-    rel_floor: float = 0.03         # x the reference's mean accepted length (the larger floor applies)
-    trace_fail_fraction: float = 0.25  # FAIL when more prompts than this fraction have a different trace
-    tv_warn: float = 0.1            # WARN above this total-variation distance of the histograms
-
-    def __post_init__(self) -> None:
-        _validate(self)
-
-    def floor(self, reference_mean: float) -> float:
-        return max(self.abs_floor, self.rel_floor * reference_mean)
-
-
-# ---- metrics ---------------------------------------------------------------------------------------------
 
 
 def histogram(accepted: Sequence[Sequence[int]], k: int) -> list[int]:

@@ -22,6 +22,8 @@ from harness.cases import build_cases
 from harness.engine.engine import Engine, PoolSettings
 from harness.engine.faults import fault_flags
 from harness.engine.parallel import ParallelState
+from harness.engine.speculative import run_speculative_cases, spec_manifest, spec_tensors
+from harness.engine.speculator import SpeculativeSettings, speculator_for
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
 from harness.engine.weights import load_weights, weights_hash
 from harness.specs.model import model_from_dict
@@ -50,6 +52,7 @@ class Job:
     collective_timeout_s: float = 60.0
     git_commit: str = ""
     gsm8k: dict[str, Any] | None = None
+    speculative: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: Path) -> "Job":
@@ -81,7 +84,8 @@ def _run_gsm8k(job: Job, engine: Engine, tokenizer: Tokenizer) -> dict[str, Any]
 
 def run_job(job: Job) -> None:
     t0 = time.time()
-    topo = Topology(tp=job.topology["tp"], dcp=job.topology["dcp"], name=job.topology["name"])
+    topo = Topology(tp=job.topology["tp"], dcp=job.topology["dcp"], speculator=job.topology["speculator"],
+                    name=job.topology["name"])
     state = ParallelState.from_launcher(topo.tp, topo.dcp, job.device, job.collective_timeout_s)
     t_init = time.time()
     spec = model_from_dict("job", job.model)
@@ -95,6 +99,13 @@ def run_job(job: Job) -> None:
     prefill = engine.prefill_logits(sequences)
     decode = engine.decode_path(sequences, [c.decode_start for c in cases], [c.probe_positions for c in cases])
     gen = engine.generate([list(c.prompt_ids) for c in cases], job.max_new_tokens, job.top_k)
+    spec_result, spec_entry = None, None
+    spec_settings = SpeculativeSettings.from_mapping(job.speculative)
+    if topo.speculator != "none":
+        speculator = speculator_for(engine, topo.speculator, weights, spec_settings)
+        spec_result = run_speculative_cases(engine, speculator, [list(c.prompt_ids) for c in cases],
+                                            spec_settings.k, job.max_new_tokens)
+        spec_entry = speculator.layout_entry(state.gather_objects(speculator.layout_report()))
     gsm8k = _run_gsm8k(job, engine, tokenizer)
     t_run = time.time()
     layouts = state.gather_objects(engine.layout_report())
@@ -107,7 +118,7 @@ def run_job(job: Job) -> None:
                             f"gen_tokens.{c.index}": torch.tensor(toks, dtype=torch.long),
                             f"gen_topk_ids.{c.index}": ids, f"gen_topk_logprobs.{c.index}": lps})
             done.append(replace(c, generated_ids=tuple(toks), generated_text=tokenizer.decode(toks)))
-        layout = {"target": {"ranks": layouts, "pool": engine.pool.to_dict()}, "speculator": None}
+        layout = {"target": {"ranks": layouts, "pool": engine.pool.to_dict()}, "speculator": spec_entry}
         manifest = {
             "status": "ok", "error": None, "topology": topo.to_dict(), "model": spec.to_dict(),
             "fault": job.fault, "seed": job.seed, "dtype": job.dtype or spec.dtype,
@@ -118,6 +129,9 @@ def run_job(job: Job) -> None:
             "wall_s": {"init": t_init - t0, "load": t_load - t_init, "run": t_run - t_load,
                        "total": time.time() - t0},
         }
+        if spec_result is not None:
+            tensors.update(spec_tensors(spec_result, [c.index for c in cases]))  # spec_tokens.{i}, spec_accepted.{i}
+            manifest["speculative"] = spec_manifest(spec_result, spec_settings)
         if gsm8k is not None:
             write_json(Path(job.out_dir) / GSM8K_FILE, gsm8k)
         write_run(Path(job.out_dir), manifest, layout, done, tensors)

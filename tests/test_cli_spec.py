@@ -1,0 +1,50 @@
+"""Speculative cells end to end through `harness run` on real gloo runs: the shipped spec suite passes,
+and each speculator fault is flagged by its own check while greedy output stays lossless."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("spec-cache")
+
+
+def _cells(out: Path) -> list[dict]:
+    return json.loads((out / "results.json").read_text())["cells"]
+
+
+def test_spec_suite_passes_with_acceptance_details(tmp_path: Path, cache_dir: Path) -> None:
+    assert main(["run", "--suite", "spec", "--topo", "tp4dcp4-mtp,tp4dcp4-draft", "--out", str(tmp_path),
+                 "--cache-dir", str(cache_dir)]) == 0
+    for cell in _cells(tmp_path):
+        verdicts = {c["name"]: c["verdict"] for c in cell["checks"]}
+        assert verdicts == {name: "PASS" for name in ("layout", "speculator_layout", "logits_prefill",
+                                                      "logits_decode", "generation", "lossless", "acceptance")}
+        spec = cell["details"]["speculator"]
+        assert 1.0 < spec["mean_acceptance"] < 4.0  # mean accepted length: neither none nor all (k=3)
+        assert spec["mean_acceptance"] == spec["reference_mean_acceptance"] and spec["traces_differ"] == 0
+        # the speculator keeps the plain TP layout (dcp = 1): tiny-gqa kv=2 over 4 ranks -> 1 head each
+        assert [r["kv_heads"] for r in spec["layout"]["actual"]["ranks"]] == [[0], [0], [1], [1]]
+
+
+@pytest.mark.parametrize(("fault", "topo", "flagged"), [
+    ("draft-dcp-kv-heads", "tp4dcp4-draft", "speculator_layout"),
+    ("draft-stale-kv", "tp4dcp4-draft", "acceptance"),
+    ("mtp-wrong-hidden", "tp4dcp4-mtp", "acceptance"),
+])
+def test_speculator_fault_flagged_by_its_check_only(tmp_path: Path, cache_dir: Path, fault: str, topo: str,
+                                                    flagged: str) -> None:
+    assert main(["run", "--suite", "spec", "--topo", topo, "--fault", fault, "--out", str(tmp_path),
+                 "--cache-dir", str(cache_dir)]) == 1
+    (cell,) = _cells(tmp_path)
+    failed = {c["name"] for c in cell["checks"] if c["verdict"] == "FAIL"}
+    assert failed == {flagged} and cell["silent_corruption"]
+    verdicts = {c["name"]: c["verdict"] for c in cell["checks"]}
+    assert verdicts["lossless"] == "PASS"  # a broken drafter never changes greedy output
