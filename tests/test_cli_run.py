@@ -123,3 +123,11 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureF
                  "--out", str(tmp_path)]) == 2
     assert "did you mean 'dcp-lse-merge'" in capsys.readouterr().err
     assert main(["run", "--suite", "nope"]) == 2
+
+
+def test_model_that_cannot_split_is_one_error_before_anything_runs(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--suite", "gqa-odd", "--model", "tiny-9h3kv", "--topo", "tp4", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "heads=9 is not divisible by tp=4" in err[0]
+    assert not (tmp_path / "results.json").exists()

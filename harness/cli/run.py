@@ -12,7 +12,7 @@ from harness.baseline import BASELINES_DIR
 from harness.engine.speculator import SpeculativeSettings
 from harness.errors import ConfigError
 from harness.paths import REPORTS_DIR
-from harness.runner import RunRequest, Runner, default_cache_dir
+from harness.runner import RunRequest, Runner, default_cache_dir, plan_cells
 from harness.specs.model import load_model
 from harness.gsm8k.data import resolve_source
 from harness.gsm8k.settings import gsm8k_settings
@@ -79,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
     from harness.report.text import print_matrix
 
     req = build_request(args)
+    cells = plan_cells(req)
+    if all(c.skip_reason for c in cells):  # nothing would run: an explicit request that cannot work
+        raise ConfigError(cells[0].skip_reason or "no cell to run")
     runner = Runner(req, progress=lambda line: print(line, flush=True))
     start = time.time()
     cells = runner.run()
