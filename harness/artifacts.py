@@ -1,10 +1,11 @@
 """The run directory: what one launch (one model x topology x fault) leaves on disk.
 
 Layout of a run directory (schema ARTIFACT_SCHEMA_VERSION):
-  manifest.json      topology, model spec, fault, seed, dtype, weights/prompts hashes, versions,
+  manifest.json      topology, model spec, fault, seed, dtype, weights hash, prompts hash (of the
+                     teacher-forced token sequences), versions,
                      device, harness git commit, wall times, status ("ok" | "error"), error text,
                      rank log tails
-  layout.json        the layout each rank actually holds (see RankActual), target and speculator
+  layout.json        the layout each rank actually holds (parallelize.actual_layout), target and speculator
   cases.json         per prompt: text, prompt ids, teacher-forced sequence, decode start,
                      probe positions, greedy generation (ids and text)
   tensors.safetensors  per prompt i (float32 unless noted):
@@ -18,6 +19,9 @@ Layout of a run directory (schema ARTIFACT_SCHEMA_VERSION):
       gen_tokens.{i}       [N] int64     greedy generation
       gen_topk_ids.{i}     [N, k] int64  top-k token ids at each generation step
       gen_topk_logprobs.{i} [N, k]       their log-probabilities
+      spec_tokens.{i}      [N] int64     -draft/-mtp runs: greedy generation with the speculator
+      spec_accepted.{i}    [S] int64     accepted draft tokens (0..k) at each verify step
+  gsm8k.json         suites with GSM8K: lm-eval scores and per-question records (harness.gsm8k.records)
   rank{r}.log        stdout/stderr of each rank (written by the launcher)
 Every stage after the launch reads only these files.
 """

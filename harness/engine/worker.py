@@ -4,6 +4,8 @@ lockstep, and rank 0 writes the run directory."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import platform
 import sys
@@ -123,6 +125,7 @@ def run_job(job: Job) -> None:
             "status": "ok", "error": None, "topology": topo.to_dict(), "model": spec.to_dict(),
             "fault": job.fault, "seed": job.seed, "dtype": job.dtype or spec.dtype,
             "weights_hash": weights_hash(weights), "engine_version": ENGINE_VERSION,
+            "prompts_hash": hashlib.sha256(json.dumps([c.sequence_ids for c in cases]).encode()).hexdigest(),
             "versions": {"harness": __version__, "torch": torch.__version__, "python": platform.python_version()},
             "device": job.device if job.device == "cpu" else torch.cuda.get_device_name(),
             "git_commit": job.git_commit, "host": platform.node(),
