@@ -29,12 +29,11 @@ from harness.errors import ConfigError
 from harness.gsm8k.records import STRICT
 from harness.gsm8k.settings import GSM8KSettings
 from harness.gsm8k.stats import baseline_gate
-from harness.paths import PROJECT_ROOT
+from harness.paths import BASELINES_DIR
 from harness.specs.loader import check_keys, expect_int, load_yaml
 from harness.verdict import CellResult, CheckResult, Verdict
 
 BASELINE_SCHEMA_VERSION = 1
-BASELINES_DIR: Path = PROJECT_ROOT / "baselines"
 GATE_CHECK = "gsm8k_baseline"
 PROVENANCE_KEYS: tuple[str, ...] = ("harness_version", "engine", "git_commit", "device", "dtype", "seed", "date",
                                     "run_id", "command")

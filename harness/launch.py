@@ -5,6 +5,7 @@ log tail recorded in the run directory's manifest, so nothing else is lost."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,10 +13,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from harness.jsonio import read_json, write_json
+from harness.jsonio import write_json
 from harness.engine.worker import Job
 
 LOG_TAIL_LINES = 40
+TERM_GRACE_S = 35.0
+ARTIFACTS = ("manifest.json", "tensors.safetensors", "layout.json", "cases.json", "gsm8k.json", "launcher.log")
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,9 @@ def _collect_rank_logs(run_dir: Path, log_dir: Path, world_size: int) -> dict[st
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+    """SIGTERM the launch's process group, then SIGKILL. torchrun starts each rank in a session of its
+    own and needs up to 30 s to stop them on SIGTERM, so it gets that long before the SIGKILL."""
+    for sig, wait in ((signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -72,8 +77,9 @@ def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None) -> Lau
     """Run `job` to completion or until `timeout_s`; always leaves a manifest.json in job.out_dir."""
     run_dir = Path(job.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("manifest.json", "tensors.safetensors"):
+    for stale in [*ARTIFACTS, *(p.name for p in run_dir.glob("rank*.log"))]:  # nothing of an earlier launch
         (run_dir / stale).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "torchrun", ignore_errors=True)
     job_path = run_dir / "job.json"
     write_json(job_path, asdict(job))
     world = int(job.topology["tp"])
@@ -88,6 +94,9 @@ def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None) -> Lau
         except subprocess.TimeoutExpired:
             timed_out = True
             _kill_group(proc)
+        except BaseException:  # Ctrl-C or any error here: never leave ranks running
+            _kill_group(proc)
+            raise
     wall = time.time() - start
     tails = _collect_rank_logs(run_dir, log_dir, world) if world > 1 else {"rank0": _tail(run_dir / "rank0.log")}
     manifest_path = run_dir / "manifest.json"
@@ -103,7 +112,3 @@ def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None) -> Lau
                                "timed_out": timed_out, "topology": job.topology, "fault": job.fault,
                                "seed": job.seed, "wall_s": {"total": wall}, "log_tails": tails})
     return LaunchResult(False, proc.returncode, wall, error, tails)
-
-
-def manifest_of(run_dir: Path) -> dict[str, object]:
-    return dict(read_json(run_dir / "manifest.json"))

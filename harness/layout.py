@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from harness.errors import ConfigError
 
 LAYOUT_SCHEMA_VERSION = 1
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -218,8 +219,8 @@ def plan_layout(shape: AttentionShape, tp: int, dcp: int = 1, kv_dcp: int | None
             rank=rank, q_heads=q_heads, kv_heads=kv_heads, kv_tp_rank=kv_tp_rank,
             dcp_rank=rank % dcp, dcp_group=rank // dcp, dcp_members=members, group_q_heads=group_q,
             q_to_kv=tuple(kv_of_q(shape, q) for q in q_heads),
-            q_to_local_kv=_mapping_or_naive(q_heads, kv_heads, shape),
-            group_q_to_local_kv=_mapping_or_naive(group_q, kv_heads, shape),
+            q_to_local_kv=_local_mapping(q_heads, kv_heads, shape, faulty=kv_dcp is not None),
+            group_q_to_local_kv=_local_mapping(group_q, kv_heads, shape, faulty=kv_dcp is not None),
             ffn_shard=ffn_shard(shape.ffn, rank, tp)))
     replicas = tuple(sum(kv in r.kv_heads for r in ranks) for kv in range(shape.kv_heads))
     return LayoutPlan(
@@ -233,10 +234,11 @@ def ffn_shard(ffn: int, rank: int, tp: int) -> tuple[int, int]:
     return (rank * ffn // tp, (rank + 1) * ffn // tp)
 
 
-def _mapping_or_naive(q_heads: tuple[int, ...], kv_heads: tuple[int, ...], shape: AttentionShape) -> tuple[int, ...]:
-    """Global-index mapping; where a Q head's KV head is not held (only under a fault's layout),
-    fall back to the local-count mapping the buggy engines used."""
-    if all(kv_of_q(shape, q) in kv_heads for q in q_heads):
+def _local_mapping(q_heads: tuple[int, ...], kv_heads: tuple[int, ...], shape: AttentionShape,
+                   faulty: bool) -> tuple[int, ...]:
+    """Global-index mapping (raising if a KV head is not held). Only a fault's KV split (`faulty`)
+    may leave Q heads without their KV head; there the buggy engines' local-count mapping is used."""
+    if not faulty or all(kv_of_q(shape, q) in kv_heads for q in q_heads):
         return local_kv_index(q_heads, kv_heads, shape)
     return naive_local_kv_index(len(q_heads), len(kv_heads))
 
@@ -246,8 +248,8 @@ def plan_speculator(shape: AttentionShape, tp: int) -> LayoutPlan:
     return plan_layout(shape, tp, dcp=1)
 
 
-def token_owner(position: int, dcp: int) -> int:
-    """The DCP rank that stores the K/V of token `position`."""
+def token_owner(position: T, dcp: int) -> T:
+    """The DCP rank that stores the K/V of token `position` (an int, or a tensor of positions)."""
     return position % dcp
 
 

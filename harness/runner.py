@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -17,22 +16,24 @@ from harness.compare.cell import compare_cell
 from harness.compare.settings import CheckSettings
 from harness.compare.speculative import acceptance_from_runs, lossless_from_run, speculator_details
 from harness.engine.faults import FAULTS, fault_flags
+from harness.engine.checkpoint import checkpoint_path
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
 from harness.engine.worker import ENGINE_VERSION, Job
 from harness.baseline import BASELINES_DIR
 from harness.gsm8k.cell import gsm8k_checks
 from harness.gsm8k.settings import GSM8KSettings
-from harness.errors import ConfigError
+from harness.errors import ConfigError, HarnessError
 from harness.launch import launch
+from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.layout import plan_layout, plan_speculator
 from harness.paths import PROJECT_ROOT
+from harness.report.provenance import collect_provenance, git_commit
 from harness.specs.model import ModelSpec
 from harness.specs.suite import Suite
-from harness.specs.topology import Topology
+from harness.specs.topology import Topology, parse_topology_name
 from harness.verdict import CellResult, CheckResult, Verdict
 
 NOISE_DTYPE = {"float32": "float64", "bfloat16": "float32", "float16": "float32"}
-REFERENCE = Topology(tp=1, name="tp1")
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,8 @@ class RunRequest:
     out_dir: Path
     cache_dir: Path
     device: str = "cpu"
-    timeout_s: float = 900.0
-    collective_timeout_s: float = 120.0
+    timeout_s: float = LAUNCH_TIMEOUT_S
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     pool: tuple[tuple[str, int], ...] = ()
     gsm8k: GSM8KSettings | None = None
     gsm8k_data: str | None = None
@@ -72,28 +73,23 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("HARNESS_CACHE_DIR", Path.home() / ".cache" / "llm-parallel-harness"))
 
 
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "-C", str(PROJECT_ROOT), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
-        return out.stdout.strip() if out.returncode == 0 else ""
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-
-
 def _engine_source_hash() -> str:
-    """Reference runs are cached by content; the engine's own source is part of that content."""
+    """Reference runs are cached by content; the code that produces them is part of that content
+    (everything in harness/ but the report and CLI layers)."""
     h = hashlib.sha256(ENGINE_VERSION.encode())
-    for path in sorted((PROJECT_ROOT / "harness" / "engine").glob("*.py")) + [PROJECT_ROOT / "harness" / "cases.py"]:
-        h.update(path.read_bytes())
+    package = PROJECT_ROOT / "harness"
+    for path in sorted(package.rglob("*.py")):
+        if path.relative_to(package).parts[0] not in ("report", "cli"):
+            h.update(str(path.relative_to(package)).encode())
+            h.update(path.read_bytes())
     return h.hexdigest()
 
 
 def _weights_key(model: ModelSpec) -> dict[str, Any]:
     """Identifies the weights without loading them: the spec, plus size and mtime of a weight file."""
     key: dict[str, Any] = {"spec": model.to_dict()}
-    if model.path:
-        path = Path(model.path)
+    if model.source != "synthetic":
+        path = checkpoint_path(model)
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
         key["files"] = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.exists()]
     return key
@@ -127,7 +123,7 @@ def skip_reason(model: ModelSpec, topo: Topology, fault: str | None) -> str | No
 
 def plan_cells(req: RunRequest) -> list[CellPlan]:
     if req.fault and req.fault not in FAULTS:
-        fault_flags(req.fault, REFERENCE)  # raises the did-you-mean error
+        fault_flags(req.fault, Topology(tp=1))  # raises the did-you-mean error
     return [CellPlan(m, t, req.fault, seed, skip_reason(m, t, req.fault))
             for m in req.models for seed in req.seeds for t in req.topologies]
 
@@ -138,8 +134,10 @@ class Runner:
     def __init__(self, req: RunRequest, progress: Callable[[str], None] = print) -> None:
         self.req = req
         self.progress = progress
-        self._refs: dict[tuple[str, int], tuple[RunArtifacts, RunArtifacts | None]] = {}
+        self._refs: dict[tuple[str, int, str], tuple[RunArtifacts, RunArtifacts | None]] = {}
+        self.reference_topology = parse_topology_name(req.suite.reference).without_speculator()
         self._commit = git_commit()
+        self._failed_refs: dict[tuple[str, int, str], ReferenceFailed] = {}
         self._engine_hash = _engine_source_hash()
         self._tokenizers: dict[str, Tokenizer] = {}
 
@@ -155,7 +153,7 @@ class Runner:
                    collective_timeout_s=req.collective_timeout_s, git_commit=self._commit, gsm8k=gsm8k,
                    speculative=dict(s.speculative) if topo.speculator != "none" else {})
 
-    def _cached(self, model: ModelSpec, seed: int, dtype: str, topo: Topology = REFERENCE) -> RunArtifacts:
+    def _cached(self, model: ModelSpec, seed: int, dtype: str, topo: Topology) -> RunArtifacts:
         """A tp1 run of `model` in `dtype` (with `topo`'s speculator), from the content-keyed cache or launched now."""
         job = self.job(model, topo, None, seed, Path("."), dtype)
         content = {k: v for k, v in job.__dict__.items() if k not in ("out_dir", "git_commit", "collective_timeout_s")}
@@ -175,12 +173,24 @@ class Runner:
         return read_run(run_dir)
 
     def references(self, model: ModelSpec, seed: int, speculator: str = "none") -> tuple[RunArtifacts, RunArtifacts | None]:
-        """The reference (tp1, with the cell's speculator kind) and the noise-floor twin (tp1, float64)."""
+        """The reference (the suite's reference topology with the cell's speculator) and its noise-floor
+        twin (same topology, higher precision, no speculator). A failed reference is launched once:
+        later cells get the same ReferenceFailed. A failed twin leaves the tolerance floors in charge."""
         key = (model.name, seed, speculator)
+        if key in self._failed_refs:
+            raise self._failed_refs[key]
         if key not in self._refs:
-            ref_topo = Topology(tp=1, speculator=speculator)
-            ref = self._cached(model, seed, model.dtype, ref_topo)
-            noise = self._cached(model, seed, NOISE_DTYPE[model.dtype])
+            base = self.reference_topology
+            try:
+                ref = self._cached(model, seed, model.dtype, Topology(tp=base.tp, dcp=base.dcp, speculator=speculator))
+            except ReferenceFailed as exc:
+                self._failed_refs[key] = exc
+                raise
+            try:
+                noise: RunArtifacts | None = self._cached(model, seed, NOISE_DTYPE[model.dtype], base)
+            except ReferenceFailed as exc:
+                self.progress(f"  {exc}; tolerances fall back to their floors")
+                noise = None
             self._refs[key] = (ref, noise)
         return self._refs[key]
 
@@ -240,7 +250,12 @@ class Runner:
         results = []
         for i, cell in enumerate(cells, 1):
             self.progress(f"[{i}/{len(cells)}] {cell.slug} ...")
-            result = self.run_cell(cell)
+            try:
+                result = self.run_cell(cell)
+            except HarnessError as exc:  # one broken cell never loses the others' results
+                result = CellResult(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
+                                    fault=cell.fault, seed=cell.seed, command=self.command(cell),
+                                    checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False)
             reason = next((c.reason for c in result.checks if c.verdict is result.status), "")
             self.progress(f"[{i}/{len(cells)}] {cell.slug}: {result.status.value} ({result.wall_s:.1f} s)"
                           + (f" - {reason}" if result.status is not Verdict.PASS else ""))
@@ -248,18 +263,13 @@ class Runner:
         return results
 
     def provenance(self, argv: list[str]) -> dict[str, Any]:
-        import platform
-
-        import torch
-        return {"harness_version": __version__, "git_commit": self._commit, "torch_version": torch.__version__,
-                "python": platform.python_version(), "device": self.req.device,
-                "dtypes": sorted({m.dtype for m in self.req.models}), "seeds": list(self.req.seeds),
-                "command": " ".join(["harness", *argv]), "hostname": platform.node(),
-                "suite": self.req.suite.name, "suite_version": self.req.suite.version, "engine": "reference",
-                "engine_version": ENGINE_VERSION}
+        return {**collect_provenance(" ".join(["harness", *argv]), self.req.device,
+                                     sorted({m.dtype for m in self.req.models}), list(self.req.seeds)),
+                "suite": self.req.suite.name, "suite_version": self.req.suite.version,
+                "reference": self.reference_topology.name, "engine": "reference", "engine_version": ENGINE_VERSION}
 
 
-class ReferenceFailed(Exception):
+class ReferenceFailed(HarnessError):
     def __init__(self, message: str, run_dir: Path) -> None:
         super().__init__(message)
         self.run_dir = run_dir

@@ -72,7 +72,7 @@ def test_plan_table_dcp_capacity_and_speculator(capsys: pytest.CaptureFixture[st
     assert "capacity per rank: 327 slots of 256 tokens = 1308 blocks x 16 tokens" in out
     # The MTP module keeps the TP layout: one KV head per rank, one layer.
     assert ("speculator (mtp, plain TP layout, dcp=1): KV heads per rank r0:0, r1:0, r2:1, r3:1; "
-            "128 bytes/token per rank") in out
+            "256 bytes/token per rank") in out
 
 
 def test_plan_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
@@ -115,7 +115,7 @@ def test_plan_json_dcp_group_and_capacity(capsys: pytest.CaptureFixture[str]) ->
     spec = doc["speculator"]
     assert spec["kind"] == "draft" and spec["dcp"] == 1 and spec["kv_duplication"] == 2
     assert [r["kv_heads"] for r in spec["ranks"]] == [[0], [0], [1], [1]]
-    assert spec["kv_bytes_per_token_per_rank"] == 2 * 1 * 1 * 16 * 4  # one speculator layer
+    assert spec["kv_bytes_per_token_per_rank"] == 2 * 2 * 1 * 16 * 4  # tiny-gqa: speculator_layers=2
 
 
 @pytest.mark.parametrize("argv,message", [

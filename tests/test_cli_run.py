@@ -98,6 +98,8 @@ def test_fault_is_flagged_as_silent_corruption_with_localization(
         assert verdicts["layout"] == "FAIL" and "KV head ids differ inside DCP group 0" in loc["summary"]
     if fault == "dcp-token-owner":
         assert verdicts["logits_prefill"] == "PASS"  # the bug lives in decode only
+    if fault == "gcd-naive-gqa":  # the summary names what the ranks really read, not the plan
+        assert "heads 2-9,14-21 read the wrong KV heads (e.g. head 2 reads 1, planned 0)" in loc["summary"]
     html = (tmp_path / "index.html").read_text()
     assert "silent" in html.lower() and f"--fault {fault}" in html
 

@@ -29,7 +29,6 @@ def test_topology_names(name: str, tp: int, dcp: int, speculator: str, canonical
     assert topo.name == name
     assert topo.canonical_name == canonical
     assert topo.world_size == tp
-    assert topo.kv_tp_size == tp // dcp
     assert topo.to_dict() == {"name": name, "tp": tp, "dcp": dcp, "speculator": speculator, "world_size": tp}
     assert parse_topology_name(canonical).canonical_name == canonical
 

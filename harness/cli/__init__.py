@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from types import ModuleType
 
 from harness import __version__
@@ -13,15 +14,8 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
 
 
 def _subcommands() -> list[ModuleType]:
-    from harness.cli import list_cmd, plan
-    mods: list[ModuleType] = [plan, list_cmd]
-    for name in ("run", "report", "baseline", "worker"):
-        try:
-            mods.append(__import__(f"harness.cli.{name}", fromlist=[name]))
-        except ModuleNotFoundError as exc:
-            if exc.name != f"harness.cli.{name}":
-                raise
-    return mods
+    from harness.cli import baseline, list_cmd, plan, report, run
+    return [plan, list_cmd, run, report, baseline]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,4 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except HarnessError as exc:
         print(f"harness: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception:  # a harness bug must not read as a FAIL (exit 1) to CI
+        traceback.print_exc()
+        print("harness: internal error (a bug in the harness; traceback above)", file=sys.stderr)
         return EXIT_ERROR

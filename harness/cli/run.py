@@ -8,16 +8,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.baseline import BASELINES_DIR
-from harness.engine.speculator import SpeculativeSettings
+from typing import TYPE_CHECKING
+
 from harness.errors import ConfigError
-from harness.paths import REPORTS_DIR
-from harness.runner import RunRequest, Runner, default_cache_dir, plan_cells
+from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
+from harness.paths import BASELINES_DIR, REPORTS_DIR
 from harness.specs.model import load_model
-from harness.gsm8k.data import resolve_source
-from harness.gsm8k.settings import gsm8k_settings
 from harness.specs.suite import load_suite, with_profile
 from harness.specs.topology import load_catalog
+
+if TYPE_CHECKING:  # the engine (and torch) load only when a run is asked for
+    from harness.runner import RunRequest
 
 MIB = 1024 ** 2
 
@@ -38,8 +39,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--gsm8k-path", default=None, help="folder with GSM8K test.jsonl/train.jsonl "
                    "(default: $HARNESS_GSM8K_PATH, else the hub through datasets)")
     p.add_argument("--baselines-dir", type=Path, default=BASELINES_DIR, help="stored GSM8K baselines (default: baselines/)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a launch is killed")
-    p.add_argument("--collective-timeout", type=float, default=120.0, help="seconds before a collective fails")
+    p.add_argument("--timeout", type=float, default=LAUNCH_TIMEOUT_S, help="seconds before a launch is killed")
+    p.add_argument("--collective-timeout", type=float, default=COLLECTIVE_TIMEOUT_S,
+                   help="seconds before a collective fails")
     p.add_argument("--cache-dir", type=Path, default=None, help="reference-run cache (default: $HARNESS_CACHE_DIR "
                    "or ~/.cache/llm-parallel-harness)")
     p.set_defaults(func=run)
@@ -49,11 +51,22 @@ def run_id(suite: str) -> str:
     return time.strftime("%Y%m%d-%H%M%S") + f"-{suite}"
 
 
-def build_request(args: argparse.Namespace) -> RunRequest:
+def build_request(args: argparse.Namespace) -> "RunRequest":
+    """Resolve and validate everything a run needs; every bad input is one ConfigError, before launching."""
+    from harness.compare.settings import CheckSettings
+    from harness.engine.speculator import SpeculativeSettings
+    from harness.engine.weights import validate_checkpoint
+    from harness.gsm8k.data import resolve_source
+    from harness.gsm8k.settings import gsm8k_settings
+    from harness.runner import RunRequest, default_cache_dir
+
     suite = with_profile(load_suite(args.suite), args.profile)
     catalog = load_catalog()
     topologies = catalog.resolve(args.topo or ",".join(suite.topologies), all_names=suite.topologies)
     models = (load_model(args.model),) if args.model else tuple(load_model(m) for m in suite.models)
+    for model in models:
+        CheckSettings.from_suite(suite, model.dtype)  # a tolerance typo fails here, not after the runs
+        validate_checkpoint(model)  # missing/corrupt checkpoint: one error before any rank starts
     budget_mib = suite.kv_budget_mib if args.kv_budget_mib is None else args.kv_budget_mib
     max_seq_len = suite.max_seq_len if args.max_seq_len is None else args.max_seq_len
     if budget_mib <= 0 or max_seq_len <= 0:
@@ -74,6 +87,7 @@ def build_request(args: argparse.Namespace) -> RunRequest:
 
 
 def run(args: argparse.Namespace) -> int:
+    from harness.runner import Runner, plan_cells
     from harness.report import render_all
     from harness.report.results import exit_code
     from harness.report.text import print_matrix

@@ -33,10 +33,6 @@ class Bound:
             return Verdict.FAIL
         return Verdict.PASS if value <= self.limit else Verdict.WARN
 
-    def exceeded(self, value: float) -> bool:
-        """Above the PASS bound (NaN counts as above)."""
-        return not value <= self.limit
-
     def describe(self) -> str:
         """Where the bound comes from, e.g. '(noise 4.0e-08 x 50)' or '(floor; no noise run)'."""
         if self.noise is None:

@@ -72,13 +72,30 @@ def _owners(plan: LayoutPlan, heads: Sequence[int]) -> list[int]:
     return [owner[h] for h in heads]
 
 
-def _head_summary(layer: int, heads: list[int], plan: LayoutPlan) -> tuple[list[int], list[int], str]:
+def actual_reads(par: RunArtifacts, plan: LayoutPlan) -> dict[int, set[int]]:
+    """Global Q head -> the KV heads the parallel run really read for it, on every rank that attends
+    it (its DCP group's members); the planned KV head where the run recorded nothing."""
+    reads: dict[int, set[int]] = {}
+    ranks = (par.layout.get("target") or {}).get("ranks") or []
+    for rank in ranks:
+        for q, kv in zip(rank.get("group_q_heads") or [], rank.get("group_q_to_kv") or []):
+            reads.setdefault(int(q), set()).add(int(kv))
+    return {q: reads.get(q) or {kv_of_q(plan.shape, q)} for q in range(plan.shape.heads)}
+
+
+def _head_summary(layer: int, heads: list[int], plan: LayoutPlan,
+                  reads: dict[int, set[int]]) -> tuple[list[int], list[int], str]:
     ranks = sorted(set(_owners(plan, heads)))
-    kv = sorted({kv_of_q(plan.shape, h) for h in heads})
+    kv = sorted(set().union(*(reads[h] for h in heads)))
     groups = sorted({plan.ranks[r].dcp_group for r in ranks})
     group_text = (f" (DCP group{'s' if len(groups) > 1 else ''} {id_ranges(groups)})" if plan.dcp > 1 else "")
     summary = (f"layer {layer} attention: heads {id_ranges(heads)} on rank{'s' if len(ranks) > 1 else ''} "
                f"{id_ranges(ranks)}{group_text} diverge; reads KV head{'s' if len(kv) > 1 else ''} {id_ranges(kv)}")
+    misread = [h for h in heads if reads[h] != {kv_of_q(plan.shape, h)}]
+    if misread:
+        h = misread[0]
+        summary += (f"; heads {id_ranges(misread)} read the wrong KV heads (e.g. head {h} reads "
+                    f"{id_ranges(reads[h])}, planned {kv_of_q(plan.shape, h)})")
     return ranks, kv, summary
 
 
@@ -111,7 +128,7 @@ def localize(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None, p
         details["head_errors"] = {
             "error": _floats(heads), "noise": None if head_noise is None else _floats(head_noise),
             "threshold": head_limit, "owner_ranks": _owners(plan, all_heads),
-            "kv_heads": [kv_of_q(plan.shape, h) for h in all_heads]}
+            "kv_heads": [kv_of_q(plan.shape, h) for h in all_heads]}  # as planned; the summary names actual reads
     first = next((j for j, (e, t) in enumerate(zip(hidden.tolist(), hidden_limit)) if not e <= t), None)
     if first is None:
         return None, details
@@ -126,6 +143,6 @@ def localize(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None, p
         return Localization(layer=layer, heads=(), ranks=(), kv_heads=(), summary=(
             f"layer {layer}: residual stream diverges ({err}) while its attention heads stay within "
             f"noise: MLP, norm or residual")), details
-    ranks, kv, summary = _head_summary(layer, bad, plan)
+    ranks, kv, summary = _head_summary(layer, bad, plan, actual_reads(par, plan))
     return Localization(layer=layer, heads=tuple(bad), ranks=tuple(ranks), kv_heads=tuple(kv),
                         summary=summary), details

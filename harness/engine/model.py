@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from harness.engine.faults import FaultFlags
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.parallel import Collectives
+from harness.layout import token_owner
 
 
 @dataclass
@@ -110,7 +111,8 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     scores = torch.einsum("bshd,blhd->bhsl", q, k_sel) / (q.shape[-1] ** 0.5)
     scores.masked_fill_(~mask[:, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, Hq, S]
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    blind = ~mask.any(dim=-1)  # [B, S]: queries with no visible key (padding, or no token on this rank)
+    probs = torch.softmax(scores, dim=-1).masked_fill(blind[:, None, :, None], 0.0)  # NaN elsewhere stays NaN
     out = torch.einsum("bhsl,blhd->bshd", probs, v_sel)
     return out, lse.transpose(1, 2)
 
@@ -122,7 +124,8 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     # [B, S|L, H, hd] -> [B, H, S|L, hd] for scaled_dot_product_attention
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k[:, :, idx].transpose(1, 2),
                                          v[:, :, idx].transpose(1, 2), attn_mask=mask[:, None])
-    return out.transpose(1, 2).nan_to_num(0.0)  # [B, S, Hq, hd]; fully masked (padding) rows -> 0
+    blind = ~mask.any(dim=-1)  # [B, S]: padding queries, whose rows the kernel fills with NaN
+    return out.transpose(1, 2).masked_fill(blind[:, :, None, None], 0.0)  # [B, S, Hq, hd]
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor, mean: bool = False) -> torch.Tensor:
@@ -188,7 +191,7 @@ class Decoder:
         dcp, me = self.comm.dcp, self.comm.dcp_rank
         decode_step = batch.ids.shape[1] == 1
         store_all = self.flags.store_on_all_dcp_ranks and decode_step
-        stored = batch.valid & ((batch.positions % dcp == me) | store_all)  # [B, S]
+        stored = batch.valid & ((token_owner(batch.positions, dcp) == me) | store_all)  # [B, S]
         slots: list[tuple[int, int]] = []
         for b, seq_id in enumerate(batch.seq_ids):
             slots += self.cache.reserve(seq_id, batch.positions[b][stored[b]].tolist())

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from harness.errors import RunError
+from harness.layout import dcp_members_of
 
 
 @dataclass
@@ -35,7 +36,7 @@ class ParallelState:
 
     @property
     def dcp_rank(self) -> int:
-        return self.rank % self.dcp
+        return dcp_members_of(self.rank, self.dcp).index(self.rank)
 
     @property
     def distributed(self) -> bool:
@@ -61,9 +62,9 @@ class ParallelState:
         dist.init_process_group(backend=backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         dcp_group = None
-        for first in range(0, tp, dcp):  # every rank must create every group, in the same order
-            group = dist.new_group(list(range(first, first + dcp))) if dcp > 1 else None
-            if first <= rank < first + dcp:
+        for members in dict.fromkeys(dcp_members_of(r, dcp) for r in range(tp)):  # every rank creates every
+            group = dist.new_group(list(members)) if dcp > 1 else None        # group, in the same order
+            if rank in members:
                 dcp_group = group
         return cls(rank=rank, tp=tp, dcp=dcp, device=dev, tp_group=dist.group.WORLD, dcp_group=dcp_group)
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 from harness.engine.engine import Engine, PoolSettings
-from harness.engine.parallel import ParallelState
 from harness.engine.generator import EngineGenerator
+from harness.engine.parallel import ParallelState
 from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights
 from harness.specs.model import ModelSpec
@@ -26,8 +24,3 @@ class LocalGenerator(EngineGenerator):
     def __init__(self, spec: ModelSpec, pool: PoolSettings = PoolSettings(), device: str = "cpu") -> None:
         super().__init__(Engine(spec, load_weights(spec), ParallelState.single(device), pool=pool),
                          load_tokenizer(spec))
-
-
-def greedy(spec: ModelSpec, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-    engine = Engine(spec, load_weights(spec), ParallelState.single())
-    return engine.generate(prompts, max_new_tokens).tokens

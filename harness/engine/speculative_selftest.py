@@ -23,6 +23,7 @@ from harness.engine.faults import fault_flags
 from harness.engine.parallel import ParallelState
 from harness.engine.speculative import run_speculative_cases
 from harness.engine.speculator import SpeculativeSettings, speculator_for
+from harness.limits import COLLECTIVE_TIMEOUT_S
 from harness.engine.weights import load_weights
 from harness.specs.model import model_from_dict
 from harness.specs.topology import Topology
@@ -31,7 +32,7 @@ from harness.specs.topology import Topology
 def run(config: dict[str, Any]) -> dict[str, Any] | None:
     """Every rank runs this; rank 0 returns the results (others None)."""
     tp, dcp = int(config["tp"]), int(config["dcp"])
-    state = ParallelState.from_launcher(tp, dcp, "cpu", 120.0)
+    state = ParallelState.from_launcher(tp, dcp, "cpu", COLLECTIVE_TIMEOUT_S)
     spec = model_from_dict("selftest", config["model"])
     weights = load_weights(spec)
     pool = PoolSettings(**config.get("pool", {}))

@@ -28,6 +28,7 @@ from harness.engine.speculative import run_speculative_cases, spec_manifest, spe
 from harness.engine.speculator import SpeculativeSettings, speculator_for
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
 from harness.engine.weights import load_weights, weights_hash
+from harness.limits import COLLECTIVE_TIMEOUT_S
 from harness.specs.model import model_from_dict
 from harness.specs.topology import Topology
 
@@ -51,7 +52,7 @@ class Job:
     top_k: int = 5
     pool: dict[str, int] = field(default_factory=dict)
     device: str = "cpu"
-    collective_timeout_s: float = 60.0
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     git_commit: str = ""
     gsm8k: dict[str, Any] | None = None
     speculative: dict[str, Any] = field(default_factory=dict)

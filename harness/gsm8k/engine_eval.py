@@ -18,7 +18,7 @@ from harness.gsm8k.tasks import evaluate_with
 def evaluate_engine(engine: Engine, tokenizer: Tokenizer, settings: GSM8KSettings,
                     data_path: str | Path | None) -> GSM8KResult:
     lm = HarnessLM(EngineGenerator(engine, tokenizer), batch_size=settings.batch_size,
-                   max_gen_toks=settings.max_new_tokens, max_length=engine.pool.max_seq_len - settings.max_new_tokens)
+                   max_gen_toks=settings.max_new_tokens, max_length=engine.pool.max_seq_len)
     return evaluate_with(lm, settings.task, resolve_source(data_path), limit=settings.limit,
                          num_fewshot=settings.num_fewshot, apply_chat_template=settings.chat_template,
                          fewshot_as_multiturn=settings.fewshot_as_multiturn)

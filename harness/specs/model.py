@@ -69,10 +69,6 @@ class ModelSpec:
         return DTYPE_BYTES[self.dtype]
 
     @property
-    def q_per_kv(self) -> int:
-        return self.heads // self.kv_heads
-
-    @property
     def attention_shape(self) -> AttentionShape:
         return AttentionShape(heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
                               layers=self.layers, dtype_bytes=self.dtype_bytes, ffn=self.ffn)

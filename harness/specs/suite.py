@@ -53,6 +53,8 @@ class Suite:
             raise ConfigError(f"{where}: topologies is empty")
         if not self.prompts and not self.gsm8k:
             raise ConfigError(f"{where}: needs prompts or gsm8k settings")
+        if not self.seeds:
+            raise ConfigError(f"{where}: seeds is empty")
         for seed in self.seeds:
             expect_int(where, "seed", seed)
         if not isinstance(self.checks, Mapping):

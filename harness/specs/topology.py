@@ -43,11 +43,6 @@ class Topology:
         return self.tp
 
     @property
-    def kv_tp_size(self) -> int:
-        """Ranks that split KV heads: tp // dcp (ranks of one DCP group share KV heads)."""
-        return self.tp // self.dcp
-
-    @property
     def canonical_name(self) -> str:
         base = f"tp{self.tp}" + (f"dcp{self.dcp}" if self.dcp > 1 else "")
         return base + ("" if self.speculator == "none" else f"-{self.speculator}")
