@@ -133,3 +133,25 @@ def test_model_that_cannot_split_is_one_error_before_anything_runs(tmp_path: Pat
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "heads=9 is not divisible by tp=4" in err[0]
     assert not (tmp_path / "results.json").exists()
+
+
+def test_bad_checkpoint_is_one_error_before_any_rank(tmp_path: Path, suite_file: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint folder without a tokenizer, then with a truncated safetensors file: each is one
+    exit-2 line from `harness run --model DIR`, and nothing is launched or written."""
+    from harness.engine.checkpoint import save_hf_checkpoint
+    from harness.engine.weights import load_weights
+    from harness.specs.model import load_model
+
+    spec = load_model("tiny-gqa")
+    folder = save_hf_checkpoint(spec, load_weights(spec), tmp_path / "ckpt")
+    argv = ["run", "--suite", str(suite_file), "--model", str(folder), "--topo", "tp2dcp2", "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no tokenizer.json" in err[0]
+    weights = next(folder.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "safetensors" in err[0] and str(weights) in err[0]
+    assert not (tmp_path / "out").exists()

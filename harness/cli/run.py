@@ -55,6 +55,7 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     """Resolve and validate everything a run needs; every bad input is one ConfigError, before launching."""
     from harness.compare.settings import CheckSettings
     from harness.engine.speculator import SpeculativeSettings
+    from harness.engine.tokenizer import load_tokenizer
     from harness.engine.weights import validate_checkpoint
     from harness.gsm8k.data import resolve_source
     from harness.gsm8k.settings import gsm8k_settings
@@ -67,6 +68,7 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     for model in models:
         CheckSettings.from_suite(suite, model.dtype)  # a tolerance typo fails here, not after the runs
         validate_checkpoint(model)  # missing/corrupt checkpoint: one error before any rank starts
+        load_tokenizer(model)
     budget_mib = suite.kv_budget_mib if args.kv_budget_mib is None else args.kv_budget_mib
     max_seq_len = suite.max_seq_len if args.max_seq_len is None else args.max_seq_len
     if budget_mib <= 0 or max_seq_len <= 0:
