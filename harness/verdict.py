@@ -7,6 +7,9 @@ from enum import Enum
 from typing import Any
 
 
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3  # the CLI's exit codes
+
+
 class Verdict(str, Enum):
     PASS = "PASS"
     WARN = "WARN"

@@ -9,8 +9,8 @@ from types import ModuleType
 
 from harness import __version__
 from harness.errors import ConfigError, HarnessError
+from harness.verdict import EXIT_ERROR, EXIT_USAGE
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
 
 
 def _subcommands() -> list[ModuleType]:

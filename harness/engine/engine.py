@@ -89,7 +89,6 @@ class Engine:
         self.decoder = Decoder(weights, self.heads, Hyper(spec.head_dim, spec.rope_theta, spec.norm_eps),
                                state.collectives(), self.cache, flags)
         self._weights = weights
-        self._next_seq = 0
 
     @property
     def max_batch(self) -> int:
@@ -108,23 +107,12 @@ class Engine:
             raise ConfigError(f"a sequence of {longest} tokens exceeds max_seq_len={self.pool.max_seq_len} "
                               f"of the KV pool slots; raise --max-seq-len (or the suite's max_seq_len)")
 
-    def _new_sequences(self, n: int) -> list[int]:
-        ids = list(range(self._next_seq, self._next_seq + n))
-        self._next_seq += n
-        for seq_id in ids:
-            self.cache.add_sequence(seq_id)
-        return ids
-
     def _batch(self, seq_ids: Sequence[int], chunks: Sequence[Sequence[int]], starts: Sequence[int]) -> Batch:
         return build_batch(seq_ids, chunks, starts, self.state.device)
 
     def _forward(self, seq_ids: Sequence[int], chunks: Sequence[Sequence[int]], starts: Sequence[int],
                  capture: Capture | None = None) -> torch.Tensor:
         return self.decoder.forward(self._batch(seq_ids, chunks, starts), capture).float()
-
-    def _release(self, seq_ids: Sequence[int]) -> None:
-        for seq_id in seq_ids:
-            self.cache.free_sequence(seq_id)
 
     def _batches(self, n: int) -> list[range]:
         step = max(1, self.max_batch)
@@ -134,11 +122,11 @@ class Engine:
 
     def open_sequences(self, n: int) -> list[int]:
         """Register n new, empty sequences in the KV cache; returns their ids."""
-        return self._new_sequences(n)
+        return self.cache.open(n)
 
     def close_sequences(self, seq_ids: Sequence[int]) -> None:
         """Free the KV blocks of finished sequences."""
-        self._release(seq_ids)
+        self.cache.close(seq_ids)
 
     def extend(self, seq_ids: Sequence[int], chunks: Sequence[Sequence[int]],
                starts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +142,7 @@ class Engine:
 
     def stored_positions(self, seq_id: int) -> list[int]:
         """Positions whose K/V this rank holds for `seq_id` (its own tokens only, under DCP)."""
-        return list(self.cache.seqs[seq_id].positions)
+        return self.cache.positions(seq_id)
 
     # -- what a run asks -----------------------------------------------------------------------------
 
@@ -165,10 +153,10 @@ class Engine:
         out: list[torch.Tensor] = []
         for part in self._batches(len(sequences)):
             seqs = [sequences[i] for i in part]
-            ids = self._new_sequences(len(seqs))
+            ids = self.cache.open(len(seqs))
             logits = self._forward(ids, seqs, [0] * len(seqs))
             out += [logits[b, :len(s)].cpu() for b, s in enumerate(seqs)]
-            self._release(ids)
+            self.cache.close(ids)
         return out
 
     @torch.no_grad()
@@ -184,7 +172,7 @@ class Engine:
 
     def _decode_batch(self, seqs: list[Sequence[int]], starts: list[int],
                       probes: list[Sequence[int]]) -> list[DecodePath]:
-        ids = self._new_sequences(len(seqs))
+        ids = self.cache.open(len(seqs))
         self._forward(ids, [s[:d] for s, d in zip(seqs, starts)], [0] * len(seqs))
         logits: list[list[torch.Tensor]] = [[] for _ in seqs]
         hidden: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -200,7 +188,7 @@ class Engine:
                 if p in probes[b]:
                     hidden[b].append(torch.stack([h[j, 0] for h in cap.hidden]).float().cpu())  # [L+1, H]
                     attn[b].append(torch.stack([a[j, 0] for a in cap.attn]))  # [L, n_q, hd]
-        self._release(ids)
+        self.cache.close(ids)
         return [DecodePath(logits=torch.stack(lg), hidden=torch.stack(hd, dim=1),
                            attn=self._gather_heads(torch.stack(at, dim=1)))
                 for lg, hd, at in zip(logits, hidden, attn)]
@@ -226,7 +214,7 @@ class Engine:
 
     def _generate_batch(self, prompts: list[Sequence[int]], max_new: int, top_k: int,
                         stop: frozenset[int]) -> Generation:
-        ids = self._new_sequences(len(prompts))
+        ids = self.cache.open(len(prompts))
         hidden = self.decoder.hidden(self._batch(ids, prompts, [0] * len(prompts)))  # [B, S, H]
         last_hidden = torch.stack([hidden[b, len(p) - 1] for b, p in enumerate(prompts)])  # [B, H]
         last = self.decoder.logits(last_hidden[:, None])[:, 0].float()  # [B, V]: only the last position
@@ -246,5 +234,5 @@ class Engine:
                 break
             pos = [len(prompts[b]) + len(new[b]) - 1 for b in active]
             last = self._forward([ids[b] for b in active], [[new[b][-1]] for b in active], pos)[:, 0]
-        self._release(ids)
+        self.cache.close(ids)
         return Generation(new, [torch.stack(t) for t in tk_ids], [torch.stack(t) for t in tk_lp])

@@ -9,6 +9,7 @@ budget rule (whole per-sequence slots).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -40,10 +41,28 @@ class PagedKVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self._free = list(range(capacity.blocks - 1, -1, -1))
         self.seqs: dict[int, SequenceState] = {}
+        self._next_id = 0
 
     @property
     def pool_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def open(self, n: int) -> list[int]:
+        """Register n new, empty sequences; returns their ids (never reused)."""
+        ids = list(range(self._next_id, self._next_id + n))
+        self._next_id += n
+        for seq_id in ids:
+            self.add_sequence(seq_id)
+        return ids
+
+    def close(self, seq_ids: Sequence[int]) -> None:
+        """Free the blocks of finished sequences."""
+        for seq_id in seq_ids:
+            self.free_sequence(seq_id)
+
+    def positions(self, seq_id: int) -> list[int]:
+        """Positions whose K/V this cache holds for `seq_id`, in storage order."""
+        return list(self.seqs[seq_id].positions)
 
     def add_sequence(self, seq_id: int) -> None:
         if seq_id in self.seqs:

@@ -201,7 +201,6 @@ class Speculator:
         tp_only = dataclasses.replace(state, dcp=1, dcp_group=None)  # same TP group, no DCP group
         self.decoder = Decoder(self._weights, self.heads, Hyper(spec.head_dim, spec.rope_theta, spec.norm_eps),
                                tp_only.collectives(), self.cache, FaultFlags())
-        self._next_seq = 0
 
     @property
     def uses_hidden(self) -> bool:
@@ -211,21 +210,16 @@ class Speculator:
     # -- sequences ---------------------------------------------------------------------------------------
 
     def open_sequences(self, n: int) -> list[int]:
-        ids = list(range(self._next_seq, self._next_seq + n))
-        self._next_seq += n
-        for seq_id in ids:
-            self.cache.add_sequence(seq_id)
-        return ids
+        return self.cache.open(n)
 
     def close_sequences(self, seq_ids: Sequence[int]) -> None:
-        for seq_id in seq_ids:
-            self.cache.free_sequence(seq_id)
+        self.cache.close(seq_ids)
 
     def truncate(self, seq_id: int, length: int) -> None:
         self.cache.truncate(seq_id, length)
 
     def stored_positions(self, seq_id: int) -> list[int]:
-        return list(self.cache.seqs[seq_id].positions)
+        return self.cache.positions(seq_id)
 
     # -- forward -----------------------------------------------------------------------------------------
 

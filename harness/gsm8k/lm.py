@@ -15,17 +15,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.defaults import DEFAULT_MAX_GEN_TOKS
 
+from harness.engine.tokenizer import Tokenizer
 from harness.errors import ConfigError, RunError
-
-
-class Tokenizer(Protocol):
-    eos_id: int | None
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
 
 
 class Generator(Protocol):

@@ -46,9 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.jsonio import read_json, write_json
-from harness.cli import EXIT_ERROR, EXIT_FAIL, EXIT_OK
 from harness.errors import ConfigError, RunError
-from harness.verdict import CellResult, Verdict
+from harness.verdict import EXIT_ERROR, EXIT_FAIL, EXIT_OK, CellResult, Verdict
 
 RESULTS_SCHEMA_VERSION = 1
 RESULTS_FILE = "results.json"
