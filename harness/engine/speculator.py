@@ -28,7 +28,6 @@ when the target runs with DCP. Its KV pool holds as many sequence slots as the t
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -41,6 +40,7 @@ from harness.engine.kvcache import PagedKVCache
 from harness.engine.model import Decoder, HeadMap, Hyper, LocalWeights, rms_norm
 from harness.engine.parallel import ParallelState
 from harness.engine.parallelize import actual_layout, head_map, shard_weights
+from harness.engine.weights import seeded_generator
 from harness.errors import ConfigError
 from harness.layout import LayoutPlan, PoolCapacity, plan_layout, plan_speculator, pool_capacity
 from harness.specs.loader import build
@@ -92,8 +92,7 @@ def speculator_spec(spec: ModelSpec) -> ModelSpec:
 
 def _noise(seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Standard normal noise that depends only on (seed, name): identical in every process."""
-    entropy = [seed % 2**64, zlib.crc32(name.encode("utf-8")), NOISE_SALT]
-    gen = np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
+    gen = seeded_generator(seed, name, NOISE_SALT)
     return torch.from_numpy(gen.standard_normal(shape).astype(np.float32))
 
 

@@ -114,9 +114,10 @@ def shape_error(spec: ModelSpec, name: str, shape: Shape, path: Path) -> ConfigE
 # ---- synthetic ---------------------------------------------------------------------------------------
 
 
-def _generator(seed: int, name: str) -> np.random.Generator:
-    """A generator that depends only on (seed, name), so tensors are independent of creation order."""
-    entropy = [seed % 2**64, zlib.crc32(name.encode("utf-8"))]
+def seeded_generator(seed: int, name: str, *salt: int) -> np.random.Generator:
+    """A generator that depends only on (seed, name, salt): identical in every process and independent
+    of creation order; a salt gives another stream for the same tensor name."""
+    entropy = [seed % 2**64, zlib.crc32(name.encode("utf-8")), *salt]
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
 
 
@@ -130,7 +131,7 @@ def _synthetic_std(spec: ModelSpec, name: str) -> float:
 
 
 def _synthetic_tensor(spec: ModelSpec, name: str, shape: Shape) -> torch.Tensor:
-    noise = _generator(spec.seed, name).standard_normal(shape)  # float64, then rounded once to float32
+    noise = seeded_generator(spec.seed, name).standard_normal(shape)  # float64, then rounded once to float32
     if name.endswith("norm.weight"):
         values = 1.0 + SYNTHETIC_NORM_NOISE * noise
     else:
