@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -166,10 +167,18 @@ class Runner:
             if cached.ok:
                 self.progress(f"  {label}: cached ({run_dir})")
                 return cached
+            shutil.rmtree(run_dir, ignore_errors=True)  # a failed run left by an older harness
         self.progress(f"  {label}: running")
-        result = launch(Job(**{**job.__dict__, "out_dir": str(run_dir)}), self.req.timeout_s)
+        # launched into a private folder and renamed into place, so two runs sharing a cache never
+        # write into one folder; a folder that is there by then is another run's identical result
+        staging = run_dir.with_name(f"{run_dir.name}.{os.getpid()}.partial")
+        result = launch(replace(job, out_dir=str(staging)), self.req.timeout_s)
         if not result.ok:
-            raise ReferenceFailed(f"reference run of {model.name} ({dtype}) failed: {result.error}", run_dir)
+            raise ReferenceFailed(f"reference run of {model.name} ({dtype}) failed: {result.error}", staging)
+        try:
+            staging.rename(run_dir)  # only successful runs ever sit at run_dir
+        except OSError:  # another run renamed its identical result into place first
+            shutil.rmtree(staging, ignore_errors=True)
         return read_run(run_dir)
 
     def references(self, model: ModelSpec, seed: int, speculator: str = "none") -> tuple[RunArtifacts, RunArtifacts | None]:
