@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from harness.errors import RunError
@@ -103,6 +104,9 @@ def read_run(path: Path, with_tensors: bool = True) -> RunArtifacts:
     manifest = read_json(path / "manifest.json")
     if manifest.get("status") != "ok":
         return RunArtifacts(path=path, manifest=manifest)
-    tensors = load_file(str(path / TENSORS_FILE)) if with_tensors else {}
+    try:
+        tensors = load_file(str(path / TENSORS_FILE)) if with_tensors else {}
+    except (OSError, SafetensorError) as exc:
+        raise RunError(f"{path / TENSORS_FILE}: unreadable tensors: {exc}") from exc
     return RunArtifacts(path=path, manifest=manifest, layout=read_json(path / "layout.json"),
                         cases=[Case.from_dict(c) for c in read_json(path / "cases.json")], tensors=tensors)

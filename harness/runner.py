@@ -23,7 +23,7 @@ from harness.engine.worker import ENGINE_VERSION, Job
 from harness.baseline import BASELINES_DIR
 from harness.gsm8k.cell import gsm8k_checks
 from harness.gsm8k.settings import GSM8KSettings
-from harness.errors import ConfigError, HarnessError
+from harness.errors import ConfigError, HarnessError, RunError
 from harness.launch import launch
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.layout import plan_layout, plan_speculator
@@ -155,7 +155,7 @@ class Runner:
                    speculative=dict(s.speculative) if topo.speculator != "none" else {})
 
     def _cached(self, model: ModelSpec, seed: int, dtype: str, topo: Topology) -> RunArtifacts:
-        """A tp1 run of `model` in `dtype` (with `topo`'s speculator), from the content-keyed cache or launched now."""
+        """A reference-topology run of `model` in `dtype`, from the content-keyed cache or launched now."""
         job = self.job(model, topo, None, seed, Path("."), dtype)
         content = {k: v for k, v in job.__dict__.items() if k not in ("out_dir", "git_commit", "collective_timeout_s")}
         key = hashlib.sha256(json.dumps({"job": content, "weights": _weights_key(model),
@@ -163,11 +163,15 @@ class Runner:
         run_dir = self.req.cache_dir / "runs" / f"{model.name}-{topo.name}-{dtype}-{key.hexdigest()[:16]}"
         label = f"reference {model.name} {topo.name} {dtype} seed {seed}"
         if (run_dir / "manifest.json").exists():
-            cached = read_run(run_dir)
-            if cached.ok:
+            try:
+                cached = read_run(run_dir)
+            except RunError as exc:  # a damaged cache entry is launched again, never trusted
+                self.progress(f"  {label}: cache entry unreadable ({exc}); running again")
+                cached = None
+            if cached is not None and cached.ok:
                 self.progress(f"  {label}: cached ({run_dir})")
                 return cached
-            shutil.rmtree(run_dir, ignore_errors=True)  # a failed run left by an older harness
+            shutil.rmtree(run_dir, ignore_errors=True)
         self.progress(f"  {label}: running")
         # launched into a private folder and renamed into place, so two runs sharing a cache never
         # write into one folder; a folder that is there by then is another run's identical result

@@ -155,3 +155,16 @@ def test_bad_checkpoint_is_one_error_before_any_rank(tmp_path: Path, suite_file:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "safetensors" in err[0] and str(weights) in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_damaged_reference_cache_entry_is_run_again(tmp_path: Path, suite_file: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    cache = tmp_path / "cache"
+    argv = ["run", "--suite", str(suite_file), "--topo", "tp2", "--cache-dir", str(cache)]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    for tensors in (cache / "runs").glob("*/tensors.safetensors"):
+        tensors.write_bytes(b"\x00" * 64)  # a bad disk, a killed copy
+    capsys.readouterr()
+    assert main([*argv, "--out", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "cache entry unreadable" in out and "tensors.safetensors" in out
