@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from harness.errors import ConfigError
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
@@ -95,13 +92,13 @@ def run(args: argparse.Namespace) -> int:
     from harness.report.text import print_matrix
 
     req = build_request(args)
-    cells = plan_cells(req)
-    if all(c.skip_reason for c in cells):  # nothing would run: an explicit request that cannot work
-        raise ConfigError(cells[0].skip_reason or "no cell to run")
+    planned = plan_cells(req)
+    if all(c.skip_reason for c in planned):  # nothing would run: an explicit request that cannot work
+        raise ConfigError(planned[0].skip_reason or "no cell to run")
     runner = Runner(req, progress=lambda line: print(line, flush=True))
     start = time.time()
     cells = runner.run()
-    paths = render_all(req.out_dir, cells, runner.provenance(sys.argv[1:]), req.out_dir.name)
+    paths = render_all(req.out_dir, cells, runner.provenance(args.argv), req.out_dir.name)
     print(print_matrix(cells))
     print(f"report: {paths['html']} ({time.time() - start:.1f} s)")
     return exit_code(cells)
