@@ -35,6 +35,7 @@ from harness.report.matrix import (
     key_number,
     localization_text,
     metrics_text,
+    provenance_items,
     suspect_text,
 )
 from harness.report.results import summary_counts
@@ -43,8 +44,6 @@ from harness.verdict import CellResult, CheckResult, Verdict
 
 HTML_FILE = "index.html"
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
-_PROVENANCE_KEYS = ("harness_version", "git_commit", "torch_version", "python", "device", "dtypes", "seeds",
-                    "hostname")
 # details written by another harness version may not have the shape this one expects: such a
 # section is replaced by a one-line note instead of breaking the whole report.
 _MALFORMED = (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError)
@@ -156,15 +155,6 @@ def banner_items(matrix: Matrix) -> list[BannerItem]:
     return items
 
 
-def _provenance_items(provenance: dict[str, Any]) -> list[tuple[str, str]]:
-    items = []
-    for key in _PROVENANCE_KEYS:
-        if key in provenance:
-            value = provenance[key]
-            items.append((key, ", ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)))
-    return items
-
-
 def _sources(provenance: dict[str, Any]) -> list[str]:
     sources = provenance.get("sources")
     if not isinstance(sources, list):
@@ -192,7 +182,7 @@ def render_html(cells: list[CellResult], provenance: dict[str, Any], run_id: str
     page = _environment().get_template("index.html.j2").render(
         run_id=run_id, head=headline(cells), counts=summary_counts(cells), verdicts=list(Verdict),
         matrix=matrix, banner=banner_items(matrix), problems=problems, cells=views,
-        provenance=_provenance_items(provenance), command=str(provenance.get("command", "")),
+        provenance=provenance_items(provenance), command=str(provenance.get("command", "")),
         sources=_sources(provenance), harness_version=__version__,
         rendered=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     # No URL of any kind in the file: user text that holds one (a prompt quoting a link) keeps its

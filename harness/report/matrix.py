@@ -201,3 +201,13 @@ def headline(cells: list[CellResult]) -> Headline:
     checked = n - count[Verdict.SKIP]
     return Headline(Verdict.PASS, "SHIPPABLE",
                     "the one checked cell passes." if checked == 1 else f"all {checked} checked cells pass.")
+
+
+PROVENANCE_KEYS: tuple[str, ...] = ("harness_version", "git_commit", "torch_version", "python", "device",
+                                    "dtypes", "seeds", "hostname")
+
+
+def provenance_items(provenance: dict[str, Any]) -> list[tuple[str, str]]:
+    """The provenance shown on every report, as (key, text) pairs; lists joined with commas."""
+    return [(key, ", ".join(map(str, v)) if isinstance(v := provenance[key], (list, tuple)) else str(v))
+            for key in PROVENANCE_KEYS if key in provenance]

@@ -8,15 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harness.report.matrix import Matrix, build_matrix, headline, suspect_text
+from harness.report.matrix import Matrix, build_matrix, headline, provenance_items, suspect_text
 from harness.report.results import summary_counts
 from harness.verdict import CellResult, Verdict
 
 SUMMARY_FILE = "summary.md"
 _MD_SPECIAL = {"\\": "\\\\", "|": "\\|", "`": "\\`", "*": "\\*", "[": "\\[", "]": "\\]",
                "<": "&lt;", ">": "&gt;", "&": "&amp;"}
-_PROVENANCE_KEYS = ("harness_version", "git_commit", "torch_version", "python", "device", "dtypes", "seeds",
-                    "hostname")
 
 
 def md_escape(text: str) -> str:
@@ -64,7 +62,7 @@ def render_summary(cells: list[CellResult], provenance: dict[str, Any], run_id: 
     head = headline(cells)
     counts = summary_counts(cells)
     count_line = ", ".join(f"{counts[v.value.lower()]} {v.value}" for v in Verdict)
-    prov = " · ".join(f"{k} {md_escape(_plain(provenance[k]))}" for k in _PROVENANCE_KEYS if k in provenance)
+    prov = " · ".join(f"{k} {md_escape(text)}" for k, text in provenance_items(provenance))
     lines = [f"## Harness report {md_escape(run_id)}: {head.verdict.value}", "",
              f"**{head.title}**: {md_escape(head.text)}", "",
              f"{counts['cells']} cells: {count_line}; {counts['silent_corruption']} silent corruption.", "",
@@ -72,10 +70,6 @@ def render_summary(cells: list[CellResult], provenance: dict[str, Any], run_id: 
     if prov:
         lines += ["", f"Provenance: {prov}"]
     return "\n".join(lines) + "\n"
-
-
-def _plain(value: Any) -> str:
-    return ", ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def write_summary(out_dir: Path, cells: list[CellResult], provenance: dict[str, Any], run_id: str) -> Path:
