@@ -247,9 +247,7 @@ class Runner:
         if spec_plan is not None:
             acceptance = acceptance_from_runs(ref, par, settings.acceptance)
             checks += [lossless_from_run(par, settings.lossless), acceptance]
-            details["speculator"] = speculator_details(acceptance, cell.topology.speculator,
-                                                       {"planned": spec_plan.to_dict(),
-                                                        "actual": par.layout.get("speculator")})
+            details["speculator"] = speculator_details(acceptance, cell.topology.speculator)
         if self.req.gsm8k is not None:
             gsm8k_checks_, details["gsm8k"] = gsm8k_checks(ref.path, run_dir, self.req.gsm8k, self.req.suite.name,
                                                           cell.model.name, cell.topology.name, str(self.req.out_dir),

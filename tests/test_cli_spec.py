@@ -31,7 +31,8 @@ def test_spec_suite_passes_with_acceptance_details(tmp_path: Path, cache_dir: Pa
         assert 1.0 < spec["mean_acceptance"] < 4.0  # mean accepted length: neither none nor all (k=3)
         assert spec["mean_acceptance"] == spec["reference_mean_acceptance"] and spec["traces_differ"] == 0
         # the speculator keeps the plain TP layout (dcp = 1): tiny-gqa kv=2 over 4 ranks -> 1 head each
-        assert [r["kv_heads"] for r in spec["layout"]["actual"]["ranks"]] == [[0], [0], [1], [1]]
+        layout = cell["details"]["speculator_layout"]
+        assert [r["kv_heads"] for r in layout["actual"]["ranks"]] == [[0], [0], [1], [1]]
 
 
 @pytest.mark.parametrize(("fault", "topo", "flagged"), [

@@ -216,14 +216,13 @@ def acceptance_from_runs(ref: RunArtifacts, par: RunArtifacts,
     return check_acceptance(ref_acc, par_acc, int(par_m["k"]), settings, [c.index for c in par.cases])
 
 
-def speculator_details(acceptance: CheckResult, kind: str, layout: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The cell's `details["speculator"]` section for the report (harness/report/details.py)."""
+def speculator_details(acceptance: CheckResult, kind: str) -> dict[str, Any]:
+    """The cell's `details["speculator"]` section for the report (harness/report/details.py); the
+    speculator's layout table is compare_cell's `details["speculator_layout"]`."""
     m = acceptance.metrics
     out: dict[str, Any] = {"kind": kind, "k": m.get("k"), "histogram": m.get("histogram"),
                            "reference_histogram": m.get("reference_histogram"),
                            "mean_acceptance": m.get("mean_accepted_length"),
                            "reference_mean_acceptance": m.get("reference_mean_accepted_length"),
                            "traces_differ": m.get("traces_differ")}
-    if layout is not None:
-        out["layout"] = dict(layout)
     return out
