@@ -26,6 +26,7 @@ from typing import Any, Mapping
 import yaml
 
 from harness.errors import ConfigError
+from harness.jsonio import write_text_atomic
 from harness.gsm8k.records import STRICT
 from harness.gsm8k.settings import GSM8KSettings
 from harness.gsm8k.stats import baseline_gate
@@ -151,10 +152,8 @@ def load_baselines(suite: str, folder: Path = BASELINES_DIR) -> Baselines:
 def write_baselines(baselines: Baselines, path: Path) -> None:
     """Write atomically (a crash never leaves half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
     header = "# GSM8K baselines; written by `harness baseline update --from RUN_DIR` (edit with care).\n"
-    tmp.write_text(header + yaml.safe_dump(baselines.to_dict(), sort_keys=False, allow_unicode=True))
-    tmp.replace(path)
+    write_text_atomic(path, header + yaml.safe_dump(baselines.to_dict(), sort_keys=False, allow_unicode=True))
 
 
 def entry_from_cell(cell: CellResult, provenance: Mapping[str, Any], run_id: str, created: str) -> BaselineEntry:

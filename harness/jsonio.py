@@ -9,11 +9,15 @@ from typing import Any
 from harness.errors import HarnessError, RunError
 
 
-def write_json(path: Path, data: Any) -> None:
-    """Write JSON atomically (a crash never leaves half a file)."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a file atomically (a crash never leaves half a file)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str))
+    tmp.write_text(text)
     tmp.replace(path)
+
+
+def write_json(path: Path, data: Any) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False, default=str))
 
 
 def read_json(path: Path, error: type[HarnessError] = RunError) -> Any:

@@ -24,6 +24,7 @@ from harness.baseline import BASELINES_DIR
 from harness.gsm8k.cell import gsm8k_checks
 from harness.gsm8k.settings import GSM8KSettings
 from harness.errors import ConfigError, HarnessError, RunError
+from harness.jsonio import read_json
 from harness.launch import launch
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.layout import plan_layout, plan_speculator
@@ -292,6 +293,6 @@ def format_tails(tails: dict[str, str]) -> str:
 
 def _tails_text(run_dir: Path) -> str:
     try:
-        return format_tails(json.loads((run_dir / "manifest.json").read_text()).get("log_tails") or {})
-    except (OSError, json.JSONDecodeError):
+        return format_tails(read_json(run_dir / "manifest.json").get("log_tails") or {})
+    except RunError:
         return ""

@@ -126,10 +126,6 @@ def check_lossless(spec_tokens: Sequence[Sequence[int]], plain_tokens: Sequence[
 # ---- acceptance ---------------------------------------------------------------------------------------------
 
 
-def _trace_divergence(ref: Sequence[int], par: Sequence[int]) -> int | None:
-    return first_divergence(list(ref), list(par))
-
-
 def check_acceptance(ref_accepted: Sequence[Sequence[int]], par_accepted: Sequence[Sequence[int]], k: int,
                      settings: AcceptanceSettings = AcceptanceSettings(),
                      indices: Sequence[int] | None = None) -> CheckResult:
@@ -145,7 +141,7 @@ def check_acceptance(ref_accepted: Sequence[Sequence[int]], par_accepted: Sequen
     if math.isnan(ref_mean) or math.isnan(par_mean):
         return CheckResult("acceptance", Verdict.SKIP, "no verify steps (max_new_tokens too small?)")
     idx = list(indices) if indices is not None else list(range(len(ref_accepted)))
-    traces = [(i, _trace_divergence(r, p)) for i, r, p in zip(idx, ref_accepted, par_accepted)]
+    traces = [(i, first_divergence(list(r), list(p))) for i, r, p in zip(idx, ref_accepted, par_accepted)]
     diverged = [(i, step) for i, step in traces if step is not None]
     floor = settings.floor(ref_mean)
     drop = ref_mean - par_mean
