@@ -1,0 +1,158 @@
+"""The run contract between the harness and an engine backend: the job a backend is given, what it
+reports back, the names of the artifacts it writes, and the capabilities it declares.
+
+A backend turns a `Job` into a run directory (harness/artifacts.py documents its layout) and returns
+a `LaunchResult`. Every stage after that reads only the run directory, so any engine that can write
+one (the embedded engine under torchrun, an HTTP server, a stored run replayed) gets the same
+verdicts. A backend declares which artifacts it can produce (`Capabilities`); a check whose needs
+are not met is a SKIP naming the missing capability, never an ERROR.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from harness.jsonio import read_json
+from harness.limits import COLLECTIVE_TIMEOUT_S
+
+# --- tensor kinds in tensors.safetensors (one entry per case i: f"{kind}.{i}") ------------------
+PREFILL_LOGITS = "prefill_logits"          # [T, V] float32, teacher-forced prefill
+DECODE_LOGITS = "decode_logits"            # [T-D, V] float32, one-token decode steps from D
+PREFILL_TOPK_IDS = "prefill_topk_ids"      # [T, k] int64, top-k of the prefill path (top-k-only engines)
+PREFILL_TOPK_LOGPROBS = "prefill_topk_logprobs"  # [T, k] float32, their log-probabilities
+DECODE_TOPK_IDS = "decode_topk_ids"        # [T-D, k] int64, top-k of the decode path
+DECODE_TOPK_LOGPROBS = "decode_topk_logprobs"    # [T-D, k] float32
+HIDDEN = "hidden"                          # [L+1, P, H] residual stream at probe positions
+ATTN = "attn"                              # [L, P, heads, head_dim] per-head attention output
+GEN_TOKENS = "gen_tokens"                  # [N] int64 greedy generation
+GEN_TOPK_IDS = "gen_topk_ids"              # [N, k] int64
+GEN_TOPK_LOGPROBS = "gen_topk_logprobs"    # [N, k] float32
+SPEC_TOKENS = "spec_tokens"                # [N] int64 greedy generation with the speculator
+SPEC_ACCEPTED = "spec_accepted"            # [S] int64 accepted draft tokens per verify step
+
+# --- files of a run directory -------------------------------------------------------------------
+MANIFEST_FILE = "manifest.json"
+TENSORS_FILE = "tensors.safetensors"
+LAYOUT_FILE = "layout.json"
+CASES_FILE = "cases.json"
+GSM8K_FILE = "gsm8k.json"
+JOB_FILE = "job.json"
+
+# --- capabilities a backend may declare ---------------------------------------------------------
+FULL_LOGITS = "full_logits"            # prefill_logits / decode_logits over the whole vocabulary
+TOPK_LOGPROBS = "topk_logprobs"        # *_topk_ids / *_topk_logprobs (k = Capabilities.top_k)
+PROMPT_LOGPROBS = "prompt_logprobs"    # teacher-forced logprobs of the prompt (prefill path)
+DECODE_PATH = "decode_path"            # teacher-forced logprobs through one-token decode steps
+HIDDEN_STATES = "hidden_states"        # hidden.{i}
+ATTENTION_OUTPUTS = "attention_outputs"  # attn.{i}
+LAYOUT_REPORT = "layout_report"        # layout.json with each rank's heads and pool
+KV_POOL_SIZE = "kv_pool_size"          # the KV pool size (blocks / bytes) the engine allocated
+ACCEPT_TRACES = "accept_traces"        # spec_accepted.{i} per verify step
+ACCEPTANCE_AGGREGATE = "acceptance_aggregate"  # only a mean acceptance length (manifest)
+GENERATION = "generation"              # greedy generation with top-k logprobs
+GSM8K = "gsm8k"                        # lm-eval GSM8K records
+
+ALL_CAPABILITIES: tuple[str, ...] = (
+    FULL_LOGITS, TOPK_LOGPROBS, PROMPT_LOGPROBS, DECODE_PATH, HIDDEN_STATES, ATTENTION_OUTPUTS,
+    LAYOUT_REPORT, KV_POOL_SIZE, ACCEPT_TRACES, ACCEPTANCE_AGGREGATE, GENERATION, GSM8K,
+)
+
+# --- how a backend measures the noise floor tolerances scale with --------------------------------
+NOISE_PRECISION_TWIN = "precision-twin"  # the reference recomputed in a higher precision
+NOISE_SCHEDULING = "scheduling"          # two reference runs differing only in batching/scheduling
+NOISE_NONE = "none"                      # no noise run: tolerances fall back to their floors
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can produce. `top_k` is the number of logprobs per position it returns."""
+
+    provides: frozenset[str]
+    top_k: int = 5
+
+    def __post_init__(self) -> None:
+        unknown = sorted(self.provides - set(ALL_CAPABILITIES))
+        if unknown:
+            raise ValueError(f"unknown capabilities {unknown}; valid: {', '.join(ALL_CAPABILITIES)}")
+
+    def has(self, capability: str) -> bool:
+        return capability in self.provides
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"provides": sorted(self.provides), "top_k": self.top_k}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Capabilities":
+        return cls(provides=frozenset(data.get("provides", ())), top_k=int(data.get("top_k", 5)))
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything one run needs, written by the runner as job.json in the run directory."""
+
+    model: dict[str, Any]
+    topology: dict[str, Any]
+    prompts: list[str]
+    out_dir: str
+    fault: str | None = None
+    dtype: str | None = None
+    seed: int = 0
+    max_new_tokens: int = 16
+    decode_prefix_tokens: int = 4
+    top_k: int = 5
+    pool: dict[str, int] = field(default_factory=dict)
+    device: str = "cpu"
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
+    git_commit: str = ""
+    gsm8k: dict[str, Any] | None = None
+    speculative: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path) -> "Job":
+        return cls(**read_json(path))
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """How one run ended. `ok` means the run directory holds a manifest with status "ok"."""
+
+    ok: bool
+    returncode: int | None
+    wall_s: float
+    error: str
+    log_tails: dict[str, str]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """An engine the harness can drive. Implementations live in harness/backends/ or in a separate
+    package registered under the `harness.backends` entry point group."""
+
+    name: str
+
+    def version(self) -> str:
+        """The engine's version string (recorded in manifests and results)."""
+        ...
+
+    def capabilities(self) -> Capabilities:
+        """Which artifacts its runs contain."""
+        ...
+
+    def identity(self, job: Job) -> dict[str, Any]:
+        """What, besides the job, decides the artifacts of a run: engine name and version and the
+        weights (never the harness's compare code). The reference cache is keyed by it."""
+        ...
+
+    def skip_reason(self, model: Any, topology: Any) -> str | None:
+        """Why this engine cannot run `model` at `topology` (a SKIP with that reason), or None."""
+        ...
+
+    def noise_strategy(self) -> str:
+        """One of NOISE_PRECISION_TWIN, NOISE_SCHEDULING, NOISE_NONE."""
+        ...
+
+    def run(self, job: Job, timeout_s: float) -> LaunchResult:
+        """Run `job`, writing the run directory at job.out_dir; always leaves a manifest.json."""
+        ...
