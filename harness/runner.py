@@ -75,6 +75,15 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("HARNESS_CACHE_DIR", Path.home() / ".cache" / "llm-parallel-harness"))
 
 
+PARTIAL_SUFFIX = ".partial"  # a reference run still being written into the cache (renamed when done)
+
+
+def partial_dirs(cache_dir: Path, pid: int | None = None) -> list[Path]:
+    """The staging folders in the reference cache: all of them, or only those of process `pid`."""
+    pattern = f"*.{pid}{PARTIAL_SUFFIX}" if pid is not None else f"*{PARTIAL_SUFFIX}"
+    return sorted(p for p in (cache_dir / "runs").glob(pattern) if p.is_dir())
+
+
 def _engine_source_hash() -> str:
     """Reference runs are cached by content; the code that produces them is part of that content
     (everything in harness/ but the report and CLI layers)."""
@@ -142,6 +151,7 @@ class Runner:
         self._failed_refs: dict[tuple[str, int, str], ReferenceFailed] = {}
         self._engine_hash = _engine_source_hash()
         self._tokenizers: dict[str, Tokenizer] = {}
+        self.finished: list[CellResult] = []  # the cells done so far (what an interrupted run reports)
 
     def job(self, model: ModelSpec, topo: Topology, fault: str | None, seed: int, out_dir: Path,
             dtype: str | None = None) -> Job:
@@ -176,7 +186,7 @@ class Runner:
         self.progress(f"  {label}: running")
         # launched into a private folder and renamed into place, so two runs sharing a cache never
         # write into one folder; a folder that is there by then is another run's identical result
-        staging = run_dir.with_name(f"{run_dir.name}.{os.getpid()}.partial")
+        staging = run_dir.with_name(f"{run_dir.name}.{os.getpid()}{PARTIAL_SUFFIX}")
         result = launch(replace(job, out_dir=str(staging)), self.req.timeout_s)
         if not result.ok:
             raise ReferenceFailed(f"reference run of {model.name} ({dtype}) failed: {result.error}", staging)
@@ -259,7 +269,7 @@ class Runner:
 
     def run(self) -> list[CellResult]:
         cells = plan_cells(self.req)
-        results = []
+        results = self.finished = []
         for i, cell in enumerate(cells, 1):
             self.progress(f"[{i}/{len(cells)}] {cell.slug} ...")
             try:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,7 +89,21 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.runner import Runner, plan_cells
+    from harness.cli.signals import exit_status, interrupt_on_signals
+    from harness.errors import Interrupted
+
+    with interrupt_on_signals():
+        try:
+            return _run(args)
+        except Interrupted as exc:  # before the matrix ran (the run itself reports what finished)
+            print(f"harness: {exc}; no report written", file=sys.stderr, flush=True)
+            return exit_status(exc)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from harness.cli.signals import exit_status
+    from harness.errors import Interrupted
+    from harness.runner import Runner, partial_dirs, plan_cells
     from harness.report import render_all
     from harness.report.results import exit_code
     from harness.report.text import print_matrix
@@ -97,7 +114,18 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(planned[0].skip_reason or "no cell to run")
     runner = Runner(req, progress=lambda line: print(line, flush=True))
     start = time.time()
-    cells = runner.run()
+    try:
+        cells = runner.run()
+    except Interrupted as exc:  # every launch is stopped by now; keep what finished, drop half-written cache
+        for staging in partial_dirs(req.cache_dir, os.getpid()):
+            shutil.rmtree(staging, ignore_errors=True)
+        cells = list(runner.finished)
+        provenance = {**runner.provenance(args.argv),
+                      "interrupted": {"signal": exc.name, "cells_finished": len(cells), "cells_planned": len(planned)}}
+        paths = render_all(req.out_dir, cells, provenance, req.out_dir.name)
+        print(f"harness: {exc} after {len(cells)} of {len(planned)} cells; report of those: {paths['html']}",
+              file=sys.stderr, flush=True)
+        return exit_status(exc)
     paths = render_all(req.out_dir, cells, runner.provenance(args.argv), req.out_dir.name)
     print(print_matrix(cells))
     print(f"report: {paths['html']} ({time.time() - start:.1f} s)")
