@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness.cli.checks import positive_float, positive_int, require_device, require_writable_dir
 from harness.errors import ConfigError
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.paths import BASELINES_DIR, REPORTS_DIR
@@ -33,14 +34,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, action="append", default=None, help="seed (repeatable; default: suite's)")
     p.add_argument("--out", type=Path, default=None, help="report folder (default: reports/<run-id>)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--kv-budget-mib", type=int, default=None, help="KV pool budget per rank, MiB (default: suite's)")
-    p.add_argument("--max-seq-len", type=int, default=None, help="tokens per KV sequence slot (default: suite's)")
+    p.add_argument("--kv-budget-mib", type=positive_int, default=None, help="KV pool budget per rank, MiB (default: suite's)")
+    p.add_argument("--max-seq-len", type=positive_int, default=None, help="tokens per KV sequence slot (default: suite's)")
     p.add_argument("--profile", default=None, help="a profile of the suite (e.g. nightly) overriding its settings")
     p.add_argument("--gsm8k-path", default=None, help="folder with GSM8K test.jsonl/train.jsonl "
                    "(default: $HARNESS_GSM8K_PATH, else the hub through datasets)")
     p.add_argument("--baselines-dir", type=Path, default=BASELINES_DIR, help="stored GSM8K baselines (default: baselines/)")
-    p.add_argument("--timeout", type=float, default=LAUNCH_TIMEOUT_S, help="seconds before a launch is killed")
-    p.add_argument("--collective-timeout", type=float, default=COLLECTIVE_TIMEOUT_S,
+    p.add_argument("--timeout", type=positive_float, default=LAUNCH_TIMEOUT_S,
+                   help="seconds before a launch is killed")
+    p.add_argument("--collective-timeout", type=positive_float, default=COLLECTIVE_TIMEOUT_S,
                    help="seconds before a collective fails")
     p.add_argument("--cache-dir", type=Path, default=None, help="reference-run cache (default: $HARNESS_CACHE_DIR "
                    "or ~/.cache/llm-parallel-harness)")
@@ -79,10 +81,15 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     if gsm8k is not None:  # resolved here so a bad path is one error before any rank starts
         folder = resolve_source(args.gsm8k_path).folder
         gsm8k_data = str(folder) if folder else None
+    out_dir = Path(args.out or REPORTS_DIR / run_id(suite.name))
+    cache_dir = args.cache_dir or default_cache_dir()
+    require_writable_dir(out_dir, "--out")
+    require_writable_dir(cache_dir, "--cache-dir")
+    require_device(args.device, [t.tp for t in topologies])
     return RunRequest(
         suite=suite, models=models, topologies=tuple(topologies), fault=args.fault,
-        seeds=tuple(args.seed) if args.seed else suite.seeds, out_dir=Path(args.out or REPORTS_DIR / run_id(suite.name)),
-        cache_dir=args.cache_dir or default_cache_dir(), device=args.device, timeout_s=args.timeout,
+        seeds=tuple(args.seed) if args.seed else suite.seeds, out_dir=out_dir,
+        cache_dir=cache_dir, device=args.device, timeout_s=args.timeout,
         collective_timeout_s=args.collective_timeout, gsm8k=gsm8k, gsm8k_data=gsm8k_data,
         baselines_dir=args.baselines_dir,
         pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)))
