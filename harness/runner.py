@@ -30,6 +30,7 @@ from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.layout import plan_layout, plan_speculator
 from harness.paths import PROJECT_ROOT
 from harness.report.provenance import collect_provenance, git_commit
+from harness.shard import Shard, shard_cells
 from harness.specs.model import ModelSpec
 from harness.specs.suite import Suite
 from harness.specs.topology import Topology, parse_topology_name
@@ -56,6 +57,7 @@ class RunRequest:
     gsm8k: GSM8KSettings | None = None
     gsm8k_data: str | None = None
     baselines_dir: Path = BASELINES_DIR
+    shard: Shard | None = None  # run only this share of the cells (harness/shard.py)
 
 
 @dataclass(frozen=True)
@@ -268,7 +270,7 @@ class Runner:
                           reference_dir=str(ref.path), wall_s=result.wall_s, details=details)
 
     def run(self) -> list[CellResult]:
-        cells = plan_cells(self.req)
+        cells = shard_cells(plan_cells(self.req), self.req.shard)
         results = self.finished = []
         for i, cell in enumerate(cells, 1):
             self.progress(f"[{i}/{len(cells)}] {cell.slug} ...")
@@ -288,7 +290,8 @@ class Runner:
         return {**collect_provenance(" ".join(["harness", *argv]), self.req.device,
                                      sorted({m.dtype for m in self.req.models}), list(self.req.seeds)),
                 "suite": self.req.suite.name, "suite_version": self.req.suite.version,
-                "reference": self.reference_topology.name, "engine": "reference", "engine_version": ENGINE_VERSION}
+                "reference": self.reference_topology.name, "engine": "reference", "engine_version": ENGINE_VERSION,
+                **({"shard": str(self.req.shard)} if self.req.shard else {})}
 
 
 class ReferenceFailed(HarnessError):

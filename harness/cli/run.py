@@ -14,6 +14,7 @@ from harness.cli.checks import positive_float, positive_int, require_device, req
 from harness.errors import ConfigError
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.paths import BASELINES_DIR, REPORTS_DIR
+from harness.shard import parse_shard
 from harness.specs.model import load_model
 from harness.specs.suite import load_suite, with_profile
 from harness.specs.topology import load_catalog
@@ -46,6 +47,8 @@ def add_parser(sub: Any) -> None:
                    help="seconds before a collective fails")
     p.add_argument("--cache-dir", type=Path, default=None, help="reference-run cache (default: $HARNESS_CACHE_DIR "
                    "or ~/.cache/llm-parallel-harness)")
+    p.add_argument("--shard", default=None, metavar="K/N",
+                   help="run only share K of N of the matrix (cost-balanced; merge with harness report DIR...)")
     p.set_defaults(func=run)
 
 
@@ -91,7 +94,7 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
         seeds=tuple(args.seed) if args.seed else suite.seeds, out_dir=out_dir,
         cache_dir=cache_dir, device=args.device, timeout_s=args.timeout,
         collective_timeout_s=args.collective_timeout, gsm8k=gsm8k, gsm8k_data=gsm8k_data,
-        baselines_dir=args.baselines_dir,
+        baselines_dir=args.baselines_dir, shard=parse_shard(args.shard) if args.shard else None,
         pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)))
 
 
