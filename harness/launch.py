@@ -51,19 +51,52 @@ def _collect_rank_logs(run_dir: Path, log_dir: Path, world_size: int) -> dict[st
     return tails
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the launch's process group, then SIGKILL. torchrun starts each rank in a session of its
-    own and needs up to 30 s to stop them on SIGTERM, so it gets that long before the SIGKILL."""
-    for sig, wait in ((signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, 5.0)):
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (Linux /proc; empty elsewhere). torchrun's ranks sit in sessions
+    of their own, so killing torchrun's process group alone would leave them running."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            os.killpg(proc.pid, sig)
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _signal_groups(pids: list[int], sig: int) -> None:
+    """Send `sig` to the process group of each pid (each group once); gone ones are skipped."""
+    groups = set()
+    for pid in pids:
+        try:
+            groups.add(os.getpgid(pid))
         except ProcessLookupError:
-            return
+            continue
+    for group in groups - {os.getpgrp()}:
+        try:
+            os.killpg(group, sig)
+        except (ProcessLookupError, PermissionError):
+            continue
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the launch's process group and the groups of all its descendants (torchrun starts each
+    rank in a session of its own), then SIGKILL whatever is left. torchrun gets up to TERM_GRACE_S to
+    stop before the SIGKILL."""
+    pids = [proc.pid, *_descendants(proc.pid)]
+    for sig, wait in ((signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, 5.0)):
+        _signal_groups(pids, sig)
         try:
             proc.wait(timeout=wait)
-            return
+            break
         except subprocess.TimeoutExpired:
             continue
+    _signal_groups(pids, signal.SIGKILL)  # ranks that outlived torchrun
 
 
 def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None,

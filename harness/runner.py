@@ -31,6 +31,7 @@ from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.layout import plan_layout, plan_speculator
 from harness.report.provenance import collect_provenance, git_commit
 from harness.validate import load_run, validate_artifacts
+from harness.shard import Shard, shard_cells
 from harness.specs.model import ModelSpec
 from harness.specs.suite import Suite
 from harness.specs.topology import Topology, parse_topology_name
@@ -65,6 +66,7 @@ class RunRequest:
     @property
     def ref_engine(self) -> str:
         return self.reference_engine or self.engine
+    shard: Shard | None = None  # run only this share of the cells (harness/shard.py)
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,15 @@ class CellPlan:
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("HARNESS_CACHE_DIR", Path.home() / ".cache" / "llm-parallel-harness"))
+
+
+PARTIAL_SUFFIX = ".partial"  # a reference run still being written into the cache (renamed when done)
+
+
+def partial_dirs(cache_dir: Path, pid: int | None = None) -> list[Path]:
+    """The staging folders in the reference cache: all of them, or only those of process `pid`."""
+    pattern = f"*.{pid}{PARTIAL_SUFFIX}" if pid is not None else f"*{PARTIAL_SUFFIX}"
+    return sorted(p for p in (cache_dir / "runs").glob(pattern) if p.is_dir())
 
 
 def seeded(model: ModelSpec, seed: int) -> ModelSpec:
@@ -146,6 +157,7 @@ class Runner:
         self._tokenizers: dict[str, Tokenizer] = {}
         self.backend = get_backend(req.engine)  # the parallel runs
         self.ref_backend = get_backend(req.ref_engine)  # the reference and its noise twin
+        self.finished: list[CellResult] = []  # the cells done so far (what an interrupted run reports)
 
     def job(self, model: ModelSpec, topo: Topology, fault: str | None, seed: int, out_dir: Path,
             dtype: str | None = None) -> Job:
@@ -186,7 +198,7 @@ class Runner:
         self.progress(f"  {label}: running")
         # launched into a private folder and renamed into place, so two runs sharing a cache never
         # write into one folder; a folder that is there by then is another run's identical result
-        staging = run_dir.with_name(f"{run_dir.name}.{os.getpid()}.partial")
+        staging = run_dir.with_name(f"{run_dir.name}.{os.getpid()}{PARTIAL_SUFFIX}")
         result = backend.run(replace(job, out_dir=str(staging)), self.req.timeout_s)
         if not result.ok:
             raise ReferenceFailed(f"reference run of {model.name} ({dtype}) failed: {result.error}", staging)
@@ -299,8 +311,8 @@ class Runner:
             decode=self._decoder(cell.model), gsm8k=self.req.gsm8k, enabled=suite.check_enabled)
 
     def run(self) -> list[CellResult]:
-        cells = plan_cells(self.req, (self.backend, self.ref_backend))
-        results = []
+        cells = shard_cells(plan_cells(self.req, (self.backend, self.ref_backend)), self.req.shard)
+        results = self.finished = []
         for i, cell in enumerate(cells, 1):
             self.progress(f"[{i}/{len(cells)}] {cell.slug} ...")
             try:
@@ -324,7 +336,8 @@ class Runner:
                 "suite": self.req.suite.name, "suite_version": self.req.suite.version,
                 "reference": self.reference_topology.name, "engine": self.backend.name,
                 "engine_version": self.backend.version(), "reference_engine": self.ref_backend.name,
-                "backends": {"parallel": backend_record(self.backend), "reference": backend_record(self.ref_backend)}}
+                "backends": {"parallel": backend_record(self.backend), "reference": backend_record(self.ref_backend)},
+                **({"shard": str(self.req.shard)} if self.req.shard else {})}
 
 
 class ReferenceFailed(HarnessError):

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness.cli.checks import positive_float, positive_int, require_device, require_writable_dir
 from harness.errors import ConfigError
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.paths import BASELINES_DIR, REPORTS_DIR
+from harness.shard import parse_shard
 from harness.specs.model import load_model
 from harness.specs.suite import load_suite, with_profile
 from harness.specs.topology import load_catalog
@@ -30,14 +35,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, action="append", default=None, help="seed (repeatable; default: suite's)")
     p.add_argument("--out", type=Path, default=None, help="report folder (default: reports/<run-id>)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--kv-budget-mib", type=int, default=None, help="KV pool budget per rank, MiB (default: suite's)")
-    p.add_argument("--max-seq-len", type=int, default=None, help="tokens per KV sequence slot (default: suite's)")
+    p.add_argument("--kv-budget-mib", type=positive_int, default=None, help="KV pool budget per rank, MiB (default: suite's)")
+    p.add_argument("--max-seq-len", type=positive_int, default=None, help="tokens per KV sequence slot (default: suite's)")
     p.add_argument("--profile", default=None, help="a profile of the suite (e.g. nightly) overriding its settings")
     p.add_argument("--gsm8k-path", default=None, help="folder with GSM8K test.jsonl/train.jsonl "
                    "(default: $HARNESS_GSM8K_PATH, else the hub through datasets)")
     p.add_argument("--baselines-dir", type=Path, default=BASELINES_DIR, help="stored GSM8K baselines (default: baselines/)")
-    p.add_argument("--timeout", type=float, default=LAUNCH_TIMEOUT_S, help="seconds before a launch is killed")
-    p.add_argument("--collective-timeout", type=float, default=COLLECTIVE_TIMEOUT_S,
+    p.add_argument("--timeout", type=positive_float, default=LAUNCH_TIMEOUT_S,
+                   help="seconds before a launch is killed")
+    p.add_argument("--collective-timeout", type=positive_float, default=COLLECTIVE_TIMEOUT_S,
                    help="seconds before a collective fails")
     p.add_argument("--cache-dir", type=Path, default=None, help="reference-run cache (default: $HARNESS_CACHE_DIR "
                    "or ~/.cache/llm-parallel-harness)")
@@ -45,6 +51,8 @@ def add_parser(sub: Any) -> None:
                    help="backend of the parallel runs, NAME or NAME:OPTION (harness list engines; default: embedded)")
     p.add_argument("--reference-engine", default=None,
                    help="backend of the reference runs (default: the same engine at the suite's reference topology)")
+    p.add_argument("--shard", default=None, metavar="K/N",
+                   help="run only share K of N of the matrix (cost-balanced; merge with harness report DIR...)")
     p.set_defaults(func=run)
 
 
@@ -80,6 +88,11 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     if gsm8k is not None:  # resolved here so a bad path is one error before any rank starts
         folder = resolve_source(args.gsm8k_path).folder
         gsm8k_data = str(folder) if folder else None
+    out_dir = Path(args.out or REPORTS_DIR / run_id(suite.name))
+    cache_dir = args.cache_dir or default_cache_dir()
+    require_writable_dir(out_dir, "--out")
+    require_writable_dir(cache_dir, "--cache-dir")
+    require_device(args.device, [t.tp for t in topologies])
     from harness.backends.registry import get_backend
     get_backend(args.engine)  # an unknown engine or a bad option: one error before anything runs
     if args.reference_engine:
@@ -89,10 +102,10 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
         reproduce=reproduce_args(args, budget_mib, max_seq_len),
         model_refs=tuple((m.name, _ref(r)) for m, r in zip(models, [args.model] if args.model else suite.models)),
         suite=suite, models=models, topologies=tuple(topologies), fault=args.fault,
-        seeds=tuple(args.seed) if args.seed else suite.seeds, out_dir=Path(args.out or REPORTS_DIR / run_id(suite.name)),
-        cache_dir=args.cache_dir or default_cache_dir(), device=args.device, timeout_s=args.timeout,
+        seeds=tuple(args.seed) if args.seed else suite.seeds, out_dir=out_dir,
+        cache_dir=cache_dir, device=args.device, timeout_s=args.timeout,
         collective_timeout_s=args.collective_timeout, gsm8k=gsm8k, gsm8k_data=gsm8k_data,
-        baselines_dir=args.baselines_dir,
+        baselines_dir=args.baselines_dir, shard=parse_shard(args.shard) if args.shard else None,
         pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)))
 
 
@@ -129,7 +142,21 @@ def reproduce_args(args: argparse.Namespace, budget_mib: int, max_seq_len: int) 
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.runner import Runner, plan_cells
+    from harness.cli.signals import exit_status, interrupt_on_signals
+    from harness.errors import Interrupted
+
+    with interrupt_on_signals():
+        try:
+            return _run(args)
+        except Interrupted as exc:  # before the matrix ran (the run itself reports what finished)
+            print(f"harness: {exc}; no report written", file=sys.stderr, flush=True)
+            return exit_status(exc)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from harness.cli.signals import exit_status
+    from harness.errors import Interrupted
+    from harness.runner import Runner, partial_dirs, plan_cells
     from harness.report import render_all
     from harness.report.results import exit_code
     from harness.report.text import print_matrix
@@ -140,7 +167,18 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(planned[0].skip_reason or "no cell to run")
     runner = Runner(req, progress=lambda line: print(line, flush=True))
     start = time.time()
-    cells = runner.run()
+    try:
+        cells = runner.run()
+    except Interrupted as exc:  # every launch is stopped by now; keep what finished, drop half-written cache
+        for staging in partial_dirs(req.cache_dir, os.getpid()):
+            shutil.rmtree(staging, ignore_errors=True)
+        cells = list(runner.finished)
+        provenance = {**runner.provenance(args.argv),
+                      "interrupted": {"signal": exc.name, "cells_finished": len(cells), "cells_planned": len(planned)}}
+        paths = render_all(req.out_dir, cells, provenance, req.out_dir.name)
+        print(f"harness: {exc} after {len(cells)} of {len(planned)} cells; report of those: {paths['html']}",
+              file=sys.stderr, flush=True)
+        return exit_status(exc)
     paths = render_all(req.out_dir, cells, runner.provenance(args.argv), req.out_dir.name)
     print(print_matrix(cells))
     print(f"report: {paths['html']} ({time.time() - start:.1f} s)")

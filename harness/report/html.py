@@ -32,6 +32,7 @@ from harness.report.matrix import (
     MatrixRow,
     build_matrix,
     headline,
+    interrupted_text,
     key_number,
     localization_text,
     metrics_text,
@@ -180,7 +181,7 @@ def render_html(cells: list[CellResult], provenance: dict[str, Any], run_id: str
     problems = [v for v in views if v.row.cell.status in (Verdict.FAIL, Verdict.ERROR)
                 and not v.row.cell.silent_corruption]
     page = _environment().get_template("index.html.j2").render(
-        run_id=run_id, head=headline(cells), counts=summary_counts(cells), verdicts=list(Verdict),
+        run_id=run_id, head=headline(cells, interrupted_text(provenance)), counts=summary_counts(cells), verdicts=list(Verdict),
         matrix=matrix, banner=banner_items(matrix), problems=problems, cells=views,
         provenance=provenance_items(provenance), command=str(provenance.get("command", "")),
         sources=_sources(provenance), harness_version=__version__,

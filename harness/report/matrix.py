@@ -180,8 +180,33 @@ def build_matrix(cells: list[CellResult]) -> Matrix:
     return Matrix(key_headers=headers, check_names=tuple(names), rows=tuple(rows))
 
 
-def headline(cells: list[CellResult]) -> Headline:
-    """The overall verdict of a set of cells, phrased for a release manager."""
+def plural(n: int, word: str) -> str:
+    """'1 cell', '2 cells', '0 cells'."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def interrupted_text(provenance: dict[str, Any]) -> str:
+    """One sentence when the run was stopped by a signal (provenance["interrupted"]), else ''."""
+    info = provenance.get("interrupted")
+    if not isinstance(info, dict):
+        return ""
+    done, planned = info.get("cells_finished", "?"), info.get("cells_planned", "?")
+    return (f"Run interrupted by {info.get('signal', 'a signal')} after {done} of {planned} cells; "
+            f"only the finished cells are shown.")
+
+
+def headline(cells: list[CellResult], interrupted: str = "") -> Headline:
+    """The overall verdict of a set of cells, phrased for a release manager; an interrupted run
+    (`interrupted`: interrupted_text()) is never shippable."""
+    head = _headline(cells)
+    if not interrupted:
+        return head
+    if head.verdict is Verdict.FAIL:
+        return Headline(head.verdict, head.title, f"{interrupted} {head.text}")
+    return Headline(Verdict.ERROR, "INTERRUPTED", f"{interrupted} In those: {head.text}")
+
+
+def _headline(cells: list[CellResult]) -> Headline:
     n = len(cells)
     count = {v: sum(1 for c in cells if c.status is v) for v in Verdict}
     silent = sum(1 for c in cells if c.silent_corruption)
