@@ -293,7 +293,7 @@ class Runner:
         ctx = self.context(cell, ref, par, noise)
         checks = run_checks(ctx)
         return CellResult(**base, checks=tuple(checks), clean_exit=True, localization=ctx.localization,
-                          run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s, details=ctx.details)
+                          run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s, details=ctx.details.to_dict())
 
     def context(self, cell: CellPlan, ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None) -> CellContext:
         """Everything the checks of `cell` read."""

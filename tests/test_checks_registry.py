@@ -78,3 +78,18 @@ def test_settings_that_are_never_read_are_rejected(tmp_path: Path, section: str,
 def test_every_section_is_read_by_a_check_and_names_are_unique() -> None:
     assert len({spec.name for spec in CHECKS}) == len(CHECKS)
     assert set(SECTIONS) == {spec.section for spec in CHECKS}
+
+
+def test_details_are_typed_and_round_trip_through_the_shared_schema() -> None:
+    from harness.compare.cell import compare_cell
+    from harness.details import CellDetails, LayoutDetails
+
+    ref, noise, par = synthetic_runs(PLAN)
+    _, _, details = compare_cell(ref, par, noise, PLAN, CheckSettings())
+    typed = CellDetails.from_dict(details)
+    assert isinstance(typed.layout, LayoutDetails) and typed.layer_errors is not None and typed.prompts
+    assert typed.to_dict() == details
+    with pytest.raises(ValueError, match="unknown details sections \\['layouts'\\]"):
+        CellDetails.from_dict({**details, "layouts": {}})
+    with pytest.raises(TypeError):
+        CellDetails.from_dict({**details, "layout": {"planned": None, "actual": None, "extra": 1}})
