@@ -93,3 +93,16 @@ def test_details_are_typed_and_round_trip_through_the_shared_schema() -> None:
         CellDetails.from_dict({**details, "layouts": {}})
     with pytest.raises(TypeError):
         CellDetails.from_dict({**details, "layout": {"planned": None, "actual": None, "extra": 1}})
+
+
+def test_list_engines_and_checks(capsys: pytest.CaptureFixture[str]) -> None:
+    from harness.cli import main
+
+    assert main(["list", "engines"]) == 0
+    engines = capsys.readouterr().out
+    assert "embedded-topk" in engines and "top_k=20" in engines and "replay:DIR" in engines
+    assert main(["list", "checks"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    localization = next(line for line in lines if line.startswith("localization "))
+    assert "hidden_states" in localization
+    assert all(any(line.startswith(spec.name + " ") for line in lines) for spec in CHECKS)
