@@ -5,6 +5,7 @@ log tail recorded in the run directory's manifest, so nothing else is lost."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -99,6 +100,23 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     _signal_groups(pids, signal.SIGKILL)  # ranks that outlived torchrun
 
 
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+(?:Error|Exception|Interrupt)|injected failure)\b.*)$")
+
+
+def root_cause(tails: dict[str, str]) -> str:
+    """'rankN: <its last error line>' for the rank torchrun names as the root cause (else the first
+    rank with an error line), so an ERROR cell's reason holds the error itself, not only a log tail."""
+    named = re.findall(r"Root Cause.*?\n.*?rank\s*:\s*(\d+)", tails.get("launcher", ""), re.S)
+    order = [f"rank{named[0]}"] if named else []
+    order += [r for r in tails if r.startswith("rank") and r not in order]
+    for rank in order:
+        lines = [m.group(1).strip() for line in tails.get(rank, "").splitlines()
+                 if (m := _ERROR_LINE.match(line.strip()))]
+        if lines:
+            return f"{rank}: {lines[-1][:300]}"
+    return ""
+
+
 def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None,
            worker_args: Sequence[str] = ()) -> LaunchResult:
     """Run `job` to completion or until `timeout_s`; always leaves a manifest.json in job.out_dir.
@@ -136,6 +154,9 @@ def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None,
     failed = [r for r, t in tails.items() if "Traceback" in t or "injected failure" in t or "Error" in t]
     if failed:
         error += f"; failing: {', '.join(failed)}"
+    cause = root_cause(tails)
+    if cause:
+        error += f"; {cause}"
     write_json(manifest_path, {"schema_version": 1, "status": "error", "error": error, "returncode": proc.returncode,
                                "timed_out": timed_out, "topology": job.topology, "fault": job.fault,
                                "seed": job.seed, "wall_s": {"total": wall}, "log_tails": tails})

@@ -193,6 +193,7 @@ class Runner:
                 cached = None
             if cached is not None and cached.ok and not validate_artifacts(cached):
                 self.progress(f"  {label}: cached ({run_dir})")
+                os.utime(run_dir)  # last used now: `harness cache prune` goes by this
                 return cached
             shutil.rmtree(run_dir, ignore_errors=True)
         self.progress(f"  {label}: running")
