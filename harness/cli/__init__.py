@@ -14,8 +14,8 @@ from harness.verdict import EXIT_ERROR, EXIT_USAGE
 
 
 def _subcommands() -> list[ModuleType]:
-    from harness.cli import baseline, history, list_cmd, plan, report, run
-    return [plan, list_cmd, run, report, baseline, history]
+    from harness.cli import baseline, history, list_cmd, plan, report, run, signoff
+    return [plan, list_cmd, run, report, baseline, history, signoff]
 
 
 class _Parser(argparse.ArgumentParser):
