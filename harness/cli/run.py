@@ -53,6 +53,8 @@ def add_parser(sub: Any) -> None:
                    help="backend of the reference runs (default: the same engine at the suite's reference topology)")
     p.add_argument("--shard", default=None, metavar="K/N",
                    help="run only share K of N of the matrix (cost-balanced; merge with harness report DIR...)")
+    p.add_argument("--history", type=Path, default=None, help="record the run into this history database "
+                   "and show each cell's recent runs in the report (default: $HARNESS_HISTORY, else none)")
     p.set_defaults(func=run)
 
 
@@ -196,6 +198,17 @@ def _run(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         return exit_status(exc)
     paths = render_all(req.out_dir, cells, runner.provenance(args.argv), req.out_dir.name)
+    record_history(args.history, req.out_dir, cells, runner.provenance(args.argv), req.out_dir.name)
     print(print_matrix(cells))
     print(f"report: {paths['html']} ({time.time() - start:.1f} s)")
     return exit_code(cells)
+
+
+def record_history(given: Path | None, out_dir: Path, cells: list[Any], provenance: dict[str, Any], run_id: str) -> None:
+    """With a history store (--history or $HARNESS_HISTORY): record the run, re-render its page with the strips."""
+    from harness.history import history_path, histories_for
+    from harness.report.html import write_html
+    path = history_path(given)
+    if path is not None:
+        write_html(out_dir, cells, provenance, run_id, histories_for(path, cells, record=out_dir))
+        print(f"history: recorded into {path}")
