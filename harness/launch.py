@@ -106,6 +106,12 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     _signal_groups(pids, signal.SIGKILL)  # ranks that outlived torchrun
 
 
+def stop_process_tree(proc: subprocess.Popen[bytes]) -> None:
+    """Stop `proc` (started with start_new_session=True) and every process it started, as a launch does;
+    the HTTP backends stop their engine servers with it."""
+    _kill_group(proc)
+
+
 def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None) -> LaunchResult:
     """Run `job` to completion or until `timeout_s`; always leaves a manifest.json in job.out_dir."""
     run_dir = Path(job.out_dir)
