@@ -99,6 +99,10 @@ class EngineSpec:
             object.__setattr__(self, key, {str(k): str(v) for k, v in mapping.items()})
             for value in getattr(self, key).values():
                 _placeholders(value, f"{where}: {key}")
+        says_dcp = any("{dcp}" in a or "{topology}" in a for a in (*self.argv, *self.dcp_argv))
+        if self.argv and self.supports_dcp and not says_dcp:
+            raise ConfigError(f"{where}: supports_dcp is true but neither argv nor dcp_argv passes {{dcp}} (or "
+                              f"{{topology}}); add dcp_argv or set supports_dcp: false")
         if not self.health.startswith("/"):
             raise ConfigError(f"{where}: health={self.health!r} must be a path starting with '/'")
         if self.ready_timeout_s <= 0 or self.request_timeout_s <= 0 or self.max_logprobs < 1:
