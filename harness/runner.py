@@ -8,6 +8,7 @@ import json
 import os
 import shlex
 import shutil
+import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -15,14 +16,14 @@ from typing import Any, Callable, Sequence
 from harness.artifacts import RunArtifacts, read_run
 from harness.backends.registry import DEFAULT_ENGINE, get_backend
 from harness.backends.base import backend_record
-from harness.compare.cell import compare_cell
+from harness.checks.context import CellContext, CellInfo
+from harness.checks.driver import run_checks
+from harness.checks.runs import run_capabilities
 from harness.compare.settings import CheckSettings
-from harness.compare.speculative import acceptance_from_runs, lossless_from_run, speculator_details
 from harness.contract import MANIFEST_FILE, NOISE_NONE, NOISE_PRECISION_TWIN, SCHEDULE_SEQUENTIAL, Backend, Job
 from harness.engine.faults import FAULTS, fault_flags
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
 from harness.baseline import BASELINES_DIR
-from harness.gsm8k.cell import gsm8k_checks
 from harness.gsm8k.settings import GSM8KSettings
 from harness.errors import ConfigError, HarnessError, RunError
 from harness.jsonio import read_json
@@ -30,6 +31,7 @@ from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.layout import plan_layout, plan_speculator
 from harness.report.provenance import collect_provenance, git_commit
 from harness.shard import Shard, shard_cells
+from harness.validate import load_run, validate_artifacts
 from harness.specs.model import ModelSpec
 from harness.specs.suite import Suite
 from harness.specs.topology import Topology, parse_topology_name
@@ -191,7 +193,7 @@ class Runner:
             except RunError as exc:  # a damaged cache entry is launched again, never trusted
                 self.progress(f"  {label}: cache entry unreadable ({exc}); running again")
                 cached = None
-            if cached is not None and cached.ok:
+            if cached is not None and cached.ok and not validate_artifacts(cached):
                 self.progress(f"  {label}: cached ({run_dir})")
                 return cached
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -206,7 +208,13 @@ class Runner:
             staging.rename(run_dir)  # only successful runs ever sit at run_dir
         except OSError:  # another run renamed its identical result into place first
             shutil.rmtree(staging, ignore_errors=True)
-        return read_run(run_dir)
+        run, problems = load_run(run_dir)
+        if run is not None:
+            problems = validate_artifacts(run)
+        if run is None or problems:
+            raise ReferenceFailed(f"reference run of {model.name} ({dtype}) breaks the artifacts contract: "
+                                  f"{problems[0]}", run_dir)
+        return run
 
     def references(self, model: ModelSpec, seed: int, speculator: str = "none") -> tuple[RunArtifacts, RunArtifacts | None]:
         """The reference (the suite's reference topology with the cell's speculator) and its noise-floor
@@ -274,24 +282,35 @@ class Runner:
             return CellResult(**base, checks=(CheckResult("run", Verdict.ERROR, result.error),), clean_exit=False,
                               run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s,
                               error_log=format_tails(result.log_tails))
-        par = read_run(run_dir)
-        plan = plan_layout(cell.model.attention_shape, cell.topology.tp, cell.topology.dcp)
-        settings = CheckSettings.from_suite(self.req.suite, cell.model.dtype)
-        spec_plan = (plan_speculator(cell.model.speculator_shape, cell.topology.tp)
-                     if cell.topology.speculator != "none" else None)
-        checks, loc, details = compare_cell(ref, par, noise, plan, settings, speculator_plan=spec_plan,
-                                            decode=self._decoder(cell.model))
-        if spec_plan is not None:
-            acceptance = acceptance_from_runs(ref, par, settings.acceptance)
-            checks += [lossless_from_run(par, settings.lossless), acceptance]
-            details["speculator"] = speculator_details(acceptance, cell.topology.speculator)
-        if self.req.gsm8k is not None:
-            gsm8k_checks_, details["gsm8k"] = gsm8k_checks(ref.path, run_dir, self.req.gsm8k, self.req.suite.name,
-                                                          cell.model.name, cell.topology.name, str(self.req.out_dir),
-                                                          self.req.baselines_dir)
-            checks += gsm8k_checks_
-        return CellResult(**base, checks=tuple(checks), clean_exit=True, localization=loc, run_dir=str(run_dir),
-                          reference_dir=str(ref.path), wall_s=result.wall_s, details=details)
+        par, problems = load_run(run_dir)
+        if par is not None:
+            problems = validate_artifacts(par)
+        if problems:  # a malformed (third-party) run: one clear ERROR cell, never a crash in a check
+            more = f" (+{len(problems) - 1} more; harness validate {run_dir})" if len(problems) > 1 else ""
+            return CellResult(**base, checks=(CheckResult("run", Verdict.ERROR, f"parallel run breaks the "
+                                                          f"artifacts contract: {problems[0]}{more}",
+                                                          {"problems": problems}),),
+                              clean_exit=True, run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s)
+        assert par is not None
+        ctx = self.context(cell, ref, par, noise)
+        checks = run_checks(ctx)
+        return CellResult(**base, checks=tuple(checks), clean_exit=True, localization=ctx.localization,
+                          run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s, details=ctx.details)
+
+    def context(self, cell: CellPlan, ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None) -> CellContext:
+        """Everything the checks of `cell` read."""
+        suite = self.req.suite
+        topo = cell.topology
+        return CellContext(
+            ref=ref, par=par, noise=noise, plan=plan_layout(cell.model.attention_shape, topo.tp, topo.dcp),
+            settings=CheckSettings.from_suite(suite, cell.model.dtype),
+            par_caps=run_capabilities(par, self.backend.capabilities()),
+            ref_caps=run_capabilities(ref, self.ref_backend.capabilities()),
+            info=CellInfo(suite=suite.name, model=cell.model.name, topology=topo.name, speculator=topo.speculator,
+                          engine=self.backend.name, reference_engine=self.ref_backend.name,
+                          report_dir=str(self.req.out_dir), baselines_dir=self.req.baselines_dir),
+            speculator_plan=plan_speculator(cell.model.speculator_shape, topo.tp) if topo.speculator != "none" else None,
+            decode=self._decoder(cell.model), gsm8k=self.req.gsm8k, enabled=suite.check_enabled)
 
     def run(self) -> list[CellResult]:
         cells = shard_cells(plan_cells(self.req, (self.backend, self.ref_backend)), self.req.shard)
@@ -300,7 +319,9 @@ class Runner:
             self.progress(f"[{i}/{len(cells)}] {cell.slug} ...")
             try:
                 result = self.run_cell(cell)
-            except HarnessError as exc:  # one broken cell never loses the others' results
+            except Exception as exc:  # one broken cell (a harness bug included) never loses the others' results
+                if not isinstance(exc, HarnessError):
+                    exc = RunError(f"internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
                 result = CellResult(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
                                     fault=cell.fault, seed=cell.seed, command=self.command(cell),
                                     engine=self.backend.name, reference_engine=self.ref_backend.name,

@@ -16,8 +16,8 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose
 
 
 def _subcommands() -> list[ModuleType]:
-    from harness.cli import baseline, export, list_cmd, plan, report, run, serve
-    return [plan, list_cmd, run, report, baseline, export, serve]
+    from harness.cli import baseline, export, list_cmd, plan, report, run, serve, validate
+    return [plan, list_cmd, run, report, baseline, validate, export, serve]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -69,8 +69,21 @@ def _engines() -> list[str]:
     return out
 
 
+def _checks() -> list[str]:
+    from harness.checks.catalog import CHECKS, SETTINGS_SECTIONS
+
+    out = [f"{'check':<18} {'suite checks: key':<28} {'cells':<12} {'needs':<44} what it compares"]
+    for spec in CHECKS:
+        section = spec.section + ("" if spec.section in SETTINGS_SECTIONS else " (enabled)")
+        out.append(f"{spec.name:<18} {section:<28} {spec.cells:<12} {spec.needs():<44} {spec.description}")
+    out.append("(an engine lacking a need makes the check a SKIP with the reason; "
+               "checks: {KEY: {enabled: false}} switches a key's checks off)")
+    return out
+
+
 SECTIONS: dict[str, Callable[[], list[str]]] = {
-    "suites": _suites, "topologies": _topologies, "models": _models, "faults": _faults, "engines": _engines}
+    "suites": _suites, "topologies": _topologies, "models": _models, "faults": _faults, "engines": _engines,
+    "checks": _checks}
 
 
 def run(args: argparse.Namespace) -> int:
