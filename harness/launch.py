@@ -145,6 +145,10 @@ def root_cause(tails: dict[str, str]) -> str:
 def _child_env(world: int, extra: dict[str, str] | None) -> dict[str, str]:
     merged = {**os.environ, **(extra or {})}
     return {**merged, **thread_env(world, merged)}
+def stop_process_tree(proc: subprocess.Popen[bytes]) -> None:
+    """Stop `proc` (started with start_new_session=True) and every process it started, as a launch does;
+    the HTTP backends stop their engine servers with it."""
+    _kill_group(proc)
 
 
 def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None,
