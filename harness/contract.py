@@ -77,6 +77,10 @@ NOISE_PRECISION_TWIN = "precision-twin"  # the reference recomputed in a higher 
 NOISE_SCHEDULING = "scheduling"          # two reference runs differing only in batching/scheduling
 NOISE_NONE = "none"                      # no noise run: tolerances fall back to their floors
 
+# --- how a backend sends a job's cases (Job.schedule) ---------------------------------------------
+SCHEDULE_BATCHED = "batched"        # every case at once (the engine batches them)
+SCHEDULE_SEQUENTIAL = "sequential"  # one case at a time: the NOISE_SCHEDULING twin of a reference
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -121,6 +125,7 @@ class Job:
     git_commit: str = ""
     gsm8k: dict[str, Any] | None = None
     speculative: dict[str, Any] = field(default_factory=dict)
+    schedule: str = SCHEDULE_BATCHED
 
     @classmethod
     def load(cls, path: Path) -> "Job":

@@ -20,7 +20,7 @@ from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks
 from harness.checks.runs import run_capabilities
 from harness.compare.settings import CheckSettings
-from harness.contract import MANIFEST_FILE, NOISE_NONE, NOISE_PRECISION_TWIN, Backend, Job
+from harness.contract import MANIFEST_FILE, NOISE_NONE, NOISE_PRECISION_TWIN, SCHEDULE_SEQUENTIAL, Backend, Job
 from harness.engine.faults import FAULTS, fault_flags
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
 from harness.baseline import BASELINES_DIR
@@ -175,6 +175,8 @@ class Runner:
         """A reference-topology run of `model` in `dtype` on the reference engine, from the
         content-keyed cache or launched now; `repeat` is a second, independent run of the same job."""
         job = self.job(model, topo, None, seed, Path("."), dtype)
+        if repeat:  # the scheduling-noise twin: the same cases sent one at a time
+            job = replace(job, schedule=SCHEDULE_SEQUENTIAL)
         backend = self.ref_backend
         content = {k: v for k, v in job.__dict__.items() if k not in ("out_dir", "git_commit", "collective_timeout_s")}
         # keyed by what produces the artifacts (the job and the backend's identity: engine, version,
@@ -193,6 +195,7 @@ class Runner:
                 cached = None
             if cached is not None and cached.ok and not validate_artifacts(cached):
                 self.progress(f"  {label}: cached ({run_dir})")
+                os.utime(run_dir)  # last used now: `harness cache prune` goes by this
                 return cached
             shutil.rmtree(run_dir, ignore_errors=True)
         self.progress(f"  {label}: running")

@@ -30,6 +30,12 @@ BUILTIN: dict[str, str] = {
     "embedded": "harness.backends.embedded:EmbeddedBackend",
     "embedded-topk": "harness.backends.embedded:TopkOnlyBackend",
     "replay": "harness.backends.replay:ReplayBackend",
+    # HTTP engines, one per shipped template in engines/ (harness/backends/http.py)
+    "harness-serve": "harness.backends.http:harness_serve",
+    "harness-serve-sglang": "harness.backends.http:harness_serve_sglang",
+    "vllm": "harness.backends.http:vllm",
+    "sglang": "harness.backends.http:sglang",
+    "openai": "harness.backends.http:openai",
 }
 
 
