@@ -106,3 +106,14 @@ def test_list_engines_and_checks(capsys: pytest.CaptureFixture[str]) -> None:
     localization = next(line for line in lines if line.startswith("localization "))
     assert "hidden_states" in localization
     assert all(any(line.startswith(spec.name + " ") for line in lines) for spec in CHECKS)
+
+
+def test_the_report_notes_details_that_drift_from_the_schema(tmp_path: Path) -> None:
+    from harness.report import render_all
+    from harness.verdict import CellResult, CheckResult
+
+    cell = CellResult(suite="s", model="m", topology="tp2", fault=None, seed=0, clean_exit=True,
+                      checks=(CheckResult("layout", Verdict.FAIL, "x"),), details={"layuot": {}})
+    paths = render_all(tmp_path, [cell], {"command": "harness run"}, "run")
+    assert "details do not match harness/details.py (unknown details sections [&#39;layuot&#39;]" in \
+        Path(paths["html"]).read_text()
