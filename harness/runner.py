@@ -20,7 +20,7 @@ from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks
 from harness.checks.runs import run_capabilities
 from harness.compare.settings import CheckSettings
-from harness.contract import MANIFEST_FILE, NOISE_NONE, NOISE_PRECISION_TWIN, SCHEDULE_SEQUENTIAL, Backend, Job
+from harness.contract import NOISE_NONE, NOISE_PRECISION_TWIN, SCHEDULE_SEQUENTIAL, Backend, Job
 from harness.engine.faults import FAULTS, fault_flags
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
 from harness.baseline import BASELINES_DIR
