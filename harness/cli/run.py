@@ -14,6 +14,7 @@ from harness.cli.checks import positive_float, positive_int, require_device, req
 from harness.errors import ConfigError
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.paths import BASELINES_DIR, REPORTS_DIR
+from harness.shard import parse_shard
 from harness.specs.model import load_model
 from harness.specs.suite import load_suite, with_profile
 from harness.specs.topology import load_catalog
@@ -46,6 +47,14 @@ def add_parser(sub: Any) -> None:
                    help="seconds before a collective fails")
     p.add_argument("--cache-dir", type=Path, default=None, help="reference-run cache (default: $HARNESS_CACHE_DIR "
                    "or ~/.cache/llm-parallel-harness)")
+    p.add_argument("--engine", default="embedded",
+                   help="backend of the parallel runs, NAME or NAME:OPTION (harness list engines; default: embedded)")
+    p.add_argument("--reference-engine", default=None,
+                   help="backend of the reference runs (default: the same engine at the suite's reference topology)")
+    p.add_argument("--shard", default=None, metavar="K/N",
+                   help="run only share K of N of the matrix (cost-balanced; merge with harness report DIR...)")
+    p.add_argument("--history", type=Path, default=None, help="record the run into this history database "
+                   "and show each cell's recent runs in the report (default: $HARNESS_HISTORY, else none)")
     p.set_defaults(func=run)
 
 
@@ -102,13 +111,52 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     require_writable_dir(out_dir, "--out")
     require_writable_dir(cache_dir, "--cache-dir")
     require_device(args.device, [t.tp for t in topologies])
+    from harness.backends.registry import get_backend
+    get_backend(args.engine)  # an unknown engine or a bad option: one error before anything runs
+    if args.reference_engine:
+        get_backend(args.reference_engine)
     return RunRequest(
+        engine=args.engine, reference_engine=args.reference_engine,
+        reproduce=reproduce_args(args, budget_mib, max_seq_len),
+        model_refs=tuple((m.name, _ref(r)) for m, r in zip(models, [args.model] if args.model else suite.models)),
         suite=suite, models=models, topologies=tuple(topologies), fault=args.fault,
         seeds=tuple(args.seed) if args.seed else suite.seeds, out_dir=out_dir,
         cache_dir=cache_dir, device=args.device, timeout_s=launch_timeout(args.timeout),
         collective_timeout_s=args.collective_timeout, gsm8k=gsm8k, gsm8k_data=gsm8k_data,
-        baselines_dir=args.baselines_dir,
+        baselines_dir=args.baselines_dir, shard=parse_shard(args.shard) if args.shard else None,
         pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)))
+
+
+def _ref(ref: str) -> str:
+    """A suite or model as given, absolute when it is a path (so the command works from any folder)."""
+    path = Path(ref)
+    by_path = "/" in ref or path.suffix != ""  # shipped names have neither
+    return str(path.resolve()) if by_path and path.exists() else ref
+
+
+def _engine_ref(engine: str) -> str:
+    """NAME:OPTION with an OPTION that is an existing path made absolute."""
+    name, sep, option = engine.partition(":")
+    return f"{name}:{_ref(option)}" if sep and option else engine
+
+
+def reproduce_args(args: argparse.Namespace, budget_mib: int, max_seq_len: int) -> tuple[str, ...]:
+    """The flags every cell's reproduce command repeats: what decides its verdicts besides the cell."""
+    out = ["--suite", _ref(args.suite)]
+    if args.profile:
+        out += ["--profile", args.profile]
+    out += ["--kv-budget-mib", str(budget_mib), "--max-seq-len", str(max_seq_len)]
+    if args.engine != "embedded":
+        out += ["--engine", _engine_ref(args.engine)]
+    if args.reference_engine:
+        out += ["--reference-engine", _engine_ref(args.reference_engine)]
+    if args.device != "cpu":
+        out += ["--device", args.device]
+    if args.gsm8k_path:
+        out += ["--gsm8k-path", _ref(args.gsm8k_path)]
+    if Path(args.baselines_dir).resolve() != BASELINES_DIR.resolve():
+        out += ["--baselines-dir", _ref(str(args.baselines_dir))]
+    return tuple(out)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -150,6 +198,17 @@ def _run(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         return exit_status(exc)
     paths = render_all(req.out_dir, cells, runner.provenance(args.argv), req.out_dir.name)
+    record_history(args.history, req.out_dir, cells, runner.provenance(args.argv), req.out_dir.name)
     print(print_matrix(cells))
     print(f"report: {paths['html']} ({time.time() - start:.1f} s)")
     return exit_code(cells)
+
+
+def record_history(given: Path | None, out_dir: Path, cells: list[Any], provenance: dict[str, Any], run_id: str) -> None:
+    """With a history store (--history or $HARNESS_HISTORY): record the run, re-render its page with the strips."""
+    from harness.history import history_path, histories_for
+    from harness.report.html import write_html
+    path = history_path(given)
+    if path is not None:
+        write_html(out_dir, cells, provenance, run_id, histories_for(path, cells, record=out_dir))
+        print(f"history: recorded into {path}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from markupsafe import Markup
@@ -26,6 +26,7 @@ from harness.report.details import (
     prompts_view,
     speculator_view,
 )
+from harness.report.history_strip import HistoryView, cell_id, history_view
 from harness.report.logs import clean_log, xml_safe
 from harness.report.matrix import (
     Matrix,
@@ -43,6 +44,9 @@ from harness.report.matrix import (
 from harness.report.results import summary_counts
 from harness.report.svg import head_heatmap, layer_error_plot
 from harness.verdict import CellResult, CheckResult, Verdict
+
+if TYPE_CHECKING:
+    from harness.history import CellHistory, CellId
 
 HTML_FILE = "index.html"
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
@@ -185,9 +189,21 @@ def _environment() -> Environment:
     return env
 
 
-def render_html(cells: list[CellResult], provenance: dict[str, Any], run_id: str) -> str:
+def history_views(matrix: Matrix, histories: "dict[CellId, CellHistory] | None"
+                  ) -> tuple[dict[str, HistoryView], list[tuple[str, str, str]]]:
+    """Per cell anchor its history view, and the flaky cells as (label, anchor, flips text)."""
+    views = {_anchor(r): history_view(histories[cell_id(r.cell)]) for r in matrix.rows
+             if histories and cell_id(r.cell) in histories}
+    flaky = [(r.label, _anchor(r), views[_anchor(r)].flaky) for r in matrix.rows
+             if _anchor(r) in views and views[_anchor(r)].flaky]
+    return views, flaky
+
+
+def render_html(cells: list[CellResult], provenance: dict[str, Any], run_id: str,
+                histories: "dict[CellId, CellHistory] | None" = None) -> str:
     matrix = build_matrix(cells)
     views = [cell_view(r) for r in matrix.rows]
+    history, flaky = history_views(matrix, histories)
     problems = [v for v in views if v.row.cell.status in (Verdict.FAIL, Verdict.ERROR)
                 and not v.row.cell.silent_corruption]
     skipped = [v for v in views if v.row.cell.status is Verdict.SKIP]
@@ -196,14 +212,15 @@ def render_html(cells: list[CellResult], provenance: dict[str, Any], run_id: str
         matrix=matrix, banner=banner_items(matrix), problems=problems, skipped=skipped, cells=views,
         legend=key_legend(cells),
         provenance=provenance_items(provenance), command=str(provenance.get("command", "")),
-        sources=_sources(provenance), harness_version=__version__,
+        sources=_sources(provenance), harness_version=__version__, history=history, flaky=flaky,
         rendered=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     # No URL of any kind in the file: user text that holds one (a prompt quoting a link) keeps its
     # look, since the entity renders as '/', but the source never contains '://'.
     return page.replace("://", ":&#47;&#47;")
 
 
-def write_html(out_dir: Path, cells: list[CellResult], provenance: dict[str, Any], run_id: str) -> Path:
+def write_html(out_dir: Path, cells: list[CellResult], provenance: dict[str, Any], run_id: str,
+               histories: "dict[CellId, CellHistory] | None" = None) -> Path:
     path = out_dir / HTML_FILE
-    path.write_text(render_html(cells, provenance, run_id), encoding="utf-8")
+    path.write_text(render_html(cells, provenance, run_id, histories), encoding="utf-8")
     return path
