@@ -5,6 +5,7 @@ log tail recorded in the run directory's manifest, so nothing else is lost."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,12 +16,15 @@ from pathlib import Path
 from typing import Sequence
 
 from harness.contract import JOB_FILE, LAUNCHER_LOG, MANIFEST_FILE, RUN_FILES, Job, LaunchResult
+from harness.errors import ConfigError
 from harness.jsonio import write_json
 
 __all__ = ["Job", "LaunchResult", "command", "launch"]  # Job, LaunchResult: harness.contract (old import path)
 
 LOG_TAIL_LINES = 40
 TERM_GRACE_S = 35.0
+THREADS_ENV = "HARNESS_THREADS_PER_PROCESS"  # override of the per-process thread count
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def command(job_path: Path, world_size: int, log_dir: Path, worker_args: Sequence[str] = ()) -> list[str]:
@@ -29,6 +33,28 @@ def command(job_path: Path, world_size: int, log_dir: Path, worker_args: Sequenc
         return [sys.executable, *worker]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
             "--max-restarts=0", "--monitor-interval=0.5", f"--log-dir={log_dir}", "--redirects=3", *worker]
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, not the host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def threads_per_process(processes: int, cores: int, override: str | None = None) -> int:
+    """Intra-op threads for each of `processes` ranks on `cores` cores: cores // processes (at least 1),
+    so the ranks together never oversubscribe the machine; `override` (the HARNESS_THREADS_PER_PROCESS
+    setting, a positive integer) wins when given."""
+    if override:
+        if not override.strip().isdigit() or int(override) < 1:
+            raise ConfigError(f"{THREADS_ENV}={override!r} must be a positive integer (threads per process)")
+        return int(override)
+    return max(1, cores // max(1, processes))
+
+
+def thread_env(processes: int, env: dict[str, str]) -> dict[str, str]:
+    """OMP/MKL thread counts for a launch of `processes` ranks (torch reads them at start-up)."""
+    n = threads_per_process(processes, available_cores(), env.get(THREADS_ENV))
+    return {var: str(n) for var in THREAD_VARS}
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -99,6 +125,26 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     _signal_groups(pids, signal.SIGKILL)  # ranks that outlived torchrun
 
 
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+(?:Error|Exception|Interrupt)|injected failure)\b.*)$")
+
+
+def root_cause(tails: dict[str, str]) -> str:
+    """'rankN: <its last error line>' for the rank torchrun names as the root cause (else the first
+    rank with an error line), so an ERROR cell's reason holds the error itself, not only a log tail."""
+    named = re.findall(r"Root Cause.*?\n.*?rank\s*:\s*(\d+)", tails.get("launcher", ""), re.S)
+    order = [f"rank{named[0]}"] if named else []
+    order += [r for r in tails if r.startswith("rank") and r not in order]
+    for rank in order:
+        lines = [m.group(1).strip() for line in tails.get(rank, "").splitlines()
+                 if (m := _ERROR_LINE.match(line.strip()))]
+        if lines:
+            return f"{rank}: {lines[-1][:300]}"
+    return ""
+
+
+def _child_env(world: int, extra: dict[str, str] | None) -> dict[str, str]:
+    merged = {**os.environ, **(extra or {})}
+    return {**merged, **thread_env(world, merged)}
 def stop_process_tree(proc: subprocess.Popen[bytes]) -> None:
     """Stop `proc` (started with start_new_session=True) and every process it started, as a launch does;
     the HTTP backends stop their engine servers with it."""
@@ -122,7 +168,7 @@ def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None,
     timed_out = False
     with open(run_dir / (LAUNCHER_LOG if world > 1 else "rank0.log"), "wb") as log:
         proc = subprocess.Popen(command(job_path, world, log_dir, worker_args), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, **(env or {})})
+                                start_new_session=True, env=_child_env(world, env))
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -142,6 +188,9 @@ def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None,
     failed = [r for r, t in tails.items() if "Traceback" in t or "injected failure" in t or "Error" in t]
     if failed:
         error += f"; failing: {', '.join(failed)}"
+    cause = root_cause(tails)
+    if cause:
+        error += f"; {cause}"
     write_json(manifest_path, {"schema_version": 1, "status": "error", "error": error, "returncode": proc.returncode,
                                "timed_out": timed_out, "topology": job.topology, "fault": job.fault,
                                "seed": job.seed, "wall_s": {"total": wall}, "log_tails": tails})

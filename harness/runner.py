@@ -30,8 +30,8 @@ from harness.jsonio import read_json
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.layout import plan_layout, plan_speculator
 from harness.report.provenance import collect_provenance, git_commit
-from harness.shard import Shard, shard_cells
 from harness.validate import load_run, validate_artifacts
+from harness.shard import Shard, shard_cells
 from harness.specs.model import ModelSpec
 from harness.specs.suite import Suite
 from harness.specs.topology import Topology, parse_topology_name
@@ -58,7 +58,6 @@ class RunRequest:
     gsm8k: GSM8KSettings | None = None
     gsm8k_data: str | None = None
     baselines_dir: Path = BASELINES_DIR
-    shard: Shard | None = None  # run only this share of the cells (harness/shard.py)
     engine: str = DEFAULT_ENGINE               # backend of the parallel runs (NAME or NAME:OPTION)
     reference_engine: str | None = None        # backend of the reference runs (default: engine)
     reproduce: tuple[str, ...] = ()            # argv (after "harness run") that every cell command repeats
@@ -67,6 +66,7 @@ class RunRequest:
     @property
     def ref_engine(self) -> str:
         return self.reference_engine or self.engine
+    shard: Shard | None = None  # run only this share of the cells (harness/shard.py)
 
 
 @dataclass(frozen=True)
@@ -155,9 +155,9 @@ class Runner:
         self._commit = git_commit()
         self._failed_refs: dict[tuple[str, int, str], ReferenceFailed] = {}
         self._tokenizers: dict[str, Tokenizer] = {}
-        self.finished: list[CellResult] = []  # the cells done so far (what an interrupted run reports)
         self.backend = get_backend(req.engine)  # the parallel runs
         self.ref_backend = get_backend(req.ref_engine)  # the reference and its noise twin
+        self.finished: list[CellResult] = []  # the cells done so far (what an interrupted run reports)
 
     def job(self, model: ModelSpec, topo: Topology, fault: str | None, seed: int, out_dir: Path,
             dtype: str | None = None) -> Job:
@@ -195,6 +195,7 @@ class Runner:
                 cached = None
             if cached is not None and cached.ok and not validate_artifacts(cached):
                 self.progress(f"  {label}: cached ({run_dir})")
+                os.utime(run_dir)  # last used now: `harness cache prune` goes by this
                 return cached
             shutil.rmtree(run_dir, ignore_errors=True)
         self.progress(f"  {label}: running")
@@ -295,7 +296,7 @@ class Runner:
         ctx = self.context(cell, ref, par, noise)
         checks = run_checks(ctx)
         return CellResult(**base, checks=tuple(checks), clean_exit=True, localization=ctx.localization,
-                          run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s, details=ctx.details)
+                          run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s, details=ctx.details.to_dict())
 
     def context(self, cell: CellPlan, ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None) -> CellContext:
         """Everything the checks of `cell` read."""

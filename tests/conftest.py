@@ -9,6 +9,13 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every launch a test starts (in-process `harness run`, subprocesses, launch_run) is bounded by this
+# many seconds, and pytest's per-test timeout (pyproject.toml) allows TEST_LAUNCHES_PER_TEST of them:
+# a hung rank shows up as the harness's ERROR cell with its log tail, never as pytest killing a test
+# that was only slow on a loaded machine.
+TEST_LAUNCH_TIMEOUT_S = 420.0
+TEST_LAUNCHES_PER_TEST = 4
+os.environ.setdefault("HARNESS_LAUNCH_TIMEOUT_S", str(TEST_LAUNCH_TIMEOUT_S))
 
 GSM8K_FIXTURE = Path(__file__).resolve().parent / "data" / "gsm8k"
 GSM8K_FULL_TEST_QUESTIONS = 1319
@@ -32,7 +39,7 @@ TEST_PROMPTS = ["The capital of France is", "def f(x):\n    return", "Q: 17 + 25
 
 
 def launch_run(out_dir: Path, model: str, topo: str, fault: str | None = None, prompts: list[str] | None = None,
-               dtype: str | None = None, env: dict[str, str] | None = None, timeout_s: float = 300.0,
+               dtype: str | None = None, env: dict[str, str] | None = None, timeout_s: float = TEST_LAUNCH_TIMEOUT_S,
                collective_timeout_s: float = 60.0) -> RunArtifacts:
     """Launch one real run (torchrun on gloo for world size > 1) and read its run directory."""
     from harness.engine.worker import Job

@@ -131,3 +131,25 @@ def test_closed_stdout_pipe_is_a_quiet_exit(tmp_path: Path) -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == EXIT_BROKEN_PIPE
     assert err == ""
+
+
+def test_launch_timeout_from_the_environment(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness.cli.run import TIMEOUT_ENV, launch_timeout
+    monkeypatch.setenv(TIMEOUT_ENV, "77")
+    assert launch_timeout(None) == 77.0 and launch_timeout(5.0) == 5.0
+    monkeypatch.setenv(TIMEOUT_ENV, "-3")
+    assert main(_run(tmp_path)) == 2
+    assert TIMEOUT_ENV in _error_line(capsys)
+    _nothing_ran(tmp_path)
+
+
+def test_pytest_timeout_outlasts_the_launches_of_a_test() -> None:
+    """A slow launch ends as the harness's own timeout (an ERROR with log tails), before pytest's."""
+    import re
+
+    from tests.conftest import TEST_LAUNCH_TIMEOUT_S, TEST_LAUNCHES_PER_TEST
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    per_test = int(re.search(r"^timeout = (\d+)$", pyproject.split("[tool.pytest.ini_options]")[1], re.M).group(1))
+    assert per_test >= TEST_LAUNCHES_PER_TEST * TEST_LAUNCH_TIMEOUT_S
+    assert float(os.environ["HARNESS_LAUNCH_TIMEOUT_S"]) <= TEST_LAUNCH_TIMEOUT_S

@@ -46,9 +46,9 @@ def test_dcp_tp_kv_layout_bug_fails_and_localizes_with_the_group() -> None:
                         "logits_decode": Verdict.FAIL, "generation": Verdict.PASS}
     assert loc is not None and loc.layer == 0 and loc.heads == tuple(range(8)) and loc.ranks == (0, 1, 2, 3)
     # ranks of the group read different KV heads for the same Q head: the summary says so
-    assert loc.summary == ("layer 0 attention: heads 0-7 on ranks 0-3 (DCP group 0) diverge; reads KV heads 0-1; "
+    assert loc.summary == ("layer 0 attention: heads 0-7 on ranks 0-3 (DCP group 0) diverge; "
                            "heads 0-7 read the wrong KV heads (e.g. head 0 reads 0-1, planned 0); "
-                           "KV head ids differ inside DCP group 0")
+                           "wrong reads of KV heads 0-1; KV head ids differ inside DCP group 0")
     assert details["prompts"][0]["decode"]["first_diverging_position"] == ref.cases[0].decode_start
     json.dumps(details, allow_nan=False)
 

@@ -14,6 +14,7 @@ from harness.compare.localize import localize
 from harness.compare.logits import check_logits
 from harness.compare.speculative import acceptance_from_runs, lossless_from_run, speculator_details
 from harness.compare.topk import check_topk
+from harness.details import HeadErrors, LayerErrors, LayoutDetails, PromptDetails, SpeculatorDetails
 from harness.fmt import id_ranges
 from harness.verdict import CheckResult, Verdict
 
@@ -28,7 +29,11 @@ def inputs(ctx: CellContext) -> list[CheckResult]:
 def _layout(ctx: CellContext, entry: str, name: str) -> CheckResult:
     actual = ctx.par.layout.get(entry)
     plan = ctx.plan if entry == "target" else ctx.speculator_plan
-    ctx.details[name] = {"planned": plan.to_dict() if plan else None, "actual": actual}
+    section = LayoutDetails(planned=plan.to_dict() if plan else None, actual=actual)
+    if entry == "target":
+        ctx.details.layout = section
+    else:
+        ctx.details.speculator_layout = section
     if not isinstance(actual, dict) or plan is None:
         return CheckResult(name, Verdict.ERROR, f"layout.json has no {entry!r} entry")
     check_pool = ctx.settings.layout.check_pool and ctx.par_caps.has(c.KV_POOL_SIZE)
@@ -48,7 +53,7 @@ def _logits(ctx: CellContext, path: str) -> list[CheckResult]:
         result, prompts = check_logits(path, ctx.ref, ctx.par, ctx.noise, ctx.settings.logits)
     else:
         result, prompts = check_topk(path, ctx.ref, ctx.par, ctx.noise, ctx.settings.logits, ctx.top_k)
-    ctx.details.setdefault("_prompts", {})[path] = prompts
+    ctx.prompt_rows[path] = prompts
     return [result]
 
 
@@ -62,7 +67,7 @@ def logits_decode(ctx: CellContext) -> list[CheckResult]:
 
 def generation(ctx: CellContext) -> list[CheckResult]:
     result, prompts = check_generation(ctx.ref, ctx.par, ctx.settings.generation, noise=ctx.noise, decode=ctx.decode)
-    ctx.details.setdefault("_prompts", {})["generation"] = prompts
+    ctx.prompt_rows["generation"] = prompts
     return [result]
 
 
@@ -70,7 +75,12 @@ def localization(ctx: CellContext) -> list[CheckResult]:
     """No verdict of its own: explains a parity FAIL (ctx.localization) and adds the per-layer and
     per-head errors to the details."""
     found, loc_details = localize(ctx.ref, ctx.par, ctx.noise, ctx.plan, ctx.ref.cases, ctx.settings.localization)
-    ctx.details.update(loc_details)
+    if "layer_errors" in loc_details:
+        ctx.details.layer_errors = LayerErrors(**loc_details["layer_errors"])
+    if "head_errors" in loc_details:
+        ctx.details.head_errors = HeadErrors(**loc_details["head_errors"])
+    if "note" in loc_details:
+        ctx.details.note = str(loc_details["note"])
     if found is None or not any(r.name in PARITY and r.verdict is Verdict.FAIL for r in ctx.results):
         return []
     layout_result = ctx.result("layout")
@@ -89,7 +99,7 @@ def lossless(ctx: CellContext) -> list[CheckResult]:
 
 def acceptance(ctx: CellContext) -> list[CheckResult]:
     result = acceptance_from_runs(ctx.ref, ctx.par, ctx.settings.acceptance)
-    ctx.details["speculator"] = speculator_details(result, ctx.info.speculator)
+    ctx.details.speculator = SpeculatorDetails(**speculator_details(result, ctx.info.speculator))
     return [result]
 
 
@@ -97,7 +107,7 @@ def gsm8k(ctx: CellContext) -> list[CheckResult]:
     from harness.gsm8k.cell import gsm8k_checks
 
     assert ctx.gsm8k is not None  # the catalog runs it only in suites with gsm8k
-    checks, ctx.details["gsm8k"] = gsm8k_checks(ctx.ref.path, ctx.par.path, ctx.gsm8k, ctx.info.suite,
+    checks, ctx.details.gsm8k = gsm8k_checks(ctx.ref.path, ctx.par.path, ctx.gsm8k, ctx.info.suite,
                                                 ctx.info.model, ctx.info.topology, ctx.info.report_dir,
                                                 ctx.info.baselines_dir)
     return checks
@@ -105,7 +115,7 @@ def gsm8k(ctx: CellContext) -> list[CheckResult]:
 
 def finish_details(ctx: CellContext) -> None:
     """Fold the per-path prompt rows into the report's `prompts` section."""
-    rows = ctx.details.pop("_prompts", {})
+    rows = ctx.prompt_rows
     if rows:
-        ctx.details["prompts"] = prompt_details(ctx.ref, rows.get("prefill", []), rows.get("decode", []),
-                                                rows.get("generation", []))
+        ctx.details.prompts = [PromptDetails(**p) for p in prompt_details(
+            ctx.ref, rows.get("prefill", []), rows.get("decode", []), rows.get("generation", []))]

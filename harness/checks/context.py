@@ -11,6 +11,7 @@ from harness.artifacts import RunArtifacts
 from harness.baseline import BASELINES_DIR
 from harness.compare.settings import CheckSettings
 from harness.contract import Capabilities
+from harness.details import CellDetails
 from harness.gsm8k.settings import GSM8KSettings
 from harness.layout import LayoutPlan
 from harness.verdict import CheckResult, Localization
@@ -49,7 +50,8 @@ class CellContext:
     gsm8k: GSM8KSettings | None = None
     enabled: Callable[[str], bool] = lambda section: True
     results: list[CheckResult] = field(default_factory=list)        # verdicts so far, in registry order
-    details: dict[str, Any] = field(default_factory=dict)           # the report's drill-down (report/details.py)
+    details: CellDetails = field(default_factory=CellDetails)      # the report's drill-down (harness/details.py)
+    prompt_rows: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # per path: each check's prompt rows
     localization: Localization | None = None
 
     @property

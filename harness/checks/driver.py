@@ -70,5 +70,5 @@ def run_checks(ctx: CellContext) -> list[CheckResult]:
     try:
         finish_details(ctx)
     except Exception:  # details are for the report; verdicts stand without them
-        ctx.details["note"] = "details unavailable: " + traceback.format_exc(limit=2)
+        ctx.details.note = "details unavailable: " + traceback.format_exc(limit=2)
     return ctx.results

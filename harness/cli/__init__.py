@@ -16,8 +16,9 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose
 
 
 def _subcommands() -> list[ModuleType]:
-    from harness.cli import baseline, export, list_cmd, plan, report, run, serve, validate
-    return [plan, list_cmd, run, report, baseline, validate, export, serve]
+    from harness.cli import (baseline, cache, export, history, list_cmd, plan, report, run, serve, signoff,
+                             validate)
+    return [plan, list_cmd, run, report, baseline, cache, history, signoff, validate, export, serve]
 
 
 class _Parser(argparse.ArgumentParser):

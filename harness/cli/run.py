@@ -41,19 +41,37 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--gsm8k-path", default=None, help="folder with GSM8K test.jsonl/train.jsonl "
                    "(default: $HARNESS_GSM8K_PATH, else the hub through datasets)")
     p.add_argument("--baselines-dir", type=Path, default=BASELINES_DIR, help="stored GSM8K baselines (default: baselines/)")
-    p.add_argument("--timeout", type=positive_float, default=LAUNCH_TIMEOUT_S,
-                   help="seconds before a launch is killed")
+    p.add_argument("--timeout", type=positive_float, default=None,
+                   help=f"seconds before a launch is killed (default: ${TIMEOUT_ENV} or {LAUNCH_TIMEOUT_S:.0f})")
     p.add_argument("--collective-timeout", type=positive_float, default=COLLECTIVE_TIMEOUT_S,
                    help="seconds before a collective fails")
     p.add_argument("--cache-dir", type=Path, default=None, help="reference-run cache (default: $HARNESS_CACHE_DIR "
                    "or ~/.cache/llm-parallel-harness)")
-    p.add_argument("--shard", default=None, metavar="K/N",
-                   help="run only share K of N of the matrix (cost-balanced; merge with harness report DIR...)")
     p.add_argument("--engine", default="embedded",
                    help="backend of the parallel runs, NAME or NAME:OPTION (harness list engines; default: embedded)")
     p.add_argument("--reference-engine", default=None,
                    help="backend of the reference runs (default: the same engine at the suite's reference topology)")
+    p.add_argument("--shard", default=None, metavar="K/N",
+                   help="run only share K of N of the matrix (cost-balanced; merge with harness report DIR...)")
+    p.add_argument("--history", type=Path, default=None, help="record the run into this history database "
+                   "and show each cell's recent runs in the report (default: $HARNESS_HISTORY, else none)")
     p.set_defaults(func=run)
+
+
+TIMEOUT_ENV = "HARNESS_LAUNCH_TIMEOUT_S"
+
+
+def launch_timeout(flag: float | None) -> float:
+    """--timeout, else $HARNESS_LAUNCH_TIMEOUT_S (a test run or a slow box sets it once), else the default."""
+    if flag is not None:
+        return flag
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return LAUNCH_TIMEOUT_S
+    try:
+        return positive_float(text)
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(f"{TIMEOUT_ENV}={text!r}: {exc}") from None
 
 
 def run_id(suite: str) -> str:
@@ -103,7 +121,7 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
         model_refs=tuple((m.name, _ref(r)) for m, r in zip(models, [args.model] if args.model else suite.models)),
         suite=suite, models=models, topologies=tuple(topologies), fault=args.fault,
         seeds=tuple(args.seed) if args.seed else suite.seeds, out_dir=out_dir,
-        cache_dir=cache_dir, device=args.device, timeout_s=args.timeout,
+        cache_dir=cache_dir, device=args.device, timeout_s=launch_timeout(args.timeout),
         collective_timeout_s=args.collective_timeout, gsm8k=gsm8k, gsm8k_data=gsm8k_data,
         baselines_dir=args.baselines_dir, shard=parse_shard(args.shard) if args.shard else None,
         pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)))
@@ -180,6 +198,17 @@ def _run(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         return exit_status(exc)
     paths = render_all(req.out_dir, cells, runner.provenance(args.argv), req.out_dir.name)
+    record_history(args.history, req.out_dir, cells, runner.provenance(args.argv), req.out_dir.name)
     print(print_matrix(cells))
     print(f"report: {paths['html']} ({time.time() - start:.1f} s)")
     return exit_code(cells)
+
+
+def record_history(given: Path | None, out_dir: Path, cells: list[Any], provenance: dict[str, Any], run_id: str) -> None:
+    """With a history store (--history or $HARNESS_HISTORY): record the run, re-render its page with the strips."""
+    from harness.history import history_path, histories_for
+    from harness.report.html import write_html
+    path = history_path(given)
+    if path is not None:
+        write_html(out_dir, cells, provenance, run_id, histories_for(path, cells, record=out_dir))
+        print(f"history: recorded into {path}")

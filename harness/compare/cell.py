@@ -44,4 +44,4 @@ def compare_cell(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | Non
                       info=CellInfo(speculator="draft" if speculator_plan is not None else "none"),
                       speculator_plan=speculator_plan, decode=decode)
     checks = run_checks(ctx)
-    return checks, ctx.localization, ctx.details
+    return checks, ctx.localization, ctx.details.to_dict()

@@ -139,7 +139,7 @@ def run_job(job: Job, topk_only: int | None = None) -> None:
             c_.MANIFEST_TOKENIZER_HASH: tokenizer_hash(tokenizer), "topk_only": topk_only,
             "versions": {"harness": __version__, "torch": torch.__version__, "python": platform.python_version()},
             "device": job.device if job.device == "cpu" else torch.cuda.get_device_name(),
-            "git_commit": job.git_commit, "host": platform.node(),
+            "git_commit": job.git_commit, "host": platform.node(), "threads_per_rank": torch.get_num_threads(),
             "wall_s": {"init": t_init - t0, "load": t_load - t_init, "run": t_run - t_load,
                        "total": time.time() - t0},
         }

@@ -99,16 +99,45 @@ def _key_value(value: Any) -> str | None:
     return None
 
 
-def key_number(check: CheckResult) -> str:
-    """The check's key number for the matrix, e.g. 'KL 3.2e-01' or 'div@5 p2'; '' when it has none."""
+# What each key-number label in the matrix means (the legend under it lists the labels in use).
+KEY_LEGEND: dict[str, str] = {
+    "KL": "largest KL divergence of the next-token distribution, parallel vs reference",
+    "div@": "div@N pP: generation first diverges at token N of prompt P",
+    "acc": "mean accepted draft length per step",
+    "agree": "fraction of GSM8K answers equal to the reference's",
+    "max|d|": "largest absolute logit difference",
+    "problems": "number of layout problems (listed in the cell's drill-down)",
+    "mismatches": "number of mismatching values",
+    "score": "GSM8K score",
+    "accuracy": "accuracy",
+    "agreement": "agreement with the reference",
+}
+
+
+def _key_metric(check: CheckResult) -> tuple[str, str] | None:
+    """(label, value text) of the check's key number, or None."""
     named = check.metrics.get("headline")
     names = [named] if isinstance(named, str) else list(KEY_METRICS)
     for name in names:
         text = _key_value(check.metrics.get(name))
         if text is not None:
-            short = _SHORT.get(name, name)
-            return f"{short}{'' if short.endswith('@') else ' '}{text}"
-    return ""
+            return _SHORT.get(name, name), text
+    return None
+
+
+def key_number(check: CheckResult) -> str:
+    """The check's key number for the matrix, e.g. 'KL 3.2e-01' or 'div@5 p2'; '' when it has none."""
+    key = _key_metric(check)
+    if key is None:
+        return ""
+    short, text = key
+    return f"{short}{'' if short.endswith('@') else ' '}{text}"
+
+
+def key_legend(cells: list[CellResult]) -> list[tuple[str, str]]:
+    """(label, meaning) of every key-number label the matrix of `cells` shows, in order of use."""
+    used = dict.fromkeys(k[0] for c in cells for ch in c.checks if (k := _key_metric(ch)) is not None)
+    return [(label, KEY_LEGEND.get(label, label)) for label in used]
 
 
 def metrics_text(metrics: dict[str, Any], limit: int | None = None, skip: tuple[str, ...] = ()) -> list[str]:

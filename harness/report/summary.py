@@ -55,6 +55,12 @@ def _problems(matrix: Matrix) -> list[str]:
             bad = [ch for ch in r.cell.checks if ch.verdict in (Verdict.FAIL, Verdict.ERROR)]
             reason = "; ".join(f"{ch.name}: {ch.reason}" for ch in bad) or "no checks ran"
             out.append(f"- {md_escape(r.label)} {r.cell.status.value}: {md_escape(reason)}")
+    skipped = [r for r in matrix.rows if r.cell.status is Verdict.SKIP]
+    if skipped:
+        out += ["", "### Skipped", ""]
+        for r in skipped:
+            reasons = "; ".join(ch.reason for ch in r.cell.checks if ch.verdict is Verdict.SKIP) or "no checks ran"
+            out.append(f"- {md_escape(r.label)}: {md_escape(reasons)}")
     return out
 
 
