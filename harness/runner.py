@@ -16,7 +16,8 @@ from harness.artifacts import RunArtifacts, read_run
 from harness.compare.cell import compare_cell
 from harness.compare.settings import CheckSettings
 from harness.compare.speculative import acceptance_from_runs, lossless_from_run, speculator_details
-from harness.engine.faults import FAULTS, fault_flags
+from harness.engine.fault_scope import inert_reason
+from harness.engine.faults import FAULTS, PERTURBATIONS, fault_flags
 from harness.engine.checkpoint import checkpoint_path
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
 from harness.engine.worker import ENGINE_VERSION, Job
@@ -35,7 +36,16 @@ from harness.specs.suite import Suite
 from harness.specs.topology import Topology, parse_topology_name
 from harness.verdict import CellResult, CheckResult, Verdict
 
-NOISE_DTYPE = {"float32": "float64", "bfloat16": "float32", "float16": "float32"}
+# The noise run: what a correct run may differ from the reference by. Like with like: the reference
+# topology in the model's own dtype, with another reduction order (split partial sums, keys merged
+# by LSE), so a half-precision model is measured against half-precision noise, not a float64 twin.
+NOISE_PERTURBATION = "noise-reduction-order"
+
+
+def noise_run(model: ModelSpec) -> tuple[str, str | None]:
+    """(dtype, engine perturbation) of `model`'s noise run. The one place the embedded engine's
+    noise strategy is chosen (contract.NOISE_SCHEDULING-like: same precision, other reduction order)."""
+    return model.dtype, NOISE_PERTURBATION
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,7 @@ def skip_reason(model: ModelSpec, topo: Topology, fault: str | None) -> str | No
             fault_flags(fault, topo)
         except ConfigError as exc:
             return str(exc)
+        return inert_reason(fault, model, topo)
     return None
 
 
@@ -146,23 +157,26 @@ class Runner:
     def job(self, model: ModelSpec, topo: Topology, fault: str | None, seed: int, out_dir: Path,
             dtype: str | None = None) -> Job:
         s, req = self.req.suite, self.req
-        in_model_dtype = dtype in (None, model.dtype)  # the noise-floor twin skips GSM8K
+        noise = fault in PERTURBATIONS or dtype not in (None, model.dtype)  # the noise run skips GSM8K
         gsm8k = ({"settings": req.gsm8k.to_dict(), "data_path": req.gsm8k_data}
-                 if req.gsm8k is not None and in_model_dtype else None)
+                 if req.gsm8k is not None and not noise else None)
         return Job(model=seeded(model, seed).to_dict(), topology=topo.to_dict(), prompts=list(s.prompts),
                    out_dir=str(out_dir), fault=fault, dtype=dtype, seed=seed, max_new_tokens=s.max_new_tokens,
                    decode_prefix_tokens=s.decode_prefix_tokens, pool=dict(req.pool), device=req.device,
                    collective_timeout_s=req.collective_timeout_s, git_commit=self._commit, gsm8k=gsm8k,
                    speculative=dict(s.speculative) if topo.speculator != "none" else {})
 
-    def _cached(self, model: ModelSpec, seed: int, dtype: str, topo: Topology) -> RunArtifacts:
-        """A reference-topology run of `model` in `dtype`, from the content-keyed cache or launched now."""
-        job = self.job(model, topo, None, seed, Path("."), dtype)
+    def _cached(self, model: ModelSpec, seed: int, dtype: str, topo: Topology,
+                perturbation: str | None = None) -> RunArtifacts:
+        """A reference-topology run of `model` in `dtype` (under an engine `perturbation`, for the noise
+        run), from the content-keyed cache or launched now."""
+        job = self.job(model, topo, perturbation, seed, Path("."), dtype)
         content = {k: v for k, v in job.__dict__.items() if k not in ("out_dir", "git_commit", "collective_timeout_s")}
         key = hashlib.sha256(json.dumps({"job": content, "weights": _weights_key(model),
                                          "engine": self._engine_hash}, sort_keys=True, default=str).encode())
-        run_dir = self.req.cache_dir / "runs" / f"{model.name}-{topo.name}-{dtype}-{key.hexdigest()[:16]}"
-        label = f"reference {model.name} {topo.name} {dtype} seed {seed}"
+        kind = f"-{perturbation}" if perturbation else ""
+        run_dir = self.req.cache_dir / "runs" / f"{model.name}-{topo.name}-{dtype}{kind}-{key.hexdigest()[:16]}"
+        label = f"{'noise' if perturbation else 'reference'} {model.name} {topo.name} {dtype} seed {seed}"
         if (run_dir / "manifest.json").exists():
             try:
                 cached = read_run(run_dir)
@@ -188,7 +202,7 @@ class Runner:
 
     def references(self, model: ModelSpec, seed: int, speculator: str = "none") -> tuple[RunArtifacts, RunArtifacts | None]:
         """The reference (the suite's reference topology with the cell's speculator) and its noise-floor
-        twin (same topology, higher precision, no speculator). A failed reference is launched once:
+        run (same topology and dtype, another reduction order, no speculator; see noise_run). A failed reference is launched once:
         later cells get the same ReferenceFailed. A failed twin leaves the tolerance floors in charge."""
         key = (model.name, seed, speculator)
         if key in self._failed_refs:
@@ -201,7 +215,8 @@ class Runner:
                 self._failed_refs[key] = exc
                 raise
             try:
-                noise: RunArtifacts | None = self._cached(model, seed, NOISE_DTYPE[model.dtype], base)
+                noise_dtype, perturbation = noise_run(model)
+                noise: RunArtifacts | None = self._cached(model, seed, noise_dtype, base, perturbation)
             except ReferenceFailed as exc:
                 self.progress(f"  {exc}; tolerances fall back to their floors")
                 noise = None

@@ -19,6 +19,8 @@ from harness.engine.kvcache import PagedKVCache
 from harness.engine.parallel import Collectives
 from harness.layout import token_owner
 
+TORCH_REDUCE_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 @dataclass
 class LayerWeights:
@@ -141,6 +143,15 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, mean: bool = False) -
     return (weights[..., None] * outs).sum(dim=0) / total[..., None]
 
 
+def split_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                        kv_index: tuple[int, ...], parts: int) -> torch.Tensor:
+    """The noise perturbation of attention: keys dealt round-robin into `parts` sets (as DCP deals
+    tokens to ranks), attended separately and LSE-merged; mathematically equal to local_attention."""
+    cols = torch.arange(mask.shape[-1], device=mask.device) % parts  # [L]
+    outs, lses = zip(*(local_attention(q, k, v, mask & (cols == p), kv_index) for p in range(parts)))
+    return merge_partials(torch.stack(outs), torch.stack(lses))  # [B, S, Hq, hd]
+
+
 class Decoder:
     """One rank's view of the model: forward over new tokens of a batch, through the paged KV cache."""
 
@@ -178,12 +189,31 @@ class Decoder:
                                    slots, stored_mask, (blk, off), visible)
             if capture is not None:
                 capture.attn.append(attn)
-            x = x + self.comm.reduce_tp(attn.flatten(2) @ layer.o.T)
+            x = x + self._row_parallel(attn.flatten(2), layer.o, attn_out=True)
             h = rms_norm(x, layer.mlp_norm, self.hyper.norm_eps)
-            x = x + self.comm.reduce_tp((F.silu(h @ layer.gate.T) * (h @ layer.up.T)) @ layer.down.T)
+            x = x + self._row_parallel(F.silu(h @ layer.gate.T) * (h @ layer.up.T), layer.down)
             if capture is not None:
                 capture.hidden.append(x)
         return x
+
+    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, attn_out: bool = False) -> torch.Tensor:
+        """x [B, S, K_local] @ w.T [K_local, H], summed over the TP group -> [B, S, H].
+
+        Hooks (harness/engine/faults.py): `split_reduction` (the noise perturbation) computes the
+        contraction as that many partial sums in the model dtype, added last-first, as a TP split would;
+        `reduce_dtype` (a fault) does the all-reduce in a lower precision."""
+        n = self.flags.split_reduction
+        if n > 1 and x.shape[-1] >= n:
+            parts = [xc @ wc.T for xc, wc in zip(x.chunk(n, dim=-1), w.chunk(n, dim=-1))]  # each [B, S, H]
+            y = parts[-1]
+            for part in reversed(parts[:-1]):
+                y = y + part
+        else:
+            y = x @ w.T
+        if self.flags.reduce_dtype is not None and (attn_out or not self.flags.reduce_attn_only):
+            low = TORCH_REDUCE_DTYPES[self.flags.reduce_dtype]
+            return self.comm.reduce_tp(y.to(low)).to(y.dtype)
+        return self.comm.reduce_tp(y)
 
     def _reserve(self, batch: Batch) -> tuple[list[tuple[int, int]], torch.Tensor]:
         """Cache slots for the new tokens this rank stores: all under TP; under DCP its own tokens
@@ -191,7 +221,8 @@ class Decoder:
         dcp, me = self.comm.dcp, self.comm.dcp_rank
         decode_step = batch.ids.shape[1] == 1
         store_all = self.flags.store_on_all_dcp_ranks and decode_step
-        stored = batch.valid & ((token_owner(batch.positions, dcp) == me) | store_all)  # [B, S]
+        valid = batch.valid | (self.flags.store_padding and dcp > 1)  # the dcp-store-padding fault
+        stored = valid & ((token_owner(batch.positions, dcp) == me) | store_all)  # [B, S]
         slots: list[tuple[int, int]] = []
         for b, seq_id in enumerate(batch.seq_ids):
             slots += self.cache.reserve(seq_id, batch.positions[b][stored[b]].tolist())
@@ -230,6 +261,8 @@ class Decoder:
         self.cache.write(i, slots, k[stored], v[stored])
         blk, off = index
         k_all, v_all = self.cache.k[i][blk, off], self.cache.v[i][blk, off]  # [B, L, Hkv_local, hd]
+        if self.comm.dcp == 1 and self.flags.split_reduction > 1:
+            return split_key_attention(q, k_all, v_all, visible, hm.group_q_to_local_kv, self.flags.split_reduction)
         if self.comm.dcp == 1:
             return fused_attention(q, k_all, v_all, visible, hm.group_q_to_local_kv)
         group_q = self.comm.gather_dcp(q, dim=2)  # [B, S, dcp * Hq_local, hd], member order
