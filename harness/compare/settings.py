@@ -109,6 +109,8 @@ class LocalizationSettings:
 
     rel_floor: float = 1e-6        # smallest relative-error bound (layer and head; float32, DTYPE_DEFAULTS)
     factor: float = 20.0           # x the noise run's relative error at the same layer
+    collective_factor: float = 16.0  # a collective's output may differ from an exact recompute from its
+    #                                  inputs by this x tp x the unit roundoff of the run's dtype
 
     def __post_init__(self) -> None:
         _coerce_fields(self)

@@ -65,12 +65,19 @@ class Hyper:
     norm_eps: float
 
 
+# Collective steps whose output is checked against an exact (float64) recomputation from its inputs
+# during a captured forward, in the order a layer runs them (see Decoder._probe_site).
+COLLECTIVE_SITES: tuple[str, ...] = ("dcp-q-gather", "dcp-lse-merge", "attn-allreduce", "mlp-allreduce")
+
+
 @dataclass
 class Capture:
-    """Per-layer tensors of one forward, for localization: residual stream and per-head attention output."""
+    """Per-layer tensors of one forward, for localization: residual stream, per-head attention output
+    and, per collective site, this rank's relative error of the collective's output [B, S, sites]."""
 
     hidden: list[torch.Tensor] = field(default_factory=list)
     attn: list[torch.Tensor] = field(default_factory=list)
+    collectives: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -163,6 +170,7 @@ class Decoder:
         self.comm = comm
         self.cache = cache
         self.flags = flags
+        self._sites: dict[str, torch.Tensor] | None = None  # collective errors of the layer being captured
 
     def forward(self, batch: Batch, capture: Capture | None = None) -> torch.Tensor:
         """Logits [B, S, V] for every new token; stores the new tokens' K/V first."""
@@ -185,6 +193,7 @@ class Decoder:
         if capture is not None:
             capture.hidden.append(x)
         for i, layer in enumerate(self.w.layers):
+            self._sites = {} if capture is not None else None
             attn = self._attention(i, layer, rms_norm(x, layer.attn_norm, self.hyper.norm_eps), batch,
                                    slots, stored_mask, (blk, off), visible)
             if capture is not None:
@@ -194,7 +203,19 @@ class Decoder:
             x = x + self._row_parallel(F.silu(h @ layer.gate.T) * (h @ layer.up.T), layer.down)
             if capture is not None:
                 capture.hidden.append(x)
+                zero = torch.zeros(x.shape[:2], dtype=torch.float64, device=x.device)
+                sites = self._sites or {}
+                capture.collectives.append(torch.stack([sites.get(n, zero) for n in COLLECTIVE_SITES], dim=-1))
+        self._sites = None
         return x
+
+    def _probe_site(self, name: str, got: torch.Tensor, exact: torch.Tensor) -> None:
+        """Record |got - exact| / |exact| [B, S] (over the trailing dims) of collective site `name`."""
+        if self._sites is None:
+            return
+        diff = (got.to(torch.float64) - exact.to(torch.float64)).flatten(2)  # [B, S, *] -> [B, S, n]
+        err = diff.norm(dim=-1) / exact.to(torch.float64).flatten(2).norm(dim=-1).clamp_min(1e-30)
+        self._sites[name] = torch.nan_to_num(err, nan=float("inf"))
 
     def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, attn_out: bool = False) -> torch.Tensor:
         """x [B, S, K_local] @ w.T [K_local, H], summed over the TP group -> [B, S, H].
@@ -210,10 +231,16 @@ class Decoder:
                 y = y + part
         else:
             y = x @ w.T
+        # the exact sum of every rank's partial, taken before the (in-place) all-reduce, when captured
+        exact = self.comm.gather_tp(y.unsqueeze(0), dim=0).to(torch.float64).sum(dim=0) if self._sites is not None else None
         if self.flags.reduce_dtype is not None and (attn_out or not self.flags.reduce_attn_only):
             low = TORCH_REDUCE_DTYPES[self.flags.reduce_dtype]
-            return self.comm.reduce_tp(y.to(low)).to(y.dtype)
-        return self.comm.reduce_tp(y)
+            out = self.comm.reduce_tp(y.to(low)).to(y.dtype)
+        else:
+            out = self.comm.reduce_tp(y)
+        if exact is not None:
+            self._probe_site("attn-allreduce" if attn_out else "mlp-allreduce", out, exact)
+        return out
 
     def _reserve(self, batch: Batch) -> tuple[list[tuple[int, int]], torch.Tensor]:
         """Cache slots for the new tokens this rank stores: all under TP; under DCP its own tokens
@@ -267,8 +294,12 @@ class Decoder:
             return fused_attention(q, k_all, v_all, visible, hm.group_q_to_local_kv)
         group_q = self.comm.gather_dcp(q, dim=2)  # [B, S, dcp * Hq_local, hd], member order
         out, lse = local_attention(group_q, k_all, v_all, visible, hm.group_q_to_local_kv)
-        merged = merge_partials(self.comm.stack_dcp(out), self.comm.stack_dcp(lse), self.flags.lse_merge_mean)
+        outs, lses = self.comm.stack_dcp(out), self.comm.stack_dcp(lse)  # [G, B, S, H, hd], [G, B, S, H]
+        merged = merge_partials(outs, lses, self.flags.lse_merge_mean)
         lo, hi = hm.own_slice
+        if self._sites is not None:  # the gather must return this rank's own Q in its slot; the merge
+            self._probe_site("dcp-q-gather", group_q[:, :, lo:hi], q)  # must equal an exact recompute
+            self._probe_site("dcp-lse-merge", merged, merge_partials(outs.to(torch.float64), lses.to(torch.float64)))
         return merged[:, :, lo:hi]
 
 

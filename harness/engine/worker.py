@@ -118,6 +118,7 @@ def run_job(job: Job) -> None:
         for c, p, d, toks, ids, lps in zip(cases, prefill, decode, gen.tokens, gen.topk_ids, gen.topk_logprobs):
             tensors.update({f"prefill_logits.{c.index}": p, f"decode_logits.{c.index}": d.logits,
                             f"hidden.{c.index}": d.hidden, f"attn.{c.index}": d.attn,
+                            f"collectives.{c.index}": d.collectives,
                             f"gen_tokens.{c.index}": torch.tensor(toks, dtype=torch.long),
                             f"gen_topk_ids.{c.index}": ids, f"gen_topk_logprobs.{c.index}": lps})
             done.append(replace(c, generated_ids=tuple(toks), generated_text=tokenizer.decode(toks)))
