@@ -26,6 +26,8 @@ DECODE_TOPK_IDS = "decode_topk_ids"        # [T-D, k] int64, top-k of the decode
 DECODE_TOPK_LOGPROBS = "decode_topk_logprobs"    # [T-D, k] float32
 HIDDEN = "hidden"                          # [L+1, P, H] residual stream at probe positions
 ATTN = "attn"                              # [L, P, heads, head_dim] per-head attention output
+COLLECTIVES = "collectives"                # [tp, L, P, sites] float32, optional: each rank's relative error of
+#                                            each collective's output vs an exact recompute from its inputs
 GEN_TOKENS = "gen_tokens"                  # [N] int64 greedy generation
 GEN_TOPK_IDS = "gen_topk_ids"              # [N, k] int64
 GEN_TOPK_LOGPROBS = "gen_topk_logprobs"    # [N, k] float32
@@ -39,6 +41,19 @@ LAYOUT_FILE = "layout.json"
 CASES_FILE = "cases.json"
 GSM8K_FILE = "gsm8k.json"
 JOB_FILE = "job.json"
+LAUNCHER_LOG = "launcher.log"
+RUN_FILES: tuple[str, ...] = (MANIFEST_FILE, TENSORS_FILE, LAYOUT_FILE, CASES_FILE, GSM8K_FILE, LAUNCHER_LOG)
+
+# --- manifest fields the harness reads across backends ---------------------------------------------
+MANIFEST_BACKEND = "backend"           # {"name", "version", "capabilities": Capabilities.to_dict()}
+MANIFEST_PROMPTS_HASH = "prompts_hash"  # sha256 of the teacher-forced token id sequences
+MANIFEST_WEIGHTS_HASH = "weights_hash"  # hash of the weights the engine loaded
+MANIFEST_TOKENIZER_HASH = "tokenizer_hash"  # hash of the tokenizer (vocabulary and merges)
+
+
+def tensor_key(kind: str, case: int) -> str:
+    """The safetensors key of tensor `kind` for case `case`, e.g. 'prefill_logits.3'."""
+    return f"{kind}.{case}"
 
 # --- capabilities a backend may declare ---------------------------------------------------------
 FULL_LOGITS = "full_logits"            # prefill_logits / decode_logits over the whole vocabulary
@@ -63,6 +78,11 @@ ALL_CAPABILITIES: tuple[str, ...] = (
 NOISE_PRECISION_TWIN = "precision-twin"  # the reference recomputed in a higher precision
 NOISE_SCHEDULING = "scheduling"          # two reference runs differing only in batching/scheduling
 NOISE_NONE = "none"                      # no noise run: tolerances fall back to their floors
+NOISE_REDUCTION_ORDER = "reduction-order"  # the reference in the same dtype with another reduction order
+
+# --- how a backend sends a job's cases (Job.schedule) ---------------------------------------------
+SCHEDULE_BATCHED = "batched"        # every case at once (the engine batches them)
+SCHEDULE_SEQUENTIAL = "sequential"  # one case at a time: the NOISE_SCHEDULING twin of a reference
 
 
 @dataclass(frozen=True)
@@ -108,6 +128,7 @@ class Job:
     git_commit: str = ""
     gsm8k: dict[str, Any] | None = None
     speculative: dict[str, Any] = field(default_factory=dict)
+    schedule: str = SCHEDULE_BATCHED
 
     @classmethod
     def load(cls, path: Path) -> "Job":
@@ -150,7 +171,7 @@ class Backend(Protocol):
         ...
 
     def noise_strategy(self) -> str:
-        """One of NOISE_PRECISION_TWIN, NOISE_SCHEDULING, NOISE_NONE."""
+        """One of NOISE_PRECISION_TWIN, NOISE_SCHEDULING, NOISE_REDUCTION_ORDER, NOISE_NONE."""
         ...
 
     def run(self, job: Job, timeout_s: float) -> LaunchResult:

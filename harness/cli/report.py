@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from harness.cli.checks import require_writable_dir
 from harness.paths import REPORTS_DIR
 from harness.report import exit_code, merge, print_matrix, render_all
 
@@ -22,6 +23,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("dirs", nargs="+", type=Path, metavar="DIR", help="run folders holding results.json")
     p.add_argument("--out", type=Path, default=None,
                    help="output folder (default: the folder itself for one DIR, reports/<run-id>/ for several)")
+    p.add_argument("--history", type=Path, default=None,
+                   help="history database: show each cell's recent runs and flaky/new-failure/fixed marks")
     p.set_defaults(func=run)
 
 
@@ -30,7 +33,12 @@ def run(args: argparse.Namespace) -> int:
     cells, provenance, run_id = merge(dirs)
     only = dirs[0] if dirs[0].is_dir() else dirs[0].parent
     out = args.out or (only if len(dirs) == 1 else REPORTS_DIR / run_id)
-    paths = render_all(out, cells, provenance, run_id)
+    require_writable_dir(out, "--out")
+    histories = None
+    if args.history is not None:
+        from harness.history import histories_for
+        histories = histories_for(args.history, cells)
+    paths = render_all(out, cells, provenance, run_id, histories)
     print(print_matrix(cells))
     print(f"report: {paths['html']}")
     return exit_code(cells)

@@ -7,7 +7,7 @@ render_all writes all four into one folder; merge reads the results.json of run 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.report.html import write_html
 from harness.report.junit import write_junit
@@ -17,13 +17,18 @@ from harness.report.summary import write_summary
 from harness.report.text import print_matrix
 from harness.verdict import CellResult
 
+if TYPE_CHECKING:
+    from harness.history import CellHistory, CellId
+
 __all__ = ["exit_code", "merge", "print_matrix", "read_results", "render_all", "write_results"]
 
 
-def render_all(out_dir: Path, cells: list[CellResult], provenance: dict[str, Any], run_id: str) -> dict[str, Path]:
-    """Write results.json, index.html, junit.xml and summary.md into out_dir; their paths by kind."""
+def render_all(out_dir: Path, cells: list[CellResult], provenance: dict[str, Any], run_id: str,
+               histories: "dict[CellId, CellHistory] | None" = None) -> dict[str, Path]:
+    """Write results.json, index.html, junit.xml and summary.md into out_dir; their paths by kind.
+    With `histories` (harness/history.py) the HTML shows each cell's recent runs."""
     out_dir.mkdir(parents=True, exist_ok=True)
     return {"results": write_results(out_dir, cells, provenance, run_id),
-            "html": write_html(out_dir, cells, provenance, run_id),
+            "html": write_html(out_dir, cells, provenance, run_id, histories),
             "junit": write_junit(out_dir, cells),
             "summary": write_summary(out_dir, cells, provenance, run_id)}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from markupsafe import Markup
@@ -26,12 +26,15 @@ from harness.report.details import (
     prompts_view,
     speculator_view,
 )
+from harness.report.history_strip import HistoryView, cell_id, history_view
 from harness.report.logs import clean_log, xml_safe
 from harness.report.matrix import (
     Matrix,
     MatrixRow,
     build_matrix,
     headline,
+    interrupted_text,
+    key_legend,
     key_number,
     localization_text,
     metrics_text,
@@ -41,6 +44,9 @@ from harness.report.matrix import (
 from harness.report.results import summary_counts
 from harness.report.svg import head_heatmap, layer_error_plot
 from harness.verdict import CellResult, CheckResult, Verdict
+
+if TYPE_CHECKING:
+    from harness.history import CellHistory, CellId
 
 HTML_FILE = "index.html"
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
@@ -115,11 +121,19 @@ def _anchor(row: MatrixRow) -> str:
 
 
 def _first_problem(cell: CellResult) -> str:
-    for verdict in (Verdict.FAIL, Verdict.ERROR, Verdict.WARN):
+    for verdict in (Verdict.FAIL, Verdict.ERROR, Verdict.WARN, Verdict.SKIP):
         for check in cell.checks:
             if check.verdict is verdict:
                 return f"{check.name}: {check.reason}"
     return "" if cell.checks else "no checks ran"
+
+
+def _pool_expected(cell: CellResult, check_name: str) -> dict[str, Any] | None:
+    """The KV pool the layout check expected (its metrics' pool_expected), for the planned side."""
+    for check in cell.checks:
+        if check.name == check_name and isinstance(check.metrics.get("pool_expected"), dict):
+            return dict(check.metrics["pool_expected"])
+    return None
 
 
 def cell_view(row: MatrixRow) -> CellView:
@@ -132,8 +146,9 @@ def cell_view(row: MatrixRow) -> CellView:
         row=row, checks=tuple(map(check_view, cell.checks)), anchor=_anchor(row),
         expanded=cell.status in (Verdict.FAIL, Verdict.ERROR),
         first_problem=_first_problem(cell), localization=localization_text(loc) if loc else "",
-        layout=_section(details, "layout", layout_view, notes),
-        speculator_layout=_section(details, "speculator_layout", layout_view, notes),
+        layout=_section(details, "layout", lambda d: layout_view(d, _pool_expected(cell, "layout")), notes),
+        speculator_layout=_section(details, "speculator_layout",
+                                   lambda d: layout_view(d, _pool_expected(cell, "speculator_layout")), notes),
         prompts=_section(details, "prompts", prompts_view, notes),
         layer_plot=_section(details, "layer_errors",
                             lambda d: layer_error_plot(_object(d), loc.layer if loc else None), notes),
@@ -174,23 +189,38 @@ def _environment() -> Environment:
     return env
 
 
-def render_html(cells: list[CellResult], provenance: dict[str, Any], run_id: str) -> str:
+def history_views(matrix: Matrix, histories: "dict[CellId, CellHistory] | None"
+                  ) -> tuple[dict[str, HistoryView], list[tuple[str, str, str]]]:
+    """Per cell anchor its history view, and the flaky cells as (label, anchor, flips text)."""
+    views = {_anchor(r): history_view(histories[cell_id(r.cell)]) for r in matrix.rows
+             if histories and cell_id(r.cell) in histories}
+    flaky = [(r.label, _anchor(r), views[_anchor(r)].flaky) for r in matrix.rows
+             if _anchor(r) in views and views[_anchor(r)].flaky]
+    return views, flaky
+
+
+def render_html(cells: list[CellResult], provenance: dict[str, Any], run_id: str,
+                histories: "dict[CellId, CellHistory] | None" = None) -> str:
     matrix = build_matrix(cells)
     views = [cell_view(r) for r in matrix.rows]
+    history, flaky = history_views(matrix, histories)
     problems = [v for v in views if v.row.cell.status in (Verdict.FAIL, Verdict.ERROR)
                 and not v.row.cell.silent_corruption]
+    skipped = [v for v in views if v.row.cell.status is Verdict.SKIP]
     page = _environment().get_template("index.html.j2").render(
-        run_id=run_id, head=headline(cells), counts=summary_counts(cells), verdicts=list(Verdict),
-        matrix=matrix, banner=banner_items(matrix), problems=problems, cells=views,
+        run_id=run_id, head=headline(cells, interrupted_text(provenance)), counts=summary_counts(cells), verdicts=list(Verdict),
+        matrix=matrix, banner=banner_items(matrix), problems=problems, skipped=skipped, cells=views,
+        legend=key_legend(cells),
         provenance=provenance_items(provenance), command=str(provenance.get("command", "")),
-        sources=_sources(provenance), harness_version=__version__,
+        sources=_sources(provenance), harness_version=__version__, history=history, flaky=flaky,
         rendered=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     # No URL of any kind in the file: user text that holds one (a prompt quoting a link) keeps its
     # look, since the entity renders as '/', but the source never contains '://'.
     return page.replace("://", ":&#47;&#47;")
 
 
-def write_html(out_dir: Path, cells: list[CellResult], provenance: dict[str, Any], run_id: str) -> Path:
+def write_html(out_dir: Path, cells: list[CellResult], provenance: dict[str, Any], run_id: str,
+               histories: "dict[CellId, CellHistory] | None" = None) -> Path:
     path = out_dir / HTML_FILE
-    path.write_text(render_html(cells, provenance, run_id), encoding="utf-8")
+    path.write_text(render_html(cells, provenance, run_id, histories), encoding="utf-8")
     return path

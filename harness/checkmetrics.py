@@ -1,0 +1,45 @@
+"""A check's key metric and its noise multiples, as history and sign-off store and compare them.
+
+Key metric: the number `metrics["headline"]` names, else the first of the report's KEY_METRICS
+that holds a plain number. Noise multiples: for every bound `<p>_bound` carrying a measured
+`noise` > 0 (logits checks: kl_bound, abs_bound), the measured `max_<p>` divided by that noise.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from harness.report.matrix import KEY_METRICS
+from harness.verdict import CheckResult
+
+BOUND_SUFFIX = "_bound"
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def key_metric(check: CheckResult) -> tuple[str, float] | None:
+    """(name, value) of the check's key number, or None when it has no numeric one."""
+    named = check.metrics.get("headline")
+    for name in [named] if isinstance(named, str) else KEY_METRICS:
+        value = _number(check.metrics.get(name))
+        if value is not None:
+            return name, value
+    return None
+
+
+def noise_multiples(check: CheckResult) -> dict[str, float]:
+    """{'max_kl': 0.54, 'max_abs': 0.95, ...}: each measured maximum as a multiple of its noise floor."""
+    out: dict[str, float] = {}
+    for name, bound in check.metrics.items():
+        if not (name.endswith(BOUND_SUFFIX) and isinstance(bound, dict)):
+            continue
+        measured_name = "max_" + name[: -len(BOUND_SUFFIX)]
+        noise, measured = _number(bound.get("noise")), _number(check.metrics.get(measured_name))
+        if noise is not None and noise > 0 and measured is not None:
+            out[measured_name] = measured / noise
+    return out

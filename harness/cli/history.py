@@ -1,0 +1,91 @@
+"""`harness history add RUN_DIR... | show`: record finished runs into the history store and show trends.
+
+The store is one SQLite file: --history PATH, else $HARNESS_HISTORY. `show` prints one line per
+cell x check (verdicts of its runs, oldest first: P pass, W warn, F fail, E error, S skip), its
+latest key metric and noise multiple, and the marks NEW-FAIL, FIXED and FLAKY (PASS<->FAIL flips
+without a code change: a harness defect, listed again at the end). Exit 0; 1 when a cell is flaky.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from harness.errors import ConfigError
+from harness.verdict import EXIT_FAIL, EXIT_OK
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("history", help="record runs into the history store and show trends",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    hsub = p.add_subparsers(dest="history_command", required=True, parser_class=type(p))
+    add = hsub.add_parser("add", help="record finished run folders (their results.json)")
+    add.add_argument("dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    add.add_argument("--label", default=None,
+                     help="build label (default: the run's provenance build_label, else $HARNESS_BUILD_LABEL)")
+    show = hsub.add_parser("show", help="trend per cell x check, with new failures, fixes and flaky checks")
+    show.add_argument("--suite", default=None, help="only this suite")
+    show.add_argument("--cell", action="append", default=[], metavar="CELL",
+                      help="only cells matching (topology, model/topology, or part of suite/model/topology/seedN); repeatable")
+    show.add_argument("--since", default=None, help="only runs created since (ISO date, or an age: 7d, 12h, 2w)")
+    show.add_argument("--last", type=int, default=20, help="verdicts shown per line (default 20)")
+    for sp in (add, show):
+        sp.add_argument("--history", type=Path, default=None, help="history database (default: $HARNESS_HISTORY)")
+    p.set_defaults(func=run)
+
+
+def _store(args: argparse.Namespace) -> Path:
+    from harness.history import HISTORY_ENV, history_path
+    path = history_path(args.history)
+    if path is None:
+        raise ConfigError(f"no history store: give --history PATH or set {HISTORY_ENV}")
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    from harness.history import add_run, connect
+    path = _store(args)
+    if args.history_command == "add":
+        conn = connect(path)
+        for run_dir in args.dirs:
+            run_id, n = add_run(conn, run_dir, args.label)
+            print(f"recorded {run_id}: {n} cell x check rows into {path}")
+        return EXIT_OK
+    return show(connect(path, create=False), args)
+
+
+def show(conn: Any, args: argparse.Namespace) -> int:
+    from harness.history import parse_since, query, trends
+    from harness.report.matrix import format_number
+    if args.last < 1:
+        raise ConfigError(f"--last {args.last} must be >= 1")
+    rows = query(conn, args.suite, args.cell, parse_since(args.since) if args.since else None)
+    if not rows:
+        print("no recorded runs match")
+        return EXIT_OK
+    found = trends(rows)
+    runs = sorted({(r.created, r.run_id) for r in rows})
+    print(f"{len(runs)} runs from {runs[0][0]} to {runs[-1][0]}; {len(found)} cell x check trends")
+    table = [("cell", "check", "runs (old -> new)", "last", "key metric", "x noise", "marks")]
+    for t in found:
+        last = t.rows[-1]
+        marks = [m for m, on in (("NEW-FAIL", t.new_failure), ("FIXED", t.fixed),
+                                 (f"FLAKY({t.flips} flips)", t.flaky)) if on]
+        key = f"{last.key_metric}={format_number(last.key_value)}" if last.key_metric else "-"
+        noise = format_number(last.max_noise_multiple) if last.max_noise_multiple is not None else "-"
+        table.append((t.label.rsplit(" ", 1)[0], t.check, "".join(r.verdict[0] for r in t.rows[-args.last:]),
+                      last.verdict, key, noise, " ".join(marks)))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
+    flaky = [t for t in found if t.flaky]
+    if flaky:
+        print(f"\nFLAKY: {len(flaky)} check(s) flip between PASS and FAIL without a code change "
+              "(a harness defect to fix):")
+        for t in flaky:
+            codes = sorted({f"commit {r.git_commit[:12]} engine {r.engine_version} build {r.build_label or '-'}"
+                            for r in t.rows})
+            print(f"  FLAKY {t.label}: {t.flips} flip(s) over {len(t.rows)} runs ({'; '.join(codes)})")
+        return EXIT_FAIL
+    return EXIT_OK

@@ -1,0 +1,44 @@
+"""`harness signoff --candidate RUN_DIR... --baseline RUN_DIR... [--out DIR]`: the release sign-off page.
+
+Compares a candidate build's run folders with the last signed-off build's: SIGN-OFF or BLOCKED at
+the top (with the blocking cells), old vs new verdicts, metric deltas as multiples of noise, GSM8K
+scores with the paired test and the minimum detectable drop, acceptance lengths, both builds'
+provenance and every skipped or unavailable check. Writes signoff.html and signoff.md.
+Exit 0 SIGN-OFF, 1 BLOCKED, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from harness.paths import REPORTS_DIR
+from harness.verdict import EXIT_FAIL, EXIT_OK
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("signoff", help="sign-off page: a candidate build's runs against the baseline build's",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--candidate", nargs="+", type=Path, required=True, metavar="RUN_DIR",
+                   help="run folders of the candidate build")
+    p.add_argument("--baseline", nargs="+", type=Path, required=True, metavar="RUN_DIR",
+                   help="run folders of the last signed-off build")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: reports/signoff-<time>/)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from harness.signoff.compare import compare_builds, load_build
+    from harness.signoff.render import header, write_signoff
+
+    signoff = compare_builds(load_build(args.candidate, "candidate"), load_build(args.baseline, "baseline"))
+    out = args.out or REPORTS_DIR / ("signoff-" + time.strftime("%Y%m%d-%H%M%S"))
+    paths = write_signoff(out, signoff)
+    head = header(signoff)
+    print(f"{head.title}: {head.text}")
+    for c in signoff.blocking:
+        print(f"  blocking {c.label} ({c.change}): {c.reason}")
+    print(f"sign-off page: {paths['html']} (markdown: {paths['markdown']})")
+    return EXIT_OK if signoff.signed_off else EXIT_FAIL
