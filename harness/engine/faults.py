@@ -44,7 +44,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("bf16-allreduce", "logits",
           "the TP all-reduce of the row-parallel projections (attention output, MLP down) done in bfloat16 "
           "in a float32 model: every partial sum rounded to 8 bits of mantissa (a comm-precision regression: "
-          "~100x the noise of a correct run, no crash, greedy text mostly unchanged)", needs_tp=True),
+          "thousands of times the noise of a correct run on tiny-gqa tp2, no crash)", needs_tp=True),
     Fault("fp16-attn-allreduce", "logits",
           "only the attention-output all-reduce done in float16 in a float32 model (partials rounded to 11 "
           "bits): a subtle precision regression, a few hundred times the noise of a correct run, that the "
