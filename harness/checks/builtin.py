@@ -79,6 +79,8 @@ def localization(ctx: CellContext) -> list[CheckResult]:
         ctx.details.head_errors = HeadErrors(**loc_details["head_errors"])
     if "note" in loc_details:
         ctx.details.note = str(loc_details["note"])
+    if loc_details.get("collectives"):
+        ctx.details.collectives = dict(loc_details["collectives"])
     if found is None or not any(r.name in PARITY_CHECKS and r.verdict is Verdict.FAIL for r in ctx.results):
         return []
     layout_result = ctx.result("layout")
