@@ -12,9 +12,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from harness.jsonio import write_json
 from harness.engine.worker import Job
+
+if TYPE_CHECKING:
+    from harness.multinode import NodeLaunch
 
 LOG_TAIL_LINES = 40
 TERM_GRACE_S = 35.0
@@ -30,11 +34,18 @@ class LaunchResult:
     log_tails: dict[str, str]
 
 
-def command(job_path: Path, world_size: int, log_dir: Path) -> list[str]:
+def rendezvous_args(world_size: int, nodes: "NodeLaunch | None") -> list[str]:
+    """torchrun's placement: all ranks here (standalone), or this node's share of a multi-node launch."""
+    if nodes is None:
+        return ["--standalone", f"--nproc-per-node={world_size}"]
+    return nodes.torchrun_args(world_size)
+
+
+def command(job_path: Path, world_size: int, log_dir: Path, nodes: "NodeLaunch | None" = None) -> list[str]:
     worker = ["-m", "harness.engine.worker", str(job_path)]
     if world_size == 1:
         return [sys.executable, *worker]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+    return [sys.executable, "-m", "torch.distributed.run", *rendezvous_args(world_size, nodes),
             "--max-restarts=0", "--monitor-interval=0.5", f"--log-dir={log_dir}", "--redirects=3", *worker]
 
 
@@ -73,7 +84,8 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
-def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None) -> LaunchResult:
+def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None,
+           nodes: "NodeLaunch | None" = None) -> LaunchResult:
     """Run `job` to completion or until `timeout_s`; always leaves a manifest.json in job.out_dir."""
     run_dir = Path(job.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -87,7 +99,7 @@ def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None) -> Lau
     start = time.time()
     timed_out = False
     with open(run_dir / ("launcher.log" if world > 1 else "rank0.log"), "wb") as log:
-        proc = subprocess.Popen(command(job_path, world, log_dir), stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(command(job_path, world, log_dir, nodes), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, env={**os.environ, **(env or {})})
         try:
             proc.wait(timeout=timeout_s)

@@ -30,6 +30,7 @@ from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.layout import plan_layout, plan_speculator
 from harness.paths import PROJECT_ROOT
 from harness.report.provenance import collect_provenance, git_commit
+from harness.multinode import NodeLaunch, Nodes
 from harness.shard import Shard, shard_cells
 from harness.specs.model import ModelSpec
 from harness.specs.suite import Suite
@@ -58,6 +59,7 @@ class RunRequest:
     gsm8k_data: str | None = None
     baselines_dir: Path = BASELINES_DIR
     shard: Shard | None = None  # run only this share of the cells (harness/shard.py)
+    nodes: Nodes | None = None  # this machine's place in a multi-node run (harness/multinode.py)
 
 
 @dataclass(frozen=True)
@@ -235,7 +237,8 @@ class Runner:
             return CellResult(**base, checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False,
                               reference_dir=str(exc.run_dir), error_log=_tails_text(exc.run_dir))
         run_dir = self.req.out_dir / "runs" / cell.slug
-        result = launch(self.job(cell.model, cell.topology, cell.fault, cell.seed, run_dir), self.req.timeout_s)
+        result = launch(self.job(cell.model, cell.topology, cell.fault, cell.seed, run_dir), self.req.timeout_s,
+                        nodes=self._node_launch(cell))
         if not result.ok:
             return CellResult(**base, checks=(CheckResult("run", Verdict.ERROR, result.error),), clean_exit=False,
                               run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s,
@@ -259,6 +262,14 @@ class Runner:
         return CellResult(**base, checks=tuple(checks), clean_exit=True, localization=loc, run_dir=str(run_dir),
                           reference_dir=str(ref.path), wall_s=result.wall_s, details=details)
 
+    def _node_launch(self, cell: CellPlan) -> NodeLaunch | None:
+        """A cell spanning the nodes rendezvouses on the port of its index in the plan."""
+        nodes = self.req.nodes
+        if nodes is None or not nodes.spans(cell.topology.world_size):
+            return None
+        slugs = [c.slug for c in shard_cells(plan_cells(self.req), self.req.shard)]
+        return nodes.launch(slugs.index(cell.slug))
+
     def run(self) -> list[CellResult]:
         cells = shard_cells(plan_cells(self.req), self.req.shard)
         results = []
@@ -281,7 +292,8 @@ class Runner:
                                      sorted({m.dtype for m in self.req.models}), list(self.req.seeds)),
                 "suite": self.req.suite.name, "suite_version": self.req.suite.version,
                 "reference": self.reference_topology.name, "engine": "reference", "engine_version": ENGINE_VERSION,
-                **({"shard": str(self.req.shard)} if self.req.shard else {})}
+                **({"shard": str(self.req.shard)} if self.req.shard else {}),
+                **({"nnodes": self.req.nodes.nnodes} if self.req.nodes else {})}
 
 
 class ReferenceFailed(HarnessError):
