@@ -39,6 +39,19 @@ LAYOUT_FILE = "layout.json"
 CASES_FILE = "cases.json"
 GSM8K_FILE = "gsm8k.json"
 JOB_FILE = "job.json"
+LAUNCHER_LOG = "launcher.log"
+RUN_FILES: tuple[str, ...] = (MANIFEST_FILE, TENSORS_FILE, LAYOUT_FILE, CASES_FILE, GSM8K_FILE, LAUNCHER_LOG)
+
+# --- manifest fields the harness reads across backends ---------------------------------------------
+MANIFEST_BACKEND = "backend"           # {"name", "version", "capabilities": Capabilities.to_dict()}
+MANIFEST_PROMPTS_HASH = "prompts_hash"  # sha256 of the teacher-forced token id sequences
+MANIFEST_WEIGHTS_HASH = "weights_hash"  # hash of the weights the engine loaded
+MANIFEST_TOKENIZER_HASH = "tokenizer_hash"  # hash of the tokenizer (vocabulary and merges)
+
+
+def tensor_key(kind: str, case: int) -> str:
+    """The safetensors key of tensor `kind` for case `case`, e.g. 'prefill_logits.3'."""
+    return f"{kind}.{case}"
 
 # --- capabilities a backend may declare ---------------------------------------------------------
 FULL_LOGITS = "full_logits"            # prefill_logits / decode_logits over the whole vocabulary
@@ -63,6 +76,10 @@ ALL_CAPABILITIES: tuple[str, ...] = (
 NOISE_PRECISION_TWIN = "precision-twin"  # the reference recomputed in a higher precision
 NOISE_SCHEDULING = "scheduling"          # two reference runs differing only in batching/scheduling
 NOISE_NONE = "none"                      # no noise run: tolerances fall back to their floors
+
+# --- how a backend sends a job's cases (Job.schedule) ---------------------------------------------
+SCHEDULE_BATCHED = "batched"        # every case at once (the engine batches them)
+SCHEDULE_SEQUENTIAL = "sequential"  # one case at a time: the NOISE_SCHEDULING twin of a reference
 
 
 @dataclass(frozen=True)
@@ -108,6 +125,7 @@ class Job:
     git_commit: str = ""
     gsm8k: dict[str, Any] | None = None
     speculative: dict[str, Any] = field(default_factory=dict)
+    schedule: str = SCHEDULE_BATCHED
 
     @classmethod
     def load(cls, path: Path) -> "Job":

@@ -11,3 +11,13 @@ class ConfigError(HarnessError):
 
 class RunError(HarnessError):
     """A run that started but broke (crashed or hung rank, missing artifact)."""
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived during a run (a BaseException, so no `except Exception` swallows it).
+    The CLI exits 128 + signum after writing what finished."""
+
+    def __init__(self, signum: int, name: str) -> None:
+        super().__init__(f"interrupted by {name}")
+        self.signum = signum
+        self.name = name

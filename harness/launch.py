@@ -5,33 +5,29 @@ log tail recorded in the run directory's manifest, so nothing else is lost."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
+from harness.contract import JOB_FILE, LAUNCHER_LOG, MANIFEST_FILE, RUN_FILES, Job, LaunchResult
+from harness.errors import ConfigError
 from harness.jsonio import write_json
-from harness.engine.worker import Job
+
+__all__ = ["Job", "LaunchResult", "command", "launch"]  # Job, LaunchResult: harness.contract (old import path)
 
 if TYPE_CHECKING:
     from harness.multinode import NodeLaunch
 
 LOG_TAIL_LINES = 40
 TERM_GRACE_S = 35.0
-ARTIFACTS = ("manifest.json", "tensors.safetensors", "layout.json", "cases.json", "gsm8k.json", "launcher.log")
-
-
-@dataclass(frozen=True)
-class LaunchResult:
-    ok: bool
-    returncode: int | None
-    wall_s: float
-    error: str
-    log_tails: dict[str, str]
+THREADS_ENV = "HARNESS_THREADS_PER_PROCESS"  # override of the per-process thread count
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def rendezvous_args(world_size: int, nodes: "NodeLaunch | None") -> list[str]:
@@ -41,12 +37,35 @@ def rendezvous_args(world_size: int, nodes: "NodeLaunch | None") -> list[str]:
     return nodes.torchrun_args(world_size)
 
 
-def command(job_path: Path, world_size: int, log_dir: Path, nodes: "NodeLaunch | None" = None) -> list[str]:
-    worker = ["-m", "harness.engine.worker", str(job_path)]
+def command(job_path: Path, world_size: int, log_dir: Path, worker_args: Sequence[str] = (),
+            nodes: "NodeLaunch | None" = None) -> list[str]:
+    worker = ["-m", "harness.engine.worker", str(job_path), *worker_args]
     if world_size == 1:
         return [sys.executable, *worker]
     return [sys.executable, "-m", "torch.distributed.run", *rendezvous_args(world_size, nodes),
             "--max-restarts=0", "--monitor-interval=0.5", f"--log-dir={log_dir}", "--redirects=3", *worker]
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, not the host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def threads_per_process(processes: int, cores: int, override: str | None = None) -> int:
+    """Intra-op threads for each of `processes` ranks on `cores` cores: cores // processes (at least 1),
+    so the ranks together never oversubscribe the machine; `override` (the HARNESS_THREADS_PER_PROCESS
+    setting, a positive integer) wins when given."""
+    if override:
+        if not override.strip().isdigit() or int(override) < 1:
+            raise ConfigError(f"{THREADS_ENV}={override!r} must be a positive integer (threads per process)")
+        return int(override)
+    return max(1, cores // max(1, processes))
+
+
+def thread_env(processes: int, env: dict[str, str]) -> dict[str, str]:
+    """OMP/MKL thread counts for a launch of `processes` ranks (torch reads them at start-up)."""
+    n = threads_per_process(processes, available_cores(), env.get(THREADS_ENV))
+    return {var: str(n) for var in THREAD_VARS}
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -65,42 +84,102 @@ def _collect_rank_logs(run_dir: Path, log_dir: Path, world_size: int) -> dict[st
         if text:
             (run_dir / f"rank{rank}.log").write_text(text)
         tails[f"rank{rank}"] = _tail(run_dir / f"rank{rank}.log")
-    tails["launcher"] = _tail(run_dir / "launcher.log")
+    tails["launcher"] = _tail(run_dir / LAUNCHER_LOG)
     return tails
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the launch's process group, then SIGKILL. torchrun starts each rank in a session of its
-    own and needs up to 30 s to stop them on SIGTERM, so it gets that long before the SIGKILL."""
-    for sig, wait in ((signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, 5.0)):
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (Linux /proc; empty elsewhere). torchrun's ranks sit in sessions
+    of their own, so killing torchrun's process group alone would leave them running."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            os.killpg(proc.pid, sig)
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _signal_groups(pids: list[int], sig: int) -> None:
+    """Send `sig` to the process group of each pid (each group once); gone ones are skipped."""
+    groups = set()
+    for pid in pids:
+        try:
+            groups.add(os.getpgid(pid))
         except ProcessLookupError:
-            return
+            continue
+    for group in groups - {os.getpgrp()}:
         try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
+            os.killpg(group, sig)
+        except (ProcessLookupError, PermissionError):
             continue
 
 
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the launch's process group and the groups of all its descendants (torchrun starts each
+    rank in a session of its own), then SIGKILL whatever is left. torchrun gets up to TERM_GRACE_S to
+    stop before the SIGKILL."""
+    pids = [proc.pid, *_descendants(proc.pid)]
+    for sig, wait in ((signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, 5.0)):
+        _signal_groups(pids, sig)
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    _signal_groups(pids, signal.SIGKILL)  # ranks that outlived torchrun
+
+
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+(?:Error|Exception|Interrupt)|injected failure)\b.*)$")
+
+
+def root_cause(tails: dict[str, str]) -> str:
+    """'rankN: <its last error line>' for the rank torchrun names as the root cause (else the first
+    rank with an error line), so an ERROR cell's reason holds the error itself, not only a log tail."""
+    named = re.findall(r"Root Cause.*?\n.*?rank\s*:\s*(\d+)", tails.get("launcher", ""), re.S)
+    order = [f"rank{named[0]}"] if named else []
+    order += [r for r in tails if r.startswith("rank") and r not in order]
+    for rank in order:
+        lines = [m.group(1).strip() for line in tails.get(rank, "").splitlines()
+                 if (m := _ERROR_LINE.match(line.strip()))]
+        if lines:
+            return f"{rank}: {lines[-1][:300]}"
+    return ""
+
+
+def _child_env(world: int, extra: dict[str, str] | None) -> dict[str, str]:
+    merged = {**os.environ, **(extra or {})}
+    return {**merged, **thread_env(world, merged)}
+def stop_process_tree(proc: subprocess.Popen[bytes]) -> None:
+    """Stop `proc` (started with start_new_session=True) and every process it started, as a launch does;
+    the HTTP backends stop their engine servers with it."""
+    _kill_group(proc)
+
+
 def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None,
-           nodes: "NodeLaunch | None" = None) -> LaunchResult:
-    """Run `job` to completion or until `timeout_s`; always leaves a manifest.json in job.out_dir."""
+           worker_args: Sequence[str] = (), nodes: "NodeLaunch | None" = None) -> LaunchResult:
+    """Run `job` to completion or until `timeout_s`; always leaves a manifest.json in job.out_dir.
+    `worker_args` are extra worker flags (e.g. `--topk 20`: the top-k-only mode)."""
     run_dir = Path(job.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [*ARTIFACTS, *(p.name for p in run_dir.glob("rank*.log"))]:  # nothing of an earlier launch
+    for stale in [*RUN_FILES, *(p.name for p in run_dir.glob("rank*.log"))]:  # nothing of an earlier launch
         (run_dir / stale).unlink(missing_ok=True)
     shutil.rmtree(run_dir / "torchrun", ignore_errors=True)
-    job_path = run_dir / "job.json"
+    job_path = run_dir / JOB_FILE
     write_json(job_path, asdict(job))
     world = int(job.topology["tp"])
     log_dir = run_dir / "torchrun"
     start = time.time()
     timed_out = False
-    with open(run_dir / ("launcher.log" if world > 1 else "rank0.log"), "wb") as log:
-        proc = subprocess.Popen(command(job_path, world, log_dir, nodes), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, **(env or {})})
+    with open(run_dir / (LAUNCHER_LOG if world > 1 else "rank0.log"), "wb") as log:
+        proc = subprocess.Popen(command(job_path, world, log_dir, worker_args, nodes), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=_child_env(world, env))
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -111,7 +190,7 @@ def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None,
             raise
     wall = time.time() - start
     tails = _collect_rank_logs(run_dir, log_dir, world) if world > 1 else {"rank0": _tail(run_dir / "rank0.log")}
-    manifest_path = run_dir / "manifest.json"
+    manifest_path = run_dir / MANIFEST_FILE
     if not timed_out and proc.returncode == 0 and manifest_path.exists():
         return LaunchResult(True, 0, wall, "", tails)
     error = (f"run timed out after {timeout_s:.0f} s (a rank hung?)" if timed_out
@@ -120,6 +199,9 @@ def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None,
     failed = [r for r, t in tails.items() if "Traceback" in t or "injected failure" in t or "Error" in t]
     if failed:
         error += f"; failing: {', '.join(failed)}"
+    cause = root_cause(tails)
+    if cause:
+        error += f"; {cause}"
     write_json(manifest_path, {"schema_version": 1, "status": "error", "error": error, "returncode": proc.returncode,
                                "timed_out": timed_out, "topology": job.topology, "fault": job.fault,
                                "seed": job.seed, "wall_s": {"total": wall}, "log_tails": tails})

@@ -18,7 +18,10 @@ from typing import TYPE_CHECKING, Callable
 from harness.errors import ConfigError
 
 if TYPE_CHECKING:
+    from harness.contract import Backend, Job, LaunchResult
     from harness.runner import Runner
+
+MULTINODE_ENGINES = ("embedded", "embedded-topk")  # engines this harness launches itself
 
 _ENDPOINT_RE = re.compile(r"^\[?([A-Za-z0-9_.:-]+?)\]?:(\d+)$")
 
@@ -80,25 +83,45 @@ def parse_nodes(nnodes: int, node_rank: int, endpoint: str | None, cells: int = 
     return Nodes(nnodes, node_rank, match.group(1), int(match.group(2)), join_timeout_s)
 
 
+def check_engine(engine: str, nodes: Nodes | None) -> None:
+    """Multi-node runs launch the embedded engine; an external engine launches its own nodes."""
+    if nodes is not None and engine.split(":", 1)[0] not in MULTINODE_ENGINES:
+        raise ConfigError(f"--nnodes {nodes.nnodes} works with the engines {', '.join(MULTINODE_ENGINES)}, not "
+                          f"{engine!r}: an external engine's template describes its own multi-node launch")
+
+
+def run_on_nodes(backend: "Backend", job: "Job", timeout_s: float, nodes: NodeLaunch) -> "LaunchResult":
+    """The embedded backend's run with this node's share of the ranks (torchrun rendezvous)."""
+    from pathlib import Path
+
+    from harness.backends.base import stamp_manifest
+    from harness.backends.embedded import EmbeddedBackend
+    from harness.launch import launch
+
+    if not isinstance(backend, EmbeddedBackend):
+        raise ConfigError(f"engine {backend.name!r} cannot run over several nodes from the harness")
+    result = launch(job, timeout_s, worker_args=backend.worker_args(), nodes=nodes)
+    if nodes.node_rank == 0:
+        stamp_manifest(Path(job.out_dir), backend)
+    return result
+
+
 def follow(runner: "Runner", progress: Callable[[str], None]) -> int:
     """Node R > 0: lend this node's ranks to every cell that spans the nodes, in plan order.
     0 when every launch exited cleanly, else EXIT_ERROR (node 0's report has the verdicts)."""
-    from harness.launch import launch
-    from harness.runner import plan_cells
-    from harness.shard import shard_cells
     from harness.verdict import EXIT_ERROR, EXIT_OK
 
     req = runner.req
     nodes = req.nodes
     assert nodes is not None and nodes.node_rank > 0
     failed = 0
-    for index, cell in enumerate(shard_cells(plan_cells(req), req.shard)):
+    for index, cell in enumerate(runner.planned()):
         if cell.skip_reason or not nodes.spans(cell.topology.world_size):
             progress(f"[{index + 1}] {cell.slug}: runs on node 0")
             continue
         job = runner.job(cell.model, cell.topology, cell.fault, cell.seed, req.out_dir / "runs" / cell.slug)
         progress(f"[{index + 1}] {cell.slug}: node {nodes.node_rank} ranks joining {nodes.host}:{nodes.port + index}")
-        result = launch(job, req.timeout_s, nodes=nodes.launch(index))
+        result = run_on_nodes(runner.backend, job, req.timeout_s, nodes.launch(index))
         ok = result.returncode == 0
         failed += not ok
         progress(f"[{index + 1}] {cell.slug}: {'done' if ok else 'FAILED: ' + result.error} ({result.wall_s:.1f} s)")

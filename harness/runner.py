@@ -6,31 +6,32 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import shutil
+import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from harness import __version__
 from harness.artifacts import RunArtifacts, read_run
-from harness.compare.cell import compare_cell
+from harness.backends.registry import DEFAULT_ENGINE, get_backend
+from harness.backends.base import backend_record
+from harness.checks.context import CellContext, CellInfo
+from harness.checks.driver import run_checks
+from harness.checks.runs import run_capabilities
 from harness.compare.settings import CheckSettings
-from harness.compare.speculative import acceptance_from_runs, lossless_from_run, speculator_details
+from harness.contract import MANIFEST_FILE, NOISE_NONE, NOISE_PRECISION_TWIN, SCHEDULE_SEQUENTIAL, Backend, Job
 from harness.engine.faults import FAULTS, fault_flags
-from harness.engine.checkpoint import checkpoint_path
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
-from harness.engine.worker import ENGINE_VERSION, Job
 from harness.baseline import BASELINES_DIR
-from harness.gsm8k.cell import gsm8k_checks
 from harness.gsm8k.settings import GSM8KSettings
 from harness.errors import ConfigError, HarnessError, RunError
 from harness.jsonio import read_json
-from harness.launch import launch
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.layout import plan_layout, plan_speculator
-from harness.paths import PROJECT_ROOT
 from harness.report.provenance import collect_provenance, git_commit
-from harness.multinode import NodeLaunch, Nodes
+from harness.validate import load_run, validate_artifacts
+from harness.multinode import NodeLaunch, Nodes, run_on_nodes
 from harness.shard import Shard, shard_cells
 from harness.specs.model import ModelSpec
 from harness.specs.suite import Suite
@@ -58,6 +59,14 @@ class RunRequest:
     gsm8k: GSM8KSettings | None = None
     gsm8k_data: str | None = None
     baselines_dir: Path = BASELINES_DIR
+    engine: str = DEFAULT_ENGINE               # backend of the parallel runs (NAME or NAME:OPTION)
+    reference_engine: str | None = None        # backend of the reference runs (default: engine)
+    reproduce: tuple[str, ...] = ()            # argv (after "harness run") that every cell command repeats
+    model_refs: tuple[tuple[str, str], ...] = ()  # model name -> how to name it again (path when given by path)
+
+    @property
+    def ref_engine(self) -> str:
+        return self.reference_engine or self.engine
     shard: Shard | None = None  # run only this share of the cells (harness/shard.py)
     nodes: Nodes | None = None  # this machine's place in a multi-node run (harness/multinode.py)
 
@@ -79,26 +88,13 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("HARNESS_CACHE_DIR", Path.home() / ".cache" / "llm-parallel-harness"))
 
 
-def _engine_source_hash() -> str:
-    """Reference runs are cached by content; the code that produces them is part of that content
-    (everything in harness/ but the report and CLI layers)."""
-    h = hashlib.sha256(ENGINE_VERSION.encode())
-    package = PROJECT_ROOT / "harness"
-    for path in sorted(package.rglob("*.py")):
-        if path.relative_to(package).parts[0] not in ("report", "cli"):
-            h.update(str(path.relative_to(package)).encode())
-            h.update(path.read_bytes())
-    return h.hexdigest()
+PARTIAL_SUFFIX = ".partial"  # a reference run still being written into the cache (renamed when done)
 
 
-def _weights_key(model: ModelSpec) -> dict[str, Any]:
-    """Identifies the weights without loading them: the spec, plus size and mtime of a weight file."""
-    key: dict[str, Any] = {"spec": model.to_dict()}
-    if model.source != "synthetic":
-        path = checkpoint_path(model)
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-        key["files"] = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.exists()]
-    return key
+def partial_dirs(cache_dir: Path, pid: int | None = None) -> list[Path]:
+    """The staging folders in the reference cache: all of them, or only those of process `pid`."""
+    pattern = f"*.{pid}{PARTIAL_SUFFIX}" if pid is not None else f"*{PARTIAL_SUFFIX}"
+    return sorted(p for p in (cache_dir / "runs").glob(pattern) if p.is_dir())
 
 
 def seeded(model: ModelSpec, seed: int) -> ModelSpec:
@@ -127,10 +123,26 @@ def skip_reason(model: ModelSpec, topo: Topology, fault: str | None) -> str | No
     return None
 
 
-def plan_cells(req: RunRequest) -> list[CellPlan]:
+def _engine_skip(model: ModelSpec, topo: Topology, backend: Backend, ref_backend: Backend,
+                 reference: Topology) -> str | None:
+    """Why the parallel engine cannot run the cell or the reference engine its reference, or None."""
+    why = backend.skip_reason(model, topo)
+    if why:
+        return f"engine {backend.name}: {why}"
+    ref_topo = Topology(tp=reference.tp, dcp=reference.dcp, speculator=topo.speculator)
+    why = ref_backend.skip_reason(model, ref_topo)
+    return f"reference engine {ref_backend.name}: {why}" if why else None
+
+
+def plan_cells(req: RunRequest, backends: tuple[Backend, Backend] | None = None) -> list[CellPlan]:
+    """Every cell of the request with its skip reason; `backends` (parallel, reference) default to
+    the request's engines."""
     if req.fault and req.fault not in FAULTS:
         fault_flags(req.fault, Topology(tp=1))  # raises the did-you-mean error
-    return [CellPlan(m, t, req.fault, seed, skip_reason(m, t, req.fault))
+    backend, ref_backend = backends or (get_backend(req.engine), get_backend(req.ref_engine))
+    reference = parse_topology_name(req.suite.reference).without_speculator()
+    return [CellPlan(m, t, req.fault, seed,
+                     skip_reason(m, t, req.fault) or _engine_skip(m, t, backend, ref_backend, reference))
             for m in req.models for seed in req.seeds for t in req.topologies]
 
 
@@ -144,8 +156,10 @@ class Runner:
         self.reference_topology = parse_topology_name(req.suite.reference).without_speculator()
         self._commit = git_commit()
         self._failed_refs: dict[tuple[str, int, str], ReferenceFailed] = {}
-        self._engine_hash = _engine_source_hash()
         self._tokenizers: dict[str, Tokenizer] = {}
+        self.backend = get_backend(req.engine)  # the parallel runs
+        self.ref_backend = get_backend(req.ref_engine)  # the reference and its noise twin
+        self.finished: list[CellResult] = []  # the cells done so far (what an interrupted run reports)
 
     def job(self, model: ModelSpec, topo: Topology, fault: str | None, seed: int, out_dir: Path,
             dtype: str | None = None) -> Job:
@@ -159,36 +173,51 @@ class Runner:
                    collective_timeout_s=req.collective_timeout_s, git_commit=self._commit, gsm8k=gsm8k,
                    speculative=dict(s.speculative) if topo.speculator != "none" else {})
 
-    def _cached(self, model: ModelSpec, seed: int, dtype: str, topo: Topology) -> RunArtifacts:
-        """A reference-topology run of `model` in `dtype`, from the content-keyed cache or launched now."""
+    def _cached(self, model: ModelSpec, seed: int, dtype: str, topo: Topology, repeat: bool = False) -> RunArtifacts:
+        """A reference-topology run of `model` in `dtype` on the reference engine, from the
+        content-keyed cache or launched now; `repeat` is a second, independent run of the same job."""
         job = self.job(model, topo, None, seed, Path("."), dtype)
+        if repeat:  # the scheduling-noise twin: the same cases sent one at a time
+            job = replace(job, schedule=SCHEDULE_SEQUENTIAL)
+        backend = self.ref_backend
         content = {k: v for k, v in job.__dict__.items() if k not in ("out_dir", "git_commit", "collective_timeout_s")}
-        key = hashlib.sha256(json.dumps({"job": content, "weights": _weights_key(model),
-                                         "engine": self._engine_hash}, sort_keys=True, default=str).encode())
-        run_dir = self.req.cache_dir / "runs" / f"{model.name}-{topo.name}-{dtype}-{key.hexdigest()[:16]}"
-        label = f"reference {model.name} {topo.name} {dtype} seed {seed}"
+        # keyed by what produces the artifacts (the job and the backend's identity: engine, version,
+        # weights), never by the compare code: editing a check keeps every cached reference
+        key = hashlib.sha256(json.dumps({"job": content, "backend": backend.identity(job), "repeat": repeat},
+                                        sort_keys=True, default=str).encode())
+        engine = "" if backend.name == DEFAULT_ENGINE else f"{backend.name}-"
+        run_dir = (self.req.cache_dir / "runs" /
+                   f"{engine}{model.name}-{topo.name}-{dtype}{'-r' if repeat else ''}-{key.hexdigest()[:16]}")
+        label = f"reference {model.name} {topo.name} {dtype} seed {seed}" + (f" ({backend.name})" if engine else "")
         if (run_dir / "manifest.json").exists():
             try:
                 cached = read_run(run_dir)
             except RunError as exc:  # a damaged cache entry is launched again, never trusted
                 self.progress(f"  {label}: cache entry unreadable ({exc}); running again")
                 cached = None
-            if cached is not None and cached.ok:
+            if cached is not None and cached.ok and not validate_artifacts(cached):
                 self.progress(f"  {label}: cached ({run_dir})")
+                os.utime(run_dir)  # last used now: `harness cache prune` goes by this
                 return cached
             shutil.rmtree(run_dir, ignore_errors=True)
         self.progress(f"  {label}: running")
         # launched into a private folder and renamed into place, so two runs sharing a cache never
         # write into one folder; a folder that is there by then is another run's identical result
-        staging = run_dir.with_name(f"{run_dir.name}.{os.getpid()}.partial")
-        result = launch(replace(job, out_dir=str(staging)), self.req.timeout_s)
+        staging = run_dir.with_name(f"{run_dir.name}.{os.getpid()}{PARTIAL_SUFFIX}")
+        result = backend.run(replace(job, out_dir=str(staging)), self.req.timeout_s)
         if not result.ok:
             raise ReferenceFailed(f"reference run of {model.name} ({dtype}) failed: {result.error}", staging)
         try:
             staging.rename(run_dir)  # only successful runs ever sit at run_dir
         except OSError:  # another run renamed its identical result into place first
             shutil.rmtree(staging, ignore_errors=True)
-        return read_run(run_dir)
+        run, problems = load_run(run_dir)
+        if run is not None:
+            problems = validate_artifacts(run)
+        if run is None or problems:
+            raise ReferenceFailed(f"reference run of {model.name} ({dtype}) breaks the artifacts contract: "
+                                  f"{problems[0]}", run_dir)
+        return run
 
     def references(self, model: ModelSpec, seed: int, speculator: str = "none") -> tuple[RunArtifacts, RunArtifacts | None]:
         """The reference (the suite's reference topology with the cell's speculator) and its noise-floor
@@ -204,13 +233,22 @@ class Runner:
             except ReferenceFailed as exc:
                 self._failed_refs[key] = exc
                 raise
-            try:
-                noise: RunArtifacts | None = self._cached(model, seed, NOISE_DTYPE[model.dtype], base)
-            except ReferenceFailed as exc:
-                self.progress(f"  {exc}; tolerances fall back to their floors")
-                noise = None
-            self._refs[key] = (ref, noise)
+            self._refs[key] = (ref, self._noise_run(model, seed, base))
         return self._refs[key]
+
+    def _noise_run(self, model: ModelSpec, seed: int, base: Topology) -> RunArtifacts | None:
+        """The run the noise floor is measured against, by the reference engine's strategy: the
+        reference in a higher precision, the same job run again (scheduling noise), or none."""
+        strategy = self.ref_backend.noise_strategy()
+        if strategy == NOISE_NONE:
+            return None
+        try:
+            if strategy == NOISE_PRECISION_TWIN:
+                return self._cached(model, seed, NOISE_DTYPE[model.dtype], base)
+            return self._cached(model, seed, model.dtype, base, repeat=True)
+        except ReferenceFailed as exc:
+            self.progress(f"  {exc}; tolerances fall back to their floors")
+            return None
 
     def _decoder(self, model: ModelSpec) -> Callable[[Sequence[int]], str]:
         if model.name not in self._tokenizers:
@@ -218,17 +256,22 @@ class Runner:
         return self._tokenizers[model.name].decode
 
     def command(self, cell: CellPlan) -> str:
-        parts = ["harness", "run", "--suite", self.req.suite.name, "--topo", cell.topology.name,
-                 "--model", cell.model.name, "--seed", str(cell.seed)]
+        """The command that re-runs exactly this cell: the request's suite, profile, pool, engines
+        (RunRequest.reproduce) and the cell's topology, model (by path when given by path), seed and fault."""
+        refs = dict(self.req.model_refs)
+        shared = list(self.req.reproduce) or ["--suite", self.req.suite.name]
+        parts = ["harness", "run", *shared, "--topo", cell.topology.name,
+                 "--model", refs.get(cell.model.name, cell.model.name), "--seed", str(cell.seed)]
         if cell.fault:
             parts += ["--fault", cell.fault]
-        if self.req.device != "cpu":
+        if self.req.device != "cpu" and "--device" not in shared:
             parts += ["--device", self.req.device]
-        return " ".join(parts)
+        return shlex.join(parts)
 
     def run_cell(self, cell: CellPlan) -> CellResult:
         base = dict(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
-                    fault=cell.fault, seed=cell.seed, command=self.command(cell))
+                    fault=cell.fault, seed=cell.seed, command=self.command(cell), engine=self.backend.name,
+                    reference_engine=self.ref_backend.name)
         if cell.skip_reason:
             return CellResult(**base, checks=(CheckResult("cell", Verdict.SKIP, cell.skip_reason),), clean_exit=True)
         try:
@@ -237,49 +280,68 @@ class Runner:
             return CellResult(**base, checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False,
                               reference_dir=str(exc.run_dir), error_log=_tails_text(exc.run_dir))
         run_dir = self.req.out_dir / "runs" / cell.slug
-        result = launch(self.job(cell.model, cell.topology, cell.fault, cell.seed, run_dir), self.req.timeout_s,
-                        nodes=self._node_launch(cell))
+        job = self.job(cell.model, cell.topology, cell.fault, cell.seed, run_dir)
+        nodes = self._node_launch(cell)
+        result = (self.backend.run(job, self.req.timeout_s) if nodes is None
+                  else run_on_nodes(self.backend, job, self.req.timeout_s, nodes))
         if not result.ok:
             return CellResult(**base, checks=(CheckResult("run", Verdict.ERROR, result.error),), clean_exit=False,
                               run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s,
                               error_log=format_tails(result.log_tails))
-        par = read_run(run_dir)
-        plan = plan_layout(cell.model.attention_shape, cell.topology.tp, cell.topology.dcp)
-        settings = CheckSettings.from_suite(self.req.suite, cell.model.dtype)
-        spec_plan = (plan_speculator(cell.model.speculator_shape, cell.topology.tp)
-                     if cell.topology.speculator != "none" else None)
-        checks, loc, details = compare_cell(ref, par, noise, plan, settings, speculator_plan=spec_plan,
-                                            decode=self._decoder(cell.model))
-        if spec_plan is not None:
-            acceptance = acceptance_from_runs(ref, par, settings.acceptance)
-            checks += [lossless_from_run(par, settings.lossless), acceptance]
-            details["speculator"] = speculator_details(acceptance, cell.topology.speculator)
-        if self.req.gsm8k is not None:
-            gsm8k_checks_, details["gsm8k"] = gsm8k_checks(ref.path, run_dir, self.req.gsm8k, self.req.suite.name,
-                                                          cell.model.name, cell.topology.name, str(self.req.out_dir),
-                                                          self.req.baselines_dir)
-            checks += gsm8k_checks_
-        return CellResult(**base, checks=tuple(checks), clean_exit=True, localization=loc, run_dir=str(run_dir),
-                          reference_dir=str(ref.path), wall_s=result.wall_s, details=details)
+        par, problems = load_run(run_dir)
+        if par is not None:
+            problems = validate_artifacts(par)
+        if problems:  # a malformed (third-party) run: one clear ERROR cell, never a crash in a check
+            more = f" (+{len(problems) - 1} more; harness validate {run_dir})" if len(problems) > 1 else ""
+            return CellResult(**base, checks=(CheckResult("run", Verdict.ERROR, f"parallel run breaks the "
+                                                          f"artifacts contract: {problems[0]}{more}",
+                                                          {"problems": problems}),),
+                              clean_exit=True, run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s)
+        assert par is not None
+        ctx = self.context(cell, ref, par, noise)
+        checks = run_checks(ctx)
+        return CellResult(**base, checks=tuple(checks), clean_exit=True, localization=ctx.localization,
+                          run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s, details=ctx.details.to_dict())
+
+    def context(self, cell: CellPlan, ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None) -> CellContext:
+        """Everything the checks of `cell` read."""
+        suite = self.req.suite
+        topo = cell.topology
+        return CellContext(
+            ref=ref, par=par, noise=noise, plan=plan_layout(cell.model.attention_shape, topo.tp, topo.dcp),
+            settings=CheckSettings.from_suite(suite, cell.model.dtype),
+            par_caps=run_capabilities(par, self.backend.capabilities()),
+            ref_caps=run_capabilities(ref, self.ref_backend.capabilities()),
+            info=CellInfo(suite=suite.name, model=cell.model.name, topology=topo.name, speculator=topo.speculator,
+                          engine=self.backend.name, reference_engine=self.ref_backend.name,
+                          report_dir=str(self.req.out_dir), baselines_dir=self.req.baselines_dir),
+            speculator_plan=plan_speculator(cell.model.speculator_shape, topo.tp) if topo.speculator != "none" else None,
+            decode=self._decoder(cell.model), gsm8k=self.req.gsm8k, enabled=suite.check_enabled)
+
+    def planned(self) -> list[CellPlan]:
+        """This machine's cells (its shard), in plan order."""
+        return shard_cells(plan_cells(self.req, (self.backend, self.ref_backend)), self.req.shard)
 
     def _node_launch(self, cell: CellPlan) -> NodeLaunch | None:
         """A cell spanning the nodes rendezvouses on the port of its index in the plan."""
         nodes = self.req.nodes
         if nodes is None or not nodes.spans(cell.topology.world_size):
             return None
-        slugs = [c.slug for c in shard_cells(plan_cells(self.req), self.req.shard)]
-        return nodes.launch(slugs.index(cell.slug))
+        return nodes.launch([c.slug for c in self.planned()].index(cell.slug))
 
     def run(self) -> list[CellResult]:
-        cells = shard_cells(plan_cells(self.req), self.req.shard)
-        results = []
+        cells = self.planned()
+        results = self.finished = []
         for i, cell in enumerate(cells, 1):
             self.progress(f"[{i}/{len(cells)}] {cell.slug} ...")
             try:
                 result = self.run_cell(cell)
-            except HarnessError as exc:  # one broken cell never loses the others' results
+            except Exception as exc:  # one broken cell (a harness bug included) never loses the others' results
+                if not isinstance(exc, HarnessError):
+                    exc = RunError(f"internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
                 result = CellResult(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
                                     fault=cell.fault, seed=cell.seed, command=self.command(cell),
+                                    engine=self.backend.name, reference_engine=self.ref_backend.name,
                                     checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False)
             reason = next((c.reason for c in result.checks if c.verdict is result.status), "")
             self.progress(f"[{i}/{len(cells)}] {cell.slug}: {result.status.value} ({result.wall_s:.1f} s)"
@@ -291,7 +353,9 @@ class Runner:
         return {**collect_provenance(" ".join(["harness", *argv]), self.req.device,
                                      sorted({m.dtype for m in self.req.models}), list(self.req.seeds)),
                 "suite": self.req.suite.name, "suite_version": self.req.suite.version,
-                "reference": self.reference_topology.name, "engine": "reference", "engine_version": ENGINE_VERSION,
+                "reference": self.reference_topology.name, "engine": self.backend.name,
+                "engine_version": self.backend.version(), "reference_engine": self.ref_backend.name,
+                "backends": {"parallel": backend_record(self.backend), "reference": backend_record(self.ref_backend)},
                 **({"shard": str(self.req.shard)} if self.req.shard else {}),
                 **({"nnodes": self.req.nodes.nnodes} if self.req.nodes else {})}
 

@@ -87,6 +87,8 @@ class CellResult:
     wall_s: float = 0.0
     error_log: str = ""
     details: dict[str, Any] = field(default_factory=dict)
+    engine: str = ""             # the backend of the parallel run (harness list engines)
+    reference_engine: str = ""   # the backend of the reference run
 
     @property
     def status(self) -> Verdict:
@@ -104,7 +106,8 @@ class CellResult:
                 "localization": self.localization.to_dict() if self.localization else None,
                 "checks": [c.to_dict() for c in self.checks], "command": self.command,
                 "run_dir": self.run_dir, "reference_dir": self.reference_dir, "wall_s": self.wall_s,
-                "error_log": self.error_log, "details": self.details}
+                "error_log": self.error_log, "details": self.details, "engine": self.engine,
+                "reference_engine": self.reference_engine}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CellResult":
@@ -115,4 +118,5 @@ class CellResult:
                    localization=Localization.from_dict(loc) if loc else None, command=data.get("command", ""),
                    run_dir=data.get("run_dir", ""), reference_dir=data.get("reference_dir", ""),
                    wall_s=float(data.get("wall_s", 0.0)), error_log=data.get("error_log", ""),
-                   details=dict(data.get("details") or {}))
+                   details=dict(data.get("details") or {}), engine=str(data.get("engine", "")),
+                   reference_engine=str(data.get("reference_engine", "")))

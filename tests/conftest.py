@@ -1,4 +1,5 @@
-"""Test setup: no hub access, ever; GSM8K from the shared folder when present."""
+"""Test setup: no hub access, ever; GSM8K from the full data set when given, else the fixture in
+tests/data/gsm8k (32 questions per split), so the test command passes in any clone."""
 
 from __future__ import annotations
 
@@ -8,10 +9,26 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every launch a test starts (in-process `harness run`, subprocesses, launch_run) is bounded by this
+# many seconds, and pytest's per-test timeout (pyproject.toml) allows TEST_LAUNCHES_PER_TEST of them:
+# a hung rank shows up as the harness's ERROR cell with its log tail, never as pytest killing a test
+# that was only slow on a loaded machine.
+TEST_LAUNCH_TIMEOUT_S = 420.0
+TEST_LAUNCHES_PER_TEST = 4
+os.environ.setdefault("HARNESS_LAUNCH_TIMEOUT_S", str(TEST_LAUNCH_TIMEOUT_S))
 
+GSM8K_FIXTURE = Path(__file__).resolve().parent / "data" / "gsm8k"
+GSM8K_FULL_TEST_QUESTIONS = 1319
 _SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
-if "HARNESS_GSM8K_PATH" not in os.environ and (_SHARED_GSM8K / "test.jsonl").is_file():
-    os.environ["HARNESS_GSM8K_PATH"] = str(_SHARED_GSM8K)
+if not os.environ.get("HARNESS_GSM8K_PATH"):
+    os.environ["HARNESS_GSM8K_PATH"] = str(_SHARED_GSM8K if (_SHARED_GSM8K / "test.jsonl").is_file()
+                                           else GSM8K_FIXTURE)
+
+
+def gsm8k_lines(split: str) -> int:
+    """Questions in `split` of the GSM8K folder the tests use (the fixture or the full set)."""
+    with open(Path(os.environ["HARNESS_GSM8K_PATH"]) / f"{split}.jsonl", encoding="utf-8") as f:
+        return sum(1 for line in f if line.strip())
 
 
 import pytest  # noqa: E402
@@ -22,7 +39,7 @@ TEST_PROMPTS = ["The capital of France is", "def f(x):\n    return", "Q: 17 + 25
 
 
 def launch_run(out_dir: Path, model: str, topo: str, fault: str | None = None, prompts: list[str] | None = None,
-               dtype: str | None = None, env: dict[str, str] | None = None, timeout_s: float = 300.0,
+               dtype: str | None = None, env: dict[str, str] | None = None, timeout_s: float = TEST_LAUNCH_TIMEOUT_S,
                collective_timeout_s: float = 60.0) -> RunArtifacts:
     """Launch one real run (torchrun on gloo for world size > 1) and read its run directory."""
     from harness.engine.worker import Job
@@ -36,6 +53,15 @@ def launch_run(out_dir: Path, model: str, topo: str, fault: str | None = None, p
               pool={"budget_bytes": 8 << 20, "max_seq_len": 256}, collective_timeout_s=collective_timeout_s)
     launch(job, timeout_s, env=env)
     return read_run(out_dir)
+
+
+@pytest.fixture(scope="session")
+def full_gsm8k() -> Path:
+    """The full GSM8K folder; skips when the tests run on the fixture only."""
+    if gsm8k_lines("test") < GSM8K_FULL_TEST_QUESTIONS:
+        pytest.skip("needs the full GSM8K set: set HARNESS_GSM8K_PATH to a folder with test.jsonl/train.jsonl "
+                    f"(only the {gsm8k_lines('test')}-question fixture in tests/data/gsm8k is here)")
+    return Path(os.environ["HARNESS_GSM8K_PATH"])
 
 
 @pytest.fixture(scope="session")

@@ -181,7 +181,7 @@ def test_list_all(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run_cli(capsys, "list")
     assert rc == 0
     headers = [line for line in out.splitlines() if line.startswith("# ")]
-    assert headers == ["# suites", "# topologies", "# models", "# faults"]
+    assert headers == ["# suites", "# topologies", "# models", "# faults", "# engines", "# checks"]
 
 
 def run_process(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:

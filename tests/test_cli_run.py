@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
+from tests.conftest import TEST_LAUNCH_TIMEOUT_S, TEST_LAUNCHES_PER_TEST
 from harness.engine.worker import INJECT_ENV
 
 SMALL_SUITE = """
@@ -49,7 +50,7 @@ def test_main_command_passes_and_writes_every_report_file(tmp_path: Path, cache_
     out = tmp_path / "report"
     proc = subprocess.run([sys.executable, "-m", "harness", "run", "--suite", "dcp", "--topo", "tp4dcp4",
                            "--out", str(out), "--cache-dir", str(cache_dir)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ})
+                          capture_output=True, text=True, timeout=3 * TEST_LAUNCH_TIMEOUT_S, env={**os.environ})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"report: {out / 'index.html'}" in proc.stdout
     doc = _results(out)
@@ -108,8 +109,8 @@ def test_killed_rank_is_an_error_cell_and_other_cells_complete(tmp_path: Path, s
                                                               cache_dir: Path) -> None:
     env = {**os.environ, INJECT_ENV: "crash:1"}
     proc = subprocess.run([sys.executable, "-m", "harness", "run", "--suite", str(suite_file), "--topo", "tp1,tp2",
-                           "--out", str(tmp_path), "--cache-dir", str(cache_dir), "--timeout", "120"],
-                          capture_output=True, text=True, timeout=300, env=env)
+                           "--out", str(tmp_path), "--cache-dir", str(cache_dir)],
+                          capture_output=True, text=True, timeout=TEST_LAUNCHES_PER_TEST * TEST_LAUNCH_TIMEOUT_S, env=env)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     cells = {c["topology"]: c for c in _results(tmp_path)["cells"]}
     assert cells["tp1"]["status"] == "PASS"

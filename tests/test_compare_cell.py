@@ -19,7 +19,7 @@ PLAN = plan_layout(GQA, 4, 4)
 def test_clean_cell_passes_every_check_without_localization() -> None:
     ref, noise, par = synthetic_runs(PLAN)
     checks, loc, details = compare_cell(ref, par, noise, PLAN, CheckSettings())
-    assert [c.name for c in checks] == ["layout", "logits_prefill", "logits_decode", "generation"]
+    assert [c.name for c in checks] == ["inputs", "layout", "logits_prefill", "logits_decode", "generation"]
     assert all(c.verdict is Verdict.PASS for c in checks), [c.reason for c in checks]
     assert loc is None
     assert details["layout"]["planned"]["dcp"] == 4 and details["layout"]["actual"] == par.layout["target"]
@@ -42,13 +42,13 @@ def test_dcp_tp_kv_layout_bug_fails_and_localizes_with_the_group() -> None:
     bad = replace(bad, layout={"target": layout_entry(plan_layout(GQA, 4, 4, kv_dcp=1), pool_plan=PLAN)})
     checks, loc, details = compare_cell(ref, bad, noise, PLAN, CheckSettings())
     verdicts = {c.name: c.verdict for c in checks}
-    assert verdicts == {"layout": Verdict.FAIL, "logits_prefill": Verdict.PASS, "logits_decode": Verdict.FAIL,
-                        "generation": Verdict.PASS}
+    assert verdicts == {"inputs": Verdict.PASS, "layout": Verdict.FAIL, "logits_prefill": Verdict.PASS,
+                        "logits_decode": Verdict.FAIL, "generation": Verdict.PASS}
     assert loc is not None and loc.layer == 0 and loc.heads == tuple(range(8)) and loc.ranks == (0, 1, 2, 3)
     # ranks of the group read different KV heads for the same Q head: the summary says so
-    assert loc.summary == ("layer 0 attention: heads 0-7 on ranks 0-3 (DCP group 0) diverge; reads KV heads 0-1; "
+    assert loc.summary == ("layer 0 attention: heads 0-7 on ranks 0-3 (DCP group 0) diverge; "
                            "heads 0-7 read the wrong KV heads (e.g. head 0 reads 0-1, planned 0); "
-                           "KV head ids differ inside DCP group 0")
+                           "wrong reads of KV heads 0-1; KV head ids differ inside DCP group 0")
     assert details["prompts"][0]["decode"]["first_diverging_position"] == ref.cases[0].decode_start
     json.dumps(details, allow_nan=False)
 
@@ -58,13 +58,15 @@ def test_speculator_layout_is_checked_against_the_tp_plan() -> None:
     spec_plan = plan_speculator(GQA, 4)
     good = replace(par, layout={**par.layout, "speculator": layout_entry(spec_plan)})
     checks, _, details = compare_cell(ref, good, noise, PLAN, CheckSettings(), speculator_plan=spec_plan)
-    assert [c.name for c in checks][:2] == ["layout", "speculator_layout"]
-    assert checks[1].verdict is Verdict.PASS and details["speculator_layout"]["planned"]["dcp"] == 1
+    by_name = {c.name: c for c in checks}
+    assert [c.name for c in checks][1:3] == ["layout", "speculator_layout"]
+    assert by_name["speculator_layout"].verdict is Verdict.PASS and details["speculator_layout"]["planned"]["dcp"] == 1
     dcp_aware = replace(par, layout={**par.layout, "speculator": layout_entry(PLAN)})  # the draft reused DCP layout
     checks, _, _ = compare_cell(ref, dcp_aware, noise, PLAN, CheckSettings(), speculator_plan=spec_plan)
-    assert checks[1].verdict is Verdict.FAIL
+    assert {c.name: c for c in checks}["speculator_layout"].verdict is Verdict.FAIL
     missing, _, _ = compare_cell(ref, par, noise, PLAN, CheckSettings(), speculator_plan=spec_plan)
-    assert missing[1].verdict is Verdict.ERROR and "'speculator'" in missing[1].reason
+    spec = {c.name: c for c in missing}["speculator_layout"]
+    assert spec.verdict is Verdict.ERROR and "'speculator'" in spec.reason
 
 
 def test_failed_parallel_run_gives_error_checks() -> None:
@@ -73,6 +75,8 @@ def test_failed_parallel_run_gives_error_checks() -> None:
     checks, loc, details = compare_cell(ref, crashed, noise, PLAN, CheckSettings())
     assert {c.verdict for c in checks} == {Verdict.ERROR} and loc is None and details == {}
     assert checks[0].reason == "parallel run failed: rank 2 exited with code 137"
+    assert [c.name for c in checks] == ["inputs", "layout", "logits_prefill", "logits_decode", "generation",
+                                        "localization"]
 
 
 def test_missing_noise_run_still_compares_on_floors() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -16,9 +17,14 @@ from harness.gsm8k.tasks import (GSM8K_TASK_DIR, build_task, task_config, task_m
 
 @pytest.fixture(scope="module")
 def source() -> GSM8KSource:
-    if not os.environ.get(ENV_VAR):
-        pytest.skip(f"{ENV_VAR} is not set (no local GSM8K copy)")
+    """The GSM8K folder of the tests (tests/conftest.py: the full set when given, else the fixture)."""
+    assert os.environ.get(ENV_VAR)
     return resolve_source()
+
+
+def _questions(source: GSM8KSource, split: str) -> list[str]:
+    lines = source.split_file(split).read_text(encoding="utf-8").splitlines()
+    return [json.loads(line)["question"] for line in lines if line.strip()]
 
 
 def test_task_manager_indexes_only_the_gsm8k_folder() -> None:
@@ -56,8 +62,8 @@ def test_sampling_variant_is_refused() -> None:
 def test_local_test_set_loads_offline(source: GSM8KSource) -> None:
     loaded = build_task("gsm8k", source)
     task = loaded["tasks"]["gsm8k"]
-    assert len(task.test_docs()) == 1319
-    assert len(task.training_docs()) == 7473
+    assert [d["question"] for d in task.test_docs()] == _questions(source, "test")
+    assert [d["question"] for d in task.training_docs()] == _questions(source, "train")
     assert task.get_config("num_fewshot") == 5
     assert [f["name"] for f in task.config.filter_list] == list(FILTERS)
 
@@ -72,9 +78,22 @@ def test_zero_shot_variant_refuses_shots(source: GSM8KSource) -> None:
         build_task("gsm8k_cot_zeroshot", source, num_fewshot=3)
 
 
-def test_fewshot_context_is_reproducible(source: GSM8KSource) -> None:
-    def first_prompt() -> str:
-        task = build_task("gsm8k", source)["tasks"]["gsm8k"]
-        doc = task.test_docs()[0]
-        return str(task.fewshot_context(doc, num_fewshot=5))
-    assert first_prompt() == first_prompt()
+def test_full_test_set_loads_offline(full_gsm8k: Path) -> None:
+    task = build_task("gsm8k", resolve_source(str(full_gsm8k)))["tasks"]["gsm8k"]
+    assert len(task.test_docs()) == 1319 and len(task.training_docs()) == 7473
+
+
+def _shots(source: GSM8KSource, seed: int) -> list[str]:
+    """The training questions lm-eval puts in front of the first test question, in order."""
+    task = build_task("gsm8k", source, num_fewshot=3, fewshot_seed=seed)["tasks"]["gsm8k"]
+    context = str(task.fewshot_context(task.test_docs()[0], num_fewshot=3))
+    train = _questions(source, "train")
+    return sorted((q for q in train if q in context), key=context.index)
+
+
+def test_fewshot_examples_follow_the_seed(source: GSM8KSource) -> None:
+    """Two separately built tasks with one seed draw the same training examples; another seed draws
+    others (so the equality is the seed's doing, not a cached object)."""
+    first, again, other = _shots(source, 1234), _shots(source, 1234), _shots(source, 7)
+    assert len(first) == 3 and first == again
+    assert other != first

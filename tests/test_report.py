@@ -104,7 +104,7 @@ def test_error_cell_shows_its_log_tail_without_colour_codes(page: str) -> None:
 def test_drill_down_sections(page: str) -> None:
     assert page.count("<svg") == 4  # pass layer plot; fail layer plot + heat map; acceptance bars
     assert 'class="mismatch"' in page and "(plan 0)" in page  # broken layout highlighted
-    assert "<mark> was</mark>" in page and "<mark> is</mark>" in page  # first diverging token
+    assert "<mark>&#39; was&#39;</mark>" in page and "<mark>&#39; is&#39;</mark>" in page  # first diverging token, quoted
     assert "&lt;big&gt;" in page
     assert "Tom has 3 &lt;apples&gt; &amp; 2 pears?" in page  # GSM8K flip
     assert "baseline gate" in page and "reference_mean_acceptance" in page
@@ -339,8 +339,8 @@ def test_compare_format_details() -> None:
     assert "KV pool: budget_bytes=1.00 MiB · block_size=16" in page
     # hidden index 0 is the embedding; the localized layer 1 is hidden index 2
     assert ">emb</text>" in page and "first diverging layer 1" in page and "layer 1: error=0.4" in page
-    assert "parallel <code>(end of text)</code>" in page and "token ids ref 98 vs par -" in page
-    assert "\x07" not in page and "b\ufffd" in page
+    assert "parallel <code>(end of text)</code>" in page and "(id 98)</code>" in page
+    assert "\x07" not in page and "&#39;b\\x07&#39; (id 98)" in page  # the control character escaped, visible
     assert "<li>rank 1 holds kv heads 1</li>" in page  # every layout problem listed
     assert "div@1 p0" in page and "problems 2" in page
 

@@ -293,7 +293,7 @@ def test_suite_from_path(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("old,new,message", [
-    ("  logits: {}", "  logit: {}", r"unknown check 'logit' \(did you mean 'logits'\?\); valid checks: layout"),
+    ("  logits: {}", "  logit: {}", r"unknown check 'logit' \(did you mean 'logits'\?\); valid checks: inputs, layout"),
     ("topologies:", "topology:", r"unknown key 'topology' \(did you mean 'topologies'\?\)"),
     ("version: 1", "version: 0", "version=0 must be >= 1"),
     ("models: [tiny-gqa]", "models: tiny-gqa", "models must be a list"),

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import TEST_LAUNCH_TIMEOUT_S
+
 from harness.compare.layout_check import check_layout_with_pool
 from harness.compare.speculative import check_acceptance, check_lossless
 from harness.engine.engine import Engine, PoolSettings
@@ -65,7 +67,7 @@ def dist(spec_and_prompts, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     (folder / "config.json").write_text(json.dumps(config))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={TP}",
            "--max-restarts=0", "-m", "harness.engine.speculative_selftest", str(folder / "config.json")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TEST_LAUNCH_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((folder / "out.json").read_text())
     result["by_case"] = {(c["kind"], c["fault"]): c for c in result["cases"]}

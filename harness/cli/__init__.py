@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from types import ModuleType
@@ -11,11 +12,13 @@ from harness import __version__
 from harness.errors import ConfigError, HarnessError
 from harness.verdict import EXIT_ERROR, EXIT_USAGE
 
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader closed the pipe
 
 
 def _subcommands() -> list[ModuleType]:
-    from harness.cli import baseline, history, list_cmd, plan, report, run, signoff
-    return [plan, list_cmd, run, report, baseline, history, signoff]
+    from harness.cli import (baseline, cache, export, history, list_cmd, plan, report, run, serve, signoff,
+                             validate)
+    return [plan, list_cmd, run, report, baseline, cache, history, signoff, validate, export, serve]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command, for provenance
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows up here at the latest
+        return code
+    except BrokenPipeError:  # `harness plan --format json | head`: the reader is gone; exit quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return EXIT_BROKEN_PIPE
     except ConfigError as exc:
         print(f"harness: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

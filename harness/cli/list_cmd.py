@@ -1,4 +1,4 @@
-"""`harness list [suites|topologies|models|faults]`."""
+"""`harness list [suites|topologies|models|faults|engines|checks]`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from harness.specs.topology import load_catalog
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("list", help="list shipped suites, topologies, models or faults")
-    p.add_argument("what", nargs="?", default="all", choices=("all", "suites", "topologies", "models", "faults"))
+    p = sub.add_parser("list", help="list shipped suites, topologies, models, faults, engines or checks")
+    p.add_argument("what", nargs="?", default="all", choices=("all", *SECTIONS))
     p.set_defaults(func=run)
 
 
@@ -52,8 +52,38 @@ def _faults() -> list[str]:
     return [f"{f.name:<18} [{f.check}] {f.description}" for f in FAULTS.values()]
 
 
+def _engines() -> list[str]:
+    from harness.backends.registry import available, get_backend
+    from harness.errors import ConfigError
+
+    out = []
+    for name, info in available().items():
+        try:
+            backend = get_backend(name)
+        except ConfigError as exc:  # a backend that needs an option (replay:DIR) is listed without an instance
+            out.append(f"{name:<14} [{info.origin}] {exc}")
+            continue
+        caps = backend.capabilities()
+        out.append(f"{name:<14} [{info.origin}] version={backend.version()} noise={backend.noise_strategy()} "
+                   f"top_k={caps.top_k} provides={','.join(sorted(caps.provides))}")
+    return out
+
+
+def _checks() -> list[str]:
+    from harness.checks.catalog import CHECKS, SETTINGS_SECTIONS
+
+    out = [f"{'check':<18} {'suite checks: key':<28} {'cells':<12} {'needs':<44} what it compares"]
+    for spec in CHECKS:
+        section = spec.section + ("" if spec.section in SETTINGS_SECTIONS else " (enabled)")
+        out.append(f"{spec.name:<18} {section:<28} {spec.cells:<12} {spec.needs():<44} {spec.description}")
+    out.append("(an engine lacking a need makes the check a SKIP with the reason; "
+               "checks: {KEY: {enabled: false}} switches a key's checks off)")
+    return out
+
+
 SECTIONS: dict[str, Callable[[], list[str]]] = {
-    "suites": _suites, "topologies": _topologies, "models": _models, "faults": _faults}
+    "suites": _suites, "topologies": _topologies, "models": _models, "faults": _faults, "engines": _engines,
+    "checks": _checks}
 
 
 def run(args: argparse.Namespace) -> int:

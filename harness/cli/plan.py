@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from harness.cli.checks import positive_float, positive_int
 from harness.fmt import human_bytes, id_ranges, table
 from harness.errors import ConfigError
 from harness.layout import LAYOUT_SCHEMA_VERSION, plan_layout, plan_speculator, pool_capacity
@@ -19,9 +20,9 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="per-rank head/KV layout of a model over a topology")
     p.add_argument("--model", required=True, help="shipped model name, model spec .yaml, checkpoint or .gguf")
     p.add_argument("--topo", required=True, help="one topology, e.g. tp4dcp4 or tp8dcp2-mtp")
-    p.add_argument("--budget-gib", type=float, default=None, help="KV memory budget per rank, GiB")
-    p.add_argument("--max-seq-len", type=int, default=None, help="tokens per sequence slot (default: model's)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--budget-gib", type=positive_float, default=None, help="KV memory budget per rank, GiB")
+    p.add_argument("--max-seq-len", type=positive_int, default=None, help="tokens per sequence slot (default: model's)")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.set_defaults(func=run)
 

@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from harness.cli.checks import require_writable_dir
 from harness.paths import REPORTS_DIR
 from harness.report import exit_code, merge, print_matrix, render_all
 
@@ -32,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     cells, provenance, run_id = merge(dirs)
     only = dirs[0] if dirs[0].is_dir() else dirs[0].parent
     out = args.out or (only if len(dirs) == 1 else REPORTS_DIR / run_id)
+    require_writable_dir(out, "--out")
     histories = None
     if args.history is not None:
         from harness.history import histories_for

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness.cli.checks import positive_float, positive_int, require_device, require_writable_dir
 from harness.errors import ConfigError
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.paths import BASELINES_DIR, REPORTS_DIR
-from harness.multinode import parse_nodes
+from harness.multinode import check_engine, parse_nodes
 from harness.shard import parse_shard
 from harness.specs.model import load_model
 from harness.specs.suite import load_suite, with_profile
@@ -32,17 +36,22 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, action="append", default=None, help="seed (repeatable; default: suite's)")
     p.add_argument("--out", type=Path, default=None, help="report folder (default: reports/<run-id>)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--kv-budget-mib", type=int, default=None, help="KV pool budget per rank, MiB (default: suite's)")
-    p.add_argument("--max-seq-len", type=int, default=None, help="tokens per KV sequence slot (default: suite's)")
+    p.add_argument("--kv-budget-mib", type=positive_int, default=None, help="KV pool budget per rank, MiB (default: suite's)")
+    p.add_argument("--max-seq-len", type=positive_int, default=None, help="tokens per KV sequence slot (default: suite's)")
     p.add_argument("--profile", default=None, help="a profile of the suite (e.g. nightly) overriding its settings")
     p.add_argument("--gsm8k-path", default=None, help="folder with GSM8K test.jsonl/train.jsonl "
                    "(default: $HARNESS_GSM8K_PATH, else the hub through datasets)")
     p.add_argument("--baselines-dir", type=Path, default=BASELINES_DIR, help="stored GSM8K baselines (default: baselines/)")
-    p.add_argument("--timeout", type=float, default=LAUNCH_TIMEOUT_S, help="seconds before a launch is killed")
-    p.add_argument("--collective-timeout", type=float, default=COLLECTIVE_TIMEOUT_S,
+    p.add_argument("--timeout", type=positive_float, default=None,
+                   help=f"seconds before a launch is killed (default: ${TIMEOUT_ENV} or {LAUNCH_TIMEOUT_S:.0f})")
+    p.add_argument("--collective-timeout", type=positive_float, default=COLLECTIVE_TIMEOUT_S,
                    help="seconds before a collective fails")
     p.add_argument("--cache-dir", type=Path, default=None, help="reference-run cache (default: $HARNESS_CACHE_DIR "
                    "or ~/.cache/llm-parallel-harness)")
+    p.add_argument("--engine", default="embedded",
+                   help="backend of the parallel runs, NAME or NAME:OPTION (harness list engines; default: embedded)")
+    p.add_argument("--reference-engine", default=None,
+                   help="backend of the reference runs (default: the same engine at the suite's reference topology)")
     p.add_argument("--shard", default=None, metavar="K/N",
                    help="run only share K of N of the matrix (cost-balanced; merge with harness report DIR...)")
     p.add_argument("--history", type=Path, default=None, help="record the run into this history database "
@@ -54,6 +63,22 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                    help="node 0's rendezvous address; the k-th cell uses PORT+k")
     p.set_defaults(func=run)
+
+
+TIMEOUT_ENV = "HARNESS_LAUNCH_TIMEOUT_S"
+
+
+def launch_timeout(flag: float | None) -> float:
+    """--timeout, else $HARNESS_LAUNCH_TIMEOUT_S (a test run or a slow box sets it once), else the default."""
+    if flag is not None:
+        return flag
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return LAUNCH_TIMEOUT_S
+    try:
+        return positive_float(text)
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(f"{TIMEOUT_ENV}={text!r}: {exc}") from None
 
 
 def run_id(suite: str) -> str:
@@ -88,20 +113,79 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     if gsm8k is not None:  # resolved here so a bad path is one error before any rank starts
         folder = resolve_source(args.gsm8k_path).folder
         gsm8k_data = str(folder) if folder else None
+    out_dir = Path(args.out or REPORTS_DIR / run_id(suite.name))
+    cache_dir = args.cache_dir or default_cache_dir()
+    require_writable_dir(out_dir, "--out")
+    require_writable_dir(cache_dir, "--cache-dir")
+    require_device(args.device, [t.tp for t in topologies])
+    from harness.backends.registry import get_backend
+    get_backend(args.engine)  # an unknown engine or a bad option: one error before anything runs
+    if args.reference_engine:
+        get_backend(args.reference_engine)
+    nodes = parse_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint,
+                        len(suite.seeds if not args.seed else args.seed) * len(models) * len(topologies),
+                        launch_timeout(args.timeout))
+    check_engine(args.engine, nodes)
     return RunRequest(
+        engine=args.engine, reference_engine=args.reference_engine,
+        reproduce=reproduce_args(args, budget_mib, max_seq_len),
+        model_refs=tuple((m.name, _ref(r)) for m, r in zip(models, [args.model] if args.model else suite.models)),
         suite=suite, models=models, topologies=tuple(topologies), fault=args.fault,
-        seeds=tuple(args.seed) if args.seed else suite.seeds, out_dir=Path(args.out or REPORTS_DIR / run_id(suite.name)),
-        cache_dir=args.cache_dir or default_cache_dir(), device=args.device, timeout_s=args.timeout,
+        seeds=tuple(args.seed) if args.seed else suite.seeds, out_dir=out_dir,
+        cache_dir=cache_dir, device=args.device, timeout_s=launch_timeout(args.timeout),
         collective_timeout_s=args.collective_timeout, gsm8k=gsm8k, gsm8k_data=gsm8k_data,
         baselines_dir=args.baselines_dir, shard=parse_shard(args.shard) if args.shard else None,
-        nodes=parse_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint,
-                          len(suite.seeds if not args.seed else args.seed) * len(models) * len(topologies),
-                          args.timeout),
-        pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)))
+        nodes=nodes, pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)))
+
+
+def _ref(ref: str) -> str:
+    """A suite or model as given, absolute when it is a path (so the command works from any folder)."""
+    path = Path(ref)
+    by_path = "/" in ref or path.suffix != ""  # shipped names have neither
+    return str(path.resolve()) if by_path and path.exists() else ref
+
+
+def _engine_ref(engine: str) -> str:
+    """NAME:OPTION with an OPTION that is an existing path made absolute."""
+    name, sep, option = engine.partition(":")
+    return f"{name}:{_ref(option)}" if sep and option else engine
+
+
+def reproduce_args(args: argparse.Namespace, budget_mib: int, max_seq_len: int) -> tuple[str, ...]:
+    """The flags every cell's reproduce command repeats: what decides its verdicts besides the cell."""
+    out = ["--suite", _ref(args.suite)]
+    if args.profile:
+        out += ["--profile", args.profile]
+    out += ["--kv-budget-mib", str(budget_mib), "--max-seq-len", str(max_seq_len)]
+    if args.engine != "embedded":
+        out += ["--engine", _engine_ref(args.engine)]
+    if args.reference_engine:
+        out += ["--reference-engine", _engine_ref(args.reference_engine)]
+    if args.device != "cpu":
+        out += ["--device", args.device]
+    if args.gsm8k_path:
+        out += ["--gsm8k-path", _ref(args.gsm8k_path)]
+    if Path(args.baselines_dir).resolve() != BASELINES_DIR.resolve():
+        out += ["--baselines-dir", _ref(str(args.baselines_dir))]
+    return tuple(out)
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.runner import Runner, plan_cells
+    from harness.cli.signals import exit_status, interrupt_on_signals
+    from harness.errors import Interrupted
+
+    with interrupt_on_signals():
+        try:
+            return _run(args)
+        except Interrupted as exc:  # before the matrix ran (the run itself reports what finished)
+            print(f"harness: {exc}; no report written", file=sys.stderr, flush=True)
+            return exit_status(exc)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from harness.cli.signals import exit_status
+    from harness.errors import Interrupted
+    from harness.runner import Runner, partial_dirs, plan_cells
     from harness.report import render_all
     from harness.report.results import exit_code
     from harness.report.text import print_matrix
@@ -115,7 +199,18 @@ def run(args: argparse.Namespace) -> int:
         from harness.multinode import follow
         return follow(runner, lambda line: print(line, flush=True))
     start = time.time()
-    cells = runner.run()
+    try:
+        cells = runner.run()
+    except Interrupted as exc:  # every launch is stopped by now; keep what finished, drop half-written cache
+        for staging in partial_dirs(req.cache_dir, os.getpid()):
+            shutil.rmtree(staging, ignore_errors=True)
+        cells = list(runner.finished)
+        provenance = {**runner.provenance(args.argv),
+                      "interrupted": {"signal": exc.name, "cells_finished": len(cells), "cells_planned": len(planned)}}
+        paths = render_all(req.out_dir, cells, provenance, req.out_dir.name)
+        print(f"harness: {exc} after {len(cells)} of {len(planned)} cells; report of those: {paths['html']}",
+              file=sys.stderr, flush=True)
+        return exit_status(exc)
     paths = render_all(req.out_dir, cells, runner.provenance(args.argv), req.out_dir.name)
     record_history(args.history, req.out_dir, cells, runner.provenance(args.argv), req.out_dir.name)
     print(print_matrix(cells))

@@ -90,12 +90,16 @@ def _head_summary(layer: int, heads: list[int], plan: LayoutPlan,
     groups = sorted({plan.ranks[r].dcp_group for r in ranks})
     group_text = (f" (DCP group{'s' if len(groups) > 1 else ''} {id_ranges(groups)})" if plan.dcp > 1 else "")
     summary = (f"layer {layer} attention: heads {id_ranges(heads)} on rank{'s' if len(ranks) > 1 else ''} "
-               f"{id_ranges(ranks)}{group_text} diverge; reads KV head{'s' if len(kv) > 1 else ''} {id_ranges(kv)}")
+               f"{id_ranges(ranks)}{group_text} diverge")
     misread = [h for h in heads if reads[h] != {kv_of_q(plan.shape, h)}]
-    if misread:
+    if misread:  # name the wrong reads, not every KV head the heads touch (that narrows nothing)
         h = misread[0]
+        wrong = sorted(set().union(*(reads[q] - {kv_of_q(plan.shape, q)} for q in misread)))
         summary += (f"; heads {id_ranges(misread)} read the wrong KV heads (e.g. head {h} reads "
-                    f"{id_ranges(reads[h])}, planned {kv_of_q(plan.shape, h)})")
+                    f"{id_ranges(reads[h])}, planned {kv_of_q(plan.shape, h)}); wrong reads of "
+                    f"KV head{'s' if len(wrong) > 1 else ''} {id_ranges(wrong)}")
+    else:
+        summary += f"; reads KV head{'s' if len(kv) > 1 else ''} {id_ranges(kv)}"
     return ranks, kv, summary
 
 

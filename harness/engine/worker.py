@@ -1,26 +1,33 @@
 """The per-rank entry point: `python -m harness.engine.worker JOB.json`, started by torchrun (or
 directly at world size 1). Joins the process group, builds the engine, runs every case of the job in
-lockstep, and rank 0 writes the run directory."""
+lockstep, and rank 0 writes the run directory.
+
+`--topk K` is the top-k-only mode (backend `embedded-topk`): the run withholds full logits, hidden
+states and attention outputs and writes the top-K log-probabilities of both teacher-forced paths
+instead, as an engine that only returns top-k logprobs would (harness/contract.py)."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
 import platform
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from harness import __version__
+from harness import contract as c_
 from harness.artifacts import Case, write_run
-from harness.gsm8k.cell import RESULT_FILE as GSM8K_FILE
-from harness.jsonio import read_json, write_json
+from harness.contract import Job
+from harness.jsonio import write_json
 from harness.cases import build_cases
+from harness.engine import ENGINE_VERSION
 from harness.engine.engine import Engine, PoolSettings
 from harness.engine.faults import fault_flags
 from harness.engine.parallel import ParallelState
@@ -28,38 +35,40 @@ from harness.engine.speculative import run_speculative_cases, spec_manifest, spe
 from harness.engine.speculator import SpeculativeSettings, speculator_for
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
 from harness.engine.weights import load_weights, weights_hash
-from harness.limits import COLLECTIVE_TIMEOUT_S
 from harness.specs.model import model_from_dict
 from harness.specs.topology import Topology
 
-ENGINE_VERSION = "1"
+__all__ = ["ENGINE_VERSION", "INJECT_ENV", "Job", "main", "run_job", "tokenizer_hash", "topk_logprobs"]
 INJECT_ENV = "HARNESS_INJECT_RANK_FAILURE"  # "crash:R" or "hang:R": test hook for the launcher's error path
 
 
-@dataclass(frozen=True)
-class Job:
-    """Everything a launch needs, written by the runner as job.json in the run directory."""
+def tokenizer_hash(tokenizer: Tokenizer) -> str:
+    """A fingerprint of the tokenizer: its kind, special ids and the text of every id."""
+    h = hashlib.sha256(json.dumps([type(tokenizer).__name__, tokenizer.vocab_size, tokenizer.bos_id,
+                                   tokenizer.eos_id]).encode())
+    for i in range(tokenizer.vocab_size):
+        h.update(tokenizer.decode([i]).encode("utf-8", errors="replace") + b"\0")
+    return h.hexdigest()
 
-    model: dict[str, Any]
-    topology: dict[str, Any]
-    prompts: list[str]
-    out_dir: str
-    fault: str | None = None
-    dtype: str | None = None
-    seed: int = 0
-    max_new_tokens: int = 16
-    decode_prefix_tokens: int = 4
-    top_k: int = 5
-    pool: dict[str, int] = field(default_factory=dict)
-    device: str = "cpu"
-    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
-    git_commit: str = ""
-    gsm8k: dict[str, Any] | None = None
-    speculative: dict[str, Any] = field(default_factory=dict)
 
-    @classmethod
-    def load(cls, path: Path) -> "Job":
-        return cls(**read_json(path))
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, V] logits -> ([T, k] int64 ids, [T, k] float32 log-probabilities), best first."""
+    lp = torch.log_softmax(logits.to(torch.float64), dim=-1)  # [T, V]
+    top = lp.topk(min(k, lp.shape[-1]), dim=-1)  # [T, k]
+    return top.indices.to(torch.long), top.values.to(torch.float32)
+
+
+def _case_tensors(index: int, prefill: torch.Tensor, decode: Any, topk_only: int | None) -> dict[str, torch.Tensor]:
+    """The teacher-forced tensors of one case: full logits, hidden states and attention outputs, or
+    in the top-k-only mode only the top-k log-probabilities of both paths."""
+    key = c_.tensor_key
+    if topk_only is None:
+        return {key(c_.PREFILL_LOGITS, index): prefill, key(c_.DECODE_LOGITS, index): decode.logits,
+                key(c_.HIDDEN, index): decode.hidden, key(c_.ATTN, index): decode.attn}
+    pre_ids, pre_lps = topk_logprobs(prefill, topk_only)
+    dec_ids, dec_lps = topk_logprobs(decode.logits, topk_only)
+    return {key(c_.PREFILL_TOPK_IDS, index): pre_ids, key(c_.PREFILL_TOPK_LOGPROBS, index): pre_lps,
+            key(c_.DECODE_TOPK_IDS, index): dec_ids, key(c_.DECODE_TOPK_LOGPROBS, index): dec_lps}
 
 
 def _inject_failure(rank: int) -> None:
@@ -85,7 +94,7 @@ def _run_gsm8k(job: Job, engine: Engine, tokenizer: Tokenizer) -> dict[str, Any]
     return evaluate_engine(engine, tokenizer, settings, job.gsm8k.get("data_path")).to_dict()
 
 
-def run_job(job: Job) -> None:
+def run_job(job: Job, topk_only: int | None = None) -> None:
     t0 = time.time()
     topo = Topology(tp=job.topology["tp"], dcp=job.topology["dcp"], speculator=job.topology["speculator"],
                     name=job.topology["name"])
@@ -116,20 +125,21 @@ def run_job(job: Job) -> None:
         tensors: dict[str, torch.Tensor] = {}
         done: list[Case] = []
         for c, p, d, toks, ids, lps in zip(cases, prefill, decode, gen.tokens, gen.topk_ids, gen.topk_logprobs):
-            tensors.update({f"prefill_logits.{c.index}": p, f"decode_logits.{c.index}": d.logits,
-                            f"hidden.{c.index}": d.hidden, f"attn.{c.index}": d.attn,
-                            f"gen_tokens.{c.index}": torch.tensor(toks, dtype=torch.long),
-                            f"gen_topk_ids.{c.index}": ids, f"gen_topk_logprobs.{c.index}": lps})
+            tensors.update(_case_tensors(c.index, p, d, topk_only))
+            tensors.update({c_.tensor_key(c_.GEN_TOKENS, c.index): torch.tensor(toks, dtype=torch.long),
+                            c_.tensor_key(c_.GEN_TOPK_IDS, c.index): ids,
+                            c_.tensor_key(c_.GEN_TOPK_LOGPROBS, c.index): lps})
             done.append(replace(c, generated_ids=tuple(toks), generated_text=tokenizer.decode(toks)))
         layout = {"target": {"ranks": layouts, "pool": engine.pool.to_dict()}, "speculator": spec_entry}
         manifest = {
             "status": "ok", "error": None, "topology": topo.to_dict(), "model": spec.to_dict(),
             "fault": job.fault, "seed": job.seed, "dtype": job.dtype or spec.dtype,
-            "weights_hash": weights_hash(weights), "engine_version": ENGINE_VERSION,
-            "prompts_hash": hashlib.sha256(json.dumps([c.sequence_ids for c in cases]).encode()).hexdigest(),
+            c_.MANIFEST_WEIGHTS_HASH: weights_hash(weights), "engine_version": ENGINE_VERSION,
+            c_.MANIFEST_PROMPTS_HASH: hashlib.sha256(json.dumps([c.sequence_ids for c in cases]).encode()).hexdigest(),
+            c_.MANIFEST_TOKENIZER_HASH: tokenizer_hash(tokenizer), "topk_only": topk_only,
             "versions": {"harness": __version__, "torch": torch.__version__, "python": platform.python_version()},
             "device": job.device if job.device == "cpu" else torch.cuda.get_device_name(),
-            "git_commit": job.git_commit, "host": platform.node(),
+            "git_commit": job.git_commit, "host": platform.node(), "threads_per_rank": torch.get_num_threads(),
             "wall_s": {"init": t_init - t0, "load": t_load - t_init, "run": t_run - t_load,
                        "total": time.time() - t0},
         }
@@ -137,18 +147,21 @@ def run_job(job: Job) -> None:
             tensors.update(spec_tensors(spec_result, [c.index for c in cases]))  # spec_tokens.{i}, spec_accepted.{i}
             manifest["speculative"] = spec_manifest(spec_result, spec_settings)
         if gsm8k is not None:
-            write_json(Path(job.out_dir) / GSM8K_FILE, gsm8k)
+            write_json(Path(job.out_dir) / c_.GSM8K_FILE, gsm8k)
         write_run(Path(job.out_dir), manifest, layout, done, tensors)
     state.barrier()
     state.shutdown()
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m harness.engine.worker JOB.json", file=sys.stderr)
-        return 2
-    run_job(Job.load(Path(args[0])))
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.engine.worker")
+    parser.add_argument("job", type=Path, help="job.json written by the launcher")
+    parser.add_argument("--topk", type=int, default=None, metavar="K",
+                        help="top-k-only mode: write top-K logprobs instead of full logits and hidden states")
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    if args.topk is not None and args.topk < 1:
+        parser.error(f"--topk={args.topk} must be >= 1")
+    run_job(Job.load(args.job), args.topk)
     return 0
 
 

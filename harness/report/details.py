@@ -45,6 +45,7 @@ MAX_TABLE_ROWS = 200
 _PROMPT_SKIP = ("index", "prompt", "offset")
 _PROMPT_FIRST = ("max_kl", "max_abs", "top1_agreement", "first_diverging_position", "problem")
 _PROMPT_SHOWN = 4
+_POOL_PLAN_KEYS = (("kv_pool_blocks", "blocks"), ("kv_pool_bytes", "pool_bytes"))
 _LAYOUT_FIRST = ("q_heads", "kv_heads", "dcp_group", "dcp_rank", "kv_tp_rank", "q_to_kv", "q_to_local_kv")
 
 
@@ -186,6 +187,9 @@ def _checksum_text(value: Any) -> str:
 
 def _layout_text(key: str, value: Any) -> tuple[str, str]:
     """(shown text, full text for the tooltip) of one layout value."""
+    if "_to_" in key and isinstance(value, list):  # a per-head mapping: always one entry per head
+        full = ",".join(str(v) for v in value)
+        return full, full
     full = _compact(value)
     if "checksum" in key:
         return _checksum_text(value), full
@@ -211,10 +215,14 @@ def _differs(planned: dict[str, Any] | None, actual: dict[str, Any] | None, key:
         and planned[key] != actual[key]
 
 
-def layout_view(data: Any) -> LayoutView | None:
-    """Per-rank layout, actual against planned; mismatching values highlighted."""
+def layout_view(data: Any, pool_expected: dict[str, Any] | None = None) -> LayoutView | None:
+    """Per-rank layout, actual against planned; mismatching values highlighted. `pool_expected` (the
+    layout check's expected pool: "blocks", "pool_bytes") is the plan's kv_pool_blocks/kv_pool_bytes."""
     section = _dict(data, "layout")
     planned, actual = _ranks(section.get("planned"), "planned"), _ranks(section.get("actual"), "actual")
+    if pool_expected is not None:
+        planned_pool = {key: pool_expected[src] for key, src in _POOL_PLAN_KEYS if src in pool_expected}
+        planned = {r: {**planned_pool, **row} for r, row in planned.items()}
     if not planned and not actual:
         return None
     source = "actual vs planned" if planned and actual else "planned only" if planned else "actual only"
@@ -254,17 +262,37 @@ def _pool(section: dict[str, Any]) -> tuple[str, ...]:
 def _context(value: Any) -> Context | None:
     if isinstance(value, str):
         return Context(before=value, token="", after="")
-    if isinstance(value, dict):
-        return Context(before=str(value.get("before", "")), token=str(value.get("token", "")),
+    if isinstance(value, dict):  # the highlighted token escaped: an empty or U+FFFD token stays visible
+        token = value.get("token")
+        return Context(before=str(value.get("before", "")), token=visible(token) if isinstance(token, str) else "",
                        after=str(value.get("after", "")))
     return None
 
 
-def _token(value: Any, diverged: bool) -> str:
-    """A diverging token, quoted so that whitespace shows; None is the end of the text."""
+def visible(text: str) -> str:
+    """Text quoted with every invisible or ambiguous character escaped: whitespace other than the
+    space, control and format characters, and U+FFFD (a token that is part of a UTF-8 sequence
+    decodes to it), so two different tokens never look alike."""
+    out = []
+    for ch in text:
+        if ch in "\\'":
+            out.append("\\" + ch)
+        elif ch == " " or (ch.isprintable() and ch != "\ufffd"):
+            out.append(ch)
+        elif ch in "\n\t\r":
+            out.append({"\n": "\\n", "\t": "\\t", "\r": "\\r"}[ch])
+        else:
+            out.append(f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+    return "'" + "".join(out) + "'"
+
+
+def _token(value: Any, token_id: Any, diverged: bool) -> str:
+    """A diverging token: its escaped text and its id ("'\\ufffd' (id 210)", "'' (id 285)"); None is
+    the end of the text."""
     if value is None:
         return "(end of text)" if diverged else ""
-    return repr(value) if isinstance(value, str) else str(value)
+    text = visible(value) if isinstance(value, str) else str(value)
+    return f"{text} (id {format_number(token_id)})" if token_id is not None else text
 
 
 def _generation_text(gen: dict[str, Any]) -> tuple[str, bool, bool]:
@@ -300,8 +328,8 @@ def _prompt_view(i: int, raw: Any) -> PromptView:
                       prefill=_metrics(p.get("prefill"), f"prompts[{i}].prefill"),
                       decode=_metrics(p.get("decode"), f"prompts[{i}].decode"),
                       generation=outcome, diverged=diverged, benign=benign,
-                      ref_token=_token(gen.get("ref_token"), diverged),
-                      par_token=_token(gen.get("par_token"), diverged),
+                      ref_token=_token(gen.get("ref_token"), gen.get("ref_token_id"), diverged),
+                      par_token=_token(gen.get("par_token"), gen.get("par_token_id"), diverged),
                       token_ids=_token_ids(gen.get("ref_token_id"), gen.get("par_token_id")),
                       context_ref=_context(gen.get("context_ref")), context_par=_context(gen.get("context_par")),
                       ref_text=str(gen.get("ref_text", "")), par_text=str(gen.get("par_text", "")))

@@ -33,6 +33,8 @@ from harness.report.matrix import (
     MatrixRow,
     build_matrix,
     headline,
+    interrupted_text,
+    key_legend,
     key_number,
     localization_text,
     metrics_text,
@@ -119,11 +121,19 @@ def _anchor(row: MatrixRow) -> str:
 
 
 def _first_problem(cell: CellResult) -> str:
-    for verdict in (Verdict.FAIL, Verdict.ERROR, Verdict.WARN):
+    for verdict in (Verdict.FAIL, Verdict.ERROR, Verdict.WARN, Verdict.SKIP):
         for check in cell.checks:
             if check.verdict is verdict:
                 return f"{check.name}: {check.reason}"
     return "" if cell.checks else "no checks ran"
+
+
+def _pool_expected(cell: CellResult, check_name: str) -> dict[str, Any] | None:
+    """The KV pool the layout check expected (its metrics' pool_expected), for the planned side."""
+    for check in cell.checks:
+        if check.name == check_name and isinstance(check.metrics.get("pool_expected"), dict):
+            return dict(check.metrics["pool_expected"])
+    return None
 
 
 def cell_view(row: MatrixRow) -> CellView:
@@ -136,8 +146,9 @@ def cell_view(row: MatrixRow) -> CellView:
         row=row, checks=tuple(map(check_view, cell.checks)), anchor=_anchor(row),
         expanded=cell.status in (Verdict.FAIL, Verdict.ERROR),
         first_problem=_first_problem(cell), localization=localization_text(loc) if loc else "",
-        layout=_section(details, "layout", layout_view, notes),
-        speculator_layout=_section(details, "speculator_layout", layout_view, notes),
+        layout=_section(details, "layout", lambda d: layout_view(d, _pool_expected(cell, "layout")), notes),
+        speculator_layout=_section(details, "speculator_layout",
+                                   lambda d: layout_view(d, _pool_expected(cell, "speculator_layout")), notes),
         prompts=_section(details, "prompts", prompts_view, notes),
         layer_plot=_section(details, "layer_errors",
                             lambda d: layer_error_plot(_object(d), loc.layer if loc else None), notes),
@@ -195,9 +206,11 @@ def render_html(cells: list[CellResult], provenance: dict[str, Any], run_id: str
     history, flaky = history_views(matrix, histories)
     problems = [v for v in views if v.row.cell.status in (Verdict.FAIL, Verdict.ERROR)
                 and not v.row.cell.silent_corruption]
+    skipped = [v for v in views if v.row.cell.status is Verdict.SKIP]
     page = _environment().get_template("index.html.j2").render(
-        run_id=run_id, head=headline(cells), counts=summary_counts(cells), verdicts=list(Verdict),
-        matrix=matrix, banner=banner_items(matrix), problems=problems, cells=views,
+        run_id=run_id, head=headline(cells, interrupted_text(provenance)), counts=summary_counts(cells), verdicts=list(Verdict),
+        matrix=matrix, banner=banner_items(matrix), problems=problems, skipped=skipped, cells=views,
+        legend=key_legend(cells),
         provenance=provenance_items(provenance), command=str(provenance.get("command", "")),
         sources=_sources(provenance), harness_version=__version__, history=history, flaky=flaky,
         rendered=datetime.now(timezone.utc).isoformat(timespec="seconds"))

@@ -31,11 +31,20 @@ def _classnames(cells: list[CellResult]) -> list[str]:
     return names
 
 
+def _lists_text(check: CheckResult) -> list[str]:
+    """The check's lists of text (e.g. every layout problem), one '- item' line each under 'name:'."""
+    out = []
+    for name, value in check.metrics.items():
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            out += [f"{name}:", *(f"- {v}" for v in value)]
+    return out
+
+
 def _testcase(parent: ET.Element, classname: str, check: CheckResult, cell: CellResult) -> None:
     case = ET.SubElement(parent, "testcase", classname=xml_safe(classname), name=xml_safe(check.name))
     if cell.command:
         ET.SubElement(case, "properties").append(ET.Element("property", name="command", value=xml_safe(cell.command)))
-    body = "\n".join(metrics_text(check.metrics))
+    body = "\n".join([*_lists_text(check), *metrics_text(check.metrics)])
     reason = xml_safe(check.reason)
     if check.verdict is Verdict.FAIL:
         kind = "silent-corruption" if cell.silent_corruption else "FAIL"
@@ -44,8 +53,8 @@ def _testcase(parent: ET.Element, classname: str, check: CheckResult, cell: Cell
     elif check.verdict is Verdict.ERROR:
         text = clean_log(cell.error_log) if cell.error_log else xml_safe(body)
         ET.SubElement(case, "error", message=reason, type="ERROR").text = text
-    elif check.verdict is Verdict.SKIP:
-        ET.SubElement(case, "skipped", message=reason)
+    elif check.verdict is Verdict.SKIP:  # the reason as message and text: CI pages show one or the other
+        ET.SubElement(case, "skipped", message=reason).text = reason
     elif check.verdict is Verdict.WARN:
         ET.SubElement(case, "system-out").text = xml_safe(f"WARN: {check.reason}\n{body}")
 

@@ -99,16 +99,45 @@ def _key_value(value: Any) -> str | None:
     return None
 
 
-def key_number(check: CheckResult) -> str:
-    """The check's key number for the matrix, e.g. 'KL 3.2e-01' or 'div@5 p2'; '' when it has none."""
+# What each key-number label in the matrix means (the legend under it lists the labels in use).
+KEY_LEGEND: dict[str, str] = {
+    "KL": "largest KL divergence of the next-token distribution, parallel vs reference",
+    "div@": "div@N pP: generation first diverges at token N of prompt P",
+    "acc": "mean accepted draft length per step",
+    "agree": "fraction of GSM8K answers equal to the reference's",
+    "max|d|": "largest absolute logit difference",
+    "problems": "number of layout problems (listed in the cell's drill-down)",
+    "mismatches": "number of mismatching values",
+    "score": "GSM8K score",
+    "accuracy": "accuracy",
+    "agreement": "agreement with the reference",
+}
+
+
+def _key_metric(check: CheckResult) -> tuple[str, str] | None:
+    """(label, value text) of the check's key number, or None."""
     named = check.metrics.get("headline")
     names = [named] if isinstance(named, str) else list(KEY_METRICS)
     for name in names:
         text = _key_value(check.metrics.get(name))
         if text is not None:
-            short = _SHORT.get(name, name)
-            return f"{short}{'' if short.endswith('@') else ' '}{text}"
-    return ""
+            return _SHORT.get(name, name), text
+    return None
+
+
+def key_number(check: CheckResult) -> str:
+    """The check's key number for the matrix, e.g. 'KL 3.2e-01' or 'div@5 p2'; '' when it has none."""
+    key = _key_metric(check)
+    if key is None:
+        return ""
+    short, text = key
+    return f"{short}{'' if short.endswith('@') else ' '}{text}"
+
+
+def key_legend(cells: list[CellResult]) -> list[tuple[str, str]]:
+    """(label, meaning) of every key-number label the matrix of `cells` shows, in order of use."""
+    used = dict.fromkeys(k[0] for c in cells for ch in c.checks if (k := _key_metric(ch)) is not None)
+    return [(label, KEY_LEGEND.get(label, label)) for label in used]
 
 
 def metrics_text(metrics: dict[str, Any], limit: int | None = None, skip: tuple[str, ...] = ()) -> list[str]:
@@ -180,8 +209,33 @@ def build_matrix(cells: list[CellResult]) -> Matrix:
     return Matrix(key_headers=headers, check_names=tuple(names), rows=tuple(rows))
 
 
-def headline(cells: list[CellResult]) -> Headline:
-    """The overall verdict of a set of cells, phrased for a release manager."""
+def plural(n: int, word: str) -> str:
+    """'1 cell', '2 cells', '0 cells'."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def interrupted_text(provenance: dict[str, Any]) -> str:
+    """One sentence when the run was stopped by a signal (provenance["interrupted"]), else ''."""
+    info = provenance.get("interrupted")
+    if not isinstance(info, dict):
+        return ""
+    done, planned = info.get("cells_finished", "?"), info.get("cells_planned", "?")
+    return (f"Run interrupted by {info.get('signal', 'a signal')} after {done} of {planned} cells; "
+            f"only the finished cells are shown.")
+
+
+def headline(cells: list[CellResult], interrupted: str = "") -> Headline:
+    """The overall verdict of a set of cells, phrased for a release manager; an interrupted run
+    (`interrupted`: interrupted_text()) is never shippable."""
+    head = _headline(cells)
+    if not interrupted:
+        return head
+    if head.verdict is Verdict.FAIL:
+        return Headline(head.verdict, head.title, f"{interrupted} {head.text}")
+    return Headline(Verdict.ERROR, "INTERRUPTED", f"{interrupted} In those: {head.text}")
+
+
+def _headline(cells: list[CellResult]) -> Headline:
     n = len(cells)
     count = {v: sum(1 for c in cells if c.status is v) for v in Verdict}
     silent = sum(1 for c in cells if c.silent_corruption)

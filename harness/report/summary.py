@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harness.report.matrix import Matrix, build_matrix, headline, provenance_items, suspect_text
+from harness.report.matrix import (Matrix, build_matrix, headline, interrupted_text, plural, provenance_items,
+                                   suspect_text)
 from harness.report.results import summary_counts
 from harness.verdict import CellResult, Verdict
 
@@ -54,18 +55,24 @@ def _problems(matrix: Matrix) -> list[str]:
             bad = [ch for ch in r.cell.checks if ch.verdict in (Verdict.FAIL, Verdict.ERROR)]
             reason = "; ".join(f"{ch.name}: {ch.reason}" for ch in bad) or "no checks ran"
             out.append(f"- {md_escape(r.label)} {r.cell.status.value}: {md_escape(reason)}")
+    skipped = [r for r in matrix.rows if r.cell.status is Verdict.SKIP]
+    if skipped:
+        out += ["", "### Skipped", ""]
+        for r in skipped:
+            reasons = "; ".join(ch.reason for ch in r.cell.checks if ch.verdict is Verdict.SKIP) or "no checks ran"
+            out.append(f"- {md_escape(r.label)}: {md_escape(reasons)}")
     return out
 
 
 def render_summary(cells: list[CellResult], provenance: dict[str, Any], run_id: str) -> str:
     matrix = build_matrix(cells)
-    head = headline(cells)
+    head = headline(cells, interrupted_text(provenance))
     counts = summary_counts(cells)
     count_line = ", ".join(f"{counts[v.value.lower()]} {v.value}" for v in Verdict)
     prov = " · ".join(f"{k} {md_escape(text)}" for k, text in provenance_items(provenance))
     lines = [f"## Harness report {md_escape(run_id)}: {head.verdict.value}", "",
              f"**{head.title}**: {md_escape(head.text)}", "",
-             f"{counts['cells']} cells: {count_line}; {counts['silent_corruption']} silent corruption.", "",
+             f"{plural(counts['cells'], 'cell')}: {count_line}; {counts['silent_corruption']} silent corruption.", "",
              *_table(matrix), *_problems(matrix)]
     if prov:
         lines += ["", f"Provenance: {prov}"]

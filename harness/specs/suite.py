@@ -6,12 +6,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from harness.checks.catalog import ENABLED_KEY, SECTIONS, SETTINGS_SECTIONS
 from harness.errors import ConfigError
 from harness.paths import SUITES_DIR
 from harness.specs.loader import build, did_you_mean, expect_int, load_yaml
 
-CHECKS: tuple[str, ...] = ("layout", "logits", "generation", "localization", "gsm8k", "lossless", "acceptance",
-                           "speculator_layout")
+CHECKS: tuple[str, ...] = SECTIONS  # the `checks:` keys: one list, the check registry's (harness list checks)
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,23 @@ class Suite:
                                   f"valid checks: {', '.join(CHECKS)}")
             if settings is not None and not isinstance(settings, Mapping):
                 raise ConfigError(f"{where}: settings of check {check!r} must be a mapping, got {settings!r}")
+            settings = settings or {}
+            if not isinstance(settings.get(ENABLED_KEY, True), bool):
+                raise ConfigError(f"{where}: checks.{check}.{ENABLED_KEY} must be true or false, "
+                                  f"got {settings[ENABLED_KEY]!r}")
+            unread = sorted(str(k) for k in settings if k != ENABLED_KEY)
+            if check not in SETTINGS_SECTIONS and unread:  # accepted but never read: rejected
+                raise ConfigError(f"{where}: checks.{check} takes only {ENABLED_KEY!r}, got {', '.join(unread)}"
+                                  + (" (GSM8K settings go under the suite's top-level gsm8k:)"
+                                     if check == "gsm8k" else ""))
 
     def check_settings(self, check: str) -> Mapping[str, Any]:
-        return self.checks.get(check) or {}
+        """The settings of section `check` (tolerances), without its `enabled` switch."""
+        return {k: v for k, v in (self.checks.get(check) or {}).items() if k != ENABLED_KEY}
+
+    def check_enabled(self, check: str) -> bool:
+        """False when the suite switches section `check` off (`enabled: false`)."""
+        return bool((self.checks.get(check) or {}).get(ENABLED_KEY, True))
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "models": list(self.models),

@@ -1,0 +1,34 @@
+"""Helpers every backend shares: stamping the manifest with who produced a run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from harness.contract import MANIFEST_BACKEND, MANIFEST_FILE, Backend, Capabilities
+from harness.errors import RunError
+from harness.jsonio import read_json, write_json
+
+
+def backend_record(backend: Backend) -> dict[str, Any]:
+    """The manifest's `backend` entry: name, version and capabilities."""
+    return {"name": backend.name, "version": backend.version(), "capabilities": backend.capabilities().to_dict()}
+
+
+def stamp_manifest(run_dir: Path, backend: Backend) -> None:
+    """Record the backend in run_dir's manifest.json (left alone when there is none to stamp)."""
+    path = run_dir / MANIFEST_FILE
+    try:
+        manifest = read_json(path)
+    except RunError:
+        return
+    if isinstance(manifest, dict):
+        write_json(path, {**manifest, MANIFEST_BACKEND: backend_record(backend)})
+
+
+def recorded_capabilities(manifest: dict[str, Any]) -> Capabilities | None:
+    """The capabilities a run's manifest records, or None when it records none."""
+    entry = manifest.get(MANIFEST_BACKEND)
+    if not isinstance(entry, dict) or not isinstance(entry.get("capabilities"), dict):
+        return None
+    return Capabilities.from_dict(entry["capabilities"])

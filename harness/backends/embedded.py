@@ -1,0 +1,101 @@
+"""The embedded engine as a backend: harness.engine.worker under torchrun (launch.launch).
+
+`embedded` produces every artifact of the contract. `embedded-topk` is the same engine in its
+top-k-only mode: it withholds full logits, hidden states and attention outputs and writes top-K
+logprobs of both teacher-forced paths instead, as an HTTP engine would; it proves that the logits
+checks work from top-k logprobs (positive controls in tests/test_backends_topk.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from harness import contract as c
+from harness.backends.base import stamp_manifest
+from harness.backends.identity import code_hash
+from harness.contract import Capabilities, Job, LaunchResult
+from harness.engine import ENGINE_VERSION
+from harness.specs.model import ModelSpec, model_from_dict
+from harness.specs.topology import Topology
+
+ENGINE_ENTRIES: tuple[str, ...] = ("harness.engine.worker", "harness.launch")
+TOPK_ONLY_K = 20  # logprobs per position in the top-k-only mode (vLLM's default max_logprobs is 20)
+
+# full logits carry every top-k: the embedded engine writes no *_topk_* tensors of its own
+FULL: frozenset[str] = frozenset(c.ALL_CAPABILITIES) - {c.ACCEPTANCE_AGGREGATE, c.TOPK_LOGPROBS}
+TOPK_ONLY: frozenset[str] = (FULL - {c.FULL_LOGITS, c.HIDDEN_STATES, c.ATTENTION_OUTPUTS}) | {c.TOPK_LOGPROBS}
+
+
+def weights_key(model: ModelSpec) -> dict[str, Any]:
+    """Identifies the weights without loading them: the spec, plus size and mtime of a weight file."""
+    from harness.engine.checkpoint import checkpoint_path
+
+    key: dict[str, Any] = {"spec": model.to_dict()}
+    if model.source != "synthetic":
+        path = checkpoint_path(model)
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        key["files"] = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.exists()]
+    return key
+
+
+class EmbeddedBackend:
+    """The pure-PyTorch reference engine, launched per job (the default engine)."""
+
+    name = "embedded"
+
+    def __init__(self, option: str | None = None) -> None:
+        if option:
+            from harness.errors import ConfigError
+            raise ConfigError(f"engine {self.name!r} takes no option, got {option!r}")
+        self._code: str | None = None
+
+    def version(self) -> str:
+        return ENGINE_VERSION
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(provides=FULL)
+
+    def worker_args(self) -> list[str]:
+        return []
+
+    def identity(self, job: Job) -> dict[str, Any]:
+        if self._code is None:
+            self._code = "".join(code_hash(entry) for entry in ENGINE_ENTRIES)
+        return {"engine": self.name, "version": self.version(), "worker_args": self.worker_args(),
+                "weights": weights_key(model_from_dict("job", dict(job.model))), "code": self._code}
+
+    def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
+        return None  # every layout the planner accepts (the runner checks that first)
+
+    def noise_strategy(self) -> str:
+        return c.NOISE_PRECISION_TWIN
+
+    def run(self, job: Job, timeout_s: float) -> LaunchResult:
+        from harness.launch import launch
+
+        result = launch(job, timeout_s, worker_args=self.worker_args())
+        stamp_manifest(Path(job.out_dir), self)
+        return result
+
+
+class TopkOnlyBackend(EmbeddedBackend):
+    """The embedded engine withholding full logits, hidden states and attention outputs
+    (`embedded-topk` or `embedded-topk:K` for K logprobs per position)."""
+
+    name = "embedded-topk"
+
+    def __init__(self, option: str | None = None) -> None:
+        super().__init__(None)
+        self.k = TOPK_ONLY_K
+        if option:
+            from harness.errors import ConfigError
+            if not option.isdigit() or int(option) < 2:
+                raise ConfigError(f"engine {self.name}:K needs an integer K >= 2, got {option!r}")
+            self.k = int(option)
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(provides=TOPK_ONLY, top_k=self.k)
+
+    def worker_args(self) -> list[str]:
+        return ["--topk", str(self.k)]

@@ -1,0 +1,304 @@
+"""HTTP backends: an external inference server (vLLM, SGLang, any OpenAI-compatible server, or the
+embedded engine behind `harness serve`) driven over its API, one server per (model, topology) run.
+
+A run: prepare the model for the engine (an HF folder, exported once into the cache, or a model spec
+file), start the server from the engine template (engines/NAME.yaml) on a free loopback port in its own
+process group, wait for its health endpoint (bounded), send the cases (teacher-forced top-k of every
+sequence, greedy generation with top-k), stop the server, and write the run directory: top-k tensors
+and generations (contract names), the KV capacity the server logged, its log (server.log) and, on any
+failure, an error manifest with the log tail.
+
+Capabilities are what HTTP gives: top-k logprobs of the prompt (prefill path) and of generation. No
+full logits, no decode path, no hidden states (so localization is a SKIP), no layout self-report.
+Noise: two reference runs that differ only in scheduling (cases sent together vs one at a time).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+import yaml
+
+from harness import __version__
+from harness import contract as c
+from harness.artifacts import Case, write_run
+from harness.backends.base import stamp_manifest
+from harness.backends.embedded import weights_key
+from harness.backends.http_dialects import DIALECTS, Dialect, post_json
+from harness.backends.http_server import Server, ServerError, free_port, running_server, wait_ready
+from harness.contract import Capabilities, Job, LaunchResult
+from harness.engine.engine import PoolSettings
+from harness.errors import ConfigError, RunError
+from harness.jsonio import write_json
+from harness.specs.engine import EngineSpec, load_engine
+from harness.specs.model import ModelSpec, model_from_dict
+from harness.specs.topology import Topology
+
+HOST = "127.0.0.1"
+SERVER_LOG = "server.log"
+DEFAULT_SPEC_K = 3
+VERSION_TIMEOUT_S = 60.0
+# the package whose version names each shipped engine (anything else: the template name)
+ENGINE_PACKAGES: dict[str, str] = {"vllm": "vllm", "sglang": "sglang"}
+
+
+def export_dir(model: ModelSpec) -> Path:
+    """Where the HF export of a non-HF model is cached (keyed by its spec)."""
+    from harness.runner import default_cache_dir
+
+    key = hashlib.sha256(json.dumps(model.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+    return default_cache_dir() / "exports" / f"{model.name}-{key}"
+
+
+def hf_folder(model: ModelSpec) -> Path:
+    """An HF checkpoint folder holding `model`: its own, or an export made once (atomic rename)."""
+    if model.source == "hf":
+        return Path(model.path)
+    from harness.export import export_model
+
+    folder = export_dir(model)
+    if not (folder / "config.json").is_file():
+        staging = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        export_model(model, staging)
+        try:
+            staging.rename(folder)
+        except OSError:  # another run exported the same model first
+            shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def kv_capacity(pattern: str, log_text: str) -> dict[str, int] | None:
+    """The KV cache size the server logged (the template's pattern, first match), e.g. {"tokens": N}."""
+    if not pattern:
+        return None
+    match = re.search(pattern, log_text)
+    if match is None:
+        return None
+    return {k: int(v.replace(",", "")) for k, v in match.groupdict().items() if v is not None}
+
+
+class HttpBackend:
+    """An engine template driven over HTTP. `option` is the URL for templates that attach (openai)."""
+
+    def __init__(self, template: str, option: str | None = None) -> None:
+        spec = load_engine(template)
+        if option:
+            if not spec.url:
+                raise ConfigError(f"engine {template!r} starts its own server and takes no option, got {option!r}")
+            if not option.startswith(("http://", "https://")):
+                raise ConfigError(f"engine {template}:URL needs an http(s):// URL, got {option!r}")
+            spec = replace(spec, url=option.rstrip("/"))
+        if spec.argv and not Path(spec.interpreter()).exists():
+            raise ConfigError(f"engine {template!r}: its python {spec.interpreter()} does not exist; install the "
+                              f"engine's environment there or point ${spec.python_env_var()} at its interpreter")
+        self.spec = spec
+        self.name = spec.name
+        self._version: str | None = None
+
+    # -- what the backend declares --------------------------------------------------------------------
+
+    def version(self) -> str:
+        if self._version is None:
+            self._version = self._query_version()
+        return self._version
+
+    def _query_version(self) -> str:
+        if self.spec.url:
+            try:
+                answer = httpx.get(self.spec.url + "/version", timeout=5.0)
+                return str(answer.json().get("version", "unknown")) if answer.status_code == 200 else "unknown"
+            except (httpx.HTTPError, ValueError):
+                return "unknown"
+        package = ENGINE_PACKAGES.get(self.spec.name, "llm-parallel-harness" if self.spec.model_format == "spec" else "")
+        if not package:
+            return "unknown"
+        code = f"import importlib.metadata as m; print(m.version({package!r}))"
+        try:
+            out = subprocess.run([self.spec.interpreter(), "-c", code], capture_output=True, text=True,
+                                 timeout=VERSION_TIMEOUT_S, check=True)
+        except (OSError, subprocess.SubprocessError):
+            return "unknown"
+        return out.stdout.strip() or "unknown"
+
+    def capabilities(self) -> Capabilities:
+        provides = {c.TOPK_LOGPROBS, c.PROMPT_LOGPROBS, c.GENERATION}
+        if self.spec.kv_capacity_pattern:
+            provides.add(c.KV_POOL_SIZE)
+        if self.spec.speculator_argv:
+            provides.add(c.ACCEPTANCE_AGGREGATE)
+        return Capabilities(provides=frozenset(provides), top_k=self.spec.max_logprobs)
+
+    def identity(self, job: Job) -> dict[str, Any]:
+        template = {k: v for k, v in asdict(self.spec).items() if k not in ("ready_timeout_s", "request_timeout_s")}
+        return {"engine": self.name, "version": self.version(), "template": template,
+                "weights": weights_key(model_from_dict("job", dict(job.model)))}
+
+    def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
+        if topology.dcp > 1 and not self.spec.supports_dcp:
+            return f"engine {self.name} cannot run decode context parallelism (dcp={topology.dcp})"
+        if topology.speculator != "none" and topology.speculator not in self.spec.speculator_argv:
+            return f"engine {self.name} has no -{topology.speculator} speculator in its template"
+        if self.spec.url and topology.name:
+            return None  # an attached server runs whatever it runs
+        if model.dtype not in self.spec.dtypes:
+            return f"engine {self.name} does not run dtype {model.dtype} (template dtypes: {', '.join(self.spec.dtypes)})"
+        return None
+
+    def noise_strategy(self) -> str:
+        return c.NOISE_SCHEDULING
+
+    # -- a run ------------------------------------------------------------------------------------------
+
+    def _values(self, job: Job, model: ModelSpec, model_path: str, port: int) -> dict[str, str]:
+        pool = PoolSettings(**job.pool)
+        return {"python": self.spec.interpreter(), "model_path": model_path, "model_name": model.name,
+                "tp": str(job.topology["tp"]), "dcp": str(job.topology["dcp"]), "topology": job.topology["name"],
+                "port": str(port), "host": HOST, "dtype": job.dtype or model.dtype, "seed": str(job.seed),
+                "max_logprobs": str(self.spec.max_logprobs), "max_model_len": str(pool.max_seq_len),
+                "kv_budget_mib": str(max(1, pool.budget_bytes >> 20)), "block_size": str(pool.block_size),
+                "fault": job.fault or "", "spec_k": str(job.speculative.get("k", DEFAULT_SPEC_K))}
+
+    def command(self, job: Job, model_path: str, port: int) -> tuple[list[str], dict[str, str]]:
+        """The server's argv and extra environment for `job` (placeholders filled)."""
+        model = model_from_dict("job", dict(job.model))
+        values = self._values(job, model, model_path, port)
+        argv = list(self.spec.argv)
+        if int(job.topology["dcp"]) > 1:
+            argv += self.spec.dcp_argv
+        if job.topology["speculator"] != "none":
+            argv += self.spec.speculator_argv[job.topology["speculator"]]
+        env = dict(self.spec.env)
+        if job.fault:
+            if not self.spec.can_fault():
+                raise ConfigError(f"engine {self.name} cannot inject faults (its template has no fault_argv/fault_env)")
+            argv += self.spec.fault_argv
+            env.update(self.spec.fault_env)
+        return [a.format(**values) for a in argv], {k: v.format(**values) for k, v in env.items()}
+
+    def _model_path(self, job: Job, run_dir: Path) -> str:
+        model = model_from_dict("job", dict(job.model))
+        if self.spec.model_format == "hf":
+            return str(hf_folder(model).resolve())
+        path = run_dir / "model.yaml"
+        path.write_text(yaml.safe_dump(model.to_dict(), sort_keys=False))
+        return str(path.resolve())
+
+    def run(self, job: Job, timeout_s: float) -> LaunchResult:
+        run_dir = Path(job.out_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in (*c.RUN_FILES, SERVER_LOG):
+            (run_dir / stale).unlink(missing_ok=True)
+        write_json(run_dir / c.JOB_FILE, asdict(job))
+        start = time.time()
+        log_path = run_dir / SERVER_LOG
+        try:
+            if self.spec.url:
+                self._collect(job, Server(base_url=self.spec.url, log_path=log_path), start, timeout_s)
+            else:
+                port = free_port(HOST)
+                argv, env = self.command(job, self._model_path(job, run_dir), port)
+                (run_dir / "server.argv.json").write_text(json.dumps(argv, indent=1) + "\n")
+                with running_server(argv, env, log_path, f"http://{HOST}:{port}") as server:
+                    self._collect(job, server, start, timeout_s)
+        except (RunError, ConfigError) as exc:
+            tail = exc.tail if isinstance(exc, ServerError) else log_tail_of(log_path)
+            return self._failed(job, str(exc), tail, time.time() - start)
+        stamp_manifest(run_dir, self)
+        return LaunchResult(True, 0, time.time() - start, "", {"server": log_tail_of(log_path)})
+
+    def _failed(self, job: Job, error: str, tail: str, wall: float) -> LaunchResult:
+        write_json(Path(job.out_dir) / c.MANIFEST_FILE,
+                   {"schema_version": 1, "status": "error", "error": f"engine {self.name}: {error}", "returncode": None,
+                    "timed_out": "no answer within" in error or "not ready after" in error, "topology": job.topology,
+                    "fault": job.fault, "seed": job.seed, "wall_s": {"total": wall}, "log_tails": {"server": tail}})
+        stamp_manifest(Path(job.out_dir), self)
+        return LaunchResult(False, None, wall, f"engine {self.name}: {error}", {"server": tail})
+
+    def _collect(self, job: Job, server: Server, start: float, timeout_s: float) -> None:
+        from harness.backends.http_collect import collect
+
+        ready = wait_ready(server, self.spec.health, min(self.spec.ready_timeout_s, timeout_s))
+        left = max(1.0, timeout_s - (time.time() - start))
+        request_timeout = httpx.Timeout(min(self.spec.request_timeout_s, left), connect=10.0)
+        with httpx.Client(base_url=server.base_url, timeout=request_timeout) as client:
+            model = model_from_dict("job", dict(job.model))
+            dialect: Dialect = DIALECTS[self.spec.dialect](post_json(client), model.name)
+            before = spec_counters(client)
+            collected = collect(job, model, dialect, self.spec.max_logprobs, job.schedule == c.SCHEDULE_BATCHED)
+            counters = counters_delta(before, spec_counters(client)) if job.topology["speculator"] != "none" else None
+        log_text = server.log_path.read_text(errors="replace") if server.proc is not None else ""
+        kv = kv_capacity(self.spec.kv_capacity_pattern, log_text)
+        manifest = {
+            "status": "ok", "error": None, "topology": job.topology, "model": model.to_dict(), "fault": job.fault,
+            "seed": job.seed, "dtype": job.dtype or model.dtype, "engine_version": self.version(),
+            c.MANIFEST_WEIGHTS_HASH: collected.weights_hash, c.MANIFEST_PROMPTS_HASH: collected.prompts_hash,
+            c.MANIFEST_TOKENIZER_HASH: collected.tokenizer_hash, "topk_only": self.spec.max_logprobs,
+            "schedule": job.schedule, "kv_capacity": kv,
+            "versions": {"harness": __version__, "torch": torch.__version__, "python": platform.python_version()},
+            "device": job.device, "git_commit": job.git_commit, "host": platform.node(),
+            "server": {"url": server.base_url, "ready_s": ready, "template": self.name},
+            "wall_s": {"total": time.time() - start, "ready": ready},
+        }
+        if counters is not None:
+            manifest["speculative"] = counters
+        layout = {"target": {"ranks": [], "pool": PoolSettings(**job.pool).to_dict(), "kv_capacity": kv},
+                  "speculator": None}
+        write_run(Path(job.out_dir), manifest, layout, collected.cases, collected.tensors)
+
+
+def log_tail_of(path: Path) -> str:
+    from harness.backends.http_server import log_tail
+    return log_tail(path)
+
+
+def spec_counters(client: httpx.Client) -> dict[str, float] | None:
+    """vLLM's spec-decode Prometheus counters (summed over labels): drafts, draft tokens, accepted tokens.
+    None when the server exports none."""
+    try:
+        text = client.get("/metrics").text
+    except httpx.HTTPError:
+        return None
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r"^vllm:spec_decode_num_(drafts|draft_tokens|accepted_tokens)_total(?:\{[^}]*\})?\s+(\S+)", line)
+        if match:
+            totals[match.group(1)] = totals.get(match.group(1), 0.0) + float(match.group(2))
+    return totals if "drafts" in totals else None
+
+
+def counters_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
+    """The counters' growth over this run's requests and the mean accepted length it implies
+    (tokens committed per verify step: 1 + accepted / drafts)."""
+    if after is None:
+        return None
+    delta = {k: v - (before or {}).get(k, 0.0) for k, v in after.items()}
+    drafts, accepted = delta.get("drafts", 0.0), delta.get("accepted_tokens", 0.0)
+    return {"source": "metrics", **delta, "mean_accepted_length": (1.0 + accepted / drafts) if drafts else None}
+
+
+def http_backend(template: str) -> Any:
+    """A registry factory for one shipped template: factory(option) -> HttpBackend."""
+    def factory(option: str | None = None) -> HttpBackend:
+        return HttpBackend(template, option)
+    return factory
+
+
+# registry targets (harness/backends/registry.py BUILTIN): one factory per shipped template
+harness_serve = http_backend("harness-serve")
+harness_serve_sglang = http_backend("harness-serve-sglang")
+vllm = http_backend("vllm")
+sglang = http_backend("sglang")
+openai = http_backend("openai")

@@ -1,0 +1,53 @@
+"""What an HTTP run asks a server and how the answers become the run directory's tensors: for each
+case the teacher-forced top-k of its whole sequence (the prefill path) and a greedy generation from
+its prompt with per-step top-k (decode steps through the server's KV cache)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, replace
+
+import torch
+
+from harness import contract as c
+from harness.artifacts import Case
+from harness.backends.http_dialects import Dialect
+from harness.cases import build_cases
+from harness.contract import Job
+from harness.engine.tokenizer import load_tokenizer
+from harness.engine.weights import load_weights, weights_hash
+from harness.engine.worker import tokenizer_hash
+from harness.specs.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class Collected:
+    cases: list[Case]
+    tensors: dict[str, torch.Tensor]
+    weights_hash: str
+    prompts_hash: str
+    tokenizer_hash: str
+
+
+def prompts_hash(cases: list[Case]) -> str:
+    """sha256 of the teacher-forced token id sequences (the manifest's prompts_hash)."""
+    return hashlib.sha256(json.dumps([list(case.sequence_ids) for case in cases]).encode()).hexdigest()
+
+
+def collect(job: Job, model: ModelSpec, dialect: Dialect, k: int, together: bool) -> Collected:
+    """Send every case of `job` to the server behind `dialect`; `together` batches them in one request."""
+    tokenizer = load_tokenizer(model)
+    cases = build_cases(job.prompts, tokenizer, job.seed, job.max_new_tokens, job.decode_prefix_tokens)
+    scored = dialect.score([case.sequence_ids for case in cases], k, together)
+    generated = dialect.generate([case.prompt_ids for case in cases], job.max_new_tokens, job.top_k, together)
+    tensors: dict[str, torch.Tensor] = {}
+    done = []
+    for case, s, g in zip(cases, scored, generated):
+        key = lambda kind: c.tensor_key(kind, case.index)  # noqa: E731
+        tensors.update({key(c.PREFILL_TOPK_IDS): s.ids, key(c.PREFILL_TOPK_LOGPROBS): s.logprobs,
+                        key(c.GEN_TOKENS): g.tokens, key(c.GEN_TOPK_IDS): g.ids, key(c.GEN_TOPK_LOGPROBS): g.logprobs})
+        tokens = [int(t) for t in g.tokens]
+        done.append(replace(case, generated_ids=tuple(tokens), generated_text=tokenizer.decode(tokens)))
+    return Collected(cases=done, tensors=tensors, weights_hash=weights_hash(load_weights(model)),
+                     prompts_hash=prompts_hash(cases), tokenizer_hash=tokenizer_hash(tokenizer))

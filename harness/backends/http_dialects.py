@@ -1,0 +1,208 @@
+"""Request dialects of external engines: how to ask a server for teacher-forced top-k logprobs of a
+token sequence and for a greedy generation with per-step top-k, and how to read the answers.
+
+Logprobs are aligned by token id, never by list position (servers may skip or add entries, e.g. the
+prompt token beside the top-k); a top-k keyed by token strings is refused, since different ids that
+decode to the same string collapse into one entry.
+  vllm   /v1/completions, token-id prompt, prompt_logprobs + logprobs, return_tokens_as_token_ids
+  sglang /generate, input_ids, return_logprob, logprob_start_len=0, top_logprobs_num
+  openai /v1/completions with echo + logprobs (token ids required in the answer)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import httpx
+import torch
+
+from harness.errors import RunError
+
+TOKEN_ID_KEY = re.compile(r"^token_id:(-?\d+)$")
+Post = Callable[[str, dict[str, Any]], Any]
+
+
+@dataclass(frozen=True)
+class Scored:
+    """Teacher-forced top-k of one sequence: ids [T, k] int64, logprobs [T, k] float32 (row t predicts t+1)."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Greedy generation: tokens [N] int64, per-step top-k ids [N, k] and logprobs [N, k]."""
+
+    tokens: torch.Tensor
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+
+
+def topk_rows(rows: Sequence[dict[int, float]], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of {token id: logprob} -> ([R, k] ids, [R, k] logprobs), best first (ties by id);
+    a row with fewer than k entries is padded with id -1 and logprob -inf."""
+    ids = torch.full((len(rows), k), -1, dtype=torch.long)
+    lps = torch.full((len(rows), k), -math.inf, dtype=torch.float32)
+    for r, row in enumerate(rows):
+        best = sorted(row.items(), key=lambda item: (-item[1], item[0]))[:k]
+        for j, (token, lp) in enumerate(best):
+            ids[r, j] = token
+            lps[r, j] = lp
+    return ids, lps
+
+
+def token_id(key: str) -> int:
+    """'token_id:123' -> 123; anything else is refused (a top-k keyed by text collapses duplicates)."""
+    match = TOKEN_ID_KEY.match(key)
+    if match is None:
+        raise RunError(f"the server returned token {key!r} as text, not as 'token_id:N': a top-k keyed by "
+                       f"token strings collapses duplicates and cannot be aligned by id (the server must "
+                       f"support return_tokens_as_token_ids)")
+    return int(match.group(1))
+
+
+def post_json(client: httpx.Client) -> Post:
+    """POST a JSON body, returning the JSON answer; a non-200 answer is a RunError naming status and body."""
+    def post(path: str, body: dict[str, Any]) -> Any:
+        try:
+            response = client.post(path, json=body)
+        except httpx.TimeoutException as exc:
+            raise RunError(f"POST {path}: no answer within {client.timeout.read} s") from exc
+        except httpx.TransportError as exc:
+            raise RunError(f"POST {path}: {exc}") from exc
+        if response.status_code != 200:
+            raise RunError(f"POST {path}: HTTP {response.status_code}: {response.text[:500]}")
+        return response.json()
+    return post
+
+
+class Dialect:
+    """Asks for scores and generations of several sequences in one request (`together`) or one by one."""
+
+    name = ""
+
+    def __init__(self, post: Post, model: str) -> None:
+        self.post = post
+        self.model = model
+
+    def score(self, sequences: Sequence[Sequence[int]], k: int, together: bool) -> list[Scored]:
+        groups = [list(sequences)] if together else [[s] for s in sequences]
+        return [s for g in groups for s in self._score(g, k)]
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, k: int, together: bool) -> list[Generation]:
+        groups = [list(prompts)] if together else [[p] for p in prompts]
+        return [g for group in groups for g in self._generate(group, n, k)]
+
+    def _score(self, sequences: list[Sequence[int]], k: int) -> list[Scored]:
+        raise NotImplementedError
+
+    def _generate(self, prompts: list[Sequence[int]], n: int, k: int) -> list[Generation]:
+        raise NotImplementedError
+
+
+def _generation(steps: list[tuple[int, dict[int, float]]], k: int) -> Generation:
+    ids, lps = topk_rows([row for _, row in steps], k)
+    return Generation(torch.tensor([t for t, _ in steps], dtype=torch.long), ids, lps)
+
+
+def _choices(answer: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    choices = sorted(answer.get("choices") or [], key=lambda c: int(c.get("index", 0)))
+    if len(choices) != n:
+        raise RunError(f"/v1/completions answered {len(choices)} choices for {n} prompts")
+    return choices
+
+
+def _openai_steps(logprobs: dict[str, Any] | None) -> list[tuple[int, dict[int, float] | None]]:
+    """(token id, {id: logprob} or None) per token of an OpenAI completions logprobs object."""
+    if not logprobs:
+        raise RunError("/v1/completions answered without logprobs")
+    tops = logprobs.get("top_logprobs") or []
+    return [(token_id(t), None if top is None else {token_id(key): float(v) for key, v in top.items()})
+            for t, top in zip(logprobs["tokens"], tops)]
+
+
+class VllmDialect(Dialect):
+    name = "vllm"
+
+    def _body(self, prompts: list[Sequence[int]], n: int, k: int) -> dict[str, Any]:
+        return {"model": self.model, "prompt": [list(p) for p in prompts], "max_tokens": n, "temperature": 0,
+                "logprobs": k, "return_tokens_as_token_ids": True, "ignore_eos": True}
+
+    def _score(self, sequences: list[Sequence[int]], k: int) -> list[Scored]:
+        answer = self.post("/v1/completions", {**self._body(sequences, 1, k), "prompt_logprobs": k})
+        out = []
+        for seq, choice in zip(sequences, _choices(answer, len(sequences))):
+            entries = choice.get("prompt_logprobs")
+            if not entries or len(entries) != len(seq):
+                raise RunError(f"prompt_logprobs has {len(entries or [])} entries for a prompt of {len(seq)} tokens")
+            rows = [{int(t): float(v["logprob"]) for t, v in e.items()} for e in entries[1:]]
+            last = _openai_steps(choice.get("logprobs"))[0][1] or {}
+            out.append(Scored(*topk_rows([*rows, last], k)))
+        return out
+
+    def _generate(self, prompts: list[Sequence[int]], n: int, k: int) -> list[Generation]:
+        answer = self.post("/v1/completions", self._body(prompts, n, k))
+        return [_generation([(t, top or {}) for t, top in _openai_steps(c.get("logprobs"))], k)
+                for c in _choices(answer, len(prompts))]
+
+
+class OpenAIDialect(VllmDialect):
+    """Plain OpenAI completions: prompt scores from `echo` + `logprobs` (no prompt_logprobs)."""
+
+    name = "openai"
+
+    def _score(self, sequences: list[Sequence[int]], k: int) -> list[Scored]:
+        answer = self.post("/v1/completions", {**self._body(sequences, 1, k), "echo": True})
+        out = []
+        for seq, choice in zip(sequences, _choices(answer, len(sequences))):
+            steps = _openai_steps(choice.get("logprobs"))
+            if len(steps) != len(seq) + 1:
+                raise RunError(f"echo answered {len(steps)} tokens for a prompt of {len(seq)} tokens + 1")
+            out.append(Scored(*topk_rows([top or {} for _, top in steps[1:]], k)))
+        return out
+
+
+def _sglang_row(entries: list[list[Any]] | None) -> dict[int, float]:
+    return {int(token): float(lp) for lp, token, *_ in (entries or []) if lp is not None}
+
+
+class SglangDialect(Dialect):
+    name = "sglang"
+
+    def _body(self, prompts: list[Sequence[int]], n: int, k: int) -> dict[str, Any]:
+        return {"input_ids": [list(p) for p in prompts], "return_logprob": True, "top_logprobs_num": k,
+                "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+
+    def _answers(self, body: dict[str, Any], n: int) -> list[dict[str, Any]]:
+        answer = self.post("/generate", body)
+        answers = answer if isinstance(answer, list) else [answer]
+        if len(answers) != n:
+            raise RunError(f"/generate answered {len(answers)} results for {n} prompts")
+        return answers
+
+    def _score(self, sequences: list[Sequence[int]], k: int) -> list[Scored]:
+        body = {**self._body(sequences, 1, k), "logprob_start_len": 0}
+        out = []
+        for seq, answer in zip(sequences, self._answers(body, len(sequences))):
+            meta = answer["meta_info"]
+            tops = meta.get("input_top_logprobs") or []
+            if len(tops) != len(seq):
+                raise RunError(f"input_top_logprobs has {len(tops)} entries for a prompt of {len(seq)} tokens")
+            rows = [_sglang_row(t) for t in tops[1:]] + [_sglang_row(meta["output_top_logprobs"][0])]
+            out.append(Scored(*topk_rows(rows, k)))
+        return out
+
+    def _generate(self, prompts: list[Sequence[int]], n: int, k: int) -> list[Generation]:
+        out = []
+        for answer in self._answers(self._body(prompts, n, k), len(prompts)):
+            meta = answer["meta_info"]
+            tokens = [int(t) for _, t, *_ in meta["output_token_logprobs"]]
+            out.append(_generation(list(zip(tokens, map(_sglang_row, meta["output_top_logprobs"]))), k))
+        return out
+
+
+DIALECTS: dict[str, type[Dialect]] = {"vllm": VllmDialect, "sglang": SglangDialect, "openai": OpenAIDialect}

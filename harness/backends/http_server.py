@@ -1,0 +1,93 @@
+"""One engine server process: started in its own process group on a free loopback port, its output
+kept in a log file, ready when its health endpoint answers (bounded), stopped with everything it
+started (on cell end, error, Ctrl-C and SIGTERM: the caller's `with` block exits)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+
+from harness.errors import RunError
+from harness.launch import stop_process_tree
+
+LOG_TAIL_LINES = 40
+POLL_S = 0.5
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class ServerError(RunError):
+    """The server did not come up (exited, or not healthy in time); carries its log tail."""
+
+    def __init__(self, message: str, tail: str) -> None:
+        super().__init__(message)
+        self.tail = tail
+
+
+@dataclass
+class Server:
+    base_url: str
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None  # None: attached to a server someone else runs
+
+    def tail(self) -> str:
+        return log_tail(self.log_path) if self.proc is not None else ""
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+
+def wait_ready(server: Server, health: str, timeout_s: float) -> float:
+    """Poll `health` until it answers 200; returns the seconds it took. A server that exits or stays
+    unhealthy for `timeout_s` is a ServerError with its log tail."""
+    start = time.monotonic()
+    with httpx.Client(base_url=server.base_url, timeout=5.0) as client:
+        while True:
+            code = server.exited()
+            if code is not None:
+                raise ServerError(f"engine server exited with code {code} before it was ready", server.tail())
+            try:
+                if client.get(health).status_code == 200:
+                    return time.monotonic() - start
+            except httpx.TransportError:
+                pass
+            if time.monotonic() - start > timeout_s:
+                raise ServerError(f"engine server not ready after {timeout_s:.0f} s ({health} never answered 200)",
+                                  server.tail())
+            time.sleep(POLL_S)
+
+
+@contextmanager
+def running_server(argv: list[str], env: dict[str, str], log_path: Path, base_url: str) -> Iterator[Server]:
+    """Start `argv` in a new session (its own process group), output to `log_path`; always stopped on exit."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        try:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env={**os.environ, **env})
+        except OSError as exc:
+            raise ServerError(f"cannot start engine server {argv[0]}: {exc.strerror}", "") from exc
+        try:
+            yield Server(base_url=base_url, log_path=log_path, proc=proc)
+        finally:
+            stop_process_tree(proc)

@@ -1,0 +1,121 @@
+"""The built-in checks' code: each takes one CellContext and returns its CheckResults
+(declared in harness/checks/catalog.py, which says what each needs)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from harness import contract as c
+from harness.checks.context import CellContext
+from harness.compare.cell import prompt_details
+from harness.compare.generation import check_generation
+from harness.compare.layout_check import check_layout_with_pool, kv_groups_differ
+from harness.compare.localize import localize
+from harness.compare.logits import check_logits
+from harness.compare.speculative import acceptance_from_runs, lossless_from_run, speculator_details
+from harness.compare.topk import check_topk
+from harness.details import HeadErrors, LayerErrors, LayoutDetails, PromptDetails, SpeculatorDetails
+from harness.fmt import id_ranges
+from harness.verdict import CheckResult, Verdict
+
+PARITY: tuple[str, ...] = ("logits_prefill", "logits_decode", "generation")
+
+
+def inputs(ctx: CellContext) -> list[CheckResult]:
+    from harness.checks.inputs import check_inputs
+    return [check_inputs(ctx.ref, ctx.par)]
+
+
+def _layout(ctx: CellContext, entry: str, name: str) -> CheckResult:
+    actual = ctx.par.layout.get(entry)
+    plan = ctx.plan if entry == "target" else ctx.speculator_plan
+    section = LayoutDetails(planned=plan.to_dict() if plan else None, actual=actual)
+    if entry == "target":
+        ctx.details.layout = section
+    else:
+        ctx.details.speculator_layout = section
+    if not isinstance(actual, dict) or plan is None:
+        return CheckResult(name, Verdict.ERROR, f"layout.json has no {entry!r} entry")
+    check_pool = ctx.settings.layout.check_pool and ctx.par_caps.has(c.KV_POOL_SIZE)
+    return check_layout_with_pool(plan, actual, name, check_pool, ctx.settings.layout.check_checksums)
+
+
+def layout(ctx: CellContext) -> list[CheckResult]:
+    return [_layout(ctx, "target", "layout")]
+
+
+def speculator_layout(ctx: CellContext) -> list[CheckResult]:
+    return [_layout(ctx, "speculator", "speculator_layout")]
+
+
+def _logits(ctx: CellContext, path: str) -> list[CheckResult]:
+    if ctx.both_have(c.FULL_LOGITS):
+        result, prompts = check_logits(path, ctx.ref, ctx.par, ctx.noise, ctx.settings.logits)
+    else:
+        result, prompts = check_topk(path, ctx.ref, ctx.par, ctx.noise, ctx.settings.logits, ctx.top_k)
+    ctx.prompt_rows[path] = prompts
+    return [result]
+
+
+def logits_prefill(ctx: CellContext) -> list[CheckResult]:
+    return _logits(ctx, "prefill")
+
+
+def logits_decode(ctx: CellContext) -> list[CheckResult]:
+    return _logits(ctx, "decode")
+
+
+def generation(ctx: CellContext) -> list[CheckResult]:
+    result, prompts = check_generation(ctx.ref, ctx.par, ctx.settings.generation, noise=ctx.noise, decode=ctx.decode)
+    ctx.prompt_rows["generation"] = prompts
+    return [result]
+
+
+def localization(ctx: CellContext) -> list[CheckResult]:
+    """No verdict of its own: explains a parity FAIL (ctx.localization) and adds the per-layer and
+    per-head errors to the details."""
+    found, loc_details = localize(ctx.ref, ctx.par, ctx.noise, ctx.plan, ctx.ref.cases, ctx.settings.localization)
+    if "layer_errors" in loc_details:
+        ctx.details.layer_errors = LayerErrors(**loc_details["layer_errors"])
+    if "head_errors" in loc_details:
+        ctx.details.head_errors = HeadErrors(**loc_details["head_errors"])
+    if "note" in loc_details:
+        ctx.details.note = str(loc_details["note"])
+    if found is None or not any(r.name in PARITY and r.verdict is Verdict.FAIL for r in ctx.results):
+        return []
+    layout_result = ctx.result("layout")
+    groups = kv_groups_differ(layout_result) if layout_result is not None else ()
+    if groups:
+        plural = "s" if len(groups) > 1 else ""
+        found = replace(found, summary=f"{found.summary}; KV head ids differ inside DCP group{plural} "
+                                       f"{id_ranges(groups)}")
+    ctx.localization = found
+    return []
+
+
+def lossless(ctx: CellContext) -> list[CheckResult]:
+    return [lossless_from_run(ctx.par, ctx.settings.lossless)]
+
+
+def acceptance(ctx: CellContext) -> list[CheckResult]:
+    result = acceptance_from_runs(ctx.ref, ctx.par, ctx.settings.acceptance)
+    ctx.details.speculator = SpeculatorDetails(**speculator_details(result, ctx.info.speculator))
+    return [result]
+
+
+def gsm8k(ctx: CellContext) -> list[CheckResult]:
+    from harness.gsm8k.cell import gsm8k_checks
+
+    assert ctx.gsm8k is not None  # the catalog runs it only in suites with gsm8k
+    checks, ctx.details.gsm8k = gsm8k_checks(ctx.ref.path, ctx.par.path, ctx.gsm8k, ctx.info.suite,
+                                                ctx.info.model, ctx.info.topology, ctx.info.report_dir,
+                                                ctx.info.baselines_dir)
+    return checks
+
+
+def finish_details(ctx: CellContext) -> None:
+    """Fold the per-path prompt rows into the report's `prompts` section."""
+    rows = ctx.prompt_rows
+    if rows:
+        ctx.details.prompts = [PromptDetails(**p) for p in prompt_details(
+            ctx.ref, rows.get("prefill", []), rows.get("decode", []), rows.get("generation", []))]

@@ -1,0 +1,86 @@
+"""Every check of a cell, declared once: name, the suite `checks:` section holding its settings, the
+capabilities it needs, which cells it belongs to and the function that runs it.
+
+This module imports nothing heavy: the suite validator (`checks:` keys), `harness list checks` and
+the driver read the same list. A check's function is imported only when a cell runs it; it takes
+one CellContext (harness/checks/context.py) and returns a list of CheckResults (a check may report
+several, e.g. gsm8k's paired and baseline checks, or none: localization only explains a failure).
+
+An unmet need is a SKIP naming the engine and the capability; `checks: {NAME: {enabled: false}}`
+in a suite switches a section off (its checks are SKIPs saying so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness import contract as c
+
+CELL_KINDS: tuple[str, ...] = ("all", "speculative", "gsm8k")
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """One registered check."""
+
+    name: str                              # the name results carry ("logits_decode")
+    section: str                           # the suite `checks:` key of its settings ("logits")
+    target: str                            # "module:function" taking a CellContext
+    description: str
+    requires: tuple[str, ...] = ()         # capabilities needed, all of them
+    requires_any: tuple[str, ...] = ()     # capabilities of which one suffices (e.g. full logits or top-k)
+    cells: str = "all"                     # "all", "speculative" (-draft/-mtp cells), "gsm8k" (suites with gsm8k)
+
+    def __post_init__(self) -> None:
+        unknown = [x for x in (*self.requires, *self.requires_any) if x not in c.ALL_CAPABILITIES]
+        if unknown or self.cells not in CELL_KINDS:
+            raise ValueError(f"check {self.name}: unknown capabilities {unknown} or cells {self.cells!r}")
+
+    def needs(self) -> str:
+        """'hidden_states' / 'full_logits|topk_logprobs + prompt_logprobs' / '-'."""
+        parts = (["|".join(self.requires_any)] if self.requires_any else []) + list(self.requires)
+        return " + ".join(parts) or "-"
+
+
+_B = "harness.checks.builtin"
+CHECKS: tuple[CheckSpec, ...] = (
+    CheckSpec("inputs", "inputs", f"{_B}:inputs",
+              "reference and parallel runs used the same prompt token ids, weights and tokenizer"),
+    CheckSpec("layout", "layout", f"{_B}:layout",
+              "each rank's heads, DCP groups, K/V checksums, Q->KV reads and KV pool against the planner",
+              requires=(c.LAYOUT_REPORT,)),
+    CheckSpec("speculator_layout", "speculator_layout", f"{_B}:speculator_layout",
+              "the draft/MTP model keeps the plain TP layout and its own KV pool",
+              requires=(c.LAYOUT_REPORT,), cells="speculative"),
+    CheckSpec("logits_prefill", "logits", f"{_B}:logits_prefill",
+              "teacher-forced prefill logits: KL, abs/logprob error, top-1/top-k agreement, near ties",
+              requires=(c.PROMPT_LOGPROBS,), requires_any=(c.FULL_LOGITS, c.TOPK_LOGPROBS)),
+    CheckSpec("logits_decode", "logits", f"{_B}:logits_decode",
+              "teacher-forced one-token decode steps through the KV cache, as logits_prefill",
+              requires=(c.DECODE_PATH,), requires_any=(c.FULL_LOGITS, c.TOPK_LOGPROBS)),
+    CheckSpec("generation", "generation", f"{_B}:generation",
+              "greedy tokens; a divergence is benign only at a near tie of the reference",
+              requires=(c.GENERATION,)),
+    CheckSpec("localization", "localization", f"{_B}:localization",
+              "when a parity check fails: the first diverging layer, its heads, their ranks and KV heads",
+              requires=(c.HIDDEN_STATES,)),
+    CheckSpec("lossless", "lossless", f"{_B}:lossless",
+              "speculative greedy output equals plain greedy output of the same run",
+              requires=(c.GENERATION,), cells="speculative"),
+    CheckSpec("acceptance", "acceptance", f"{_B}:acceptance",
+              "mean accepted length and per-prompt accept traces against the reference with the same speculator",
+              requires=(c.ACCEPT_TRACES,), cells="speculative"),
+    CheckSpec("gsm8k", "gsm8k", f"{_B}:gsm8k",
+              "gsm8k_paired (McNemar, answer agreement) and gsm8k_baseline (hypothesis test) per cell",
+              requires=(c.GSM8K,), cells="gsm8k"),
+)
+
+# suite `checks:` sections: those whose settings live in harness/compare/settings.py, and those
+# that take nothing but `enabled` (gsm8k's settings are the suite's top-level `gsm8k:`)
+SECTIONS: tuple[str, ...] = tuple(dict.fromkeys(spec.section for spec in CHECKS))
+SETTINGS_SECTIONS: tuple[str, ...] = ("layout", "logits", "generation", "localization", "lossless", "acceptance")
+ENABLED_KEY = "enabled"
+
+
+def check_spec(name: str) -> CheckSpec:
+    return next(spec for spec in CHECKS if spec.name == name)

@@ -1,0 +1,79 @@
+"""One object a check reads everything from (instead of long positional argument lists), and
+where checks leave the cell's drill-down details and localization."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from harness.artifacts import RunArtifacts
+from harness.baseline import BASELINES_DIR
+from harness.compare.settings import CheckSettings
+from harness.contract import Capabilities
+from harness.details import CellDetails
+from harness.gsm8k.settings import GSM8KSettings
+from harness.layout import LayoutPlan
+from harness.verdict import CheckResult, Localization
+
+Decoder = Callable[[Sequence[int]], str]
+
+
+@dataclass(frozen=True)
+class CellInfo:
+    """Which cell: names as results carry them, and where its report goes."""
+
+    suite: str = ""
+    model: str = ""
+    topology: str = ""
+    speculator: str = "none"
+    engine: str = "embedded"
+    reference_engine: str = "embedded"
+    report_dir: str = ""
+    baselines_dir: Path = BASELINES_DIR
+
+
+@dataclass
+class CellContext:
+    """Inputs of every check of one cell, and the outputs they add (details, localization)."""
+
+    ref: RunArtifacts
+    par: RunArtifacts
+    noise: RunArtifacts | None
+    plan: LayoutPlan
+    settings: CheckSettings
+    par_caps: Capabilities
+    ref_caps: Capabilities
+    info: CellInfo = field(default_factory=CellInfo)
+    speculator_plan: LayoutPlan | None = None
+    decode: Decoder | None = None
+    gsm8k: GSM8KSettings | None = None
+    enabled: Callable[[str], bool] = lambda section: True
+    results: list[CheckResult] = field(default_factory=list)        # verdicts so far, in registry order
+    details: CellDetails = field(default_factory=CellDetails)      # the report's drill-down (harness/details.py)
+    prompt_rows: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # per path: each check's prompt rows
+    localization: Localization | None = None
+
+    @property
+    def top_k(self) -> int:
+        """k the top-k logits checks compare: what both runs give."""
+        return min(self.par_caps.top_k, self.ref_caps.top_k)
+
+    def both_have(self, capability: str) -> bool:
+        return self.par_caps.has(capability) and self.ref_caps.has(capability)
+
+    def result(self, name: str) -> CheckResult | None:
+        return next((r for r in self.results if r.name == name), None)
+
+    def missing(self, requires: Sequence[str], requires_any: Sequence[str]) -> str | None:
+        """'engine embedded-topk gives no hidden_states' for the first unmet need, or None."""
+        sides = ((self.info.engine, self.par_caps), (self.info.reference_engine, self.ref_caps))
+        for cap in requires:
+            for engine, caps in sides:
+                if not caps.has(cap):
+                    return f"engine {engine} gives no {cap}"
+        if requires_any:
+            for engine, caps in sides:
+                if not any(caps.has(cap) for cap in requires_any):
+                    return f"engine {engine} gives none of {', '.join(requires_any)}"
+        return None

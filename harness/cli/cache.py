@@ -1,0 +1,109 @@
+"""`harness cache list|size|prune`: the reference-run cache (default $HARNESS_CACHE_DIR or
+~/.cache/llm-parallel-harness), so it does not grow forever on a nightly box.
+
+Each entry is one reference run under CACHE/runs/. Its age is the time since it was last written or
+reused (a run that takes an entry from the cache marks it used). Entries still being written
+(`*.<pid>.partial`) belong to the live process <pid> and are never pruned while it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.cli.checks import positive_float
+from harness.fmt import human_bytes, table
+
+DAY_S = 86400.0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("cache", help="list, size or prune the reference-run cache", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="cache folder (default: $HARNESS_CACHE_DIR or ~/.cache/llm-parallel-harness)")
+    actions = p.add_subparsers(dest="action", required=True, parser_class=type(p))
+    actions.add_parser("list", help="every entry with its size and age")
+    actions.add_parser("size", help="the entries' count and total size")
+    prune = actions.add_parser("prune", help="delete entries not used for DAYS days")
+    prune.add_argument("--older-than", type=positive_float, required=True, metavar="DAYS",
+                       help="delete entries last used more than DAYS days ago (fractions allowed)")
+    prune.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
+    p.set_defaults(func=run)
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: Path
+    bytes: int
+    last_used: float  # seconds since the epoch
+    partial: bool
+
+    def age_days(self, now: float) -> float:
+        return max(0.0, now - self.last_used) / DAY_S
+
+    def in_use(self) -> bool:
+        """A partial entry whose writer is still alive."""
+        if not self.partial:
+            return False
+        try:
+            pid = int(self.path.name.rsplit(".", 2)[-2])
+            os.kill(pid, 0)
+        except (ValueError, IndexError, ProcessLookupError):
+            return False
+        except PermissionError:  # alive, someone else's
+            return True
+        return True
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def entries(cache_dir: Path) -> list[Entry]:
+    from harness.runner import PARTIAL_SUFFIX
+
+    runs = cache_dir / "runs"
+    if not runs.is_dir():
+        return []
+    found = []
+    for path in sorted(p for p in runs.iterdir() if p.is_dir()):
+        found.append(Entry(path=path, bytes=_size(path), last_used=path.stat().st_mtime,
+                           partial=path.name.endswith(PARTIAL_SUFFIX)))
+    return found
+
+
+def _age(days: float) -> str:
+    return f"{days * 24:.1f} h" if days < 1 else f"{days:.1f} d"
+
+
+def run(args: argparse.Namespace) -> int:
+    from harness.runner import default_cache_dir
+
+    cache_dir: Path = args.cache_dir or default_cache_dir()
+    found, now = entries(cache_dir), time.time()
+    total = sum(e.bytes for e in found)
+    if args.action == "list":
+        rows = [[e.path.name, human_bytes(e.bytes), _age(e.age_days(now)),
+                 ("being written" if e.in_use() else "partial (abandoned)") if e.partial else "ok"] for e in found]
+        print(table(["entry", "size", "last used", "state"], rows) if rows else f"cache {cache_dir} is empty")
+        print(f"{len(found)} entr{'y' if len(found) == 1 else 'ies'}, {human_bytes(total)} in {cache_dir}")
+    elif args.action == "size":
+        print(f"{len(found)} entr{'y' if len(found) == 1 else 'ies'}, {human_bytes(total)} ({total} bytes) "
+              f"in {cache_dir}")
+    else:
+        old = [e for e in found if e.age_days(now) > args.older_than and not e.in_use()]
+        for e in old:
+            if not args.dry_run:
+                shutil.rmtree(e.path, ignore_errors=True)
+            print(f"{'would delete' if args.dry_run else 'deleted'} {e.path.name} ({human_bytes(e.bytes)}, "
+                  f"last used {_age(e.age_days(now))} ago)")
+        freed = sum(e.bytes for e in old)
+        print(f"{'would free' if args.dry_run else 'freed'} {human_bytes(freed)} in {len(old)} "
+              f"entr{'y' if len(old) == 1 else 'ies'}; {len(found) - len(old)} kept")
+    return 0

@@ -1,0 +1,68 @@
+"""Checks of command-line values that must hold before anything runs (each failure: one line, exit 2)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+from pathlib import Path
+
+from harness.errors import ConfigError
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (seconds, GiB)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a finite number > 0") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number > 0 (tokens, MiB)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give an integer > 0") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be an integer > 0")
+    return value
+
+
+def require_writable_dir(path: Path, flag: str) -> None:
+    """`path` is, or can be created as, a folder this process can write; checked by writing a probe
+    file into it (or into its nearest existing parent, which is left as it was)."""
+    probe_in = path
+    while not probe_in.exists():
+        if probe_in.parent == probe_in:
+            break
+        probe_in = probe_in.parent
+    if probe_in.exists() and not probe_in.is_dir():
+        where = "is a file" if probe_in == path else f"lies under the file {probe_in}"
+        raise ConfigError(f"{flag} {path} {where}; give a folder")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".harness-write-probe-", dir=probe_in)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path} is not writable ({exc.strerror or exc} in {probe_in}); "
+                          f"give a folder you can write to") from None
+
+
+def require_device(device: str, world_sizes: list[int]) -> None:
+    """--device cuda needs a CUDA build of torch with as many GPUs as the largest topology's ranks."""
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device cuda, but torch {torch.__version__} sees no CUDA device "
+                          f"(torch.cuda.is_available() is False); use --device cpu or install a CUDA build of torch")
+    need, have = max(world_sizes, default=1), torch.cuda.device_count()
+    if need > have:
+        raise ConfigError(f"--device cuda: the matrix needs {need} GPUs per launch, this machine has {have}; "
+                          f"pick topologies with tp <= {have}")

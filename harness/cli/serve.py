@@ -1,0 +1,70 @@
+"""`harness serve --model M --topo T [--fault F] [--port P] [--host H]`: the embedded engine behind an
+HTTP server in vLLM's OpenAI-compatible dialect (/v1/completions with token-id prompts, prompt_logprobs,
+logprobs; /health, /v1/models, /metrics) and SGLang's native /generate. Rank 0 serves; the other ranks
+follow in lockstep. Binds 127.0.0.1 unless --host says otherwise. Stops on SIGTERM / Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from harness.engine.faults import fault_flags
+from harness.errors import ConfigError
+from harness.layout import plan_layout
+from harness.specs.model import load_model
+from harness.specs.topology import load_catalog
+
+MIB = 1024 ** 2
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="serve the embedded engine over HTTP (vLLM / SGLang dialects)",
+                       description=__doc__)
+    p.add_argument("--model", required=True, help="shipped model name, model spec .yaml, checkpoint or .gguf")
+    p.add_argument("--topo", required=True, help="one topology, e.g. tp4dcp4 or tp2-draft")
+    p.add_argument("--fault", default=None, help="inject a known layout bug (see `harness list faults`)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: the model's)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--kv-budget-mib", type=int, default=256, help="KV pool budget per rank, MiB")
+    p.add_argument("--max-seq-len", type=int, default=1024, help="tokens per sequence slot (max_model_len)")
+    p.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request may ask for")
+    p.add_argument("--served-model-name", default="", help="model id in /v1/models (default: the model's name)")
+    p.add_argument("--spec-k", type=int, default=None, help="draft tokens per verify step (-draft/-mtp)")
+    p.set_defaults(func=run)
+
+
+def serve_argv(config_json: str, world_size: int) -> list[str]:
+    """The command that starts every rank: torchrun at world size > 1, else one plain process. The ranks
+    write to this process's stdout/stderr (the server log)."""
+    worker = ["-m", "harness.serve.worker", config_json]
+    if world_size == 1:
+        return [sys.executable, *worker]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+            "--max-restarts=0", *worker]
+
+
+def run(args: argparse.Namespace) -> int:
+    from harness.serve.worker import ServeConfig
+
+    model = load_model(args.model)
+    topos = load_catalog().resolve(args.topo)
+    if len(topos) != 1:
+        raise ConfigError(f"--topo {args.topo!r} names {len(topos)} topologies; serve takes exactly one")
+    topo = topos[0]
+    plan_layout(model.attention_shape, topo.tp, topo.dcp)  # an impossible layout is one clear error
+    fault_flags(args.fault, topo)
+    if not 0 <= args.port < 65536:
+        raise ConfigError(f"--port {args.port} is not a port number (0..65535)")
+    config = ServeConfig(model=model.to_dict(), topology=topo.to_dict(), host=args.host, port=args.port,
+                         fault=args.fault, dtype=args.dtype, device=args.device,
+                         pool={"budget_bytes": args.kv_budget_mib * MIB, "max_seq_len": args.max_seq_len},
+                         served_model_name=args.served_model_name, max_logprobs=args.max_logprobs,
+                         speculative={"k": args.spec_k} if args.spec_k else {})
+    argv = serve_argv(config.to_json(), topo.tp)
+    sys.stdout.flush()
+    os.execv(argv[0], argv)  # the server replaces this process: signals reach torchrun / the rank directly
+    return 0  # not reached

@@ -1,0 +1,31 @@
+"""`harness validate RUN_DIR...`: check run folders against the artifacts contract (exit 0/1)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from harness.verdict import EXIT_FAIL, EXIT_OK
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("validate", help="check run folders against the artifacts contract (for backend authors)")
+    p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR",
+                   help="a run folder (manifest.json, cases.json, tensors.safetensors, layout.json)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from harness.validate import validate_run
+
+    bad = 0
+    for run_dir in args.run_dirs:
+        problems = validate_run(run_dir)
+        if problems:
+            bad += 1
+            print(f"{run_dir}: INVALID ({len(problems)} problem{'s' if len(problems) > 1 else ''})")
+            print("\n".join(f"  - {p}" for p in problems))
+        else:
+            print(f"{run_dir}: ok")
+    return EXIT_FAIL if bad else EXIT_OK

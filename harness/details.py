@@ -1,0 +1,116 @@
+"""A cell's drill-down details: the schema shared by the compare stage, which writes them, and the
+report, which reads them (results.json `cells[].details`; harness/report/details.py renders it).
+
+Sections are typed; the per-prompt metric rows inside `prompts` are each check's own rows (their
+keys differ between the full-logits and the top-k checks) and GSM8K's section is its records'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LayoutDetails:
+    """Planned (harness plan's layout) against actual (layout.json's entry) per rank."""
+
+    planned: dict[str, Any] | None
+    actual: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class PromptDetails:
+    """One prompt: its prefill, decode and generation rows (None where a check did not run)."""
+
+    index: int
+    prompt: str
+    prefill: dict[str, Any] | None = None
+    decode: dict[str, Any] | None = None
+    generation: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class LayerErrors:
+    """Residual-stream relative error per hidden index (0 = embedding output, i = output of layer i-1)."""
+
+    error: list[Any]
+    noise: list[Any] | None
+    threshold: list[Any] | float
+
+
+@dataclass(frozen=True)
+class HeadErrors:
+    """Attention-output relative error per layer and head, with the owning ranks and KV heads."""
+
+    error: list[Any]
+    noise: list[Any] | None
+    threshold: list[Any] | float
+    owner_ranks: list[Any]
+    kv_heads: list[Any]
+
+
+@dataclass(frozen=True)
+class SpeculatorDetails:
+    """Acceptance of a -draft/-mtp cell against the reference with the same speculator."""
+
+    kind: str
+    k: int | None = None
+    histogram: list[int] | None = None
+    reference_histogram: list[int] | None = None
+    mean_acceptance: float | None = None
+    reference_mean_acceptance: float | None = None
+    traces_differ: int | None = None
+
+
+_SECTIONS: dict[str, type] = {"layout": LayoutDetails, "speculator_layout": LayoutDetails,
+                              "layer_errors": LayerErrors, "head_errors": HeadErrors,
+                              "speculator": SpeculatorDetails}
+
+
+@dataclass
+class CellDetails:
+    """Every section a cell may have; a section is None when its check did not run."""
+
+    layout: LayoutDetails | None = None
+    speculator_layout: LayoutDetails | None = None
+    prompts: list[PromptDetails] | None = None
+    layer_errors: LayerErrors | None = None
+    head_errors: HeadErrors | None = None
+    speculator: SpeculatorDetails | None = None
+    gsm8k: dict[str, Any] | None = None
+    note: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form, without the sections that are None."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if f.name == "prompts":
+                out[f.name] = [asdict(p) for p in value]
+            elif f.name in _SECTIONS:
+                out[f.name] = asdict(value)
+            else:
+                out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CellDetails":
+        """Parse details written by compare; an unknown section or key raises ValueError/TypeError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown details sections {unknown}; known: {', '.join(sorted(known))}")
+        parsed: dict[str, Any] = {}
+        for key, value in data.items():
+            if value is None:
+                continue
+            if key == "prompts":
+                parsed[key] = [PromptDetails(**p) for p in value]
+            elif key in _SECTIONS:
+                parsed[key] = _SECTIONS[key](**value)
+            else:
+                parsed[key] = value
+        return cls(**parsed)

@@ -1,0 +1,94 @@
+"""`harness export`: a shipped or synthetic model as a Hugging Face checkpoint folder.
+
+The folder (config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
+generation_config.json) is what external engines load (vLLM, SGLang, transformers) and what the
+embedded engine loads back as `source: hf`, so both sides of a comparison run the same weights and
+the same token ids.
+
+Synthetic models use the byte tokenizer (ids 0..255 are UTF-8 bytes, 256 BOS, 257 EOS); it is written
+as a byte-level BPE without merges whose vocabulary maps each byte to its own id, so a Hugging Face
+tokenizer encodes text to exactly the ids the embedded engine uses. Ids from 258 up are special
+placeholder tokens (they exist in the model and decode to nothing, as in the byte tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from harness.engine.checkpoint import save_hf_checkpoint
+from harness.engine.tokenizer import BYTE_BOS, BYTE_EOS, TokenizersTokenizer, load_tokenizer
+from harness.engine.weights import load_weights
+from harness.errors import ConfigError
+from harness.specs.model import ModelSpec
+
+BOS_TEXT = "<s>"
+EOS_TEXT = "</s>"
+TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (what ByteLevel pre-tokenization emits)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def byte_tokenizer_backend(vocab: int) -> Any:
+    """A `tokenizers.Tokenizer` that encodes text to its UTF-8 bytes as ids 0..255 (no merges)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = _byte_level_alphabet()
+    backend = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[], fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    specials = [BOS_TEXT, EOS_TEXT, *(f"<|extra_{i}|>" for i in range(BYTE_EOS + 1, vocab))]
+    backend.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in specials])
+    return backend
+
+
+def _tokenizer_config(bos: str | None, eos: str | None, chat_template: str | None) -> dict[str, Any]:
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20,
+                              "clean_up_tokenization_spaces": False, "add_bos_token": False,
+                              "add_eos_token": False, "bos_token": bos, "eos_token": eos}
+    if chat_template:
+        config["chat_template"] = chat_template
+    return config
+
+
+def write_tokenizer(spec: ModelSpec, folder: Path) -> tuple[int | None, int | None]:
+    """tokenizer.json and tokenizer_config.json for `spec`; returns (bos_id, eos_id)."""
+    if spec.source == "synthetic":
+        backend = byte_tokenizer_backend(spec.vocab)
+        bos_id, eos_id, template = BYTE_BOS, BYTE_EOS, None
+    else:
+        tokenizer = load_tokenizer(spec)
+        if not isinstance(tokenizer, TokenizersTokenizer):
+            raise ConfigError(f"model {spec.name!r}: its tokenizer cannot be written as tokenizer.json")
+        backend, bos_id, eos_id, template = (tokenizer.backend, tokenizer.bos_id, tokenizer.eos_id,
+                                             tokenizer.chat_template)
+    backend.save(str(folder / "tokenizer.json"))
+    text = {i: (backend.id_to_token(i) if i is not None else None) for i in (bos_id, eos_id)}
+    config = _tokenizer_config(text[bos_id], text[eos_id], template)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return bos_id, eos_id
+
+
+def export_model(spec: ModelSpec, out: Path) -> Path:
+    """Write `spec` (weights and tokenizer) as a Hugging Face checkpoint folder at `out`."""
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} exists and is not empty; give a new or empty folder")
+    save_hf_checkpoint(spec, load_weights(spec), out)
+    bos_id, eos_id = write_tokenizer(spec, out)
+    config = json.loads((out / "config.json").read_text())
+    config.update({"bos_token_id": bos_id, "eos_token_id": eos_id})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return out

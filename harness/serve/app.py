@@ -1,0 +1,121 @@
+"""The HTTP routes of `harness serve` (FastAPI): /health, /v1/models, /v1/completions (vLLM dialect),
+/generate (SGLang dialect), /metrics (Prometheus text, vLLM's metric names)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from harness.serve.dialects import (BadRequest, Limits, Vocabulary, completions_response, generate_response,
+                                    parse_completions, parse_generate)
+from harness.serve.lockstep import Pending
+from harness.serve.protocol import Completion, CompletionResult
+
+
+@dataclass
+class Metrics:
+    """Counters exported at /metrics under vLLM's names (spec decode counters as vLLM v1 names them)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, batch: list[Completion], results: list[CompletionResult]) -> None:
+        with self.lock:
+            self.requests += len(batch)
+            self.prompt_tokens += sum(len(c.prompt) for c in batch)
+            self.generation_tokens += sum(len(r.tokens) for r in results)
+            self.spec_drafts += sum(r.spec_steps for r in results)
+            self.spec_draft_tokens += sum(r.spec_draft_tokens for r in results)
+            self.spec_accepted_tokens += sum(r.spec_accepted_tokens for r in results)
+
+    def render(self, model: str) -> str:
+        label = f'{{model_name="{model}"}}'
+        rows = [("vllm:prompt_tokens_total", self.prompt_tokens),
+                ("vllm:generation_tokens_total", self.generation_tokens),
+                ("vllm:request_success_total", self.requests),
+                ("vllm:spec_decode_num_drafts_total", self.spec_drafts),
+                ("vllm:spec_decode_num_draft_tokens_total", self.spec_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens_total", self.spec_accepted_tokens)]
+        with self.lock:
+            return "".join(f"# TYPE {name} counter\n{name}{label} {value}\n" for name, value in rows)
+
+
+def _error(message: str, status: int) -> JSONResponse:
+    kind = "BadRequestError" if status == 400 else "InternalServerError"
+    return JSONResponse({"object": "error", "message": message, "type": kind, "code": status}, status_code=status)
+
+
+def build_app(submit: Callable[[Pending], None], vocab: Vocabulary, limits: Limits, model: str,
+              info: dict[str, Any]) -> FastAPI:
+    """The app; `submit` hands a Pending to the engine loop, which completes its future."""
+    app = FastAPI(title="harness serve")
+    metrics = Metrics()
+    created = int(time.time())
+
+    async def run(batch: list[Completion]) -> list[CompletionResult]:
+        pending = Pending(batch)
+        submit(pending)
+        results = await asyncio.wrap_future(pending.future)
+        metrics.add(batch, results)
+        return results
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            raise BadRequest(f"request body is not JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        return body
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
+        return _error(str(exc), 400)
+
+    @app.exception_handler(RuntimeError)
+    async def engine_error(_: Request, exc: RuntimeError) -> JSONResponse:
+        return _error(f"engine error: {exc}", 500)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
+                                            "owned_by": "harness", "max_model_len": limits.max_model_len}]}
+
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        return info
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(model))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await body_of(request)
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported")
+        batch = parse_completions(body, vocab, limits)
+        return completions_response(body, batch, await run(batch), vocab, model)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Any:
+        body = await body_of(request)
+        batch, batched = parse_generate(body, vocab, limits)
+        return generate_response(body, batch, await run(batch), vocab, batched)
+
+    return app

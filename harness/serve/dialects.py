@@ -1,0 +1,223 @@
+"""Request parsing and response building for the two HTTP dialects `harness serve` speaks.
+
+- vLLM's OpenAI-compatible /v1/completions: token-id (or text) prompts, `prompt_logprobs`,
+  `logprobs`, `echo`, `return_tokens_as_token_ids`, `ignore_eos`;
+- SGLang's native /generate: `input_ids` (or `text`), `sampling_params`, `return_logprob`,
+  `logprob_start_len`, `top_logprobs_num`.
+Pure functions: a bad request raises BadRequest with the message the client gets (HTTP 400).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from harness.serve.protocol import Completion, CompletionResult, TokenLogprob
+
+DEFAULT_MAX_TOKENS_VLLM = 16
+DEFAULT_MAX_TOKENS_SGLANG = 128
+
+
+class BadRequest(ValueError):
+    """A request the server refuses (HTTP 400); the message names the bad field and what is valid."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab: int
+    max_model_len: int
+    max_logprobs: int
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """Token id -> text, and text -> token ids (the model's tokenizer)."""
+
+    encode: Callable[[str], list[int]]
+    decode: Callable[[Sequence[int]], str]
+
+
+def _int(body: dict[str, Any], key: str, default: int | None, minimum: int = 0) -> int | None:
+    value = body.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise BadRequest(f"{key}={value!r} must be an integer >= {minimum}")
+    return value
+
+
+def _greedy(temperature: Any) -> None:
+    if temperature not in (None, 0, 0.0):
+        raise BadRequest(f"temperature={temperature!r}: harness serve decodes greedily; send temperature 0")
+
+
+def _prompts(value: Any, vocab: Vocabulary, key: str) -> list[list[int]]:
+    """One or several prompts, each a list of token ids or a string."""
+    if isinstance(value, str):
+        return [vocab.encode(value)]
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return [list(value)]
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        return [p for item in value for p in _prompts(item, vocab, key)]
+    raise BadRequest(f"{key} must be a string, a list of token ids, or a list of those")
+
+
+def _check(prompt: list[int], max_tokens: int, top_k: int, limits: Limits) -> None:
+    if not prompt:
+        raise BadRequest("a prompt is empty")
+    bad = [t for t in prompt if not 0 <= t < limits.vocab]
+    if bad:
+        raise BadRequest(f"token id {bad[0]} is out of range [0, {limits.vocab})")
+    if len(prompt) + max_tokens > limits.max_model_len:
+        raise BadRequest(f"prompt of {len(prompt)} tokens + max_tokens={max_tokens} exceeds "
+                         f"max_model_len={limits.max_model_len}")
+    if top_k > limits.max_logprobs:
+        raise BadRequest(f"requested {top_k} logprobs; the server allows at most max_logprobs={limits.max_logprobs}")
+
+
+# ---- vLLM / OpenAI /v1/completions -------------------------------------------------------------------------
+
+
+def parse_completions(body: dict[str, Any], vocab: Vocabulary, limits: Limits) -> list[Completion]:
+    _greedy(body.get("temperature"))
+    if _int(body, "n", 1, minimum=1) != 1:
+        raise BadRequest("n must be 1 (greedy decoding gives one answer)")
+    if "prompt" not in body:
+        raise BadRequest("missing 'prompt'")
+    prompts = _prompts(body["prompt"], vocab, "prompt")
+    max_tokens = _int(body, "max_tokens", DEFAULT_MAX_TOKENS_VLLM) or 0
+    top_k = _int(body, "logprobs", None) or 0
+    prompt_top_k = _int(body, "prompt_logprobs", None)
+    echo = bool(body.get("echo", False))
+    wants_prompt = prompt_top_k is not None or (echo and body.get("logprobs") is not None)
+    out = []
+    for p in prompts:
+        _check(p, max_tokens, max(top_k, prompt_top_k or 0), limits)
+        out.append(Completion(prompt=p, max_tokens=max_tokens, top_k=top_k,
+                              prompt_top_k=max(prompt_top_k or 0, top_k, 1) if wants_prompt else 0,
+                              ignore_eos=bool(body.get("ignore_eos", False))))
+    return out
+
+
+def _token_text(token: int, vocab: Vocabulary, as_ids: bool) -> str:
+    return f"token_id:{token}" if as_ids else vocab.decode([token])
+
+
+def _prompt_logprobs_vllm(entries: list[TokenLogprob | None], k: int, vocab: Vocabulary,
+                          as_ids: bool) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs: per position None or {token id: {logprob, rank, decoded_token}} holding the
+    prompt token and the top-k."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        pos = {str(t): {"logprob": lp, "rank": r + 1, "decoded_token": _token_text(t, vocab, as_ids)}
+               for r, (t, lp) in enumerate(e.top[:k])}
+        pos[str(e.token)] = {"logprob": e.logprob, "rank": e.rank, "decoded_token": _token_text(e.token, vocab, as_ids)}
+        out.append(pos)
+    return out
+
+
+def _openai_logprobs(steps: list[TokenLogprob | None], tokens: list[int], k: int, vocab: Vocabulary,
+                     as_ids: bool) -> dict[str, Any]:
+    """The OpenAI completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
+    texts = [_token_text(t, vocab, as_ids) for t in tokens]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(vocab.decode([t]))
+    top: list[dict[str, float] | None] = []
+    for s in steps:
+        top.append(None if s is None else {_token_text(t, vocab, as_ids): lp for t, lp in s.top[:k]}
+                   | {_token_text(s.token, vocab, as_ids): s.logprob})
+    return {"tokens": texts, "token_logprobs": [None if s is None else s.logprob for s in steps],
+            "top_logprobs": top, "text_offset": offsets}
+
+
+def completions_response(body: dict[str, Any], batch: list[Completion], results: list[CompletionResult],
+                         vocab: Vocabulary, model: str) -> dict[str, Any]:
+    as_ids = bool(body.get("return_tokens_as_token_ids", False))
+    echo = bool(body.get("echo", False))
+    choices = []
+    for index, (c, r) in enumerate(zip(batch, results)):
+        tokens = (c.prompt if echo else []) + r.tokens
+        logprobs = None
+        if body.get("logprobs") is not None:
+            steps: list[TokenLogprob | None] = [*((r.prompt_logprobs or []) if echo else []), *r.logprobs]
+            logprobs = _openai_logprobs(steps, tokens, c.top_k, vocab, as_ids)
+        prompt_lps = None
+        if body.get("prompt_logprobs") is not None and r.prompt_logprobs is not None:
+            prompt_lps = _prompt_logprobs_vllm(r.prompt_logprobs, int(body["prompt_logprobs"]), vocab, as_ids)
+        choices.append({"index": index, "text": vocab.decode(tokens), "logprobs": logprobs,
+                        "finish_reason": r.finish_reason, "stop_reason": None,
+                        "prompt_logprobs": prompt_lps, "token_ids": r.tokens})
+    prompt_tokens = sum(len(c.prompt) for c in batch)
+    completion_tokens = sum(len(r.tokens) for r in results)
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+# ---- SGLang /generate ----------------------------------------------------------------------------------------
+
+
+def parse_generate(body: dict[str, Any], vocab: Vocabulary, limits: Limits) -> tuple[list[Completion], bool]:
+    """The completions of a /generate request and whether it was a batch (a list of prompts)."""
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise BadRequest("sampling_params must be an object")
+    _greedy(params.get("temperature"))
+    if "input_ids" in body:
+        value, key = body["input_ids"], "input_ids"
+    elif "text" in body:
+        value, key = body["text"], "text"
+    else:
+        raise BadRequest("give 'input_ids' or 'text'")
+    batched = isinstance(value, list) and bool(value) and isinstance(value[0], (list, str))
+    prompts = _prompts(value, vocab, key)
+    max_tokens = _int(params, "max_new_tokens", DEFAULT_MAX_TOKENS_SGLANG) or 0
+    logprob = bool(body.get("return_logprob", False))
+    top_k = (_int(body, "top_logprobs_num", 0) or 0) if logprob else 0
+    start = _int(body, "logprob_start_len", -1, minimum=-1)
+    out = []
+    for p in prompts:
+        _check(p, max_tokens, top_k, limits)
+        out.append(Completion(prompt=p, max_tokens=max_tokens, top_k=top_k if logprob else 0,
+                              prompt_top_k=max(top_k, 1) if logprob and start is not None and start >= 0 else 0,
+                              ignore_eos=bool(params.get("ignore_eos", False))))
+    return out, batched
+
+
+def _triple(lp: float | None, token: int, vocab: Vocabulary, text: bool) -> list[Any]:
+    return [lp, token, vocab.decode([token]) if text else None]
+
+
+def _sglang_one(body: dict[str, Any], c: Completion, r: CompletionResult, vocab: Vocabulary) -> dict[str, Any]:
+    text = bool(body.get("return_text_in_logprobs", False))
+    finish: dict[str, Any] = ({"type": "stop", "matched": r.tokens[-1]} if r.finish_reason == "stop"
+                              else {"type": "length", "length": len(r.tokens)})
+    meta: dict[str, Any] = {"id": uuid.uuid4().hex, "prompt_tokens": len(c.prompt), "completion_tokens": len(r.tokens),
+                            "finish_reason": finish, "spec_verify_ct": r.spec_steps}
+    if body.get("return_logprob"):
+        start = int(body.get("logprob_start_len", -1))
+        entries = (r.prompt_logprobs or [])[start:] if start >= 0 else []
+        prompt_ids = c.prompt[start:] if start >= 0 else []
+        meta["input_token_logprobs"] = [_triple(None if e is None else e.logprob, t, vocab, text)
+                                        for e, t in zip(entries, prompt_ids)]
+        meta["output_token_logprobs"] = [_triple(s.logprob, s.token, vocab, text) for s in r.logprobs]
+        if c.top_k > 0:
+            meta["input_top_logprobs"] = [None if e is None else [_triple(lp, t, vocab, text) for t, lp in e.top[:c.top_k]]
+                                          for e in entries]
+            meta["output_top_logprobs"] = [[_triple(lp, t, vocab, text) for t, lp in s.top[:c.top_k]]
+                                           for s in r.logprobs]
+    return {"text": vocab.decode(r.tokens), "output_ids": r.tokens, "meta_info": meta}
+
+
+def generate_response(body: dict[str, Any], batch: list[Completion], results: list[CompletionResult],
+                      vocab: Vocabulary, batched: bool) -> dict[str, Any] | list[dict[str, Any]]:
+    out = [_sglang_one(body, c, r, vocab) for c, r in zip(batch, results)]
+    return out if batched else out[0]

@@ -1,0 +1,43 @@
+"""The dialect-neutral request and result of one completion (what both HTTP dialects translate to)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TopK = list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class Completion:
+    """Greedy completion of `prompt` (token ids). `prompt_top_k` > 0 asks for teacher-forced logprobs of
+    every prompt position; `top_k` > 0 for the top-k of every generated step."""
+
+    prompt: list[int]
+    max_tokens: int
+    top_k: int = 0
+    prompt_top_k: int = 0
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The logprob and 1-based rank of the token actually at a position, and that position's top-k."""
+
+    token: int
+    logprob: float
+    rank: int
+    top: TopK
+
+
+@dataclass(frozen=True)
+class CompletionResult:
+    """`prompt_logprobs[t]` scores prompt token t given tokens < t (None for t = 0)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob | None] | None
+    finish_reason: str  # "length" or "stop"
+    spec_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    accepted_per_step: list[int] = field(default_factory=list)

@@ -1,0 +1,118 @@
+"""The per-rank entry point of `harness serve`: `python -m harness.serve.worker CONFIG_JSON`, started by
+torchrun (or directly at world size 1). Builds the engine, then rank 0 serves HTTP and leads the engine
+loop while the other ranks follow it in lockstep."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from harness.engine.engine import Engine, PoolSettings
+from harness.engine.faults import fault_flags
+from harness.engine.parallel import ParallelState
+from harness.engine.speculative import SpeculativeDecoder
+from harness.engine.speculator import SpeculativeSettings, speculator_for
+from harness.engine.tokenizer import load_tokenizer
+from harness.engine.weights import load_weights, weights_hash
+from harness.limits import COLLECTIVE_TIMEOUT_S
+from harness.serve.dialects import Limits, Vocabulary
+from harness.serve.executor import execute
+from harness.serve.lockstep import Lockstep
+from harness.specs.model import model_from_dict
+from harness.specs.topology import Topology
+
+DEFAULT_MAX_LOGPROBS = 20
+KV_LOG_PREFIX = "harness-serve KV cache:"  # engines/harness-serve.yaml parses this line
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: dict[str, Any]
+    topology: dict[str, Any]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    fault: str | None = None
+    dtype: str | None = None
+    seed: int = 0
+    pool: dict[str, int] = field(default_factory=dict)
+    device: str = "cpu"
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
+    served_model_name: str = ""
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    speculative: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "ServeConfig":
+        return cls(**json.loads(text))
+
+
+def _serve_http(lockstep: Lockstep, config: ServeConfig, app: Any) -> None:
+    """Rank 0: uvicorn in a thread, the engine loop on the main thread until SIGTERM / SIGINT."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
+                                           timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, name="http", daemon=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: lockstep.stop())
+    thread.start()
+    try:
+        lockstep.lead()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def serve(config: ServeConfig) -> None:
+    from harness.serve.app import build_app  # FastAPI only where it is used
+
+    topo = Topology(tp=config.topology["tp"], dcp=config.topology["dcp"],
+                    speculator=config.topology["speculator"], name=config.topology["name"])
+    state = ParallelState.from_launcher(topo.tp, topo.dcp, config.device, config.collective_timeout_s)
+    if state.rank > 0:  # followers stop when rank 0 says so; a signal must not leave rank 0 mid-collective
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+    spec = model_from_dict("serve", config.model)
+    tokenizer = load_tokenizer(spec)
+    weights = load_weights(spec)
+    engine = Engine(spec, weights, state, fault_flags(config.fault, topo), PoolSettings(**config.pool), config.dtype)
+    decoder = None
+    if topo.speculator != "none":
+        settings = SpeculativeSettings.from_mapping(config.speculative)
+        decoder = SpeculativeDecoder(engine, speculator_for(engine, topo.speculator, weights, settings), settings.k)
+    lockstep = Lockstep(state, lambda batch: execute(engine, batch, tokenizer.eos_id, decoder))
+    layouts = state.gather_objects(engine.layout_report())
+    if state.rank == 0:
+        pool = engine.pool
+        print(f"{KV_LOG_PREFIX} blocks={engine.capacity.blocks} block_size={pool.block_size} "
+              f"tokens={engine.capacity.blocks * pool.block_size} bytes={engine.cache.pool_bytes} (per rank)",
+              flush=True)
+        name = config.served_model_name or spec.name
+        info = {"engine": "harness-serve", "model": spec.to_dict(), "topology": topo.to_dict(), "fault": config.fault,
+                "weights_hash": weights_hash(weights), "layout": {"ranks": layouts, "pool": pool.to_dict()}}
+        limits = Limits(vocab=spec.vocab, max_model_len=pool.max_seq_len, max_logprobs=config.max_logprobs)
+        vocab = Vocabulary(encode=tokenizer.encode, decode=tokenizer.decode)
+        _serve_http(lockstep, config, build_app(lockstep.inbox.put, vocab, limits, name, info))
+    else:
+        lockstep.follow()
+    state.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m harness.serve.worker CONFIG_JSON", file=sys.stderr)
+        return 2
+    serve(ServeConfig.from_json(args[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

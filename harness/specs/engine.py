@@ -1,0 +1,157 @@
+"""EngineSpec: how to start and talk to an external inference server (engines/*.yaml).
+
+A template says how to launch a server for one (model, topology): an argv with placeholders, its
+environment and interpreter (engines live in their own environment and are never imported), the
+health endpoint, timeouts, the request dialect, and the log line that reports the KV cache size.
+
+Placeholders in argv / env values: {python} {model_path} {model_name} {tp} {dcp} {topology} {port}
+{host} {dtype} {seed} {max_logprobs} {max_model_len} {kv_budget_mib} {block_size} {fault} {spec_k}. `dcp_argv` is appended when
+dcp > 1, `speculator_argv[kind]` for -draft / -mtp topologies, `fault_argv` / `fault_env` when the
+job injects a fault.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import string
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from harness.errors import ConfigError
+from harness.paths import PROJECT_ROOT
+from harness.specs.loader import build, did_you_mean, load_yaml
+
+ENGINES_DIR: Path = PROJECT_ROOT / "engines"
+DIALECTS: tuple[str, ...] = ("vllm", "sglang", "openai")
+MODEL_FORMATS: tuple[str, ...] = ("hf", "spec")  # what {model_path} is: an HF folder, or a harness model spec
+PLACEHOLDERS: tuple[str, ...] = ("python", "model_path", "model_name", "tp", "dcp", "topology", "port", "host",
+                                 "dtype", "seed", "max_logprobs", "max_model_len", "kv_budget_mib", "block_size",
+                                 "fault", "spec_k")
+SPECULATOR_KINDS: tuple[str, ...] = ("draft", "mtp")
+KV_GROUPS: tuple[str, ...] = ("tokens", "blocks", "bytes")
+
+
+def _placeholders(text: str, where: str) -> None:
+    for _, name, _, _ in string.Formatter().parse(text):
+        if name is not None and name not in PLACEHOLDERS:
+            raise ConfigError(f"{where}: unknown placeholder {{{name}}}{did_you_mean(name, PLACEHOLDERS)}; "
+                              f"valid: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}")
+
+
+def _strings(where: str, key: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, (str, int)) for v in value):
+        raise ConfigError(f"{where}: {key} must be a list of strings, got {value!r}")
+    out = tuple(str(v) for v in value)
+    for item in out:
+        _placeholders(item, f"{where}: {key}")
+    return out
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine template. `url` set: attach to a running server instead of starting one."""
+
+    name: str
+    dialect: str
+    description: str = ""
+    argv: tuple[str, ...] = ()
+    python: str = ""
+    env: Mapping[str, str] = field(default_factory=dict)
+    url: str = ""
+    model_format: str = "hf"
+    health: str = "/health"
+    ready_timeout_s: float = 300.0
+    request_timeout_s: float = 300.0
+    max_logprobs: int = 20
+    dcp_argv: tuple[str, ...] = ()
+    supports_dcp: bool = True
+    speculator_argv: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    fault_argv: tuple[str, ...] = ()
+    fault_env: Mapping[str, str] = field(default_factory=dict)
+    kv_capacity_pattern: str = ""
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+    def __post_init__(self) -> None:
+        where = f"engine {self.name!r}"
+        if self.dialect not in DIALECTS:
+            raise ConfigError(f"{where}: dialect={self.dialect!r} is not one of {', '.join(DIALECTS)}"
+                              f"{did_you_mean(self.dialect, DIALECTS)}")
+        if self.model_format not in MODEL_FORMATS:
+            raise ConfigError(f"{where}: model_format={self.model_format!r} is not one of "
+                              f"{', '.join(MODEL_FORMATS)}{did_you_mean(self.model_format, MODEL_FORMATS)}")
+        if bool(self.argv) == bool(self.url):
+            raise ConfigError(f"{where}: give either argv (start a server) or url (attach to a running one)")
+        for key in ("argv", "dcp_argv", "fault_argv", "dtypes"):
+            object.__setattr__(self, key, _strings(where, key, getattr(self, key)))
+        spec_argv = dict(self.speculator_argv)
+        for kind, argv in spec_argv.items():
+            if kind not in SPECULATOR_KINDS:
+                raise ConfigError(f"{where}: speculator_argv has unknown kind {kind!r}"
+                                  f"{did_you_mean(str(kind), SPECULATOR_KINDS)}; valid: {', '.join(SPECULATOR_KINDS)}")
+            spec_argv[kind] = _strings(where, f"speculator_argv.{kind}", argv)
+        object.__setattr__(self, "speculator_argv", spec_argv)
+        for key in ("env", "fault_env"):
+            mapping = getattr(self, key)
+            if not isinstance(mapping, Mapping):
+                raise ConfigError(f"{where}: {key} must be a mapping of NAME: value, got {mapping!r}")
+            object.__setattr__(self, key, {str(k): str(v) for k, v in mapping.items()})
+            for value in getattr(self, key).values():
+                _placeholders(value, f"{where}: {key}")
+        says_dcp = any("{dcp}" in a or "{topology}" in a for a in (*self.argv, *self.dcp_argv))
+        if self.argv and self.supports_dcp and not says_dcp:
+            raise ConfigError(f"{where}: supports_dcp is true but neither argv nor dcp_argv passes {{dcp}} (or "
+                              f"{{topology}}); add dcp_argv or set supports_dcp: false")
+        if not self.health.startswith("/"):
+            raise ConfigError(f"{where}: health={self.health!r} must be a path starting with '/'")
+        if self.ready_timeout_s <= 0 or self.request_timeout_s <= 0 or self.max_logprobs < 1:
+            raise ConfigError(f"{where}: ready_timeout_s, request_timeout_s and max_logprobs must be > 0")
+        if self.kv_capacity_pattern:
+            try:
+                groups = set(re.compile(self.kv_capacity_pattern).groupindex)
+            except re.error as exc:
+                raise ConfigError(f"{where}: kv_capacity_pattern is not a regular expression: {exc}") from exc
+            if not groups & set(KV_GROUPS):
+                raise ConfigError(f"{where}: kv_capacity_pattern needs a named group, one of "
+                                  f"{', '.join('(?P<' + g + '>...)' for g in KV_GROUPS)}")
+
+    def interpreter(self) -> str:
+        """The engine's python: $HARNESS_<NAME>_PYTHON when set, else `python` (~ and $VARS expanded;
+        relative to the project root), else this harness's own interpreter."""
+        import sys
+        override = os.environ.get(self.python_env_var(), "")
+        chosen = override or self.python
+        if not chosen:
+            return sys.executable
+        path = Path(os.path.expandvars(os.path.expanduser(chosen)))
+        return str(path if path.is_absolute() else PROJECT_ROOT / path)
+
+    def python_env_var(self) -> str:
+        """The variable that overrides `python`, e.g. HARNESS_VLLM_PYTHON."""
+        return "HARNESS_" + re.sub(r"[^A-Z0-9]", "_", self.name.upper()) + "_PYTHON"
+
+    def can_fault(self) -> bool:
+        return bool(self.fault_argv or self.fault_env)
+
+
+def shipped_engines(folder: Path = ENGINES_DIR) -> dict[str, Path]:
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+
+
+def engine_from_dict(where: str, data: Mapping[str, Any], name: str) -> EngineSpec:
+    data = dict(data)
+    data.setdefault("name", name)
+    return build(EngineSpec, where, data)
+
+
+def load_engine(ref: str, folder: Path = ENGINES_DIR) -> EngineSpec:
+    """An engine template by shipped name (engines/NAME.yaml) or by path to a .yaml file."""
+    shipped = shipped_engines(folder)
+    if ref in shipped:
+        return engine_from_dict(str(shipped[ref]), load_yaml(shipped[ref]) or {}, ref)
+    path = Path(ref)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return engine_from_dict(str(path), load_yaml(path) or {}, path.stem)
+    raise ConfigError(f"unknown engine template {ref!r}{did_you_mean(ref, tuple(shipped))}; valid: "
+                      f"{', '.join(shipped)} or an engine .yaml file")

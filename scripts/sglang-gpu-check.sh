@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# GPU check of the `sglang` engine template (SGLang has no CPU build). Run on a GPU box as is:
+#
+#   scripts/sglang-gpu-check.sh [OUT_DIR]
+#
+# Installs SGLang into .venv-sglang (unless $HARNESS_SGLANG_PYTHON points at an existing one), then
+#   1. tp1 on SGLang against the embedded reference (harness-serve on CPU): the dialect end to end;
+#   2. with >= 2 GPUs: tp2 and tp2dcp2 (--dcp-size) against SGLang's own tp1 reference.
+# Exit status: 0 when every cell passes. Reports land in OUT_DIR (default reports/sglang-gpu-check).
+set -euo pipefail
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+out="${1:-reports/sglang-gpu-check}"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+
+if [ -z "${HARNESS_SGLANG_PYTHON:-}" ]; then
+    if [ ! -x .venv-sglang/bin/python ]; then
+        python3 -m venv .venv-sglang
+        .venv-sglang/bin/pip install --quiet --upgrade pip
+        .venv-sglang/bin/pip install --quiet "sglang[all]"
+    fi
+    export HARNESS_SGLANG_PYTHON="$root/.venv-sglang/bin/python"
+fi
+"$HARNESS_SGLANG_PYTHON" -c "import importlib.metadata as m; print('sglang', m.version('sglang'))"
+
+gpus=$(nvidia-smi -L | wc -l)
+status=0
+harness run --suite dcp --model tiny-hd64 --topo tp1 --engine sglang --reference-engine harness-serve \
+    --out "$out/tp1-vs-embedded" || status=$?
+if [ "$gpus" -ge 2 ]; then
+    harness run --suite dcp --model tiny-hd64 --topo tp2,tp2dcp2 --engine sglang --out "$out/tp2" || status=$?
+else
+    echo "only $gpus GPU: tp2 / tp2dcp2 cells need 2"
+fi
+exit "$status"

@@ -1,0 +1,95 @@
+"""The check registry on in-memory runs: a check that raises is an ERROR for that check alone,
+unmet needs are SKIPs naming the engine, suites switch sections off and never carry unread settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.checks.catalog import CHECKS, SECTIONS
+from harness.checks.context import CellContext, CellInfo
+from harness.checks.driver import run_checks
+from harness.compare.settings import CheckSettings
+from harness.contract import Capabilities
+from harness.backends.embedded import FULL, TOPK_ONLY
+from harness.errors import ConfigError
+from harness.layout import plan_layout
+from harness.specs.suite import load_suite
+from harness.verdict import Verdict
+from tests.test_compare_support import GQA, synthetic_runs, with_tensors
+
+PLAN = plan_layout(GQA, 4, 4)
+
+
+def _ctx(ref, par, noise, par_caps: Capabilities = Capabilities(FULL), **kw) -> CellContext:  # type: ignore[no-untyped-def]
+    return CellContext(ref=ref, par=par, noise=noise, plan=PLAN, settings=CheckSettings(), par_caps=par_caps,
+                       ref_caps=Capabilities(FULL), info=CellInfo(engine="x-engine"), **kw)
+
+
+def test_a_check_that_raises_is_an_error_with_its_traceback_and_the_others_keep_their_verdicts() -> None:
+    ref, noise, par = synthetic_runs(PLAN)
+    broken = with_tensors(par, gen_tokens_0=torch.zeros(3, 2, dtype=torch.long))  # [N] expected: int() of a list
+    checks = {c.name: c for c in run_checks(_ctx(ref, broken, noise))}
+    assert checks["generation"].verdict is Verdict.ERROR
+    assert checks["generation"].reason.startswith("check raised TypeError")
+    assert "Traceback" in checks["generation"].metrics["traceback"]
+    assert all(checks[n].verdict is Verdict.PASS for n in ("inputs", "layout", "logits_prefill", "logits_decode"))
+
+
+def test_unmet_needs_are_skips_naming_the_engine() -> None:
+    ref, noise, par = synthetic_runs(PLAN)
+    no_layout = Capabilities(frozenset(TOPK_ONLY - {"layout_report"}), top_k=4)
+    # the parallel run keeps its full logits; top-k-only capabilities make the checks use top-k
+    checks = {c.name: c for c in run_checks(_ctx(ref, par, noise, par_caps=no_layout))}
+    assert checks["layout"].verdict is Verdict.SKIP
+    assert checks["layout"].reason == "engine x-engine gives no layout_report: layout unavailable"
+    assert checks["localization"].reason == "engine x-engine gives no hidden_states: localization unavailable"
+    assert checks["logits_decode"].verdict is Verdict.PASS and checks["logits_decode"].metrics["k"] == 4
+
+
+def test_enabled_false_switches_a_section_off(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\nversion: 1\nmodels: [tiny-gqa]\ntopologies: [tp2]\nprompts: [hi]\n"
+                    "checks: {generation: {enabled: false, near_tie: 0.01}, logits: {}}\n")
+    suite = load_suite(str(path))
+    assert suite.check_settings("generation") == {"near_tie": 0.01}  # tolerances parse without the switch
+    CheckSettings.from_suite(suite, "float32")
+    ref, noise, par = synthetic_runs(PLAN)
+    checks = {c.name: c for c in run_checks(_ctx(ref, par, noise, enabled=suite.check_enabled))}
+    assert checks["generation"].verdict is Verdict.SKIP and "enabled: false" in checks["generation"].reason
+    assert checks["logits_decode"].verdict is Verdict.PASS
+
+
+@pytest.mark.parametrize("section,body,message", [
+    ("gsm8k", "{limit: 3}", "checks.gsm8k takes only 'enabled', got limit"),
+    ("speculator_layout", "{check_pool: false}", "checks.speculator_layout takes only 'enabled', got check_pool"),
+    ("logits", "{enabled: 1}", "checks.logits.enabled must be true or false"),
+])
+def test_settings_that_are_never_read_are_rejected(tmp_path: Path, section: str, body: str, message: str) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text(f"name: s\nversion: 1\nmodels: [tiny-gqa]\ntopologies: [tp2]\nprompts: [hi]\n"
+                    f"checks: {{{section}: {body}}}\n")
+    with pytest.raises(ConfigError, match=message):
+        load_suite(str(path))
+
+
+def test_every_section_is_read_by_a_check_and_names_are_unique() -> None:
+    assert len({spec.name for spec in CHECKS}) == len(CHECKS)
+    assert set(SECTIONS) == {spec.section for spec in CHECKS}
+
+
+def test_details_are_typed_and_round_trip_through_the_shared_schema() -> None:
+    from harness.compare.cell import compare_cell
+    from harness.details import CellDetails, LayoutDetails
+
+    ref, noise, par = synthetic_runs(PLAN)
+    _, _, details = compare_cell(ref, par, noise, PLAN, CheckSettings())
+    typed = CellDetails.from_dict(details)
+    assert isinstance(typed.layout, LayoutDetails) and typed.layer_errors is not None and typed.prompts
+    assert typed.to_dict() == details
+    with pytest.raises(ValueError, match="unknown details sections \\['layouts'\\]"):
+        CellDetails.from_dict({**details, "layouts": {}})
+    with pytest.raises(TypeError):
+        CellDetails.from_dict({**details, "layout": {"planned": None, "actual": None, "extra": 1}})

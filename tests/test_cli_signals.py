@@ -1,0 +1,121 @@
+"""SIGTERM (a CI cancel) and SIGINT (Ctrl-C) during a real `harness run` subprocess: every process
+it started is gone, no half-written reference sits in the cache, the finished cells are reported
+(marked interrupted), one line on stderr, exit 128 + signum."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+SUITE = """
+name: sig
+version: 1
+models: [tiny-gqa]
+topologies: [tp2, tp2dcp2, tp4]
+max_new_tokens: 4
+decode_prefix_tokens: 2
+kv_budget_mib: 4
+max_seq_len: 64
+prompts: ["The capital of France is"]
+checks: {layout: {}, logits: {}, generation: {}}
+"""
+WAIT_S = 240.0  # a launch under load takes seconds; the wait only bounds a broken test
+
+
+class Harness:
+    """`harness run` in a session of its own, its stdout read line by line on a thread."""
+
+    def __init__(self, tmp: Path) -> None:
+        (tmp / "sig.yaml").write_text(SUITE)
+        self.cache, self.out = tmp / "cache", tmp / "out"
+        self.marker = str(tmp)  # every child's argv names a job file under tmp
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "harness", "run", "--suite", str(tmp / "sig.yaml"), "--out", str(self.out),
+             "--cache-dir", str(self.cache)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, predicate: object, what: str) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not predicate():  # type: ignore[operator]
+            assert self.proc.poll() is None, f"harness exited before {what}: {self.lines}"
+            assert time.monotonic() < deadline, f"no {what} within {WAIT_S} s: {self.lines}"
+            time.sleep(0.1)
+
+    def finish(self) -> tuple[int, str]:
+        rc = self.proc.wait(timeout=WAIT_S)
+        self._reader.join(timeout=10)
+        assert self.proc.stderr is not None
+        return rc, self.proc.stderr.read()
+
+
+def _processes_naming(marker: str) -> list[str]:
+    """Command lines of live processes whose argv mentions `marker` (zombies have an empty cmdline)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(marker.encode() in a for a in argv):
+            found.append(" ".join(a.decode(errors="replace") for a in argv))
+    return found
+
+
+def _no_children_left(marker: str) -> list[str]:
+    """Live processes of the run a few seconds after it exited (a SIGKILLed rank needs a moment)."""
+    deadline = time.monotonic() + 10
+    while (left := _processes_naming(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs Linux /proc")
+
+
+def test_sigterm_mid_run_stops_every_rank_and_reports_finished_cells(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    # the first cell (reference runs included) is done and the tp2dcp2 launch under way
+    h.wait_for(lambda: any(line.startswith("[2/3]") for line in h.lines)
+               and any("torch.distributed.run" in c for c in _processes_naming(h.marker)), "a running second cell")
+    h.proc.send_signal(signal.SIGTERM)
+    rc, err = h.finish()
+    assert rc == 128 + signal.SIGTERM == 143
+    assert _no_children_left(h.marker) == []
+    assert list(h.cache.rglob("*.partial")) == []
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "interrupted by SIGTERM after 1 of 3 cells" in lines[0], err
+    doc = json.loads((h.out / "results.json").read_text())
+    assert doc["provenance"]["interrupted"] == {"signal": "SIGTERM", "cells_finished": 1, "cells_planned": 3}
+    assert [c["topology"] for c in doc["cells"]] == ["tp2"] and doc["cells"][0]["status"] == "PASS"
+    html = (h.out / "index.html").read_text()
+    assert "INTERRUPTED" in html and "interrupted by SIGTERM after 1 of 3 cells" in html
+    assert "INTERRUPTED" in (h.out / "summary.md").read_text()
+
+
+def test_sigint_during_the_reference_run_leaves_no_partial_cache_entry(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.wait_for(lambda: list(h.cache.glob("runs/*.partial/job.json")), "a reference run being written")
+    h.proc.send_signal(signal.SIGINT)
+    rc, err = h.finish()
+    assert rc == 128 + signal.SIGINT == 130
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert _no_children_left(h.marker) == []
+    assert list(h.cache.rglob("*.partial")) == []
+    doc = json.loads((h.out / "results.json").read_text())
+    assert doc["cells"] == [] and doc["provenance"]["interrupted"]["signal"] == "SIGINT"

@@ -1,0 +1,108 @@
+"""The HTTP backend's server handling, with tiny stand-in servers (python -c ...) where no engine is
+needed: a server that dies or never gets healthy is an error naming why with its log tail, and its
+whole process group is gone afterwards; a bad option or a missing interpreter is one ConfigError."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from harness.backends.http import HttpBackend, counters_delta, kv_capacity
+from harness.backends.registry import get_backend
+from harness.contract import Backend, Job
+from harness.errors import ConfigError
+from harness.jsonio import read_json
+from harness.specs.model import load_model
+from harness.specs.topology import parse_topology_name
+
+PIDFILE_SERVER = ("import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); "
+                  "print('starting; KV cache size: 12,345 tokens', flush=True); time.sleep(600)")
+
+
+def _template(tmp_path: Path, code: str, **extra: object) -> str:
+    path = tmp_path / "stand-in.yaml"
+    data = {"dialect": "vllm", "argv": ["{python}", "-c", code, str(tmp_path / "pid"), "{topology}"],
+            "model_format": "spec", "kv_capacity_pattern": r"KV cache size: (?P<tokens>[\d,]+) tokens", **extra}
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _job(tmp_path: Path, topo: str = "tp1") -> Job:
+    return Job(model=load_model("tiny-gqa").to_dict(), topology=parse_topology_name(topo).to_dict(),
+               prompts=["hi"], out_dir=str(tmp_path / "run"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_server_that_exits_is_an_error_with_its_log_tail(tmp_path: Path) -> None:
+    backend = HttpBackend(_template(tmp_path, "import sys; print('model has head_dim 16: unsupported'); sys.exit(3)"))
+    result = backend.run(_job(tmp_path), timeout_s=60)
+    assert not result.ok and "exited with code 3 before it was ready" in result.error
+    assert "head_dim 16: unsupported" in result.log_tails["server"]
+    manifest = read_json(tmp_path / "run" / "manifest.json")
+    assert manifest["status"] == "error" and "head_dim 16" in manifest["log_tails"]["server"]
+    assert manifest["backend"]["name"] == "stand-in"
+
+
+def test_a_server_never_ready_times_out_and_is_stopped(tmp_path: Path) -> None:
+    backend = HttpBackend(_template(tmp_path, PIDFILE_SERVER, ready_timeout_s=3))
+    result = backend.run(_job(tmp_path), timeout_s=60)
+    assert not result.ok and "not ready after 3 s" in result.error
+    assert "KV cache size" in result.log_tails["server"]
+    pid = int((tmp_path / "pid").read_text())
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(pid)
+
+
+def test_registry_options_and_skips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = get_backend("openai:http://127.0.0.1:9")
+    assert isinstance(backend, Backend) and backend.spec.url == "http://127.0.0.1:9"
+    with pytest.raises(ConfigError, match="needs an http"):
+        get_backend("openai:localhost")
+    with pytest.raises(ConfigError, match="takes no option"):
+        get_backend("harness-serve:x")
+    monkeypatch.setenv("HARNESS_VLLM_PYTHON", str(tmp_path / "missing" / "python"))
+    with pytest.raises(ConfigError, match="its python .*missing/python does not exist.*HARNESS_VLLM_PYTHON"):
+        get_backend("vllm")
+    serve = get_backend("harness-serve")
+    caps = serve.capabilities()
+    assert caps.has("topk_logprobs") and not caps.has("hidden_states") and not caps.has("full_logits")
+    model = load_model("tiny-gqa")
+    assert serve.skip_reason(model, parse_topology_name("tp2dcp2")) is None
+    no_dcp = HttpBackend(_template(tmp_path, "pass", supports_dcp=False))
+    assert "cannot run decode context parallelism" in str(no_dcp.skip_reason(model, parse_topology_name("tp2dcp2")))
+    assert "no -mtp speculator" in str(no_dcp.skip_reason(model, parse_topology_name("tp2-mtp")))
+
+
+def test_command_fills_placeholders_and_fault_flags(tmp_path: Path) -> None:
+    serve = HttpBackend("harness-serve")
+    job = Job(model=load_model("tiny-gqa").to_dict(), topology=parse_topology_name("tp2dcp2").to_dict(),
+              prompts=["x"], out_dir=str(tmp_path), fault="dcp-lse-merge", pool={"budget_bytes": 8 << 20,
+                                                                                   "max_seq_len": 256})
+    argv, env = serve.command(job, "/m.yaml", 1234)
+    assert argv[0] == sys.executable and argv[argv.index("--topo") + 1] == "tp2dcp2"
+    assert argv[argv.index("--fault") + 1] == "dcp-lse-merge" and argv[argv.index("--port") + 1] == "1234"
+    assert argv[argv.index("--kv-budget-mib") + 1] == "8" and argv[argv.index("--max-seq-len") + 1] == "256"
+    stand_in = HttpBackend(_template(tmp_path, "pass"))
+    with pytest.raises(ConfigError, match="cannot inject faults"):
+        stand_in.command(job, "/m.yaml", 1)
+
+
+def test_kv_capacity_and_spec_counters() -> None:
+    assert kv_capacity(r"KV cache size: (?P<tokens>[\d,]+) tokens", "x\nKV cache size: 12,345 tokens\n") == {"tokens": 12345}
+    assert kv_capacity("", "anything") is None
+    delta = counters_delta({"drafts": 2.0, "accepted_tokens": 3.0}, {"drafts": 6.0, "accepted_tokens": 9.0})
+    assert delta is not None and delta["drafts"] == 4.0 and delta["mean_accepted_length"] == pytest.approx(2.5)

@@ -1,0 +1,88 @@
+"""The HTTP dialects without a server: answers are aligned by token id, never by list position, and a
+top-k keyed by token strings is refused; the server side refuses bad requests with one clear message."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from harness.backends.http_dialects import SglangDialect, VllmDialect, token_id, topk_rows
+from harness.errors import RunError
+from harness.serve.dialects import BadRequest, Limits, Vocabulary, parse_completions, parse_generate
+
+VOCAB = Vocabulary(encode=lambda text: list(text.encode()), decode=lambda ids: bytes(i for i in ids if i < 256).decode())
+LIMITS = Limits(vocab=384, max_model_len=64, max_logprobs=5)
+
+
+def test_topk_rows_sort_by_logprob_and_pad() -> None:
+    ids, lps = topk_rows([{7: -2.0, 3: -0.5, 9: -0.5, 1: -9.0}, {4: -0.1}], k=3)
+    assert ids.tolist() == [[3, 9, 7], [4, -1, -1]]  # ties broken by id; short rows padded with -1
+    assert lps[0].tolist() == [-0.5, -0.5, -2.0] and lps[1, 0].item() == pytest.approx(-0.1)
+    assert math.isinf(lps[1, 2].item())
+
+
+def test_token_strings_are_refused() -> None:
+    assert token_id("token_id:42") == 42
+    with pytest.raises(RunError, match="collapses duplicates"):
+        token_id(" the")
+
+
+def _fake(answer: Any) -> tuple[list[tuple[str, dict]], Any]:
+    sent: list[tuple[str, dict]] = []
+
+    def post(path: str, body: dict) -> Any:
+        sent.append((path, body))
+        return answer
+    return sent, post
+
+
+def test_vllm_prompt_logprobs_aligned_by_id_with_the_prompt_token_beside_the_top_k() -> None:
+    # position 1's entry lists the prompt token (rank 7) first, before the top-2: ids decide, not order
+    answer = {"choices": [{"index": 0, "prompt_logprobs": [
+        None, {"11": {"logprob": -6.0, "rank": 7}, "5": {"logprob": -0.2, "rank": 1}, "6": {"logprob": -1.9, "rank": 2}},
+        {"8": {"logprob": -0.3, "rank": 1}, "12": {"logprob": -0.9, "rank": 2}}],
+        "logprobs": {"tokens": ["token_id:8"], "token_logprobs": [-0.1],
+                     "top_logprobs": [{"token_id:8": -0.1, "token_id:2": -3.0}]}}]}
+    sent, post = _fake(answer)
+    scored = VllmDialect(post, "m").score([[10, 11, 12]], k=2, together=True)
+    assert sent[0][1]["prompt"] == [[10, 11, 12]] and sent[0][1]["return_tokens_as_token_ids"] is True
+    assert scored[0].ids.tolist() == [[5, 6], [8, 12], [8, 2]]
+    assert torch.allclose(scored[0].logprobs, torch.tensor([[-0.2, -1.9], [-0.3, -0.9], [-0.1, -3.0]]))
+
+
+def test_sglang_generate_reads_ids_from_the_logprob_triples() -> None:
+    answer = [{"text": "", "output_ids": [4, 4], "meta_info": {
+        "output_token_logprobs": [[-0.1, 4, None], [-0.2, 4, None]],
+        "output_top_logprobs": [[[-0.1, 4, None], [-2.5, 9, None]], [[-0.2, 4, None], [-1.5, 3, None]]]}}]
+    sent, post = _fake(answer)
+    gen = SglangDialect(post, "m").generate([[1, 2]], n=2, k=2, together=True)[0]
+    assert sent[0] == ("/generate", {"input_ids": [[1, 2]], "return_logprob": True, "top_logprobs_num": 2,
+                                     "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}})
+    assert gen.tokens.tolist() == [4, 4] and gen.ids.tolist() == [[4, 9], [4, 3]]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": [1, 999]}, r"token id 999 is out of range \[0, 384\)"),
+    ({"prompt": [1, 2], "temperature": 0.7}, "decodes greedily"),
+    ({"prompt": list(range(60)), "max_tokens": 10}, "exceeds max_model_len=64"),
+    ({"prompt": [1], "logprobs": 9}, "at most max_logprobs=5"),
+    ({"prompt": [1], "max_tokens": -1}, "max_tokens=-1 must be an integer >= 0"),
+    ({}, "missing 'prompt'"),
+])
+def test_server_refuses_bad_completions(body: dict, message: str) -> None:
+    with pytest.raises(BadRequest, match=message):
+        parse_completions(body, VOCAB, LIMITS)
+
+
+def test_server_parses_both_dialects_to_the_same_completion() -> None:
+    vllm = parse_completions({"prompt": [[1, 2, 3]], "max_tokens": 4, "logprobs": 3, "prompt_logprobs": 3,
+                              "ignore_eos": True}, VOCAB, LIMITS)
+    sglang, batched = parse_generate({"input_ids": [[1, 2, 3]], "return_logprob": True, "logprob_start_len": 0,
+                                      "top_logprobs_num": 3, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}},
+                                     VOCAB, LIMITS)
+    assert batched and vllm == sglang
+    text = parse_completions({"prompt": "hi", "max_tokens": 1}, VOCAB, LIMITS)
+    assert text[0].prompt == [104, 105]

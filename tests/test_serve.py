@@ -1,0 +1,74 @@
+"""`harness serve` at tp2dcp2: both dialects answer with the embedded engine's numbers (tp1, in
+process), agree with each other by token id, refuse bad requests with 400, and SIGTERM stops every rank."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+import torch
+
+from harness.backends.http_dialects import SglangDialect, VllmDialect, post_json
+from harness.backends.http_server import Server, free_port, running_server, wait_ready
+from harness.engine.engine import Engine
+from harness.engine.parallel import ParallelState
+from harness.engine.weights import load_weights
+from harness.specs.model import load_model
+
+SEQUENCES = [[72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100], [81, 58, 32, 49, 55]]
+K = 5
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    port = free_port()
+    argv = [sys.executable, "-m", "harness", "serve", "--model", "tiny-gqa", "--topo", "tp2dcp2",
+            "--port", str(port), "--max-seq-len", "128", "--kv-budget-mib", "8"]
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    with running_server(argv, {}, log, f"http://127.0.0.1:{port}") as srv:
+        wait_ready(srv, "/health", 300)
+        yield srv
+    assert srv.proc is not None and srv.proc.poll() is not None  # stopped with the block
+
+
+@pytest.fixture(scope="module")
+def reference() -> Engine:
+    spec = load_model("tiny-gqa")
+    return Engine(spec, load_weights(spec), ParallelState.single())
+
+
+def test_both_dialects_match_the_embedded_engine(server: Server, reference: Engine) -> None:
+    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+        post = post_json(client)
+        vllm = VllmDialect(post, "tiny-gqa").score(SEQUENCES, K, together=True)
+        sglang = SglangDialect(post, "tiny-gqa").score(SEQUENCES, K, together=False)
+        gen_v = VllmDialect(post, "tiny-gqa").generate(SEQUENCES, 6, K, together=True)
+        gen_s = SglangDialect(post, "tiny-gqa").generate(SEQUENCES, 6, K, together=False)
+    for seq, v, s in zip(SEQUENCES, vllm, sglang):
+        logprobs = torch.log_softmax(reference.prefill_logits([seq])[0].double(), dim=-1)  # [T, V]
+        top = logprobs.topk(K, dim=-1)
+        assert torch.equal(v.ids, top.indices) and torch.equal(s.ids, top.indices)
+        torch.testing.assert_close(v.logprobs, top.values.float(), atol=1e-4, rtol=0)
+        torch.testing.assert_close(s.logprobs, v.logprobs, atol=1e-4, rtol=0)
+    ours = reference.generate(SEQUENCES, 6, K)
+    for a, b, tokens in zip(gen_v, gen_s, ours.tokens):
+        assert a.tokens.tolist() == b.tokens.tolist() == tokens
+        assert torch.equal(a.ids, b.ids)
+
+
+def test_bad_requests_are_400_and_metrics_use_vllm_names(server: Server) -> None:
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        bad = client.post("/v1/completions", json={"prompt": [1, 5000], "max_tokens": 1})
+        assert bad.status_code == 400 and "token id 5000 is out of range" in bad.json()["message"]
+        assert client.post("/generate", json={"text": "x", "sampling_params": {"temperature": 1.0}}).status_code == 400
+        assert client.get("/v1/models").json()["data"][0]["id"] == "tiny-gqa"
+        metrics = client.get("/metrics").text
+    assert "vllm:spec_decode_num_accepted_tokens_total" in metrics and "vllm:prompt_tokens_total" in metrics
+
+
+def test_server_log_reports_the_kv_pool(server: Server) -> None:
+    text = Path(server.log_path).read_text()
+    assert "harness-serve KV cache: blocks=" in text

@@ -1,0 +1,48 @@
+"""A vLLM general plugin that gives vLLM a known tensor-parallel layout bug, for the harness's
+positive control on a real third-party engine.
+
+With HARNESS_VLLM_FAULT=kv-shard in the server's environment, tensor-parallel rank 1 loads the K and
+V weight shard that belongs to another rank (rank (1 + 1) % tp) into its QKV projection. Nothing
+crashes and every shape is right; attention on rank 1 silently uses the wrong KV heads. Without the
+variable (or with any other value) the plugin changes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable
+
+FAULT_ENV = "HARNESS_VLLM_FAULT"
+KV_SHARD = "kv-shard"
+FAULTY_RANK = 1
+
+
+def _wrong_kv_shard(load: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap QKVParallelLinear.weight_loader: on the faulty rank, the k and v shards are cut at the next
+    rank's offsets (the loader reads self.tp_rank to pick the shard)."""
+
+    @functools.wraps(load)
+    def loader(self: Any, param: Any, loaded_weight: Any, loaded_shard_id: Any = None, *args: Any, **kwargs: Any) -> Any:
+        rank, size = self.tp_rank, self.tp_size
+        if loaded_shard_id not in ("k", "v") or size < 2 or rank != FAULTY_RANK:
+            return load(self, param, loaded_weight, loaded_shard_id, *args, **kwargs)
+        self.tp_rank = (rank + 1) % size
+        try:
+            return load(self, param, loaded_weight, loaded_shard_id, *args, **kwargs)
+        finally:
+            self.tp_rank = rank
+
+    return loader
+
+
+def register() -> None:
+    """vLLM calls this in every process (API server and workers) before the model is built."""
+    if os.environ.get(FAULT_ENV) != KV_SHARD:
+        return
+    from vllm.model_executor.layers.linear import QKVParallelLinear
+
+    if not hasattr(QKVParallelLinear.weight_loader, "__wrapped__"):
+        QKVParallelLinear.weight_loader = _wrong_kv_shard(QKVParallelLinear.weight_loader)
+        print(f"harness_vllm_fault: {FAULT_ENV}={KV_SHARD}: TP rank {FAULTY_RANK} loads another rank's K/V shard",
+              flush=True)
