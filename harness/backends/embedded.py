@@ -69,7 +69,7 @@ class EmbeddedBackend:
         return None  # every layout the planner accepts (the runner checks that first)
 
     def noise_strategy(self) -> str:
-        return c.NOISE_PRECISION_TWIN
+        return c.NOISE_REDUCTION_ORDER  # same dtype, another reduction order (runner.noise_run)
 
     def run(self, job: Job, timeout_s: float) -> LaunchResult:
         from harness.launch import launch

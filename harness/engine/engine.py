@@ -50,11 +50,13 @@ class Generation:
 
 @dataclass(frozen=True)
 class DecodePath:
-    """Teacher-forced decode of one sequence: logits [T-D, V], hidden [L+1, P, H], attn [L, P, heads, hd]."""
+    """Teacher-forced decode of one sequence: logits [T-D, V], hidden [L+1, P, H], attn [L, P, heads, hd],
+    collectives [tp, L, P, sites] (each rank's relative error of each collective's output, model.COLLECTIVE_SITES)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
     attn: torch.Tensor
+    collectives: torch.Tensor
 
 
 def build_batch(seq_ids: Sequence[int], chunks: Sequence[Sequence[int]], starts: Sequence[int],
@@ -177,6 +179,7 @@ class Engine:
         logits: list[list[torch.Tensor]] = [[] for _ in seqs]
         hidden: list[list[torch.Tensor]] = [[] for _ in seqs]
         attn: list[list[torch.Tensor]] = [[] for _ in seqs]
+        sites: list[list[torch.Tensor]] = [[] for _ in seqs]
         for step in range(max(len(s) - d for s, d in zip(seqs, starts))):
             active = [b for b, (s, d) in enumerate(zip(seqs, starts)) if d + step < len(s)]
             cap = Capture()
@@ -188,10 +191,16 @@ class Engine:
                 if p in probes[b]:
                     hidden[b].append(torch.stack([h[j, 0] for h in cap.hidden]).float().cpu())  # [L+1, H]
                     attn[b].append(torch.stack([a[j, 0] for a in cap.attn]))  # [L, n_q, hd]
+                    sites[b].append(torch.stack([c[j, 0] for c in cap.collectives]))  # [L, sites]
         self.cache.close(ids)
         return [DecodePath(logits=torch.stack(lg), hidden=torch.stack(hd, dim=1),
-                           attn=self._gather_heads(torch.stack(at, dim=1)))
-                for lg, hd, at in zip(logits, hidden, attn)]
+                           attn=self._gather_heads(torch.stack(at, dim=1)),
+                           collectives=self._gather_ranks(torch.stack(st, dim=1)))
+                for lg, hd, at, st in zip(logits, hidden, attn, sites)]
+
+    def _gather_ranks(self, errors: torch.Tensor) -> torch.Tensor:
+        """[L, P, sites] of this rank -> [tp, L, P, sites], rank order."""
+        return self.decoder.comm.gather_tp(errors.unsqueeze(0), dim=0).float().cpu()
 
     def _gather_heads(self, attn: torch.Tensor) -> torch.Tensor:
         """[L, P, n_q_local, hd] -> [L, P, heads, hd] in global head order (rank order = head order)."""

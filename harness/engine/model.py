@@ -19,6 +19,8 @@ from harness.engine.kvcache import PagedKVCache
 from harness.engine.parallel import Collectives
 from harness.layout import token_owner
 
+TORCH_REDUCE_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 @dataclass
 class LayerWeights:
@@ -63,12 +65,19 @@ class Hyper:
     norm_eps: float
 
 
+# Collective steps whose output is checked against an exact (float64) recomputation from its inputs
+# during a captured forward, in the order a layer runs them (see Decoder._probe_site).
+COLLECTIVE_SITES: tuple[str, ...] = ("dcp-q-gather", "dcp-lse-merge", "attn-allreduce", "mlp-allreduce")
+
+
 @dataclass
 class Capture:
-    """Per-layer tensors of one forward, for localization: residual stream and per-head attention output."""
+    """Per-layer tensors of one forward, for localization: residual stream, per-head attention output
+    and, per collective site, this rank's relative error of the collective's output [B, S, sites]."""
 
     hidden: list[torch.Tensor] = field(default_factory=list)
     attn: list[torch.Tensor] = field(default_factory=list)
+    collectives: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -161,6 +170,15 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, mean: bool = False) -
     return (weights[..., None] * outs).sum(dim=0) / total[..., None]
 
 
+def split_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                        kv_index: tuple[int, ...], parts: int) -> torch.Tensor:
+    """The noise perturbation of attention: keys dealt round-robin into `parts` sets (as DCP deals
+    tokens to ranks), attended separately and LSE-merged; mathematically equal to local_attention."""
+    cols = torch.arange(mask.shape[-1], device=mask.device) % parts  # [L]
+    outs, lses = zip(*(local_attention(q, k, v, mask & (cols == p), kv_index) for p in range(parts)))
+    return merge_partials(torch.stack(outs), torch.stack(lses))  # [B, S, Hq, hd]
+
+
 class Decoder:
     """One rank's view of the model: forward over new tokens of a batch, through the paged KV cache."""
 
@@ -172,6 +190,7 @@ class Decoder:
         self.comm = comm
         self.cache = cache
         self.flags = flags
+        self._sites: dict[str, torch.Tensor] | None = None  # collective errors of the layer being captured
 
     def forward(self, batch: Batch, capture: Capture | None = None) -> torch.Tensor:
         """Logits [B, S, V] for every new token; stores the new tokens' K/V first."""
@@ -197,16 +216,54 @@ class Decoder:
         if capture is not None:
             capture.hidden.append(x)
         for i, layer in enumerate(self.w.layers):
+            self._sites = {} if capture is not None else None
             attn = self._attention(i, layer, rms_norm(x, layer.attn_norm, self.hyper.norm_eps), batch,
                                    write_rows, stored_mask, flat, visible, tables)
             if capture is not None:
                 capture.attn.append(attn)
-            x = x + self.comm.reduce_tp(attn.flatten(2) @ layer.o.T)
+            x = x + self._row_parallel(attn.flatten(2), layer.o, attn_out=True)
             h = rms_norm(x, layer.mlp_norm, self.hyper.norm_eps)
-            x = x + self.comm.reduce_tp((F.silu(h @ layer.gate.T) * (h @ layer.up.T)) @ layer.down.T)
+            x = x + self._row_parallel(F.silu(h @ layer.gate.T) * (h @ layer.up.T), layer.down)
             if capture is not None:
                 capture.hidden.append(x)
+                zero = torch.zeros(x.shape[:2], dtype=torch.float64, device=x.device)
+                sites = self._sites or {}
+                capture.collectives.append(torch.stack([sites.get(n, zero) for n in COLLECTIVE_SITES], dim=-1))
+        self._sites = None
         return x
+
+    def _probe_site(self, name: str, got: torch.Tensor, exact: torch.Tensor) -> None:
+        """Record |got - exact| / |exact| [B, S] (over the trailing dims) of collective site `name`."""
+        if self._sites is None:
+            return
+        diff = (got.to(torch.float64) - exact.to(torch.float64)).flatten(2)  # [B, S, *] -> [B, S, n]
+        err = diff.norm(dim=-1) / exact.to(torch.float64).flatten(2).norm(dim=-1).clamp_min(1e-30)
+        self._sites[name] = torch.nan_to_num(err, nan=float("inf"))
+
+    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, attn_out: bool = False) -> torch.Tensor:
+        """x [B, S, K_local] @ w.T [K_local, H], summed over the TP group -> [B, S, H].
+
+        Hooks (harness/engine/faults.py): `split_reduction` (the noise perturbation) computes the
+        contraction as that many partial sums in the model dtype, added last-first, as a TP split would;
+        `reduce_dtype` (a fault) does the all-reduce in a lower precision."""
+        n = self.flags.split_reduction
+        if n > 1 and x.shape[-1] >= n:
+            parts = [xc @ wc.T for xc, wc in zip(x.chunk(n, dim=-1), w.chunk(n, dim=-1))]  # each [B, S, H]
+            y = parts[-1]
+            for part in reversed(parts[:-1]):
+                y = y + part
+        else:
+            y = x @ w.T
+        # the exact sum of every rank's partial, taken before the (in-place) all-reduce, when captured
+        exact = self.comm.gather_tp(y.unsqueeze(0), dim=0).to(torch.float64).sum(dim=0) if self._sites is not None else None
+        if self.flags.reduce_dtype is not None and (attn_out or not self.flags.reduce_attn_only):
+            low = TORCH_REDUCE_DTYPES[self.flags.reduce_dtype]
+            out = self.comm.reduce_tp(y.to(low)).to(y.dtype)
+        else:
+            out = self.comm.reduce_tp(y)
+        if exact is not None:
+            self._probe_site("attn-allreduce" if attn_out else "mlp-allreduce", out, exact)
+        return out
 
     def _reserve(self, batch: Batch) -> tuple[list[tuple[int, int]], torch.Tensor]:
         """Cache slots for the new tokens this rank stores: all under TP; under DCP its own tokens
@@ -214,7 +271,8 @@ class Decoder:
         dcp, me = self.comm.dcp, self.comm.dcp_rank
         decode_step = batch.ids.shape[1] == 1
         store_all = self.flags.store_on_all_dcp_ranks and decode_step
-        stored = batch.valid & ((token_owner(batch.positions, dcp) == me) | store_all)  # [B, S]
+        valid = batch.valid | (self.flags.store_padding and dcp > 1)  # the dcp-store-padding fault
+        stored = valid & ((token_owner(batch.positions, dcp) == me) | store_all)  # [B, S]
         slots: list[tuple[int, int]] = []
         for seq_id, row, keep in zip(batch.seq_ids, batch.positions.tolist(), stored.tolist()):
             slots += self.cache.reserve(seq_id, [p for p, k in zip(row, keep) if k])
@@ -253,15 +311,21 @@ class Decoder:
         # pool [blocks, block, Hkv, hd] -> [blocks * block, Hkv, hd] -> rows `flat` -> [B, L, Hkv_local, hd]
         k_all = self.cache.k[i].flatten(0, 1).index_select(0, flat).view(B, -1, hm.n_kv, hd)
         v_all = self.cache.v[i].flatten(0, 1).index_select(0, flat).view(B, -1, hm.n_kv, hd)
+        if self.comm.dcp == 1 and self.flags.split_reduction > 1:
+            return split_key_attention(q, k_all, v_all, visible, hm.group_q_to_local_kv, self.flags.split_reduction)
         if self.comm.dcp == 1:
             return fused_attention(q, k_all, v_all, visible, hm.group_q_to_local_kv)
         group_q = self.comm.gather_dcp(q, dim=2)  # [B, S, dcp * Hq_local, hd], member order
         out, lse = local_attention(group_q, k_all, v_all, visible, hm.group_q_to_local_kv)
-        # one gather for both: [B, S, Hg, hd] + [B, S, Hg, 1] -> [dcp, B, S, Hg, hd + 1]
-        packed = self.comm.stack_dcp(torch.cat((out, lse[..., None].to(out.dtype)), dim=-1))
-        outs, lses = packed[..., :-1], packed[..., -1]  # [G, B, S, H, hd], [G, B, S, H]
+        # one gather for both, in float32 so a half-precision model's LSE keeps its precision:
+        # [B, S, Hg, hd] + [B, S, Hg, 1] -> [dcp, B, S, Hg, hd + 1]
+        packed = self.comm.stack_dcp(torch.cat((out.float(), lse[..., None].float()), dim=-1))
+        outs, lses = packed[..., :-1].to(out.dtype), packed[..., -1]  # [G, B, S, H, hd], [G, B, S, H]
         merged = merge_partials(outs, lses, self.flags.lse_merge_mean)
         lo, hi = hm.own_slice
+        if self._sites is not None:  # the gather must return this rank's own Q in its slot; the merge
+            self._probe_site("dcp-q-gather", group_q[:, :, lo:hi], q)  # must equal an exact recompute
+            self._probe_site("dcp-lse-merge", merged, merge_partials(outs.to(torch.float64), lses.to(torch.float64)))
         return merged[:, :, lo:hi]
 
 
