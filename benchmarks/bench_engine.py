@@ -86,7 +86,7 @@ def main() -> None:
         weights = load_weights(spec)
         with tempfile.TemporaryDirectory() as tmp:
             folder = save_hf_checkpoint(spec, weights, Path(tmp))
-            hf = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=TORCH_DTYPES[args.dtype]).to(args.device).eval()
+            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=TORCH_DTYPES[args.dtype]).to(args.device).eval()
             for b in args.batches:
                 engine = Engine(spec, weights, ParallelState.single(args.device), dtype=args.dtype,
                                 pool=PoolSettings(budget_bytes=1 << 30, max_seq_len=PROMPT_LEN + NEW_TOKENS))

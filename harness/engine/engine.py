@@ -63,11 +63,9 @@ def build_batch(seq_ids: Sequence[int], chunks: Sequence[Sequence[int]], starts:
                 device: torch.device) -> Batch:
     """Right-padded batch of new tokens `chunks[b]` placed at positions starts[b]...; [B, S] tensors."""
     width = max(len(c) for c in chunks)
-    ids = torch.zeros((len(chunks), width), dtype=torch.long)
-    valid = torch.zeros((len(chunks), width), dtype=torch.bool)
-    for b, chunk in enumerate(chunks):
-        ids[b, :len(chunk)] = torch.tensor(list(chunk), dtype=torch.long)
-        valid[b, :len(chunk)] = True
+    ids = torch.tensor([list(c) + [0] * (width - len(c)) for c in chunks], dtype=torch.long).view(len(chunks), width)
+    lengths = torch.tensor([len(c) for c in chunks])  # [B]
+    valid = torch.arange(width)[None, :] < lengths[:, None]  # [B, S]
     positions = torch.tensor(list(starts))[:, None] + torch.arange(width)[None, :]  # [B, S]
     return Batch(tuple(seq_ids), ids.to(device), positions.to(device), valid.to(device))
 

@@ -274,8 +274,8 @@ class Decoder:
         valid = batch.valid | (self.flags.store_padding and dcp > 1)  # the dcp-store-padding fault
         stored = valid & ((token_owner(batch.positions, dcp) == me) | store_all)  # [B, S]
         slots: list[tuple[int, int]] = []
-        for b, seq_id in enumerate(batch.seq_ids):
-            slots += self.cache.reserve(seq_id, batch.positions[b][stored[b]].tolist())
+        for seq_id, row, keep in zip(batch.seq_ids, batch.positions.tolist(), stored.tolist()):
+            slots += self.cache.reserve(seq_id, [p for p, k in zip(row, keep) if k])
         return slots, stored
 
     def _key_index(self, seq_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
