@@ -169,9 +169,7 @@ class HttpBackend:
             return f"engine {self.name} cannot run decode context parallelism (dcp={topology.dcp})"
         if topology.speculator != "none" and topology.speculator not in self.spec.speculator_argv:
             return f"engine {self.name} has no -{topology.speculator} speculator in its template"
-        if self.spec.url and topology.name:
-            return None  # an attached server runs whatever it runs
-        if model.dtype not in self.spec.dtypes:
+        if not self.spec.url and model.dtype not in self.spec.dtypes:  # an attached server runs what it runs
             return f"engine {self.name} does not run dtype {model.dtype} (template dtypes: {', '.join(self.spec.dtypes)})"
         return None
 
