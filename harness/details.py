@@ -80,6 +80,7 @@ class CellDetails:
     head_errors: HeadErrors | None = None
     speculator: SpeculatorDetails | None = None
     gsm8k: dict[str, Any] | None = None
+    collectives: dict[str, Any] | None = None  # per layer and site, the collectives' error (localize)
     note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:

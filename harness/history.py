@@ -37,11 +37,11 @@ STRIP_RUNS = 10  # runs per cell in the report's history strip
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS runs (
-    run_id TEXT PRIMARY KEY, created TEXT NOT NULL, recorded TEXT NOT NULL, suite TEXT NOT NULL,
+    run_id TEXT NOT NULL, created TEXT NOT NULL, recorded TEXT NOT NULL, suite TEXT NOT NULL,
     git_commit TEXT NOT NULL, engine TEXT NOT NULL, engine_version TEXT NOT NULL, build_label TEXT NOT NULL,
-    hostname TEXT NOT NULL, source TEXT NOT NULL, provenance TEXT NOT NULL);
+    hostname TEXT NOT NULL, source TEXT NOT NULL, provenance TEXT NOT NULL, PRIMARY KEY (run_id, suite));
 CREATE TABLE IF NOT EXISTS checks (
-    run_id TEXT NOT NULL REFERENCES runs(run_id), created TEXT NOT NULL,
+    run_id TEXT NOT NULL, created TEXT NOT NULL,
     suite TEXT NOT NULL, model TEXT NOT NULL, topology TEXT NOT NULL, seed INTEGER NOT NULL, fault TEXT,
     cell_status TEXT NOT NULL, check_name TEXT NOT NULL, verdict TEXT NOT NULL, reason TEXT NOT NULL,
     key_metric TEXT, key_value REAL, noise_multiples TEXT NOT NULL, max_noise_multiple REAL,
@@ -160,7 +160,8 @@ def rows_of(cells: Sequence[CellResult], run_id: str, created: str, provenance: 
 
 
 def add_run(conn: sqlite3.Connection, run_dir: Path, build_label: str | None = None) -> tuple[str, int]:
-    """Record run_dir's results.json; recording the same run id again replaces it. (run id, rows)."""
+    """Record run_dir's results.json; recording the same run (run id and suites) again replaces it.
+    (run id, rows)."""
     cells, provenance, run_id = read_results(run_dir)
     label = build_label if build_label is not None else str(
         provenance.get("build_label") or os.environ.get(BUILD_LABEL_ENV, ""))
@@ -168,7 +169,7 @@ def add_run(conn: sqlite3.Connection, run_dir: Path, build_label: str | None = N
     rows = rows_of(cells, run_id, created, provenance, label)
     suites = sorted({c.suite for c in cells}) or [str(provenance.get("suite", ""))]
     with conn:
-        conn.execute("DELETE FROM checks WHERE run_id = ?", (run_id,))
+        conn.executemany("DELETE FROM checks WHERE run_id = ? AND suite = ?", [(run_id, s) for s in suites])
         conn.execute("INSERT OR REPLACE INTO runs VALUES (?,?,?,?,?,?,?,?,?,?,?)", (
             run_id, created, datetime.now(timezone.utc).isoformat(timespec="seconds"), ",".join(suites),
             str(provenance.get("git_commit", "unknown")), str(provenance.get("engine", "")),

@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from harness.contract import JOB_FILE, LAUNCHER_LOG, MANIFEST_FILE, RUN_FILES, Job, LaunchResult
 from harness.errors import ConfigError
@@ -21,17 +21,28 @@ from harness.jsonio import write_json
 
 __all__ = ["Job", "LaunchResult", "command", "launch"]  # Job, LaunchResult: harness.contract (old import path)
 
+if TYPE_CHECKING:
+    from harness.multinode import NodeLaunch
+
 LOG_TAIL_LINES = 40
 TERM_GRACE_S = 35.0
 THREADS_ENV = "HARNESS_THREADS_PER_PROCESS"  # override of the per-process thread count
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-def command(job_path: Path, world_size: int, log_dir: Path, worker_args: Sequence[str] = ()) -> list[str]:
+def rendezvous_args(world_size: int, nodes: "NodeLaunch | None") -> list[str]:
+    """torchrun's placement: all ranks here (standalone), or this node's share of a multi-node launch."""
+    if nodes is None:
+        return ["--standalone", f"--nproc-per-node={world_size}"]
+    return nodes.torchrun_args(world_size)
+
+
+def command(job_path: Path, world_size: int, log_dir: Path, worker_args: Sequence[str] = (),
+            nodes: "NodeLaunch | None" = None) -> list[str]:
     worker = ["-m", "harness.engine.worker", str(job_path), *worker_args]
     if world_size == 1:
         return [sys.executable, *worker]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+    return [sys.executable, "-m", "torch.distributed.run", *rendezvous_args(world_size, nodes),
             "--max-restarts=0", "--monitor-interval=0.5", f"--log-dir={log_dir}", "--redirects=3", *worker]
 
 
@@ -152,7 +163,7 @@ def stop_process_tree(proc: subprocess.Popen[bytes]) -> None:
 
 
 def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None,
-           worker_args: Sequence[str] = ()) -> LaunchResult:
+           worker_args: Sequence[str] = (), nodes: "NodeLaunch | None" = None) -> LaunchResult:
     """Run `job` to completion or until `timeout_s`; always leaves a manifest.json in job.out_dir.
     `worker_args` are extra worker flags (e.g. `--topk 20`: the top-k-only mode)."""
     run_dir = Path(job.out_dir)
@@ -167,7 +178,7 @@ def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None,
     start = time.time()
     timed_out = False
     with open(run_dir / (LAUNCHER_LOG if world > 1 else "rank0.log"), "wb") as log:
-        proc = subprocess.Popen(command(job_path, world, log_dir, worker_args), stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(command(job_path, world, log_dir, worker_args, nodes), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, env=_child_env(world, env))
         try:
             proc.wait(timeout=timeout_s)

@@ -20,7 +20,7 @@ from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks
 from harness.checks.runs import run_capabilities
 from harness.compare.settings import CheckSettings
-from harness.contract import MANIFEST_FILE, NOISE_NONE, NOISE_PRECISION_TWIN, NOISE_REDUCTION_ORDER, SCHEDULE_SEQUENTIAL, Backend, Job
+from harness.contract import NOISE_NONE, NOISE_PRECISION_TWIN, NOISE_REDUCTION_ORDER, SCHEDULE_SEQUENTIAL, Backend, Job
 from harness.engine.fault_scope import inert_reason
 from harness.engine.faults import FAULTS, PERTURBATIONS, fault_flags
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
@@ -32,6 +32,7 @@ from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.layout import plan_layout, plan_speculator
 from harness.report.provenance import collect_provenance, git_commit
 from harness.validate import load_run, validate_artifacts
+from harness.multinode import NodeLaunch, Nodes, run_on_nodes
 from harness.shard import Shard, shard_cells
 from harness.specs.model import ModelSpec
 from harness.specs.suite import Suite
@@ -78,6 +79,7 @@ class RunRequest:
     def ref_engine(self) -> str:
         return self.reference_engine or self.engine
     shard: Shard | None = None  # run only this share of the cells (harness/shard.py)
+    nodes: Nodes | None = None  # this machine's place in a multi-node run (harness/multinode.py)
 
 
 @dataclass(frozen=True)
@@ -296,7 +298,10 @@ class Runner:
             return CellResult(**base, checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False,
                               reference_dir=str(exc.run_dir), error_log=_tails_text(exc.run_dir))
         run_dir = self.req.out_dir / "runs" / cell.slug
-        result = self.backend.run(self.job(cell.model, cell.topology, cell.fault, cell.seed, run_dir), self.req.timeout_s)
+        job = self.job(cell.model, cell.topology, cell.fault, cell.seed, run_dir)
+        nodes = self._node_launch(cell)
+        result = (self.backend.run(job, self.req.timeout_s) if nodes is None
+                  else run_on_nodes(self.backend, job, self.req.timeout_s, nodes))
         if not result.ok:
             return CellResult(**base, checks=(CheckResult("run", Verdict.ERROR, result.error),), clean_exit=False,
                               run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s,
@@ -331,8 +336,19 @@ class Runner:
             speculator_plan=plan_speculator(cell.model.speculator_shape, topo.tp) if topo.speculator != "none" else None,
             decode=self._decoder(cell.model), gsm8k=self.req.gsm8k, enabled=suite.check_enabled)
 
+    def planned(self) -> list[CellPlan]:
+        """This machine's cells (its shard), in plan order."""
+        return shard_cells(plan_cells(self.req, (self.backend, self.ref_backend)), self.req.shard)
+
+    def _node_launch(self, cell: CellPlan) -> NodeLaunch | None:
+        """A cell spanning the nodes rendezvouses on the port of its index in the plan."""
+        nodes = self.req.nodes
+        if nodes is None or not nodes.spans(cell.topology.world_size):
+            return None
+        return nodes.launch([c.slug for c in self.planned()].index(cell.slug))
+
     def run(self) -> list[CellResult]:
-        cells = shard_cells(plan_cells(self.req, (self.backend, self.ref_backend)), self.req.shard)
+        cells = self.planned()
         results = self.finished = []
         for i, cell in enumerate(cells, 1):
             self.progress(f"[{i}/{len(cells)}] {cell.slug} ...")
@@ -358,7 +374,8 @@ class Runner:
                 "reference": self.reference_topology.name, "engine": self.backend.name,
                 "engine_version": self.backend.version(), "reference_engine": self.ref_backend.name,
                 "backends": {"parallel": backend_record(self.backend), "reference": backend_record(self.ref_backend)},
-                **({"shard": str(self.req.shard)} if self.req.shard else {})}
+                **({"shard": str(self.req.shard)} if self.req.shard else {}),
+                **({"nnodes": self.req.nodes.nnodes} if self.req.nodes else {})}
 
 
 class ReferenceFailed(HarnessError):

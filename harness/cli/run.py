@@ -14,6 +14,7 @@ from harness.cli.checks import positive_float, positive_int, require_device, req
 from harness.errors import ConfigError
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.paths import BASELINES_DIR, REPORTS_DIR
+from harness.multinode import check_engine, parse_nodes
 from harness.shard import parse_shard
 from harness.specs.model import load_model
 from harness.specs.suite import load_suite, with_profile
@@ -55,6 +56,12 @@ def add_parser(sub: Any) -> None:
                    help="run only share K of N of the matrix (cost-balanced; merge with harness report DIR...)")
     p.add_argument("--history", type=Path, default=None, help="record the run into this history database "
                    "and show each cell's recent runs in the report (default: $HARNESS_HISTORY, else none)")
+    p.add_argument("--nnodes", type=int, default=1, help="machines of a multi-node run (default 1); cells whose "
+                   "world size divides by it run over all of them")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's index in a multi-node run "
+                   "(0 runs references, compares and writes the report)")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="node 0's rendezvous address; the k-th cell uses PORT+k")
     p.set_defaults(func=run)
 
 
@@ -115,6 +122,10 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     get_backend(args.engine)  # an unknown engine or a bad option: one error before anything runs
     if args.reference_engine:
         get_backend(args.reference_engine)
+    nodes = parse_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint,
+                        len(suite.seeds if not args.seed else args.seed) * len(models) * len(topologies),
+                        launch_timeout(args.timeout))
+    check_engine(args.engine, nodes)
     return RunRequest(
         engine=args.engine, reference_engine=args.reference_engine,
         reproduce=reproduce_args(args, budget_mib, max_seq_len),
@@ -124,7 +135,7 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
         cache_dir=cache_dir, device=args.device, timeout_s=launch_timeout(args.timeout),
         collective_timeout_s=args.collective_timeout, gsm8k=gsm8k, gsm8k_data=gsm8k_data,
         baselines_dir=args.baselines_dir, shard=parse_shard(args.shard) if args.shard else None,
-        pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)))
+        nodes=nodes, pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)))
 
 
 def _ref(ref: str) -> str:
@@ -184,6 +195,9 @@ def _run(args: argparse.Namespace) -> int:
     if all(c.skip_reason for c in planned):  # nothing would run: an explicit request that cannot work
         raise ConfigError(planned[0].skip_reason or "no cell to run")
     runner = Runner(req, progress=lambda line: print(line, flush=True))
+    if req.nodes is not None and req.nodes.node_rank > 0:  # lends its ranks; node 0 writes the report
+        from harness.multinode import follow
+        return follow(runner, lambda line: print(line, flush=True))
     start = time.time()
     try:
         cells = runner.run()
