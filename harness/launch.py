@@ -153,9 +153,12 @@ def root_cause(tails: dict[str, str]) -> str:
     return ""
 
 
-def _child_env(world: int, extra: dict[str, str] | None) -> dict[str, str]:
+def _child_env(local_ranks: int, extra: dict[str, str] | None) -> dict[str, str]:
+    """The launch's environment with thread counts for the `local_ranks` processes on this node."""
     merged = {**os.environ, **(extra or {})}
-    return {**merged, **thread_env(world, merged)}
+    return {**merged, **thread_env(local_ranks, merged)}
+
+
 def stop_process_tree(proc: subprocess.Popen[bytes]) -> None:
     """Stop `proc` (started with start_new_session=True) and every process it started, as a launch does;
     the HTTP backends stop their engine servers with it."""
@@ -179,7 +182,7 @@ def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None,
     timed_out = False
     with open(run_dir / (LAUNCHER_LOG if world > 1 else "rank0.log"), "wb") as log:
         proc = subprocess.Popen(command(job_path, world, log_dir, worker_args, nodes), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=_child_env(world, env))
+                                start_new_session=True, env=_child_env(world // (nodes.nnodes if nodes else 1), env))
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
