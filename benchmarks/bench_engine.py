@@ -1,20 +1,24 @@
 """Prefill and decode tokens/s of the reference engine at tp1, next to transformers' generate on the
-same weights, in the same run. Prints numbers; asserts nothing.
+same weights, in the same run (back to back, best of --repeats each). Prints numbers; asserts nothing.
 
-    python benchmarks/bench_engine.py [--models tiny-gqa smollm2-135m] [--batches 1 16]
+    python benchmarks/bench_engine.py [--models tiny-gqa smollm2-135m] [--batches 1 16] [--json FILE]
+
+--json writes a list of {model, batch, engine_prefill, engine_decode, hf_prefill, hf_decode} (tokens/s).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from harness.engine.checkpoint import save_hf_checkpoint
-from harness.engine.engine import Engine, PoolSettings
+from harness.engine.engine import TORCH_DTYPES, Engine, PoolSettings
 from harness.engine.parallel import ParallelState
 from harness.engine.weights import load_weights
 from harness.specs.model import load_model
@@ -28,52 +32,75 @@ def prompts(batch: int, vocab: int) -> list[list[int]]:
     return torch.randint(0, min(vocab, 256), (batch, PROMPT_LEN), generator=g).tolist()
 
 
-def bench_engine(engine: Engine, batch: list[list[int]]) -> tuple[float, float]:
-    t = time.perf_counter()
-    engine.prefill_logits(batch)
-    prefill = len(batch) * PROMPT_LEN / (time.perf_counter() - t)
-    t = time.perf_counter()
-    engine.generate(batch, NEW_TOKENS)
-    total = time.perf_counter() - t
-    decode = len(batch) * (NEW_TOKENS - 1) / max(1e-9, total - len(batch) * PROMPT_LEN / prefill)
-    return prefill, decode
+def best(fn: Callable[[], float], repeats: int) -> float:
+    """Shortest of `repeats` timings of fn() (fn returns seconds): the least disturbed by other load."""
+    return min(fn() for _ in range(repeats))
 
 
-def bench_transformers(folder: Path, batch: list[list[int]]) -> tuple[float, float]:
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
-    ids = torch.tensor(batch)
+def _timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def bench_engine(engine: Engine, batch: list[list[int]], repeats: int) -> tuple[float, float]:
+    """(prefill, decode) tokens/s; decode time = generate time - prefill time."""
+    prefill_s = best(lambda: _timed(lambda: engine.prefill_logits(batch)), repeats)
+    total_s = best(lambda: _timed(lambda: engine.generate(batch, NEW_TOKENS)), repeats)
+    return len(batch) * PROMPT_LEN / prefill_s, len(batch) * (NEW_TOKENS - 1) / max(1e-9, total_s - prefill_s)
+
+
+def bench_transformers(model: Any, batch: list[list[int]], repeats: int, device: str) -> tuple[float, float]:
+    ids = torch.tensor(batch, device=device)
     with torch.no_grad():
-        t = time.perf_counter()
-        model(ids)
-        prefill_s = time.perf_counter() - t
-        t = time.perf_counter()
-        model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                       attention_mask=torch.ones_like(ids), pad_token_id=0)
-        total = time.perf_counter() - t
-    return len(batch) * PROMPT_LEN / prefill_s, len(batch) * (NEW_TOKENS - 1) / max(1e-9, total - prefill_s)
+        prefill_s = best(lambda: _timed(lambda: _sync(model(ids), device)), repeats)
+        total_s = best(lambda: _timed(lambda: _sync(model.generate(
+            ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+            attention_mask=torch.ones_like(ids), pad_token_id=0), device)), repeats)
+    return len(batch) * PROMPT_LEN / prefill_s, len(batch) * (NEW_TOKENS - 1) / max(1e-9, total_s - prefill_s)
+
+
+def _sync(out: object, device: str) -> object:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", nargs="+", default=["tiny-gqa", "smollm2-135m"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--repeats", type=int, default=3, help="best of this many timings per number")
+    parser.add_argument("--dtype", default="float32", choices=tuple(TORCH_DTYPES))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    print(f"{'model':<14} {'batch':>5} {'engine prefill':>15} {'engine decode':>14} {'hf prefill':>11} {'hf decode':>10}  (tokens/s)")
+    from transformers import AutoModelForCausalLM
+    print(f"threads={torch.get_num_threads()} dtype={args.dtype} device={args.device} prompt={PROMPT_LEN} "
+          f"new={NEW_TOKENS} best of {args.repeats}")
+    print(f"{'model':<14} {'batch':>5} {'engine prefill':>15} {'engine decode':>14} {'hf prefill':>11} "
+          f"{'hf decode':>10} {'prefill x':>9} {'decode x':>8}  (tokens/s)")
+    rows: list[dict[str, Any]] = []
     for name in args.models:
         spec = load_model(name)
         weights = load_weights(spec)
         with tempfile.TemporaryDirectory() as tmp:
             folder = save_hf_checkpoint(spec, weights, Path(tmp))
+            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=TORCH_DTYPES[args.dtype]).to(args.device).eval()
             for b in args.batches:
-                engine = Engine(spec, weights, ParallelState.single(),
+                engine = Engine(spec, weights, ParallelState.single(args.device), dtype=args.dtype,
                                 pool=PoolSettings(budget_bytes=1 << 30, max_seq_len=PROMPT_LEN + NEW_TOKENS))
                 batch = prompts(b, spec.vocab)
-                bench_engine(engine, batch[:1])  # warm-up
-                ep, ed = bench_engine(engine, batch)
-                hp, hd = bench_transformers(folder, batch)
-                print(f"{name:<14} {b:>5} {ep:>15.0f} {ed:>14.0f} {hp:>11.0f} {hd:>10.0f}", flush=True)
+                bench_engine(engine, batch[:1], 1)  # warm-up
+                bench_transformers(hf, batch[:1], 1, args.device)
+                ep, ed = bench_engine(engine, batch, args.repeats)
+                hp, hd = bench_transformers(hf, batch, args.repeats, args.device)
+                rows.append({"model": name, "batch": b, "engine_prefill": ep, "engine_decode": ed,
+                             "hf_prefill": hp, "hf_decode": hd})
+                print(f"{name:<14} {b:>5} {ep:>15.0f} {ed:>14.0f} {hp:>11.0f} {hd:>10.0f} {ep / hp:>9.2f} "
+                      f"{ed / hd:>8.2f}", flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

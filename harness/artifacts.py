@@ -2,7 +2,8 @@
 
 Layout of a run directory (schema ARTIFACT_SCHEMA_VERSION):
   manifest.json      topology, model spec, fault, seed, dtype, weights hash, prompts hash (of the
-                     teacher-forced token sequences), versions,
+                     teacher-forced token sequences), tokenizer hash, backend {name, version,
+                     capabilities} (who wrote the run), versions,
                      device, harness git commit, wall times, status ("ok" | "error"), error text,
                      rank log tails
   layout.json        the layout each rank actually holds (parallelize.actual_layout), target and speculator
@@ -16,11 +17,15 @@ Layout of a run directory (schema ARTIFACT_SCHEMA_VERSION):
                                         at the P probe positions
       attn.{i}             [L, P, heads, head_dim]  decode path, per-head attention output
                                                     (before o_proj) in global head order
+      collectives.{i}      [tp, L, P, sites]  decode path, each rank's relative error of each collective's output
+                           against an exact recompute from its inputs (engine.model.COLLECTIVE_SITES)
       gen_tokens.{i}       [N] int64     greedy generation
       gen_topk_ids.{i}     [N, k] int64  top-k token ids at each generation step
       gen_topk_logprobs.{i} [N, k]       their log-probabilities
       spec_tokens.{i}      [N] int64     -draft/-mtp runs: greedy generation with the speculator
       spec_accepted.{i}    [S] int64     accepted draft tokens (0..k) at each verify step
+      prefill_topk_ids.{i}, prefill_topk_logprobs.{i}  [T, k]    top-k-only engines (embedded-topk, HTTP)
+      decode_topk_ids.{i}, decode_topk_logprobs.{i}    [T-D, k]  instead of *_logits, hidden, attn
   gsm8k.json         suites with GSM8K: lm-eval scores and per-question records (harness.gsm8k.records)
   rank{r}.log        stdout/stderr of each rank (written by the launcher)
 Every stage after the launch reads only these files.
@@ -36,11 +41,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from harness.contract import CASES_FILE, LAYOUT_FILE, MANIFEST_FILE, TENSORS_FILE, tensor_key
 from harness.errors import RunError
 from harness.jsonio import read_json, write_json
 
+__all__ = ["ARTIFACT_SCHEMA_VERSION", "TENSORS_FILE", "Case", "RunArtifacts", "read_run", "write_run"]
 ARTIFACT_SCHEMA_VERSION = 1
-TENSORS_FILE = "tensors.safetensors"
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,7 @@ class RunArtifacts:
         return self.manifest.get("status") == "ok"
 
     def tensor(self, kind: str, case: int) -> torch.Tensor:
-        key = f"{kind}.{case}"
+        key = tensor_key(kind, case)
         if key not in self.tensors:
             raise RunError(f"{self.path}: tensor {key!r} missing from {TENSORS_FILE}")
         return self.tensors[key]
@@ -95,18 +101,18 @@ def write_run(path: Path, manifest: dict[str, Any], layout: dict[str, Any], case
               tensors: dict[str, torch.Tensor]) -> None:
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path / TENSORS_FILE))
-    write_json(path / "layout.json", layout)
-    write_json(path / "cases.json", [c.to_dict() for c in cases])
-    write_json(path / "manifest.json", {"schema_version": ARTIFACT_SCHEMA_VERSION, **manifest})
+    write_json(path / LAYOUT_FILE, layout)
+    write_json(path / CASES_FILE, [c.to_dict() for c in cases])
+    write_json(path / MANIFEST_FILE, {"schema_version": ARTIFACT_SCHEMA_VERSION, **manifest})
 
 
 def read_run(path: Path, with_tensors: bool = True) -> RunArtifacts:
-    manifest = read_json(path / "manifest.json")
+    manifest = read_json(path / MANIFEST_FILE)
     if manifest.get("status") != "ok":
         return RunArtifacts(path=path, manifest=manifest)
     try:
         tensors = load_file(str(path / TENSORS_FILE)) if with_tensors else {}
     except (OSError, SafetensorError) as exc:
         raise RunError(f"{path / TENSORS_FILE}: unreadable tensors: {exc}") from exc
-    return RunArtifacts(path=path, manifest=manifest, layout=read_json(path / "layout.json"),
-                        cases=[Case.from_dict(c) for c in read_json(path / "cases.json")], tensors=tensors)
+    return RunArtifacts(path=path, manifest=manifest, layout=read_json(path / LAYOUT_FILE),
+                        cases=[Case.from_dict(c) for c in read_json(path / CASES_FILE)], tensors=tensors)

@@ -26,6 +26,8 @@ DECODE_TOPK_IDS = "decode_topk_ids"        # [T-D, k] int64, top-k of the decode
 DECODE_TOPK_LOGPROBS = "decode_topk_logprobs"    # [T-D, k] float32
 HIDDEN = "hidden"                          # [L+1, P, H] residual stream at probe positions
 ATTN = "attn"                              # [L, P, heads, head_dim] per-head attention output
+COLLECTIVES = "collectives"                # [tp, L, P, sites] float32, optional: each rank's relative error of
+#                                            each collective's output vs an exact recompute from its inputs
 GEN_TOKENS = "gen_tokens"                  # [N] int64 greedy generation
 GEN_TOPK_IDS = "gen_topk_ids"              # [N, k] int64
 GEN_TOPK_LOGPROBS = "gen_topk_logprobs"    # [N, k] float32
@@ -76,6 +78,7 @@ ALL_CAPABILITIES: tuple[str, ...] = (
 NOISE_PRECISION_TWIN = "precision-twin"  # the reference recomputed in a higher precision
 NOISE_SCHEDULING = "scheduling"          # two reference runs differing only in batching/scheduling
 NOISE_NONE = "none"                      # no noise run: tolerances fall back to their floors
+NOISE_REDUCTION_ORDER = "reduction-order"  # the reference in the same dtype with another reduction order
 
 # --- how a backend sends a job's cases (Job.schedule) ---------------------------------------------
 SCHEDULE_BATCHED = "batched"        # every case at once (the engine batches them)
@@ -168,7 +171,7 @@ class Backend(Protocol):
         ...
 
     def noise_strategy(self) -> str:
-        """One of NOISE_PRECISION_TWIN, NOISE_SCHEDULING, NOISE_NONE."""
+        """One of NOISE_PRECISION_TWIN, NOISE_SCHEDULING, NOISE_REDUCTION_ORDER, NOISE_NONE."""
         ...
 
     def run(self, job: Job, timeout_s: float) -> LaunchResult:

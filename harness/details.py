@@ -35,8 +35,8 @@ class LayerErrors:
     """Residual-stream relative error per hidden index (0 = embedding output, i = output of layer i-1)."""
 
     error: list[Any]
-    noise: list[Any] | None
     threshold: list[Any] | float
+    noise: list[Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -44,23 +44,24 @@ class HeadErrors:
     """Attention-output relative error per layer and head, with the owning ranks and KV heads."""
 
     error: list[Any]
-    noise: list[Any] | None
     threshold: list[Any] | float
     owner_ranks: list[Any]
     kv_heads: list[Any]
+    noise: list[Any] | None = None
 
 
 @dataclass(frozen=True)
 class SpeculatorDetails:
     """Acceptance of a -draft/-mtp cell against the reference with the same speculator."""
 
-    kind: str
+    kind: str = ""
     k: int | None = None
     histogram: list[int] | None = None
     reference_histogram: list[int] | None = None
     mean_acceptance: float | None = None
     reference_mean_acceptance: float | None = None
     traces_differ: int | None = None
+    layout: dict[str, Any] | None = None  # {planned, actual} like LayoutDetails (older results)
 
 
 _SECTIONS: dict[str, type] = {"layout": LayoutDetails, "speculator_layout": LayoutDetails,
@@ -79,6 +80,7 @@ class CellDetails:
     head_errors: HeadErrors | None = None
     speculator: SpeculatorDetails | None = None
     gsm8k: dict[str, Any] | None = None
+    collectives: dict[str, Any] | None = None  # per layer and site, the collectives' error (localize)
     note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:

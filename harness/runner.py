@@ -20,8 +20,9 @@ from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks
 from harness.checks.runs import run_capabilities
 from harness.compare.settings import CheckSettings
-from harness.contract import MANIFEST_FILE, NOISE_NONE, NOISE_PRECISION_TWIN, SCHEDULE_SEQUENTIAL, Backend, Job
-from harness.engine.faults import FAULTS, fault_flags
+from harness.contract import NOISE_NONE, NOISE_PRECISION_TWIN, NOISE_REDUCTION_ORDER, SCHEDULE_SEQUENTIAL, Backend, Job
+from harness.engine.fault_scope import inert_reason
+from harness.engine.faults import FAULTS, PERTURBATIONS, fault_flags
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
 from harness.baseline import BASELINES_DIR
 from harness.gsm8k.settings import GSM8KSettings
@@ -38,7 +39,17 @@ from harness.specs.suite import Suite
 from harness.specs.topology import Topology, parse_topology_name
 from harness.verdict import CellResult, CheckResult, Verdict
 
-NOISE_DTYPE = {"float32": "float64", "bfloat16": "float32", "float16": "float32"}
+# The noise run: what a correct run may differ from the reference by. Like with like: the reference
+# topology in the model's own dtype, with another reduction order (split partial sums, keys merged
+# by LSE), so a half-precision model is measured against half-precision noise, not a float64 twin.
+NOISE_PERTURBATION = "noise-reduction-order"
+NOISE_DTYPE = {"float32": "float64", "bfloat16": "float32", "float16": "float32"}  # precision-twin backends
+
+
+def noise_run(model: ModelSpec) -> tuple[str, str | None]:
+    """(dtype, engine perturbation) of `model`'s noise run under contract.NOISE_REDUCTION_ORDER (the
+    embedded engine's strategy): same precision, another reduction order."""
+    return model.dtype, NOISE_PERTURBATION
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,7 @@ def skip_reason(model: ModelSpec, topo: Topology, fault: str | None) -> str | No
             fault_flags(fault, topo)
         except ConfigError as exc:
             return str(exc)
+        return inert_reason(fault, model, topo)
     return None
 
 
@@ -164,19 +176,21 @@ class Runner:
     def job(self, model: ModelSpec, topo: Topology, fault: str | None, seed: int, out_dir: Path,
             dtype: str | None = None) -> Job:
         s, req = self.req.suite, self.req
-        in_model_dtype = dtype in (None, model.dtype)  # the noise-floor twin skips GSM8K
+        noise = fault in PERTURBATIONS or dtype not in (None, model.dtype)  # the noise run skips GSM8K
         gsm8k = ({"settings": req.gsm8k.to_dict(), "data_path": req.gsm8k_data}
-                 if req.gsm8k is not None and in_model_dtype else None)
+                 if req.gsm8k is not None and not noise else None)
         return Job(model=seeded(model, seed).to_dict(), topology=topo.to_dict(), prompts=list(s.prompts),
                    out_dir=str(out_dir), fault=fault, dtype=dtype, seed=seed, max_new_tokens=s.max_new_tokens,
                    decode_prefix_tokens=s.decode_prefix_tokens, pool=dict(req.pool), device=req.device,
                    collective_timeout_s=req.collective_timeout_s, git_commit=self._commit, gsm8k=gsm8k,
                    speculative=dict(s.speculative) if topo.speculator != "none" else {})
 
-    def _cached(self, model: ModelSpec, seed: int, dtype: str, topo: Topology, repeat: bool = False) -> RunArtifacts:
+    def _cached(self, model: ModelSpec, seed: int, dtype: str, topo: Topology, repeat: bool = False,
+                perturbation: str | None = None) -> RunArtifacts:
         """A reference-topology run of `model` in `dtype` on the reference engine, from the
-        content-keyed cache or launched now; `repeat` is a second, independent run of the same job."""
-        job = self.job(model, topo, None, seed, Path("."), dtype)
+        content-keyed cache or launched now; `repeat` is a second, independent run of the same job;
+        `perturbation` an engine perturbation of the reduction order (the reduction-order noise run)."""
+        job = self.job(model, topo, perturbation, seed, Path("."), dtype)
         if repeat:  # the scheduling-noise twin: the same cases sent one at a time
             job = replace(job, schedule=SCHEDULE_SEQUENTIAL)
         backend = self.ref_backend
@@ -187,8 +201,9 @@ class Runner:
                                         sort_keys=True, default=str).encode())
         engine = "" if backend.name == DEFAULT_ENGINE else f"{backend.name}-"
         run_dir = (self.req.cache_dir / "runs" /
-                   f"{engine}{model.name}-{topo.name}-{dtype}{'-r' if repeat else ''}-{key.hexdigest()[:16]}")
-        label = f"reference {model.name} {topo.name} {dtype} seed {seed}" + (f" ({backend.name})" if engine else "")
+                   f"{engine}{model.name}-{topo.name}-{dtype}{'-r' if repeat else ''}"
+                   f"{'-' + perturbation if perturbation else ''}-{key.hexdigest()[:16]}")
+        label = f"{'noise' if perturbation else 'reference'} {model.name} {topo.name} {dtype} seed {seed}" + (f" ({backend.name})" if engine else "")
         if (run_dir / "manifest.json").exists():
             try:
                 cached = read_run(run_dir)
@@ -221,7 +236,7 @@ class Runner:
 
     def references(self, model: ModelSpec, seed: int, speculator: str = "none") -> tuple[RunArtifacts, RunArtifacts | None]:
         """The reference (the suite's reference topology with the cell's speculator) and its noise-floor
-        twin (same topology, higher precision, no speculator). A failed reference is launched once:
+        run (same topology and dtype, another reduction order, no speculator; see noise_run). A failed reference is launched once:
         later cells get the same ReferenceFailed. A failed twin leaves the tolerance floors in charge."""
         key = (model.name, seed, speculator)
         if key in self._failed_refs:
@@ -245,6 +260,9 @@ class Runner:
         try:
             if strategy == NOISE_PRECISION_TWIN:
                 return self._cached(model, seed, NOISE_DTYPE[model.dtype], base)
+            if strategy == NOISE_REDUCTION_ORDER:
+                dtype, perturbation = noise_run(model)
+                return self._cached(model, seed, dtype, base, perturbation=perturbation)
             return self._cached(model, seed, model.dtype, base, repeat=True)
         except ReferenceFailed as exc:
             self.progress(f"  {exc}; tolerances fall back to their floors")

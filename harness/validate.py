@@ -13,6 +13,7 @@ import torch
 from harness import contract as c
 from harness.artifacts import RunArtifacts, read_run
 from harness.errors import RunError
+from harness.jsonio import read_json
 
 MANIFEST_FIELDS: dict[str, type | tuple[type, ...]] = {
     "schema_version": int, "status": str, "topology": dict, "model": dict, "seed": int, "dtype": str}
@@ -97,8 +98,12 @@ def validate_artifacts(run: RunArtifacts) -> list[str]:
         target = run.layout.get("target") if isinstance(run.layout, dict) else None
         if not isinstance(target, dict) or not isinstance(target.get("ranks"), list):
             problems.append(f"{c.LAYOUT_FILE} lacks target.ranks (the engine declares {c.LAYOUT_REPORT})")
-    if not run.cases:
-        problems.append(f"{c.CASES_FILE} has no cases")
+    if c.GSM8K in caps.provides and (run.path / c.GSM8K_FILE).exists():
+        try:
+            if not isinstance(read_json(run.path / c.GSM8K_FILE), dict):
+                problems.append(f"{c.GSM8K_FILE} is not a JSON object")
+        except RunError as exc:
+            problems.append(str(exc))
     t = _Tensors(run)
     vocab, layers = int(model["vocab"]), int(model["layers"])
     for case in run.cases:

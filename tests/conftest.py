@@ -13,7 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # many seconds, and pytest's per-test timeout (pyproject.toml) allows TEST_LAUNCHES_PER_TEST of them:
 # a hung rank shows up as the harness's ERROR cell with its log tail, never as pytest killing a test
 # that was only slow on a loaded machine.
-TEST_LAUNCH_TIMEOUT_S = 420.0
+TEST_LAUNCH_TIMEOUT_S = 900.0  # the harness's own default: at load ~15 on 2 cores a SmolLM2 reference took > 420 s
 TEST_LAUNCHES_PER_TEST = 4
 os.environ.setdefault("HARNESS_LAUNCH_TIMEOUT_S", str(TEST_LAUNCH_TIMEOUT_S))
 

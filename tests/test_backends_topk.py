@@ -63,6 +63,7 @@ def test_clean_topk_cell_passes_and_localization_skips_with_the_reason(tmp_path:
     from safetensors import safe_open
     with safe_open(str(run_dir / "tensors.safetensors"), "pt") as f:
         keys = set(f.keys())
+    assert main(["validate", str(run_dir)]) == 0  # a top-k-only run keeps the contract
     assert "decode_topk_logprobs.0" in keys and not any(k.startswith(("prefill_logits", "decode_logits", "hidden",
                                                                       "attn")) for k in keys)
 

@@ -93,3 +93,27 @@ def test_details_are_typed_and_round_trip_through_the_shared_schema() -> None:
         CellDetails.from_dict({**details, "layouts": {}})
     with pytest.raises(TypeError):
         CellDetails.from_dict({**details, "layout": {"planned": None, "actual": None, "extra": 1}})
+
+
+def test_list_engines_and_checks(capsys: pytest.CaptureFixture[str]) -> None:
+    from harness.cli import main
+
+    assert main(["list", "engines"]) == 0
+    engines = capsys.readouterr().out
+    assert "embedded-topk" in engines and "top_k=20" in engines and "replay:DIR" in engines
+    assert main(["list", "checks"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    localization = next(line for line in lines if line.startswith("localization "))
+    assert "hidden_states" in localization
+    assert all(any(line.startswith(spec.name + " ") for line in lines) for spec in CHECKS)
+
+
+def test_the_report_notes_details_that_drift_from_the_schema(tmp_path: Path) -> None:
+    from harness.report import render_all
+    from harness.verdict import CellResult, CheckResult
+
+    cell = CellResult(suite="s", model="m", topology="tp2", fault=None, seed=0, clean_exit=True,
+                      checks=(CheckResult("layout", Verdict.FAIL, "x"),), details={"layuot": {}})
+    paths = render_all(tmp_path, [cell], {"command": "harness run"}, "run")
+    assert "details do not match harness/details.py (unknown details sections [&#39;layuot&#39;]" in \
+        Path(paths["html"]).read_text()

@@ -49,7 +49,7 @@ def _age(path: Path, days: float) -> None:
 def test_list_and_size(filled: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
     _, cache = filled
     names = _entries(cache)
-    assert len(names) == 2  # float32 reference and float64 noise floor
+    assert len(names) == 2  # float32 reference and its noise run
     capsys.readouterr()
     assert main(["cache", "--cache-dir", str(cache), "list"]) == 0
     out = capsys.readouterr().out

@@ -60,8 +60,9 @@ def test_warn_band_between_bound_and_fail_ratio(runs) -> None:
     ref, noise, par = runs
     base = ref.tensors["prefill_logits.0"]
     nudged = with_tensors(ref, prefill_logits_0=base.clone())
-    nudged.tensors["prefill_logits.0"][3, 5] += 3e-3  # 3x the abs floor, < 10x
-    result, _ = check_logits("prefill", ref, nudged, None, LogitsSettings(kl_floor=1.0))
+    settings = LogitsSettings(kl_floor=1.0, abs_floor=1e-3)
+    nudged.tensors["prefill_logits.0"][3, 5] += 3e-3  # 3x the abs floor, < fail_ratio x
+    result, _ = check_logits("prefill", ref, nudged, None, settings)
     assert result.verdict is Verdict.WARN, result.reason
     assert "max abs 3.0e-03 > 1.0e-03 (floor; no noise run)" in result.reason
 
@@ -150,3 +151,35 @@ def test_topk_overlap_below_bound_warns() -> None:
     a, b = with_tensors(ref, prefill_logits_0=ref_logits), with_tensors(ref, prefill_logits_0=par_logits)
     result, _ = check_logits("prefill", a, b, None, LogitsSettings(abs_floor=100.0, kl_floor=100.0, topk_warn=0.9))
     assert result.verdict is Verdict.WARN and "top-5 overlap 0.80 < 0.90" in result.reason
+
+
+def _tied_rows(n: int, flip_rows: int) -> torch.Tensor:
+    """[n, 16] logits with a 1e-5 top-2 tie on every row; the first `flip_rows` rows flipped."""
+    return torch.cat([_two_way(1e-5, r < flip_rows) for r in range(n)])
+
+
+def test_systematic_near_tie_flips_fail_and_noise_run_flips_raise_the_limit() -> None:
+    ref, _, _ = synthetic_runs(plan_layout(GQA, 2), n_cases=1)
+    tied = with_tensors(ref, prefill_logits_0=_tied_rows(8, 0))
+    settings = LogitsSettings(tie_flips_floor=2, tie_flips_factor=3.0)
+    # every position flips: each flip is at a near tie, together they are systematic -> FAIL
+    many = with_tensors(ref, prefill_logits_0=_tied_rows(8, 8))
+    result, _ = check_logits("prefill", tied, many, None, settings)
+    assert result.verdict is Verdict.FAIL, result.reason
+    assert "8 top-1 flips at near ties > 2" in result.reason and result.metrics["tie_flip_limit"] == 2
+    # two flips are within the floor: benign
+    two = with_tensors(ref, prefill_logits_0=_tied_rows(8, 2))
+    assert check_logits("prefill", tied, two, None, settings)[0].verdict is Verdict.PASS
+    # a noise run that itself flips 3 positions allows 3 x 3 = 9 flips: 8 pass
+    noisy = with_tensors(ref, prefill_logits_0=_tied_rows(8, 3))
+    allowed, _ = check_logits("prefill", tied, many, noisy, settings)
+    assert allowed.metrics["tie_flip_limit"] == 9 and allowed.metrics["noise_flips"] == 3
+    assert "systematic" not in allowed.reason
+
+
+def test_metrics_are_reported_as_multiples_of_the_noise(runs) -> None:
+    ref, noise, par = runs
+    result, _ = check_logits("decode", ref, par, noise, NOISE_ONLY)
+    multiple = result.metrics["abs_noise_multiple"]
+    assert multiple == pytest.approx(result.metrics["max_abs"] / result.metrics["abs_bound"]["noise"])
+    assert f"({multiple:.1f}x noise)" in result.reason

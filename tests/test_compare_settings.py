@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.compare.settings import CheckSettings, LocalizationSettings, LogitsSettings, parse_section
+from harness.compare.settings import DTYPE_DEFAULTS, CheckSettings, LocalizationSettings, LogitsSettings, parse_section
 from harness.errors import ConfigError
 from harness.specs.suite import Suite
 
@@ -26,7 +26,9 @@ def test_flat_keys_apply_to_every_dtype_and_dtype_sections_override() -> None:
     bf16 = CheckSettings.from_suite(s, "bfloat16")
     assert (f32.logits.kl_factor, f32.logits.kl_floor) == (100.0, 1e-8)  # YAML 1.1 string '1e-8' -> float
     assert (bf16.logits.kl_factor, bf16.logits.kl_floor) == (100.0, 1e-3)
-    assert CheckSettings.from_suite(s, "float16").logits.kl_floor == LogitsSettings().kl_floor
+    # without a float16 section, float16 gets its own dtype default floor (DTYPE_DEFAULTS)
+    assert CheckSettings.from_suite(s, "float16").logits.kl_floor == DTYPE_DEFAULTS["LogitsSettings"]["float16"][
+        "kl_floor"]
     assert f32.generation.near_tie == bf16.generation.near_tie == 0.2
 
 
@@ -59,3 +61,10 @@ def test_localization_section_parses_like_the_others() -> None:
     got = parse_section(LocalizationSettings, "checks.localization", {"factor": 10, "float32": {"rel_floor": 1e-5}},
                         "float32")
     assert got == LocalizationSettings(rel_floor=1e-5, factor=10.0)
+
+
+def test_half_precision_floors_are_looser_than_float32_and_suites_override_them() -> None:
+    f32, f16, bf16 = (CheckSettings.from_suite(suite(logits={}), d).logits for d in ("float32", "float16", "bfloat16"))
+    assert f32.abs_floor < f16.abs_floor < bf16.abs_floor
+    assert f32.kl_floor < f16.kl_floor < bf16.kl_floor
+    assert CheckSettings.from_suite(suite(logits={"abs_floor": 0.5}), "bfloat16").logits.abs_floor == 0.5

@@ -62,12 +62,33 @@ def test_fault_changes_parallel_output_only(run, fault: str, model: str, topo: s
     for kind in kinds:
         assert _max_err(ref, broken, kind) > 0.1, (fault, kind)
         assert _max_err(ref, clean, kind) < ATOL
-    # a fault only acts in a parallel run: at tp1 it is inert
-    ref_fault = run(model, "tp1", fault) if fault == "gcd-naive-gqa" else ref
-    assert _max_err(ref, ref_fault, "decode_logits") == 0.0
 
 
 def test_dcp_token_owner_leaves_prefill_alone(run) -> None:
     """The token-owner bug lives in decode only: the prefill path still matches."""
     ref, broken = run("tiny-gqa", "tp1"), run("tiny-gqa", "tp4dcp4", "dcp-token-owner")
     assert _max_err(ref, broken, "prefill_logits") < ATOL
+
+
+def test_gcd_fault_is_inert_at_tp1(run) -> None:
+    """The naive local Q->KV mapping equals the global one when one rank holds every head: a tp1 run
+    with the fault is a separate launch whose outputs equal the clean tp1 run's."""
+    ref, ref_fault = run("tiny-kv6", "tp1"), run("tiny-kv6", "tp1", "gcd-naive-gqa")
+    assert ref_fault.ok and ref_fault.path != ref.path
+    for kind in ("prefill_logits", "decode_logits"):
+        assert _max_err(ref, ref_fault, kind) == 0.0
+
+
+@pytest.mark.parametrize("fault", ["dcp-tp-kv-layout", "dcp-lse-merge", "dcp-token-owner"])
+def test_dcp_faults_cannot_reach_a_run_without_dcp(fault: str) -> None:
+    """A DCP fault cannot be injected where there is no DCP group (the tp1 reference, or plain TP):
+    the cell is a SKIP naming why, so no reference is ever run with it."""
+    from harness.runner import skip_reason
+    from harness.specs.model import load_model
+    from harness.specs.topology import Topology
+
+    model = load_model("tiny-gqa")
+    for topo in (Topology(tp=1), Topology(tp=4)):
+        reason = skip_reason(model, topo, fault)
+        assert reason is not None and "needs a DCP topology" in reason
+    assert skip_reason(model, Topology(tp=4, dcp=4), fault) is None

@@ -46,6 +46,7 @@ def test_unknown_engine_names_the_shipped_ones(tmp_path: Path) -> None:
 
 
 def test_python_comes_from_the_override_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("HARNESS_VLLM_PYTHON", raising=False)
     spec = load_engine("vllm")
     assert spec.python_env_var() == "HARNESS_VLLM_PYTHON"
     assert spec.interpreter().endswith(".venv-vllm/bin/python")

@@ -106,3 +106,9 @@ def test_kv_capacity_and_spec_counters() -> None:
     assert kv_capacity("", "anything") is None
     delta = counters_delta({"drafts": 2.0, "accepted_tokens": 3.0}, {"drafts": 6.0, "accepted_tokens": 9.0})
     assert delta is not None and delta["drafts"] == 4.0 and delta["mean_accepted_length"] == pytest.approx(2.5)
+
+
+def test_cpu_bind_splits_cores_per_rank() -> None:
+    from harness.backends.http import cpu_bind
+    assert cpu_bind(2, 2) == "0|1" and cpu_bind(2, 8) == "0-3|4-7" and cpu_bind(1, 4) == "0-3"
+    assert cpu_bind(4, 2) == "0|1|0|1"  # more ranks than cores: shared round-robin

@@ -57,7 +57,7 @@ def _copy_runs(stored: dict, dest: Path) -> Path:
 
 def test_validate_accepts_every_run_the_harness_writes(stored: dict, capsys: pytest.CaptureFixture[str]) -> None:
     runs = [Path(stored["cell"]["run_dir"]), *sorted((stored["cache"] / "runs").iterdir())]
-    assert len(runs) == 3  # the parallel run, the reference and its float64 twin
+    assert len(runs) == 3  # the parallel run, the reference and its noise run
     assert main(["validate", *map(str, runs)]) == 0
     assert capsys.readouterr().out.count(": ok") == 3
 

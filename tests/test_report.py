@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tests.test_report_samples import (
+from tests.report_samples import (
     EVIL_PROMPT,
     LOC_SUMMARY,
     PROVENANCE,
@@ -70,7 +70,7 @@ def test_banner_names_the_silent_corruption_cell_and_suspects(page: str) -> None
     banner = banner[:banner.index("</div>")]
     assert "dcp/tiny-gqa/tp4dcp4/dcp-tp-kv-layout" in banner
     assert html.escape(LOC_SUMMARY) in banner
-    assert "failed layout, logits, generation" in banner
+    assert "failed layout, logits_decode, generation" in banner
     assert page.index('class="banner"') < page.index('class="matrix"')  # first screen, above the matrix
 
 
@@ -255,14 +255,14 @@ def test_junit_counts_and_names(tmp_path: Path) -> None:
     assert set(suites) == {"dcp.tiny-gqa", "tp.tiny-mqa", "gsm8k.smollm2-135m"}
     assert suites["dcp.tiny-gqa"].get("tests") == "7" and suites["dcp.tiny-gqa"].get("failures") == "3"
     cases = {(c.get("classname"), c.get("name")): c for c in root.iter("testcase")}
-    failure = cases[("dcp.tiny-gqa.tp4dcp4.dcp-tp-kv-layout", "logits")].find("failure")
+    failure = cases[("dcp.tiny-gqa.tp4dcp4.dcp-tp-kv-layout", "logits_decode")].find("failure")
     assert failure is not None and failure.get("message") == "decode max KL 3.2 > 1e-5 (noise floor 1e-7)"
     assert failure.get("type") == "silent-corruption" and LOC_SUMMARY in (failure.text or "")
     error = cases[("dcp.tiny-gqa.tp2dcp2", "run")].find("error")
     assert error is not None and "<script>boom()</script>" in (error.text or "")
-    warn = cases[("gsm8k.smollm2-135m.tp3dcp3", "gsm8k")]
+    warn = cases[("gsm8k.smollm2-135m.tp3dcp3", "gsm8k_baseline")]
     assert warn.find("failure") is None and "WARN" in (warn.findtext("system-out") or "")
-    assert cases[("tp.tiny-mqa.tp8", "layout")].find("skipped") is not None
+    assert cases[("tp.tiny-mqa.tp8", "cell")].find("skipped") is not None
 
 
 def test_junit_seeds_and_empty_cells() -> None:
@@ -287,8 +287,8 @@ def test_junit_survives_control_characters(tmp_path: Path) -> None:
 def test_summary_markdown(tmp_path: Path) -> None:
     text = (render_all(tmp_path, all_cells(), PROVENANCE, "run-1")["summary"]).read_text()
     assert text.startswith("## Harness report run-1: FAIL")
-    assert ("| suite | model | topology | fault | status | layout | logits | generation | run | acceptance | gsm8k |"
-            in text)
+    assert ("| suite | model | topology | fault | status | layout | logits_decode | generation | run | cell | acceptance "
+            "| gsm8k_baseline |" in text)
     assert "| dcp | tiny-gqa | tp4dcp4 | dcp-tp-kv-layout | **FAIL** (silent corruption) |" in text
     assert "### Silent corruption" in text and LOC_SUMMARY in text
     assert "1 PASS, 1 WARN, 1 FAIL, 1 ERROR, 1 SKIP" in text
@@ -305,8 +305,8 @@ def test_summary_escapes_table_breakers() -> None:
 def test_print_matrix() -> None:
     text = print_matrix(all_cells())
     lines = text.splitlines()
-    assert lines[0].split() == ["suite", "model", "topology", "fault", "status", "layout", "logits", "generation",
-                                "run", "acceptance", "gsm8k"]
+    assert lines[0].split() == ["suite", "model", "topology", "fault", "status", "layout", "logits_decode",
+                                "generation", "run", "cell", "acceptance", "gsm8k_baseline"]
     assert any("dcp-tp-kv-layout" in ln and "FAIL (silent corruption)" in ln for ln in lines)
     assert any("tp2dcp2" in ln and "ERR" in ln for ln in lines)
     assert lines[-1].startswith("NOT SHIPPABLE")

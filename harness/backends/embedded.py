@@ -16,6 +16,7 @@ from harness.backends.base import stamp_manifest
 from harness.backends.identity import code_hash
 from harness.contract import Capabilities, Job, LaunchResult
 from harness.engine import ENGINE_VERSION
+from harness.errors import ConfigError
 from harness.specs.model import ModelSpec, model_from_dict
 from harness.specs.topology import Topology
 
@@ -46,7 +47,6 @@ class EmbeddedBackend:
 
     def __init__(self, option: str | None = None) -> None:
         if option:
-            from harness.errors import ConfigError
             raise ConfigError(f"engine {self.name!r} takes no option, got {option!r}")
         self._code: str | None = None
 
@@ -69,7 +69,7 @@ class EmbeddedBackend:
         return None  # every layout the planner accepts (the runner checks that first)
 
     def noise_strategy(self) -> str:
-        return c.NOISE_PRECISION_TWIN
+        return c.NOISE_REDUCTION_ORDER  # same dtype, another reduction order (runner.noise_run)
 
     def run(self, job: Job, timeout_s: float) -> LaunchResult:
         from harness.launch import launch
@@ -89,7 +89,6 @@ class TopkOnlyBackend(EmbeddedBackend):
         super().__init__(None)
         self.k = TOPK_ONLY_K
         if option:
-            from harness.errors import ConfigError
             if not option.isdigit() or int(option) < 2:
                 raise ConfigError(f"engine {self.name}:K needs an integer K >= 2, got {option!r}")
             self.k = int(option)

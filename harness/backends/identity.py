@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import hashlib
 from pathlib import Path
-from typing import Any
 
 from harness.paths import PROJECT_ROOT
 
@@ -74,9 +73,3 @@ def code_hash(entry: str, root: Path = PROJECT_ROOT) -> str:
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()
-
-
-def identity_key(identity: dict[str, Any]) -> str:
-    """A short stable digest of a backend identity (for folder names and logs)."""
-    import json
-    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]

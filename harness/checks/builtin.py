@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from harness import contract as c
 from harness.checks.context import CellContext
-from harness.compare.cell import prompt_details
+from harness.compare.cell import PARITY_CHECKS, prompt_details
 from harness.compare.generation import check_generation
 from harness.compare.layout_check import check_layout_with_pool, kv_groups_differ
 from harness.compare.localize import localize
@@ -15,11 +15,9 @@ from harness.compare.logits import check_logits
 from harness.compare.speculative import acceptance_from_runs, lossless_from_run, speculator_details
 from harness.compare.topk import check_topk
 from harness.details import HeadErrors, LayerErrors, LayoutDetails, PromptDetails, SpeculatorDetails
+from harness.errors import RunError
 from harness.fmt import id_ranges
 from harness.verdict import CheckResult, Verdict
-
-PARITY: tuple[str, ...] = ("logits_prefill", "logits_decode", "generation")
-
 
 def inputs(ctx: CellContext) -> list[CheckResult]:
     from harness.checks.inputs import check_inputs
@@ -81,7 +79,9 @@ def localization(ctx: CellContext) -> list[CheckResult]:
         ctx.details.head_errors = HeadErrors(**loc_details["head_errors"])
     if "note" in loc_details:
         ctx.details.note = str(loc_details["note"])
-    if found is None or not any(r.name in PARITY and r.verdict is Verdict.FAIL for r in ctx.results):
+    if loc_details.get("collectives"):
+        ctx.details.collectives = dict(loc_details["collectives"])
+    if found is None or not any(r.name in PARITY_CHECKS and r.verdict is Verdict.FAIL for r in ctx.results):
         return []
     layout_result = ctx.result("layout")
     groups = kv_groups_differ(layout_result) if layout_result is not None else ()
@@ -106,7 +106,8 @@ def acceptance(ctx: CellContext) -> list[CheckResult]:
 def gsm8k(ctx: CellContext) -> list[CheckResult]:
     from harness.gsm8k.cell import gsm8k_checks
 
-    assert ctx.gsm8k is not None  # the catalog runs it only in suites with gsm8k
+    if ctx.gsm8k is None:  # the catalog runs it only in suites with gsm8k
+        raise RunError("gsm8k check in a cell without GSM8K settings")
     checks, ctx.details.gsm8k = gsm8k_checks(ctx.ref.path, ctx.par.path, ctx.gsm8k, ctx.info.suite,
                                                 ctx.info.model, ctx.info.topology, ctx.info.report_dir,
                                                 ctx.info.baselines_dir)

@@ -33,6 +33,12 @@ class Bound:
             return Verdict.FAIL
         return Verdict.PASS if value <= self.limit else Verdict.WARN
 
+    def noise_multiple(self, value: float) -> float | None:
+        """`value` as a multiple of the measured noise (None without a noise run or with zero noise)."""
+        if self.noise is None or not math.isfinite(self.noise) or self.noise <= 0:
+            return None
+        return json_float(value / self.noise)
+
     def describe(self) -> str:
         """Where the bound comes from, e.g. '(noise 4.0e-08 x 50)' or '(floor; no noise run)'."""
         if self.noise is None:
@@ -42,9 +48,11 @@ class Bound:
         return f"(floor; noise {self.noise:.1e})"
 
     def compare(self, label: str, value: float) -> str:
-        """'max KL 3.1e-01 > 2.0e-06 (noise 4.0e-08 x 50)'."""
+        """'max KL 3.1e-01 (7.8e+06x noise) > 2.0e-06 (noise 4.0e-08 x 50)'."""
         op = "<=" if value <= self.limit else ">"
-        return f"{label} {value:.1e} {op} {self.limit:.1e} {self.describe()}"
+        multiple = self.noise_multiple(value)
+        times = f" ({multiple:.1f}x noise)" if multiple is not None else ""
+        return f"{label} {value:.1e}{times} {op} {self.limit:.1e} {self.describe()}"
 
     def to_dict(self) -> dict[str, float | None]:
         return {"limit": self.limit, "fail_limit": self.fail_limit, "floor": self.floor,

@@ -15,11 +15,6 @@ from harness.verdict import CheckResult, Localization
 PARITY_CHECKS: tuple[str, ...] = ("logits_prefill", "logits_decode", "generation")
 
 
-def check_names(with_speculator: bool) -> list[str]:
-    """The layout and parity checks of a cell (the registry's full list: harness list checks)."""
-    return ["layout", *(["speculator_layout"] if with_speculator else []), *PARITY_CHECKS]
-
-
 def prompt_details(ref: RunArtifacts, prefill: list[dict[str, Any]], decode: list[dict[str, Any]],
                    generation: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The report's `prompts` rows: one per reference case with its prefill, decode and generation rows."""

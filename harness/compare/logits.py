@@ -3,7 +3,9 @@
 Verdict (bounds from LogitsSettings, noise-scaled, see bounds.Bound):
 - FAIL: NaN/Inf in either run's logits, a shape mismatch, max KL or max abs error beyond
   fail_ratio x its bound, or a top-1 flip outside a near tie (reference logprob gap between the
-  two tokens above max(top1_tie_floor, 2 x the max-abs FAIL bound): no accepted error explains it).
+  two tokens above max(top1_tie_floor, 2 x the max-abs FAIL bound): no accepted error explains it),
+  or more near-tie flips than tie_flip_limit (a few more than the noise run had: systematic flips
+  are not excused as ties). Each metric is also reported as a multiple of the measured noise.
 - WARN: max KL or max abs error between its bound and fail_ratio x bound, or mean top-k overlap
   below topk_warn.
 - PASS otherwise; ERROR when a run lacks the tensors; SKIP without prompts.
@@ -92,25 +94,36 @@ def _compare_case(kind: str, ref: RunArtifacts, other: RunArtifacts, who: str, i
     return _Case(index=index, offset=offset, metrics=position_metrics(a, b, k), problem=None)
 
 
-def _noise_levels(kind: str, ref: RunArtifacts, noise: RunArtifacts | None,
-                  k: int) -> tuple[float | None, float | None, str | None]:
-    """(max KL, max abs error) of the reference against the noise run, or Nones and why."""
+@dataclass(frozen=True)
+class _Noise:
+    """What the noise run differs from the reference by (Nones without a usable noise run)."""
+
+    kl: float | None = None
+    abs: float | None = None
+    flips: int = 0
+    note: str | None = None
+
+
+def _noise_levels(kind: str, ref: RunArtifacts, noise: RunArtifacts | None, k: int) -> _Noise:
+    """Max KL, max abs error and top-1 flips of the reference against the noise run, or why not."""
     if noise is None:
-        return None, None, None
+        return _Noise()
     if not noise.ok:
-        return None, None, "noise run failed"
+        return _Noise(note="noise run failed")
     kls: list[float] = []
     abss: list[float] = []
+    flips = 0
     try:
         for case in ref.cases:
             got = _compare_case(kind, ref, noise, "noise", case.index, 0, k)
             if got.metrics is None:
-                return None, None, f"noise run unusable: {got.problem}"
+                return _Noise(note=f"noise run unusable: {got.problem}")
             kls.append(_max(got.metrics.kl))
             abss.append(_max(got.metrics.max_abs))
+            flips += int((~got.metrics.top1_match).sum())
     except RunError as exc:
-        return None, None, f"noise run unusable: {exc}"
-    return max(kls, default=0.0), max(abss, default=0.0), None
+        return _Noise(note=f"noise run unusable: {exc}")
+    return _Noise(kl=max(kls, default=0.0), abs=max(abss, default=0.0), flips=flips)
 
 
 def _max(t: torch.Tensor) -> float:
@@ -153,23 +166,30 @@ def check_logits(path: str, ref: RunArtifacts, par: RunArtifacts, noise: RunArti
                                c.decode_start if path == "decode" else 0, settings.topk) for c in ref.cases]
     except RunError as exc:
         return CheckResult(name, Verdict.ERROR, f"{path}: {exc}"), []
-    noise_kl, noise_abs, noise_note = _noise_levels(kind, ref, noise, settings.topk)
-    kl = Bound(settings.kl_floor, settings.kl_factor, noise_kl, settings.fail_ratio)
-    abs_ = Bound(settings.abs_floor, settings.abs_factor, noise_abs, settings.fail_ratio)
+    measured = _noise_levels(kind, ref, noise, settings.topk)
+    kl = Bound(settings.kl_floor, settings.kl_factor, measured.kl, settings.fail_ratio)
+    abs_ = Bound(settings.abs_floor, settings.abs_factor, measured.abs, settings.fail_ratio)
     tie_bound = max(settings.top1_tie_floor, 2.0 * abs_.fail_limit)
     prompts = [_prompt_dict(c, kl, abs_, tie_bound) for c in cases]
-    return _verdict(name, path, cases, prompts, kl, abs_, tie_bound, settings, noise_note), prompts
+    return _verdict(name, path, cases, prompts, kl, abs_, tie_bound, settings, measured), prompts
+
+
+def tie_flip_limit(settings: LogitsSettings, noise_flips: int) -> int:
+    """How many near-tie top-1 flips a correct run may have: a few more than the noise run had."""
+    return max(settings.tie_flips_floor, int(settings.tie_flips_factor * noise_flips))
 
 
 def _verdict(name: str, path: str, cases: list[_Case], prompts: list[dict[str, Any]], kl: Bound,
-             abs_: Bound, tie_bound: float, settings: LogitsSettings, noise_note: str | None) -> CheckResult:
+             abs_: Bound, tie_bound: float, settings: LogitsSettings, measured: _Noise) -> CheckResult:
+    noise_note = measured.note
     problems = [c.problem for c in cases if c.problem]
     valid = [c.metrics for c in cases if c.metrics is not None]
     verdicts: list[Verdict] = [Verdict.FAIL] if problems else []
     parts = [problems[0] + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")] if problems else []
     metrics: dict[str, Any] = {"path": path, "problems": problems, "k": settings.topk, "tie_bound": tie_bound,
                                "kl_bound": kl.to_dict(), "abs_bound": abs_.to_dict(), "first_divergence": None,
-                               "noise_note": noise_note}
+                               "noise_note": noise_note, "noise_flips": measured.flips,
+                               "tie_flip_limit": tie_flip_limit(settings, measured.flips)}
     if valid:
         def cat(attr: str) -> torch.Tensor:
             return torch.cat([getattr(m, attr) for m in valid])  # [T] per prompt -> [sum of T]
@@ -182,18 +202,24 @@ def _verdict(name: str, path: str, cases: list[_Case], prompts: list[dict[str, A
                       if p["first_diverging_position"] is not None), None)
         verdicts += [kl.grade(max_kl), abs_.grade(max_abs)]
         parts += [kl.compare("max KL", max_kl), abs_.compare("max abs", max_abs), f"top-1 agreement {top1:.2f}"]
+        ties, tie_limit = flips - bad, tie_flip_limit(settings, measured.flips)
         if bad:
             verdicts.append(Verdict.FAIL)
             parts.append(f"{bad} top-1 flip(s) outside near ties (gap > {tie_bound:.1e})")
-        elif flips:
-            parts.append(f"{flips} top-1 flip(s) at near ties (benign)")
+        if ties > tie_limit:
+            verdicts.append(Verdict.FAIL)
+            parts.append(f"{ties} top-1 flips at near ties > {tie_limit} (the noise run had {measured.flips}): "
+                         f"systematic, not noise")
+        elif ties and not bad:
+            parts.append(f"{ties} top-1 flip(s) at near ties (benign)")
         if topk < settings.topk_warn:
             verdicts.append(Verdict.WARN)
             parts.append(f"top-{settings.topk} overlap {topk:.2f} < {settings.topk_warn:.2f}")
         metrics.update({"positions": int(cat("kl").numel()), "max_kl": max_kl, "mean_kl": _mean(cat("kl")),
                         "max_abs": max_abs, "mean_abs": _mean(cat("mean_abs")), "top1_agreement": top1,
                         "topk_overlap": topk, "top1_flips": flips, "benign_flips": flips - bad,
-                        "first_divergence": first})
+                        "first_divergence": first, "kl_noise_multiple": kl.noise_multiple(max_kl),
+                        "abs_noise_multiple": abs_.noise_multiple(max_abs)})
     if noise_note:
         parts.append(noise_note)
     verdict = worst(verdicts) if verdicts else Verdict.PASS

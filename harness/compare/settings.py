@@ -7,8 +7,11 @@ Every tolerance default lives here, once. A suite sets them under `checks.<name>
       logits: {kl_factor: 100, float32: {kl_floor: 1.0e-8}, bfloat16: {kl_floor: 1.0e-3}}
 
 Noise-scaled bounds: a metric passes at or below max(floor, factor * noise), where noise is the
-same metric measured between the reference run and the reference recomputed in float64. Between
-that bound and fail_ratio times it the check WARNs; beyond it FAILs (see bounds.Bound).
+same metric measured between the reference run and the noise run (the reference topology in the
+same dtype with another reduction order, see runner.noise_run). Between that bound and fail_ratio
+times it the check WARNs; beyond it FAILs (see bounds.Bound): with the defaults a metric FAILs at
+50x the measured noise. Floors sit near the dtype's machine precision (DTYPE_DEFAULTS), so they
+only matter when the noise run measures (almost) nothing.
 Localization settings are read from `checks.localization` (absent from Suite.CHECKS for now).
 """
 
@@ -68,15 +71,17 @@ class LayoutSettings:
 class LogitsSettings:
     """Teacher-forced logits parity (prefill and decode paths)."""
 
-    kl_floor: float = 1e-6         # nats: smallest per-position KL(ref||par) bound
-    kl_factor: float = 50.0        # x the noise run's max KL
-    abs_floor: float = 1e-3        # smallest per-logit max abs error bound
-    abs_factor: float = 50.0       # x the noise run's max abs error
-    fail_ratio: float = 10.0       # WARN between bound and fail_ratio x bound, FAIL beyond
+    kl_floor: float = 1e-10        # nats: smallest per-position KL(ref||par) bound (float32; DTYPE_DEFAULTS)
+    kl_factor: float = 10.0        # x the noise run's max KL
+    abs_floor: float = 5e-5        # smallest per-logit max abs error bound (float32; DTYPE_DEFAULTS)
+    abs_factor: float = 10.0       # x the noise run's max abs error
+    fail_ratio: float = 5.0        # WARN between bound and fail_ratio x bound, FAIL beyond
     topk: int = 5                  # k of the top-k overlap
     topk_warn: float = 0.8         # mean top-k overlap below this WARNs (never FAILs on its own)
     top1_tie_floor: float = 1e-4   # a top-1 flip is benign where the reference logprob gap between
     #                                the two tokens is <= max(this, 2 x the max-abs FAIL bound)
+    tie_flips_floor: int = 2       # near-tie flips are benign only while rare: FAIL above
+    tie_flips_factor: float = 3.0  # max(tie_flips_floor, this x the noise run's flips) of them
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -102,8 +107,10 @@ class GenerationSettings:
 class LocalizationSettings:
     """First diverging layer and heads: relative L2 error of hidden states and attention outputs."""
 
-    rel_floor: float = 1e-4        # smallest relative-error bound (layer and head)
-    factor: float = 50.0           # x the noise run's relative error at the same layer
+    rel_floor: float = 1e-6        # smallest relative-error bound (layer and head; float32, DTYPE_DEFAULTS)
+    factor: float = 20.0           # x the noise run's relative error at the same layer
+    collective_factor: float = 16.0  # a collective's output may differ from an exact recompute from its
+    #                                  inputs by this x tp x the unit roundoff of the run's dtype
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -169,9 +176,30 @@ class CheckSettings:
                                      dtype))
 
 
+# Floors per dtype, a few times what a correct float32 tp/dcp run of the tiny models measures (KL
+# ~1e-11, max abs ~1.5e-5), scaled by the unit roundoff for the half types (float32 6e-8, float16
+# 4.9e-4, bfloat16 3.9e-3) for logits of magnitude ~1-10. They decide only without a usable noise
+# run (or when it measures almost nothing). A suite's own keys override them.
+DTYPE_DEFAULTS: dict[str, dict[str, dict[str, float]]] = {
+    "LogitsSettings": {
+        "float64": {"kl_floor": 1e-24, "abs_floor": 1e-12},
+        "float32": {"kl_floor": 1e-10, "abs_floor": 5e-5},
+        "float16": {"kl_floor": 1e-6, "abs_floor": 2e-2},
+        "bfloat16": {"kl_floor": 1e-4, "abs_floor": 1.5e-1},
+    },
+    "LocalizationSettings": {
+        "float64": {"rel_floor": 1e-13},
+        "float32": {"rel_floor": 1e-6},
+        "float16": {"rel_floor": 1e-3},
+        "bfloat16": {"rel_floor": 1e-2},
+    },
+}
+
+
 def parse_section(cls: type[T], where: str, raw: Mapping[str, Any] | None, dtype: str) -> T:
-    """Build `cls` from flat keys overridden by the `dtype` sub-mapping; every dtype section is
-    validated (unknown keys rejected with "did you mean") even when it is not the one used."""
+    """Build `cls` from the dtype defaults (DTYPE_DEFAULTS), the flat keys, then the `dtype`
+    sub-mapping; every dtype section is validated (unknown keys rejected with "did you mean") even
+    when it is not the one used."""
     raw = raw or {}
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
@@ -182,7 +210,8 @@ def parse_section(cls: type[T], where: str, raw: Mapping[str, Any] | None, dtype
             raise ConfigError(f"{where}: {name!r} is not a dtype section{did_you_mean(str(name), SETTINGS_DTYPES)}"
                               f" (a mapping value must be keyed by a dtype: {', '.join(SETTINGS_DTYPES)})")
         _build(cls, f"{where}.{name}", {**flat, **section})
-    return _build(cls, where, {**flat, **sections.get(dtype, {})})
+    defaults = DTYPE_DEFAULTS.get(cls.__name__, {}).get(dtype, {})
+    return _build(cls, where, {**defaults, **flat, **sections.get(dtype, {})})
 
 
 def _build(cls: type[T], where: str, data: Mapping[str, Any]) -> T:

@@ -10,7 +10,7 @@ Every rank calls the same methods in the same order (lockstep); all ranks return
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -22,6 +22,8 @@ from harness.engine.parallel import ParallelState
 from harness.engine.parallelize import actual_layout, engine_plan, head_map, shard_weights
 from harness.layout import LayoutPlan, pool_capacity
 from harness.specs.model import ModelSpec
+
+StopCheck = Callable[[int, list[int]], bool]  # (prompt index, its new tokens so far) -> stop now?
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                         "float16": torch.float16, "float64": torch.float64}
@@ -48,22 +50,22 @@ class Generation:
 
 @dataclass(frozen=True)
 class DecodePath:
-    """Teacher-forced decode of one sequence: logits [T-D, V], hidden [L+1, P, H], attn [L, P, heads, hd]."""
+    """Teacher-forced decode of one sequence: logits [T-D, V], hidden [L+1, P, H], attn [L, P, heads, hd],
+    collectives [tp, L, P, sites] (each rank's relative error of each collective's output, model.COLLECTIVE_SITES)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
     attn: torch.Tensor
+    collectives: torch.Tensor
 
 
 def build_batch(seq_ids: Sequence[int], chunks: Sequence[Sequence[int]], starts: Sequence[int],
                 device: torch.device) -> Batch:
     """Right-padded batch of new tokens `chunks[b]` placed at positions starts[b]...; [B, S] tensors."""
     width = max(len(c) for c in chunks)
-    ids = torch.zeros((len(chunks), width), dtype=torch.long)
-    valid = torch.zeros((len(chunks), width), dtype=torch.bool)
-    for b, chunk in enumerate(chunks):
-        ids[b, :len(chunk)] = torch.tensor(list(chunk), dtype=torch.long)
-        valid[b, :len(chunk)] = True
+    ids = torch.tensor([list(c) + [0] * (width - len(c)) for c in chunks], dtype=torch.long).view(len(chunks), width)
+    lengths = torch.tensor([len(c) for c in chunks])  # [B]
+    valid = torch.arange(width)[None, :] < lengths[:, None]  # [B, S]
     positions = torch.tensor(list(starts))[:, None] + torch.arange(width)[None, :]  # [B, S]
     return Batch(tuple(seq_ids), ids.to(device), positions.to(device), valid.to(device))
 
@@ -177,6 +179,7 @@ class Engine:
         logits: list[list[torch.Tensor]] = [[] for _ in seqs]
         hidden: list[list[torch.Tensor]] = [[] for _ in seqs]
         attn: list[list[torch.Tensor]] = [[] for _ in seqs]
+        sites: list[list[torch.Tensor]] = [[] for _ in seqs]
         for step in range(max(len(s) - d for s, d in zip(seqs, starts))):
             active = [b for b, (s, d) in enumerate(zip(seqs, starts)) if d + step < len(s)]
             cap = Capture()
@@ -188,10 +191,16 @@ class Engine:
                 if p in probes[b]:
                     hidden[b].append(torch.stack([h[j, 0] for h in cap.hidden]).float().cpu())  # [L+1, H]
                     attn[b].append(torch.stack([a[j, 0] for a in cap.attn]))  # [L, n_q, hd]
+                    sites[b].append(torch.stack([c[j, 0] for c in cap.collectives]))  # [L, sites]
         self.cache.close(ids)
         return [DecodePath(logits=torch.stack(lg), hidden=torch.stack(hd, dim=1),
-                           attn=self._gather_heads(torch.stack(at, dim=1)))
-                for lg, hd, at in zip(logits, hidden, attn)]
+                           attn=self._gather_heads(torch.stack(at, dim=1)),
+                           collectives=self._gather_ranks(torch.stack(st, dim=1)))
+                for lg, hd, at, st in zip(logits, hidden, attn, sites)]
+
+    def _gather_ranks(self, errors: torch.Tensor) -> torch.Tensor:
+        """[L, P, sites] of this rank -> [tp, L, P, sites], rank order."""
+        return self.decoder.comm.gather_tp(errors.unsqueeze(0), dim=0).float().cpu()
 
     def _gather_heads(self, attn: torch.Tensor) -> torch.Tensor:
         """[L, P, n_q_local, hd] -> [L, P, heads, hd] in global head order (rank order = head order)."""
@@ -199,40 +208,51 @@ class Engine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_k: int = 5,
-                 stop_token_ids: frozenset[int] = frozenset()) -> Generation:
-        """Greedy generation, batched; a sequence stops at a stop token or after max_new_tokens."""
+                 stop_token_ids: frozenset[int] = frozenset(), stop: StopCheck | None = None,
+                 max_batch: int | None = None) -> Generation:
+        """Greedy generation with continuous batching: up to `max_batch` (default: the pool's slots)
+        sequences run together, and a finished sequence's slot is refilled with the next prompt at once.
+        A sequence stops at a stop token, when stop(index, new_tokens) says so (e.g. a stop string in
+        its text; it must answer alike on every rank), or after max_new_tokens."""
         self.check_lengths([len(p) + max_new_tokens for p in prompts])
-        tokens: list[list[int]] = []
-        topk_ids: list[torch.Tensor] = []
-        topk_lp: list[torch.Tensor] = []
-        for part in self._batches(len(prompts)):
-            g = self._generate_batch([prompts[i] for i in part], max_new_tokens, top_k, stop_token_ids)
-            tokens += g.tokens
-            topk_ids += g.topk_ids
-            topk_lp += g.topk_logprobs
-        return Generation(tokens, topk_ids, topk_lp)
-
-    def _generate_batch(self, prompts: list[Sequence[int]], max_new: int, top_k: int,
-                        stop: frozenset[int]) -> Generation:
-        ids = self.cache.open(len(prompts))
-        hidden = self.decoder.hidden(self._batch(ids, prompts, [0] * len(prompts)))  # [B, S, H]
-        last_hidden = torch.stack([hidden[b, len(p) - 1] for b, p in enumerate(prompts)])  # [B, H]
-        last = self.decoder.logits(last_hidden[:, None])[:, 0].float()  # [B, V]: only the last position
+        width = max(1, min(self.max_batch, max_batch or self.max_batch))
         new: list[list[int]] = [[] for _ in prompts]
         tk_ids: list[list[torch.Tensor]] = [[] for _ in prompts]
         tk_lp: list[list[torch.Tensor]] = [[] for _ in prompts]
-        active = list(range(len(prompts)))
-        while active:
-            logprobs = torch.log_softmax(last.double(), dim=-1)
+        queue = list(range(len(prompts)))[::-1]  # popped from the end: prompts in the order given
+        running: dict[int, int] = {}  # prompt index -> sequence id, in admission order
+        while queue or running:
+            decoding = list(running)
+            rows = [self._step_logits(decoding, running, prompts, new)] if decoding else []
+            admitted = [queue.pop() for _ in range(min(len(queue), width - len(running)))]
+            if admitted:
+                running.update(zip(admitted, self.cache.open(len(admitted))))
+                rows.append(self._prompt_logits([prompts[i] for i in admitted], [running[i] for i in admitted]))
+            order = decoding + admitted
+            logprobs = torch.log_softmax(torch.cat(rows).double(), dim=-1)  # [B, V]
             top = torch.topk(logprobs, k=min(top_k, logprobs.shape[-1]), dim=-1)
-            for j, b in enumerate(active):
-                new[b].append(int(top.indices[j, 0]))
-                tk_ids[b].append(top.indices[j].cpu())
-                tk_lp[b].append(top.values[j].float().cpu())
-            active = [b for b in active if len(new[b]) < max_new and new[b][-1] not in stop]
-            if not active:
-                break
-            pos = [len(prompts[b]) + len(new[b]) - 1 for b in active]
-            last = self._forward([ids[b] for b in active], [[new[b][-1]] for b in active], pos)[:, 0]
-        self.cache.close(ids)
+            picked = top.indices[:, 0].tolist()
+            ids_cpu, lp_cpu = top.indices.cpu(), top.values.float().cpu()
+            finished = []
+            for j, b in enumerate(order):
+                new[b].append(picked[j])
+                tk_ids[b].append(ids_cpu[j])
+                tk_lp[b].append(lp_cpu[j])
+                if (len(new[b]) >= max_new_tokens or picked[j] in stop_token_ids
+                        or (stop is not None and stop(b, new[b]))):
+                    finished.append(b)
+            self.cache.close([running.pop(b) for b in finished])
         return Generation(new, [torch.stack(t) for t in tk_ids], [torch.stack(t) for t in tk_lp])
+
+    def _prompt_logits(self, prompts: list[Sequence[int]], seq_ids: list[int]) -> torch.Tensor:
+        """Prefill new sequences; float32 logits [B, V] of each prompt's last position only."""
+        hidden = self.decoder.hidden(self._batch(seq_ids, prompts, [0] * len(prompts)))  # [B, S, H]
+        last = torch.tensor([len(p) - 1 for p in prompts], device=hidden.device)
+        last_hidden = hidden[torch.arange(len(prompts), device=hidden.device), last]  # [B, H]
+        return self.decoder.logits(last_hidden[:, None])[:, 0].float()
+
+    def _step_logits(self, order: list[int], running: dict[int, int], prompts: Sequence[Sequence[int]],
+                     new: list[list[int]]) -> torch.Tensor:
+        """One decode step of running sequences (their latest token in); float32 logits [B, V]."""
+        pos = [len(prompts[b]) + len(new[b]) - 1 for b in order]
+        return self._forward([running[b] for b in order], [[new[b][-1]] for b in order], pos)[:, 0]

@@ -17,6 +17,7 @@ class Fault:
     check: str
     description: str
     needs_dcp: bool = False
+    needs_tp: bool = False      # acts only with tp > 1 (a collective that a tp1 run never calls)
     needs_speculator: str = ""  # "": none; "any": a draft or MTP speculator; "draft" / "mtp": that kind
 
 
@@ -40,6 +41,18 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("draft-stale-kv", "acceptance",
           "rejected draft tokens' K/V not rolled back in the speculator's cache, so later proposals attend "
           "to them: acceptance drops, greedy output stays lossless", needs_speculator="any"),
+    Fault("bf16-allreduce", "logits",
+          "the TP all-reduce of the row-parallel projections (attention output, MLP down) done in bfloat16 "
+          "in a float32 model: every partial sum rounded to 8 bits of mantissa (a comm-precision regression: "
+          "thousands of times the noise of a correct run on tiny-gqa tp2, no crash)", needs_tp=True),
+    Fault("fp16-attn-allreduce", "logits",
+          "only the attention-output all-reduce done in float16 in a float32 model (partials rounded to 11 "
+          "bits): a subtle precision regression, a few hundred times the noise of a correct run, that the "
+          "old hand-set floors passed with a WARN", needs_tp=True),
+    Fault("dcp-store-padding", "logits_decode",
+          "under DCP the owner mask of the K/V store ignores the batch's right-padding, so the padding "
+          "slots of a ragged batch (prompts of different lengths) are stored as keys at later positions "
+          "and attended; inert when every sequence of a batch has the same length", needs_dcp=True),
     Fault("mtp-wrong-hidden", "acceptance",
           "the MTP module fed the target's hidden state of the wrong position (t-1 instead of t): its "
           "proposals change (a trained MTP's acceptance drops; a synthetic one's accept trace leaves the "
@@ -58,17 +71,33 @@ class FaultFlags:
     speculator_kv_dcp: bool = False     # draft-dcp-kv-heads: speculator KV split by tp // dcp
     speculator_stale_kv: bool = False   # draft-stale-kv: no rollback of the speculator's cache
     mtp_hidden_shift: int = 0           # mtp-wrong-hidden: MTP reads the target hidden this many positions early
+    store_padding: bool = False         # dcp-store-padding: DCP K/V store ignores batch.valid
+    reduce_dtype: str | None = None     # bf16-allreduce: the TP all-reduce done in this dtype
+    reduce_attn_only: bool = False      # fp16-attn-allreduce: ... only that of the attention output
+    split_reduction: int = 0            # noise perturbation (not a fault): row-parallel contractions
+    #                                     split into this many partial sums added in another order
+
+
+# Perturbations of a correct engine (not faults: no bug, only another reduction order). The noise run
+# of a cell is the reference topology run under one of these, in the model's own dtype.
+PERTURBATIONS: dict[str, FaultFlags] = {
+    "noise-reduction-order": FaultFlags(split_reduction=4),
+}
 
 
 def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
     """The engine switches for fault `name` on `topology`; a fault that cannot apply is a ConfigError."""
     if name is None:
         return FaultFlags()
+    if name in PERTURBATIONS:
+        return PERTURBATIONS[name]
     if name not in FAULTS:
         raise ConfigError(f"unknown fault {name!r}{did_you_mean(name, tuple(FAULTS))}; valid: {', '.join(FAULTS)}")
     fault = FAULTS[name]
     if fault.needs_dcp and topology.dcp == 1:
         raise ConfigError(f"fault {name} needs a DCP topology (dcp > 1), got {topology.name}")
+    if fault.needs_tp and topology.tp == 1:
+        raise ConfigError(f"fault {name} needs a tensor-parallel topology (tp > 1), got {topology.name}")
     wanted = fault.needs_speculator
     if wanted and (topology.speculator == "none" or wanted not in ("any", topology.speculator)):
         kind = "a -draft or -mtp" if wanted == "any" else f"a -{wanted}"
@@ -81,4 +110,7 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         speculator_kv_dcp=name == "draft-dcp-kv-heads",
         speculator_stale_kv=name == "draft-stale-kv",
         mtp_hidden_shift=1 if name == "mtp-wrong-hidden" else 0,
+        reduce_dtype={"bf16-allreduce": "bfloat16", "fp16-attn-allreduce": "float16"}.get(name),
+        reduce_attn_only=name == "fp16-attn-allreduce",
+        store_padding=name == "dcp-store-padding",
     )

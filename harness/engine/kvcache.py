@@ -101,6 +101,19 @@ class PagedKVCache:
         self.k[layer][blocks, offsets] = k
         self.v[layer][blocks, offsets] = v
 
+    def rows(self, slots: list[tuple[int, int]]) -> torch.Tensor:
+        """(block, offset) slots -> rows of the flattened pool [blocks * block_size, ...]: [n]."""
+        return torch.tensor([b * self.block_size + o for b, o in slots], dtype=torch.long,
+                            device=self.k[0].device)
+
+    def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k/v [n, kv_heads, head_dim] at flattened-pool `rows` [n] of `layer` (see rows())."""
+        if rows.numel() == 0:
+            return
+        # [blocks, block, kv, hd] -> [blocks * block, kv, hd] view; index_copy_ writes through it
+        self.k[layer].view(-1, *self.k[layer].shape[2:]).index_copy_(0, rows, k)
+        self.v[layer].view(-1, *self.v[layer].shape[2:]).index_copy_(0, rows, v)
+
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All stored k/v of a sequence: [stored, kv_heads, head_dim] each, in storage order."""
         state = self.seqs[seq_id]

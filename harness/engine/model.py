@@ -19,6 +19,8 @@ from harness.engine.kvcache import PagedKVCache
 from harness.engine.parallel import Collectives
 from harness.layout import token_owner
 
+TORCH_REDUCE_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 @dataclass
 class LayerWeights:
@@ -63,12 +65,19 @@ class Hyper:
     norm_eps: float
 
 
+# Collective steps whose output is checked against an exact (float64) recomputation from its inputs
+# during a captured forward, in the order a layer runs them (see Decoder._probe_site).
+COLLECTIVE_SITES: tuple[str, ...] = ("dcp-q-gather", "dcp-lse-merge", "attn-allreduce", "mlp-allreduce")
+
+
 @dataclass
 class Capture:
-    """Per-layer tensors of one forward, for localization: residual stream and per-head attention output."""
+    """Per-layer tensors of one forward, for localization: residual stream, per-head attention output
+    and, per collective site, this rank's relative error of the collective's output [B, S, sites]."""
 
     hidden: list[torch.Tensor] = field(default_factory=list)
     attn: list[torch.Tensor] = field(default_factory=list)
+    collectives: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -86,17 +95,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(var + eps) * weight
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE (Hugging Face Llama convention). x: [B, S, heads, hd], positions: [B, S]."""
-    hd = x.shape[-1]
-    calc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=calc, device=x.device) / hd))
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, S, 1, hd] of rotate-half RoPE at `positions` [B, S]; computed once per forward."""
+    calc = torch.float64 if dtype == torch.float64 else torch.float32
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=calc, device=positions.device) / head_dim))
     freqs = positions.to(calc)[..., None] * inv_freq  # [B, S, hd/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, S, 1, hd]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    half = hd // 2
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate x [B, S, heads, hd] by precomputed rope_tables."""
+    cos, sin = tables
+    half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE (Hugging Face Llama convention). x: [B, S, heads, hd], positions: [B, S]."""
+    return apply_rope(x, rope_tables(positions, x.shape[-1], theta, x.dtype))
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -117,13 +136,23 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return out, lse.transpose(1, 2)
 
 
+def grouped_kv(kv_index: tuple[int, ...], n_kv: int) -> bool:
+    """True when query head h reads KV head h // (Hq / Hkv): the standard GQA grouping, which the fused
+    kernel handles without copying K/V per query head (enable_gqa)."""
+    n_q = len(kv_index)
+    return n_q % n_kv == 0 and kv_index == tuple(h // (n_q // n_kv) for h in range(n_q))
+
+
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                     kv_index: tuple[int, ...]) -> torch.Tensor:
     """local_attention's output without the LSE (no merge needs it), through torch's fused kernel."""
-    idx = torch.tensor(kv_index, device=k.device)
     # [B, S|L, H, hd] -> [B, H, S|L, hd] for scaled_dot_product_attention
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k[:, :, idx].transpose(1, 2),
-                                         v[:, :, idx].transpose(1, 2), attn_mask=mask[:, None])
+    if grouped_kv(kv_index, k.shape[2]):
+        k_h, v_h, gqa = k.transpose(1, 2), v.transpose(1, 2), k.shape[2] != len(kv_index)
+    else:
+        idx = torch.tensor(kv_index, device=k.device)
+        k_h, v_h, gqa = k[:, :, idx].transpose(1, 2), v[:, :, idx].transpose(1, 2), False
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k_h, v_h, attn_mask=mask[:, None], enable_gqa=gqa)
     blind = ~mask.any(dim=-1)  # [B, S]: padding queries, whose rows the kernel fills with NaN
     return out.transpose(1, 2).masked_fill(blind[:, :, None, None], 0.0)  # [B, S, Hq, hd]
 
@@ -141,6 +170,15 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, mean: bool = False) -
     return (weights[..., None] * outs).sum(dim=0) / total[..., None]
 
 
+def split_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                        kv_index: tuple[int, ...], parts: int) -> torch.Tensor:
+    """The noise perturbation of attention: keys dealt round-robin into `parts` sets (as DCP deals
+    tokens to ranks), attended separately and LSE-merged; mathematically equal to local_attention."""
+    cols = torch.arange(mask.shape[-1], device=mask.device) % parts  # [L]
+    outs, lses = zip(*(local_attention(q, k, v, mask & (cols == p), kv_index) for p in range(parts)))
+    return merge_partials(torch.stack(outs), torch.stack(lses))  # [B, S, Hq, hd]
+
+
 class Decoder:
     """One rank's view of the model: forward over new tokens of a batch, through the paged KV cache."""
 
@@ -152,6 +190,7 @@ class Decoder:
         self.comm = comm
         self.cache = cache
         self.flags = flags
+        self._sites: dict[str, torch.Tensor] | None = None  # collective errors of the layer being captured
 
     def forward(self, batch: Batch, capture: Capture | None = None) -> torch.Tensor:
         """Logits [B, S, V] for every new token; stores the new tokens' K/V first."""
@@ -167,23 +206,64 @@ class Decoder:
         token; stores the new tokens' K/V first. `embeds` [B, S, H] replaces the token embeddings as
         the first layer's input (an MTP module feeds its projected [hidden; embedding] this way)."""
         slots, stored_mask = self._reserve(batch)
-        blk, off, key_pos, key_valid = self._key_index(batch.seq_ids)
+        write_rows = self.cache.rows(slots)  # [n]: flattened pool rows of the new tokens stored here
+        rows, key_pos, key_valid = self._key_index(batch.seq_ids)
+        flat = rows.flatten()  # [B, L] -> [B * L]: rows of the flattened pool to read
         # visible[b, s, l]: key l is stored and not after query s
         visible = key_valid[:, None, :] & (key_pos[:, None, :] <= batch.positions[:, :, None])
         x = self.w.embed[batch.ids] if embeds is None else embeds  # [B, S, H]
+        tables = rope_tables(batch.positions, self.hyper.head_dim, self.hyper.rope_theta, x.dtype)
         if capture is not None:
             capture.hidden.append(x)
         for i, layer in enumerate(self.w.layers):
+            self._sites = {} if capture is not None else None
             attn = self._attention(i, layer, rms_norm(x, layer.attn_norm, self.hyper.norm_eps), batch,
-                                   slots, stored_mask, (blk, off), visible)
+                                   write_rows, stored_mask, flat, visible, tables)
             if capture is not None:
                 capture.attn.append(attn)
-            x = x + self.comm.reduce_tp(attn.flatten(2) @ layer.o.T)
+            x = x + self._row_parallel(attn.flatten(2), layer.o, attn_out=True)
             h = rms_norm(x, layer.mlp_norm, self.hyper.norm_eps)
-            x = x + self.comm.reduce_tp((F.silu(h @ layer.gate.T) * (h @ layer.up.T)) @ layer.down.T)
+            x = x + self._row_parallel(F.silu(h @ layer.gate.T) * (h @ layer.up.T), layer.down)
             if capture is not None:
                 capture.hidden.append(x)
+                zero = torch.zeros(x.shape[:2], dtype=torch.float64, device=x.device)
+                sites = self._sites or {}
+                capture.collectives.append(torch.stack([sites.get(n, zero) for n in COLLECTIVE_SITES], dim=-1))
+        self._sites = None
         return x
+
+    def _probe_site(self, name: str, got: torch.Tensor, exact: torch.Tensor) -> None:
+        """Record |got - exact| / |exact| [B, S] (over the trailing dims) of collective site `name`."""
+        if self._sites is None:
+            return
+        diff = (got.to(torch.float64) - exact.to(torch.float64)).flatten(2)  # [B, S, *] -> [B, S, n]
+        err = diff.norm(dim=-1) / exact.to(torch.float64).flatten(2).norm(dim=-1).clamp_min(1e-30)
+        self._sites[name] = torch.nan_to_num(err, nan=float("inf"))
+
+    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, attn_out: bool = False) -> torch.Tensor:
+        """x [B, S, K_local] @ w.T [K_local, H], summed over the TP group -> [B, S, H].
+
+        Hooks (harness/engine/faults.py): `split_reduction` (the noise perturbation) computes the
+        contraction as that many partial sums in the model dtype, added last-first, as a TP split would;
+        `reduce_dtype` (a fault) does the all-reduce in a lower precision."""
+        n = self.flags.split_reduction
+        if n > 1 and x.shape[-1] >= n:
+            parts = [xc @ wc.T for xc, wc in zip(x.chunk(n, dim=-1), w.chunk(n, dim=-1))]  # each [B, S, H]
+            y = parts[-1]
+            for part in reversed(parts[:-1]):
+                y = y + part
+        else:
+            y = x @ w.T
+        # the exact sum of every rank's partial, taken before the (in-place) all-reduce, when captured
+        exact = self.comm.gather_tp(y.unsqueeze(0), dim=0).to(torch.float64).sum(dim=0) if self._sites is not None else None
+        if self.flags.reduce_dtype is not None and (attn_out or not self.flags.reduce_attn_only):
+            low = TORCH_REDUCE_DTYPES[self.flags.reduce_dtype]
+            out = self.comm.reduce_tp(y.to(low)).to(y.dtype)
+        else:
+            out = self.comm.reduce_tp(y)
+        if exact is not None:
+            self._probe_site("attn-allreduce" if attn_out else "mlp-allreduce", out, exact)
+        return out
 
     def _reserve(self, batch: Batch) -> tuple[list[tuple[int, int]], torch.Tensor]:
         """Cache slots for the new tokens this rank stores: all under TP; under DCP its own tokens
@@ -191,51 +271,61 @@ class Decoder:
         dcp, me = self.comm.dcp, self.comm.dcp_rank
         decode_step = batch.ids.shape[1] == 1
         store_all = self.flags.store_on_all_dcp_ranks and decode_step
-        stored = batch.valid & ((token_owner(batch.positions, dcp) == me) | store_all)  # [B, S]
+        valid = batch.valid | (self.flags.store_padding and dcp > 1)  # the dcp-store-padding fault
+        stored = valid & ((token_owner(batch.positions, dcp) == me) | store_all)  # [B, S]
         slots: list[tuple[int, int]] = []
-        for b, seq_id in enumerate(batch.seq_ids):
-            slots += self.cache.reserve(seq_id, batch.positions[b][stored[b]].tolist())
+        for seq_id, row, keep in zip(batch.seq_ids, batch.positions.tolist(), stored.tolist()):
+            slots += self.cache.reserve(seq_id, [p for p, k in zip(row, keep) if k])
         return slots, stored
 
-    def _key_index(self, seq_ids: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-        """Padded (block, offset, position, valid) of every stored token of each sequence: [B, L] each."""
+    def _key_index(self, seq_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Padded (pool row, position, valid) of every stored token of each sequence: [B, L] each; the
+        row is block * block_size + offset in the flattened pool. Built with one tensor per field."""
         states = [self.cache.seqs[s] for s in seq_ids]
         length = max(1, max(s.stored for s in states))
         bs = self.cache.block_size
-        blk = torch.zeros((len(states), length), dtype=torch.long)
-        off = torch.zeros_like(blk)
-        pos = torch.zeros_like(blk)
-        valid = torch.zeros((len(states), length), dtype=torch.bool)
-        for b, st in enumerate(states):
-            n = st.stored
-            idx = torch.arange(n)
-            blk[b, :n] = torch.tensor(st.blocks, dtype=torch.long)[idx // bs] if n else blk[b, :n]
-            off[b, :n] = idx % bs
-            pos[b, :n] = torch.tensor(st.positions, dtype=torch.long)
-            valid[b, :n] = True
+        n_blocks = -(-length // bs)
+        stored = torch.tensor([st.stored for st in states])  # [B]
+        table = torch.tensor([st.blocks + [0] * (n_blocks - len(st.blocks)) for st in states],
+                             dtype=torch.long).view(len(states), n_blocks)  # [B, n_blocks]
+        pos = torch.tensor([st.positions + [0] * (length - st.stored) for st in states],
+                           dtype=torch.long).view(len(states), length)  # [B, L]
+        j = torch.arange(length)  # storage index
+        rows = table[:, j // bs] * bs + j % bs  # [B, L]
+        valid = j[None, :] < stored[:, None]  # [B, L]
         dev = self.cache.k[0].device
-        return blk.to(dev), off.to(dev), pos.to(dev), valid.to(dev)
+        return rows.to(dev), pos.to(dev), valid.to(dev)
 
     def _attention(self, i: int, layer: LayerWeights, h: torch.Tensor, batch: Batch,
-                   slots: list[tuple[int, int]], stored: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor],
-                   visible: torch.Tensor) -> torch.Tensor:
+                   write_rows: torch.Tensor, stored: torch.Tensor, flat: torch.Tensor,
+                   visible: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Attention output of this rank's own Q heads: [B, S, n_q, hd]."""
         B, S, _ = h.shape
         hd, hm = self.hyper.head_dim, self.heads
         q = _proj(h, layer.q, layer.q_bias).view(B, S, hm.n_q, hd)  # [B, S, Hq_local, hd]
         k = _proj(h, layer.k, layer.k_bias).view(B, S, hm.n_kv, hd)  # [B, S, Hkv_local, hd]
         v = _proj(h, layer.v, layer.v_bias).view(B, S, hm.n_kv, hd)
-        q = rope(q, batch.positions, self.hyper.rope_theta)
-        k = rope(k, batch.positions, self.hyper.rope_theta)
-        self.cache.write(i, slots, k[stored], v[stored])
-        blk, off = index
-        k_all, v_all = self.cache.k[i][blk, off], self.cache.v[i][blk, off]  # [B, L, Hkv_local, hd]
+        q = apply_rope(q, tables)
+        k = apply_rope(k, tables)
+        self.cache.write_rows(i, write_rows, k[stored], v[stored])
+        # pool [blocks, block, Hkv, hd] -> [blocks * block, Hkv, hd] -> rows `flat` -> [B, L, Hkv_local, hd]
+        k_all = self.cache.k[i].flatten(0, 1).index_select(0, flat).view(B, -1, hm.n_kv, hd)
+        v_all = self.cache.v[i].flatten(0, 1).index_select(0, flat).view(B, -1, hm.n_kv, hd)
+        if self.comm.dcp == 1 and self.flags.split_reduction > 1:
+            return split_key_attention(q, k_all, v_all, visible, hm.group_q_to_local_kv, self.flags.split_reduction)
         if self.comm.dcp == 1:
             return fused_attention(q, k_all, v_all, visible, hm.group_q_to_local_kv)
         group_q = self.comm.gather_dcp(q, dim=2)  # [B, S, dcp * Hq_local, hd], member order
         out, lse = local_attention(group_q, k_all, v_all, visible, hm.group_q_to_local_kv)
-        merged = merge_partials(self.comm.stack_dcp(out), self.comm.stack_dcp(lse), self.flags.lse_merge_mean)
+        # one gather for both, in float32 so a half-precision model's LSE keeps its precision:
+        # [B, S, Hg, hd] + [B, S, Hg, 1] -> [dcp, B, S, Hg, hd + 1]
+        packed = self.comm.stack_dcp(torch.cat((out.float(), lse[..., None].float()), dim=-1))
+        outs, lses = packed[..., :-1].to(out.dtype), packed[..., -1]  # [G, B, S, H, hd], [G, B, S, H]
+        merged = merge_partials(outs, lses, self.flags.lse_merge_mean)
         lo, hi = hm.own_slice
+        if self._sites is not None:  # the gather must return this rank's own Q in its slot; the merge
+            self._probe_site("dcp-q-gather", group_q[:, :, lo:hi], q)  # must equal an exact recompute
+            self._probe_site("dcp-lse-merge", merged, merge_partials(outs.to(torch.float64), lses.to(torch.float64)))
         return merged[:, :, lo:hi]
 
 

@@ -64,7 +64,8 @@ def _case_tensors(index: int, prefill: torch.Tensor, decode: Any, topk_only: int
     key = c_.tensor_key
     if topk_only is None:
         return {key(c_.PREFILL_LOGITS, index): prefill, key(c_.DECODE_LOGITS, index): decode.logits,
-                key(c_.HIDDEN, index): decode.hidden, key(c_.ATTN, index): decode.attn}
+                key(c_.HIDDEN, index): decode.hidden, key(c_.ATTN, index): decode.attn,
+                key(c_.COLLECTIVES, index): decode.collectives}
     pre_ids, pre_lps = topk_logprobs(prefill, topk_only)
     dec_ids, dec_lps = topk_logprobs(decode.logits, topk_only)
     return {key(c_.PREFILL_TOPK_IDS, index): pre_ids, key(c_.PREFILL_TOPK_LOGPROBS, index): pre_lps,

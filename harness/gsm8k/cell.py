@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.baseline import BASELINES_DIR, Measurement, gate_cell, load_baselines
+from harness.contract import GSM8K_FILE
 from harness.gsm8k.checks import paired_check
 from harness.gsm8k.records import GSM8KResult
 from harness.gsm8k.settings import GSM8KSettings
@@ -13,7 +14,7 @@ from harness.gsm8k.stats import paired_comparison
 from harness.jsonio import read_json
 from harness.verdict import CheckResult
 
-RESULT_FILE = "gsm8k.json"
+RESULT_FILE = GSM8K_FILE  # the run-directory file name (harness.contract)
 
 
 def read_result(run_dir: Path) -> GSM8KResult:

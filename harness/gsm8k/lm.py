@@ -26,9 +26,11 @@ class Generator(Protocol):
     rank: int
     world_size: int
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int,
-                 stop_token_ids: set[int]) -> list[list[int]]:
-        """Greedy continuation of each prompt; returns only the new tokens (may end with a stop token)."""
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: set[int],
+                 stop_strings: Sequence[str] = (), max_batch: int | None = None) -> list[list[int]]:
+        """Greedy continuation of each prompt; returns only the new tokens (may end with a stop token).
+        At most `max_batch` sequences run at once (continuous batching refills finished slots); a
+        sequence may end early once its text contains one of `stop_strings` (the text is cut there)."""
         ...
 
 
@@ -144,14 +146,15 @@ class HarnessLM(LM):
                         max_new_tokens=max_new)
 
     def _batches(self, prepared: list[_Request]) -> list[list[_Request]]:
-        """Group requests that stop alike, longest prompt first, into batches of `batch_size`."""
+        """Group requests that stop alike, longest prompt first; each group goes to the generator whole
+        and runs `batch_size` at a time with continuous refill."""
         groups: dict[tuple[tuple[str, ...], int], list[_Request]] = {}
         for req in prepared:
             groups.setdefault((req.until, req.max_new_tokens), []).append(req)
         batches = []
         for group in groups.values():
             group.sort(key=lambda r: (-len(r.prompt_ids), r.position))
-            batches += [group[i:i + self.batch_size] for i in range(0, len(group), self.batch_size)]
+            batches.append(group)
         return batches
 
     def stop_token_ids(self, until: Sequence[str]) -> set[int]:
@@ -171,7 +174,8 @@ class HarnessLM(LM):
     def _generate_batch(self, batch: list[_Request]) -> list[str]:
         first = batch[0]
         stops = self.stop_token_ids(first.until)
-        new = self.generator.generate([r.prompt_ids for r in batch], first.max_new_tokens, stops)
+        new = self.generator.generate([r.prompt_ids for r in batch], first.max_new_tokens, stops,
+                                      stop_strings=first.until, max_batch=self.batch_size)
         if len(new) != len(batch):
             raise RunError(f"generator returned {len(new)} sequences for {len(batch)} prompts")
         texts = []

@@ -16,6 +16,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from markupsafe import Markup
 
 from harness import __version__
+from harness.details import CellDetails
 from harness.report.details import (
     Gsm8kView,
     LayoutView,
@@ -140,6 +141,10 @@ def cell_view(row: MatrixRow) -> CellView:
     cell = row.cell
     notes: list[str] = []
     details = cell.details if isinstance(cell.details, dict) else {}
+    try:  # the schema compare writes (harness/details.py): drift shows as a note, never a crash
+        CellDetails.from_dict(details)
+    except (TypeError, ValueError) as exc:
+        notes.append(f"details do not match harness/details.py ({exc})")
     loc = cell.localization
     heads = loc.heads if loc else ()
     return CellView(

@@ -37,7 +37,6 @@ class ServeConfig:
     port: int = 8000
     fault: str | None = None
     dtype: str | None = None
-    seed: int = 0
     pool: dict[str, int] = field(default_factory=dict)
     device: str = "cpu"
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S

@@ -19,19 +19,23 @@ FAULTY_RANK = 1
 
 
 def _wrong_kv_shard(load: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap QKVParallelLinear.weight_loader: on the faulty rank, the k and v shards are cut at the next
-    rank's offsets (the loader reads self.tp_rank to pick the shard)."""
+    """Wrap a QKVParallelLinear weight loader: on the faulty rank, the k and v shards are cut at the next
+    rank's offsets. The v1 loader picks the shard from the layer's tp_rank, the v2 loader from the
+    parameter's (vLLM's BasevLLMParameter): both are shifted for the call."""
 
     @functools.wraps(load)
     def loader(self: Any, param: Any, loaded_weight: Any, loaded_shard_id: Any = None, *args: Any, **kwargs: Any) -> Any:
         rank, size = self.tp_rank, self.tp_size
         if loaded_shard_id not in ("k", "v") or size < 2 or rank != FAULTY_RANK:
             return load(self, param, loaded_weight, loaded_shard_id, *args, **kwargs)
-        self.tp_rank = (rank + 1) % size
+        holders = [self] + ([param] if hasattr(param, "tp_rank") else [])
+        for holder in holders:
+            holder.tp_rank = (rank + 1) % size
         try:
             return load(self, param, loaded_weight, loaded_shard_id, *args, **kwargs)
         finally:
-            self.tp_rank = rank
+            for holder in holders:
+                holder.tp_rank = rank
 
     return loader
 
@@ -44,5 +48,6 @@ def register() -> None:
 
     if not hasattr(QKVParallelLinear.weight_loader, "__wrapped__"):
         QKVParallelLinear.weight_loader = _wrong_kv_shard(QKVParallelLinear.weight_loader)
+        QKVParallelLinear.weight_loader_v2 = _wrong_kv_shard(QKVParallelLinear.weight_loader_v2)
         print(f"harness_vllm_fault: {FAULT_ENV}={KV_SHARD}: TP rank {FAULTY_RANK} loads another rank's K/V shard",
               flush=True)

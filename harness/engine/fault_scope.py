@@ -1,0 +1,34 @@
+"""Whether an injected fault can act on a cell: a fault that leaves the engine's computation as it
+is (e.g. the naive GQA mapping where KV heads are not duplicated) is inert there, and the cell is a
+SKIP saying so rather than a PASS that claims the fault was checked."""
+
+from __future__ import annotations
+
+from harness.engine.faults import FaultFlags, fault_flags
+from harness.engine.parallelize import engine_plan, head_map
+from harness.specs.model import ModelSpec
+from harness.specs.topology import Topology
+
+# faults whose whole effect is which KV head each Q head reads (decidable from the layout alone)
+LAYOUT_FAULTS: frozenset[str] = frozenset({"gcd-naive-gqa", "dcp-tp-kv-layout"})
+
+
+def kv_reads(spec: ModelSpec, topology: Topology, flags: FaultFlags) -> list[tuple[int, ...]]:
+    """Per rank, the global KV head each Q head of its DCP group reads, under `flags`."""
+    plan = engine_plan(spec, topology.tp, topology.dcp, flags)
+    reads = []
+    for rank in plan.ranks:
+        heads = head_map(rank, flags)
+        reads.append(tuple(rank.kv_heads[j] for j in heads.group_q_to_local_kv))
+    return reads
+
+
+def inert_reason(name: str | None, spec: ModelSpec, topology: Topology) -> str | None:
+    """Why fault `name` cannot change anything on (spec, topology), or None when it can act (or
+    when that cannot be decided without running)."""
+    if name not in LAYOUT_FAULTS:
+        return None
+    if kv_reads(spec, topology, fault_flags(name, topology)) == kv_reads(spec, topology, FaultFlags()):
+        return (f"fault {name} is inert on {spec.name} at {topology.name}: every Q head reads the same KV "
+                f"head as in the correct layout (heads={spec.heads}, kv_heads={spec.kv_heads})")
+    return None

@@ -1,0 +1,105 @@
+"""Detection-power pieces on constructed data: collective localization, inert faults, ragged decode
+starts, the noise run selection."""
+
+from __future__ import annotations
+
+import torch
+
+from harness.cases import ragged_decode_start
+from harness.compare.localize import collective_bound, localize
+from harness.compare.settings import LocalizationSettings
+from harness.engine.fault_scope import inert_reason
+from harness.engine.faults import FAULTS, PERTURBATIONS, fault_flags
+from harness.engine.model import COLLECTIVE_SITES
+from harness.layout import plan_layout
+from harness.runner import noise_run
+from harness.specs.model import load_model
+from harness.specs.topology import parse_topology_name
+from tests.test_compare_support import GQA, synthetic_runs, with_tensors
+
+
+def _collectives(tp: int, layers: int, probes: int, broken: tuple[int, str, list[int]] | None,
+                 error: float = 1e-3) -> torch.Tensor:
+    """[tp, L, P, sites] errors at float32 rounding, one (layer, site, ranks) raised to `error`."""
+    t = torch.full((tp, layers, probes, len(COLLECTIVE_SITES)), 1e-8)
+    if broken is not None:
+        layer, site, ranks = broken
+        t[ranks, layer, :, COLLECTIVE_SITES.index(site)] = error
+    return t
+
+
+def _layers_off(t: torch.Tensor) -> torch.Tensor:
+    """hidden [L+1, P, H] with every layer's output (not the embedding) 10% off."""
+    out = t.clone()
+    out[1:] *= 1.1
+    return out
+
+
+def test_a_broken_collective_is_named_with_its_ranks_before_the_layer_rule() -> None:
+    plan = plan_layout(GQA, 4, 2)
+    ref, noise, par = synthetic_runs(plan)
+    settings = LocalizationSettings()
+    layers = GQA.layers
+    # the parallel run's layer 0 output diverges, and its attention all-reduce is wrong on ranks 2, 3
+    bad = with_tensors(par, **{f"hidden_{i}": _layers_off(par.tensors[f"hidden.{i}"]) for i in range(2)},
+                       **{f"collectives_{i}": _collectives(4, layers, 3, (0, "attn-allreduce", [2, 3]))
+                          for i in range(2)})
+    loc, details = localize(ref, bad, noise, plan, ref.cases, settings)
+    assert loc is not None and loc.layer == 0 and loc.ranks == (2, 3), loc
+    assert "TP all-reduce of the attention output projection is wrong on ranks 2-3" in loc.summary
+    assert details["collectives"]["bound"] == collective_bound("float32", 4, settings)
+    # an earlier site in execution order wins: the LSE merge runs before the all-reduce
+    both = _collectives(4, layers, 3, (0, "attn-allreduce", [2, 3]))
+    both[:, 0, :, COLLECTIVE_SITES.index("dcp-lse-merge")] = 1e-2
+    loc2, _ = localize(ref, with_tensors(bad, collectives_0=both), noise, plan, ref.cases, settings)
+    assert loc2 is not None and "DCP LSE merge" in loc2.summary and loc2.ranks == (0, 1, 2, 3)
+
+
+def test_exact_collectives_leave_the_layer_rule_in_charge() -> None:
+    plan = plan_layout(GQA, 4, 2)
+    ref, noise, par = synthetic_runs(plan)
+    clean = {f"collectives_{i}": _collectives(4, GQA.layers, 3, None) for i in range(2)}
+    assert localize(ref, with_tensors(par, **clean), noise, plan, ref.cases, LocalizationSettings())[0] is None
+    mlp = with_tensors(par, **clean, **{f"hidden_{i}": _layers_off(par.tensors[f"hidden.{i}"]) for i in range(2)})
+    loc, _ = localize(ref, mlp, noise, plan, ref.cases, LocalizationSettings())
+    assert loc is not None and "all-reduce" not in loc.summary
+
+
+def test_collective_bound_scales_with_dtype_and_tp() -> None:
+    s = LocalizationSettings()
+    assert collective_bound("float32", 2, s) < collective_bound("float16", 2, s) < collective_bound("bfloat16", 2, s)
+    assert collective_bound("float32", 8, s) == 4 * collective_bound("float32", 2, s)
+    # a float16 all-reduce in a float32 model (rel err ~ float16 unit roundoff) is far beyond the float32 bound
+    assert torch.finfo(torch.float16).eps / 2 > 50 * collective_bound("float32", 8, s)
+
+
+def test_inert_faults_are_named_and_acting_ones_are_not() -> None:
+    kv6, gqa = load_model("tiny-kv6"), load_model("tiny-gqa")
+    topo = parse_topology_name
+    assert inert_reason("gcd-naive-gqa", kv6, topo("tp4")) is None  # GCD-duplicated KV heads: acts
+    reason = inert_reason("gcd-naive-gqa", kv6, topo("tp2"))
+    assert reason is not None and "inert on tiny-kv6 at tp2" in reason
+    assert inert_reason("dcp-tp-kv-layout", gqa, topo("tp4dcp4")) is None
+    assert inert_reason("dcp-tp-kv-layout", gqa, topo("tp4dcp2")) is not None  # kv=2: both layouts agree
+    assert inert_reason("dcp-lse-merge", gqa, topo("tp4dcp2")) is None  # not decidable from the layout
+
+
+def test_new_faults_need_their_topology_and_perturbations_are_not_faults() -> None:
+    for name in ("bf16-allreduce", "fp16-attn-allreduce", "dcp-store-padding"):
+        assert name in FAULTS
+    assert fault_flags("bf16-allreduce", parse_topology_name("tp2")).reduce_dtype == "bfloat16"
+    flags = fault_flags("fp16-attn-allreduce", parse_topology_name("tp2"))
+    assert flags.reduce_dtype == "float16" and flags.reduce_attn_only
+    assert fault_flags("dcp-store-padding", parse_topology_name("tp2dcp2")).store_padding
+    assert not set(PERTURBATIONS) & set(FAULTS)
+    # every model's noise run is in its own dtype, under a perturbation of the reduction order
+    for name in ("tiny-gqa", "tiny-bf16-big", "tiny-fp16-big"):
+        model = load_model(name)
+        dtype, perturbation = noise_run(model)
+        assert dtype == model.dtype and perturbation in PERTURBATIONS
+
+
+def test_decode_starts_are_ragged_within_the_prompt() -> None:
+    starts = [ragged_decode_start(i, 4, 10) for i in range(6)]
+    assert starts == [4, 3, 2, 4, 3, 2]
+    assert ragged_decode_start(1, 4, 2) == 2 and ragged_decode_start(2, 1, 5) == 1

