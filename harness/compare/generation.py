@@ -18,6 +18,7 @@ from harness.compare.bounds import Bound, json_float
 from harness.compare.settings import GenerationSettings
 from harness.errors import RunError
 from harness.verdict import CheckResult, Verdict
+from harness.contract import GEN_TOKENS, GEN_TOPK_IDS, GEN_TOPK_LOGPROBS
 
 Decoder = Callable[[Sequence[int]], str]
 
@@ -52,10 +53,10 @@ def noise_gap_error(ref: RunArtifacts, noise: RunArtifacts | None) -> tuple[floa
     worst_err = 0.0
     try:
         for case in ref.cases:
-            ref_gap = top2_gaps(ref.tensor("gen_topk_logprobs", case.index))  # [N]
-            noise_gap = top2_gaps(noise.tensor("gen_topk_logprobs", case.index))  # [N']
-            div = first_divergence(ref.tensor("gen_tokens", case.index).tolist(),
-                                   noise.tensor("gen_tokens", case.index).tolist())
+            ref_gap = top2_gaps(ref.tensor(GEN_TOPK_LOGPROBS, case.index))  # [N]
+            noise_gap = top2_gaps(noise.tensor(GEN_TOPK_LOGPROBS, case.index))  # [N']
+            div = first_divergence(ref.tensor(GEN_TOKENS, case.index).tolist(),
+                                   noise.tensor(GEN_TOKENS, case.index).tolist())
             steps = min(len(ref_gap), len(noise_gap), len(ref_gap) if div is None else div + 1)
             err = (ref_gap[:steps] - noise_gap[:steps]).abs()  # [steps]
             err = err[torch.isfinite(ref_gap[:steps]) | torch.isfinite(noise_gap[:steps])]
@@ -79,8 +80,8 @@ def _compare_case(index: int, ref: RunArtifacts, par: RunArtifacts, par_case: Ca
     """One prompt, in the report's schema (harness/report/details.py): texts, first_divergence
     (token index or None), benign, ref_token/par_token (text) with their ids, context_ref and
     context_par ({before, token, after}), and the gaps that decided benign."""
-    ref_ids = [int(x) for x in ref.tensor("gen_tokens", index).tolist()]
-    par_ids = [int(x) for x in par.tensor("gen_tokens", index).tolist()]
+    ref_ids = [int(x) for x in ref.tensor(GEN_TOKENS, index).tolist()]
+    par_ids = [int(x) for x in par.tensor(GEN_TOKENS, index).tolist()]
     ref_case = next((c for c in ref.cases if c.index == index), None)
     word = decode or _ids_text
     pos = first_divergence(ref_ids, par_ids)
@@ -98,8 +99,8 @@ def _compare_case(index: int, ref: RunArtifacts, par: RunArtifacts, par_case: Ca
         "par_token_id": par_ids[pos] if pos < len(par_ids) else None,
         "context_ref": _context(ref_ids, pos, settings.context_tokens, word),
         "context_par": _context(par_ids, pos, settings.context_tokens, word)})
-    lps = ref.tensor("gen_topk_logprobs", index).to(torch.float64)  # [N, k]
-    ids = ref.tensor("gen_topk_ids", index)  # [N, k]
+    lps = ref.tensor(GEN_TOPK_LOGPROBS, index).to(torch.float64)  # [N, k]
+    ids = ref.tensor(GEN_TOPK_IDS, index)  # [N, k]
     if pos < len(ref_ids) and pos < len(par_ids) and pos < lps.shape[0]:
         out["ref_gap"] = json_float(float(top2_gaps(lps[pos:pos + 1])[0]))
         hits = (ids[pos] == par_ids[pos]).nonzero()

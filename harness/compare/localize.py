@@ -22,11 +22,11 @@ import torch
 from harness.artifacts import Case, RunArtifacts
 from harness.compare.bounds import Bound, json_float
 from harness.compare.settings import LocalizationSettings
-from harness.engine.model import COLLECTIVE_SITES
 from harness.errors import RunError
 from harness.fmt import id_ranges
 from harness.layout import LayoutPlan, kv_of_q
 from harness.verdict import Localization
+from harness.contract import ATTN, COLLECTIVE_SITES, COLLECTIVES, HIDDEN
 
 _TINY = 1e-30
 
@@ -40,14 +40,14 @@ def relative_error(ref: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 
 def layer_errors(ref: RunArtifacts, other: RunArtifacts, cases: Sequence[Case]) -> torch.Tensor:
     """[L+1] max over prompts and probe positions of the residual-stream relative error."""
-    per_case = [relative_error(ref.tensor("hidden", c.index), other.tensor("hidden", c.index)).amax(dim=-1)
+    per_case = [relative_error(ref.tensor(HIDDEN, c.index), other.tensor(HIDDEN, c.index)).amax(dim=-1)
                 for c in cases]  # each [L+1, P] -> [L+1]
     return torch.stack(per_case).amax(dim=0)  # [cases, L+1] -> [L+1]
 
 
 def head_errors(ref: RunArtifacts, other: RunArtifacts, cases: Sequence[Case]) -> torch.Tensor:
     """[L, heads] max over prompts and probe positions of the attention-output relative error."""
-    per_case = [relative_error(ref.tensor("attn", c.index), other.tensor("attn", c.index)).amax(dim=1)
+    per_case = [relative_error(ref.tensor(ATTN, c.index), other.tensor(ATTN, c.index)).amax(dim=1)
                 for c in cases]  # each [L, P, heads] -> [L, heads]
     return torch.stack(per_case).amax(dim=0)  # [cases, L, heads] -> [L, heads]
 
@@ -127,7 +127,7 @@ def first_broken_collective(par: RunArtifacts, cases: Sequence[Case], plan: Layo
     rank, with those ranks, from the parallel run's collectives.{i} [tp, L, P, sites] (None when all
     collectives are exact to rounding, or when the run recorded none) and the per-site details."""
     try:
-        per_case = [par.tensor("collectives", c.index).to(torch.float64).amax(dim=2) for c in cases]  # [tp, L, sites]
+        per_case = [par.tensor(COLLECTIVES, c.index).to(torch.float64).amax(dim=2) for c in cases]  # [tp, L, sites]
     except RunError:
         return None, {}
     errors = torch.stack(per_case).amax(dim=0)  # [cases, tp, L, sites] -> [tp, L, sites]

@@ -35,6 +35,7 @@ from harness.compare.generation import first_divergence, top2_gaps
 from harness.compare.settings import AcceptanceSettings, LosslessSettings
 from harness.errors import RunError
 from harness.verdict import CheckResult, Verdict
+from harness.contract import GEN_TOKENS, GEN_TOPK_IDS, GEN_TOPK_LOGPROBS, SPEC_ACCEPTED, SPEC_TOKENS
 
 
 def histogram(accepted: Sequence[Sequence[int]], k: int) -> list[int]:
@@ -187,9 +188,9 @@ def lossless_from_run(par: RunArtifacts, settings: LosslessSettings = LosslessSe
     if speculative_manifest(par) is None:
         return CheckResult("lossless", Verdict.ERROR, "run has no speculative decoding results")
     try:
-        spec, plain = _tokens(par, "spec_tokens"), _tokens(par, "gen_tokens")
-        ids = [par.tensor("gen_topk_ids", c.index) for c in par.cases]
-        lps = [par.tensor("gen_topk_logprobs", c.index) for c in par.cases]
+        spec, plain = _tokens(par, SPEC_TOKENS), _tokens(par, GEN_TOKENS)
+        ids = [par.tensor(GEN_TOPK_IDS, c.index) for c in par.cases]
+        lps = [par.tensor(GEN_TOPK_LOGPROBS, c.index) for c in par.cases]
     except RunError as exc:
         return CheckResult("lossless", Verdict.ERROR, str(exc))
     return check_lossless(spec, plain, settings, ids, lps, [c.index for c in par.cases])
@@ -206,7 +207,7 @@ def acceptance_from_runs(ref: RunArtifacts, par: RunArtifacts,
         return CheckResult("acceptance", Verdict.ERROR, f"reference speculates with {ref_m.get('kind')} "
                            f"k={ref_m.get('k')}, parallel with {par_m.get('kind')} k={par_m.get('k')}")
     try:
-        ref_acc, par_acc = _tokens(ref, "spec_accepted"), _tokens(par, "spec_accepted")
+        ref_acc, par_acc = _tokens(ref, SPEC_ACCEPTED), _tokens(par, SPEC_ACCEPTED)
     except RunError as exc:
         return CheckResult("acceptance", Verdict.ERROR, str(exc))
     return check_acceptance(ref_acc, par_acc, int(par_m["k"]), settings, [c.index for c in par.cases])

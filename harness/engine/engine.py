@@ -51,7 +51,7 @@ class Generation:
 @dataclass(frozen=True)
 class DecodePath:
     """Teacher-forced decode of one sequence: logits [T-D, V], hidden [L+1, P, H], attn [L, P, heads, hd],
-    collectives [tp, L, P, sites] (each rank's relative error of each collective's output, model.COLLECTIVE_SITES)."""
+    collectives [tp, L, P, sites] (each rank's relative error of each collective's output, contract.COLLECTIVE_SITES)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor

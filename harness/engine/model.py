@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from harness.contract import COLLECTIVE_SITES
 from harness.engine.faults import FaultFlags
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.parallel import Collectives
@@ -67,7 +68,6 @@ class Hyper:
 
 # Collective steps whose output is checked against an exact (float64) recomputation from its inputs
 # during a captured forward, in the order a layer runs them (see Decoder._probe_site).
-COLLECTIVE_SITES: tuple[str, ...] = ("dcp-q-gather", "dcp-lse-merge", "attn-allreduce", "mlp-allreduce")
 
 
 @dataclass

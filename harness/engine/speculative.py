@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import torch
 
 from harness.compare.speculative import histogram, mean_accepted_length
+from harness.contract import SPEC_ACCEPTED, SPEC_TOKENS
 from harness.engine.engine import Engine
 from harness.engine.speculator import SpeculativeSettings, Speculator
 from harness.errors import ConfigError
@@ -249,8 +250,8 @@ def spec_tensors(result: SpecResult, indices: Sequence[int]) -> dict[str, torch.
     0..k at each verify step; accepted length = value + 1)."""
     out: dict[str, torch.Tensor] = {}
     for i, toks, acc in zip(indices, result.tokens, result.accepted):
-        out[f"spec_tokens.{i}"] = torch.tensor(toks, dtype=torch.long)
-        out[f"spec_accepted.{i}"] = torch.tensor(acc, dtype=torch.long)
+        out[f"{SPEC_TOKENS}.{i}"] = torch.tensor(toks, dtype=torch.long)
+        out[f"{SPEC_ACCEPTED}.{i}"] = torch.tensor(acc, dtype=torch.long)
     return out
 
 
