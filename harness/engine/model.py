@@ -320,7 +320,7 @@ class Decoder:
         # one gather for both, in float32 so a half-precision model's LSE keeps its precision:
         # [B, S, Hg, hd] + [B, S, Hg, 1] -> [dcp, B, S, Hg, hd + 1]
         packed = self.comm.stack_dcp(torch.cat((out.float(), lse[..., None].float()), dim=-1))
-        outs, lses = packed[..., :-1].to(out.dtype), packed[..., -1]  # [G, B, S, H, hd], [G, B, S, H]
+        outs, lses = packed[..., :-1].to(out.dtype), packed[..., -1].to(lse.dtype)  # [G, B, S, H, hd], [G, B, S, H]
         merged = merge_partials(outs, lses, self.flags.lse_merge_mean)
         lo, hi = hm.own_slice
         if self._sites is not None:  # the gather must return this rank's own Q in its slot; the merge
