@@ -29,7 +29,7 @@ def test_spec_suite_passes_with_acceptance_details(tmp_path: Path, cache_dir: Pa
                  "--cache-dir", str(cache_dir)]) == 0
     for cell in _cells(tmp_path):
         verdicts = {c["name"]: c["verdict"] for c in cell["checks"]}
-        assert verdicts == {name: "PASS" for name in ("layout", "speculator_layout", "logits_prefill",
+        assert verdicts == {name: "PASS" for name in ("inputs", "layout", "speculator_layout", "logits_prefill",
                                                       "logits_decode", "generation", "lossless", "acceptance")}
         spec = cell["details"]["speculator"]
         assert 1.0 < spec["mean_acceptance"] < 4.0  # mean accepted length: neither none nor all (k=3)

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tests.test_report_samples import PROVENANCE, error_cell, fail_cell, pass_cell, skip_cell, warn_cell
+from tests.report_samples import PROVENANCE, error_cell, fail_cell, pass_cell, skip_cell, warn_cell
 
 from harness.cli import main
 from harness.report import read_results, render_all, write_results

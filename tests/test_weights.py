@@ -39,7 +39,8 @@ def test_synthetic_weights_have_the_spec_shapes(name: str) -> None:
     weights = load_weights(spec)
     assert {n: tuple(t.shape) for n, t in weights.items()} == expected_shapes(spec)
     assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in weights.values())
-    assert "layers.0.q.bias" not in weights and "lm_head.weight" in weights
+    assert ("layers.0.q.bias" in weights) == spec.qkv_bias  # biases exactly where the spec asks
+    assert ("lm_head.weight" in weights) != spec.tied_embeddings
 
 
 def test_synthetic_variants_with_bias_and_tied_embeddings() -> None:
