@@ -54,9 +54,11 @@ def test_main_command_passes_and_writes_every_report_file(tmp_path: Path, cache_
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"report: {out / 'index.html'}" in proc.stdout
     doc = _results(out)
-    (cell,) = doc["cells"]
-    assert (cell["topology"], cell["status"], cell["silent_corruption"]) == ("tp4dcp4", "PASS", False)
-    assert {c["name"] for c in cell["checks"]} >= {"layout", "logits_prefill", "logits_decode", "generation"}
+    assert sorted(cell["model"] for cell in doc["cells"]) == ["tiny-bf16-big", "tiny-gqa"]  # float32 GQA, bf16 MHA
+    for cell in doc["cells"]:
+        assert (cell["topology"], cell["status"], cell["silent_corruption"]) == ("tp4dcp4", "PASS", False)
+        assert {c["name"] for c in cell["checks"]} >= {"inputs", "layout", "logits_prefill", "logits_decode",
+                                                       "generation"}
     for name in ("index.html", "junit.xml", "summary.md"):
         assert (out / name).stat().st_size > 0
 
