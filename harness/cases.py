@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Sequence
 
 import numpy as np
@@ -54,3 +56,9 @@ def build_cases(prompts: Sequence[str], tokenizer: Tokenizer, seed: int, continu
         cases.append(Case(index=i, prompt=prompt, prompt_ids=tuple(prompt_ids), sequence_ids=tuple(sequence),
                           decode_start=start, probe_positions=probe_positions(start, len(sequence))))
     return cases
+
+
+def prompts_hash(cases: Sequence[Case]) -> str:
+    """sha256 of the teacher-forced token id sequences (the manifest's prompts_hash, compared by the
+    inputs check; every backend computes it here so equal inputs hash equally)."""
+    return hashlib.sha256(json.dumps([list(case.sequence_ids) for case in cases]).encode()).hexdigest()

@@ -4,8 +4,6 @@ its prompt with per-step top-k (decode steps through the server's KV cache)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, replace
 
 import torch
@@ -13,7 +11,7 @@ import torch
 from harness import contract as c
 from harness.artifacts import Case
 from harness.backends.http_dialects import Dialect
-from harness.cases import build_cases
+from harness.cases import build_cases, prompts_hash
 from harness.contract import Job
 from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights, weights_hash
@@ -28,11 +26,6 @@ class Collected:
     weights_hash: str
     prompts_hash: str
     tokenizer_hash: str
-
-
-def prompts_hash(cases: list[Case]) -> str:
-    """sha256 of the teacher-forced token id sequences (the manifest's prompts_hash)."""
-    return hashlib.sha256(json.dumps([list(case.sequence_ids) for case in cases]).encode()).hexdigest()
 
 
 def collect(job: Job, model: ModelSpec, dialect: Dialect, k: int, together: bool) -> Collected:

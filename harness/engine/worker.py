@@ -26,7 +26,7 @@ from harness import contract as c_
 from harness.artifacts import Case, write_run
 from harness.contract import Job
 from harness.jsonio import write_json
-from harness.cases import build_cases
+from harness.cases import build_cases, prompts_hash
 from harness.engine import ENGINE_VERSION
 from harness.engine.engine import Engine, PoolSettings
 from harness.engine.faults import fault_flags
@@ -136,7 +136,7 @@ def run_job(job: Job, topk_only: int | None = None) -> None:
             "status": "ok", "error": None, "topology": topo.to_dict(), "model": spec.to_dict(),
             "fault": job.fault, "seed": job.seed, "dtype": job.dtype or spec.dtype,
             c_.MANIFEST_WEIGHTS_HASH: weights_hash(weights), "engine_version": ENGINE_VERSION,
-            c_.MANIFEST_PROMPTS_HASH: hashlib.sha256(json.dumps([c.sequence_ids for c in cases]).encode()).hexdigest(),
+            c_.MANIFEST_PROMPTS_HASH: prompts_hash(cases),
             c_.MANIFEST_TOKENIZER_HASH: tokenizer_hash(tokenizer), "topk_only": topk_only,
             "versions": {"harness": __version__, "torch": torch.__version__, "python": platform.python_version()},
             "device": job.device if job.device == "cpu" else torch.cuda.get_device_name(),
