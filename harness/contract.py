@@ -33,6 +33,7 @@ GEN_TOPK_IDS = "gen_topk_ids"              # [N, k] int64
 GEN_TOPK_LOGPROBS = "gen_topk_logprobs"    # [N, k] float32
 SPEC_TOKENS = "spec_tokens"                # [N] int64 greedy generation with the speculator
 SPEC_ACCEPTED = "spec_accepted"            # [S] int64 accepted draft tokens per verify step
+SPEC_DRAFTS = "spec_drafts"                # [S, k] int64, optional: the proposals of each verify step
 COLLECTIVE_SITES: tuple[str, ...] = ("dcp-q-gather", "dcp-lse-merge", "attn-allreduce", "mlp-allreduce")  # last dim of COLLECTIVES
 
 # --- files of a run directory -------------------------------------------------------------------

@@ -8,7 +8,7 @@ keys differ between the full-logits and the top-k checks) and GSM8K's section is
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Mapping
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,24 @@ class SpeculatorDetails:
     reference_mean_acceptance: float | None = None
     traces_differ: int | None = None
     layout: dict[str, Any] | None = None  # {planned, actual} like LayoutDetails (older results)
+    source: str | None = None               # "traces" (per verify step) or the engines' counters
+    first_divergence: dict[str, Any] | None = None  # first verify step whose accept count differs:
+    #   {prompt, step, position (new-token index), prompt_tokens, reference/parallel: {accepted, proposed, committed}}
+    baseline_mean_acceptance: float | None = None   # baselines/acceptance.yaml, when the key has one
+    baseline_histogram: list[int] | None = None
+    baseline_verdict: str | None = None
+    baseline_key: dict[str, Any] | None = None      # the reference's key (what `harness baseline update` writes)
+
+
+def divergence_text(d: Mapping[str, Any]) -> str:
+    """'prompt 2 verify step 5 (new token 9): reference accepted 3 of [..], parallel 1 of [..]'."""
+    def side(name: str) -> str:
+        e = d.get(name) or {}
+        proposed = f" of {e['proposed']}" if e.get("proposed") is not None else ""
+        return f"{name} accepted {e.get('accepted')}{proposed}"
+    where = f" (new token {d['position']})" if d.get("position") is not None else ""
+    sides = f": {side('reference')}, {side('parallel')}" if "reference" in d else ""
+    return f"prompt {d['prompt']} verify step {d['step']}{where}{sides}"
 
 
 _SECTIONS: dict[str, type] = {"layout": LayoutDetails, "speculator_layout": LayoutDetails,

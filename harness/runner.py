@@ -186,11 +186,11 @@ class Runner:
                    speculative=dict(s.speculative) if topo.speculator != "none" else {})
 
     def _cached(self, model: ModelSpec, seed: int, dtype: str, topo: Topology, repeat: bool = False,
-                perturbation: str | None = None) -> RunArtifacts:
+                perturbation: str | None = None, fault: str | None = None) -> RunArtifacts:
         """A reference-topology run of `model` in `dtype` on the reference engine, from the
         content-keyed cache or launched now; `repeat` is a second, independent run of the same job;
         `perturbation` an engine perturbation of the reduction order (the reduction-order noise run)."""
-        job = self.job(model, topo, perturbation, seed, Path("."), dtype)
+        job = self.job(model, topo, perturbation or fault, seed, Path("."), dtype)
         if repeat:  # the scheduling-noise twin: the same cases sent one at a time
             job = replace(job, schedule=SCHEDULE_SEQUENTIAL)
         backend = self.ref_backend
@@ -202,8 +202,9 @@ class Runner:
         engine = "" if backend.name == DEFAULT_ENGINE else f"{backend.name}-"
         run_dir = (self.req.cache_dir / "runs" /
                    f"{engine}{model.name}-{topo.name}-{dtype}{'-r' if repeat else ''}"
-                   f"{'-' + perturbation if perturbation else ''}-{key.hexdigest()[:16]}")
-        label = f"{'noise' if perturbation else 'reference'} {model.name} {topo.name} {dtype} seed {seed}" + (f" ({backend.name})" if engine else "")
+                   f"{'-' + (perturbation or fault) if perturbation or fault else ''}-{key.hexdigest()[:16]}")
+        label = (f"{'noise' if perturbation else 'reference'} {model.name} {topo.name} {dtype} seed {seed}"
+                 + (f" ({backend.name})" if engine else "") + (f" with shared fault {fault}" if fault else ""))
         if (run_dir / "manifest.json").exists():
             try:
                 cached = read_run(run_dir)
@@ -234,17 +235,21 @@ class Runner:
                                   f"{problems[0]}", run_dir)
         return run
 
-    def references(self, model: ModelSpec, seed: int, speculator: str = "none") -> tuple[RunArtifacts, RunArtifacts | None]:
+    def references(self, model: ModelSpec, seed: int, speculator: str = "none",
+                   fault: str | None = None) -> tuple[RunArtifacts, RunArtifacts | None]:
         """The reference (the suite's reference topology with the cell's speculator) and its noise-floor
         run (same topology and dtype, another reduction order, no speculator; see noise_run). A failed reference is launched once:
-        later cells get the same ReferenceFailed. A failed twin leaves the tolerance floors in charge."""
-        key = (model.name, seed, speculator)
+        later cells get the same ReferenceFailed. A failed twin leaves the tolerance floors in charge.
+        A fault in code the reference runs too (Fault.shared) is injected into the reference as well."""
+        shared = fault if fault in FAULTS and FAULTS[fault].shared else None
+        key = (model.name, seed, speculator + (f"+{shared}" if shared else ""))
         if key in self._failed_refs:
             raise self._failed_refs[key]
         if key not in self._refs:
             base = self.reference_topology
             try:
-                ref = self._cached(model, seed, model.dtype, Topology(tp=base.tp, dcp=base.dcp, speculator=speculator))
+                ref = self._cached(model, seed, model.dtype, Topology(tp=base.tp, dcp=base.dcp, speculator=speculator),
+                                   fault=shared)
             except ReferenceFailed as exc:
                 self._failed_refs[key] = exc
                 raise
@@ -293,7 +298,7 @@ class Runner:
         if cell.skip_reason:
             return CellResult(**base, checks=(CheckResult("cell", Verdict.SKIP, cell.skip_reason),), clean_exit=True)
         try:
-            ref, noise = self.references(cell.model, cell.seed, cell.topology.speculator)
+            ref, noise = self.references(cell.model, cell.seed, cell.topology.speculator, cell.fault)
         except ReferenceFailed as exc:
             return CellResult(**base, checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False,
                               reference_dir=str(exc.run_dir), error_log=_tails_text(exc.run_dir))

@@ -37,7 +37,7 @@ from harness.artifacts import Case, write_run
 from harness.backends.base import stamp_manifest
 from harness.backends.embedded import weights_key
 from harness.backends.http_collect import Collected, collect
-from harness.backends.http_dialects import DIALECTS, Dialect, post_json
+from harness.backends.http_dialects import DIALECTS, Dialect, parse_spec_counters, post_json
 from harness.backends.http_server import Server, ServerError, free_port, log_tail, running_server, wait_ready
 from harness.contract import Capabilities, Job, LaunchResult
 from harness.cases import build_cases
@@ -308,18 +308,12 @@ class HttpBackend:
 
 
 def spec_counters(client: httpx.Client) -> dict[str, float] | None:
-    """vLLM's spec-decode Prometheus counters (summed over labels): drafts, draft tokens, accepted tokens.
-    None when the server exports none."""
+    """The server's spec-decode counters (http_dialects.parse_spec_counters); None when it exports none."""
     try:
         text = client.get("/metrics").text
     except httpx.HTTPError:
         return None
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        match = re.match(r"^vllm:spec_decode_num_(drafts|draft_tokens|accepted_tokens)_total(?:\{[^}]*\})?\s+(\S+)", line)
-        if match:
-            totals[match.group(1)] = totals.get(match.group(1), 0.0) + float(match.group(2))
-    return totals if "drafts" in totals else None
+    return parse_spec_counters(text)
 
 
 def counters_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:

@@ -22,6 +22,9 @@ import torch
 from harness.errors import RunError
 
 TOKEN_ID_KEY = re.compile(r"^token_id:(-?\d+)$")
+# vLLM v1's speculative-decoding Prometheus counters (vllm/v1/spec_decode/metrics.py): verify steps
+# ("drafts"), proposed tokens and accepted tokens, one sample per label set (engine, model)
+SPEC_COUNTER = re.compile(r"^vllm:spec_decode_num_(drafts|draft_tokens|accepted_tokens)_total(?:\{[^}]*\})?\s+(\S+)")
 Post = Callable[[str, dict[str, Any]], Any]
 
 
@@ -53,6 +56,17 @@ def topk_rows(rows: Sequence[dict[int, float]], k: int) -> tuple[torch.Tensor, t
             ids[r, j] = token
             lps[r, j] = lp
     return ids, lps
+
+
+def parse_spec_counters(metrics_text: str) -> dict[str, float] | None:
+    """Prometheus text -> {"drafts", "draft_tokens", "accepted_tokens"} summed over label sets; None
+    when the server exports no spec-decode counters."""
+    totals: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        match = SPEC_COUNTER.match(line)
+        if match:
+            totals[match.group(1)] = totals.get(match.group(1), 0.0) + float(match.group(2))
+    return totals if "drafts" in totals else None
 
 
 def token_id(key: str) -> int:

@@ -98,9 +98,21 @@ def lossless(ctx: CellContext) -> list[CheckResult]:
 
 
 def acceptance(ctx: CellContext) -> list[CheckResult]:
+    """Against the reference with the same speculator, and against the stored acceptance baseline
+    (baselines/acceptance.yaml), which also sees bugs in code the reference runs too."""
+    from harness.acceptance_baseline import baseline_check, key_of_run, load_acceptance
+    from harness.baseline import update_command
+
     result = acceptance_from_runs(ctx.ref, ctx.par, ctx.settings.acceptance)
-    ctx.details.speculator = SpeculatorDetails(**speculator_details(result, ctx.info.speculator))
-    return [result]
+    command = update_command(ctx.info.report_dir or "RUN_DIR", ctx.info.suite)
+    gate = baseline_check(ctx.par, result, ctx.info.model, ctx.info.engine, load_acceptance(ctx.info.baselines_dir),
+                          ctx.settings.acceptance, command)
+    try:
+        ref_key = key_of_run(ctx.ref, ctx.info.model, ctx.info.reference_engine).to_dict()
+    except RunError:
+        ref_key = None
+    ctx.details.speculator = SpeculatorDetails(**speculator_details(result, ctx.info.speculator, gate, ref_key))
+    return [result, gate]
 
 
 def gsm8k(ctx: CellContext) -> list[CheckResult]:

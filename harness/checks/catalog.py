@@ -68,8 +68,9 @@ CHECKS: tuple[CheckSpec, ...] = (
               "speculative greedy output equals plain greedy output of the same run",
               requires=(c.GENERATION,), cells="speculative"),
     CheckSpec("acceptance", "acceptance", f"{_B}:acceptance",
-              "mean accepted length and per-prompt accept traces against the reference with the same speculator",
-              requires=(c.ACCEPT_TRACES,), cells="speculative"),
+              "mean accepted length and per-prompt accept traces against the reference with the same speculator, "
+              "and acceptance_baseline against baselines/acceptance.yaml",
+              requires_any=(c.ACCEPT_TRACES, c.ACCEPTANCE_AGGREGATE), cells="speculative"),
     CheckSpec("gsm8k", "gsm8k", f"{_B}:gsm8k",
               "gsm8k_paired (McNemar, answer agreement) and gsm8k_baseline (hypothesis test) per cell",
               requires=(c.GSM8K,), cells="gsm8k"),

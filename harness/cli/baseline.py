@@ -1,4 +1,4 @@
-"""`harness baseline`: record GSM8K baselines from a run (diff first), or show them."""
+"""`harness baseline`: record GSM8K and speculative-acceptance baselines from a run (diff first), or show them."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from harness.acceptance_baseline import (AcceptanceBaseline, acceptance_diff, acceptance_path, load_acceptance,
+                                        write_acceptance)
+from harness.acceptance_baseline import entries_from_cells as acceptance_entries
 from harness.jsonio import read_json
 from harness.baseline import (BASELINES_DIR, Baselines, BaselineEntry, baselines_path, diff_lines,
                               entry_from_cell, load_baselines, skip_reason, write_baselines)
@@ -17,7 +20,7 @@ from harness.verdict import CellResult
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("baseline", help="record or show GSM8K baselines (baselines/<suite>.yaml)")
+    p = sub.add_parser("baseline", help="record or show GSM8K baselines (baselines/<suite>.yaml) and acceptance baselines (baselines/acceptance.yaml)")
     actions = p.add_subparsers(dest="baseline_action", required=True)
     up = actions.add_parser("update", help="write baselines from a run's results.json, showing the diff first")
     up.add_argument("--from", dest="run_dir", required=True, help="run folder holding results.json (or the file)")
@@ -75,30 +78,68 @@ def _entries(cells: list[CellResult], provenance: dict[str, Any], run_id: str,
     return entries
 
 
+def _confirm(changed: int, path: Path, yes: bool) -> bool:
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        print(f"not a terminal: pass --yes to write these {changed} change(s)", file=sys.stderr)
+        return False
+    if input(f"write {changed} change(s) to {path}? [y/N] ").strip().lower() not in ("y", "yes"):
+        print("nothing written")
+        return False
+    return True
+
+
 def _update(run_dir: Path, suite_arg: str | None, yes: bool, folder: Path) -> int:
+    """GSM8K scores into baselines/<suite>.yaml and speculative acceptance into baselines/acceptance.yaml."""
     all_cells, provenance, run_id = read_results(run_dir)
     suite = _suite_of(all_cells, suite_arg)
     results_path = run_dir if run_dir.is_file() else run_dir / RESULTS_FILE
     created = str(read_json(results_path).get("created", ""))
-    entries = _entries([c for c in all_cells if c.suite == suite], provenance, run_id, created)
+    cells = [c for c in all_cells if c.suite == suite]
+    gsm_cells = [c for c in cells if "speculator" not in c.details or "gsm8k" in c.details]
+    entries = _entries(gsm_cells, provenance, run_id, created) if gsm_cells else []
+    acc_entries, acc_skipped = acceptance_entries(cells, provenance, run_id, created)
+    for line in acc_skipped:
+        print(line)
+    if not entries and not acc_entries:
+        print(f"{run_dir}: no cell of suite {suite!r} holds a GSM8K score or a speculative acceptance to record")
+        return 1
+    status = 0
+    if entries:
+        status = _write_gsm8k(suite, entries, yes, folder)
+    if acc_entries and status == 0:
+        status = _write_acceptance(acc_entries, yes, folder)
+    return status
+
+
+def _write_gsm8k(suite: str, entries: list[BaselineEntry], yes: bool, folder: Path) -> int:
     path = baselines_path(suite, folder)
     old = load_baselines(suite, folder)
-    if not entries:
-        print(f"{run_dir}: no cell of suite {suite!r} holds a GSM8K score to record")
-        return 1
     lines, changed = diff_lines(old, entries)
     print(f"{path} (suite {suite}):")
     print("\n".join(lines))
     if changed == 0:
         print("baselines are up to date; nothing to write")
         return 0
-    if not yes:
-        if not sys.stdin.isatty():
-            print(f"not a terminal: pass --yes to write these {changed} change(s)", file=sys.stderr)
-            return 1
-        if input(f"write {changed} change(s) to {path}? [y/N] ").strip().lower() not in ("y", "yes"):
-            print("nothing written")
-            return 1
+    if not _confirm(changed, path, yes):
+        return 1
     write_baselines(old.merged(entries), path)
+    print(f"wrote {changed} change(s) to {path}")
+    return 0
+
+
+def _write_acceptance(entries: list[AcceptanceBaseline], yes: bool, folder: Path) -> int:
+    path = acceptance_path(folder)
+    old = load_acceptance(folder)
+    lines, changed = acceptance_diff(old, entries)
+    print(f"{path} (speculative acceptance):")
+    print("\n".join(lines))
+    if changed == 0:
+        print("acceptance baselines are up to date; nothing to write")
+        return 0
+    if not _confirm(changed, path, yes):
+        return 1
+    write_acceptance(old.merged(entries), path)
     print(f"wrote {changed} change(s) to {path}")
     return 0

@@ -134,6 +134,10 @@ class AcceptanceSettings:
     rel_floor: float = 0.03         # x the reference's mean accepted length (the larger floor applies)
     trace_fail_fraction: float = 0.25  # FAIL when more prompts than this fraction have a different trace
     tv_warn: float = 0.1            # WARN above this total-variation distance of the histograms
+    # against the stored baseline (baselines/acceptance.yaml), either way: FAIL when
+    # |mean accepted length - baseline| > max(baseline_abs_tol, baseline_rel_tol x baseline)
+    baseline_abs_tol: float = 0.05  # tokens
+    baseline_rel_tol: float = 0.03  # x the baseline's mean accepted length
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -143,6 +147,9 @@ class AcceptanceSettings:
 
     def floor(self, reference_mean: float) -> float:
         return max(self.abs_floor, self.rel_floor * reference_mean)
+
+    def baseline_tolerance(self, baseline_mean: float) -> float:
+        return max(self.baseline_abs_tol, self.baseline_rel_tol * baseline_mean)
 
 
 @dataclass(frozen=True)

@@ -26,16 +26,18 @@ acceptance: against the reference topology's run with the same speculator (tp1-d
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from harness.artifacts import RunArtifacts
 from harness.compare.generation import first_divergence, top2_gaps
 from harness.compare.settings import AcceptanceSettings, LosslessSettings
+from harness.details import divergence_text
 from harness.errors import RunError
 from harness.verdict import CheckResult, Verdict
-from harness.contract import GEN_TOKENS, GEN_TOPK_IDS, GEN_TOPK_LOGPROBS, SPEC_ACCEPTED, SPEC_TOKENS
+from harness.contract import (GEN_TOKENS, GEN_TOPK_IDS, GEN_TOPK_LOGPROBS, SPEC_ACCEPTED, SPEC_DRAFTS, SPEC_TOKENS,
+                              tensor_key)
 
 
 def histogram(accepted: Sequence[Sequence[int]], k: int) -> list[int]:
@@ -129,8 +131,11 @@ def check_lossless(spec_tokens: Sequence[Sequence[int]], plain_tokens: Sequence[
 
 def check_acceptance(ref_accepted: Sequence[Sequence[int]], par_accepted: Sequence[Sequence[int]], k: int,
                      settings: AcceptanceSettings = AcceptanceSettings(),
-                     indices: Sequence[int] | None = None) -> CheckResult:
-    """Mean accepted length, histogram and per-prompt accept traces of a parallel run vs the reference."""
+                     indices: Sequence[int] | None = None,
+                     describe: Callable[[int, int], dict[str, Any]] | None = None) -> CheckResult:
+    """Mean accepted length, histogram and per-prompt accept traces of a parallel run vs the reference.
+    describe(j, step): what each run did at the first differing verify step of the j-th prompt
+    (trace_step_detail), shown in the metrics and the FAIL reason."""
     if len(ref_accepted) != len(par_accepted):
         return CheckResult("acceptance", Verdict.ERROR,
                            f"reference has {len(ref_accepted)} prompts, parallel {len(par_accepted)}")
@@ -148,27 +153,64 @@ def check_acceptance(ref_accepted: Sequence[Sequence[int]], par_accepted: Sequen
     drop = ref_mean - par_mean
     tv = total_variation(ref_hist, par_hist)
     frac = len(diverged) / len(traces) if traces else 0.0
+    first: dict[str, Any] | None = None
+    if diverged:
+        j = next(j for j, (_, step) in enumerate(traces) if step is not None)
+        first = {"prompt": diverged[0][0], "step": diverged[0][1],
+                 **(describe(j, diverged[0][1]) if describe is not None else {})}
     metrics: dict[str, Any] = {
         "k": k, "mean_accepted_length": par_mean, "reference_mean_accepted_length": ref_mean,
         "drop": drop, "floor": floor, "histogram": par_hist, "reference_histogram": ref_hist,
         "total_variation": tv, "steps": sum(par_hist), "reference_steps": sum(ref_hist),
         "acceptance_rate": (par_mean - 1) / k, "reference_acceptance_rate": (ref_mean - 1) / k,
         "traces_differ": len(diverged), "prompts": len(traces),
-        "first_trace_divergence": ({"prompt": diverged[0][0], "step": diverged[0][1]} if diverged else None)}
+        "first_trace_divergence": first, "source": "traces"}
     means = f"mean accepted length {par_mean:.3f} vs reference {ref_mean:.3f}"
-    traces_text = f"{len(diverged)}/{len(traces)} prompts' accept traces differ"
+    traces_text = f"{len(diverged)}/{len(traces)} prompts' accept traces differ" + (
+        f" (first: {divergence_text(first)})" if first is not None else "")
     if drop > floor:
         return CheckResult("acceptance", Verdict.FAIL, f"{means}: drop {drop:.3f} > floor {floor:.3f} "
                            f"(max({settings.abs_floor:g}, {settings.rel_floor:g} x ref)); {traces_text}", metrics)
     if frac > settings.trace_fail_fraction:
-        i, step = diverged[0]
-        return CheckResult("acceptance", Verdict.FAIL, f"{traces_text} from the reference (> "
-                           f"{settings.trace_fail_fraction:.0%}; first: prompt {i} step {step}): the speculator "
-                           f"proposes differently; {means}", metrics)
+        return CheckResult("acceptance", Verdict.FAIL, f"{traces_text} from the reference, more than "
+                           f"{settings.trace_fail_fraction:.0%}: the speculator proposes differently; {means}", metrics)
     if tv > settings.tv_warn:
         return CheckResult("acceptance", Verdict.WARN, f"{means}; histogram total-variation distance "
                            f"{tv:.3f} > {settings.tv_warn:g}; {traces_text}", metrics)
     return CheckResult("acceptance", Verdict.PASS, f"{means} (floor {floor:.3f}); {traces_text}", metrics)
+
+
+def trace_step_detail(accepted: Sequence[int], tokens: Sequence[int], drafts: torch.Tensor | None,
+                      step: int) -> dict[str, Any]:
+    """What one run did at verify step `step`: accepted count, the k proposals (when the run recorded
+    them) and the tokens it committed (accepted proposals + the target's own token)."""
+    start = sum(a + 1 for a in accepted[:step])  # [S] counts -> index of the step's first new token
+    if step >= len(accepted):
+        return {"accepted": None, "proposed": None, "committed": [], "start": start}
+    a = int(accepted[step])
+    proposed = ([int(t) for t in drafts[step].tolist()] if drafts is not None and step < drafts.shape[0]
+                else None)
+    return {"accepted": a, "proposed": proposed, "committed": [int(t) for t in tokens[start:start + a + 1]],
+            "start": start}
+
+
+def check_acceptance_aggregate(ref_mean: float, par_mean: float, k: int, settings: AcceptanceSettings,
+                               source: str) -> CheckResult:
+    """The mean-drop gate alone, for engines that give only a mean accepted length (their Prometheus
+    counters: 1 + accepted draft tokens / drafts) and no per-step traces."""
+    if math.isnan(ref_mean) or math.isnan(par_mean):
+        return CheckResult("acceptance", Verdict.SKIP, "no verify steps counted (max_new_tokens too small?)")
+    floor = settings.floor(ref_mean)
+    drop = ref_mean - par_mean
+    metrics: dict[str, Any] = {"k": k, "mean_accepted_length": par_mean, "reference_mean_accepted_length": ref_mean,
+                               "drop": drop, "floor": floor, "acceptance_rate": (par_mean - 1) / k,
+                               "reference_acceptance_rate": (ref_mean - 1) / k, "source": source}
+    means = (f"mean accepted length {par_mean:.3f} vs reference {ref_mean:.3f} (from {source}; no per-step "
+             f"traces, so no trace or histogram comparison)")
+    if drop > floor:
+        return CheckResult("acceptance", Verdict.FAIL, f"{means}: drop {drop:.3f} > floor {floor:.3f} "
+                           f"(max({settings.abs_floor:g}, {settings.rel_floor:g} x ref))", metrics)
+    return CheckResult("acceptance", Verdict.PASS, f"{means}, floor {floor:.3f}", metrics)
 
 
 # ---- from run directories ------------------------------------------------------------------------------------
@@ -196,9 +238,31 @@ def lossless_from_run(par: RunArtifacts, settings: LosslessSettings = LosslessSe
     return check_lossless(spec, plain, settings, ids, lps, [c.index for c in par.cases])
 
 
+def has_traces(run: RunArtifacts) -> bool:
+    """Whether the run recorded the accepted count of every verify step (spec_accepted.{i})."""
+    return bool(run.cases) and all(tensor_key(SPEC_ACCEPTED, c.index) in run.tensors for c in run.cases)
+
+
+def counted_mean(run: RunArtifacts) -> float:
+    """The mean accepted length an engine reported in aggregate (manifest speculative.mean_accepted_length,
+    from its counters); NaN when it counted no verify step."""
+    value = (speculative_manifest(run) or {}).get("mean_accepted_length")
+    if value is None:
+        return float("nan")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RunError(f"{run.path}: speculative.mean_accepted_length {value!r} is not a number")
+    return float(value)
+
+
+def _drafts(run: RunArtifacts, index: int) -> torch.Tensor | None:
+    key = tensor_key(SPEC_DRAFTS, index)
+    return run.tensors[key] if key in run.tensors else None
+
+
 def acceptance_from_runs(ref: RunArtifacts, par: RunArtifacts,
                          settings: AcceptanceSettings = AcceptanceSettings()) -> CheckResult:
-    """The acceptance check of a -draft / -mtp run against the reference run with the same speculator."""
+    """The acceptance check of a -draft / -mtp run against the reference run with the same speculator:
+    per-step accept traces when both runs recorded them, else the engines' aggregate means."""
     ref_m, par_m = speculative_manifest(ref), speculative_manifest(par)
     if ref_m is None or par_m is None:
         who = "reference" if ref_m is None else "parallel"
@@ -206,20 +270,43 @@ def acceptance_from_runs(ref: RunArtifacts, par: RunArtifacts,
     if (ref_m.get("kind"), ref_m.get("k")) != (par_m.get("kind"), par_m.get("k")):
         return CheckResult("acceptance", Verdict.ERROR, f"reference speculates with {ref_m.get('kind')} "
                            f"k={ref_m.get('k')}, parallel with {par_m.get('kind')} k={par_m.get('k')}")
+    k = int(par_m["k"])
     try:
+        if not (has_traces(ref) and has_traces(par)):
+            ref_mean = mean_accepted_length(_tokens(ref, SPEC_ACCEPTED)) if has_traces(ref) else counted_mean(ref)
+            par_mean = mean_accepted_length(_tokens(par, SPEC_ACCEPTED)) if has_traces(par) else counted_mean(par)
+            return check_acceptance_aggregate(ref_mean, par_mean, k, settings, "the engines' spec-decode counters")
         ref_acc, par_acc = _tokens(ref, SPEC_ACCEPTED), _tokens(par, SPEC_ACCEPTED)
+        ref_tok, par_tok = _tokens(ref, SPEC_TOKENS), _tokens(par, SPEC_TOKENS)
     except RunError as exc:
         return CheckResult("acceptance", Verdict.ERROR, str(exc))
-    return check_acceptance(ref_acc, par_acc, int(par_m["k"]), settings, [c.index for c in par.cases])
+    cases = par.cases
+
+    def describe(j: int, step: int) -> dict[str, Any]:
+        r = trace_step_detail(ref_acc[j], ref_tok[j], _drafts(ref, cases[j].index), step)
+        p = trace_step_detail(par_acc[j], par_tok[j], _drafts(par, cases[j].index), step)
+        return {"position": r.pop("start"), "prompt_tokens": len(cases[j].prompt_ids),
+                "reference": r, "parallel": {n: v for n, v in p.items() if n != "start"}}
+
+    return check_acceptance(ref_acc, par_acc, k, settings, [c.index for c in cases], describe)
 
 
-def speculator_details(acceptance: CheckResult, kind: str) -> dict[str, Any]:
+def speculator_details(acceptance: CheckResult, kind: str, baseline: CheckResult | None = None,
+                       baseline_key: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The cell's `details["speculator"]` section for the report (harness/report/details.py); the
-    speculator's layout table is compare_cell's `details["speculator_layout"]`."""
+    speculator's layout table is compare_cell's `details["speculator_layout"]`. baseline_key: the
+    reference run's acceptance baseline key (what `harness baseline update` records the reference's
+    mean and histogram under)."""
     m = acceptance.metrics
+    b = baseline.metrics if baseline is not None else {}
     out: dict[str, Any] = {"kind": kind, "k": m.get("k"), "histogram": m.get("histogram"),
                            "reference_histogram": m.get("reference_histogram"),
                            "mean_acceptance": m.get("mean_accepted_length"),
                            "reference_mean_acceptance": m.get("reference_mean_accepted_length"),
-                           "traces_differ": m.get("traces_differ")}
+                           "traces_differ": m.get("traces_differ"), "source": m.get("source"),
+                           "first_divergence": m.get("first_trace_divergence"),
+                           "baseline_mean_acceptance": b.get("baseline"),
+                           "baseline_histogram": b.get("baseline_histogram"),
+                           "baseline_verdict": baseline.verdict.value if baseline is not None else None,
+                           "baseline_key": dict(baseline_key) if baseline_key is not None else None}
     return out

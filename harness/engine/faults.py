@@ -19,6 +19,8 @@ class Fault:
     needs_dcp: bool = False
     needs_tp: bool = False      # acts only with tp > 1 (a collective that a tp1 run never calls)
     needs_speculator: str = ""  # "": none; "any": a draft or MTP speculator; "draft" / "mtp": that kind
+    shared: bool = False        # the bug sits in code the reference topology runs too (e.g. verification):
+    #                             the reference run gets it as well, so only a stored baseline can see it
 
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
@@ -57,6 +59,13 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "the MTP module fed the target's hidden state of the wrong position (t-1 instead of t): its "
           "proposals change (a trained MTP's acceptance drops; a synthetic one's accept trace leaves the "
           "reference's), greedy output stays lossless", needs_speculator="mtp"),
+    # a bug in the speculative verify step, which the tp1 reference runs too: acceptance_baseline flags it
+    Fault("spec-verify-last-draft", "acceptance_baseline",
+          "the verify step's accept loop bounded by k - 1 instead of k (the bonus position taken for the "
+          "last draft position), so the last proposal is never accepted and the target's own token is "
+          "committed in its place: output stays lossless and identical in the tp1 reference, which shares "
+          "the verify code, but fully accepted steps (k + 1 tokens) never happen and the mean accepted "
+          "length drops", needs_speculator="any", shared=True),
 )}
 
 
@@ -71,6 +80,7 @@ class FaultFlags:
     speculator_kv_dcp: bool = False     # draft-dcp-kv-heads: speculator KV split by tp // dcp
     speculator_stale_kv: bool = False   # draft-stale-kv: no rollback of the speculator's cache
     mtp_hidden_shift: int = 0           # mtp-wrong-hidden: MTP reads the target hidden this many positions early
+    verify_skip_last: bool = False      # spec-verify-last-draft: the verify loop never accepts the k-th draft
     store_padding: bool = False         # dcp-store-padding: DCP K/V store ignores batch.valid
     reduce_dtype: str | None = None     # bf16-allreduce: the TP all-reduce done in this dtype
     reduce_attn_only: bool = False      # fp16-attn-allreduce: ... only that of the attention output
@@ -113,4 +123,5 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         reduce_dtype={"bf16-allreduce": "bfloat16", "fp16-attn-allreduce": "float16"}.get(name),
         reduce_attn_only=name == "fp16-attn-allreduce",
         store_padding=name == "dcp-store-padding",
+        verify_skip_last=name == "spec-verify-last-draft",
     )

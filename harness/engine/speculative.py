@@ -18,7 +18,8 @@ The *accepted length* of a step is accepted + 1: the tokens committed per target
 "acceptance length" of EAGLE/MTP reports; 1.0 means the speculator never helps, k + 1 is the maximum).
 
 Faults (see faults.py): draft-stale-kv skips the speculator's rollback (stale entries stay visible);
-mtp-wrong-hidden pairs each token with the target hidden state one position too early.
+mtp-wrong-hidden pairs each token with the target hidden state one position too early;
+spec-verify-last-draft bounds the accept loop by k - 1 (in the reference too: it is shared code).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from harness.compare.speculative import histogram, mean_accepted_length
-from harness.contract import SPEC_ACCEPTED, SPEC_TOKENS
+from harness.contract import SPEC_ACCEPTED, SPEC_DRAFTS, SPEC_TOKENS
 from harness.engine.engine import Engine
 from harness.engine.speculator import SpeculativeSettings, Speculator
 from harness.errors import ConfigError
@@ -51,6 +52,7 @@ class SeqState:
     spec_valid: int
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     accepted: list[int] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # the k proposals of each verify step
     done: bool = False
 
     @property
@@ -63,13 +65,15 @@ class SpecResult:
     """Greedy speculative generation of several prompts.
 
     tokens[i]: the new tokens of prompt i (at most max_new_tokens; cut after a stop token);
-    accepted[i]: accepted draft tokens (0..k) at each verify step of prompt i."""
+    accepted[i]: accepted draft tokens (0..k) at each verify step of prompt i;
+    drafts[i]: the k proposed tokens at each verify step of prompt i."""
 
     kind: str
     k: int
     tokens: list[list[int]]
     accepted: list[list[int]]
     wall_s: float
+    drafts: list[list[list[int]]] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -107,6 +111,8 @@ class SpeculativeDecoder:
         self.k = k
         self.stale_kv = speculator.flags.speculator_stale_kv
         self.hidden_shift = speculator.flags.mtp_hidden_shift
+        # drafts the verify step may accept: k (spec-verify-last-draft: k - 1, an off-by-one)
+        self.verifiable = k - 1 if speculator.flags.verify_skip_last else k
 
     # -- sequences -------------------------------------------------------------------------------------------
 
@@ -144,8 +150,9 @@ class SpeculativeDecoder:
         for b, (s, d) in enumerate(zip(seqs, drafts)):
             picks = _pick(logits[b])  # k + 1 greedy tokens, for positions n .. n + k
             a = 0
-            while a < self.k and d[a] == picks[a]:
+            while a < self.verifiable and d[a] == picks[a]:
                 a += 1
+            s.drafts.append(list(d))
             self._commit(s, d[:a] + [picks[a]], hidden[b, :a + 1], a)
             out.append(a)
         return out
@@ -208,6 +215,7 @@ class SpeculativeDecoder:
                               f"max_new_tokens + k + 1), the KV pool has {self.target.pool.max_seq_len}")
         tokens: list[list[int]] = []
         accepted: list[list[int]] = []
+        drafts: list[list[list[int]]] = []
         step = max(1, self.target.max_batch)
         for lo in range(0, len(prompts), step):
             seqs = self.start(prompts[lo:lo + step])
@@ -222,7 +230,9 @@ class SpeculativeDecoder:
             self.close(seqs)
             tokens += [_trim(s.generated, max_new_tokens, stop_token_ids) for s in seqs]
             accepted += [list(s.accepted) for s in seqs]
-        return SpecResult(kind=self.spec.kind, k=self.k, tokens=tokens, accepted=accepted, wall_s=time.time() - t0)
+            drafts += [[list(d) for d in s.drafts] for s in seqs]
+        return SpecResult(kind=self.spec.kind, k=self.k, tokens=tokens, accepted=accepted, wall_s=time.time() - t0,
+                          drafts=drafts)
 
 
 def _trim(new: list[int], max_new: int, stop: frozenset[int]) -> list[int]:
@@ -247,11 +257,13 @@ def run_speculative_cases(target: Engine, speculator: Speculator, prompts: Seque
 def spec_tensors(result: SpecResult, indices: Sequence[int]) -> dict[str, torch.Tensor]:
     """The run directory's tensors of a speculative run, per case index i:
     spec_tokens.{i} [N] int64 (generated tokens) and spec_accepted.{i} [S] int64 (accepted draft tokens
-    0..k at each verify step; accepted length = value + 1)."""
+    0..k at each verify step; accepted length = value + 1) and spec_drafts.{i} [S, k] int64 (the
+    proposals of each verify step: what the accept-trace localization shows)."""
     out: dict[str, torch.Tensor] = {}
-    for i, toks, acc in zip(indices, result.tokens, result.accepted):
+    for i, toks, acc, drafts in zip(indices, result.tokens, result.accepted, result.drafts):
         out[f"{SPEC_TOKENS}.{i}"] = torch.tensor(toks, dtype=torch.long)
         out[f"{SPEC_ACCEPTED}.{i}"] = torch.tensor(acc, dtype=torch.long)
+        out[f"{SPEC_DRAFTS}.{i}"] = torch.tensor(drafts, dtype=torch.long).reshape(len(drafts), result.k)  # [S, k]
     return out
 
 

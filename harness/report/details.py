@@ -20,6 +20,8 @@ absent renders nothing. Keys read (anything else is ignored):
   head_errors   {"error": [[per head] per layer], "threshold": number | [per layer] | [[...]],
                  "owner_ranks": [rank | [ranks] per head], "kv_heads": [KV head id per head]}
   speculator    {"histogram": [steps per accepted length 0..k], "reference_histogram": [...],
+                 "first_divergence": {"prompt", "step", "position", "reference"/"parallel": {"accepted",
+                 "proposed", "committed"}} (one line of text), "baseline_key": {...} (not shown),
                  "layout": {like layout}, and scalars such as "kind", "k", "mean_acceptance",
                  "reference_mean_acceptance" (shown as a table)}
   gsm8k         {scalars such as "task", "score", "n", "answer_agreement", "generation_agreement",
@@ -37,6 +39,7 @@ from typing import Any
 
 from markupsafe import Markup
 
+from harness.details import divergence_text
 from harness.fmt import human_bytes
 from harness.report.matrix import format_number, is_scalar, metrics_text
 from harness.report.svg import acceptance_bars
@@ -122,6 +125,7 @@ class SpeculatorView:
     facts: Facts
     layout: LayoutView | None
     histogram: Markup | None
+    divergence: str = ""  # the first verify step whose accept count differs from the reference's
 
 
 @dataclass(frozen=True)
@@ -343,8 +347,11 @@ def prompts_view(data: Any) -> tuple[PromptView, ...] | None:
 def speculator_view(data: Any) -> SpeculatorView | None:
     section = _dict(data, "speculator")
     layout = section.get("layout")
-    view = SpeculatorView(facts=facts(section), layout=layout_view(layout) if layout is not None else None,
-                          histogram=acceptance_bars(section.get("histogram"), section.get("reference_histogram")))
+    first = section.get("first_divergence")
+    view = SpeculatorView(facts=facts(section, skip=("first_divergence", "baseline_key")),
+                          layout=layout_view(layout) if layout is not None else None,
+                          histogram=acceptance_bars(section.get("histogram"), section.get("reference_histogram")),
+                          divergence=divergence_text(_dict(first, "speculator.first_divergence")) if first else "")
     return view if view.facts.items or view.layout or view.histogram else None
 
 

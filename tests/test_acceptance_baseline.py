@@ -1,0 +1,119 @@
+"""Speculative acceptance baselines: the file, the gate against it (PASS / FAIL either way / WARN /
+SKIP naming the command), `harness baseline update` recording the reference's acceptance, and the
+accept-trace localization of the acceptance check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from harness.acceptance_baseline import (BASELINE_CHECK, AcceptanceBaseline, AcceptanceBaselines, AcceptanceKey,
+                                         acceptance_path, gate_acceptance, load_acceptance, read_acceptance,
+                                         write_acceptance)
+from harness.cli import main
+from harness.compare.settings import AcceptanceSettings
+from harness.compare.speculative import check_acceptance, trace_step_detail
+from harness.details import divergence_text
+from harness.errors import ConfigError
+from harness.report.results import write_results
+from harness.verdict import CellResult, CheckResult, Verdict
+
+KEY = AcceptanceKey(model="tiny-gqa", engine="embedded", speculator="mtp", k=3,
+                    settings=(("draft_noise", 0.1), ("mtp_hidden_mix", 0.1)), dtype="float32",
+                    prompts_hash="930ec89c" * 8, max_new_tokens=24)
+STORED = AcceptanceBaselines((AcceptanceBaseline(KEY, 1.9, (42, 12, 9, 13), {"git_commit": "abc"}),))
+SETTINGS = AcceptanceSettings()
+COMMAND = "harness baseline update --from RUN --suite spec"
+
+
+def _gate(mean: float, hist: list[int] | None = None, key: AcceptanceKey = KEY) -> CheckResult:
+    return gate_acceptance(STORED, key, mean, hist, SETTINGS, COMMAND)
+
+
+def test_gate_passes_within_tolerance_and_fails_either_way() -> None:
+    assert _gate(1.92, [42, 12, 9, 13]).verdict is Verdict.PASS
+    low = _gate(1.7)  # spec-verify-last-draft on tiny-gqa: 1.91 -> ~1.74
+    assert low.verdict is Verdict.FAIL and "below" in low.reason and low.name == BASELINE_CHECK
+    high = _gate(2.9)  # e.g. the bonus token counted as accepted
+    assert high.verdict is Verdict.FAIL and "above" in high.reason
+    assert low.metrics["tolerance"] == pytest.approx(max(SETTINGS.baseline_abs_tol, SETTINGS.baseline_rel_tol * 1.9))
+
+
+def test_gate_warns_on_a_histogram_shift_with_the_same_mean() -> None:
+    # same mean (1.9), mass moved from 1 and 2 accepted to 0 and 3: TV 0.2 > tv_warn 0.1
+    shifted = _gate(1.9, [50, 4, 1, 21])
+    assert shifted.verdict is Verdict.WARN and "total-variation" in shifted.reason
+
+
+def test_missing_baseline_is_a_skip_naming_the_command() -> None:
+    other = AcceptanceKey(**{**KEY.__dict__, "k": 4})
+    result = _gate(1.9, key=other)
+    assert result.verdict is Verdict.SKIP and COMMAND in result.reason and "k=4" in result.reason
+
+
+def test_file_round_trip_and_bad_files(tmp_path: Path) -> None:
+    write_acceptance(STORED, acceptance_path(tmp_path))
+    assert load_acceptance(tmp_path) == STORED
+    assert load_acceptance(tmp_path / "none").entries == ()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("schema_version: 1\nbaselines:\n- {model: m, engine: e, speculator: mtp, k: 3, dtype: float32,"
+                   " prompts_hash: h, max_new_tokens: 8, mean_accepted_length: 7.5}\n")
+    with pytest.raises(ConfigError, match="mean_accepted_length=7.5 must be a number in 1..4"):
+        read_acceptance(bad)
+    bad.write_text("schema_version: 1\nbaselines:\n- {model: m, engine: e, speculator: mtp, k: 3, dtype: float32,"
+                   " prompts_hash: h, max_new_tokens: 8, mean_acceptance: 1.5}\n")
+    with pytest.raises(ConfigError, match="mean_acceptance"):
+        read_acceptance(bad)
+
+
+def _cell(topology: str, ref_mean: float, fault: str | None = None,
+          acceptance: Verdict = Verdict.PASS) -> CellResult:
+    spec: dict[str, Any] = {"kind": "mtp", "k": 3, "mean_acceptance": ref_mean, "reference_mean_acceptance": ref_mean,
+                            "reference_histogram": [42, 12, 9, 13], "baseline_key": KEY.to_dict()}
+    return CellResult(suite="spec", model="tiny-gqa", topology=topology, fault=fault, seed=0,
+                      checks=(CheckResult("acceptance", acceptance, "r"),), clean_exit=True,
+                      command=f"harness run --suite spec --topo {topology}", details={"speculator": spec})
+
+
+def test_update_records_the_reference_acceptance_once_per_key(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    cells = [_cell("tp1-mtp", 1.9), _cell("tp4-mtp", 1.9), _cell("tp4-mtp", 1.5, fault="draft-stale-kv"),
+             _cell("tp4dcp4-mtp", 1.9, acceptance=Verdict.FAIL)]
+    write_results(run, cells, {"git_commit": "abc", "reference": "tp1"}, run_id="run")
+    folder = tmp_path / "baselines"
+    assert main(["baseline", "update", "--from", str(run), "--dir", str(folder), "--yes"]) == 0
+    out = capsys.readouterr().out
+    assert "[new]" in out and "fault injected" in out and "acceptance check did not pass" in out
+    (entry,) = load_acceptance(folder).entries
+    assert entry.key == KEY and entry.mean_accepted_length == 1.9 and entry.histogram == (42, 12, 9, 13)
+    assert entry.provenance["command"] == "harness run --suite spec --topo tp1-mtp"
+    assert main(["baseline", "update", "--from", str(run), "--dir", str(folder)]) == 0  # nothing changes
+    assert "up to date" in capsys.readouterr().out
+    write_results(run, [_cell("tp1-mtp", 1.9), _cell("tp4-mtp", 2.0)], {}, run_id="run")
+    assert main(["baseline", "update", "--from", str(run), "--dir", str(folder), "--yes"]) == 2  # disagree
+
+
+def test_trace_localization_names_step_position_and_what_each_accepted() -> None:
+    # prompt 0: identical; prompt 1: step 2 differs (reference accepted 3, parallel 0)
+    ref = [[1, 0, 2], [2, 1, 3, 0]]
+    par = [[1, 0, 2], [2, 1, 0, 0]]
+    ref_tokens = [[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]]
+    drafts = torch.tensor([[21, 22, 9], [24, 5, 5], [25, 26, 27], [7, 7, 7]])  # [S, k]
+
+    def describe(j: int, step: int) -> dict[str, Any]:
+        r = trace_step_detail(ref[j], ref_tokens[j], drafts, step)
+        return {"position": r.pop("start"), "reference": r, "parallel": {"accepted": par[j][step]}}
+
+    result = check_acceptance(ref, par, 3, SETTINGS, [0, 1], describe)
+    first = result.metrics["first_trace_divergence"]
+    assert (first["prompt"], first["step"], first["position"]) == (1, 2, 5)  # after 2+1 + 1+1 committed tokens
+    assert first["reference"] == {"accepted": 3, "proposed": [25, 26, 27], "committed": [25, 26, 27, 28]}
+    text = divergence_text(first)
+    assert text in result.reason and "verify step 2 (new token 5)" in text
+    assert "reference accepted 3 of [25, 26, 27]" in text
+    same = check_acceptance(ref, ref, 3, SETTINGS, [0, 1], describe)
+    assert same.verdict is Verdict.PASS and same.metrics["first_trace_divergence"] is None
