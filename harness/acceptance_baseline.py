@@ -41,7 +41,8 @@ from harness.contract import JOB_FILE, MANIFEST_PROMPTS_HASH
 from harness.errors import ConfigError, RunError
 from harness.jsonio import read_json, write_text_atomic
 from harness.paths import BASELINES_DIR
-from harness.specs.loader import check_keys, expect_int, load_yaml
+from harness.baseline import read_versioned_list
+from harness.specs.loader import check_keys, expect_int
 from harness.verdict import CellResult, CheckResult, Verdict
 
 ACCEPTANCE_SCHEMA_VERSION = 1
@@ -151,14 +152,7 @@ def read_acceptance(path: Path) -> AcceptanceBaselines:
     """Parse an acceptance baselines file; a missing file holds none."""
     if not path.is_file():
         return AcceptanceBaselines()
-    data = load_yaml(path) or {}
-    check_keys(str(path), data, ("schema_version", "baselines"), required=("schema_version",))
-    if data["schema_version"] != ACCEPTANCE_SCHEMA_VERSION:
-        raise ConfigError(f"{path}: schema_version {data['schema_version']!r}; this harness reads schema_version "
-                          f"{ACCEPTANCE_SCHEMA_VERSION}")
-    raw = data.get("baselines") or []
-    if not isinstance(raw, list):
-        raise ConfigError(f"{path}: baselines must be a list")
+    _, raw = read_versioned_list(path, ("schema_version", "baselines"), ACCEPTANCE_SCHEMA_VERSION)
     entries = [_entry(f"{path} baselines[{i}]", e) for i, e in enumerate(raw)]
     labels = [e.key.label for e in entries]
     dupes = sorted({label for label in labels if labels.count(label) > 1})

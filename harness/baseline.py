@@ -124,19 +124,25 @@ def _entry(where: str, data: Any) -> BaselineEntry:
                          filter=str(data.get("filter", STRICT)), provenance=dict(provenance))
 
 
+def read_versioned_list(path: Path, keys: tuple[str, ...], version: int) -> tuple[dict[str, Any], list[Any]]:
+    """A baselines YAML file's top level (its keys checked, schema_version required and equal to
+    `version`) and its `baselines` list."""
+    data = load_yaml(path) or {}
+    check_keys(str(path), data, keys, required=("schema_version",))
+    if data["schema_version"] != version:
+        raise ConfigError(f"{path}: schema_version {data['schema_version']!r}; this harness reads schema_version "
+                          f"{version}")
+    raw = data.get("baselines") or []
+    if not isinstance(raw, list):
+        raise ConfigError(f"{path}: baselines must be a list")
+    return data, raw
+
+
 def read_baselines(path: Path, suite: str | None = None) -> Baselines:
     """Parse a baselines file; a missing file is an empty set for `suite` (default: the file's stem)."""
     if not path.is_file():
         return Baselines(suite=suite or path.stem)
-    data = load_yaml(path) or {}
-    check_keys(str(path), data, ("schema_version", "suite", "baselines"), required=("schema_version",))
-    version = data["schema_version"]
-    if version != BASELINE_SCHEMA_VERSION:
-        raise ConfigError(f"{path}: schema_version {version!r}; this harness reads schema_version "
-                          f"{BASELINE_SCHEMA_VERSION}")
-    raw = data.get("baselines") or []
-    if not isinstance(raw, list):
-        raise ConfigError(f"{path}: baselines must be a list")
+    data, raw = read_versioned_list(path, ("schema_version", "suite", "baselines"), BASELINE_SCHEMA_VERSION)
     entries = [_entry(f"{path} baselines[{i}]", e) for i, e in enumerate(raw)]
     keys = [e.key for e in entries]
     dupes = sorted({e.label for e in entries if keys.count(e.key) > 1})

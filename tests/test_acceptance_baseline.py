@@ -117,3 +117,18 @@ def test_trace_localization_names_step_position_and_what_each_accepted() -> None
     assert "reference accepted 3 of [25, 26, 27]" in text
     same = check_acceptance(ref, ref, 3, SETTINGS, [0, 1], describe)
     assert same.verdict is Verdict.PASS and same.metrics["first_trace_divergence"] is None
+
+
+def test_vllm_spec_decode_counters_parse_summed_over_label_sets() -> None:
+    from harness.backends.http_dialects import parse_spec_counters
+
+    text = ("# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.\n"
+            "# TYPE vllm:spec_decode_num_drafts_total counter\n"
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0\n'
+            'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 6.0\n'
+            'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 48.0\n'
+            'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 20.0\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 9.0\n'
+            "vllm:prompt_tokens_total 100.0\n")
+    assert parse_spec_counters(text) == {"drafts": 16.0, "draft_tokens": 48.0, "accepted_tokens": 20.0}
+    assert parse_spec_counters("vllm:prompt_tokens_total 100.0\n") is None

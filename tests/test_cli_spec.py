@@ -30,10 +30,14 @@ def test_spec_suite_passes_with_acceptance_details(tmp_path: Path, cache_dir: Pa
     for cell in _cells(tmp_path):
         verdicts = {c["name"]: c["verdict"] for c in cell["checks"]}
         assert verdicts == {name: "PASS" for name in ("inputs", "layout", "speculator_layout", "logits_prefill",
-                                                      "logits_decode", "generation", "lossless", "acceptance")}
+                                                      "logits_decode", "generation", "lossless", "acceptance",
+                                                      "acceptance_baseline")}
         spec = cell["details"]["speculator"]
         assert 1.0 < spec["mean_acceptance"] < 4.0  # mean accepted length: neither none nor all (k=3)
         assert spec["mean_acceptance"] == spec["reference_mean_acceptance"] and spec["traces_differ"] == 0
+        # gated against the shipped baselines/acceptance.yaml (the key has no topology)
+        assert spec["baseline_mean_acceptance"] == pytest.approx(spec["mean_acceptance"], abs=0.05)
+        assert spec["first_divergence"] is None and spec["source"] == "traces"
         # the speculator keeps the plain TP layout (dcp = 1): tiny-gqa kv=2 over 2 ranks -> 1 head each,
         # while the target's DCP group holds both KV heads on each rank
         layout = cell["details"]["speculator_layout"]
@@ -42,16 +46,28 @@ def test_spec_suite_passes_with_acceptance_details(tmp_path: Path, cache_dir: Pa
 
 
 @pytest.mark.parametrize(("fault", "topo", "flagged"), [
-    ("draft-dcp-kv-heads", "tp2dcp2-draft", "speculator_layout"),
-    ("draft-stale-kv", "tp2dcp2-draft", "acceptance"),
-    ("mtp-wrong-hidden", "tp2dcp2-mtp", "acceptance"),
+    ("draft-dcp-kv-heads", "tp2dcp2-draft", {"speculator_layout"}),
+    ("draft-stale-kv", "tp2dcp2-draft", {"acceptance", "acceptance_baseline"}),
+    ("mtp-wrong-hidden", "tp2dcp2-mtp", {"acceptance"}),
+    # a verify bug the tp1 reference shares: only the stored baseline sees it
+    ("spec-verify-last-draft", "tp2dcp2-mtp", {"acceptance_baseline"}),
 ])
 def test_speculator_fault_flagged_by_its_check_only(tmp_path: Path, cache_dir: Path, fault: str, topo: str,
-                                                    flagged: str) -> None:
+                                                    flagged: set[str]) -> None:
     assert main(["run", "--suite", "spec", "--topo", topo, "--fault", fault, "--out", str(tmp_path),
                  "--cache-dir", str(cache_dir)]) == 1
     (cell,) = _cells(tmp_path)
     failed = {c["name"] for c in cell["checks"] if c["verdict"] == "FAIL"}
-    assert failed == {flagged} and cell["silent_corruption"]
+    assert failed == flagged and cell["silent_corruption"]
     verdicts = {c["name"]: c["verdict"] for c in cell["checks"]}
     assert verdicts["lossless"] == "PASS"  # a broken drafter never changes greedy output
+    spec = cell["details"]["speculator"]
+    if "acceptance" in flagged:  # localized: the first verify step whose accept count differs
+        first = spec["first_divergence"]
+        assert first["reference"]["accepted"] != first["parallel"]["accepted"]
+        assert len(first["reference"]["proposed"]) == len(first["parallel"]["proposed"]) == 3
+        summary = (tmp_path / "summary.md").read_text()
+        assert f"prompt {first['prompt']} verify step {first['step']} (new token {first['position']})" in summary
+    if fault == "spec-verify-last-draft":  # the reference shares the bug: traces agree, the baseline does not
+        assert spec["traces_differ"] == 0 and spec["histogram"][3] == 0
+        assert spec["mean_acceptance"] < spec["baseline_mean_acceptance"] - 0.05

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from harness.acceptance_baseline import (AcceptanceBaseline, acceptance_diff, acceptance_path, load_acceptance,
                                         write_acceptance)
@@ -114,32 +114,29 @@ def _update(run_dir: Path, suite_arg: str | None, yes: bool, folder: Path) -> in
 
 
 def _write_gsm8k(suite: str, entries: list[BaselineEntry], yes: bool, folder: Path) -> int:
-    path = baselines_path(suite, folder)
     old = load_baselines(suite, folder)
-    lines, changed = diff_lines(old, entries)
-    print(f"{path} (suite {suite}):")
+    path = baselines_path(suite, folder)
+    return _write(path, f"suite {suite}", diff_lines(old, entries), yes,
+                  lambda: write_baselines(old.merged(entries), path))
+
+
+def _write_acceptance(entries: list[AcceptanceBaseline], yes: bool, folder: Path) -> int:
+    old = load_acceptance(folder)
+    path = acceptance_path(folder)
+    return _write(path, "speculative acceptance", acceptance_diff(old, entries), yes,
+                  lambda: write_acceptance(old.merged(entries), path))
+
+
+def _write(path: Path, what: str, diff: tuple[list[str], int], yes: bool, write: Callable[[], None]) -> int:
+    """Show the diff, ask (unless --yes), write."""
+    lines, changed = diff
+    print(f"{path} ({what}):")
     print("\n".join(lines))
     if changed == 0:
         print("baselines are up to date; nothing to write")
         return 0
     if not _confirm(changed, path, yes):
         return 1
-    write_baselines(old.merged(entries), path)
-    print(f"wrote {changed} change(s) to {path}")
-    return 0
-
-
-def _write_acceptance(entries: list[AcceptanceBaseline], yes: bool, folder: Path) -> int:
-    path = acceptance_path(folder)
-    old = load_acceptance(folder)
-    lines, changed = acceptance_diff(old, entries)
-    print(f"{path} (speculative acceptance):")
-    print("\n".join(lines))
-    if changed == 0:
-        print("acceptance baselines are up to date; nothing to write")
-        return 0
-    if not _confirm(changed, path, yes):
-        return 1
-    write_acceptance(old.merged(entries), path)
+    write()
     print(f"wrote {changed} change(s) to {path}")
     return 0
