@@ -273,6 +273,11 @@ def acceptance_from_runs(ref: RunArtifacts, par: RunArtifacts,
     k = int(par_m["k"])
     try:
         if not (has_traces(ref) and has_traces(par)):
+            silent = [who for who, run, m in (("reference", ref, ref_m), ("parallel", par, par_m))
+                      if not has_traces(run) and m.get("source") == "none"]
+            if silent:
+                return CheckResult("acceptance", Verdict.SKIP, f"the {' and '.join(silent)} engine exported no "
+                                   f"per-step traces and no spec-decode counters (vllm:spec_decode_num_*_total)")
             ref_mean = mean_accepted_length(_tokens(ref, SPEC_ACCEPTED)) if has_traces(ref) else counted_mean(ref)
             par_mean = mean_accepted_length(_tokens(par, SPEC_ACCEPTED)) if has_traces(par) else counted_mean(par)
             return check_acceptance_aggregate(ref_mean, par_mean, k, settings, "the engines' spec-decode counters")
