@@ -101,7 +101,7 @@ def test_trace_localization_names_step_position_and_what_each_accepted() -> None
     # prompt 0: identical; prompt 1: step 2 differs (reference accepted 3, parallel 0)
     ref = [[1, 0, 2], [2, 1, 3, 0]]
     par = [[1, 0, 2], [2, 1, 0, 0]]
-    ref_tokens = [[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]]
+    ref_tokens = [[10, 11, 12, 13, 14, 15, 16], [19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29]]  # [0]: the prefill's
     drafts = torch.tensor([[21, 22, 9], [24, 5, 5], [25, 26, 27], [7, 7, 7]])  # [S, k]
 
     def describe(j: int, step: int) -> dict[str, Any]:
@@ -110,10 +110,11 @@ def test_trace_localization_names_step_position_and_what_each_accepted() -> None
 
     result = check_acceptance(ref, par, 3, SETTINGS, [0, 1], describe)
     first = result.metrics["first_trace_divergence"]
-    assert (first["prompt"], first["step"], first["position"]) == (1, 2, 5)  # after 2+1 + 1+1 committed tokens
+    # after the prefill's token and 2+1 + 1+1 committed by steps 0 and 1
+    assert (first["prompt"], first["step"], first["position"]) == (1, 2, 6)
     assert first["reference"] == {"accepted": 3, "proposed": [25, 26, 27], "committed": [25, 26, 27, 28]}
     text = divergence_text(first)
-    assert text in result.reason and "verify step 2 (new token 5)" in text
+    assert text in result.reason and "verify step 2 (new token 6)" in text
     assert "reference accepted 3 of [25, 26, 27]" in text
     same = check_acceptance(ref, ref, 3, SETTINGS, [0, 1], describe)
     assert same.verdict is Verdict.PASS and same.metrics["first_trace_divergence"] is None

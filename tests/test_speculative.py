@@ -105,6 +105,10 @@ def test_result_artifacts(setup) -> None:
     tensors = spec_tensors(result, [0, 1, 2, 3, 4, 5])
     assert tensors["spec_tokens.2"].tolist() == result.tokens[2]
     assert tensors["spec_accepted.2"].dtype == torch.long
+    drafts = tensors["spec_drafts.2"]  # [S, k]: each step's proposals; the accepted ones were committed
+    assert drafts.shape == (len(result.accepted[2]), 3)
+    start = 1 + result.accepted[2][0] + 1  # the prefill's token, then step 0's accepted + 1
+    assert drafts[1, :result.accepted[2][1]].tolist() == result.tokens[2][start:start + result.accepted[2][1]]
     manifest = spec_manifest(result, SpeculativeSettings())
     assert manifest["kind"] == "mtp" and manifest["k"] == 3
     assert sum(manifest["histogram"]) == manifest["steps"] == result.steps
@@ -192,6 +196,19 @@ def test_stale_kv_drops_acceptance_and_stays_lossless(setup) -> None:
     result = check_acceptance(clean.accepted, broken.accepted, 3)
     assert result.verdict is Verdict.FAIL and "drop" in result.reason
     assert check_acceptance(clean.accepted, clean.accepted, 3).verdict is Verdict.PASS
+
+
+@pytest.mark.parametrize("kind", ["draft", "mtp"])
+def test_verify_off_by_one_stays_lossless_and_caps_acceptance(setup, kind: str) -> None:
+    """spec-verify-last-draft: a verify bug the reference shares. Output is lossless and the accept
+    traces of two runs with the bug agree (the reference check passes); only the level moves."""
+    flags = fault_flags("spec-verify-last-draft", parse_topology_name(f"tp1-{kind}"))
+    assert FAULTS["spec-verify-last-draft"].shared and flags.verify_skip_last
+    clean, broken = _speculate(setup, kind), _speculate(setup, kind, flags)
+    assert check_lossless(broken.tokens, setup[4]).verdict is Verdict.PASS
+    assert broken.histogram[3] == 0 < clean.histogram[3]  # no step accepts all k drafts any more
+    assert broken.mean_accepted_length < clean.mean_accepted_length - 0.05
+    assert check_acceptance(broken.accepted, broken.accepted, 3).verdict is Verdict.PASS
 
 
 def test_mtp_wrong_hidden_is_flagged_by_acceptance(setup) -> None:

@@ -184,7 +184,8 @@ def trace_step_detail(accepted: Sequence[int], tokens: Sequence[int], drafts: to
                       step: int) -> dict[str, Any]:
     """What one run did at verify step `step`: accepted count, the k proposals (when the run recorded
     them) and the tokens it committed (accepted proposals + the target's own token)."""
-    start = sum(a + 1 for a in accepted[:step])  # [S] counts -> index of the step's first new token
+    # the first new token comes from the prefill; each verify step then commits accepted + 1
+    start = 1 + sum(a + 1 for a in accepted[:step])
     if step >= len(accepted):
         return {"accepted": None, "proposed": None, "committed": [], "start": start}
     a = int(accepted[step])
