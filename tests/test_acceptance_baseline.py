@@ -133,3 +133,9 @@ def test_vllm_spec_decode_counters_parse_summed_over_label_sets() -> None:
             "vllm:prompt_tokens_total 100.0\n")
     assert parse_spec_counters(text) == {"drafts": 16.0, "draft_tokens": 48.0, "accepted_tokens": 20.0}
     assert parse_spec_counters("vllm:prompt_tokens_total 100.0\n") is None
+
+
+def test_show_lists_the_shipped_acceptance_baselines(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["baseline", "show", "--acceptance"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny-gqa" in out and "harness-serve" in out and "embedded" in out and "mean accepted length" in out

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from harness.acceptance_baseline import (AcceptanceBaseline, acceptance_diff, acceptance_path, load_acceptance,
+from harness.acceptance_baseline import (AcceptanceBaseline, AcceptanceBaselines, acceptance_diff, acceptance_path, load_acceptance,
                                         write_acceptance)
 from harness.acceptance_baseline import entries_from_cells as acceptance_entries
 from harness.jsonio import read_json
@@ -28,14 +28,18 @@ def add_parser(sub: Any) -> None:
     up.add_argument("--yes", action="store_true", help="write without asking")
     up.add_argument("--dir", dest="folder", type=Path, default=BASELINES_DIR, help="baselines folder")
     up.set_defaults(func=run)
-    show = actions.add_parser("show", help="print a suite's baselines")
-    show.add_argument("--suite", required=True)
+    show = actions.add_parser("show", help="print a suite's baselines, or the acceptance baselines")
+    which = show.add_mutually_exclusive_group(required=True)
+    which.add_argument("--suite", help="this suite's GSM8K baselines")
+    which.add_argument("--acceptance", action="store_true", help="the speculative acceptance baselines")
     show.add_argument("--dir", dest="folder", type=Path, default=BASELINES_DIR, help="baselines folder")
     show.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.baseline_action == "show":
+        if args.acceptance:
+            return _show_acceptance(load_acceptance(args.folder))
         return _show(load_baselines(args.suite, args.folder))
     return _update(Path(args.run_dir), args.suite, args.yes, args.folder)
 
@@ -48,6 +52,19 @@ def _show(baselines: Baselines) -> int:
              str(e.provenance.get("git_commit", ""))[:12], str(e.provenance.get("date", ""))]
             for e in baselines.entries]
     print(table(["model", "task", "topology", "n", "score", "stderr", "filter", "commit", "date"], rows))
+    return 0
+
+
+def _show_acceptance(baselines: AcceptanceBaselines) -> int:
+    if not baselines.entries:
+        print("no acceptance baselines")
+        return 0
+    rows = [[e.key.model, e.key.engine, e.key.speculator, str(e.key.k), e.key.dtype, e.key.prompts_hash[:12],
+             str(e.key.max_new_tokens), f"{e.mean_accepted_length:.4f}",
+             str(list(e.histogram)) if e.histogram is not None else "-", str(e.provenance.get("date", ""))]
+            for e in baselines.entries]
+    print(table(["model", "engine", "speculator", "k", "dtype", "prompts", "new tokens", "mean accepted length",
+                 "histogram", "date"], rows))
     return 0
 
 
