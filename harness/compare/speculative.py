@@ -3,6 +3,7 @@
 Run-directory inputs (written by the worker; see harness.engine.speculative):
   tensors  spec_tokens.{i}    [N] int64   greedy tokens generated with the speculator
            spec_accepted.{i}  [S] int64   accepted draft tokens (0..k) at each verify step
+           spec_drafts.{i}    [S, k] int64 the proposals of each verify step (optional: localization)
            gen_tokens.{i}, gen_topk_ids.{i}, gen_topk_logprobs.{i}: plain greedy decoding, same run
   manifest "speculative": {"kind", "k", ...}
 
@@ -21,6 +22,10 @@ acceptance: against the reference topology's run with the same speculator (tp1-d
       an MTP fed the wrong hidden states on a synthetic model, where the hidden carries little);
   and WARN when the histograms' total-variation distance exceeds tv_warn without a FAIL.
   A collapsed drafter leaves every accuracy gate green: this check is the only place it shows.
+  The first differing verify step is localized (prompt, step, new-token index, what each run proposed,
+  accepted and committed). An engine with only aggregate counters (HTTP: vLLM's spec-decode counters)
+  gets the mean-drop gate alone. The stored baseline (harness/acceptance_baseline.py) is the
+  acceptance check's second result, acceptance_baseline: it sees bugs the reference shares.
 """
 
 from __future__ import annotations
