@@ -42,6 +42,7 @@ from harness.backends.http_server import Server, ServerError, free_port, log_tai
 from harness.contract import Capabilities, Job, LaunchResult
 from harness.cases import build_cases
 from harness.engine.engine import PoolSettings
+from harness.engine.faults import FAULTS
 from harness.engine.tokenizer import load_tokenizer
 from harness.errors import ConfigError, RunError
 from harness.jsonio import write_json
@@ -225,7 +226,10 @@ class HttpBackend:
         start = time.time()
         deadline = start + timeout_s
         speculative = job.topology["speculator"] != "none"
-        plain = replace(job, topology=Topology(tp=job.topology["tp"], dcp=job.topology["dcp"]).to_dict())
+        # a speculator fault acts only where there is a speculator: the plain server runs without it
+        plain_fault = None if job.fault in FAULTS and FAULTS[job.fault].needs_speculator else job.fault
+        plain = replace(job, topology=Topology(tp=job.topology["tp"], dcp=job.topology["dcp"]).to_dict(),
+                        fault=plain_fault)
         logs = [run_dir / SERVER_LOG] + ([run_dir / SPEC_SERVER_LOG] if speculative else [])
         try:
             ready, collected, kv, base_url = self._serve(plain, logs[0], deadline, self._collect_all)
