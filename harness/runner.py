@@ -302,6 +302,9 @@ class Runner:
         nodes = self._node_launch(cell)
         result = (self.backend.run(job, self.req.timeout_s) if nodes is None
                   else run_on_nodes(self.backend, job, self.req.timeout_s, nodes))
+        if not result.ok and result.refused:  # the engine cannot run this topology: its own words, a SKIP
+            return CellResult(**base, checks=(CheckResult("cell", Verdict.SKIP, result.refused),), clean_exit=True,
+                              run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s)
         if not result.ok:
             return CellResult(**base, checks=(CheckResult("run", Verdict.ERROR, result.error),), clean_exit=False,
                               run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s,

@@ -49,3 +49,15 @@ def test_dcp_token_owner_fault_is_silent_corruption_over_http(tmp_path: Path, ca
     cell = _run(tmp_path / "fault", cache, "--fault", "dcp-token-owner")
     assert cell["exit"] == 1 and cell["status"] == "FAIL" and cell["silent_corruption"]
     assert _verdicts(cell)["generation"] == "FAIL" or _verdicts(cell)["logits_prefill"] == "FAIL"
+
+
+@pytest.mark.slow
+def test_a_topology_the_server_refuses_is_a_skip_with_its_line(tmp_path: Path, cache: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # an attention backend without LSE output: `harness serve` refuses DCP at startup, as vLLM's CPU backend does
+    monkeypatch.setenv("HARNESS_SERVE_ATTENTION_BACKEND", "no-lse")
+    cell = _run(tmp_path / "refused", cache)
+    assert cell["exit"] == 0 and cell["status"] == "SKIP", cell["checks"]
+    (check,) = cell["checks"]
+    assert check["reason"].startswith("engine harness-serve refused tp2dcp2: harness: error: DCP requires an "
+                                      "attention backend that returns the softmax LSE")

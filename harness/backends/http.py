@@ -108,6 +108,20 @@ def kv_capacity(pattern: str, log_text: str) -> dict[str, int] | None:
     return {k: int(v.replace(",", "")) for k, v in match.groupdict().items() if v is not None}
 
 
+def refusal(patterns: tuple[str, ...], logs: list[Path]) -> str | None:
+    """The first server log line matching one of the template's `refuses` patterns (the engine's own
+    words for a topology it cannot run), stripped; None when no line matches."""
+    for path in logs:
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            if any(re.search(p, line) for p in patterns):
+                return line.strip()
+    return None
+
+
 class HttpBackend:
     """An engine template driven over HTTP. `option` is the URL for templates that attach (openai)."""
 
@@ -236,7 +250,9 @@ class HttpBackend:
                                           for case, t in zip(collected.cases, tokens)})
         except (RunError, ConfigError) as exc:
             tail = exc.tail if isinstance(exc, ServerError) else "\n".join(log_tail(p) for p in logs)
-            return self._failed(job, str(exc), tail, time.time() - start)
+            line = refusal(self.spec.refuses, logs) if isinstance(exc, ServerError) else None
+            refused = f"engine {self.name} refused {job.topology['name']}: {line}" if line else ""
+            return self._failed(job, str(exc), tail, time.time() - start, refused)
         self._write(job, collected, kv, counters, {"url": base_url, "ready_s": ready, "template": self.name}, start)
         stamp_manifest(run_dir, self)
         return LaunchResult(True, 0, time.time() - start, "", {"server": log_tail(logs[-1])})
@@ -279,13 +295,14 @@ class HttpBackend:
         summary = {"kind": job.topology["speculator"], "k": int(job.speculative.get("k", DEFAULT_SPEC_K)), **counters}
         return [g.tokens for g in generated], summary
 
-    def _failed(self, job: Job, error: str, tail: str, wall: float) -> LaunchResult:
+    def _failed(self, job: Job, error: str, tail: str, wall: float, refused: str = "") -> LaunchResult:
         write_json(Path(job.out_dir) / c.MANIFEST_FILE,
                    {"schema_version": 1, "status": "error", "error": f"engine {self.name}: {error}", "returncode": None,
+                    "refused": refused or None,
                     "timed_out": "no answer within" in error or "not ready after" in error, "topology": job.topology,
                     "fault": job.fault, "seed": job.seed, "wall_s": {"total": wall}, "log_tails": {"server": tail}})
         stamp_manifest(Path(job.out_dir), self)
-        return LaunchResult(False, None, wall, f"engine {self.name}: {error}", {"server": tail})
+        return LaunchResult(False, None, wall, f"engine {self.name}: {error}", {"server": tail}, refused)
 
     def _write(self, job: Job, collected: Collected, kv: dict[str, int] | None, counters: dict[str, Any] | None,
                server: dict[str, Any], start: float) -> None:
