@@ -191,8 +191,8 @@ class Runner:
         content-keyed cache or launched now; `repeat` is a second, independent run of the same job;
         `perturbation` an engine perturbation of the reduction order (the reduction-order noise run)."""
         job = self.job(model, topo, perturbation, seed, Path("."), dtype)
-        if repeat:  # the scheduling-noise twin: the same cases sent one at a time
-            job = replace(job, schedule=SCHEDULE_SEQUENTIAL)
+        if repeat:  # the scheduling-noise twin: the same cases sent one at a time (GSM8K is not noise)
+            job = replace(job, schedule=SCHEDULE_SEQUENTIAL, gsm8k=None)
         backend = self.ref_backend
         content = {k: v for k, v in job.__dict__.items() if k not in ("out_dir", "git_commit", "collective_timeout_s")}
         # keyed by what produces the artifacts (the job and the backend's identity: engine, version,

@@ -147,6 +147,12 @@ class EngineSpec:
         """The variable that overrides `python`, e.g. HARNESS_VLLM_PYTHON."""
         return "HARNESS_" + re.sub(r"[^A-Z0-9]", "_", self.name.upper()) + "_PYTHON"
 
+    def gets_kv_budget(self) -> bool:
+        """Whether the server is given the harness's KV budget ({kv_budget_mib} in argv or env), so the
+        capacity it logs can be compared with the planner's for the same budget."""
+        values = (*self.argv, *self.dcp_argv, *self.env.values())
+        return any("{kv_budget_mib}" in v for v in values)
+
     def can_fault(self) -> bool:
         return bool(self.fault_argv or self.fault_env)
 
