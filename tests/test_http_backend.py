@@ -127,3 +127,13 @@ def test_cpu_bind_splits_cores_per_rank() -> None:
     from harness.backends.http import cpu_bind
     assert cpu_bind(2, 2) == "0|1" and cpu_bind(2, 8) == "0-3|4-7" and cpu_bind(1, 4) == "0-3"
     assert cpu_bind(4, 2) == "0|1|0|1"  # more ranks than cores: shared round-robin
+
+
+def test_serve_without_lse_refuses_only_dcp_and_names_bad_backends() -> None:
+    from harness.cli.serve import refuse_unsupported
+    refuse_unsupported("lse", 4)
+    refuse_unsupported("no-lse", 1)  # plain TP needs no LSE merge
+    with pytest.raises(ConfigError, match="DCP requires an attention backend that returns the softmax LSE"):
+        refuse_unsupported("no-lse", 2)
+    with pytest.raises(ConfigError, match="did you mean 'no-lse'"):
+        refuse_unsupported("nolse", 1)

@@ -13,6 +13,7 @@ from typing import Any
 from harness.engine.faults import fault_flags
 from harness.errors import ConfigError
 from harness.layout import plan_layout
+from harness.specs.loader import did_you_mean
 from harness.specs.model import load_model
 from harness.specs.topology import load_catalog
 
@@ -47,7 +48,8 @@ def add_parser(sub: Any) -> None:
 def refuse_unsupported(attention_backend: str, dcp: int) -> None:
     """A topology this server's attention cannot run is refused at startup in one line."""
     if attention_backend not in ATTENTION_BACKENDS:
-        raise ConfigError(f"--attention-backend {attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+        raise ConfigError(f"--attention-backend {attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
+                          f"{did_you_mean(attention_backend, ATTENTION_BACKENDS)} (also ${ATTENTION_ENV})")
     if dcp > 1 and attention_backend == "no-lse":
         raise ConfigError(f"DCP requires an attention backend that returns the softmax LSE for decode, but "
                           f"attention backend no-lse does not (dcp={dcp} refused)")
