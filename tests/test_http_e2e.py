@@ -60,7 +60,7 @@ def test_a_topology_the_server_refuses_is_a_skip_with_its_line(tmp_path: Path, c
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     # an attention backend without LSE output: `harness serve` refuses DCP at startup, as vLLM's CPU backend does
     monkeypatch.setenv("HARNESS_SERVE_ATTENTION_BACKEND", "no-lse")
-    cell = _run(tmp_path / "refused", cache)
+    cell = _run(tmp_path / "refused", cache, "--model", "tiny-gqa")
     assert cell["exit"] == 0 and cell["status"] == "SKIP", cell["checks"]
     (check,) = cell["checks"]
     assert check["reason"].startswith("engine harness-serve refused tp2dcp2: harness: error: DCP requires an "
