@@ -96,7 +96,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=tuple(TORCH_DTYPES))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
     print(f"threads={torch.get_num_threads()} dtype={args.dtype} device={args.device} prompt={PROMPT_LEN} "
           f"new={NEW_TOKENS} median of {args.repeats} interleaved rounds; load: {os.getloadavg()[0]:.1f}")
