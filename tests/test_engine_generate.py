@@ -10,7 +10,7 @@ import torch
 from harness.engine.engine import Engine, PoolSettings
 from harness.engine.generator import EngineGenerator
 from harness.engine.engine import shared_prefix_length
-from harness.engine.model import (RopeCache, fused_attention, grouped_kv, local_attention, mask_kind,
+from harness.engine.model import (RopeCache, attention_with_lse, fused_attention, grouped_kv, local_attention, mask_kind,
                                   rope_tables)
 from harness.engine.parallel import ParallelState
 from harness.engine.tokenizer import load_tokenizer
@@ -121,3 +121,16 @@ def test_cached_rope_tables_equal_direct_ones() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for got, want in zip(cache.tables(positions, dtype), rope_tables(positions, 16, 10000.0, dtype)):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_fused_attention_with_lse_equals_explicit_attention() -> None:
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 3, 4, 8, generator=g)  # [B, S, Hq, hd]
+    k, v = torch.randn(2, 5, 2, 8, generator=g), torch.randn(2, 5, 2, 8, generator=g)  # [B, L, Hkv, hd]
+    mask = torch.ones(2, 3, 5, dtype=torch.bool).tril(diagonal=2)
+    mask[1, 2] = False  # a query with no visible key (padding, or no token on this DCP rank)
+    for kv_index in ((0, 0, 1, 1), (1, 0, 1, 0)):
+        want_out, want_lse = local_attention(q, k, v, mask, kv_index)
+        out, lse = attention_with_lse(q, k, v, mask, kv_index)
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)  # -inf where blind, on both
