@@ -134,3 +134,7 @@ def test_fused_attention_with_lse_equals_explicit_attention() -> None:
         out, lse = attention_with_lse(q, k, v, mask, kv_index)
         torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)  # -inf where blind, on both
+    every = torch.ones(2, 3, 5, dtype=torch.bool)
+    for got, want in zip(attention_with_lse(q, k, v, every, (0, 0, 1, 1), mask_kind(every)),
+                         local_attention(q, k, v, every, (0, 0, 1, 1))):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

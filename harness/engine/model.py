@@ -160,21 +160,25 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                       kv_index: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+                       kv_index: tuple[int, ...], kind: str = "mask") -> tuple[torch.Tensor, torch.Tensor]:
     """local_attention (same arguments and results) through torch's fused CPU kernel, which also returns
-    the LSE; on other devices, local_attention itself."""
+    the LSE; on other devices, local_attention itself. `kind` is mask_kind(mask) ("all": no mask)."""
     if q.device.type != "cpu":
         return local_attention(q, k, v, mask, kv_index)
     idx = torch.tensor(kv_index, device=k.device)
     # [B, L, Hkv, hd] -> per query head [B, L, Hq, hd] -> [B, Hq, L, hd]
     k_h, v_h = k[:, :, idx].transpose(1, 2), v[:, :, idx].transpose(1, 2)
     # the kernel takes an additive mask of q's dtype: [B, S, L] -> [B, 1, S, L], 0 or -inf
-    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))[:, None]
+    bias = (None if kind == "all" else
+            torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))[:, None])
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.transpose(1, 2), k_h, v_h, 0.0, False, attn_mask=bias)  # [B, Hq, S, hd], [B, Hq, S]
+    out = out.transpose(1, 2)  # [B, S, Hq, hd]
+    if kind == "all":
+        return out, lse.transpose(1, 2).to(q.dtype)  # [B, S, Hq]
     blind = ~mask.any(dim=-1)  # [B, S]: no visible key: out 0 (as the kernel leaves it), lse -inf
     lse = lse.transpose(1, 2).to(q.dtype).masked_fill(blind[:, :, None], float("-inf"))  # [B, S, Hq], q's dtype
-    return out.transpose(1, 2).masked_fill(blind[:, :, None, None], 0.0), lse
+    return out.masked_fill(blind[:, :, None, None], 0.0), lse
 
 
 def grouped_kv(kv_index: tuple[int, ...], n_kv: int) -> bool:
@@ -382,7 +386,7 @@ class Decoder:
         if self.comm.dcp == 1:
             return fused_attention(q, k_all, v_all, visible, hm.group_q_to_local_kv, kind)
         group_q = self.comm.gather_dcp(q, dim=2)  # [B, S, dcp * Hq_local, hd], member order
-        out, lse = attention_with_lse(group_q, k_all, v_all, visible, hm.group_q_to_local_kv)
+        out, lse = attention_with_lse(group_q, k_all, v_all, visible, hm.group_q_to_local_kv, kind)
         # one gather for both, in float32 so a half-precision model's LSE keeps its precision:
         # [B, S, Hg, hd] + [B, S, Hg, 1] -> [dcp, B, S, Hg, hd + 1]
         packed = self.comm.stack_dcp(torch.cat((out.float(), lse[..., None].float()), dim=-1))
