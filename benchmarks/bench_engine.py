@@ -1,5 +1,6 @@
 """Prefill and decode tokens/s of the reference engine at tp1, next to transformers' generate on the
-same weights, in the same run (back to back, best of --repeats each). Prints numbers; asserts nothing.
+same weights, in the same run: engine and transformers timings interleaved (one of each per round, so
+load changes hit both alike), the median of --repeats rounds each. Prints numbers; asserts nothing.
 
     python benchmarks/bench_engine.py [--models tiny-gqa smollm2-135m] [--batches 1 16] [--json FILE]
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -32,9 +35,8 @@ def prompts(batch: int, vocab: int) -> list[list[int]]:
     return torch.randint(0, min(vocab, 256), (batch, PROMPT_LEN), generator=g).tolist()
 
 
-def best(fn: Callable[[], float], repeats: int) -> float:
-    """Shortest of `repeats` timings of fn() (fn returns seconds): the least disturbed by other load."""
-    return min(fn() for _ in range(repeats))
+def median(values: list[float]) -> float:
+    return statistics.median(values)
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -43,21 +45,41 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
-def bench_engine(engine: Engine, batch: list[list[int]], repeats: int) -> tuple[float, float]:
-    """(prefill, decode) tokens/s; decode time = generate time - prefill time."""
-    prefill_s = best(lambda: _timed(lambda: engine.prefill_logits(batch)), repeats)
-    total_s = best(lambda: _timed(lambda: engine.generate(batch, NEW_TOKENS)), repeats)
-    return len(batch) * PROMPT_LEN / prefill_s, len(batch) * (NEW_TOKENS - 1) / max(1e-9, total_s - prefill_s)
+def engine_timers(engine: Engine, batch: list[list[int]]) -> tuple[Callable[[], float], Callable[[], float]]:
+    """(prefill seconds, generate seconds) timers of the engine on `batch`."""
+    return (lambda: _timed(lambda: engine.prefill_logits(batch)),
+            lambda: _timed(lambda: engine.generate(batch, NEW_TOKENS)))
 
 
-def bench_transformers(model: Any, batch: list[list[int]], repeats: int, device: str) -> tuple[float, float]:
+def hf_timers(model: Any, batch: list[list[int]], device: str) -> tuple[Callable[[], float], Callable[[], float]]:
+    """(prefill seconds, generate seconds) timers of transformers on `batch`."""
     ids = torch.tensor(batch, device=device)
-    with torch.no_grad():
-        prefill_s = best(lambda: _timed(lambda: _sync(model(ids), device)), repeats)
-        total_s = best(lambda: _timed(lambda: _sync(model.generate(
-            ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-            attention_mask=torch.ones_like(ids), pad_token_id=0), device)), repeats)
-    return len(batch) * PROMPT_LEN / prefill_s, len(batch) * (NEW_TOKENS - 1) / max(1e-9, total_s - prefill_s)
+
+    def prefill() -> float:
+        with torch.no_grad():
+            return _timed(lambda: _sync(model(ids), device))
+
+    def generate() -> float:
+        with torch.no_grad():
+            return _timed(lambda: _sync(model.generate(
+                ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                attention_mask=torch.ones_like(ids), pad_token_id=0), device))
+    return prefill, generate
+
+
+def interleaved(engine: Engine, model: Any, batch: list[list[int]], repeats: int,
+                device: str) -> tuple[float, float, float, float]:
+    """Engine and transformers (prefill, decode) tokens/s, timed in alternation, medians of `repeats`
+    rounds; decode time = generate time - prefill time."""
+    timers = engine_timers(engine, batch) + hf_timers(model, batch, device)
+    times: list[list[float]] = [[] for _ in timers]
+    for _ in range(repeats):
+        for spent, timer in zip(times, timers):
+            spent.append(timer())
+    e_pre, e_gen, h_pre, h_gen = (median(t) for t in times)
+    prompt_tokens, new_tokens = len(batch) * PROMPT_LEN, len(batch) * (NEW_TOKENS - 1)
+    return (prompt_tokens / e_pre, new_tokens / max(1e-9, e_gen - e_pre),
+            prompt_tokens / h_pre, new_tokens / max(1e-9, h_gen - h_pre))
 
 
 def _sync(out: object, device: str) -> object:
@@ -70,14 +92,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", nargs="+", default=["tiny-gqa", "smollm2-135m"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
-    parser.add_argument("--repeats", type=int, default=3, help="best of this many timings per number")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds; each number is their median")
     parser.add_argument("--dtype", default="float32", choices=tuple(TORCH_DTYPES))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
     print(f"threads={torch.get_num_threads()} dtype={args.dtype} device={args.device} prompt={PROMPT_LEN} "
-          f"new={NEW_TOKENS} best of {args.repeats}")
+          f"new={NEW_TOKENS} median of {args.repeats} interleaved rounds; load: {os.getloadavg()[0]:.1f}")
     print(f"{'model':<14} {'batch':>5} {'engine prefill':>15} {'engine decode':>14} {'hf prefill':>11} "
           f"{'hf decode':>10} {'prefill x':>9} {'decode x':>8}  (tokens/s)")
     rows: list[dict[str, Any]] = []
@@ -91,10 +116,8 @@ def main() -> None:
                 engine = Engine(spec, weights, ParallelState.single(args.device), dtype=args.dtype,
                                 pool=PoolSettings(budget_bytes=1 << 30, max_seq_len=PROMPT_LEN + NEW_TOKENS))
                 batch = prompts(b, spec.vocab)
-                bench_engine(engine, batch[:1], 1)  # warm-up
-                bench_transformers(hf, batch[:1], 1, args.device)
-                ep, ed = bench_engine(engine, batch, args.repeats)
-                hp, hd = bench_transformers(hf, batch, args.repeats, args.device)
+                interleaved(engine, hf, batch[:1], 1, args.device)  # warm-up
+                ep, ed, hp, hd = interleaved(engine, hf, batch, args.repeats, args.device)
                 rows.append({"model": name, "batch": b, "engine_prefill": ep, "engine_decode": ed,
                              "hf_prefill": hp, "hf_decode": hd})
                 print(f"{name:<14} {b:>5} {ep:>15.0f} {ed:>14.0f} {hp:>11.0f} {hd:>10.0f} {ep / hp:>9.2f} "

@@ -1,5 +1,6 @@
 """Generation throughput features keep greedy output unchanged: continuous batching (finished slots
-refilled), stop strings checked during generation, the GQA fast path of the fused attention."""
+refilled), stop strings checked during generation, the GQA fast path of the fused attention, the
+mask-free / causal kernel calls, cached RoPE tables, fused projections and shared-prefix KV reuse."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import torch
 
 from harness.engine.engine import Engine, PoolSettings
 from harness.engine.generator import EngineGenerator
-from harness.engine.model import fused_attention, grouped_kv, local_attention
+from harness.engine.engine import shared_prefix_length
+from harness.engine.model import (RopeCache, attention_with_lse, fused_attention, grouped_kv, local_attention, mask_kind,
+                                  rope_tables)
 from harness.engine.parallel import ParallelState
 from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights
@@ -72,3 +75,66 @@ def test_fused_attention_gqa_path_equals_explicit_attention(kv_index: tuple[int,
     assert grouped_kv(kv_index, n_kv) is grouped
     expected, _ = local_attention(q, k, v, mask, kv_index)
     torch.testing.assert_close(fused_attention(q, k, v, mask, kv_index), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_prefix_is_computed_once_and_keeps_generations(generator: EngineGenerator,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = generator.engine
+    shots = generator.tokenizer.encode("Question: 1 + 1?\nAnswer: 2\n\nQuestion: 2 + 2?\nAnswer: 4\n\n" * 2)
+    prompts = [shots + generator.tokenizer.encode(q) for q in ("Question: 3 + 4?\nAnswer:", "Question: 9?",
+                                                               "Question: ducks and eggs, how many?\nAnswer:")]
+    shared = shared_prefix_length(prompts)
+    assert shared >= len(shots) >= engine.pool.block_size
+    fed: list[int] = []
+    hidden = engine.decoder.hidden
+    monkeypatch.setattr(engine.decoder, "hidden", lambda batch, *a, **k: fed.append(int(batch.valid.sum())) or hidden(batch, *a, **k))
+    plain = engine.generate(prompts, 12, share_prefix=False, max_batch=2)
+    plain_fed, fed[:] = sum(fed), []
+    reused = engine.generate(prompts, 12, max_batch=2)
+    assert plain_fed - sum(fed) == shared * (len(prompts) - 1)  # the prefix went through the model once
+    assert reused.tokens == plain.tokens
+    for a, b in zip(reused.topk_logprobs, plain.topk_logprobs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert not engine.cache.seqs  # the prefix's blocks were given back too
+
+
+def test_shared_prefix_leaves_each_prompt_a_token() -> None:
+    assert shared_prefix_length([[1, 2, 3], [1, 2, 3, 4]]) == 2
+    assert shared_prefix_length([[1, 2, 3]]) == 0
+    assert shared_prefix_length([[5, 2], [1, 2]]) == 0
+
+
+def test_mask_free_and_causal_kernel_calls_equal_the_masked_one() -> None:
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 4, 8, generator=g) for _ in range(3))  # [B, S = L, H, hd]
+    causal = torch.ones(4, 4, dtype=torch.bool).tril().expand(2, 4, 4)
+    every = torch.ones(2, 4, 4, dtype=torch.bool)
+    assert (mask_kind(causal), mask_kind(every), mask_kind(causal[:, :, :3])) == ("causal", "all", "mask")
+    for mask in (causal, every):
+        torch.testing.assert_close(fused_attention(q, k, v, mask, (0, 1, 2, 3), mask_kind(mask)),
+                                   fused_attention(q, k, v, mask, (0, 1, 2, 3)), rtol=1e-6, atol=1e-6)
+
+
+def test_cached_rope_tables_equal_direct_ones() -> None:
+    positions = torch.tensor([[0, 5, 300], [7, 8, 9]])  # past the first table size: the cache grows
+    cache = RopeCache(16, 10000.0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for got, want in zip(cache.tables(positions, dtype), rope_tables(positions, 16, 10000.0, dtype)):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_fused_attention_with_lse_equals_explicit_attention() -> None:
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 3, 4, 8, generator=g)  # [B, S, Hq, hd]
+    k, v = torch.randn(2, 5, 2, 8, generator=g), torch.randn(2, 5, 2, 8, generator=g)  # [B, L, Hkv, hd]
+    mask = torch.ones(2, 3, 5, dtype=torch.bool).tril(diagonal=2)
+    mask[1, 2] = False  # a query with no visible key (padding, or no token on this DCP rank)
+    for kv_index in ((0, 0, 1, 1), (1, 0, 1, 0)):
+        want_out, want_lse = local_attention(q, k, v, mask, kv_index)
+        out, lse = attention_with_lse(q, k, v, mask, kv_index)
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)  # -inf where blind, on both
+    every = torch.ones(2, 3, 5, dtype=torch.bool)
+    for got, want in zip(attention_with_lse(q, k, v, every, (0, 0, 1, 1), mask_kind(every)),
+                         local_attention(q, k, v, every, (0, 0, 1, 1))):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -23,6 +23,7 @@ from harness.engine.parallelize import actual_layout, engine_plan, head_map, sha
 from harness.layout import LayoutPlan, pool_capacity
 from harness.specs.model import ModelSpec
 
+MIN_SHARED_PREFIX_BLOCKS = 1  # generate() computes a common prompt prefix once when it spans this many KV blocks
 StopCheck = Callable[[int, list[int]], bool]  # (prompt index, its new tokens so far) -> stop now?
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -57,6 +58,19 @@ class DecodePath:
     hidden: torch.Tensor
     attn: torch.Tensor
     collectives: torch.Tensor
+
+
+def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
+    """Tokens every prompt starts with, leaving each prompt at least one token of its own (its last
+    position's logits pick the first new token)."""
+    if len(prompts) < 2:
+        return 0
+    limit = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    n = 0
+    while n < limit and all(p[n] == first[n] for p in prompts):
+        n += 1
+    return n
 
 
 def build_batch(seq_ids: Sequence[int], chunks: Sequence[Sequence[int]], starts: Sequence[int],
@@ -209,13 +223,23 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_k: int = 5,
                  stop_token_ids: frozenset[int] = frozenset(), stop: StopCheck | None = None,
-                 max_batch: int | None = None) -> Generation:
+                 max_batch: int | None = None, share_prefix: bool = True) -> Generation:
         """Greedy generation with continuous batching: up to `max_batch` (default: the pool's slots)
         sequences run together, and a finished sequence's slot is refilled with the next prompt at once.
         A sequence stops at a stop token, when stop(index, new_tokens) says so (e.g. a stop string in
-        its text; it must answer alike on every rank), or after max_new_tokens."""
+        its text; it must answer alike on every rank), or after max_new_tokens.
+        With `share_prefix`, the prompts' common prefix (when it fills a KV block) is computed once and
+        its cached K/V copied into each new sequence, which then prefills only its own tokens."""
         self.check_lengths([len(p) + max_new_tokens for p in prompts])
         width = max(1, min(self.max_batch, max_batch or self.max_batch))
+        shared = shared_prefix_length(prompts) if share_prefix and self.max_batch > 1 else 0
+        if shared < MIN_SHARED_PREFIX_BLOCKS * self.pool.block_size:
+            shared = 0
+        prefix: list[int] = []
+        if shared:
+            width = min(width, self.max_batch - 1)  # the prefix holds one slot of the pool
+            prefix = self.cache.open(1)
+            self.decoder.hidden(self._batch(prefix, [prompts[0][:shared]], [0]))
         new: list[list[int]] = [[] for _ in prompts]
         tk_ids: list[list[torch.Tensor]] = [[] for _ in prompts]
         tk_lp: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -226,8 +250,10 @@ class Engine:
             rows = [self._step_logits(decoding, running, prompts, new)] if decoding else []
             admitted = [queue.pop() for _ in range(min(len(queue), width - len(running)))]
             if admitted:
-                running.update(zip(admitted, self.cache.open(len(admitted))))
-                rows.append(self._prompt_logits([prompts[i] for i in admitted], [running[i] for i in admitted]))
+                opened = self.cache.fork(prefix[0], len(admitted)) if prefix else self.cache.open(len(admitted))
+                running.update(zip(admitted, opened))
+                rows.append(self._prompt_logits([prompts[i] for i in admitted], [running[i] for i in admitted],
+                                                shared))
             order = decoding + admitted
             logprobs = torch.log_softmax(torch.cat(rows).double(), dim=-1)  # [B, V]
             top = torch.topk(logprobs, k=min(top_k, logprobs.shape[-1]), dim=-1)
@@ -242,12 +268,15 @@ class Engine:
                         or (stop is not None and stop(b, new[b]))):
                     finished.append(b)
             self.cache.close([running.pop(b) for b in finished])
+        self.cache.close(prefix)
         return Generation(new, [torch.stack(t) for t in tk_ids], [torch.stack(t) for t in tk_lp])
 
-    def _prompt_logits(self, prompts: list[Sequence[int]], seq_ids: list[int]) -> torch.Tensor:
-        """Prefill new sequences; float32 logits [B, V] of each prompt's last position only."""
-        hidden = self.decoder.hidden(self._batch(seq_ids, prompts, [0] * len(prompts)))  # [B, S, H]
-        last = torch.tensor([len(p) - 1 for p in prompts], device=hidden.device)
+    def _prompt_logits(self, prompts: list[Sequence[int]], seq_ids: list[int], cached: int = 0) -> torch.Tensor:
+        """Prefill new sequences whose first `cached` tokens are already in the cache; float32 logits
+        [B, V] of each prompt's last position only."""
+        hidden = self.decoder.hidden(self._batch(seq_ids, [p[cached:] for p in prompts],
+                                                 [cached] * len(prompts)))  # [B, S, H]
+        last = torch.tensor([len(p) - cached - 1 for p in prompts], device=hidden.device)
         last_hidden = hidden[torch.arange(len(prompts), device=hidden.device), last]  # [B, H]
         return self.decoder.logits(last_hidden[:, None])[:, 0].float()
 

@@ -36,6 +36,7 @@ class EngineGenerator:
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer) -> None:
         self.engine = engine
+        self.share_prefix = True  # compute the prompts' common prefix once (Engine.generate)
         self.tokenizer = tokenizer
         self.rank = engine.state.rank
         self.world_size = engine.state.world_size
@@ -44,4 +45,4 @@ class EngineGenerator:
                  stop_strings: Sequence[str] = (), max_batch: int | None = None) -> list[list[int]]:
         return self.engine.generate(prompts, max_new_tokens, stop_token_ids=frozenset(stop_token_ids),
                                     stop=stop_string_check(self.tokenizer, stop_strings),
-                                    max_batch=max_batch).tokens
+                                    max_batch=max_batch, share_prefix=self.share_prefix).tokens

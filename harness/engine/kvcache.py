@@ -60,6 +60,21 @@ class PagedKVCache:
         for seq_id in seq_ids:
             self.free_sequence(seq_id)
 
+    def fork(self, source: int, n: int) -> list[int]:
+        """Open n new sequences holding a copy of `source`'s stored K/V (fresh blocks, same positions):
+        a shared prompt prefix computed once, then extended separately by each. Returns their ids."""
+        state = self.seqs[source]
+        ids = self.open(n)
+        if not state.blocks:
+            return ids
+        for seq_id in ids:
+            self.reserve(seq_id, state.positions)
+        src = torch.tensor(state.blocks, device=self.k[0].device)  # [n_blocks]
+        dst = torch.tensor([b for s in ids for b in self.seqs[s].blocks], device=src.device)  # [n * n_blocks]
+        for pool in self.k + self.v:
+            pool[dst] = pool[src].repeat(n, 1, 1, 1)  # [n_blocks, ...] -> [n * n_blocks, ...]
+        return ids
+
     def positions(self, seq_id: int) -> list[int]:
         """Positions whose K/V this cache holds for `seq_id`, in storage order."""
         return list(self.seqs[seq_id].positions)
@@ -80,17 +95,17 @@ class PagedKVCache:
     def reserve(self, seq_id: int, positions: list[int]) -> list[tuple[int, int]]:
         """Allocate storage for `positions` (appended in order); returns (block, offset) of each."""
         state = self.seqs[seq_id]
-        slots = []
-        for pos in positions:
-            index = state.stored
-            if index // self.block_size >= len(state.blocks):
-                if not self._free:
-                    raise RunError(f"KV pool exhausted: {self.capacity.blocks} blocks of {self.block_size} tokens "
-                                   f"are all in use (sequence {seq_id} needs one more)")
-                state.blocks.append(self._free.pop())
-            slots.append((state.blocks[index // self.block_size], index % self.block_size))
-            state.positions.append(pos)
-        return slots
+        first = state.stored
+        end = first + len(positions)
+        missing = -(-end // self.block_size) - len(state.blocks)
+        if missing > len(self._free):
+            raise RunError(f"KV pool exhausted: {self.capacity.blocks} blocks of {self.block_size} tokens "
+                           f"are all in use (sequence {seq_id} needs {missing - len(self._free)} more)")
+        for _ in range(max(0, missing)):
+            state.blocks.append(self._free.pop())
+        state.positions.extend(positions)
+        bs, blocks = self.block_size, state.blocks
+        return [(blocks[i // bs], i % bs) for i in range(first, end)]
 
     def write(self, layer: int, slots: list[tuple[int, int]], k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v [n, kv_heads, head_dim] at `slots` (n entries) of `layer`."""

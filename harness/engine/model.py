@@ -105,6 +105,29 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float,
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+class RopeCache:
+    """cos/sin rows of rope_tables for positions 0..n-1, computed once (grown on demand) and gathered
+    per forward; the same arithmetic as rope_tables, so the same values."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        self.head_dim = head_dim
+        self.theta = theta
+        self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, S, 1, hd] at `positions` [B, S]."""
+        key = (dtype, positions.device)
+        cos, sin = self._tables.get(key, (None, None))
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        if cos is None or sin is None or cos.shape[1] < need:
+            size = max(need, 2 * cos.shape[1] if cos is not None else 256)
+            every = torch.arange(size, device=positions.device)[None, :]  # [1, size]
+            cos, sin = rope_tables(every, self.head_dim, self.theta, dtype)  # [1, size, 1, hd] each
+            self._tables[key] = (cos, sin)
+        # [1, size, 1, hd] -> rows at positions -> [B, S, 1, hd]
+        return cos[0][positions], sin[0][positions]
+
+
 def apply_rope(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotate x [B, S, heads, hd] by precomputed rope_tables."""
     cos, sin = tables
@@ -136,6 +159,28 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return out, lse.transpose(1, 2)
 
 
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                       kv_index: tuple[int, ...], kind: str = "mask") -> tuple[torch.Tensor, torch.Tensor]:
+    """local_attention (same arguments and results) through torch's fused CPU kernel, which also returns
+    the LSE; on other devices, local_attention itself. `kind` is mask_kind(mask) ("all": no mask)."""
+    if q.device.type != "cpu":
+        return local_attention(q, k, v, mask, kv_index)
+    idx = torch.tensor(kv_index, device=k.device)
+    # [B, L, Hkv, hd] -> per query head [B, L, Hq, hd] -> [B, Hq, L, hd]
+    k_h, v_h = k[:, :, idx].transpose(1, 2), v[:, :, idx].transpose(1, 2)
+    # the kernel takes an additive mask of q's dtype: [B, S, L] -> [B, 1, S, L], 0 or -inf
+    bias = (None if kind == "all" else
+            torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))[:, None])
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(1, 2), k_h, v_h, 0.0, False, attn_mask=bias)  # [B, Hq, S, hd], [B, Hq, S]
+    out = out.transpose(1, 2)  # [B, S, Hq, hd]
+    if kind == "all":
+        return out, lse.transpose(1, 2).to(q.dtype)  # [B, S, Hq]
+    blind = ~mask.any(dim=-1)  # [B, S]: no visible key: out 0 (as the kernel leaves it), lse -inf
+    lse = lse.transpose(1, 2).to(q.dtype).masked_fill(blind[:, :, None], float("-inf"))  # [B, S, Hq], q's dtype
+    return out.masked_fill(blind[:, :, None, None], 0.0), lse
+
+
 def grouped_kv(kv_index: tuple[int, ...], n_kv: int) -> bool:
     """True when query head h reads KV head h // (Hq / Hkv): the standard GQA grouping, which the fused
     kernel handles without copying K/V per query head (enable_gqa)."""
@@ -143,15 +188,31 @@ def grouped_kv(kv_index: tuple[int, ...], n_kv: int) -> bool:
     return n_q % n_kv == 0 and kv_index == tuple(h // (n_q // n_kv) for h in range(n_q))
 
 
+def mask_kind(visible: torch.Tensor) -> str:
+    """How the fused kernel can take `visible` [B, S, L]: "all" (every key visible to every query: no
+    mask), "causal" (query s sees keys 0..s, S == L: the kernel's own causal mask) or "mask"."""
+    if bool(visible.all()):
+        return "all"
+    S, L = visible.shape[1:]
+    if S == L and torch.equal(visible, torch.ones(S, L, dtype=torch.bool, device=visible.device).tril()
+                              .expand_as(visible)):
+        return "causal"
+    return "mask"
+
+
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                    kv_index: tuple[int, ...]) -> torch.Tensor:
-    """local_attention's output without the LSE (no merge needs it), through torch's fused kernel."""
+                    kv_index: tuple[int, ...], kind: str = "mask") -> torch.Tensor:
+    """local_attention's output without the LSE (no merge needs it), through torch's fused kernel.
+    `kind` is mask_kind(mask): "all" and "causal" let the kernel skip reading a mask."""
     # [B, S|L, H, hd] -> [B, H, S|L, hd] for scaled_dot_product_attention
     if grouped_kv(kv_index, k.shape[2]):
         k_h, v_h, gqa = k.transpose(1, 2), v.transpose(1, 2), k.shape[2] != len(kv_index)
     else:
         idx = torch.tensor(kv_index, device=k.device)
         k_h, v_h, gqa = k[:, :, idx].transpose(1, 2), v[:, :, idx].transpose(1, 2), False
+    if kind != "mask":
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k_h, v_h, is_causal=kind == "causal", enable_gqa=gqa)
+        return out.transpose(1, 2)  # [B, S, Hq, hd]; every query sees at least one key
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k_h, v_h, attn_mask=mask[:, None], enable_gqa=gqa)
     blind = ~mask.any(dim=-1)  # [B, S]: padding queries, whose rows the kernel fills with NaN
     return out.transpose(1, 2).masked_fill(blind[:, :, None, None], 0.0)  # [B, S, Hq, hd]
@@ -191,6 +252,8 @@ class Decoder:
         self.cache = cache
         self.flags = flags
         self._sites: dict[str, torch.Tensor] | None = None  # collective errors of the layer being captured
+        self._rope = RopeCache(hyper.head_dim, hyper.rope_theta)
+        self._fused = [fuse_projections(layer) for layer in weights.layers]
 
     def forward(self, batch: Batch, capture: Capture | None = None) -> torch.Tensor:
         """Logits [B, S, V] for every new token; stores the new tokens' K/V first."""
@@ -212,18 +275,20 @@ class Decoder:
         # visible[b, s, l]: key l is stored and not after query s
         visible = key_valid[:, None, :] & (key_pos[:, None, :] <= batch.positions[:, :, None])
         x = self.w.embed[batch.ids] if embeds is None else embeds  # [B, S, H]
-        tables = rope_tables(batch.positions, self.hyper.head_dim, self.hyper.rope_theta, x.dtype)
+        tables = self._rope.tables(batch.positions, x.dtype)
+        kind = mask_kind(visible)
         if capture is not None:
             capture.hidden.append(x)
         for i, layer in enumerate(self.w.layers):
             self._sites = {} if capture is not None else None
             attn = self._attention(i, layer, rms_norm(x, layer.attn_norm, self.hyper.norm_eps), batch,
-                                   write_rows, stored_mask, flat, visible, tables)
+                                   write_rows, stored_mask, flat, (visible, kind), tables)
             if capture is not None:
                 capture.attn.append(attn)
             x = x + self._row_parallel(attn.flatten(2), layer.o, attn_out=True)
             h = rms_norm(x, layer.mlp_norm, self.hyper.norm_eps)
-            x = x + self._row_parallel(F.silu(h @ layer.gate.T) * (h @ layer.up.T), layer.down)
+            gate, up = (h @ self._fused[i].gate_up.T).split(layer.gate.shape[0], dim=-1)  # [B, S, 2F] -> 2 x [B, S, F]
+            x = x + self._row_parallel(F.silu(gate) * up, layer.down)
             if capture is not None:
                 capture.hidden.append(x)
                 zero = torch.zeros(x.shape[:2], dtype=torch.float64, device=x.device)
@@ -298,13 +363,18 @@ class Decoder:
 
     def _attention(self, i: int, layer: LayerWeights, h: torch.Tensor, batch: Batch,
                    write_rows: torch.Tensor, stored: torch.Tensor, flat: torch.Tensor,
-                   visible: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Attention output of this rank's own Q heads: [B, S, n_q, hd]."""
+                   mask: tuple[torch.Tensor, str], tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Attention output of this rank's own Q heads: [B, S, n_q, hd]. `mask` is (visible [B, S, L],
+        its mask_kind)."""
         B, S, _ = h.shape
         hd, hm = self.hyper.head_dim, self.heads
-        q = _proj(h, layer.q, layer.q_bias).view(B, S, hm.n_q, hd)  # [B, S, Hq_local, hd]
-        k = _proj(h, layer.k, layer.k_bias).view(B, S, hm.n_kv, hd)  # [B, S, Hkv_local, hd]
-        v = _proj(h, layer.v, layer.v_bias).view(B, S, hm.n_kv, hd)
+        visible, kind = mask
+        fused = self._fused[i]
+        # [B, S, (Hq + 2 Hkv) * hd] -> q, k, v
+        q, k, v = _proj(h, fused.qkv, fused.qkv_bias).split([hm.n_q * hd, hm.n_kv * hd, hm.n_kv * hd], dim=-1)
+        q = q.reshape(B, S, hm.n_q, hd)  # [B, S, Hq_local, hd]
+        k = k.reshape(B, S, hm.n_kv, hd)  # [B, S, Hkv_local, hd]
+        v = v.reshape(B, S, hm.n_kv, hd)
         q = apply_rope(q, tables)
         k = apply_rope(k, tables)
         self.cache.write_rows(i, write_rows, k[stored], v[stored])
@@ -314,9 +384,9 @@ class Decoder:
         if self.comm.dcp == 1 and self.flags.split_reduction > 1:
             return split_key_attention(q, k_all, v_all, visible, hm.group_q_to_local_kv, self.flags.split_reduction)
         if self.comm.dcp == 1:
-            return fused_attention(q, k_all, v_all, visible, hm.group_q_to_local_kv)
+            return fused_attention(q, k_all, v_all, visible, hm.group_q_to_local_kv, kind)
         group_q = self.comm.gather_dcp(q, dim=2)  # [B, S, dcp * Hq_local, hd], member order
-        out, lse = local_attention(group_q, k_all, v_all, visible, hm.group_q_to_local_kv)
+        out, lse = attention_with_lse(group_q, k_all, v_all, visible, hm.group_q_to_local_kv, kind)
         # one gather for both, in float32 so a half-precision model's LSE keeps its precision:
         # [B, S, Hg, hd] + [B, S, Hg, 1] -> [dcp, B, S, Hg, hd + 1]
         packed = self.comm.stack_dcp(torch.cat((out.float(), lse[..., None].float()), dim=-1))
@@ -327,6 +397,31 @@ class Decoder:
             self._probe_site("dcp-q-gather", group_q[:, :, lo:hi], q)  # must equal an exact recompute
             self._probe_site("dcp-lse-merge", merged, merge_partials(outs.to(torch.float64), lses.to(torch.float64)))
         return merged[:, :, lo:hi]
+
+
+@dataclass(frozen=True)
+class FusedProjections:
+    """One layer's Q/K/V rows in one matrix (and biases) and gate/up rows in another, so each is one
+    matmul; the layer's q/k/v/gate/up become views into them (no second copy of the weights)."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+
+
+def fuse_projections(layer: LayerWeights) -> FusedProjections:
+    """Concatenate a layer's column-parallel projections and rebind its fields to views of the result."""
+    qkv = torch.cat((layer.q, layer.k, layer.v))  # [(Hq + 2 Hkv) * hd, H]
+    layer.q, layer.k, layer.v = qkv.split([layer.q.shape[0], layer.k.shape[0], layer.v.shape[0]])
+    qkv_bias = None
+    if any(b is not None for b in (layer.q_bias, layer.k_bias, layer.v_bias)):  # a missing one adds zeros
+        parts = [b if b is not None else w.new_zeros(w.shape[0])
+                 for b, w in ((layer.q_bias, layer.q), (layer.k_bias, layer.k), (layer.v_bias, layer.v))]
+        qkv_bias = torch.cat(parts)  # [(Hq + 2 Hkv) * hd]
+        layer.q_bias, layer.k_bias, layer.v_bias = qkv_bias.split([p.shape[0] for p in parts])
+    gate_up = torch.cat((layer.gate, layer.up))  # [2 * ffn_local, H]
+    layer.gate, layer.up = gate_up.split([layer.gate.shape[0], layer.up.shape[0]])
+    return FusedProjections(qkv, qkv_bias, gate_up)
 
 
 def _proj(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-budget-gib", type=float, default=2.0)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--no-hf", action="store_true", help="time the engine only")
+    p.add_argument("--compare-prefix-reuse", action="store_true",
+                   help="also time the engine with shared-prefix KV reuse off, and compare its generations")
     p.add_argument("--gsm8k-path", default=None, help="folder with test.jsonl and train.jsonl")
     p.add_argument("--json", type=Path, default=None, help="write the numbers here")
     return p.parse_args(argv)
@@ -144,6 +146,14 @@ def main(argv: list[str] | None = None) -> int:
         generator.generate([generator.tokenizer.encode("Warm up the engine.")], 4, set())
         resolve_source(args.gsm8k_path)  # fail early on a bad data folder
         engine_row, engine_result = measure(generator, args)
+        plain_row: dict[str, Any] | None = None
+        same_plain = float("nan")
+        if args.compare_prefix_reuse:
+            generator.share_prefix = False
+            plain_row, plain_result = measure(generator, args)
+            generator.share_prefix = True
+            same_plain = agreement_rate([r.generation for r in engine_result.records],
+                                        [r.generation for r in plain_result.records])
         hf_row: dict[str, Any] | None = None
         same = float("nan")
         if not args.no_hf:
@@ -156,19 +166,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{args.model} {args.task} limit={args.limit} batch={args.batch} on {args.device}, "
           f"{torch.get_num_threads()} threads (model load {load_s:.1f} s)")
-    rows = [("engine", engine_row)] + ([("transformers", hf_row)] if hf_row is not None else [])
+    rows = ([("engine", engine_row)] + ([("engine, no prefix reuse", plain_row)] if plain_row is not None else [])
+            + ([("transformers", hf_row)] if hf_row is not None else []))
     print(table(["generator", "n", "wall_s", "questions/min", "tokens/s", "strict-match"],
                 [[name, str(r["n"]), f"{r['wall_s']:.1f}", f"{r['questions_per_min']:.2f}", f"{r['tokens_per_s']:.1f}",
                   f"{r['strict_match']:.3f}"] for name, r in rows]))
     if hf_row is not None:
         print(f"same generations: {same:.0%}; engine / transformers: "
               f"{engine_row['questions_per_min'] / hf_row['questions_per_min']:.2f}x")
+    if plain_row is not None:
+        print(f"prefix reuse: same generations {same_plain:.0%}; with / without: "
+              f"{engine_row['questions_per_min'] / plain_row['questions_per_min']:.2f}x")
     if args.json is not None:
         args.json.write_text(json.dumps({
             "model": args.model, "task": args.task, "device": args.device, "threads": torch.get_num_threads(),
             "batch": args.batch, "n": engine_row["n"], "engine_questions_per_min": engine_row["questions_per_min"],
             "hf_questions_per_min": hf_row["questions_per_min"] if hf_row else None,
             "same_generations": same if hf_row else None, "engine": engine_row, "hf": hf_row, "load_s": load_s,
+            "engine_no_prefix_reuse": plain_row, "same_generations_prefix_reuse": same_plain if plain_row else None,
         }, indent=2))
     return 0
 

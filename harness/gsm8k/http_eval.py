@@ -15,11 +15,9 @@ from typing import Sequence
 
 from harness.backends.http_dialects import Dialect
 from harness.engine.tokenizer import Tokenizer
-from harness.gsm8k.data import resolve_source
-from harness.gsm8k.lm import HarnessLM
+from harness.gsm8k.engine_eval import evaluate_generator
 from harness.gsm8k.records import GSM8KResult
 from harness.gsm8k.settings import GSM8KSettings
-from harness.gsm8k.tasks import evaluate_with
 
 
 class HttpGenerator:
@@ -46,8 +44,4 @@ class HttpGenerator:
 def evaluate_server(dialect: Dialect, tokenizer: Tokenizer, settings: GSM8KSettings, data_path: str | Path | None,
                     max_seq_len: int) -> GSM8KResult:
     """GSM8K (the suite's settings) on the server behind `dialect`, per-question records included."""
-    lm = HarnessLM(HttpGenerator(dialect, tokenizer), batch_size=settings.batch_size,
-                   max_gen_toks=settings.max_new_tokens, max_length=max_seq_len)
-    return evaluate_with(lm, settings.task, resolve_source(data_path), limit=settings.limit,
-                         num_fewshot=settings.num_fewshot, apply_chat_template=settings.chat_template,
-                         fewshot_as_multiturn=settings.fewshot_as_multiturn)
+    return evaluate_generator(HttpGenerator(dialect, tokenizer), settings, data_path, max_seq_len)
