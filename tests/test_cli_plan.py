@@ -48,12 +48,12 @@ def test_plan_table_kv6_tp4(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 0 and err == ""
     assert out.splitlines()[0] == "model tiny-kv6 on tp4 (tp=4, dcp=1, kv_tp_size=4, gcd=2)"
     assert out.splitlines()[1].split() == ["rank", "q_heads", "kv_heads", "dcp_group", "dcp_rank", "kv_tp_rank",
-                                           "reads_kv"]
-    assert table_rows(out) == [
-        ["0", "0-5", "0-2", "0", "0", "0", "0-1"],
-        ["1", "6-11", "0-2", "1", "0", "1", "1-2"],
-        ["2", "12-17", "3-5", "2", "0", "2", "3-4"],
-        ["3", "18-23", "3-5", "3", "0", "3", "4-5"],
+                                           "reads_kv", "vocab", "ffn"]
+    assert table_rows(out) == [  # vocab 384, ffn 288 over tp4
+        ["0", "0-5", "0-2", "0", "0", "0", "0-1", "0-95", "0-71"],
+        ["1", "6-11", "0-2", "1", "0", "1", "1-2", "96-191", "72-143"],
+        ["2", "12-17", "3-5", "2", "0", "2", "3-4", "192-287", "144-215"],
+        ["3", "18-23", "3-5", "3", "0", "3", "4-5", "288-383", "216-287"],
     ]
     # 2 (K, V) x 2 layers x 3 KV heads x head_dim 8 x 4 bytes
     assert "KV bytes/token per rank (stored token): 384 " in out
@@ -98,6 +98,12 @@ def test_plan_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
         assert (rank["dcp_group"], rank["dcp_rank"], rank["dcp_members"], rank["kv_tp_rank"]) == (r, 0, [r], r)
         assert rank["group_q_heads"] == rank["q_heads"]
         assert rank["ffn_shard"] == [72 * r, 72 * r + 72]
+        assert (rank["vocab_shard"], rank["vocab_rows"]) == ([96 * r, 96 * r + 96], 96)
+    assert doc["vocab_rows_per_rank"] == 96
+    # an uneven vocabulary: 389 over tp4 is 98, 98, 98, 95 ids, every shard padded to 98 rows
+    uneven = plan_json(capsys, "--model", "tiny-bf16-big", "--topo", "tp4")
+    assert [r["vocab_shard"] for r in uneven["ranks"]] == [[0, 98], [98, 196], [196, 294], [294, 389]]
+    assert uneven["vocab_rows_per_rank"] == 98
 
 
 def test_plan_json_dcp_group_and_capacity(capsys: pytest.CaptureFixture[str]) -> None:
