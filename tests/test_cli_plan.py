@@ -65,8 +65,11 @@ def test_plan_table_dcp_capacity_and_speculator(capsys: pytest.CaptureFixture[st
     rc, out, _ = run_cli(capsys, "plan", "--model", "tiny-gqa", "--topo", "tp4dcp4-mtp", "--budget-gib", "0.01",
                          "--max-seq-len", "256")
     assert rc == 0
-    assert table_rows(out) == [[str(r), f"{2 * r}-{2 * r + 1}", "0-1", "0", str(r), "0", "0"] for r in range(2)] + [
+    assert [row[:7] for row in table_rows(out)] == [
+        [str(r), f"{2 * r}-{2 * r + 1}", "0-1", "0", str(r), "0", "0"] for r in range(2)] + [
         [str(r), f"{2 * r}-{2 * r + 1}", "0-1", "0", str(r), "0", "1"] for r in range(2, 4)]
+    assert [row[7:] for row in table_rows(out)] == [[f"{96 * r}-{96 * r + 95}", f"{72 * r}-{72 * r + 71}"]
+                                                    for r in range(4)]
     # per rank: 2 KV heads x 16 dims x 2 layers x K,V x 4 bytes = 512 bytes/token; a 256-token slot split
     # over dcp=4 is 64 tokens = 4 blocks of 16 = 32768 bytes; int(0.01 GiB) // 32768 = 327 slots.
     assert "capacity per rank: 327 slots of 256 tokens = 1308 blocks x 16 tokens" in out
@@ -211,6 +214,6 @@ def test_python_m_harness_plan(tmp_path: Path) -> None:
 
     proc = run_process("plan", "--model", "tiny-9h3kv", "--topo", "tp3", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert table_rows(proc.stdout) == [["0", "0-2", "0", "0", "0", "0", "0"],
-                                       ["1", "3-5", "1", "1", "0", "1", "1"],
-                                       ["2", "6-8", "2", "2", "0", "2", "2"]]
+    assert table_rows(proc.stdout) == [["0", "0-2", "0", "0", "0", "0", "0", "0-127", "0-95"],
+                                       ["1", "3-5", "1", "1", "0", "1", "1", "128-255", "96-191"],
+                                       ["2", "6-8", "2", "2", "0", "2", "2", "256-383", "192-287"]]
