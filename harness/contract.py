@@ -138,13 +138,15 @@ class Job:
 
 @dataclass(frozen=True)
 class LaunchResult:
-    """How one run ended. `ok` means the run directory holds a manifest with status "ok"."""
+    """How one run ended. `ok` means the run directory holds a manifest with status "ok". `refused`:
+    the engine said it cannot run this job (its own error line); the cell is a SKIP, not an ERROR."""
 
     ok: bool
     returncode: int | None
     wall_s: float
     error: str
     log_tails: dict[str, str]
+    refused: str = ""
 
 
 @runtime_checkable

@@ -191,8 +191,8 @@ class Runner:
         content-keyed cache or launched now; `repeat` is a second, independent run of the same job;
         `perturbation` an engine perturbation of the reduction order (the reduction-order noise run)."""
         job = self.job(model, topo, perturbation, seed, Path("."), dtype)
-        if repeat:  # the scheduling-noise twin: the same cases sent one at a time
-            job = replace(job, schedule=SCHEDULE_SEQUENTIAL)
+        if repeat:  # the scheduling-noise twin: the same cases sent one at a time (GSM8K is not noise)
+            job = replace(job, schedule=SCHEDULE_SEQUENTIAL, gsm8k=None)
         backend = self.ref_backend
         content = {k: v for k, v in job.__dict__.items() if k not in ("out_dir", "git_commit", "collective_timeout_s")}
         # keyed by what produces the artifacts (the job and the backend's identity: engine, version,
@@ -302,6 +302,9 @@ class Runner:
         nodes = self._node_launch(cell)
         result = (self.backend.run(job, self.req.timeout_s) if nodes is None
                   else run_on_nodes(self.backend, job, self.req.timeout_s, nodes))
+        if not result.ok and result.refused:  # the engine cannot run this topology: its own words, a SKIP
+            return CellResult(**base, checks=(CheckResult("cell", Verdict.SKIP, result.refused),), clean_exit=True,
+                              run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s)
         if not result.ok:
             return CellResult(**base, checks=(CheckResult("run", Verdict.ERROR, result.error),), clean_exit=False,
                               run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s,

@@ -40,11 +40,11 @@ def test_a_check_that_raises_is_an_error_with_its_traceback_and_the_others_keep_
 
 def test_unmet_needs_are_skips_naming_the_engine() -> None:
     ref, noise, par = synthetic_runs(PLAN)
-    no_layout = Capabilities(frozenset(TOPK_ONLY - {"layout_report"}), top_k=4)
+    no_layout = Capabilities(frozenset(TOPK_ONLY - {"layout_report", "kv_pool_size"}), top_k=4)
     # the parallel run keeps its full logits; top-k-only capabilities make the checks use top-k
     checks = {c.name: c for c in run_checks(_ctx(ref, par, noise, par_caps=no_layout))}
     assert checks["layout"].verdict is Verdict.SKIP
-    assert checks["layout"].reason == "engine x-engine gives no layout_report: layout unavailable"
+    assert checks["layout"].reason == "engine x-engine gives none of layout_report, kv_pool_size: layout unavailable"
     assert checks["localization"].reason == "engine x-engine gives no hidden_states: localization unavailable"
     assert checks["logits_decode"].verdict is Verdict.PASS and checks["logits_decode"].metrics["k"] == 4
 

@@ -150,3 +150,33 @@ def test_heads_off_plan_and_missing_ranks_and_malformed_entries() -> None:
 
 def test_budget_fixture_is_consistent() -> None:
     assert (BUDGET, MAX_SEQ, BLOCK) == (1 << 20, 64, 16)
+
+
+def _served(**logged: dict) -> dict:
+    return {"ranks": [], "pool": {"budget_bytes": BUDGET, "max_seq_len": MAX_SEQ, "block_size": BLOCK},
+            "kv_budget_given": True, **logged}
+
+
+def test_logged_kv_capacity_as_planned_passes_and_a_speculator_pool_split_like_dcp_fails() -> None:
+    from harness.compare.layout_check import check_kv_capacity, predicted_kv_capacity
+    plan, spec_plan = plan_layout(GQA, 4, 4), plan_speculator(GQA, 4)
+    pool = _served()["pool"]
+    shown = ("tokens", "blocks", "bytes")
+    plain = {k: v for k, v in predicted_kv_capacity(plan, pool, None).items() if k in shown}
+    spec = {k: v for k, v in predicted_kv_capacity(plan, pool, spec_plan).items() if k in shown}
+    assert spec["bytes"] > plain["bytes"] and plain["tokens"] == plain["blocks"] * BLOCK * 4
+    ok = check_kv_capacity(plan, _served(kv_capacity=plain, kv_capacity_speculative=spec), spec_plan)
+    assert ok.verdict is Verdict.PASS, ok.reason
+    # the speculator's KV heads split over tp // dcp like the target's: more heads per rank, more bytes
+    split = plan_layout(GQA, 4, dcp=1, kv_dcp=4)
+    over = {k: v for k, v in predicted_kv_capacity(plan, pool, split).items() if k in shown}
+    bad = check_kv_capacity(plan, _served(kv_capacity=plain, kv_capacity_speculative=over), spec_plan)
+    assert bad.verdict is Verdict.FAIL and bad.reason.startswith(f"speculative server logged KV cache bytes={over['bytes']}")
+    # bugs nobody catalogued: an engine that forgets dcp in its token count, or sizes one block short
+    for wrong in ({**plain, "tokens": plain["tokens"] // 4}, {"blocks": plain["blocks"] - 1}):
+        assert check_kv_capacity(plan, _served(kv_capacity=wrong), None).verdict is Verdict.FAIL
+    # vLLM's line has tokens only; an engine not given the budget is recorded, not compared
+    assert check_kv_capacity(plan, _served(kv_capacity={"tokens": plain["tokens"]}), None).verdict is Verdict.PASS
+    assert check_kv_capacity(plan, {**_served(kv_capacity=plain), "kv_budget_given": False},
+                             None).verdict is Verdict.SKIP
+    assert check_kv_capacity(plan, _served(), None).verdict is Verdict.ERROR

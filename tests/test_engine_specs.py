@@ -31,6 +31,9 @@ def test_every_shipped_template_loads() -> None:
     ({"speculator_argv": {"eagle": ["--x"]}}, "unknown kind 'eagle'"),
     ({"kv_capacity_pattern": "KV (\\d+)"}, "needs a named group"),
     ({"health": "health"}, "must be a path starting with '/'"),
+    ({"refuses": ["DCP (not"]}, "refuses pattern 'DCP \\(not' is not a regular expression"),
+    ({"refuses": "DCP"}, "refuses must be a list of regular expressions"),
+    ({"refuse": ["DCP"]}, "unknown key 'refuse'.*did you mean 'refuses'"),
 ])
 def test_bad_templates_are_one_clear_error(change: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -17,6 +17,7 @@ from harness.backends.registry import get_backend
 from harness.contract import Backend, Job
 from harness.errors import ConfigError
 from harness.jsonio import read_json
+from harness.specs.engine import load_engine
 from harness.specs.model import load_model
 from harness.specs.topology import parse_topology_name
 
@@ -46,13 +47,27 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_server_that_exits_is_an_error_with_its_log_tail(tmp_path: Path) -> None:
-    backend = HttpBackend(_template(tmp_path, "import sys; print('model has head_dim 16: unsupported'); sys.exit(3)"))
+    backend = HttpBackend(_template(tmp_path, "import sys; print('model has head_dim 16: unsupported'); sys.exit(3)",
+                                    refuses=load_engine("vllm").refuses))
     result = backend.run(_job(tmp_path), timeout_s=60)
     assert not result.ok and "exited with code 3 before it was ready" in result.error
+    assert result.refused == ""  # a crash the template does not declare stays an ERROR
     assert "head_dim 16: unsupported" in result.log_tails["server"]
     manifest = read_json(tmp_path / "run" / "manifest.json")
     assert manifest["status"] == "error" and "head_dim 16" in manifest["log_tails"]["server"]
     assert manifest["backend"]["name"] == "stand-in"
+
+
+VLLM_CPU_DCP = ("AssertionError: DCP requires attention impls to return the softmax lse for decode, but the impl "
+                "CPUAttentionBackendImpl does not return the softmax lse for decode.")
+
+
+def test_a_declared_refusal_is_a_skip_quoting_the_engine(tmp_path: Path) -> None:
+    code = f"import sys; print('Traceback (most recent call last):'); print({VLLM_CPU_DCP!r}); sys.exit(1)"
+    backend = HttpBackend(_template(tmp_path, code, refuses=load_engine("vllm").refuses))
+    result = backend.run(_job(tmp_path, "tp2dcp2"), timeout_s=60)
+    assert not result.ok and result.refused == f"engine stand-in refused tp2dcp2: {VLLM_CPU_DCP}"
+    assert read_json(tmp_path / "run" / "manifest.json")["refused"] == result.refused
 
 
 def test_a_server_never_ready_times_out_and_is_stopped(tmp_path: Path) -> None:
@@ -112,3 +127,13 @@ def test_cpu_bind_splits_cores_per_rank() -> None:
     from harness.backends.http import cpu_bind
     assert cpu_bind(2, 2) == "0|1" and cpu_bind(2, 8) == "0-3|4-7" and cpu_bind(1, 4) == "0-3"
     assert cpu_bind(4, 2) == "0|1|0|1"  # more ranks than cores: shared round-robin
+
+
+def test_serve_without_lse_refuses_only_dcp_and_names_bad_backends() -> None:
+    from harness.cli.serve import refuse_unsupported
+    refuse_unsupported("lse", 4)
+    refuse_unsupported("no-lse", 1)  # plain TP needs no LSE merge
+    with pytest.raises(ConfigError, match="DCP requires an attention backend that returns the softmax LSE"):
+        refuse_unsupported("no-lse", 2)
+    with pytest.raises(ConfigError, match="did you mean 'no-lse'"):
+        refuse_unsupported("nolse", 1)

@@ -86,3 +86,22 @@ def test_server_parses_both_dialects_to_the_same_completion() -> None:
     assert batched and vllm == sglang
     text = parse_completions({"prompt": "hi", "max_tokens": 1}, VOCAB, LIMITS)
     assert text[0].prompt == [104, 105]
+
+
+def test_stop_token_ids_travel_both_ways() -> None:
+    # client: GSM8K's completions end at EOS or the LM's stop tokens (vLLM field, SGLang sampling param)
+    answer = {"choices": [{"index": 0, "logprobs": {"tokens": ["token_id:7", "token_id:2"],
+                                                    "top_logprobs": [{"token_id:7": -0.1}, {"token_id:2": -0.2}]}}]}
+    sent, post = _fake(answer)
+    assert VllmDialect(post, "m").complete([[1, 2]], 8, [2, 5]) == [[7, 2]]
+    assert sent[0][1]["stop_token_ids"] == [2, 5] and sent[0][1]["ignore_eos"] is False
+    sent, post = _fake([{"meta_info": {"output_token_logprobs": [[-0.1, 4, None]], "output_top_logprobs": [[]]}}])
+    assert SglangDialect(post, "m").complete([[1, 2]], 8, [4]) == [[4]]
+    assert sent[0][1]["sampling_params"]["stop_token_ids"] == [4]
+    # server: both dialects parse them to the same completion; a bad id is one clear 400
+    (vllm,) = parse_completions({"prompt": [[1, 2]], "max_tokens": 4, "stop_token_ids": [9, 3]}, VOCAB, LIMITS)
+    (sglang,), _ = parse_generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4,
+                                                                           "stop_token_ids": [3, 9]}}, VOCAB, LIMITS)
+    assert vllm == sglang and vllm.stop_token_ids == (3, 9)
+    with pytest.raises(BadRequest, match="stop token id 999 is out of range"):
+        parse_completions({"prompt": [[1]], "stop_token_ids": [999]}, VOCAB, LIMITS)

@@ -35,10 +35,14 @@ def test_clean_dcp_cell_passes_over_http(tmp_path: Path, cache: Path) -> None:
     verdicts = _verdicts(cell)
     assert cell["exit"] == 0 and cell["status"] == "PASS" and cell["engine"] == "harness-serve"
     assert verdicts["logits_prefill"] == "PASS" and verdicts["generation"] == "PASS"
-    assert verdicts["localization"] == "SKIP" and verdicts["layout"] == "SKIP"  # no hidden states / layout report
+    assert verdicts["localization"] == "SKIP"  # no hidden states
     run_dir = Path(cell["run_dir"])
     manifest = read_json(run_dir / "manifest.json")
     assert manifest["backend"]["name"] == "harness-serve" and manifest["kv_capacity"]["tokens"] > 0
+    # no layout report over HTTP: the layout check compares the KV capacity the server logged with the planner
+    layout = next(c for c in cell["checks"] if c["name"] == "layout")
+    assert layout["verdict"] == "PASS" and layout["metrics"]["logged"]["plain"] == {
+        k: v for k, v in layout["metrics"]["predicted"]["plain"].items() if k in ("tokens", "blocks", "bytes")}
     assert (run_dir / "server.log").read_text().count("harness-serve KV cache") == 1
     ref = read_json(Path(cell["reference_dir"]) / "manifest.json")
     assert ref["schedule"] == "batched"
@@ -49,3 +53,32 @@ def test_dcp_token_owner_fault_is_silent_corruption_over_http(tmp_path: Path, ca
     cell = _run(tmp_path / "fault", cache, "--fault", "dcp-token-owner")
     assert cell["exit"] == 1 and cell["status"] == "FAIL" and cell["silent_corruption"]
     assert _verdicts(cell)["generation"] == "FAIL" or _verdicts(cell)["logits_prefill"] == "FAIL"
+
+
+@pytest.mark.slow
+def test_a_topology_the_server_refuses_is_a_skip_with_its_line(tmp_path: Path, cache: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # an attention backend without LSE output: `harness serve` refuses DCP at startup, as vLLM's CPU backend does
+    monkeypatch.setenv("HARNESS_SERVE_ATTENTION_BACKEND", "no-lse")
+    cell = _run(tmp_path / "refused", cache, "--model", "tiny-gqa")
+    assert cell["exit"] == 0 and cell["status"] == "SKIP", cell["checks"]
+    (check,) = cell["checks"]
+    assert check["reason"].startswith("engine harness-serve refused tp2dcp2: harness: error: DCP requires an "
+                                      "attention backend that returns the softmax LSE")
+
+
+@pytest.mark.slow
+def test_speculator_pool_over_allocation_fails_the_layout_check_over_http(tmp_path: Path, cache: Path) -> None:
+    # draft-dcp-kv-heads (SGLang's DCP seed): the draft's KV heads split like the target's DCP group, so its
+    # pool is over-allocated; output is unchanged, only the KV capacity the server logs shows it
+    out = tmp_path / "draft"
+    code = main(["run", "--suite", "spec", "--topo", "tp2dcp2-draft", "--engine", "harness-serve", "--out", str(out),
+                 "--cache-dir", str(cache), "--kv-budget-mib", "8", "--max-seq-len", "128",
+                 "--fault", "draft-dcp-kv-heads"])
+    (cell,) = read_json(out / "results.json")["cells"]
+    verdicts = _verdicts(cell)
+    assert code == 1 and cell["status"] == "FAIL", cell["checks"]
+    assert {n for n, v in verdicts.items() if v == "FAIL"} == {"layout"} and verdicts["lossless"] == "PASS"
+    layout = next(c for c in cell["checks"] if c["name"] == "layout")
+    assert layout["reason"].startswith("speculative server logged KV cache bytes=")
+    assert layout["metrics"]["logged"]["plain"]["bytes"] == layout["metrics"]["predicted"]["plain"]["bytes"]

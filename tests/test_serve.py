@@ -57,6 +57,13 @@ def test_both_dialects_match_the_embedded_engine(server: Server, reference: Engi
     for a, b, tokens in zip(gen_v, gen_s, ours.tokens):
         assert a.tokens.tolist() == b.tokens.tolist() == tokens
         assert torch.equal(a.ids, b.ids)
+    # stop_token_ids (GSM8K's requests): each generation ends at its first stop token, kept
+    stop = [ours.tokens[0][2]]
+    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+        post = post_json(client)
+        stopped = [d(post, "tiny-gqa").complete(SEQUENCES, 6, stop) for d in (VllmDialect, SglangDialect)]
+    want = [t[:t.index(stop[0]) + 1] if stop[0] in t else t for t in ours.tokens]
+    assert stopped[0] == stopped[1] == want and len(want[0]) <= 3
 
 
 def test_bad_requests_are_400_and_metrics_use_vllm_names(server: Server) -> None:
@@ -71,4 +78,6 @@ def test_bad_requests_are_400_and_metrics_use_vllm_names(server: Server) -> None
 
 def test_server_log_reports_the_kv_pool(server: Server) -> None:
     text = Path(server.log_path).read_text()
-    assert "harness-serve KV cache: blocks=" in text
+    # tp2dcp2: each rank holds both KV heads of tiny-gqa for half of every sequence's tokens
+    blocks = int(text.split("harness-serve KV cache: blocks=")[1].split()[0])
+    assert f"tokens={blocks * 16 * 2} " in text

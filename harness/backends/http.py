@@ -4,9 +4,11 @@ embedded engine behind `harness serve`) driven over its API, one server per (mod
 A run: prepare the model for the engine (an HF folder, exported once into the cache, or a model spec
 file), start the server from the engine template (engines/NAME.yaml) on a free loopback port in its own
 process group, wait for its health endpoint (bounded), send the cases (teacher-forced top-k of every
-sequence, greedy generation with top-k), stop the server, and write the run directory: top-k tensors
-and generations (contract names), the KV capacity the server logged, its log (server.log) and, on any
-failure, an error manifest with the log tail.
+sequence, greedy generation with top-k; GSM8K's questions when the job asks), stop the server, and write
+the run directory: top-k tensors and generations (contract names), the KV capacity the server logged
+(layout.json's target entry, which the layout check compares with the planner), gsm8k.json, its log
+(server.log) and, on any failure, an error manifest with the log tail. A server that exits at startup
+with a line the template `refuses` is a refusal (the cell is a SKIP quoting it), not an error.
 
 Capabilities are what HTTP gives: top-k logprobs of the prompt (prefill path) and of generation. No
 full logits, no decode path, no hidden states (so localization is a SKIP), no layout self-report.
@@ -33,7 +35,7 @@ import yaml
 
 from harness import __version__
 from harness import contract as c
-from harness.artifacts import Case, write_run
+from harness.artifacts import write_run
 from harness.backends.base import stamp_manifest
 from harness.backends.embedded import weights_key
 from harness.backends.http_collect import Collected, collect
@@ -42,10 +44,11 @@ from harness.backends.http_server import Server, ServerError, free_port, log_tai
 from harness.contract import Capabilities, Job, LaunchResult
 from harness.cases import build_cases
 from harness.engine.engine import PoolSettings
+from harness.engine.faults import FAULTS
 from harness.engine.tokenizer import load_tokenizer
 from harness.errors import ConfigError, RunError
 from harness.jsonio import write_json
-from harness.specs.engine import EngineSpec, load_engine
+from harness.specs.engine import load_engine
 from harness.specs.model import ModelSpec, model_from_dict
 from harness.specs.topology import Topology
 
@@ -98,6 +101,11 @@ def cpu_bind(ranks: int, cores: int | None = None) -> str:
     return "|".join(f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}" for lo, hi in zip(bounds, bounds[1:]))
 
 
+def server_budget_bytes(pool: PoolSettings) -> int:
+    """The KV budget per rank as a template passes it ({kv_budget_mib}: whole MiB, at least 1)."""
+    return max(1, pool.budget_bytes >> 20) << 20
+
+
 def kv_capacity(pattern: str, log_text: str) -> dict[str, int] | None:
     """The KV cache size the server logged (the template's pattern, first match), e.g. {"tokens": N}."""
     if not pattern:
@@ -106,6 +114,20 @@ def kv_capacity(pattern: str, log_text: str) -> dict[str, int] | None:
     if match is None:
         return None
     return {k: int(v.replace(",", "")) for k, v in match.groupdict().items() if v is not None}
+
+
+def refusal(patterns: tuple[str, ...], logs: list[Path]) -> str | None:
+    """The first server log line matching one of the template's `refuses` patterns (the engine's own
+    words for a topology it cannot run), stripped; None when no line matches."""
+    for path in logs:
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            if any(re.search(p, line) for p in patterns):
+                return line.strip()
+    return None
 
 
 class HttpBackend:
@@ -152,7 +174,7 @@ class HttpBackend:
         return out.stdout.strip() or "unknown"
 
     def capabilities(self) -> Capabilities:
-        provides = {c.TOPK_LOGPROBS, c.PROMPT_LOGPROBS, c.GENERATION}
+        provides = {c.TOPK_LOGPROBS, c.PROMPT_LOGPROBS, c.GENERATION, c.GSM8K}
         if self.spec.kv_capacity_pattern:
             provides.add(c.KV_POOL_SIZE)
         if self.spec.speculator_argv:
@@ -184,7 +206,7 @@ class HttpBackend:
                 "tp": str(job.topology["tp"]), "dcp": str(job.topology["dcp"]), "topology": job.topology["name"],
                 "port": str(port), "host": HOST, "dtype": job.dtype or model.dtype, "seed": str(job.seed),
                 "max_logprobs": str(self.spec.max_logprobs), "max_model_len": str(pool.max_seq_len),
-                "kv_budget_mib": str(max(1, pool.budget_bytes >> 20)), "block_size": str(pool.block_size),
+                "kv_budget_mib": str(server_budget_bytes(pool) >> 20), "block_size": str(pool.block_size),
                 "fault": job.fault or "", "spec_k": str(job.speculative.get("k", DEFAULT_SPEC_K)),
                 "cpu_bind": cpu_bind(int(job.topology["tp"]))}
 
@@ -225,19 +247,25 @@ class HttpBackend:
         start = time.time()
         deadline = start + timeout_s
         speculative = job.topology["speculator"] != "none"
-        plain = replace(job, topology=Topology(tp=job.topology["tp"], dcp=job.topology["dcp"]).to_dict())
+        # the plain server of the same setting; a fault that lives in the speculator has nothing to break there
+        fault = FAULTS.get(job.fault or "")
+        plain = replace(job, topology=Topology(tp=job.topology["tp"], dcp=job.topology["dcp"]).to_dict(),
+                        fault=None if fault is not None and fault.needs_speculator else job.fault)
         logs = [run_dir / SERVER_LOG] + ([run_dir / SPEC_SERVER_LOG] if speculative else [])
         try:
             ready, collected, kv, base_url = self._serve(plain, logs[0], deadline, self._collect_all)
-            counters = None
+            counters = kv_spec = None
             if speculative:
-                _, (tokens, counters), _, _ = self._serve(job, logs[1], deadline, self._collect_speculative)
+                _, (tokens, counters), kv_spec, _ = self._serve(job, logs[1], deadline, self._collect_speculative)
                 collected.tensors.update({c.tensor_key(c.SPEC_TOKENS, case.index): t
                                           for case, t in zip(collected.cases, tokens)})
         except (RunError, ConfigError) as exc:
             tail = exc.tail if isinstance(exc, ServerError) else "\n".join(log_tail(p) for p in logs)
-            return self._failed(job, str(exc), tail, time.time() - start)
-        self._write(job, collected, kv, counters, {"url": base_url, "ready_s": ready, "template": self.name}, start)
+            line = refusal(self.spec.refuses, logs) if isinstance(exc, ServerError) else None
+            refused = f"engine {self.name} refused {job.topology['name']}: {line}" if line else ""
+            return self._failed(job, str(exc), tail, time.time() - start, refused)
+        self._write(job, collected, {"plain": kv, "speculative": kv_spec}, counters,
+                    {"url": base_url, "ready_s": ready, "template": self.name}, start)
         stamp_manifest(run_dir, self)
         return LaunchResult(True, 0, time.time() - start, "", {"server": log_tail(logs[-1])})
 
@@ -264,9 +292,18 @@ class HttpBackend:
         return DIALECTS[self.spec.dialect](post_json(client), model_from_dict("job", dict(job.model)).name)
 
     def _collect_all(self, job: Job, client: httpx.Client) -> Collected:
+        """The cases' top-k and generations, then GSM8K through the same server when the job asks."""
         model = model_from_dict("job", dict(job.model))
-        return collect(job, model, self._dialect(job, client), self.spec.max_logprobs,
-                       job.schedule == c.SCHEDULE_BATCHED)
+        dialect = self._dialect(job, client)
+        collected = collect(job, model, dialect, self.spec.max_logprobs, job.schedule == c.SCHEDULE_BATCHED)
+        if not job.gsm8k:
+            return collected
+        from harness.gsm8k.http_eval import evaluate_server  # lm-eval only where GSM8K runs
+        from harness.gsm8k.settings import gsm8k_settings
+
+        result = evaluate_server(dialect, load_tokenizer(model), gsm8k_settings(job.gsm8k["settings"]),
+                                 job.gsm8k.get("data_path"), PoolSettings(**job.pool).max_seq_len)
+        return replace(collected, gsm8k=result.to_dict())
 
     def _collect_speculative(self, job: Job, client: httpx.Client) -> tuple[list[torch.Tensor], dict[str, Any]]:
         """Greedy generations with the speculator, and its counters' growth over them."""
@@ -279,32 +316,41 @@ class HttpBackend:
         summary = {"kind": job.topology["speculator"], "k": int(job.speculative.get("k", DEFAULT_SPEC_K)), **counters}
         return [g.tokens for g in generated], summary
 
-    def _failed(self, job: Job, error: str, tail: str, wall: float) -> LaunchResult:
+    def _failed(self, job: Job, error: str, tail: str, wall: float, refused: str = "") -> LaunchResult:
         write_json(Path(job.out_dir) / c.MANIFEST_FILE,
                    {"schema_version": 1, "status": "error", "error": f"engine {self.name}: {error}", "returncode": None,
+                    "refused": refused or None,
                     "timed_out": "no answer within" in error or "not ready after" in error, "topology": job.topology,
                     "fault": job.fault, "seed": job.seed, "wall_s": {"total": wall}, "log_tails": {"server": tail}})
         stamp_manifest(Path(job.out_dir), self)
-        return LaunchResult(False, None, wall, f"engine {self.name}: {error}", {"server": tail})
+        return LaunchResult(False, None, wall, f"engine {self.name}: {error}", {"server": tail}, refused)
 
-    def _write(self, job: Job, collected: Collected, kv: dict[str, int] | None, counters: dict[str, Any] | None,
-               server: dict[str, Any], start: float) -> None:
+    def _write(self, job: Job, collected: Collected, kv: dict[str, dict[str, int] | None],
+               counters: dict[str, Any] | None, server: dict[str, Any], start: float) -> None:
+        """The run directory. `kv`: the KV capacity each server logged ("plain"; "speculative" for -draft /
+        -mtp cells, whose server also holds the speculator's pool)."""
         model = model_from_dict("job", dict(job.model))
         manifest = {
             "status": "ok", "error": None, "topology": job.topology, "model": model.to_dict(), "fault": job.fault,
             "seed": job.seed, "dtype": job.dtype or model.dtype, "engine_version": self.version(),
             c.MANIFEST_WEIGHTS_HASH: collected.weights_hash, c.MANIFEST_PROMPTS_HASH: collected.prompts_hash,
             c.MANIFEST_TOKENIZER_HASH: collected.tokenizer_hash, "topk_only": self.spec.max_logprobs,
-            "schedule": job.schedule, "kv_capacity": kv,
+            "schedule": job.schedule, "kv_capacity": kv["plain"], "kv_capacity_speculative": kv["speculative"],
             "versions": {"harness": __version__, "torch": torch.__version__, "python": platform.python_version()},
             "device": job.device, "git_commit": job.git_commit, "host": platform.node(), "server": server,
             "wall_s": {"total": time.time() - start, "ready": server["ready_s"]},
         }
         if counters is not None:
             manifest["speculative"] = counters
-        layout = {"target": {"ranks": [], "pool": PoolSettings(**job.pool).to_dict(), "kv_capacity": kv},
+        pool = PoolSettings(**job.pool)  # the budget as the server was given it (whole MiB)
+        pool = replace(pool, budget_bytes=server_budget_bytes(pool))
+        layout = {"target": {"ranks": [], "pool": pool.to_dict(), "kv_capacity": kv["plain"],
+                             "kv_capacity_speculative": kv["speculative"],
+                             "kv_budget_given": self.spec.gets_kv_budget()},
                   "speculator": None}
         write_run(Path(job.out_dir), manifest, layout, collected.cases, collected.tensors)
+        if collected.gsm8k is not None:
+            write_json(Path(job.out_dir) / c.GSM8K_FILE, collected.gsm8k)
 
 
 def spec_counters(client: httpx.Client) -> dict[str, float] | None:

@@ -5,6 +5,7 @@ its prompt with per-step top-k (decode steps through the server's KV cache)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -26,6 +27,7 @@ class Collected:
     weights_hash: str
     prompts_hash: str
     tokenizer_hash: str
+    gsm8k: dict[str, Any] | None = None  # GSM8KResult.to_dict() when the job asks for GSM8K
 
 
 def collect(job: Job, model: ModelSpec, dialect: Dialect, k: int, together: bool) -> Collected:

@@ -97,10 +97,17 @@ class Dialect:
         groups = [list(prompts)] if together else [[p] for p in prompts]
         return [g for group in groups for g in self._generate(group, n, k)]
 
+    def complete(self, prompts: Sequence[Sequence[int]], n: int, stop: Sequence[int]) -> list[list[int]]:
+        """Greedy completions of all `prompts` in one request, each ending at EOS or a `stop` token id
+        (kept) or after `n` tokens: the new token ids (GSM8K's generate_until over HTTP)."""
+        return [g.tokens.tolist() for g in self._generate(list(prompts), n, 1, tuple(stop))]
+
     def _score(self, sequences: list[Sequence[int]], k: int) -> list[Scored]:
         raise NotImplementedError
 
-    def _generate(self, prompts: list[Sequence[int]], n: int, k: int) -> list[Generation]:
+    def _generate(self, prompts: list[Sequence[int]], n: int, k: int,
+                  stop: tuple[int, ...] | None = None) -> list[Generation]:
+        """`stop` None: exactly `n` tokens (EOS ignored); else end at EOS or one of `stop`."""
         raise NotImplementedError
 
 
@@ -128,9 +135,11 @@ def _openai_steps(logprobs: dict[str, Any] | None) -> list[tuple[int, dict[int, 
 class VllmDialect(Dialect):
     name = "vllm"
 
-    def _body(self, prompts: list[Sequence[int]], n: int, k: int) -> dict[str, Any]:
+    def _body(self, prompts: list[Sequence[int]], n: int, k: int,
+              stop: tuple[int, ...] | None = None) -> dict[str, Any]:
+        ends = {"ignore_eos": True} if stop is None else {"ignore_eos": False, "stop_token_ids": list(stop)}
         return {"model": self.model, "prompt": [list(p) for p in prompts], "max_tokens": n, "temperature": 0,
-                "logprobs": k, "return_tokens_as_token_ids": True, "ignore_eos": True}
+                "logprobs": k, "return_tokens_as_token_ids": True, **ends}
 
     def _score(self, sequences: list[Sequence[int]], k: int) -> list[Scored]:
         answer = self.post("/v1/completions", {**self._body(sequences, 1, k), "prompt_logprobs": k})
@@ -144,8 +153,9 @@ class VllmDialect(Dialect):
             out.append(Scored(*topk_rows([*rows, last], k)))
         return out
 
-    def _generate(self, prompts: list[Sequence[int]], n: int, k: int) -> list[Generation]:
-        answer = self.post("/v1/completions", self._body(prompts, n, k))
+    def _generate(self, prompts: list[Sequence[int]], n: int, k: int,
+                  stop: tuple[int, ...] | None = None) -> list[Generation]:
+        answer = self.post("/v1/completions", self._body(prompts, n, k, stop))
         return [_generation([(t, top or {}) for t, top in _openai_steps(c.get("logprobs"))], k)
                 for c in _choices(answer, len(prompts))]
 
@@ -173,9 +183,11 @@ def _sglang_row(entries: list[list[Any]] | None) -> dict[int, float]:
 class SglangDialect(Dialect):
     name = "sglang"
 
-    def _body(self, prompts: list[Sequence[int]], n: int, k: int) -> dict[str, Any]:
+    def _body(self, prompts: list[Sequence[int]], n: int, k: int,
+              stop: tuple[int, ...] | None = None) -> dict[str, Any]:
+        ends = {"ignore_eos": True} if stop is None else {"ignore_eos": False, "stop_token_ids": list(stop)}
         return {"input_ids": [list(p) for p in prompts], "return_logprob": True, "top_logprobs_num": k,
-                "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+                "sampling_params": {"max_new_tokens": n, "temperature": 0, **ends}}
 
     def _answers(self, body: dict[str, Any], n: int) -> list[dict[str, Any]]:
         answer = self.post("/generate", body)
@@ -196,9 +208,10 @@ class SglangDialect(Dialect):
             out.append(Scored(*topk_rows(rows, k)))
         return out
 
-    def _generate(self, prompts: list[Sequence[int]], n: int, k: int) -> list[Generation]:
+    def _generate(self, prompts: list[Sequence[int]], n: int, k: int,
+                  stop: tuple[int, ...] | None = None) -> list[Generation]:
         out = []
-        for answer in self._answers(self._body(prompts, n, k), len(prompts)):
+        for answer in self._answers(self._body(prompts, n, k, stop), len(prompts)):
             meta = answer["meta_info"]
             tokens = [int(t) for _, t, *_ in meta["output_token_logprobs"]]
             out.append(_generation(list(zip(tokens, map(_sglang_row, meta["output_top_logprobs"]))), k))

@@ -9,7 +9,7 @@ from harness import contract as c
 from harness.checks.context import CellContext
 from harness.compare.cell import PARITY_CHECKS, prompt_details
 from harness.compare.generation import check_generation
-from harness.compare.layout_check import check_layout_with_pool, kv_groups_differ
+from harness.compare.layout_check import check_kv_capacity, check_layout_with_pool, kv_groups_differ
 from harness.compare.localize import localize, output_head
 from harness.compare.logits import check_logits
 from harness.compare.speculative import acceptance_from_runs, lossless_from_run, speculator_details
@@ -39,7 +39,19 @@ def _layout(ctx: CellContext, entry: str, name: str) -> CheckResult:
 
 
 def layout(ctx: CellContext) -> list[CheckResult]:
+    if not ctx.par_caps.has(c.LAYOUT_REPORT):  # an HTTP engine: only the KV capacity its server logged
+        return [_kv_capacity(ctx)]
     return [_layout(ctx, "target", "layout")]
+
+
+def _kv_capacity(ctx: CellContext) -> CheckResult:
+    actual = ctx.par.layout.get("target")
+    ctx.details.layout = LayoutDetails(planned=ctx.plan.to_dict(), actual=actual)
+    if not isinstance(actual, dict):
+        return CheckResult("layout", Verdict.ERROR, "layout.json has no 'target' entry")
+    if not ctx.settings.layout.check_pool:
+        return CheckResult("layout", Verdict.SKIP, "the suite switches the KV pool check off (layout.check_pool)")
+    return check_kv_capacity(ctx.plan, actual, ctx.speculator_plan)
 
 
 def speculator_layout(ctx: CellContext) -> list[CheckResult]:

@@ -47,8 +47,9 @@ CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("inputs", "inputs", f"{_B}:inputs",
               "reference and parallel runs used the same prompt token ids, weights and tokenizer"),
     CheckSpec("layout", "layout", f"{_B}:layout",
-              "each rank's heads, DCP groups, K/V checksums, Q->KV reads and KV pool against the planner",
-              requires=(c.LAYOUT_REPORT,)),
+              "each rank's heads, DCP groups, K/V checksums, Q->KV reads and KV pool against the planner "
+              "(an HTTP engine: the KV capacity its server logged, speculator pool included)",
+              requires_any=(c.LAYOUT_REPORT, c.KV_POOL_SIZE)),
     CheckSpec("speculator_layout", "speculator_layout", f"{_B}:speculator_layout",
               "the draft/MTP model keeps the plain TP layout and its own KV pool",
               requires=(c.LAYOUT_REPORT,), cells="speculative"),

@@ -13,10 +13,15 @@ from typing import Any
 from harness.engine.faults import fault_flags
 from harness.errors import ConfigError
 from harness.layout import plan_layout
+from harness.specs.loader import did_you_mean
 from harness.specs.model import load_model
 from harness.specs.topology import load_catalog
 
 MIB = 1024 ** 2
+# attention backends: "lse" returns each partial's log-sum-exp (what a DCP merge needs); "no-lse" does not,
+# so a DCP topology is refused at startup, as vLLM refuses DCP on a backend without it (its CPU backend)
+ATTENTION_BACKENDS: tuple[str, ...] = ("lse", "no-lse")
+ATTENTION_ENV = "HARNESS_SERVE_ATTENTION_BACKEND"  # the default of --attention-backend (cf. VLLM_ATTENTION_BACKEND)
 
 
 def add_parser(sub: Any) -> None:
@@ -33,8 +38,21 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-seq-len", type=int, default=1024, help="tokens per sequence slot (max_model_len)")
     p.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request may ask for")
     p.add_argument("--served-model-name", default="", help="model id in /v1/models (default: the model's name)")
+    p.add_argument("--attention-backend", default=os.environ.get(ATTENTION_ENV, "lse"),
+                   help=f"lse (default) or no-lse: an attention without log-sum-exp output, which refuses "
+                        f"DCP at startup like vLLM's CPU backend (default from ${ATTENTION_ENV})")
     p.add_argument("--spec-k", type=int, default=None, help="draft tokens per verify step (-draft/-mtp)")
     p.set_defaults(func=run)
+
+
+def refuse_unsupported(attention_backend: str, dcp: int) -> None:
+    """A topology this server's attention cannot run is refused at startup in one line."""
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ConfigError(f"--attention-backend {attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
+                          f"{did_you_mean(attention_backend, ATTENTION_BACKENDS)} (also ${ATTENTION_ENV})")
+    if dcp > 1 and attention_backend == "no-lse":
+        raise ConfigError(f"DCP requires an attention backend that returns the softmax LSE for decode, but "
+                          f"attention backend no-lse does not (dcp={dcp} refused)")
 
 
 def serve_argv(config_json: str, world_size: int) -> list[str]:
@@ -56,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--topo {args.topo!r} names {len(topos)} topologies; serve takes exactly one")
     topo = topos[0]
     plan_layout(model.attention_shape, topo.tp, topo.dcp)  # an impossible layout is one clear error
+    refuse_unsupported(args.attention_backend, topo.dcp)
     fault_flags(args.fault, topo)
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port {args.port} is not a port number (0..65535)")

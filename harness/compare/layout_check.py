@@ -199,3 +199,64 @@ def check_layout_with_pool(plan: LayoutPlan, actual: Mapping[str, Any], name: st
 def kv_groups_differ(result: CheckResult) -> Sequence[int]:
     """DCP groups whose ranks hold different KV head ids, as found by check_layout."""
     return tuple(result.metrics.get("kv_ids_differ_in_groups", ()))
+
+
+# ---- KV capacity an engine logs (HTTP engines: no per-rank layout report) ----------------------------------
+
+KV_SERVERS: tuple[tuple[str, str], ...] = (("kv_capacity", "plain"), ("kv_capacity_speculative", "speculative"))
+
+
+def predicted_kv_capacity(plan: LayoutPlan, pool: Mapping[str, Any],
+                          speculator_plan: LayoutPlan | None) -> dict[str, int]:
+    """What a server given `pool`'s budget should log (one rank): tokens a sequence pool holds (blocks x
+    block_size x dcp, vLLM's count under DCP), the target pool's blocks, and the bytes of every KV pool
+    of the rank: the target's plus, with a speculator, its pool of as many slots in the plain TP layout.
+    Raises ConfigError when the budget cannot hold one slot."""
+    from harness.engine.speculator import slot_pool  # the planner's rule for the speculator's pool
+
+    cap = pool_capacity(plan, int(pool["budget_bytes"]), int(pool["max_seq_len"]), int(pool["block_size"]))
+    spec_bytes = (slot_pool(speculator_plan, cap.slots, int(pool["max_seq_len"]), cap.block_size).pool_bytes
+                  if speculator_plan is not None else 0)
+    return {"tokens": cap.blocks * cap.block_size * plan.dcp, "blocks": cap.blocks,
+            "bytes": cap.pool_bytes + spec_bytes, "target_bytes": cap.pool_bytes, "speculator_bytes": spec_bytes}
+
+
+def check_kv_capacity(plan: LayoutPlan, actual: Mapping[str, Any], speculator_plan: LayoutPlan | None,
+                      name: str = "layout") -> CheckResult:
+    """The KV capacity each server logged (layout.json target "kv_capacity", and "kv_capacity_speculative"
+    for the -draft / -mtp server) against the planner's prediction for the budget the server was given.
+    Every logged quantity (tokens, blocks, bytes) must equal the prediction; a speculator pool sized from
+    another layout (e.g. split like the target's DCP group) shows in the bytes."""
+    logged = {server: actual.get(key) for key, server in KV_SERVERS if actual.get(key) is not None}
+    if not logged:
+        return CheckResult(name, Verdict.ERROR, "the server logged no KV capacity (the engine template's "
+                                                "kv_capacity_pattern matched no line of its log)")
+    if not actual.get("kv_budget_given"):
+        return CheckResult(name, Verdict.SKIP, f"the engine is not given the harness's KV budget (no {{kv_budget_mib}} "
+                                               f"in its template): logged KV capacity {logged} recorded, not compared",
+                           {"logged": logged})
+    problems: list[str] = []
+    predicted: dict[str, dict[str, int]] = {}
+    for server, got in logged.items():
+        try:
+            want = predicted_kv_capacity(plan, actual["pool"], speculator_plan if server == "speculative" else None)
+        except ConfigError as exc:
+            problems.append(f"{server} server: KV pool: {exc}")
+            continue
+        except (KeyError, TypeError, ValueError) as exc:
+            return CheckResult(name, Verdict.ERROR, f"layout entry has no usable 'pool' ({exc!r})")
+        predicted[server] = want
+        for key, value in sorted(got.items()):
+            if key in want and value != want[key]:
+                split = (f" (target {want['target_bytes']} + speculator {want['speculator_bytes']})"
+                         if key == "bytes" and want["speculator_bytes"] else "")
+                problems.append(f"{server} server logged KV cache {key}={value} per rank, the planner predicts "
+                                f"{want[key]}{split} for the same budget"
+                                + (f" ({value / want[key]:.2f}x)" if want[key] else ""))
+    metrics: dict[str, Any] = {"problems": problems, "logged": logged, "predicted": predicted}
+    if problems:
+        extra = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        return CheckResult(name, Verdict.FAIL, problems[0] + extra, metrics)
+    shown = "; ".join(f"{server} server " + ", ".join(f"{k}={v}" for k, v in sorted(got.items()))
+                      for server, got in logged.items())
+    return CheckResult(name, Verdict.PASS, f"logged KV capacity as planned for the budget: {shown}", metrics)

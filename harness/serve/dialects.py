@@ -1,8 +1,8 @@
 """Request parsing and response building for the two HTTP dialects `harness serve` speaks.
 
 - vLLM's OpenAI-compatible /v1/completions: token-id (or text) prompts, `prompt_logprobs`,
-  `logprobs`, `echo`, `return_tokens_as_token_ids`, `ignore_eos`;
-- SGLang's native /generate: `input_ids` (or `text`), `sampling_params`, `return_logprob`,
+  `logprobs`, `echo`, `return_tokens_as_token_ids`, `ignore_eos`, `stop_token_ids`;
+- SGLang's native /generate: `input_ids` (or `text`), `sampling_params` (incl. `stop_token_ids`), `return_logprob`,
   `logprob_start_len`, `top_logprobs_num`.
 Pure functions: a bad request raises BadRequest with the message the client gets (HTTP 400).
 """
@@ -64,6 +64,19 @@ def _prompts(value: Any, vocab: Vocabulary, key: str) -> list[list[int]]:
     raise BadRequest(f"{key} must be a string, a list of token ids, or a list of those")
 
 
+def _stop_ids(where: dict[str, Any], limits: Limits) -> tuple[int, ...]:
+    """`stop_token_ids` (vLLM's request field, SGLang's sampling param): token ids that end a generation."""
+    value = where.get("stop_token_ids")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise BadRequest(f"stop_token_ids must be a list of token ids, got {value!r}")
+    bad = [t for t in value if not 0 <= t < limits.vocab]
+    if bad:
+        raise BadRequest(f"stop token id {bad[0]} is out of range [0, {limits.vocab})")
+    return tuple(sorted(set(value)))
+
+
 def _check(prompt: list[int], max_tokens: int, top_k: int, limits: Limits) -> None:
     if not prompt:
         raise BadRequest("a prompt is empty")
@@ -92,12 +105,13 @@ def parse_completions(body: dict[str, Any], vocab: Vocabulary, limits: Limits) -
     prompt_top_k = _int(body, "prompt_logprobs", None)
     echo = bool(body.get("echo", False))
     wants_prompt = prompt_top_k is not None or (echo and body.get("logprobs") is not None)
+    stop = _stop_ids(body, limits)
     out = []
     for p in prompts:
         _check(p, max_tokens, max(top_k, prompt_top_k or 0), limits)
         out.append(Completion(prompt=p, max_tokens=max_tokens, top_k=top_k,
                               prompt_top_k=max(prompt_top_k or 0, top_k, 1) if wants_prompt else 0,
-                              ignore_eos=bool(body.get("ignore_eos", False))))
+                              ignore_eos=bool(body.get("ignore_eos", False)), stop_token_ids=stop))
     return out
 
 
@@ -183,12 +197,13 @@ def parse_generate(body: dict[str, Any], vocab: Vocabulary, limits: Limits) -> t
     logprob = bool(body.get("return_logprob", False))
     top_k = (_int(body, "top_logprobs_num", 0) or 0) if logprob else 0
     start = _int(body, "logprob_start_len", -1, minimum=-1)
+    stop = _stop_ids(params, limits)
     out = []
     for p in prompts:
         _check(p, max_tokens, top_k, limits)
         out.append(Completion(prompt=p, max_tokens=max_tokens, top_k=top_k if logprob else 0,
                               prompt_top_k=max(top_k, 1) if logprob and start is not None and start >= 0 else 0,
-                              ignore_eos=bool(params.get("ignore_eos", False))))
+                              ignore_eos=bool(params.get("ignore_eos", False)), stop_token_ids=stop))
     return out, batched
 
 

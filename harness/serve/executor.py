@@ -52,7 +52,8 @@ def _prompt_logprobs(engine: Engine, batch: Sequence[Completion]) -> list[list[T
 
 
 def _stop(c: Completion, eos_id: int | None) -> frozenset[int]:
-    return frozenset() if c.ignore_eos or eos_id is None else frozenset({eos_id})
+    eos = frozenset() if c.ignore_eos or eos_id is None else frozenset({eos_id})
+    return eos | frozenset(c.stop_token_ids)
 
 
 def _plain(engine: Engine, group: list[Completion], stop: frozenset[int]) -> list[Generated]:

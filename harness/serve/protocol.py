@@ -17,6 +17,7 @@ class Completion:
     top_k: int = 0
     prompt_top_k: int = 0
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # generation also ends at these (kept, as vLLM's stop_token_ids)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from harness.engine.engine import Engine, PoolSettings
 from harness.engine.faults import fault_flags
 from harness.engine.parallel import ParallelState
 from harness.engine.speculative import SpeculativeDecoder
-from harness.engine.speculator import SpeculativeSettings, speculator_for
+from harness.engine.speculator import SpeculativeSettings, Speculator, speculator_for
 from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights, weights_hash
 from harness.limits import COLLECTIVE_TIMEOUT_S
@@ -27,6 +27,19 @@ from harness.specs.topology import Topology
 
 DEFAULT_MAX_LOGPROBS = 20
 KV_LOG_PREFIX = "harness-serve KV cache:"  # engines/harness-serve.yaml parses this line
+
+
+def kv_capacity_line(engine: Engine, speculator: Speculator | None) -> str:
+    """The startup line giving this rank's KV capacity from the pools it really allocated, as vLLM logs
+    'KV cache size: N tokens': tokens a sequence pool holds (blocks x block_size x dcp: under DCP each rank
+    stores 1/dcp of every sequence, counted as vLLM does), the target pool's blocks, and the bytes of every
+    KV pool of the rank (the speculator's pool draws on the same memory)."""
+    cache = engine.cache
+    spec_bytes = speculator.cache.pool_bytes if speculator is not None else 0
+    return (f"{KV_LOG_PREFIX} blocks={cache.capacity.blocks} block_size={cache.block_size} "
+            f"tokens={cache.capacity.blocks * cache.block_size * engine.state.dcp} "
+            f"bytes={cache.pool_bytes + spec_bytes} (per rank: target {cache.pool_bytes} bytes, "
+            f"speculator {spec_bytes} bytes)")
 
 
 @dataclass(frozen=True)
@@ -82,17 +95,16 @@ def serve(config: ServeConfig) -> None:
     tokenizer = load_tokenizer(spec)
     weights = load_weights(spec)
     engine = Engine(spec, weights, state, fault_flags(config.fault, topo), PoolSettings(**config.pool), config.dtype)
-    decoder = None
+    decoder = speculator = None
     if topo.speculator != "none":
         settings = SpeculativeSettings.from_mapping(config.speculative)
-        decoder = SpeculativeDecoder(engine, speculator_for(engine, topo.speculator, weights, settings), settings.k)
+        speculator = speculator_for(engine, topo.speculator, weights, settings)
+        decoder = SpeculativeDecoder(engine, speculator, settings.k)
     lockstep = Lockstep(state, lambda batch: execute(engine, batch, tokenizer.eos_id, decoder))
     layouts = state.gather_objects(engine.layout_report())
     if state.rank == 0:
         pool = engine.pool
-        print(f"{KV_LOG_PREFIX} blocks={engine.capacity.blocks} block_size={pool.block_size} "
-              f"tokens={engine.capacity.blocks * pool.block_size} bytes={engine.cache.pool_bytes} (per rank)",
-              flush=True)
+        print(kv_capacity_line(engine, speculator), flush=True)
         name = config.served_model_name or spec.name
         info = {"engine": "harness-serve", "model": spec.to_dict(), "topology": topo.to_dict(), "fault": config.fault,
                 "weights_hash": weights_hash(weights), "layout": {"ranks": layouts, "pool": pool.to_dict()}}

@@ -10,6 +10,11 @@ cores split into tp contiguous ranges, "0-3|4-7": vLLM CPU's VLLM_CPU_OMP_THREAD
 value is a default: the same variable set in the harness's environment wins. `dcp_argv` is appended when
 dcp > 1, `speculator_argv[kind]` for -draft / -mtp topologies, `fault_argv` / `fault_env` when the
 job injects a fault.
+
+What an engine cannot run: `supports_dcp: false` skips DCP topologies before any server starts;
+`refuses` lists regular expressions of the engine's own startup errors for a topology it refuses
+(e.g. vLLM's CPU backend on DCP): a server that exits before it is ready with a log line matching one
+is a SKIP quoting that line, any other startup failure stays an ERROR with the log tail.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ class EngineSpec:
     fault_argv: tuple[str, ...] = ()
     fault_env: Mapping[str, str] = field(default_factory=dict)
     kv_capacity_pattern: str = ""
+    refuses: tuple[str, ...] = ()
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
     def __post_init__(self) -> None:
@@ -109,6 +115,14 @@ class EngineSpec:
             raise ConfigError(f"{where}: health={self.health!r} must be a path starting with '/'")
         if self.ready_timeout_s <= 0 or self.request_timeout_s <= 0 or self.max_logprobs < 1:
             raise ConfigError(f"{where}: ready_timeout_s, request_timeout_s and max_logprobs must be > 0")
+        if not isinstance(self.refuses, (list, tuple)) or not all(isinstance(p, str) for p in self.refuses):
+            raise ConfigError(f"{where}: refuses must be a list of regular expressions, got {self.refuses!r}")
+        object.__setattr__(self, "refuses", tuple(self.refuses))
+        for pattern in self.refuses:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ConfigError(f"{where}: refuses pattern {pattern!r} is not a regular expression: {exc}") from exc
         if self.kv_capacity_pattern:
             try:
                 groups = set(re.compile(self.kv_capacity_pattern).groupindex)
@@ -132,6 +146,12 @@ class EngineSpec:
     def python_env_var(self) -> str:
         """The variable that overrides `python`, e.g. HARNESS_VLLM_PYTHON."""
         return "HARNESS_" + re.sub(r"[^A-Z0-9]", "_", self.name.upper()) + "_PYTHON"
+
+    def gets_kv_budget(self) -> bool:
+        """Whether the server is given the harness's KV budget ({kv_budget_mib} in argv or env), so the
+        capacity it logs can be compared with the planner's for the same budget."""
+        values = (*self.argv, *self.dcp_argv, *self.env.values())
+        return any("{kv_budget_mib}" in v for v in values)
 
     def can_fault(self) -> bool:
         return bool(self.fault_argv or self.fault_env)
