@@ -9,6 +9,11 @@ Rules (see DESIGN.md section 2):
 - The Q -> KV mapping is always taken from global indices: kv(q) = q // (heads / kv_heads).
 - Token t of a sequence is stored on DCP rank t % dcp of its group.
 - A speculator (draft or MTP) is not part of the DCP group: it uses the plain TP layout (dcp = 1).
+- The vocabulary (embedding rows, lm_head rows) is split by tp into contiguous shards of
+  ceil(vocab / tp) rows: rank r holds token ids [r * c, min((r + 1) * c, vocab)); the last shard(s)
+  are zero-padded to c rows, the embedding is a masked lookup summed over TP and the logits are
+  all-gathered with the padding cut.
+- FFN columns are split contiguously, shard sizes differing by at most one.
 
 All functions are pure; invalid configurations raise one ConfigError naming the numbers.
 """
@@ -35,6 +40,7 @@ class AttentionShape:
     layers: int
     dtype_bytes: int
     ffn: int = 0
+    vocab: int = 0
 
     @property
     def q_per_kv(self) -> int:
@@ -57,6 +63,8 @@ class RankLayout:
     q_to_local_kv: tuple[int, ...]
     group_q_to_local_kv: tuple[int, ...]
     ffn_shard: tuple[int, int]
+    vocab_shard: tuple[int, int] = (0, 0)
+    vocab_rows: int = 0  # rows of the embedding / lm_head shard: ceil(vocab / tp), padding included
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -64,6 +72,7 @@ class RankLayout:
             "dcp_group": self.dcp_group, "dcp_rank": self.dcp_rank, "dcp_members": list(self.dcp_members),
             "kv_tp_rank": self.kv_tp_rank, "q_to_kv": list(self.q_to_kv),
             "group_q_heads": list(self.group_q_heads), "ffn_shard": list(self.ffn_shard),
+            "vocab_shard": list(self.vocab_shard), "vocab_rows": self.vocab_rows,
         }
 
 
@@ -103,6 +112,7 @@ class LayoutPlan:
             "kv_bytes_per_token_per_rank": self.kv_bytes_per_token_per_rank,
             "kv_bytes_per_token_per_dcp_group": self.kv_bytes_per_token_per_dcp_group,
             "kv_bytes_per_token_total": self.kv_bytes_per_token_total,
+            "vocab_rows_per_rank": vocab_rows_per_rank(self.shape.vocab, self.tp),
         }
 
 
@@ -198,11 +208,13 @@ def kv_bytes_per_stored_token(shape: AttentionShape, n_kv_heads: int) -> int:
     return 2 * shape.layers * n_kv_heads * shape.head_dim * shape.dtype_bytes
 
 
-def plan_layout(shape: AttentionShape, tp: int, dcp: int = 1, kv_dcp: int | None = None) -> LayoutPlan:
+def plan_layout(shape: AttentionShape, tp: int, dcp: int = 1, kv_dcp: int | None = None,
+                ffn_floor: bool = False, vocab_floor_offset: bool = False) -> LayoutPlan:
     """The partition of `shape` over tp ranks with decode context parallel size dcp.
 
     `kv_dcp` overrides the dcp used for the KV split (faults only: kv_dcp=1 under dcp>1 is the
-    TP-only layout that breaks DCP groups).
+    TP-only layout that breaks DCP groups). `ffn_floor` and `vocab_floor_offset` (faults only)
+    compute the FFN shards / the vocab shard offsets with floor division (see ffn_shard, vocab_shard).
     """
     validate(shape, tp, dcp)
     kv_split_dcp = dcp if kv_dcp is None else kv_dcp
@@ -221,7 +233,9 @@ def plan_layout(shape: AttentionShape, tp: int, dcp: int = 1, kv_dcp: int | None
             q_to_kv=tuple(kv_of_q(shape, q) for q in q_heads),
             q_to_local_kv=_local_mapping(q_heads, kv_heads, shape, faulty=kv_dcp is not None),
             group_q_to_local_kv=_local_mapping(group_q, kv_heads, shape, faulty=kv_dcp is not None),
-            ffn_shard=ffn_shard(shape.ffn, rank, tp)))
+            ffn_shard=ffn_shard(shape.ffn, rank, tp, floor=ffn_floor),
+            vocab_shard=vocab_shard(shape.vocab, rank, tp, floor_offset=vocab_floor_offset),
+            vocab_rows=vocab_rows_per_rank(shape.vocab, tp)))
     replicas = tuple(sum(kv in r.kv_heads for r in ranks) for kv in range(shape.kv_heads))
     return LayoutPlan(
         shape=shape, tp=tp, dcp=dcp, kv_tp_size=kv_tp_size, kv_gcd=g, ranks=tuple(ranks),
@@ -229,9 +243,32 @@ def plan_layout(shape: AttentionShape, tp: int, dcp: int = 1, kv_dcp: int | None
         kv_bytes_per_token_per_rank=kv_bytes_per_stored_token(shape, len(ranks[0].kv_heads)))
 
 
-def ffn_shard(ffn: int, rank: int, tp: int) -> tuple[int, int]:
-    """MLP columns [lo, hi) of `rank`: contiguous, sizes differing by at most one (1536 over tp9)."""
+def ffn_shard(ffn: int, rank: int, tp: int, floor: bool = False) -> tuple[int, int]:
+    """MLP columns [lo, hi) of `rank`: contiguous, sizes differing by at most one (1536 over tp9).
+
+    `floor` is the buggy split (fault ffn-floor-split): every rank takes ffn // tp columns, so the
+    last ffn % tp columns are held by no rank."""
+    if floor:
+        per = ffn // tp
+        return (rank * per, (rank + 1) * per)
     return (rank * ffn // tp, (rank + 1) * ffn // tp)
+
+
+def vocab_rows_per_rank(vocab: int, tp: int) -> int:
+    """Rows of every rank's embedding / lm_head shard: ceil(vocab / tp), the last shard(s) zero-padded."""
+    return -(-vocab // tp)
+
+
+def vocab_shard(vocab: int, rank: int, tp: int, floor_offset: bool = False) -> tuple[int, int]:
+    """Token ids [lo, hi) whose embedding and lm_head rows `rank` holds (389 over tp4: 98, 98, 98, 95
+    rows, the last padded to 98); hi - lo real rows, then vocab_rows_per_rank - (hi - lo) zero rows.
+
+    `floor_offset` is the buggy offset (fault vocab-shard-offset): the shard starts at
+    rank * (vocab // tp) while its size stays ceil(vocab / tp), so on an uneven split neighbouring
+    shards overlap and the gathered logits of later ranks are shifted."""
+    rows = vocab_rows_per_rank(vocab, tp)
+    lo = min(rank * (vocab // tp if floor_offset else rows), vocab)
+    return (lo, min(lo + rows, vocab))
 
 
 def _local_mapping(q_heads: tuple[int, ...], kv_heads: tuple[int, ...], shape: AttentionShape,

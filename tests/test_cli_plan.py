@@ -48,12 +48,12 @@ def test_plan_table_kv6_tp4(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 0 and err == ""
     assert out.splitlines()[0] == "model tiny-kv6 on tp4 (tp=4, dcp=1, kv_tp_size=4, gcd=2)"
     assert out.splitlines()[1].split() == ["rank", "q_heads", "kv_heads", "dcp_group", "dcp_rank", "kv_tp_rank",
-                                           "reads_kv"]
-    assert table_rows(out) == [
-        ["0", "0-5", "0-2", "0", "0", "0", "0-1"],
-        ["1", "6-11", "0-2", "1", "0", "1", "1-2"],
-        ["2", "12-17", "3-5", "2", "0", "2", "3-4"],
-        ["3", "18-23", "3-5", "3", "0", "3", "4-5"],
+                                           "reads_kv", "vocab", "ffn"]
+    assert table_rows(out) == [  # vocab 384, ffn 288 over tp4
+        ["0", "0-5", "0-2", "0", "0", "0", "0-1", "0-95", "0-71"],
+        ["1", "6-11", "0-2", "1", "0", "1", "1-2", "96-191", "72-143"],
+        ["2", "12-17", "3-5", "2", "0", "2", "3-4", "192-287", "144-215"],
+        ["3", "18-23", "3-5", "3", "0", "3", "4-5", "288-383", "216-287"],
     ]
     # 2 (K, V) x 2 layers x 3 KV heads x head_dim 8 x 4 bytes
     assert "KV bytes/token per rank (stored token): 384 " in out
@@ -65,8 +65,11 @@ def test_plan_table_dcp_capacity_and_speculator(capsys: pytest.CaptureFixture[st
     rc, out, _ = run_cli(capsys, "plan", "--model", "tiny-gqa", "--topo", "tp4dcp4-mtp", "--budget-gib", "0.01",
                          "--max-seq-len", "256")
     assert rc == 0
-    assert table_rows(out) == [[str(r), f"{2 * r}-{2 * r + 1}", "0-1", "0", str(r), "0", "0"] for r in range(2)] + [
+    assert [row[:7] for row in table_rows(out)] == [
+        [str(r), f"{2 * r}-{2 * r + 1}", "0-1", "0", str(r), "0", "0"] for r in range(2)] + [
         [str(r), f"{2 * r}-{2 * r + 1}", "0-1", "0", str(r), "0", "1"] for r in range(2, 4)]
+    assert [row[7:] for row in table_rows(out)] == [[f"{96 * r}-{96 * r + 95}", f"{72 * r}-{72 * r + 71}"]
+                                                    for r in range(4)]
     # per rank: 2 KV heads x 16 dims x 2 layers x K,V x 4 bytes = 512 bytes/token; a 256-token slot split
     # over dcp=4 is 64 tokens = 4 blocks of 16 = 32768 bytes; int(0.01 GiB) // 32768 = 327 slots.
     assert "capacity per rank: 327 slots of 256 tokens = 1308 blocks x 16 tokens" in out
@@ -98,6 +101,12 @@ def test_plan_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
         assert (rank["dcp_group"], rank["dcp_rank"], rank["dcp_members"], rank["kv_tp_rank"]) == (r, 0, [r], r)
         assert rank["group_q_heads"] == rank["q_heads"]
         assert rank["ffn_shard"] == [72 * r, 72 * r + 72]
+        assert (rank["vocab_shard"], rank["vocab_rows"]) == ([96 * r, 96 * r + 96], 96)
+    assert doc["vocab_rows_per_rank"] == 96
+    # an uneven vocabulary: 389 over tp4 is 98, 98, 98, 95 ids, every shard padded to 98 rows
+    uneven = plan_json(capsys, "--model", "tiny-bf16-big", "--topo", "tp4")
+    assert [r["vocab_shard"] for r in uneven["ranks"]] == [[0, 98], [98, 196], [196, 294], [294, 389]]
+    assert uneven["vocab_rows_per_rank"] == 98
 
 
 def test_plan_json_dcp_group_and_capacity(capsys: pytest.CaptureFixture[str]) -> None:
@@ -205,6 +214,6 @@ def test_python_m_harness_plan(tmp_path: Path) -> None:
 
     proc = run_process("plan", "--model", "tiny-9h3kv", "--topo", "tp3", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert table_rows(proc.stdout) == [["0", "0-2", "0", "0", "0", "0", "0"],
-                                       ["1", "3-5", "1", "1", "0", "1", "1"],
-                                       ["2", "6-8", "2", "2", "0", "2", "2"]]
+    assert table_rows(proc.stdout) == [["0", "0-2", "0", "0", "0", "0", "0", "0-127", "0-95"],
+                                       ["1", "3-5", "1", "1", "0", "1", "1", "128-255", "96-191"],
+                                       ["2", "6-8", "2", "2", "0", "2", "2", "256-383", "192-287"]]

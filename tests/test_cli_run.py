@@ -118,6 +118,50 @@ def test_fault_is_flagged_as_silent_corruption_with_localization(
     assert "silent" in html.lower() and f"--fault {fault}" in html
 
 
+# uneven splits (tiny-fp16-big: vocab 383, ffn 290 at tp4) and DCP positions: (fault, model, topology,
+# the layout check's first problem or None, the localization summary's start)
+SPLIT_FAULTS = [
+    ("vocab-shard-offset", "tiny-fp16-big", "tp4", "rank 1 holds vocab rows (token ids) 95-190, planned 96-191",
+     ("output head", "embeddings")),
+    ("ffn-floor-split", "tiny-fp16-big", "tp4", "rank 1 holds FFN columns 72-143, planned 72-144",
+     ("layer 0: residual stream diverges",)),
+    ("dcp-rope-local-pos", "tiny-gqa", "tp2dcp2", None, ("layer 0 attention: heads 0-7 on ranks 0-1",)),
+]
+
+
+@pytest.mark.parametrize(("fault", "model", "topo", "layout_problem", "summary"), SPLIT_FAULTS)
+def test_split_fault_is_flagged_with_localization(tmp_path: Path, suite_file: Path, cache_dir: Path, fault: str,
+                                                  model: str, topo: str, layout_problem: str | None,
+                                                  summary: tuple[str, ...]) -> None:
+    rc = main(["run", "--suite", str(suite_file), "--model", model, "--topo", topo, "--fault", fault,
+               "--out", str(tmp_path), "--cache-dir", str(cache_dir)])
+    assert rc == 1
+    (cell,) = _results(tmp_path)["cells"]
+    assert cell["status"] == "FAIL" and cell["silent_corruption"] is True
+    verdicts = {c["name"]: c["verdict"] for c in cell["checks"]}
+    reasons = {c["name"]: c["reason"] for c in cell["checks"]}
+    assert verdicts["logits_prefill"] == verdicts["logits_decode"] == "FAIL", reasons
+    loc = cell["localization"]["summary"]
+    assert loc.startswith(summary), loc
+    if layout_problem is None:
+        assert verdicts["layout"] == "PASS"
+    else:
+        assert verdicts["layout"] == "FAIL" and reasons["layout"].startswith(layout_problem)
+        assert f"layout: {layout_problem}" in loc  # the localization names what the rank holds
+
+
+def test_uneven_vocab_and_ffn_splits_pass_clean_with_the_planned_shards(tmp_path: Path, suite_file: Path,
+                                                                        cache_dir: Path) -> None:
+    """The negative control of the split faults: vocab 383 and FFN 290 over tp4, vocab-parallel."""
+    assert main(["run", "--suite", str(suite_file), "--model", "tiny-fp16-big", "--topo", "tp4",
+                 "--out", str(tmp_path), "--cache-dir", str(cache_dir)]) == 0
+    (cell,) = _results(tmp_path)["cells"]
+    assert cell["status"] == "PASS", cell["checks"]
+    layout = json.loads((Path(cell["run_dir"]) / "layout.json").read_text())["target"]["ranks"]
+    assert [r["vocab_shard"] for r in layout] == [[0, 96], [96, 192], [192, 288], [288, 383]]
+    assert [r["ffn_shard"] for r in layout] == [[0, 72], [72, 145], [145, 217], [217, 290]]
+
+
 def test_killed_rank_is_an_error_cell_and_other_cells_complete(tmp_path: Path, suite_file: Path,
                                                               cache_dir: Path) -> None:
     env = {**os.environ, INJECT_ENV: "crash:1"}

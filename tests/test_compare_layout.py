@@ -37,6 +37,25 @@ def test_tp_only_kv_layout_under_dcp_fails_naming_the_group() -> None:
     assert "KV head 0 held by 2 rank(s), planned 4" in problems
 
 
+def test_vocab_and_ffn_shards_off_plan_fail_naming_the_rank() -> None:
+    """An engine reporting the shards it holds: as planned passes; a floor-offset vocab shard and a
+    floor FFN split are each named with the rank and both ranges."""
+    shape = AttentionShape(heads=8, kv_heads=2, head_dim=4, layers=2, dtype_bytes=4, ffn=290, vocab=389)
+    plan = plan_layout(shape, 4)
+    for broken_plan, want in ((plan, None),
+                              (plan_layout(shape, 4, vocab_floor_offset=True),
+                               "rank 1 holds vocab rows (token ids) 97-194, planned 98-195"),
+                              (plan_layout(shape, 4, ffn_floor=True), "rank 1 holds FFN columns 72-143, planned 72-144")):
+        actual = layout_entry(plan)
+        for entry, r in zip(actual["ranks"], broken_plan.ranks):
+            entry["vocab_shard"], entry["ffn_shard"] = list(r.vocab_shard), list(r.ffn_shard)
+        result = check_layout(plan, actual, expected_pool(plan, actual))
+        if want is None:
+            assert result.verdict is Verdict.PASS, result.reason
+        else:
+            assert result.verdict is Verdict.FAIL and result.reason.startswith(want), result.reason
+
+
 def test_checksum_mismatch_inside_a_group_fails() -> None:
     plan = plan_layout(GQA, 4, 2)
     actual = layout_entry(plan)

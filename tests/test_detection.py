@@ -3,6 +3,7 @@ starts, the noise run selection."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from harness.cases import ragged_decode_start
@@ -10,6 +11,7 @@ from harness.compare.localize import collective_bound, localize
 from harness.compare.settings import LocalizationSettings
 from harness.engine.fault_scope import inert_reason
 from harness.engine.faults import FAULTS, PERTURBATIONS, fault_flags
+from harness.errors import ConfigError
 from harness.engine.model import COLLECTIVE_SITES
 from harness.layout import plan_layout
 from harness.runner import noise_run
@@ -82,6 +84,13 @@ def test_inert_faults_are_named_and_acting_ones_are_not() -> None:
     assert inert_reason("dcp-tp-kv-layout", gqa, topo("tp4dcp4")) is None
     assert inert_reason("dcp-tp-kv-layout", gqa, topo("tp4dcp2")) is not None  # kv=2: both layouts agree
     assert inert_reason("dcp-lse-merge", gqa, topo("tp4dcp2")) is None  # not decidable from the layout
+    # uneven splits: the floor-division faults act only where tp does not divide vocab / FFN width
+    fp16 = load_model("tiny-fp16-big")  # vocab 383, ffn 290
+    assert inert_reason("vocab-shard-offset", fp16, topo("tp2")) is None
+    assert inert_reason("ffn-floor-split", fp16, topo("tp4")) is None
+    reason = inert_reason("ffn-floor-split", fp16, topo("tp2"))  # 290 / 2 = 145
+    assert reason is not None and "ffn=290" in reason
+    assert inert_reason("vocab-shard-offset", gqa, topo("tp4")) is not None  # 384 / 4
 
 
 def test_new_faults_need_their_topology_and_perturbations_are_not_faults() -> None:
@@ -91,6 +100,11 @@ def test_new_faults_need_their_topology_and_perturbations_are_not_faults() -> No
     flags = fault_flags("fp16-attn-allreduce", parse_topology_name("tp2"))
     assert flags.reduce_dtype == "float16" and flags.reduce_attn_only
     assert fault_flags("dcp-store-padding", parse_topology_name("tp2dcp2")).store_padding
+    assert fault_flags("dcp-rope-local-pos", parse_topology_name("tp2dcp2")).rope_local_positions
+    with pytest.raises(ConfigError, match="needs a DCP topology"):
+        fault_flags("dcp-rope-local-pos", parse_topology_name("tp2"))
+    with pytest.raises(ConfigError, match="needs a tensor-parallel topology"):
+        fault_flags("vocab-shard-offset", parse_topology_name("tp1"))
     assert not set(PERTURBATIONS) & set(FAULTS)
     # every model's noise run is in its own dtype, under a perturbation of the reduction order
     for name in ("tiny-gqa", "tiny-bf16-big", "tiny-fp16-big"):

@@ -21,6 +21,8 @@ from harness.layout import (
     plan_speculator,
     pool_capacity,
     token_owner,
+    vocab_rows_per_rank,
+    vocab_shard,
 )
 
 HEADS = (8, 9, 12, 16, 24, 32, 64)
@@ -155,6 +157,38 @@ def test_ffn_shards_cover_columns_even_when_uneven() -> None:
     assert shards[0][0] == 0 and shards[-1][1] == 1536
     assert all(a[1] == b[0] for a, b in zip(shards, shards[1:]))
     assert {hi - lo for lo, hi in shards} == {170, 171}
+
+
+@pytest.mark.parametrize("vocab", [384, 383, 389, 5, 49152])
+@pytest.mark.parametrize("tp", [1, 2, 3, 4, 8, 9])
+def test_vocab_shards_cover_every_token_once_with_padding_at_the_end(vocab: int, tp: int) -> None:
+    """Every token id is held by exactly one rank, in rank order; each shard has ceil(vocab / tp) rows."""
+    rows = -(-vocab // tp)
+    owners = [None] * vocab
+    for rank in range(tp):
+        lo, hi = vocab_shard(vocab, rank, tp)
+        for t in range(lo, hi):
+            assert owners[t] is None
+            owners[t] = rank
+    assert owners == sorted(owners) and None not in owners
+    plan = plan_layout(AttentionShape(72, 2, 8, 2, 4, ffn=64, vocab=vocab), tp)
+    assert {r.vocab_rows for r in plan.ranks} == {rows} == {vocab_rows_per_rank(vocab, tp)}
+    assert [r.vocab_shard for r in plan.ranks] == [vocab_shard(vocab, r, tp) for r in range(tp)]
+
+
+def test_vocab_floor_offset_overlaps_shards_only_when_uneven() -> None:
+    """The vocab-shard-offset fault: offsets by floor(389 / 4) = 97 while shards hold 98 rows."""
+    assert [vocab_shard(389, r, 4) for r in range(4)] == [(0, 98), (98, 196), (196, 294), (294, 389)]
+    assert [vocab_shard(389, r, 4, floor_offset=True) for r in range(4)] == [(0, 98), (97, 195), (194, 292),
+                                                                            (291, 389)]
+    assert [vocab_shard(384, r, 4, floor_offset=True) for r in range(4)] == [vocab_shard(384, r, 4) for r in range(4)]
+
+
+def test_ffn_floor_split_drops_the_remainder_columns_only_when_uneven() -> None:
+    s = shape(8, 2, ffn=290)
+    held = {c for r in plan_layout(s, 4, ffn_floor=True).ranks for c in range(*r.ffn_shard)}
+    assert held == set(range(288))  # columns 288, 289 computed by no rank
+    assert plan_layout(shape(8, 2, ffn=288), 4, ffn_floor=True).ranks == plan_layout(shape(8, 2, ffn=288), 4).ranks
 
 
 def test_kv6_at_tp4_gcd_duplication() -> None:

@@ -10,7 +10,7 @@ from harness.checks.context import CellContext
 from harness.compare.cell import PARITY_CHECKS, prompt_details
 from harness.compare.generation import check_generation
 from harness.compare.layout_check import check_kv_capacity, check_layout_with_pool, kv_groups_differ
-from harness.compare.localize import localize
+from harness.compare.localize import localize, output_head
 from harness.compare.logits import check_logits
 from harness.compare.speculative import acceptance_from_runs, lossless_from_run, speculator_details
 from harness.compare.topk import check_topk
@@ -93,7 +93,11 @@ def localization(ctx: CellContext) -> list[CheckResult]:
         ctx.details.note = str(loc_details["note"])
     if loc_details.get("collectives"):
         ctx.details.collectives = dict(loc_details["collectives"])
-    if found is None or not any(r.name in PARITY_CHECKS and r.verdict is Verdict.FAIL for r in ctx.results):
+    if not any(r.name in PARITY_CHECKS and r.verdict is Verdict.FAIL for r in ctx.results):
+        return []
+    if found is None and "layer_errors" in loc_details:  # the logits fail, no layer does
+        found = output_head(loc_details["layer_errors"])
+    if found is None:
         return []
     layout_result = ctx.result("layout")
     groups = kv_groups_differ(layout_result) if layout_result is not None else ()
@@ -101,6 +105,8 @@ def localization(ctx: CellContext) -> list[CheckResult]:
         plural = "s" if len(groups) > 1 else ""
         found = replace(found, summary=f"{found.summary}; KV head ids differ inside DCP group{plural} "
                                        f"{id_ranges(groups)}")
+    elif layout_result is not None and layout_result.verdict is Verdict.FAIL:  # what the ranks hold, e.g.
+        found = replace(found, summary=f"{found.summary}; layout: {layout_result.reason}")  # a shard off by one
     ctx.localization = found
     return []
 

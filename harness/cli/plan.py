@@ -47,12 +47,20 @@ def plan_document(model: ModelSpec, topo_name: str, budget_gib: float | None, ma
     return doc
 
 
+def _span(bounds: list[int]) -> str:
+    """[lo, hi) as 'lo-(hi-1)'; '-' when empty."""
+    lo, hi = bounds
+    return f"{lo}-{hi - 1}" if hi > lo else "-"
+
+
 def render_table(doc: dict[str, Any]) -> str:
     rows = [[str(r["rank"]), id_ranges(r["q_heads"]), id_ranges(r["kv_heads"]), str(r["dcp_group"]),
-             str(r["dcp_rank"]), str(r["kv_tp_rank"]), id_ranges(r["q_to_kv"])] for r in doc["ranks"]]
+             str(r["dcp_rank"]), str(r["kv_tp_rank"]), id_ranges(r["q_to_kv"]), _span(r["vocab_shard"]),
+             _span(r["ffn_shard"])] for r in doc["ranks"]]
     out = [f"model {doc['model']} on {doc['topology']['name']} (tp={doc['tp']}, dcp={doc['dcp']}, "
            f"kv_tp_size={doc['kv_tp_size']}, gcd={doc['kv_gcd']})",
-           table(["rank", "q_heads", "kv_heads", "dcp_group", "dcp_rank", "kv_tp_rank", "reads_kv"], rows),
+           table(["rank", "q_heads", "kv_heads", "dcp_group", "dcp_rank", "kv_tp_rank", "reads_kv", "vocab",
+                  "ffn"], rows),
            f"KV bytes/token per rank (stored token): {doc['kv_bytes_per_token_per_rank']} "
            f"({human_bytes(doc['kv_bytes_per_token_per_rank'])})",
            f"KV bytes/token per DCP group: {doc['kv_bytes_per_token_per_dcp_group']}; "

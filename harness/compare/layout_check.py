@@ -3,7 +3,8 @@
 `actual` is layout.json's "target" (or "speculator") entry:
   {"ranks": [{rank, q_heads, kv_heads, dcp_group, dcp_rank, dcp_members, kv_tp_rank,
               q_to_kv, group_q_heads, group_q_to_kv, kv_pool_bytes, kv_pool_blocks,
-              kv_weight_checksums: {"<kv head>": "<hex>"}}],
+              kv_weight_checksums: {"<kv head>": "<hex>"},
+              optional: ffn_shard [lo, hi) MLP columns, vocab_shard [lo, hi) token ids}],
    "pool": {budget_bytes, block_size, max_seq_len}}
 Every problem found is collected; the verdict is FAIL when there is any, ERROR when the entry is
 malformed (missing keys), PASS otherwise.
@@ -56,6 +57,11 @@ def _rank_problems(planned: RankLayout, got: Mapping[str, Any]) -> list[str]:
     if tuple(got["dcp_members"]) != planned.dcp_members:
         out.append(f"rank {r} has DCP members {id_ranges(got['dcp_members'])}, "
                    f"planned {id_ranges(planned.dcp_members)}")
+    for key, label, want in (("vocab_shard", "vocab rows (token ids)", planned.vocab_shard),
+                             ("ffn_shard", "FFN columns", planned.ffn_shard)):
+        if key in got and tuple(got[key]) != want:  # [lo, hi): reported by engines that split them
+            lo, hi = got[key]
+            out.append(f"rank {r} holds {label} {lo}-{hi - 1}, planned {want[0]}-{want[1] - 1}")
     return out
 
 

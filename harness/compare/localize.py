@@ -201,3 +201,14 @@ def localize(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None, p
     ranks, kv, summary = _head_summary(layer, bad, plan, actual_reads(par, plan))
     return Localization(layer=layer, heads=tuple(bad), ranks=tuple(ranks), kv_heads=tuple(kv),
                         summary=summary), details
+
+
+def output_head(layer_errors: dict[str, Any]) -> Localization:
+    """A logits FAIL whose residual stream stays within its bound at every layer (`localize` found
+    nothing): the divergence is after the last layer, in the final norm, the vocab-parallel lm_head
+    shards or the logits all-gather. layer_errors: localize's details["layer_errors"]."""
+    errors, limits = layer_errors["error"], layer_errors["threshold"]
+    worst = max((e / t for e, t in zip(errors, limits) if e is not None and t), default=0.0)
+    return Localization(layer=len(errors) - 1, heads=(), ranks=(), kv_heads=(), summary=(
+        f"output head: every layer's residual stream stays within its bound (at most {worst:.2f}x), so the "
+        "final norm, the vocab-parallel lm_head shards or the logits all-gather"))

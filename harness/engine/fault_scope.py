@@ -9,8 +9,10 @@ from harness.engine.parallelize import engine_plan, head_map
 from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
 
-# faults whose whole effect is which KV head each Q head reads (decidable from the layout alone)
-LAYOUT_FAULTS: frozenset[str] = frozenset({"gcd-naive-gqa", "dcp-tp-kv-layout"})
+# faults whose whole effect is in the layout plan (which KV head each Q head reads, which FFN columns
+# and vocab rows each rank holds): decidable from the layout alone
+LAYOUT_FAULTS: frozenset[str] = frozenset({"gcd-naive-gqa", "dcp-tp-kv-layout", "vocab-shard-offset",
+                                           "ffn-floor-split"})
 
 
 def kv_reads(spec: ModelSpec, topology: Topology, flags: FaultFlags) -> list[tuple[int, ...]]:
@@ -23,12 +25,22 @@ def kv_reads(spec: ModelSpec, topology: Topology, flags: FaultFlags) -> list[tup
     return reads
 
 
+def weight_shards(spec: ModelSpec, topology: Topology, flags: FaultFlags) -> list[tuple[tuple[int, int], ...]]:
+    """Per rank, the (FFN columns, vocab rows) it holds under `flags`."""
+    plan = engine_plan(spec, topology.tp, topology.dcp, flags)
+    return [(rank.ffn_shard, rank.vocab_shard) for rank in plan.ranks]
+
+
 def inert_reason(name: str | None, spec: ModelSpec, topology: Topology) -> str | None:
     """Why fault `name` cannot change anything on (spec, topology), or None when it can act (or
     when that cannot be decided without running)."""
     if name not in LAYOUT_FAULTS:
         return None
-    if kv_reads(spec, topology, fault_flags(name, topology)) == kv_reads(spec, topology, FaultFlags()):
+    flags = fault_flags(name, topology)
+    if (kv_reads(spec, topology, flags) == kv_reads(spec, topology, FaultFlags())
+            and weight_shards(spec, topology, flags) == weight_shards(spec, topology, FaultFlags())):
         return (f"fault {name} is inert on {spec.name} at {topology.name}: every Q head reads the same KV "
-                f"head as in the correct layout (heads={spec.heads}, kv_heads={spec.kv_heads})")
+                f"head and every rank holds the same FFN columns and vocab rows as in the correct layout "
+                f"(heads={spec.heads}, kv_heads={spec.kv_heads}, ffn={spec.ffn}, vocab={spec.vocab}, "
+                f"tp={topology.tp})")
     return None

@@ -66,6 +66,20 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "committed in its place: output stays lossless and identical in the tp1 reference, which shares "
           "the verify code, but fully accepted steps (k + 1 tokens) never happen and the mean accepted "
           "length drops", needs_speculator="any", shared=True),
+    # -- uneven splits and DCP positions (vocab-parallel embedding / lm_head, FFN shards, DCP RoPE) --
+    Fault("vocab-shard-offset", "layout, logits",
+          "vocab-parallel embedding / lm_head shards of ceil(vocab / tp) rows loaded from offset "
+          "rank * floor(vocab / tp): on an uneven split neighbouring shards overlap by one row per rank, "
+          "boundary tokens are embedded twice and the gathered logits of later ranks are shifted by one "
+          "id per rank; inert when tp divides the vocabulary", needs_tp=True),
+    Fault("ffn-floor-split", "layout, logits",
+          "an intermediate size that tp does not divide split as ffn // tp columns per rank: the last "
+          "ffn % tp MLP columns are computed by no rank (an engine assuming divisibility); inert when tp "
+          "divides the FFN width", needs_tp=True),
+    Fault("dcp-rope-local-pos", "logits",
+          "under DCP the keys are rotated (RoPE) by their index in the rank's local KV store (t // dcp) "
+          "instead of their global position t, while the queries use global positions: relative "
+          "positions are wrong for every key but the first", needs_dcp=True),
 )}
 
 
@@ -86,6 +100,9 @@ class FaultFlags:
     reduce_attn_only: bool = False      # fp16-attn-allreduce: ... only that of the attention output
     split_reduction: int = 0            # noise perturbation (not a fault): row-parallel contractions
     #                                     split into this many partial sums added in another order
+    vocab_floor_offset: bool = False    # vocab-shard-offset: vocab shard offsets by floor(vocab / tp)
+    ffn_floor_split: bool = False       # ffn-floor-split: ffn // tp MLP columns per rank
+    rope_local_positions: bool = False  # dcp-rope-local-pos: keys rotated by their local store index
 
 
 # Perturbations of a correct engine (not faults: no bug, only another reduction order). The noise run
@@ -124,4 +141,7 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         reduce_attn_only=name == "fp16-attn-allreduce",
         store_padding=name == "dcp-store-padding",
         verify_skip_last=name == "spec-verify-last-draft",
+        vocab_floor_offset=name == "vocab-shard-offset",
+        ffn_floor_split=name == "ffn-floor-split",
+        rope_local_positions=name == "dcp-rope-local-pos",
     )

@@ -43,10 +43,16 @@ class LayerWeights:
 
 @dataclass
 class LocalWeights:
+    """One rank's weights. embed / lm_head: [vocab_rows, H], the rows of token ids
+    [vocab_start, vocab_start + vocab_held) then zero padding (vocab-parallel; see layout.vocab_shard)."""
+
     embed: torch.Tensor
     layers: list[LayerWeights]
     norm: torch.Tensor
     lm_head: torch.Tensor
+    vocab_start: int
+    vocab_held: int
+    vocab: int  # the model's whole vocabulary: the gathered logits are cut to it
 
 
 @dataclass(frozen=True)
@@ -260,8 +266,18 @@ class Decoder:
         return self.logits(self.hidden(batch, capture))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm and lm_head of last-layer residual states x [B, S, H] -> [B, S, V]."""
-        return rms_norm(x, self.w.norm, self.hyper.norm_eps) @ self.w.lm_head.T
+        """Final norm and column-parallel lm_head of last-layer residual states x [B, S, H] -> [B, S, V]:
+        each rank's [B, S, vocab_rows] shard, all-gathered over TP, with the padding cut."""
+        local = rms_norm(x, self.w.norm, self.hyper.norm_eps) @ self.w.lm_head.T  # [B, S, vocab_rows]
+        return self.comm.gather_tp(local, dim=-1)[..., : self.w.vocab]  # [B, S, tp * vocab_rows] -> [B, S, V]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel embedding of ids [B, S] -> [B, S, H]: each rank looks up the ids of its shard
+        (zero for the others), and the TP all-reduce sums the one non-zero row per token."""
+        local = ids - self.w.vocab_start  # [B, S]
+        held = (local >= 0) & (local < self.w.vocab_held)
+        rows = self.w.embed[local.clamp(0, self.w.embed.shape[0] - 1)]  # [B, S, H]
+        return self.comm.reduce_tp(rows.masked_fill(~held[..., None], 0.0))
 
     def hidden(self, batch: Batch, capture: Capture | None = None,
                embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -274,15 +290,18 @@ class Decoder:
         flat = rows.flatten()  # [B, L] -> [B * L]: rows of the flattened pool to read
         # visible[b, s, l]: key l is stored and not after query s
         visible = key_valid[:, None, :] & (key_pos[:, None, :] <= batch.positions[:, :, None])
-        x = self.w.embed[batch.ids] if embeds is None else embeds  # [B, S, H]
+        x = self.embed(batch.ids) if embeds is None else embeds  # [B, S, H]
         tables = self._rope.tables(batch.positions, x.dtype)
+        k_tables = tables
+        if self.flags.rope_local_positions and self.comm.dcp > 1:  # the dcp-rope-local-pos fault: keys rotated
+            k_tables = self._rope.tables(batch.positions // self.comm.dcp, x.dtype)  # by their local store index
         kind = mask_kind(visible)
         if capture is not None:
             capture.hidden.append(x)
         for i, layer in enumerate(self.w.layers):
             self._sites = {} if capture is not None else None
             attn = self._attention(i, layer, rms_norm(x, layer.attn_norm, self.hyper.norm_eps), batch,
-                                   write_rows, stored_mask, flat, (visible, kind), tables)
+                                   write_rows, stored_mask, flat, (visible, kind), tables, k_tables)
             if capture is not None:
                 capture.attn.append(attn)
             x = x + self._row_parallel(attn.flatten(2), layer.o, attn_out=True)
@@ -363,9 +382,10 @@ class Decoder:
 
     def _attention(self, i: int, layer: LayerWeights, h: torch.Tensor, batch: Batch,
                    write_rows: torch.Tensor, stored: torch.Tensor, flat: torch.Tensor,
-                   mask: tuple[torch.Tensor, str], tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                   mask: tuple[torch.Tensor, str], tables: tuple[torch.Tensor, torch.Tensor],
+                   k_tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Attention output of this rank's own Q heads: [B, S, n_q, hd]. `mask` is (visible [B, S, L],
-        its mask_kind)."""
+        its mask_kind); `k_tables` are the keys' RoPE tables (the queries' `tables` in a correct engine)."""
         B, S, _ = h.shape
         hd, hm = self.hyper.head_dim, self.heads
         visible, kind = mask
@@ -376,7 +396,7 @@ class Decoder:
         k = k.reshape(B, S, hm.n_kv, hd)  # [B, S, Hkv_local, hd]
         v = v.reshape(B, S, hm.n_kv, hd)
         q = apply_rope(q, tables)
-        k = apply_rope(k, tables)
+        k = apply_rope(k, k_tables)
         self.cache.write_rows(i, write_rows, k[stored], v[stored])
         # pool [blocks, block, Hkv, hd] -> [blocks * block, Hkv, hd] -> rows `flat` -> [B, L, Hkv_local, hd]
         k_all = self.cache.k[i].flatten(0, 1).index_select(0, flat).view(B, -1, hm.n_kv, hd)

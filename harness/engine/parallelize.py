@@ -17,8 +17,9 @@ from harness.specs.model import ModelSpec
 
 
 def engine_plan(spec: ModelSpec, tp: int, dcp: int, flags: FaultFlags) -> LayoutPlan:
-    """The plan the engine actually uses (the correct one unless a fault replaces the KV split)."""
-    return plan_layout(spec.attention_shape, tp, dcp, kv_dcp=flags.kv_layout_dcp)
+    """The plan the engine actually uses (the correct one unless a fault replaces a split)."""
+    return plan_layout(spec.attention_shape, tp, dcp, kv_dcp=flags.kv_layout_dcp, ffn_floor=flags.ffn_floor_split,
+                       vocab_floor_offset=flags.vocab_floor_offset)
 
 
 def head_map(rank: RankLayout, flags: FaultFlags) -> HeadMap:
@@ -36,9 +37,18 @@ def _rows(w: torch.Tensor, heads: tuple[int, ...], head_dim: int) -> torch.Tenso
     return w.view(-1, head_dim, *w.shape[1:])[list(heads)].reshape(len(heads) * head_dim, *w.shape[1:])
 
 
+def vocab_rows(w: torch.Tensor, shard: tuple[int, int], rows: int) -> torch.Tensor:
+    """Rows [lo, hi) of a [V, H] embedding / lm_head, zero-padded to `rows` rows -> [rows, H]."""
+    lo, hi = shard
+    out = w.new_zeros(rows, *w.shape[1:])
+    out[: hi - lo] = w[lo:hi]
+    return out
+
+
 def shard_weights(full: dict[str, torch.Tensor], spec: ModelSpec, rank: RankLayout,
                   dtype: torch.dtype, device: torch.device) -> LocalWeights:
-    """Column-parallel Q/K/V/gate/up, row-parallel o/down; embeddings, norms and lm_head replicated."""
+    """Column-parallel Q/K/V/gate/up, row-parallel o/down, vocab-parallel embedding and lm_head
+    (rank.vocab_shard, padded to ceil(vocab / tp) rows); norms replicated."""
     hd = spec.head_dim
     lo, hi = rank.ffn_shard
     cast = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
@@ -60,9 +70,12 @@ def shard_weights(full: dict[str, torch.Tensor], spec: ModelSpec, rank: RankLayo
             down=cast(full[p + "down.weight"][:, lo:hi]),
             q_bias=bias("q.bias", rank.q_heads), k_bias=bias("k.bias", rank.kv_heads),
             v_bias=bias("v.bias", rank.kv_heads)))
-    lm_head = full.get("lm_head.weight", full["embed.weight"])
-    return LocalWeights(embed=cast(full["embed.weight"]), layers=layers, norm=cast(full["norm.weight"]),
-                        lm_head=cast(lm_head))
+    embed = cast(vocab_rows(full["embed.weight"], rank.vocab_shard, rank.vocab_rows))
+    lm_head = (embed if "lm_head.weight" not in full  # tied: the same shard serves both
+               else cast(vocab_rows(full["lm_head.weight"], rank.vocab_shard, rank.vocab_rows)))
+    return LocalWeights(embed=embed, layers=layers, norm=cast(full["norm.weight"]), lm_head=lm_head,
+                        vocab_start=rank.vocab_shard[0], vocab_held=rank.vocab_shard[1] - rank.vocab_shard[0],
+                        vocab=spec.vocab)
 
 
 def kv_checksums(weights: LocalWeights, rank: RankLayout, head_dim: int) -> dict[str, str]:
@@ -88,6 +101,8 @@ def actual_layout(rank: RankLayout, heads: HeadMap, weights: LocalWeights, spec:
         "rank": rank.rank, "q_heads": list(rank.q_heads), "kv_heads": list(rank.kv_heads),
         "dcp_group": rank.dcp_group, "dcp_rank": rank.dcp_rank, "dcp_members": list(rank.dcp_members),
         "kv_tp_rank": rank.kv_tp_rank, "q_to_kv": group_reads[lo:hi],
+        "ffn_shard": list(rank.ffn_shard),
+        "vocab_shard": [weights.vocab_start, weights.vocab_start + weights.vocab_held],
         "group_q_heads": list(rank.group_q_heads), "group_q_to_kv": group_reads,
         "kv_pool_bytes": pool_bytes, "kv_pool_blocks": pool_blocks,
         "kv_weight_checksums": kv_checksums(weights, rank, spec.head_dim),

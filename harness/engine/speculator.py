@@ -242,7 +242,7 @@ class Speculator:
         """eh_proj @ concat[hnorm(hidden); enorm(embed(ids))]: [B, S, 2H] -> [B, S, H]."""
         eps = self.spec.norm_eps
         h = rms_norm(hidden, self._extra["hnorm.weight"], eps)
-        e = rms_norm(self._weights.embed[ids], self._extra["enorm.weight"], eps)
+        e = rms_norm(self.decoder.embed(ids), self._extra["enorm.weight"], eps)
         return torch.cat([h, e], dim=-1) @ self._extra["eh_proj.weight"].T
 
     # -- layout report -----------------------------------------------------------------------------------

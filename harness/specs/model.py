@@ -71,7 +71,8 @@ class ModelSpec:
     @property
     def attention_shape(self) -> AttentionShape:
         return AttentionShape(heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
-                              layers=self.layers, dtype_bytes=self.dtype_bytes, ffn=self.ffn)
+                              layers=self.layers, dtype_bytes=self.dtype_bytes, ffn=self.ffn,
+                              vocab=self.vocab)
 
     @property
     def speculator_shape(self) -> AttentionShape:
