@@ -91,6 +91,11 @@ def test_inert_faults_are_named_and_acting_ones_are_not() -> None:
     reason = inert_reason("ffn-floor-split", fp16, topo("tp2"))  # 290 / 2 = 145
     assert reason is not None and "ffn=290" in reason
     assert inert_reason("vocab-shard-offset", gqa, topo("tp4")) is not None  # 384 / 4
+    # precision faults: a float16 all-reduce cannot change a float16 model; a bfloat16 one can
+    reason = inert_reason("fp16-attn-allreduce", fp16, topo("tp2"))
+    assert reason is not None and "already the model's dtype" in reason
+    assert inert_reason("bf16-allreduce", fp16, topo("tp2")) is None
+    assert inert_reason("fp16-attn-allreduce", gqa, topo("tp2")) is None
 
 
 def test_new_faults_need_their_topology_and_perturbations_are_not_faults() -> None:

@@ -34,9 +34,15 @@ def weight_shards(spec: ModelSpec, topology: Topology, flags: FaultFlags) -> lis
 def inert_reason(name: str | None, spec: ModelSpec, topology: Topology) -> str | None:
     """Why fault `name` cannot change anything on (spec, topology), or None when it can act (or
     when that cannot be decided without running)."""
-    if name not in LAYOUT_FAULTS:
+    if name is None:
         return None
     flags = fault_flags(name, topology)
+    if flags.reduce_dtype is not None and flags.reduce_dtype == spec.dtype:
+        # a collective moved to a lower precision that is the model's own: the engine already reduces in it
+        return (f"fault {name} is inert on {spec.name}: it does the TP all-reduce in {flags.reduce_dtype}, "
+                f"which is already the model's dtype")
+    if name not in LAYOUT_FAULTS:
+        return None
     if (kv_reads(spec, topology, flags) == kv_reads(spec, topology, FaultFlags())
             and weight_shards(spec, topology, flags) == weight_shards(spec, topology, FaultFlags())):
         return (f"fault {name} is inert on {spec.name} at {topology.name}: every Q head reads the same KV "
