@@ -5,7 +5,6 @@ it started is gone, no half-written reference sits in the cache, the finished ce
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import zlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
