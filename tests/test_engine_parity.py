@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from harness.artifacts import RunArtifacts
+from harness.contract import GEN_TOKENS, GEN_TOPK_LOGPROBS
+from tests.conftest import launch_run
 
 # (model, topology): every shipped tiny model at the splits its heads allow, incl. GCD duplication
 # (tiny-kv6 at tp4), MQA at tp8 and the SmolLM2 head layout at tp3/tp9.
@@ -92,3 +96,23 @@ def test_dcp_faults_cannot_reach_a_run_without_dcp(fault: str) -> None:
         reason = skip_reason(model, topo, fault)
         assert reason is not None and "needs a DCP topology" in reason
     assert skip_reason(model, Topology(tp=4, dcp=4), fault) is None
+
+
+@pytest.mark.parametrize("fault", [None, "dcp-token-owner"])
+def test_shared_prompt_prefix_under_dcp_matches_tp1(tmp_path: Path, fault: str | None) -> None:
+    """Engine.generate computes a common prompt prefix once and copies its KV blocks into each sequence
+    (under DCP each rank copies the tokens it owns): greedy generation from prompts sharing a prefix of
+    several KV blocks is the same at tp2dcp2 as at tp1, with top-k logprobs within float32 noise; with a
+    DCP decode bug injected (positive control) the comparison fails."""
+    prefix = "Answer each question carefully and show the steps before the final answer. " * 2
+    prompts = [prefix + "Q: 2 + 3 = ?", prefix + "Q: the capital of France?", prefix + "Q: 7 * 6"]
+    ref = launch_run(tmp_path / "tp1", "tiny-gqa", "tp1", prompts=prompts)
+    par = launch_run(tmp_path / "tp2dcp2", "tiny-gqa", "tp2dcp2", fault=fault, prompts=prompts)
+    assert min(len(c.prompt_ids) for c in ref.cases) > 128  # the shared prefix spans several blocks
+    same = [par.tensor(GEN_TOKENS, c.index).tolist() == ref.tensor(GEN_TOKENS, c.index).tolist() for c in ref.cases]
+    err = max((par.tensor(GEN_TOPK_LOGPROBS, c.index) - ref.tensor(GEN_TOPK_LOGPROBS, c.index)).abs().max().item()
+              for c in ref.cases)
+    if fault is None:
+        assert all(same) and err < ATOL, (same, err)
+    else:
+        assert err > 100 * ATOL, (same, err)
