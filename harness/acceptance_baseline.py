@@ -10,11 +10,12 @@ File baselines/acceptance.yaml (schema ACCEPTANCE_SCHEMA_VERSION):
     schema_version: 1
     baselines:
     - model: tiny-gqa              # identity (AcceptanceKey): model, engine, speculator kind, k,
-      engine: embedded             #   the other speculator settings, dtype, the prompts' token ids
-      speculator: mtp              #   (prompts_hash) and max_new_tokens
+      engine: embedded             #   the other speculator settings, dtype, the target's weights
+      speculator: mtp              #   (weights_hash), the prompts' token ids (prompts_hash), max_new_tokens
       k: 3
       settings: {draft_noise: 0.1, mtp_hidden_mix: 0.1}
       dtype: float32
+      weights_hash: 11a8a1a78efc...
       prompts_hash: 930ec89c37eb...
       max_new_tokens: 24
       mean_accepted_length: 1.9079  # tokens committed per verify step (accepted drafts + 1)
@@ -37,7 +38,7 @@ import yaml
 from harness.artifacts import RunArtifacts
 from harness.compare.settings import AcceptanceSettings
 from harness.compare.speculative import total_variation
-from harness.contract import JOB_FILE, MANIFEST_PROMPTS_HASH
+from harness.contract import JOB_FILE, MANIFEST_PROMPTS_HASH, MANIFEST_WEIGHTS_HASH
 from harness.errors import ConfigError, RunError
 from harness.jsonio import read_json, write_text_atomic
 from harness.paths import BASELINES_DIR
@@ -48,8 +49,8 @@ from harness.verdict import CellResult, CheckResult, Verdict
 ACCEPTANCE_SCHEMA_VERSION = 1
 ACCEPTANCE_FILE = "acceptance.yaml"
 BASELINE_CHECK = "acceptance_baseline"
-_KEY_FIELDS: tuple[str, ...] = ("model", "engine", "speculator", "k", "settings", "dtype", "prompts_hash",
-                                "max_new_tokens")
+_KEY_FIELDS: tuple[str, ...] = ("model", "engine", "speculator", "k", "settings", "dtype", "weights_hash",
+                                "prompts_hash", "max_new_tokens")
 _ENTRY_KEYS: tuple[str, ...] = (*_KEY_FIELDS, "mean_accepted_length", "histogram", "provenance")
 
 
@@ -63,6 +64,7 @@ class AcceptanceKey:
     k: int
     settings: tuple[tuple[str, Any], ...]  # the speculator's other settings (draft_noise, ...), sorted
     dtype: str
+    weights_hash: str  # the target's weights (a run seed reseeds synthetic weights: another model)
     prompts_hash: str
     max_new_tokens: int
 
@@ -70,11 +72,12 @@ class AcceptanceKey:
     def label(self) -> str:
         extra = ", ".join(f"{n}={v}" for n, v in self.settings)
         return (f"{self.model} / {self.engine} / {self.speculator} k={self.k}{' (' + extra + ')' if extra else ''} / "
-                f"{self.dtype} / prompts {self.prompts_hash[:12]} / {self.max_new_tokens} new tokens")
+                f"{self.dtype} / weights {self.weights_hash[:12]} / prompts {self.prompts_hash[:12]} / {self.max_new_tokens} new tokens")
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "engine": self.engine, "speculator": self.speculator, "k": self.k,
-                "settings": dict(self.settings), "dtype": self.dtype, "prompts_hash": self.prompts_hash,
+                "settings": dict(self.settings), "dtype": self.dtype, "weights_hash": self.weights_hash,
+                "prompts_hash": self.prompts_hash,
                 "max_new_tokens": self.max_new_tokens}
 
     @classmethod
@@ -84,7 +87,7 @@ class AcceptanceKey:
             raise ConfigError(f"{where}: settings must be a mapping, got {settings!r}")
         return cls(model=str(data["model"]), engine=str(data["engine"]), speculator=str(data["speculator"]),
                    k=expect_int(where, "k", data["k"], minimum=1), settings=tuple(sorted(settings.items())),
-                   dtype=str(data["dtype"]), prompts_hash=str(data["prompts_hash"]),
+                   dtype=str(data["dtype"]), weights_hash=str(data["weights_hash"]), prompts_hash=str(data["prompts_hash"]),
                    max_new_tokens=expect_int(where, "max_new_tokens", data["max_new_tokens"], minimum=1))
 
 
@@ -185,6 +188,7 @@ def key_of_run(run: RunArtifacts, model: str, engine: str) -> AcceptanceKey:
     settings = {n: v for n, v in dict(job.get("speculative") or {}).items() if n != "k"}
     return AcceptanceKey(model=model, engine=engine, speculator=str(spec["kind"]), k=int(spec["k"]),
                          settings=tuple(sorted(settings.items())), dtype=str(run.manifest.get("dtype")),
+                         weights_hash=str(run.manifest.get(MANIFEST_WEIGHTS_HASH)),
                          prompts_hash=str(run.manifest.get(MANIFEST_PROMPTS_HASH)),
                          max_new_tokens=int(job["max_new_tokens"]))
 

@@ -23,7 +23,7 @@ from harness.verdict import CellResult, CheckResult, Verdict
 
 KEY = AcceptanceKey(model="tiny-gqa", engine="embedded", speculator="mtp", k=3,
                     settings=(("draft_noise", 0.1), ("mtp_hidden_mix", 0.1)), dtype="float32",
-                    prompts_hash="930ec89c" * 8, max_new_tokens=24)
+                    weights_hash="11a8a1a7" * 8, prompts_hash="930ec89c" * 8, max_new_tokens=24)
 STORED = AcceptanceBaselines((AcceptanceBaseline(KEY, 1.9, (42, 12, 9, 13), {"git_commit": "abc"}),))
 SETTINGS = AcceptanceSettings()
 COMMAND = "harness baseline update --from RUN --suite spec"
@@ -52,6 +52,10 @@ def test_missing_baseline_is_a_skip_naming_the_command() -> None:
     other = AcceptanceKey(**{**KEY.__dict__, "k": 4})
     result = _gate(1.9, key=other)
     assert result.verdict is Verdict.SKIP and COMMAND in result.reason and "k=4" in result.reason
+    # another run seed reseeds synthetic weights: another model, whose acceptance has no baseline yet
+    reseeded = AcceptanceKey(**{**KEY.__dict__, "weights_hash": "faa9520f" * 8})
+    result = _gate(1.9, key=reseeded)
+    assert result.verdict is Verdict.SKIP and "weights faa9520ffaa9" in result.reason
 
 
 def test_file_round_trip_and_bad_files(tmp_path: Path) -> None:
@@ -60,11 +64,11 @@ def test_file_round_trip_and_bad_files(tmp_path: Path) -> None:
     assert load_acceptance(tmp_path / "none").entries == ()
     bad = tmp_path / "bad.yaml"
     bad.write_text("schema_version: 1\nbaselines:\n- {model: m, engine: e, speculator: mtp, k: 3, dtype: float32,"
-                   " prompts_hash: h, max_new_tokens: 8, mean_accepted_length: 7.5}\n")
+                   " weights_hash: w, prompts_hash: h, max_new_tokens: 8, mean_accepted_length: 7.5}\n")
     with pytest.raises(ConfigError, match="mean_accepted_length=7.5 must be a number in 1..4"):
         read_acceptance(bad)
     bad.write_text("schema_version: 1\nbaselines:\n- {model: m, engine: e, speculator: mtp, k: 3, dtype: float32,"
-                   " prompts_hash: h, max_new_tokens: 8, mean_acceptance: 1.5}\n")
+                   " weights_hash: w, prompts_hash: h, max_new_tokens: 8, mean_acceptance: 1.5}\n")
     with pytest.raises(ConfigError, match="mean_acceptance"):
         read_acceptance(bad)
 
