@@ -55,6 +55,21 @@ def launch_run(out_dir: Path, model: str, topo: str, fault: str | None = None, p
     return read_run(out_dir)
 
 
+def small_gsm8k_suite(folder: Path, suite: dict[str, object], gsm8k: dict[str, object]) -> Path:
+    """The shipped gsm8k suite with `suite` and `gsm8k` settings overridden, written to folder/gsm8k.yaml
+    (the suite keeps its name: gsm8k)."""
+    import yaml
+
+    from harness.paths import SUITES_DIR
+
+    doc = yaml.safe_load((SUITES_DIR / "gsm8k.yaml").read_text())
+    doc.update(suite)
+    doc["gsm8k"].update(gsm8k)
+    path = folder / "gsm8k.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
 @pytest.fixture(scope="session")
 def full_gsm8k() -> Path:
     """The full GSM8K folder; skips when the tests run on the fixture only."""

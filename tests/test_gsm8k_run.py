@@ -10,13 +10,11 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from harness.cli import main
-from tests.conftest import GSM8K_FIXTURE
+from tests.conftest import GSM8K_FIXTURE, small_gsm8k_suite
 from harness.gsm8k.cell import gsm8k_checks
 from harness.gsm8k.settings import gsm8k_settings
-from harness.paths import SUITES_DIR
 from harness.specs.suite import load_suite
 from harness.verdict import Verdict
 
@@ -33,12 +31,10 @@ N_QUESTIONS = 2
 
 @pytest.fixture(scope="module")
 def suite_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    suite = yaml.safe_load((SUITES_DIR / "gsm8k.yaml").read_text())
-    suite.update(prompts=["The capital of France is"], max_new_tokens=4, decode_prefix_tokens=2, max_seq_len=384)
-    suite["gsm8k"].update(limit=N_QUESTIONS, num_fewshot=0, max_new_tokens=24, batch_size=N_QUESTIONS)
-    path = tmp_path_factory.mktemp("gsm8k-suite") / "gsm8k.yaml"  # the suite keeps its name: gsm8k
-    path.write_text(yaml.safe_dump(suite))
-    return path
+    return small_gsm8k_suite(
+        tmp_path_factory.mktemp("gsm8k-suite"),
+        dict(prompts=["The capital of France is"], max_new_tokens=4, decode_prefix_tokens=2, max_seq_len=384),
+        dict(limit=N_QUESTIONS, num_fewshot=0, max_new_tokens=24, batch_size=N_QUESTIONS))
 
 
 @pytest.fixture(scope="module")

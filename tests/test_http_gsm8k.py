@@ -10,24 +10,20 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from harness.cli import main
-from harness.paths import SUITES_DIR
-from tests.conftest import GSM8K_FIXTURE
+from tests.conftest import GSM8K_FIXTURE, small_gsm8k_suite
 
 N_QUESTIONS = 2
 
 
 @pytest.fixture(scope="module")
 def suite_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    suite = yaml.safe_load((SUITES_DIR / "gsm8k.yaml").read_text())
-    suite.update(models=["tiny-gqa"], topologies=["tp2dcp2"], prompts=["The capital of France is"], max_new_tokens=4,
-                 decode_prefix_tokens=2, max_seq_len=512, kv_budget_mib=8, profiles={})
-    suite["gsm8k"].update(limit=N_QUESTIONS, num_fewshot=0, max_new_tokens=8, batch_size=N_QUESTIONS)
-    path = tmp_path_factory.mktemp("http-gsm8k-suite") / "gsm8k.yaml"  # the suite keeps its name: gsm8k
-    path.write_text(yaml.safe_dump(suite))
-    return path
+    return small_gsm8k_suite(
+        tmp_path_factory.mktemp("http-gsm8k-suite"),
+        dict(models=["tiny-gqa"], topologies=["tp2dcp2"], prompts=["The capital of France is"], max_new_tokens=4,
+             decode_prefix_tokens=2, max_seq_len=512, kv_budget_mib=8, profiles={}),
+        dict(limit=N_QUESTIONS, num_fewshot=0, max_new_tokens=8, batch_size=N_QUESTIONS))
 
 
 @pytest.fixture(scope="module")
