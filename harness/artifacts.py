@@ -17,8 +17,8 @@ Layout of a run directory (schema ARTIFACT_SCHEMA_VERSION):
                                         at the P probe positions
       attn.{i}             [L, P, heads, head_dim]  decode path, per-head attention output
                                                     (before o_proj) in global head order
-      collectives.{i}      [tp, L, P, sites]  decode path, each rank's relative error of each collective's output
-                           against an exact recompute from its inputs (contract.COLLECTIVE_SITES)
+      collectives.{i}      [tp, L, P, sites]  decode path, each rank's error of each collective's output against
+                           an exact recompute from its inputs, in unit roundoffs (contract.COLLECTIVES)
       gen_tokens.{i}       [N] int64     greedy generation
       gen_topk_ids.{i}     [N, k] int64  top-k token ids at each generation step
       gen_topk_logprobs.{i} [N, k]       their log-probabilities

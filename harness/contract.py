@@ -26,8 +26,9 @@ DECODE_TOPK_IDS = "decode_topk_ids"        # [T-D, k] int64, top-k of the decode
 DECODE_TOPK_LOGPROBS = "decode_topk_logprobs"    # [T-D, k] float32
 HIDDEN = "hidden"                          # [L+1, P, H] residual stream at probe positions
 ATTN = "attn"                              # [L, P, heads, head_dim] per-head attention output
-COLLECTIVES = "collectives"                # [tp, L, P, sites] float32, optional: each rank's relative error of
-#                                            each collective's output vs an exact recompute from its inputs
+COLLECTIVES = "collectives"                # [tp, L, P, sites] float32, optional: each rank's error of each
+#   collective's output vs an exact recompute from its inputs, in unit roundoffs of the model dtype: all-reduce
+#   sites elementwise relative to the sum of |partials| (<= tp - 1 when correct), DCP sites normwise
 GEN_TOKENS = "gen_tokens"                  # [N] int64 greedy generation
 GEN_TOPK_IDS = "gen_topk_ids"              # [N, k] int64
 GEN_TOPK_LOGPROBS = "gen_topk_logprobs"    # [N, k] float32
@@ -64,6 +65,7 @@ PROMPT_LOGPROBS = "prompt_logprobs"    # teacher-forced logprobs of the prompt (
 DECODE_PATH = "decode_path"            # teacher-forced logprobs through one-token decode steps
 HIDDEN_STATES = "hidden_states"        # hidden.{i}
 ATTENTION_OUTPUTS = "attention_outputs"  # attn.{i}
+COLLECTIVE_ERRORS = "collective_errors"  # collectives.{i}
 LAYOUT_REPORT = "layout_report"        # layout.json with each rank's heads and pool
 KV_POOL_SIZE = "kv_pool_size"          # the KV pool size (blocks / bytes) the engine allocated
 ACCEPT_TRACES = "accept_traces"        # spec_accepted.{i} per verify step
@@ -72,7 +74,7 @@ GENERATION = "generation"              # greedy generation with top-k logprobs
 GSM8K = "gsm8k"                        # lm-eval GSM8K records
 
 ALL_CAPABILITIES: tuple[str, ...] = (
-    FULL_LOGITS, TOPK_LOGPROBS, PROMPT_LOGPROBS, DECODE_PATH, HIDDEN_STATES, ATTENTION_OUTPUTS,
+    FULL_LOGITS, TOPK_LOGPROBS, PROMPT_LOGPROBS, DECODE_PATH, HIDDEN_STATES, ATTENTION_OUTPUTS, COLLECTIVE_ERRORS,
     LAYOUT_REPORT, KV_POOL_SIZE, ACCEPT_TRACES, ACCEPTANCE_AGGREGATE, GENERATION, GSM8K,
 )
 

@@ -105,6 +105,8 @@ def test_fault_is_flagged_as_silent_corruption_with_localization(
     assert verdicts["logits_decode"] == "FAIL"
     if fault == "dcp-lse-merge":
         assert "DCP LSE merge" in loc["summary"]
+    # the collectives check: FAILs where a communication step itself is wrong, not on wrong inputs
+    assert verdicts["collectives"] == ("FAIL" if fault.endswith("allreduce") or fault == "dcp-lse-merge" else "PASS")
     if fault.endswith("allreduce"):
         assert "TP all-reduce of the attention output projection is wrong on ranks 0-1" in loc["summary"]
         assert verdicts["logits_prefill"] == "FAIL"  # a FAIL, not a WARN: far beyond a correct run's noise
@@ -157,9 +159,28 @@ def test_uneven_vocab_and_ffn_splits_pass_clean_with_the_planned_shards(tmp_path
                  "--out", str(tmp_path), "--cache-dir", str(cache_dir)]) == 0
     (cell,) = _results(tmp_path)["cells"]
     assert cell["status"] == "PASS", cell["checks"]
+    collectives = next(c for c in cell["checks"] if c["name"] == "collectives")
+    assert collectives["verdict"] == "PASS" and collectives["metrics"]["max_fraction_of_bound"] <= 1.0
     layout = json.loads((Path(cell["run_dir"]) / "layout.json").read_text())["target"]["ranks"]
     assert [r["vocab_shard"] for r in layout] == [[0, 96], [96, 192], [192, 288], [288, 383]]
     assert [r["ffn_shard"] for r in layout] == [[0, 72], [72, 145], [145, 217], [217, 290]]
+
+
+def test_half_precision_collective_regression_fails_where_the_logits_stay_near_noise(
+        tmp_path: Path, suite_file: Path, cache_dir: Path) -> None:
+    """bf16 all-reduce in a float16 model at tp2: the logits move only a few times their noise (they
+    pass), the collectives check bounds each all-reduce by float16 rounding and FAILs it, localized to
+    the first all-reduce on both ranks (the negative control: the clean tp4 run above passes it)."""
+    assert main(["run", "--suite", str(suite_file), "--model", "tiny-fp16-big", "--topo", "tp2",
+                 "--fault", "bf16-allreduce", "--out", str(tmp_path), "--cache-dir", str(cache_dir)]) == 1
+    (cell,) = _results(tmp_path)["cells"]
+    checks = {c["name"]: c for c in cell["checks"]}
+    assert cell["status"] == "FAIL" and cell["silent_corruption"], checks
+    assert checks["collectives"]["verdict"] == "FAIL"
+    broken = checks["collectives"]["metrics"]["first_broken"]
+    assert broken["error"] > 2 * broken["bound"]
+    assert cell["localization"]["ranks"] == [0, 1]
+    assert cell["localization"]["summary"].startswith("layer 0: TP all-reduce of the attention output projection")
 
 
 def test_killed_rank_is_an_error_cell_and_other_cells_complete(tmp_path: Path, suite_file: Path,

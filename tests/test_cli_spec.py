@@ -30,8 +30,8 @@ def test_spec_suite_passes_with_acceptance_details(tmp_path: Path, cache_dir: Pa
     for cell in _cells(tmp_path):
         verdicts = {c["name"]: c["verdict"] for c in cell["checks"]}
         assert verdicts == {name: "PASS" for name in ("inputs", "layout", "speculator_layout", "logits_prefill",
-                                                      "logits_decode", "generation", "lossless", "acceptance",
-                                                      "acceptance_baseline")}
+                                                      "logits_decode", "generation", "collectives", "lossless",
+                                                      "acceptance", "acceptance_baseline")}
         spec = cell["details"]["speculator"]
         assert 1.0 < spec["mean_acceptance"] < 4.0  # mean accepted length: neither none nor all (k=3)
         assert spec["mean_acceptance"] == spec["reference_mean_acceptance"] and spec["traces_differ"] == 0

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from harness.artifacts import Case, RunArtifacts
+from harness.contract import COLLECTIVE_SITES
 from harness.layout import AttentionShape, LayoutPlan, naive_local_kv_index, plan_layout, pool_capacity
 
 GQA = AttentionShape(heads=8, kv_heads=2, head_dim=4, layers=2, dtype_bytes=4)
@@ -84,7 +85,10 @@ def synthetic_runs(plan: LayoutPlan, n_cases: int = 2, seq: int = 8, decode_star
         return t if not t.is_floating_point() else t + EPS * t.abs().mean() * randn(*t.shape)
 
     ref = make_run("ref", {k_: jitter(v) for k_, v in exact.items()}, cases, layout_entry(plan_layout(shape, 1)))
-    par = make_run("par", {k_: jitter(v) for k_, v in exact.items()}, cases, layout_entry(plan))
+    # the parallel run's collectives, each within half a rounding of an exact recompute as real runs measure
+    sites = {f"collectives.{i}": 0.5 * torch.rand(plan.tp, shape.layers, probes, len(COLLECTIVE_SITES), generator=g,
+                                                  dtype=torch.float64) for i in range(n_cases)}
+    par = make_run("par", {**{k_: jitter(v) for k_, v in exact.items()}, **sites}, cases, layout_entry(plan))
     noise = make_run("noise", dict(exact), cases)
     return ref, noise, par
 

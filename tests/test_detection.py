@@ -3,12 +3,16 @@ starts, the noise run selection."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from harness.cases import ragged_decode_start
-from harness.compare.localize import collective_bound, localize
-from harness.compare.settings import LocalizationSettings
+from harness.compare.collectives import check_collectives
+from harness.compare.localize import localize
+from harness.compare.settings import CollectiveSettings, LocalizationSettings
+from harness.verdict import Verdict
 from harness.engine.fault_scope import inert_reason
 from harness.engine.faults import FAULTS, PERTURBATIONS, fault_flags
 from harness.errors import ConfigError
@@ -21,9 +25,10 @@ from tests.test_compare_support import GQA, synthetic_runs, with_tensors
 
 
 def _collectives(tp: int, layers: int, probes: int, broken: tuple[int, str, list[int]] | None,
-                 error: float = 1e-3) -> torch.Tensor:
-    """[tp, L, P, sites] errors at float32 rounding, one (layer, site, ranks) raised to `error`."""
-    t = torch.full((tp, layers, probes, len(COLLECTIVE_SITES)), 1e-8)
+                 error: float = 100.0) -> torch.Tensor:
+    """[tp, L, P, sites] errors in unit roundoffs as a correct run has them (half a rounding), one
+    (layer, site, ranks) raised to `error`."""
+    t = torch.full((tp, layers, probes, len(COLLECTIVE_SITES)), 0.5)
     if broken is not None:
         layer, site, ranks = broken
         t[ranks, layer, :, COLLECTIVE_SITES.index(site)] = error
@@ -49,10 +54,10 @@ def test_a_broken_collective_is_named_with_its_ranks_before_the_layer_rule() -> 
     loc, details = localize(ref, bad, noise, plan, ref.cases, settings)
     assert loc is not None and loc.layer == 0 and loc.ranks == (2, 3), loc
     assert "TP all-reduce of the attention output projection is wrong on ranks 2-3" in loc.summary
-    assert details["collectives"]["bound"] == collective_bound("float32", 4, settings)
+    assert details["collectives"]["bounds"] == [CollectiveSettings().bound(site, 4) for site in COLLECTIVE_SITES]
     # an earlier site in execution order wins: the LSE merge runs before the all-reduce
     both = _collectives(4, layers, 3, (0, "attn-allreduce", [2, 3]))
-    both[:, 0, :, COLLECTIVE_SITES.index("dcp-lse-merge")] = 1e-2
+    both[:, 0, :, COLLECTIVE_SITES.index("dcp-lse-merge")] = 1e3
     loc2, _ = localize(ref, with_tensors(bad, collectives_0=both), noise, plan, ref.cases, settings)
     assert loc2 is not None and "DCP LSE merge" in loc2.summary and loc2.ranks == (0, 1, 2, 3)
 
@@ -67,12 +72,31 @@ def test_exact_collectives_leave_the_layer_rule_in_charge() -> None:
     assert loc is not None and "all-reduce" not in loc.summary
 
 
-def test_collective_bound_scales_with_dtype_and_tp() -> None:
-    s = LocalizationSettings()
-    assert collective_bound("float32", 2, s) < collective_bound("float16", 2, s) < collective_bound("bfloat16", 2, s)
-    assert collective_bound("float32", 8, s) == 4 * collective_bound("float32", 2, s)
-    # a float16 all-reduce in a float32 model (rel err ~ float16 unit roundoff) is far beyond the float32 bound
-    assert torch.finfo(torch.float16).eps / 2 > 50 * collective_bound("float32", 8, s)
+def test_collective_bounds_come_from_rounding_analysis() -> None:
+    s = CollectiveSettings()
+    # a correct all-reduce of tp partials rounds at most tp - 1 times: the bound (in u x sum|partials|) is tp
+    assert [s.bound("attn-allreduce", tp) for tp in (1, 2, 8)] == [1.0, 2.0, 8.0]
+    assert s.bound("dcp-lse-merge", 4) == 4 * s.bound("dcp-lse-merge", 1) > s.bound("mlp-allreduce", 4)
+
+
+def test_collectives_check_fails_on_the_first_broken_site_and_passes_within_rounding() -> None:
+    plan = plan_layout(GQA, 2, 1)
+    ref, _, par = synthetic_runs(plan)
+    settings = CollectiveSettings()
+    clean = with_tensors(par, **{f"collectives_{i}": _collectives(2, GQA.layers, 3, None) for i in range(2)})
+    ok = check_collectives(clean, ref.cases, 2, 1, settings)
+    assert ok.verdict is Verdict.PASS and "largest 0.25 of its bound" in ok.reason, ok.reason
+    # a bf16 all-reduce in a float16 model: ~8 float16 roundings per partial, on both ranks, from layer 1 on
+    low = _collectives(2, GQA.layers, 3, None)
+    low[:, 1:, :, COLLECTIVE_SITES.index("mlp-allreduce")] = 7.9
+    bad = check_collectives(with_tensors(clean, collectives_1=low), ref.cases, 2, 1, settings)
+    assert bad.verdict is Verdict.FAIL, bad.reason
+    assert bad.reason.startswith("layer 1: TP all-reduce of the MLP down projection is wrong on ranks 0-1"), bad.reason
+    assert bad.metrics["first_broken"]["error"] == pytest.approx(7.9)
+    # no collectives to check at tp1; a run that recorded none (a stored run) is a SKIP too
+    assert check_collectives(clean, ref.cases, 1, 1, settings).verdict is Verdict.SKIP
+    stored = replace(par, tensors={k: v for k, v in par.tensors.items() if not k.startswith("collectives.")})
+    assert check_collectives(stored, ref.cases, 2, 1, settings).verdict is Verdict.SKIP
 
 
 def test_inert_faults_are_named_and_acting_ones_are_not() -> None:

@@ -25,7 +25,8 @@ TOPK_ONLY_K = 20  # logprobs per position in the top-k-only mode (vLLM's default
 
 # full logits carry every top-k: the embedded engine writes no *_topk_* tensors of its own
 FULL: frozenset[str] = frozenset(c.ALL_CAPABILITIES) - {c.ACCEPTANCE_AGGREGATE, c.TOPK_LOGPROBS}
-TOPK_ONLY: frozenset[str] = (FULL - {c.FULL_LOGITS, c.HIDDEN_STATES, c.ATTENTION_OUTPUTS}) | {c.TOPK_LOGPROBS}
+TOPK_ONLY: frozenset[str] = (FULL - {c.FULL_LOGITS, c.HIDDEN_STATES, c.ATTENTION_OUTPUTS, c.COLLECTIVE_ERRORS}) \
+    | {c.TOPK_LOGPROBS}
 
 
 def weights_key(model: ModelSpec) -> dict[str, Any]:

@@ -82,9 +82,10 @@ def generation(ctx: CellContext) -> list[CheckResult]:
 
 
 def localization(ctx: CellContext) -> list[CheckResult]:
-    """No verdict of its own: explains a parity FAIL (ctx.localization) and adds the per-layer and
+    """No verdict of its own: explains a parity or collectives FAIL (ctx.localization) and adds the per-layer and
     per-head errors to the details."""
-    found, loc_details = localize(ctx.ref, ctx.par, ctx.noise, ctx.plan, ctx.ref.cases, ctx.settings.localization)
+    found, loc_details = localize(ctx.ref, ctx.par, ctx.noise, ctx.plan, ctx.ref.cases, ctx.settings.localization,
+                                  ctx.settings.collectives)
     if "layer_errors" in loc_details:
         ctx.details.layer_errors = LayerErrors(**loc_details["layer_errors"])
     if "head_errors" in loc_details:
@@ -93,7 +94,7 @@ def localization(ctx: CellContext) -> list[CheckResult]:
         ctx.details.note = str(loc_details["note"])
     if loc_details.get("collectives"):
         ctx.details.collectives = dict(loc_details["collectives"])
-    if not any(r.name in PARITY_CHECKS and r.verdict is Verdict.FAIL for r in ctx.results):
+    if not any(r.name in (*PARITY_CHECKS, "collectives") and r.verdict is Verdict.FAIL for r in ctx.results):
         return []
     if found is None and "layer_errors" in loc_details:  # the logits fail, no layer does
         found = output_head(loc_details["layer_errors"])
@@ -109,6 +110,11 @@ def localization(ctx: CellContext) -> list[CheckResult]:
         found = replace(found, summary=f"{found.summary}; layout: {layout_result.reason}")  # a shard off by one
     ctx.localization = found
     return []
+
+
+def collectives(ctx: CellContext) -> list[CheckResult]:
+    from harness.compare.collectives import check_collectives
+    return [check_collectives(ctx.par, ctx.ref.cases, ctx.plan.tp, ctx.plan.dcp, ctx.settings.collectives)]
 
 
 def lossless(ctx: CellContext) -> list[CheckResult]:

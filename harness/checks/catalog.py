@@ -62,8 +62,13 @@ CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("generation", "generation", f"{_B}:generation",
               "greedy tokens; a divergence is benign only at a near tie of the reference",
               requires=(c.GENERATION,)),
+    CheckSpec("collectives", "collectives", f"{_B}:collectives",
+              "each all-reduce, DCP Q gather and LSE merge against an exact recompute from its own inputs, "
+              "bounded by the model dtype's rounding (catches a collective done in a lower precision)",
+              requires=(c.COLLECTIVE_ERRORS,)),
     CheckSpec("localization", "localization", f"{_B}:localization",
-              "when a parity check fails: the first diverging layer, its heads, their ranks and KV heads",
+              "when a parity or collectives check fails: the first diverging layer or collective, its heads, "
+              "their ranks and KV heads",
               requires=(c.HIDDEN_STATES,)),
     CheckSpec("lossless", "lossless", f"{_B}:lossless",
               "speculative greedy output equals plain greedy output of the same run",
@@ -80,7 +85,8 @@ CHECKS: tuple[CheckSpec, ...] = (
 # suite `checks:` sections: those whose settings live in harness/compare/settings.py, and those
 # that take nothing but `enabled` (gsm8k's settings are the suite's top-level `gsm8k:`)
 SECTIONS: tuple[str, ...] = tuple(dict.fromkeys(spec.section for spec in CHECKS))
-SETTINGS_SECTIONS: tuple[str, ...] = ("layout", "logits", "generation", "localization", "lossless", "acceptance")
+SETTINGS_SECTIONS: tuple[str, ...] = ("layout", "logits", "generation", "localization", "collectives", "lossless",
+                                      "acceptance")
 ENABLED_KEY = "enabled"
 
 

@@ -4,10 +4,9 @@ Relative L2 error, in float64, of the parallel run against the reference:
 - residual stream hidden.{i} [L+1, P, H]: per hidden index, the max over prompts and probe
   positions of |par - ref| / |ref| over H (index 0 is the embedding output, index l+1 layer l);
 - attention output attn.{i} [L, P, heads, head_dim]: per layer and head, the same over head_dim.
-Before that, the collectives: the first (layer, site) in execution order whose output on some rank
-differs from an exact float64 recompute from its inputs (collectives.{i}; DCP Q gather, DCP LSE
-merge, attention and MLP all-reduce) beyond collective_factor x tp x the dtype's unit roundoff
-names the communication step and its ranks. The noise floor is the same error of the noise run
+Before that, the collectives (harness/compare/collectives.py): the first (layer, site) in execution
+order whose output on some rank differs from an exact float64 recompute from its inputs beyond what
+rounding in the model dtype allows names the communication step and its ranks. The noise floor is the same error of the noise run
 (the reference topology with another reduction order) against the reference; a value diverges above max(rel_floor, factor x noise) (per hidden index; per layer for
 heads, the noise being the layer's largest head error). Non-finite errors count as diverging.
 """
@@ -21,12 +20,14 @@ import torch
 
 from harness.artifacts import Case, RunArtifacts
 from harness.compare.bounds import Bound, json_float
-from harness.compare.settings import LocalizationSettings
+from harness.compare.collectives import collective_errors, describe, first_broken
+from harness.compare.collectives import details as collective_details
+from harness.compare.settings import CollectiveSettings, LocalizationSettings
 from harness.errors import RunError
 from harness.fmt import id_ranges
 from harness.layout import LayoutPlan, kv_of_q
 from harness.verdict import Localization
-from harness.contract import ATTN, COLLECTIVE_SITES, COLLECTIVES, HIDDEN
+from harness.contract import ATTN, HIDDEN
 
 _TINY = 1e-30
 
@@ -107,45 +108,9 @@ def _head_summary(layer: int, heads: list[int], plan: LayoutPlan,
     return ranks, kv, summary
 
 
-SITE_TEXT: dict[str, str] = {
-    "dcp-q-gather": "DCP Q all-gather (a rank's own Q heads are not where the gather puts them)",
-    "dcp-lse-merge": "DCP LSE merge of the partial attention outputs",
-    "attn-allreduce": "TP all-reduce of the attention output projection",
-    "mlp-allreduce": "TP all-reduce of the MLP down projection",
-}
-
-
-def collective_bound(dtype: str, tp: int, settings: LocalizationSettings) -> float:
-    """How far a correct collective's output may be from the exact recompute from its inputs."""
-    unit = torch.finfo(getattr(torch, dtype)).eps / 2
-    return settings.collective_factor * max(1, tp) * unit
-
-
-def first_broken_collective(par: RunArtifacts, cases: Sequence[Case], plan: LayoutPlan,
-                            settings: LocalizationSettings) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """The first (layer, collective site) in execution order whose output leaves its bound on some
-    rank, with those ranks, from the parallel run's collectives.{i} [tp, L, P, sites] (None when all
-    collectives are exact to rounding, or when the run recorded none) and the per-site details."""
-    try:
-        per_case = [par.tensor(COLLECTIVES, c.index).to(torch.float64).amax(dim=2) for c in cases]  # [tp, L, sites]
-    except RunError:
-        return None, {}
-    errors = torch.stack(per_case).amax(dim=0)  # [cases, tp, L, sites] -> [tp, L, sites]
-    bound = collective_bound(str(par.manifest.get("dtype", "float32")), plan.tp, settings)
-    details = {"sites": list(COLLECTIVE_SITES), "bound": bound,
-               "error": _floats(errors.amax(dim=0))}  # [L, sites], max over ranks
-    for layer in range(errors.shape[1]):
-        for s, site in enumerate(COLLECTIVE_SITES):
-            column = errors[:, layer, s]  # [tp]
-            ranks = [r for r, e in enumerate(column.tolist()) if not e <= bound]
-            if ranks:
-                return {"layer": layer, "site": site, "ranks": ranks, "error": float(column.max()),
-                        "bound": bound}, details
-    return None, details
-
-
 def localize(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None, plan: LayoutPlan,
-             cases: Sequence[Case], settings: LocalizationSettings) -> tuple[Localization | None, dict[str, Any]]:
+             cases: Sequence[Case], settings: LocalizationSettings,
+             collective_settings: CollectiveSettings | None = None) -> tuple[Localization | None, dict[str, Any]]:
     """The first diverging layer and heads (None when every layer is within its bound) and the
     details: {"layer_errors": {error, noise, threshold}, "head_errors": {error, noise, threshold,
     owner_ranks, kv_heads}} with one entry per hidden index / layer (non-finite values as None)."""
@@ -175,16 +140,18 @@ def localize(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None, p
             "threshold": head_limit, "owner_ranks": _owners(plan, all_heads),
             "kv_heads": [kv_of_q(plan.shape, h) for h in all_heads]}  # as planned; the summary names actual reads
     first = next((j for j, (e, t) in enumerate(zip(hidden.tolist(), hidden_limit)) if not e <= t), None)
-    broken, details["collectives"] = first_broken_collective(par, cases, plan, settings)
+    coll = collective_settings or CollectiveSettings()
+    errors = collective_errors(par, cases)
+    broken = None
+    if errors is not None:
+        details["collectives"] = collective_details(errors, plan.tp, coll)
+        broken = first_broken(errors, plan.tp, coll)
     if broken is not None and (first is None or broken["layer"] <= first - 1):
         ranks, layer = broken["ranks"], broken["layer"]
         bad = ([h for h, e in enumerate(heads[layer].tolist()) if not e <= head_limit[layer]]
                if heads is not None and broken["site"].startswith("dcp-") else [])  # heads the attention step broke
-        return Localization(layer=layer, heads=tuple(bad), ranks=tuple(ranks), kv_heads=(), summary=(
-            f"layer {broken['layer']}: {SITE_TEXT[broken['site']]} is wrong on rank{'s' if len(ranks) > 1 else ''} "
-            f"{id_ranges(ranks)}: its output differs from an exact recompute from its inputs by "
-            f"{broken['error']:.1e} > {broken['bound']:.1e} (a communication step, not the computation "
-            f"around it)")), details
+        summary = describe(broken) + " (a communication step, not the computation around it)"
+        return Localization(layer=layer, heads=tuple(bad), ranks=tuple(ranks), kv_heads=(), summary=summary), details
     if first is None:
         return None, details
     err = f"rel err {hidden[first]:.1e} > {hidden_limit[first]:.1e}"

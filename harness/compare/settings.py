@@ -12,7 +12,6 @@ same dtype with another reduction order, see runner.noise_run). Between that bou
 times it the check WARNs; beyond it FAILs (see bounds.Bound): with the defaults a metric FAILs at
 50x the measured noise. Floors sit near the dtype's machine precision (DTYPE_DEFAULTS), so they
 only matter when the noise run measures (almost) nothing.
-Localization settings are read from `checks.localization` (absent from Suite.CHECKS for now).
 """
 
 from __future__ import annotations
@@ -109,11 +108,28 @@ class LocalizationSettings:
 
     rel_floor: float = 1e-6        # smallest relative-error bound (layer and head; float32, DTYPE_DEFAULTS)
     factor: float = 20.0           # x the noise run's relative error at the same layer
-    collective_factor: float = 16.0  # a collective's output may differ from an exact recompute from its
-    #                                  inputs by this x tp x the unit roundoff of the run's dtype
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
+
+
+@dataclass(frozen=True)
+class CollectiveSettings:
+    """Each collective's output against an exact float64 recompute from its own inputs (suite
+    `checks.collectives`), in unit roundoffs u of the model dtype (contract.COLLECTIVES). These bounds
+    come from rounding analysis, not from a noise run, so a collective done in a lower precision than
+    the model's (or reading wrong inputs) is a FAIL even where the logits stay near their noise."""
+
+    allreduce_factor: float = 1.0  # per element: this x tp x u x the sum of the partials' |values|; a
+    #                                correct all-reduce of tp partials rounds at most tp - 1 times, any order
+    dcp_factor: float = 16.0       # DCP Q gather and LSE merge, normwise: this x tp x u x |exact output|
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self)
+
+    def bound(self, site: str, tp: int) -> float:
+        """How many unit roundoffs a correct `site` (contract.COLLECTIVE_SITES) may be off by."""
+        return (self.allreduce_factor if site.endswith("allreduce") else self.dcp_factor) * max(1, tp)
 
 
 @dataclass(frozen=True)
@@ -161,6 +177,7 @@ class CheckSettings:
     logits: LogitsSettings = field(default_factory=LogitsSettings)
     generation: GenerationSettings = field(default_factory=GenerationSettings)
     localization: LocalizationSettings = field(default_factory=LocalizationSettings)
+    collectives: CollectiveSettings = field(default_factory=CollectiveSettings)
     lossless: LosslessSettings = field(default_factory=LosslessSettings)
     acceptance: AcceptanceSettings = field(default_factory=AcceptanceSettings)
 
@@ -178,6 +195,8 @@ class CheckSettings:
                                      suite.check_settings("generation"), dtype),
             localization=parse_section(LocalizationSettings, f"{where}.localization",
                                        suite.check_settings("localization"), dtype),
+            collectives=parse_section(CollectiveSettings, f"{where}.collectives",
+                                      suite.check_settings("collectives"), dtype),
             lossless=parse_section(LosslessSettings, f"{where}.lossless", suite.check_settings("lossless"), dtype),
             acceptance=parse_section(AcceptanceSettings, f"{where}.acceptance", suite.check_settings("acceptance"),
                                      dtype))

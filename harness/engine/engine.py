@@ -52,7 +52,7 @@ class Generation:
 @dataclass(frozen=True)
 class DecodePath:
     """Teacher-forced decode of one sequence: logits [T-D, V], hidden [L+1, P, H], attn [L, P, heads, hd],
-    collectives [tp, L, P, sites] (each rank's relative error of each collective's output, contract.COLLECTIVE_SITES)."""
+    collectives [tp, L, P, sites] (each rank's error of each collective's output in unit roundoffs, contract.COLLECTIVES)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor

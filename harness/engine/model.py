@@ -79,7 +79,7 @@ class Hyper:
 @dataclass
 class Capture:
     """Per-layer tensors of one forward, for localization: residual stream, per-head attention output
-    and, per collective site, this rank's relative error of the collective's output [B, S, sites]."""
+    and, per collective site, this rank's error of the collective's output in unit roundoffs [B, S, sites]."""
 
     hidden: list[torch.Tensor] = field(default_factory=list)
     attn: list[torch.Tensor] = field(default_factory=list)
@@ -316,12 +316,19 @@ class Decoder:
         self._sites = None
         return x
 
-    def _probe_site(self, name: str, got: torch.Tensor, exact: torch.Tensor) -> None:
-        """Record |got - exact| / |exact| [B, S] (over the trailing dims) of collective site `name`."""
+    def _probe_site(self, name: str, got: torch.Tensor, exact: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Record collective site `name`'s error [B, S] in unit roundoffs u of got's dtype (contract.COLLECTIVES).
+        With `scale` (a sum's |inputs| summed, [B, S, *]): max over elements of |got - exact| / (u x scale),
+        which a correct sum of n inputs in got's dtype keeps <= n - 1 whatever its order (a rounding per
+        addition), so cancellation cannot inflate it. Without: the normwise |got - exact| / (u x |exact|)."""
         if self._sites is None:
             return
+        unit = torch.finfo(got.dtype).eps / 2
         diff = (got.to(torch.float64) - exact.to(torch.float64)).flatten(2)  # [B, S, *] -> [B, S, n]
-        err = diff.norm(dim=-1) / exact.to(torch.float64).flatten(2).norm(dim=-1).clamp_min(1e-30)
+        if scale is not None:
+            err = (diff.abs() / (unit * scale.flatten(2)).clamp_min(torch.finfo(torch.float64).tiny)).amax(dim=-1)
+        else:
+            err = diff.norm(dim=-1) / (unit * exact.to(torch.float64).flatten(2).norm(dim=-1)).clamp_min(1e-300)
         self._sites[name] = torch.nan_to_num(err, nan=float("inf"))
 
     def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, attn_out: bool = False) -> torch.Tensor:
@@ -338,15 +345,16 @@ class Decoder:
                 y = y + part
         else:
             y = x @ w.T
-        # the exact sum of every rank's partial, taken before the (in-place) all-reduce, when captured
-        exact = self.comm.gather_tp(y.unsqueeze(0), dim=0).to(torch.float64).sum(dim=0) if self._sites is not None else None
+        # every rank's partial, taken before the (in-place) all-reduce, when captured: [tp, B, S, H]
+        parts64 = self.comm.gather_tp(y.unsqueeze(0), dim=0).to(torch.float64) if self._sites is not None else None
         if self.flags.reduce_dtype is not None and (attn_out or not self.flags.reduce_attn_only):
             low = TORCH_REDUCE_DTYPES[self.flags.reduce_dtype]
             out = self.comm.reduce_tp(y.to(low)).to(y.dtype)
         else:
             out = self.comm.reduce_tp(y)
-        if exact is not None:
-            self._probe_site("attn-allreduce" if attn_out else "mlp-allreduce", out, exact)
+        if parts64 is not None:  # the exact sum, and the sum of |partials| its rounding error scales with
+            self._probe_site("attn-allreduce" if attn_out else "mlp-allreduce", out, parts64.sum(dim=0),
+                             parts64.abs().sum(dim=0))
         return out
 
     def _reserve(self, batch: Batch) -> tuple[list[tuple[int, int]], torch.Tensor]:
