@@ -1,5 +1,6 @@
-"""Launch one run: torchrun for world size > 1 (gloo on CPU, nccl with --device cuda), a plain
-process at world size 1. Bounded in time; a crashed or hung rank ends the launch with every rank's
+"""Launch one run: a plain process at world size 1, else ranks forked from one launcher process
+(gloo on CPU, harness/engine/forkrun.py) or torchrun (nccl with --device cuda, and multi-node).
+Bounded in time; a crashed or hung rank ends the launch with every rank's
 log tail recorded in the run directory's manifest, so nothing else is lost."""
 
 from __future__ import annotations
@@ -28,6 +29,18 @@ LOG_TAIL_LINES = 40
 TERM_GRACE_S = 35.0
 THREADS_ENV = "HARNESS_THREADS_PER_PROCESS"  # override of the per-process thread count
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+LAUNCHER_ENV = "HARNESS_LAUNCHER"  # fork (default for CPU runs on one node) | torchrun
+LAUNCHERS = ("fork", "torchrun")
+
+
+def launcher_choice(device: str, multi_node: bool, setting: str | None) -> str:
+    """'fork' (harness/engine/forkrun.py) for a CPU run on one node unless HARNESS_LAUNCHER=torchrun
+    says otherwise; 'torchrun' for CUDA devices and multi-node launches."""
+    if setting and setting not in LAUNCHERS:
+        raise ConfigError(f"{LAUNCHER_ENV}={setting!r} is not a launcher; valid: {', '.join(LAUNCHERS)}")
+    if device != "cpu" or multi_node:
+        return "torchrun"
+    return setting or "fork"
 
 
 def rendezvous_args(world_size: int, nodes: "NodeLaunch | None") -> list[str]:
@@ -38,10 +51,15 @@ def rendezvous_args(world_size: int, nodes: "NodeLaunch | None") -> list[str]:
 
 
 def command(job_path: Path, world_size: int, log_dir: Path, worker_args: Sequence[str] = (),
-            nodes: "NodeLaunch | None" = None) -> list[str]:
+            nodes: "NodeLaunch | None" = None, launcher: str = "torchrun") -> list[str]:
+    """One plain process at world size 1; else the fork launcher (harness/engine/forkrun.py: the engine
+    imported once, ranks forked from it) or torchrun (launcher_choice)."""
     worker = ["-m", "harness.engine.worker", str(job_path), *worker_args]
     if world_size == 1:
         return [sys.executable, *worker]
+    if launcher == "fork":
+        return [sys.executable, "-m", "harness.engine.forkrun", f"--nproc={world_size}", f"--log-dir={log_dir}",
+                "--", str(job_path), *worker_args]
     return [sys.executable, "-m", "torch.distributed.run", *rendezvous_args(world_size, nodes),
             "--max-restarts=0", "--monitor-interval=0.5", f"--log-dir={log_dir}", "--redirects=3", *worker]
 
@@ -76,10 +94,11 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def _collect_rank_logs(run_dir: Path, log_dir: Path, world_size: int) -> dict[str, str]:
-    """Copy torchrun's per-rank stdout/stderr into run_dir/rank{r}.log and return their tails."""
+    """Copy each rank's stdout/stderr (the fork launcher's log_dir/rank{r}.log, or torchrun's
+    attempt_*/{r}/std*.log) into run_dir/rank{r}.log and return their tails."""
     tails = {}
     for rank in range(world_size):
-        parts = sorted(log_dir.glob(f"**/attempt_*/{rank}/std*.log"))
+        parts = sorted(log_dir.glob(f"rank{rank}.log")) or sorted(log_dir.glob(f"**/attempt_*/{rank}/std*.log"))
         text = "".join(p.read_text(errors="replace") for p in parts)
         if text:
             (run_dir / f"rank{rank}.log").write_text(text)
@@ -142,7 +161,9 @@ _ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+(?:Error|Exception|Int
 def root_cause(tails: dict[str, str]) -> str:
     """'rankN: <its last error line>' for the rank torchrun names as the root cause (else the first
     rank with an error line), so an ERROR cell's reason holds the error itself, not only a log tail."""
-    named = re.findall(r"Root Cause.*?\n.*?rank\s*:\s*(\d+)", tails.get("launcher", ""), re.S)
+    launcher = tails.get("launcher", "")
+    named = (re.findall(r"^first failure: rank (\d+)", launcher, re.M)  # harness/engine/forkrun.py
+             or re.findall(r"Root Cause.*?\n.*?rank\s*:\s*(\d+)", launcher, re.S))  # torchrun
     order = [f"rank{named[0]}"] if named else []
     order += [r for r in tails if r.startswith("rank") and r not in order]
     for rank in order:
@@ -173,16 +194,19 @@ def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None,
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in [*RUN_FILES, *(p.name for p in run_dir.glob("rank*.log"))]:  # nothing of an earlier launch
         (run_dir / stale).unlink(missing_ok=True)
-    shutil.rmtree(run_dir / "torchrun", ignore_errors=True)
+    for old_logs in ("torchrun", "ranks"):
+        shutil.rmtree(run_dir / old_logs, ignore_errors=True)
     job_path = run_dir / JOB_FILE
     write_json(job_path, asdict(job))
     world = int(job.topology["tp"])
-    log_dir = run_dir / "torchrun"
+    child_env = _child_env(world // (nodes.nnodes if nodes else 1), env)
+    launcher = launcher_choice(job.device, nodes is not None, child_env.get(LAUNCHER_ENV))
+    log_dir = run_dir / ("ranks" if launcher == "fork" else "torchrun")
     start = time.time()
     timed_out = False
     with open(run_dir / (LAUNCHER_LOG if world > 1 else "rank0.log"), "wb") as log:
-        proc = subprocess.Popen(command(job_path, world, log_dir, worker_args, nodes), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=_child_env(world // (nodes.nnodes if nodes else 1), env))
+        proc = subprocess.Popen(command(job_path, world, log_dir, worker_args, nodes, launcher), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True, env=child_env)
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -91,7 +91,7 @@ def test_sigterm_mid_run_stops_every_rank_and_reports_finished_cells(tmp_path: P
     h = Harness(tmp_path)
     # the first cell (reference runs included) is done and the tp2dcp2 launch under way
     h.wait_for(lambda: any(line.startswith("[2/3]") for line in h.lines)
-               and any("torch.distributed.run" in c for c in _processes_naming(h.marker)), "a running second cell")
+               and any("harness.engine.forkrun" in c for c in _processes_naming(h.marker)), "a running second cell")
     h.proc.send_signal(signal.SIGTERM)
     rc, err = h.finish()
     assert rc == 128 + signal.SIGTERM == 143

@@ -2,7 +2,7 @@
 .venv-vllm, or set HARNESS_VLLM_PYTHON). tp2 against vLLM's own tp1 reference PASSes on an exported
 model vLLM can load (tiny-hd64: head_dim 64); with the test plugin's fault (HARNESS_VLLM_FAULT=kv-shard:
 TP rank 1 loads another rank's K/V shard) the same run FAILs as silent corruption; tp2dcp2 is a SKIP
-quoting vLLM's own refusal (its CPU attention returns no LSE; the template's `refuses`)."""
+quoting vLLM's own refusal (the template's `refuses`)."""
 
 from __future__ import annotations
 
@@ -53,4 +53,7 @@ def test_vllm_cpu_refuses_dcp_as_a_skip_with_its_own_line(tmp_path: Path, cache:
     cell = _run(tmp_path / "dcp", cache, "tp2dcp2")
     assert cell["exit"] == 0 and cell["status"] == "SKIP", cell["checks"]
     reason = cell["checks"][0]["reason"]
-    assert reason.startswith("engine vllm refused tp2dcp2: ") and "softmax lse" in reason
+    # vllm-cpu 0.32: its config validation refuses DCP with tp (2) not above the KV heads (4) before the
+    # attention backend's missing LSE is reached; either is vLLM's own line, quoted
+    assert reason.startswith("engine vllm refused tp2dcp2: ") and (
+        "softmax lse" in reason or "Decode context parallelism for GQA/MQA requires" in reason), reason

@@ -66,3 +66,11 @@ def require_device(device: str, world_sizes: list[int]) -> None:
     if need > have:
         raise ConfigError(f"--device cuda: the matrix needs {need} GPUs per launch, this machine has {have}; "
                           f"pick topologies with tp <= {have}")
+
+
+def require_launch_settings(env: dict[str, str]) -> None:
+    """HARNESS_LAUNCHER and HARNESS_THREADS_PER_PROCESS, checked before anything runs."""
+    from harness.launch import LAUNCHER_ENV, THREADS_ENV, launcher_choice, threads_per_process
+
+    launcher_choice("cpu", False, env.get(LAUNCHER_ENV))
+    threads_per_process(1, 1, env.get(THREADS_ENV))

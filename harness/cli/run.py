@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.cli.checks import positive_float, positive_int, require_device, require_writable_dir
+from harness.cli.checks import (positive_float, positive_int, require_device, require_launch_settings,
+                                require_writable_dir)
 from harness.errors import ConfigError
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.paths import BASELINES_DIR, REPORTS_DIR
@@ -118,6 +119,7 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     require_writable_dir(out_dir, "--out")
     require_writable_dir(cache_dir, "--cache-dir")
     require_device(args.device, [t.tp for t in topologies])
+    require_launch_settings(dict(os.environ))
     from harness.backends.registry import get_backend
     get_backend(args.engine)  # an unknown engine or a bad option: one error before anything runs
     if args.reference_engine:
