@@ -113,6 +113,17 @@ def test_other_mistakes_are_one_error(tmp_path: Path, capsys: pytest.CaptureFixt
     _nothing_ran(tmp_path)
 
 
+@pytest.mark.parametrize(("var", "value"), [("HARNESS_LAUNCHER", "mpirun"), ("HARNESS_THREADS_PER_PROCESS", "0")])
+def test_bad_launch_settings_are_one_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
+    monkeypatch.setenv(var, value)
+    assert main(["run", "--suite", "dcp", "--topo", "tp2", "--out", str(tmp_path / "out"),
+                 "--cache-dir", str(tmp_path / "cache")]) == 2
+    line = _error_line(capsys)
+    assert f"{var}={value!r}" in line
+    _nothing_ran(tmp_path)
+
+
 def test_report_into_unwritable_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from harness.report import write_results
     write_results(tmp_path / "run", [], {}, "run")
