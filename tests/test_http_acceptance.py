@@ -1,7 +1,9 @@
 """Acceptance over HTTP from the engine's counters: `harness run --suite spec --engine harness-serve`
 differences vLLM's `vllm:spec_decode_num_*_total` counters around the speculative requests and gates
 the mean accepted length against the reference topology (also over HTTP) and the stored baseline
-(baselines/acceptance.yaml has harness-serve's entries). The reference is run once for both tests."""
+(baselines/acceptance.yaml has harness-serve's entries). The reference is run once for both tests.
+Through the SGLang dialect (`--engine harness-serve-sglang`) the mean comes from SGLang's per-request
+verify counts (meta_info.spec_verify_ct: completion tokens / verify steps) instead."""
 
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("http-spec-cache")
 
 
-def _run(out: Path, cache: Path, *extra: str) -> dict:
-    code = main(["run", "--suite", "spec", "--topo", "tp2-draft", "--engine", "harness-serve", "--out", str(out),
+def _run(out: Path, cache: Path, *extra: str, engine: str = "harness-serve") -> dict:
+    code = main(["run", "--suite", "spec", "--topo", "tp2-draft", "--engine", engine, "--out", str(out),
                  "--cache-dir", str(cache), *extra])
     cell = read_json(out / "results.json")["cells"][0]
     cell["exit"] = code
@@ -50,4 +52,21 @@ def test_stale_draft_kv_fails_acceptance_over_http(tmp_path: Path, cache: Path) 
     assert verdicts["acceptance"] == "FAIL" and verdicts["acceptance_baseline"] == "FAIL"
     assert verdicts["lossless"] == "PASS"
     spec = cell["details"]["speculator"]
+    assert spec["mean_acceptance"] < spec["reference_mean_acceptance"] - 0.05
+
+
+@pytest.mark.slow
+def test_sglang_per_request_verify_counts_gate_acceptance(tmp_path: Path, cache: Path) -> None:
+    """SGLang's dialect: no counters are read; the per-request verify counts give the mean, against the
+    reference's (same engine at tp1), and the stale-draft fault moves it (the positive control)."""
+    cells = {name: _run(tmp_path / name, cache, *extra, engine="harness-serve-sglang")
+             for name, extra in (("clean", ()), ("fault", ("--fault", "draft-stale-kv")))}
+    clean, fault = cells["clean"], cells["fault"]
+    assert clean["verdicts"]["acceptance"] == "PASS" and clean["verdicts"]["lossless"] == "PASS", clean["checks"]
+    counts = read_json(Path(clean["run_dir"]) / "manifest.json")["speculative"]
+    assert counts["source"] == "requests" and counts["verify_steps"] > 0
+    assert counts["mean_accepted_length"] == pytest.approx(counts["committed_tokens"] / counts["verify_steps"])
+    assert clean["details"]["speculator"]["mean_acceptance"] == pytest.approx(counts["mean_accepted_length"])
+    assert fault["exit"] == 1 and fault["verdicts"]["acceptance"] == "FAIL", fault["checks"]
+    spec = fault["details"]["speculator"]
     assert spec["mean_acceptance"] < spec["reference_mean_acceptance"] - 0.05

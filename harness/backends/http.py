@@ -39,7 +39,7 @@ from harness.artifacts import write_run
 from harness.backends.base import stamp_manifest
 from harness.backends.embedded import weights_key
 from harness.backends.http_collect import Collected, collect
-from harness.backends.http_dialects import DIALECTS, Dialect, parse_spec_counters, post_json
+from harness.backends.http_dialects import DIALECTS, Dialect, Generation, parse_spec_counters, post_json
 from harness.backends.http_server import Server, ServerError, free_port, log_tail, running_server, wait_ready
 from harness.contract import Capabilities, Job, LaunchResult
 from harness.cases import build_cases
@@ -312,7 +312,7 @@ class HttpBackend:
         before = spec_counters(client)
         generated = self._dialect(job, client).generate([case.prompt_ids for case in cases], job.max_new_tokens,
                                                         1, job.schedule == c.SCHEDULE_BATCHED)
-        counters = counters_delta(before, spec_counters(client)) or {"source": "none"}
+        counters = request_counts(generated) or counters_delta(before, spec_counters(client)) or {"source": "none"}
         summary = {"kind": job.topology["speculator"], "k": int(job.speculative.get("k", DEFAULT_SPEC_K)), **counters}
         return [g.tokens for g in generated], summary
 
@@ -370,6 +370,20 @@ def counters_delta(before: dict[str, float] | None, after: dict[str, float] | No
     delta = {k: v - (before or {}).get(k, 0.0) for k, v in after.items()}
     drafts, accepted = delta.get("drafts", 0.0), delta.get("accepted_tokens", 0.0)
     return {"source": "metrics", **delta, "mean_accepted_length": (1.0 + accepted / drafts) if drafts else None}
+
+
+def request_counts(generated: list[Generation]) -> dict[str, Any] | None:
+    """From per-request verify counts (SGLang's meta_info.spec_verify_ct), when every request has one:
+    tokens committed per verify step over this run's own requests (SGLang's accept length: completion
+    tokens / verify steps), untouched by other clients of a shared server. None otherwise."""
+    steps = [g.verify_steps for g in generated]
+    if not steps or any(s is None for s in steps):
+        return None
+    verify = sum(s for s in steps if s is not None)
+    committed = sum(int(g.tokens.numel()) for g in generated)
+    return {"source": "requests", "verify_steps": verify, "committed_tokens": committed,
+            "mean_accepted_length": committed / verify,
+            "per_request": [int(g.tokens.numel()) / s for g, s in zip(generated, steps) if s]}
 
 
 def http_backend(template: str) -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import httpx
@@ -38,11 +38,13 @@ class Scored:
 
 @dataclass(frozen=True)
 class Generation:
-    """Greedy generation: tokens [N] int64, per-step top-k ids [N, k] and logprobs [N, k]."""
+    """Greedy generation: tokens [N] int64, per-step top-k ids [N, k] and logprobs [N, k]; with a
+    speculator, the verify steps the engine reports for this request (SGLang's meta_info.spec_verify_ct)."""
 
     tokens: torch.Tensor
     ids: torch.Tensor
     logprobs: torch.Tensor
+    verify_steps: int | None = None
 
 
 def topk_rows(rows: Sequence[dict[int, float]], k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,7 +230,9 @@ class SglangDialect(Dialect):
         for answer in self._answers(self._body(prompts, n, k, stop), len(prompts)):
             meta = answer["meta_info"]
             tokens = [int(t) for _, t, *_ in meta["output_token_logprobs"]]
-            out.append(_generation(list(zip(tokens, map(_sglang_row, meta["output_top_logprobs"]))), k))
+            generation = _generation(list(zip(tokens, map(_sglang_row, meta["output_top_logprobs"]))), k)
+            steps = int(meta.get("spec_verify_ct") or 0)  # 0 / absent: no speculative decoding
+            out.append(replace(generation, verify_steps=steps) if steps > 0 else generation)
         return out
 
 

@@ -55,12 +55,16 @@ def refuse_unsupported(attention_backend: str, dcp: int) -> None:
                           f"attention backend no-lse does not (dcp={dcp} refused)")
 
 
-def serve_argv(config_json: str, world_size: int) -> list[str]:
-    """The command that starts every rank: torchrun at world size > 1, else one plain process. The ranks
-    write to this process's stdout/stderr (the server log)."""
+def serve_argv(config_json: str, world_size: int, launcher: str = "torchrun") -> list[str]:
+    """The command that starts every rank: one plain process at world size 1, else the fork launcher
+    or torchrun (harness.launch.launcher_choice). The ranks write to this process's stdout/stderr
+    (the server log)."""
     worker = ["-m", "harness.serve.worker", config_json]
     if world_size == 1:
         return [sys.executable, *worker]
+    if launcher == "fork":
+        return [sys.executable, "-m", "harness.engine.forkrun", f"--nproc={world_size}",
+                "--module=harness.serve.worker", "--", config_json]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
             "--max-restarts=0", *worker]
 
@@ -83,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
                          pool={"budget_bytes": args.kv_budget_mib * MIB, "max_seq_len": args.max_seq_len},
                          served_model_name=args.served_model_name, max_logprobs=args.max_logprobs,
                          speculative={"k": args.spec_k} if args.spec_k else {})
-    argv = serve_argv(config.to_json(), topo.tp)
+    from harness.launch import LAUNCHER_ENV, launcher_choice
+
+    argv = serve_argv(config.to_json(), topo.tp, launcher_choice(args.device, False, os.environ.get(LAUNCHER_ENV)))
     sys.stdout.flush()
-    os.execv(argv[0], argv)  # the server replaces this process: signals reach torchrun / the rank directly
+    os.execv(argv[0], argv)  # the server replaces this process: signals reach the launcher / the rank directly
     return 0  # not reached

@@ -1,14 +1,15 @@
-"""Single-node CPU launcher: `python -m harness.engine.forkrun --nproc N --log-dir DIR -- WORKER ARGS`.
+"""Single-node CPU launcher: `python -m harness.engine.forkrun --nproc N [--log-dir DIR] [--module M] -- ARGS`.
 
 torchrun starts its agent and then a fresh interpreter per rank, and each imports torch and the
 engine again: about 3 CPU-seconds apiece, more than a tiny model's whole run, paid N + 1 times per
 launch. This launcher imports the worker once and forks the N ranks from it (copy-on-write; nothing
 in the parent has started a thread, a process group or a device yet), each with torchrun's
 environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free
-loopback port) and its stdout/stderr in DIR/rank{r}.log. Like torchrun it waits for every rank;
-the first rank to fail is named on stdout ("first failure: rank R exited with code C"), the others
-get SIGTERM (then SIGKILL), and it exits non-zero. The harness starts it in a session of its own, so
-a timeout or a signal stops it and every rank with one process-group kill.
+loopback port) and its stdout/stderr in DIR/rank{r}.log (without --log-dir: this process's own, as
+`harness serve` wants for its server log). The worker is `M.main(ARGS)` (default harness.engine.worker;
+harness serve: harness.serve.worker). Like torchrun it waits for every rank; the first rank to fail is
+named on stdout ("first failure: rank R exited with code C"), the others get SIGTERM (then SIGKILL),
+and it exits non-zero; a SIGTERM, SIGINT or SIGHUP it receives is passed on to every rank the same way.
 
 Multi-node launches and CUDA devices keep torchrun (harness/launch.py decides).
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Sequence
 
 STOP_GRACE_S = 10.0
+WORKER = "harness.engine.worker"
 FAILURE_LINE = "first failure: rank {rank} exited with code {code}"
 
 
@@ -36,19 +38,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(rank: int, world: int, port: int, log_dir: Path, worker_args: list[str]) -> int:
+def _rank_main(rank: int, world: int, port: int, log_dir: Path | None, module: str, worker_args: list[str]) -> int:
     """In the forked child: torchrun's environment, output to its log, then the worker."""
-    from harness.engine import worker
-
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)})
-    fd = os.open(log_dir / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    if log_dir is not None:
+        fd = os.open(log_dir / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     try:
-        code = worker.main(worker_args)
+        code = importlib.import_module(module).main(worker_args)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # the traceback goes to the rank's log, as under torchrun
@@ -82,10 +83,11 @@ def _alive(pid: int) -> bool:
     return done == 0
 
 
-def launch_ranks(world: int, log_dir: Path, worker_args: list[str]) -> int:
-    """Fork `world` ranks of the worker, wait for them; 0 when all exit 0, else the first failure's code."""
-    importlib.import_module("harness.engine.worker")  # imported once here, inherited by every rank
-    log_dir.mkdir(parents=True, exist_ok=True)
+def launch_ranks(world: int, log_dir: Path | None, worker_args: list[str], module: str = WORKER) -> int:
+    """Fork `world` ranks of `module`'s main, wait for them; 0 when all exit 0, else the first failure's code."""
+    importlib.import_module(module)  # imported once here, inherited by every rank
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -93,8 +95,15 @@ def launch_ranks(world: int, log_dir: Path, worker_args: list[str]) -> int:
     for rank in range(world):
         pid = os.fork()
         if pid == 0:  # the child never returns into the parent's code
-            os._exit(_rank_main(rank, world, port, log_dir, worker_args))
+            os._exit(_rank_main(rank, world, port, log_dir, module, worker_args))
         ranks[pid] = rank
+
+    def pass_on(signum: int, _frame: object) -> None:  # installed after the forks: the ranks keep the defaults
+        _stop(list(ranks))
+        os._exit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, pass_on)
     first_failure = 0
     while ranks:
         pid, status = os.wait()
@@ -118,13 +127,14 @@ def launch_ranks(world: int, log_dir: Path, worker_args: list[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.engine.forkrun")
     parser.add_argument("--nproc", type=int, required=True, help="ranks to fork")
-    parser.add_argument("--log-dir", type=Path, required=True, help="where rank{r}.log go")
+    parser.add_argument("--log-dir", type=Path, default=None, help="where rank{r}.log go (default: this stdout)")
+    parser.add_argument("--module", default=WORKER, help="the module whose main(args) each rank runs")
     parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="-- then the worker's arguments")
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     worker_args = args.worker_args[1:] if args.worker_args[:1] == ["--"] else args.worker_args
     if args.nproc < 1:
         parser.error(f"--nproc={args.nproc} must be >= 1")
-    return launch_ranks(args.nproc, args.log_dir, worker_args)
+    return launch_ranks(args.nproc, args.log_dir, worker_args, args.module)
 
 
 if __name__ == "__main__":
