@@ -349,3 +349,16 @@ def test_key_number_of_compare_metrics() -> None:
     layout, logits, generation = compare_format_cell().checks
     assert (key_number(layout), key_number(logits), key_number(generation)) == ("problems 2", "KL 2.5", "div@1 p0")
     assert key_number(CheckResult("layout", Verdict.PASS, "", {"problems": []})) == ""
+
+
+def test_suspect_names_a_check_that_locates_itself_without_the_not_localized_prefix() -> None:
+    from harness.report.matrix import suspect_text
+
+    def cell(name: str, reason: str) -> CellResult:
+        return CellResult(suite="spec", model="tiny-gqa", topology="tp2-draft", fault=None, seed=0,
+                          checks=(CheckResult("inputs", Verdict.PASS, "same"), CheckResult(name, Verdict.FAIL, reason)),
+                          clean_exit=True)
+
+    step = "prompt 1, verify step 3: proposed [5, 6, 7], accepted 1 vs 3"
+    assert suspect_text(cell("acceptance", step)) == f"acceptance: {step}"
+    assert suspect_text(cell("logits_decode", "max KL 3e-1")) == "not localized; logits_decode: max KL 3e-1"

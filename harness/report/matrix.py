@@ -163,11 +163,18 @@ def localization_text(loc: Localization) -> str:
 
 
 def suspect_text(cell: CellResult) -> str:
-    """Where a failing cell's corruption is: its localization, else its first failed check."""
+    """Where a failing cell's corruption is: its localization, else its first failed check (whose reason
+    names the place itself, e.g. acceptance's first differing verify step or layout's first problem;
+    "not localized" only where a parity check failed and no layer could be named)."""
+    from harness.compare.cell import PARITY_CHECKS
+
     if cell.localization:
         return localization_text(cell.localization)
     failed = [c for c in cell.checks if c.verdict is Verdict.FAIL]
-    return f"not localized; {failed[0].name}: {failed[0].reason}" if failed else "not localized"
+    if not failed:
+        return "not localized"
+    first = failed[0]
+    return f"{'not localized; ' if first.name in PARITY_CHECKS else ''}{first.name}: {first.reason}"
 
 
 def _cell_key(cell: CellResult) -> tuple[str, str, str, str | None]:
