@@ -3,17 +3,13 @@ compare -> CellResults. Stages talk through run directories (harness/artifacts.p
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import shlex
-import shutil
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from harness.artifacts import RunArtifacts, read_run
+from harness.artifacts import RunArtifacts
 from harness.backends.registry import DEFAULT_ENGINE, get_backend
 from harness.backends.base import backend_record
 from harness.checks.context import CellContext, CellInfo
@@ -30,6 +26,7 @@ from harness.errors import ConfigError, HarnessError, RunError
 from harness.jsonio import read_json
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.layout import plan_layout, plan_speculator
+from harness.refcache import ReferenceCache, ReferenceFailed
 from harness.report.provenance import collect_provenance, git_commit
 from harness.validate import load_run, validate_artifacts
 from harness.multinode import NodeLaunch, Nodes, run_on_nodes
@@ -95,19 +92,6 @@ class CellPlan:
         return f"{self.model.name}/{self.topology.name}{'-' + self.fault if self.fault else ''}/seed{self.seed}"
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("HARNESS_CACHE_DIR", Path.home() / ".cache" / "llm-parallel-harness"))
-
-
-PARTIAL_SUFFIX = ".partial"  # a reference run still being written into the cache (renamed when done)
-
-
-def partial_dirs(cache_dir: Path, pid: int | None = None) -> list[Path]:
-    """The staging folders in the reference cache: all of them, or only those of process `pid`."""
-    pattern = f"*.{pid}{PARTIAL_SUFFIX}" if pid is not None else f"*{PARTIAL_SUFFIX}"
-    return sorted(p for p in (cache_dir / "runs").glob(pattern) if p.is_dir())
-
-
 def seeded(model: ModelSpec, seed: int) -> ModelSpec:
     """A run seed also reseeds synthetic weights, so seeds cover different models, not only prompts."""
     return replace(model, seed=model.seed + seed) if model.source == "synthetic" else model
@@ -171,6 +155,7 @@ class Runner:
         self._tokenizers: dict[str, Tokenizer] = {}
         self.backend = get_backend(req.engine)  # the parallel runs
         self.ref_backend = get_backend(req.ref_engine)  # the reference and its noise twin
+        self.cache = ReferenceCache(req.cache_dir, self.ref_backend, req.timeout_s, progress)
         self.finished: list[CellResult] = []  # the cells done so far (what an interrupted run reports)
 
     def job(self, model: ModelSpec, topo: Topology, fault: str | None, seed: int, out_dir: Path,
@@ -188,52 +173,17 @@ class Runner:
     def _cached(self, model: ModelSpec, seed: int, dtype: str, topo: Topology, repeat: bool = False,
                 perturbation: str | None = None, fault: str | None = None) -> RunArtifacts:
         """A reference-topology run of `model` in `dtype` on the reference engine, from the
-        content-keyed cache or launched now; `repeat` is a second, independent run of the same job;
-        `perturbation` an engine perturbation of the reduction order (the reduction-order noise run)."""
+        content-keyed cache (harness/refcache.py) or launched now; `repeat` is a second, independent run
+        of the same job; `perturbation` an engine perturbation of the reduction order (the noise run)."""
         job = self.job(model, topo, perturbation or fault, seed, Path("."), dtype)
         if repeat:  # the scheduling-noise twin: the same cases sent one at a time (GSM8K is not noise)
             job = replace(job, schedule=SCHEDULE_SEQUENTIAL, gsm8k=None)
-        backend = self.ref_backend
-        content = {k: v for k, v in job.__dict__.items() if k not in ("out_dir", "git_commit", "collective_timeout_s")}
-        # keyed by what produces the artifacts (the job and the backend's identity: engine, version,
-        # weights), never by the compare code: editing a check keeps every cached reference
-        key = hashlib.sha256(json.dumps({"job": content, "backend": backend.identity(job), "repeat": repeat},
-                                        sort_keys=True, default=str).encode())
-        engine = "" if backend.name == DEFAULT_ENGINE else f"{backend.name}-"
-        run_dir = (self.req.cache_dir / "runs" /
-                   f"{engine}{model.name}-{topo.name}-{dtype}{'-r' if repeat else ''}"
-                   f"{'-' + (perturbation or fault) if perturbation or fault else ''}-{key.hexdigest()[:16]}")
         label = (f"{'noise' if perturbation else 'reference'} {model.name} {topo.name} {dtype} seed {seed}"
-                 + (f" ({backend.name})" if engine else "") + (f" with shared fault {fault}" if fault else ""))
-        if (run_dir / "manifest.json").exists():
-            try:
-                cached = read_run(run_dir)
-            except RunError as exc:  # a damaged cache entry is launched again, never trusted
-                self.progress(f"  {label}: cache entry unreadable ({exc}); running again")
-                cached = None
-            if cached is not None and cached.ok and not validate_artifacts(cached):
-                self.progress(f"  {label}: cached ({run_dir})")
-                os.utime(run_dir)  # last used now: `harness cache prune` goes by this
-                return cached
-            shutil.rmtree(run_dir, ignore_errors=True)
-        self.progress(f"  {label}: running")
-        # launched into a private folder and renamed into place, so two runs sharing a cache never
-        # write into one folder; a folder that is there by then is another run's identical result
-        staging = run_dir.with_name(f"{run_dir.name}.{os.getpid()}{PARTIAL_SUFFIX}")
-        result = backend.run(replace(job, out_dir=str(staging)), self.req.timeout_s)
-        if not result.ok:
-            raise ReferenceFailed(f"reference run of {model.name} ({dtype}) failed: {result.error}", staging)
-        try:
-            staging.rename(run_dir)  # only successful runs ever sit at run_dir
-        except OSError:  # another run renamed its identical result into place first
-            shutil.rmtree(staging, ignore_errors=True)
-        run, problems = load_run(run_dir)
-        if run is not None:
-            problems = validate_artifacts(run)
-        if run is None or problems:
-            raise ReferenceFailed(f"reference run of {model.name} ({dtype}) breaks the artifacts contract: "
-                                  f"{problems[0]}", run_dir)
-        return run
+                 + (f" ({self.ref_backend.name})" if self.ref_backend.name != DEFAULT_ENGINE else "")
+                 + (f" with shared fault {fault}" if fault else ""))
+        name = (f"{model.name}-{topo.name}-{dtype}{'-r' if repeat else ''}"
+                f"{'-' + (perturbation or fault) if perturbation or fault else ''}")
+        return self.cache.get(job, name, label, repeat)
 
     def references(self, model: ModelSpec, seed: int, speculator: str = "none",
                    fault: str | None = None) -> tuple[RunArtifacts, RunArtifacts | None]:
@@ -384,12 +334,6 @@ class Runner:
                 "backends": {"parallel": backend_record(self.backend), "reference": backend_record(self.ref_backend)},
                 **({"shard": str(self.req.shard)} if self.req.shard else {}),
                 **({"nnodes": self.req.nodes.nnodes} if self.req.nodes else {})}
-
-
-class ReferenceFailed(HarnessError):
-    def __init__(self, message: str, run_dir: Path) -> None:
-        super().__init__(message)
-        self.run_dir = run_dir
 
 
 def format_tails(tails: dict[str, str]) -> str:

@@ -67,7 +67,7 @@ VERSION_CODE = ("import importlib.metadata as m, sys\n"
 
 def export_dir(model: ModelSpec) -> Path:
     """Where the HF export of a non-HF model is cached (keyed by its spec)."""
-    from harness.runner import default_cache_dir
+    from harness.refcache import default_cache_dir
 
     key = hashlib.sha256(json.dumps(model.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
     return default_cache_dir() / "exports" / f"{model.name}-{key}"

@@ -66,7 +66,7 @@ def _size(path: Path) -> int:
 
 
 def entries(cache_dir: Path) -> list[Entry]:
-    from harness.runner import PARTIAL_SUFFIX
+    from harness.refcache import PARTIAL_SUFFIX
 
     runs = cache_dir / "runs"
     if not runs.is_dir():
@@ -83,7 +83,7 @@ def _age(days: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.runner import default_cache_dir
+    from harness.refcache import default_cache_dir
 
     cache_dir: Path = args.cache_dir or default_cache_dir()
     found, now = entries(cache_dir), time.time()

@@ -94,7 +94,8 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     from harness.engine.weights import validate_checkpoint
     from harness.gsm8k.data import resolve_source
     from harness.gsm8k.settings import gsm8k_settings
-    from harness.runner import RunRequest, default_cache_dir
+    from harness.refcache import default_cache_dir
+    from harness.runner import RunRequest
 
     suite = with_profile(load_suite(args.suite), args.profile)
     catalog = load_catalog()
@@ -187,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from harness.cli.signals import exit_status
     from harness.errors import Interrupted
-    from harness.runner import Runner, partial_dirs, plan_cells
+    from harness.refcache import partial_dirs
+    from harness.runner import Runner, plan_cells
     from harness.report import render_all
     from harness.report.results import exit_code
     from harness.report.text import print_matrix
