@@ -23,20 +23,18 @@ from harness.artifacts import RunArtifacts, read_run
 from harness.backends.registry import DEFAULT_ENGINE
 from harness.contract import Backend, Job
 from harness.errors import HarnessError, RunError
+from harness.paths import default_cache_dir
 from harness.validate import load_run, validate_artifacts
 
 PARTIAL_SUFFIX = ".partial"  # a reference run still being written into the cache (renamed when done)
 _UNKEYED = ("out_dir", "git_commit", "collective_timeout_s")  # job fields that do not change the artifacts
+__all__ = ["PARTIAL_SUFFIX", "ReferenceCache", "ReferenceFailed", "default_cache_dir", "partial_dirs"]
 
 
 class ReferenceFailed(HarnessError):
     def __init__(self, message: str, run_dir: Path) -> None:
         super().__init__(message)
         self.run_dir = run_dir
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("HARNESS_CACHE_DIR", Path.home() / ".cache" / "llm-parallel-harness"))
 
 
 def partial_dirs(cache_dir: Path, pid: int | None = None) -> list[Path]:

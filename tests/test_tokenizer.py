@@ -152,6 +152,24 @@ def test_gguf_tokenizer_matches_transformers(smollm2_tokenizers: tuple[Tokenizer
     assert ours.encode("<|im_start|>user")[0] == 1  # control tokens stay whole
 
 
+def test_gguf_tokenizer_from_the_conversion_cache_equals_a_fresh_parse(
+        smollm2_tokenizers: tuple[TokenizersTokenizer, Any]) -> None:
+    """load_tokenizer reads the converted tokenizer (harness/engine/gguf_cache.py), not the GGUF's 49k-entry
+    metadata; it must be the same tokenizer as parsing the file now."""
+    from harness.engine.checkpoint import checkpoint_path
+    from harness.engine.gguf_cache import cache_folder
+    from harness.engine.tokenizer import parse_gguf_tokenizer
+
+    ours, _ = smollm2_tokenizers
+    path = checkpoint_path(load_model("smollm2-135m"))
+    assert (cache_folder(path) / "tokenizer.json").is_file()
+    fresh = parse_gguf_tokenizer(path)
+    assert (fresh.bos_id, fresh.eos_id, fresh.vocab_size, fresh.chat_template) == \
+        (ours.bos_id, ours.eos_id, ours.vocab_size, ours.chat_template)
+    for text in [*SENTENCES, "<|im_start|>user\nhi<|im_end|>"]:
+        assert fresh.encode(text) == ours.encode(text), text
+
+
 def test_gguf_chat_template_matches_transformers(smollm2_tokenizers: tuple[TokenizersTokenizer, Any]) -> None:
     ours, theirs = smollm2_tokenizers
     for chat in (CHAT, CHAT[1:]):

@@ -189,6 +189,32 @@ def test_gguf_quantized_q_and_k_are_dequantized_and_unpermuted(tmp_path: Path) -
     assert torch.equal(loaded["layers.0.v.weight"], weights["layers.0.v.weight"])
 
 
+def test_gguf_conversion_is_cached_per_file_and_equals_a_fresh_dequantize(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF is dequantized once into CACHE/gguf (harness/engine/gguf_cache.py); later loads read the
+    converted safetensors, bit-identical to a fresh dequantize; a rewritten file gets a new entry."""
+    import os
+
+    from harness.engine.gguf_cache import cache_folder
+    from harness.engine.weights import dequantize_gguf_file
+
+    monkeypatch.setenv("HARNESS_CACHE_DIR", str(tmp_path / "cache"))
+    spec = dataclasses.replace(SMALL, tied_embeddings=True)
+    weights = load_weights(spec)
+    path = write_gguf(tmp_path / "m.gguf", spec, weights, "llama", quantize_qk=True)
+    gguf_spec = spec_from_checkpoint(path)
+    first = load_weights(gguf_spec)
+    (converted,) = cache_folder(path).glob("weights-*.safetensors")
+    second = load_weights(gguf_spec)
+    fresh = dequantize_gguf_file(gguf_spec, path)
+    assert sorted(first) == sorted(second) == sorted(fresh)
+    assert all(torch.equal(first[k], fresh[k]) and torch.equal(second[k], fresh[k]) for k in fresh)
+    assert not list(cache_folder(path).glob(".*.tmp"))  # nothing half-written left behind
+    folder = cache_folder(path)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000_000))
+    assert cache_folder(path) != folder and converted.is_file()
+
+
 @pytest.fixture(scope="module")
 def smollm2_model() -> Any:
     """transformers' LlamaForCausalLM loaded from the smollm2 GGUF (about 15 s)."""

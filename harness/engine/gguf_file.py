@@ -20,13 +20,17 @@ def open_gguf(path: Path) -> Any:
     Readers are cached per (path, mtime, size): parsing the metadata of a 49k-token vocabulary takes seconds,
     and a spec, its weights and its tokenizer each open the same file.
     """
-    if not path.is_file():
-        raise ConfigError(f"GGUF file {path} does not exist")
+    require_file(path)
     stat = path.stat()
     try:
         return _reader(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
     except (ValueError, OSError, IndexError, KeyError) as exc:
         raise ConfigError(f"GGUF file {path} is not a readable GGUF file: {exc}") from exc
+
+
+def require_file(path: Path) -> None:
+    if not path.is_file():
+        raise ConfigError(f"GGUF file {path} does not exist")
 
 
 @functools.lru_cache(maxsize=4)

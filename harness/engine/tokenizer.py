@@ -7,6 +7,7 @@ assistant turn opened (add_generation_prompt=True).
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, Sequence
@@ -202,8 +203,8 @@ def _check_gguf_tokenizer(reader: Any, path: Path) -> None:
                           f"{', '.join(GGUF_GPT2_PRE_TOKENIZERS)}); use a checkpoint folder with tokenizer.json")
 
 
-def gguf_tokenizer(path: Path) -> TokenizersTokenizer:
-    """The vocabulary embedded in a GGUF file as a tokenizer (gpt2-style byte-level BPE)."""
+def parse_gguf_tokenizer(path: Path) -> TokenizersTokenizer:
+    """The vocabulary embedded in a GGUF file as a tokenizer (gpt2-style byte-level BPE), parsed now."""
     reader = open_gguf(path)
     _check_gguf_tokenizer(reader, path)
     tokens = list(field(reader, "tokenizer.ggml.tokens"))
@@ -212,6 +213,24 @@ def gguf_tokenizer(path: Path) -> TokenizersTokenizer:
     return TokenizersTokenizer(backend, eos_id=field(reader, "tokenizer.ggml.eos_token_id", None),
                                bos_id=field(reader, "tokenizer.ggml.bos_token_id", None),
                                chat_template=field(reader, "tokenizer.chat_template", None), source=str(path))
+
+
+def gguf_tokenizer(path: Path) -> TokenizersTokenizer:
+    """As parse_gguf_tokenizer, converted once per file into the GGUF cache (harness/engine/gguf_cache.py):
+    tokenizers' own JSON plus the special ids and the chat template."""
+    from tokenizers import Tokenizer as Backend
+
+    from harness.engine.gguf_cache import converted
+
+    def build(tmp: Path) -> None:
+        parsed = parse_gguf_tokenizer(path)
+        ids = {k: None if v is None else int(v) for k, v in (("eos_id", parsed.eos_id), ("bos_id", parsed.bos_id))}
+        tmp.write_text(json.dumps({"tokenizer": parsed.backend.to_str(), **ids,
+                                   "chat_template": parsed.chat_template}))
+
+    doc = json.loads(converted(path, "tokenizer.json", build).read_text())
+    return TokenizersTokenizer(Backend.from_str(doc["tokenizer"]), eos_id=doc["eos_id"], bos_id=doc["bos_id"],
+                               chat_template=doc["chat_template"], source=str(path))
 
 
 def load_tokenizer(spec: ModelSpec) -> Tokenizer:

@@ -7,6 +7,7 @@ shipped inside pip packages. Q/K rows always follow the Hugging Face rotate_half
 from __future__ import annotations
 
 import hashlib
+import json
 import zlib
 from pathlib import Path
 from typing import Iterator
@@ -229,6 +230,21 @@ def _gguf_canonical(name: str, arch: str, path: Path) -> str | None:
 
 
 def load_gguf_file(spec: ModelSpec, path: Path) -> dict[str, torch.Tensor]:
+    """dequantize_gguf_file, converted once per (file, spec) into the GGUF cache (harness/engine/gguf_cache.py)
+    as float32 safetensors, and read from there."""
+    from safetensors.torch import load_file, save_file
+
+    from harness.engine.gguf_cache import converted
+
+    spec_key = hashlib.sha256(json.dumps(spec.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def build(tmp: Path) -> None:  # safetensors wants contiguous tensors that share no storage (tied embeddings)
+        save_file({k: v.contiguous().clone() for k, v in dequantize_gguf_file(spec, path).items()}, str(tmp))
+
+    return load_file(str(converted(path, f"weights-{spec_key}.safetensors", build)))
+
+
+def dequantize_gguf_file(spec: ModelSpec, path: Path) -> dict[str, torch.Tensor]:
     """Canonical float32 weights dequantized from a llama / qwen2 GGUF file (Q/K rows un-permuted for llama)."""
     reader = open_gguf(path)
     arch = architecture(reader)
