@@ -98,3 +98,18 @@ def test_prune_needs_a_positive_age(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_empty_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["cache", "--cache-dir", str(tmp_path / "none"), "list"]) == 0
     assert "is empty" in capsys.readouterr().out
+
+
+def test_gguf_conversions_and_exports_are_entries_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A converted GGUF (CACHE/gguf) and an HTTP export (CACHE/exports) are listed and pruned like runs."""
+    cache = tmp_path / "cache"
+    old, new = cache / "gguf" / "model-0123456789abcdef", cache / "exports" / "tiny-hd64-fedcba9876543210"
+    for folder, days in ((old, 30), (new, 0)):
+        folder.mkdir(parents=True)
+        (folder / "weights.safetensors").write_bytes(b"x" * 1000)
+        _age(folder, days)
+    assert main(["cache", "--cache-dir", str(cache), "list"]) == 0
+    out = capsys.readouterr().out
+    assert "gguf/model-0123456789abcdef" in out and "exports/tiny-hd64-fedcba9876543210" in out
+    assert main(["cache", "--cache-dir", str(cache), "prune", "--older-than", "7"]) == 0
+    assert not old.exists() and new.exists()

@@ -1,7 +1,8 @@
 """`harness cache list|size|prune`: the reference-run cache (default $HARNESS_CACHE_DIR or
 ~/.cache/llm-parallel-harness), so it does not grow forever on a nightly box.
 
-Each entry is one reference run under CACHE/runs/. Its age is the time since it was last written or
+Each entry is one reference run under CACHE/runs/, one converted GGUF file under CACHE/gguf/ (its
+tokenizer and float32 weights) or one model exported for an HTTP engine under CACHE/exports/. Its age is the time since it was last written or
 reused (a run that takes an entry from the cache marks it used). Entries still being written
 (`*.<pid>.partial`) belong to the live process <pid> and are never pruned while it runs.
 """
@@ -20,6 +21,7 @@ from harness.cli.checks import positive_float
 from harness.fmt import human_bytes, table
 
 DAY_S = 86400.0
+KINDS: tuple[str, ...] = ("runs", "gguf", "exports")  # the cache's sub-folders, one entry per folder inside
 
 
 def add_parser(sub: Any) -> None:
@@ -68,13 +70,14 @@ def _size(path: Path) -> int:
 def entries(cache_dir: Path) -> list[Entry]:
     from harness.refcache import PARTIAL_SUFFIX
 
-    runs = cache_dir / "runs"
-    if not runs.is_dir():
-        return []
     found = []
-    for path in sorted(p for p in runs.iterdir() if p.is_dir()):
-        found.append(Entry(path=path, bytes=_size(path), last_used=path.stat().st_mtime,
-                           partial=path.name.endswith(PARTIAL_SUFFIX)))
+    for kind in KINDS:
+        folder = cache_dir / kind
+        if not folder.is_dir():
+            continue
+        for path in sorted(p for p in folder.iterdir() if p.is_dir()):
+            found.append(Entry(path=path, bytes=_size(path), last_used=path.stat().st_mtime,
+                               partial=path.name.endswith(PARTIAL_SUFFIX)))
     return found
 
 
@@ -89,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     found, now = entries(cache_dir), time.time()
     total = sum(e.bytes for e in found)
     if args.action == "list":
-        rows = [[e.path.name, human_bytes(e.bytes), _age(e.age_days(now)),
+        rows = [[f"{e.path.parent.name}/{e.path.name}", human_bytes(e.bytes), _age(e.age_days(now)),
                  ("being written" if e.in_use() else "partial (abandoned)") if e.partial else "ok"] for e in found]
         print(table(["entry", "size", "last used", "state"], rows) if rows else f"cache {cache_dir} is empty")
         print(f"{len(found)} entr{'y' if len(found) == 1 else 'ies'}, {human_bytes(total)} in {cache_dir}")

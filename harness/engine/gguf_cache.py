@@ -34,6 +34,7 @@ def converted(path: Path, name: str, build: Callable[[Path], None]) -> Path:
     """The cached file `name` derived from the GGUF at `path`; `build(tmp)` writes it when absent."""
     target = cache_folder(path) / name
     if target.is_file():
+        os.utime(target.parent)  # last used now: `harness cache prune` goes by this
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{name}.{os.getpid()}.tmp")
