@@ -80,6 +80,18 @@ def full_gsm8k() -> Path:
 
 
 @pytest.fixture(scope="session")
+def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One reference cache for every test that only reads what it gets from it: entries are keyed by
+    content and written under a private name then renamed (harness/refcache.py), so xdist workers share
+    it safely and a reference the shipped dcp suite needs is launched once per session, not per test."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # shared by the workers of a session
+    path = root / "shared-reference-cache"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
 def run_cache(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, str | None], RunArtifacts]:
     return {}
 

@@ -25,8 +25,8 @@ prompts: ["The capital of France is", "Q: 17 + 25 = ?"]
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+def cache_dir(shared_cache: Path) -> Path:
+    return shared_cache
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from harness.cli import main
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("spec-cache")
+def cache_dir(shared_cache: Path) -> Path:
+    return shared_cache
 
 
 def _cells(out: Path) -> list[dict]:

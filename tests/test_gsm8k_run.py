@@ -38,8 +38,8 @@ def suite_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("gsm8k-cache")
+def cache_dir(shared_cache: Path) -> Path:
+    return shared_cache
 
 
 def _cell(out: Path) -> dict:

@@ -18,7 +18,7 @@ FAULT = ["--fault", "dcp-lse-merge"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def runs(tmp_path_factory: pytest.TempPathFactory, shared_cache: Path) -> dict[str, Path]:
     """Three real runs, clean / faulted / clean, recorded by `harness run --history` with one build label."""
     root = tmp_path_factory.mktemp("history")
     db = root / "flaky.db"
@@ -28,7 +28,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     try:
         for name, extra, code in (("r1", [], 0), ("r2", FAULT, 1), ("r3", [], 0)):
             out[name] = root / name
-            assert main(["run", *CELL, *extra, "--out", str(out[name]), "--cache-dir", str(root / "cache"),
+            assert main(["run", *CELL, *extra, "--out", str(out[name]), "--cache-dir", str(shared_cache),
                          "--history", str(db)]) == code
     finally:
         mp.undo()

@@ -27,8 +27,8 @@ def suite_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("http-gsm8k-cache")
+def cache_dir(shared_cache: Path) -> Path:
+    return shared_cache
 
 
 def _run(out: Path, suite_file: Path, cache_dir: Path, *extra: str) -> tuple[int, dict]:

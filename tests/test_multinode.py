@@ -46,8 +46,8 @@ def _verdicts(out: Path) -> list[tuple[str, str, str]]:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("multinode-cache")
+def cache(shared_cache: Path) -> Path:
+    return shared_cache
 
 
 @pytest.mark.timeout(1500)  # three 4-rank launches on a shared 2-core machine

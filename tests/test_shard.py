@@ -70,8 +70,8 @@ def _comparable(results: Path) -> dict[tuple[Any, ...], Any]:
     return out
 
 
-def test_two_shards_merged_equal_the_single_run(tmp_path: Path) -> None:
-    cache = str(tmp_path / "cache")
+def test_two_shards_merged_equal_the_single_run(tmp_path: Path, shared_cache: Path) -> None:
+    cache = str(shared_cache)
     base = ["run", "--suite", "dcp", "--topo", "tp2,tp2dcp2", "--model", "tiny-gqa", "--cache-dir", cache]
     assert main([*base, "--out", str(tmp_path / "single")]) == 0
     assert main([*base, "--shard", "1/2", "--out", str(tmp_path / "s1")]) == 0

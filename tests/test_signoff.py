@@ -14,13 +14,13 @@ MATRIX = ["--suite", "dcp", "--topo", "tp2dcp2,tp2", "--model", "tiny-gqa"]
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def builds(tmp_path_factory: pytest.TempPathFactory, shared_cache: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("signoff")
     runs = {"baseline": ([], 0), "faulted": (["--fault", "dcp-lse-merge"], 1), "unchanged": ([], 0)}
     out = {}
     for name, (extra, code) in runs.items():
         out[name] = root / name
-        assert main(["run", *MATRIX, *extra, "--out", str(out[name]), "--cache-dir", str(root / "cache")]) == code
+        assert main(["run", *MATRIX, *extra, "--out", str(out[name]), "--cache-dir", str(shared_cache)]) == code
     return out
 
 
