@@ -16,6 +16,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 TEST_LAUNCH_TIMEOUT_S = 900.0  # the harness's own default: at load ~15 on 2 cores a SmolLM2 reference took > 420 s
 TEST_LAUNCHES_PER_TEST = 4
 os.environ.setdefault("HARNESS_LAUNCH_TIMEOUT_S", str(TEST_LAUNCH_TIMEOUT_S))
+# Under pytest-xdist every worker's launches share the machine's cores: one intra-op thread per rank, so
+# two workers' launches never oversubscribe them (each launch would otherwise assume it owns every core).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("HARNESS_THREADS_PER_PROCESS", "1")
 
 GSM8K_FIXTURE = Path(__file__).resolve().parent / "data" / "gsm8k"
 GSM8K_FULL_TEST_QUESTIONS = 1319

@@ -22,8 +22,14 @@ def test_override_wins_and_bad_override_is_a_config_error() -> None:
     for bad in ("0", "-1", "two"):
         with pytest.raises(ConfigError, match=THREADS_ENV):
             threads_per_process(1, 2, bad)
-    assert thread_env(1, {THREADS_ENV: "1"}) == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    assert thread_env(1, {THREADS_ENV: "1"}) == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                                                 "OMP_WAIT_POLICY": "PASSIVE"}
     assert thread_env(2, {})["OMP_NUM_THREADS"] == str(max(1, available_cores() // 2))
+
+
+def test_idle_openmp_threads_sleep_unless_the_user_says_otherwise() -> None:
+    assert thread_env(1, {})["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert thread_env(1, {"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
 def test_launched_rank_runs_with_the_set_thread_count(tmp_path: Path) -> None:
