@@ -6,11 +6,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+
 import torch
 
+from harness.contract import Job
 from harness.engine.worker import INJECT_ENV
-from harness.launch import LAUNCHER_ENV
-from tests.conftest import launch_run
+from harness.jsonio import write_json
+from harness.launch import LAUNCHER_ENV, _descendants
+from harness.specs.model import load_model
+from harness.specs.topology import parse_topology_name
+from tests.conftest import TEST_PROMPTS, launch_run
 
 
 def test_crashed_rank_is_an_error_with_log_tails(tmp_path: Path) -> None:
@@ -43,3 +54,31 @@ def test_fork_launcher_and_torchrun_give_the_same_run(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "fork" / "ranks").glob("rank*.log")) == ["rank0.log", "rank1.log"]
     assert sorted(p.parent.name for p in (tmp_path / "torchrun" / "torchrun").glob("**/attempt_*/*/stdout.log")) \
         == ["0", "1"]
+
+
+def test_sigterm_to_the_fork_launcher_stops_every_rank(tmp_path: Path) -> None:
+    """`kill PID` of the launcher alone (as a process manager stops `harness serve`): it passes the signal
+    on to its ranks, reaps them and exits 128 + SIGTERM; no rank is left running."""
+    job = Job(model=load_model("tiny-gqa").to_dict(), topology=parse_topology_name("tp2").to_dict(),
+              prompts=TEST_PROMPTS, out_dir=str(tmp_path / "run"), max_new_tokens=4, collective_timeout_s=300)
+    write_json(tmp_path / "job.json", asdict(job))
+    proc = subprocess.Popen([sys.executable, "-m", "harness.engine.forkrun", "--nproc=2",
+                             f"--log-dir={tmp_path / 'ranks'}", "--", str(tmp_path / "job.json")],
+                            env={**os.environ, INJECT_ENV: "hang:1"}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "injected failure: hang on rank 1" not in _read(tmp_path / "ranks" / "rank1.log"):
+            assert proc.poll() is None and time.monotonic() < deadline, "rank 1 never reached its hang"
+            time.sleep(0.2)
+        ranks = _descendants(proc.pid)
+        assert len(ranks) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert [pid for pid in ranks if Path(f"/proc/{pid}").exists()] == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
