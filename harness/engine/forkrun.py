@@ -51,7 +51,7 @@ def _rank_main(rank: int, world: int, port: int, log_dir: Path | None, module: s
     try:
         code = importlib.import_module(module).main(worker_args)
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # the traceback goes to the rank's log, as under torchrun
         traceback.print_exc()
         code = 1
