@@ -6,8 +6,9 @@ Relative L2 error, in float64, of the parallel run against the reference:
 - attention output attn.{i} [L, P, heads, head_dim]: per layer and head, the same over head_dim.
 Before that, the collectives (harness/compare/collectives.py): the first (layer, site) in execution
 order whose output on some rank differs from an exact float64 recompute from its inputs beyond what
-rounding in the model dtype allows names the communication step and its ranks. The noise floor is the same error of the noise run
-(the reference topology with another reduction order) against the reference; a value diverges above max(rel_floor, factor x noise) (per hidden index; per layer for
+rounding in the model dtype allows names the communication step and its ranks. The noise floor is
+the same error of the noise run (the reference topology with another reduction order) against the
+reference; a value diverges above max(rel_floor, factor x noise) (per hidden index; per layer for
 heads, the noise being the layer's largest head error). Non-finite errors count as diverging.
 """
 
