@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -42,6 +43,13 @@ def launcher_choice(device: str, multi_node: bool, setting: str | None) -> str:
     if device != "cpu" or multi_node:
         return "torchrun"
     return setting or "fork"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def rendezvous_args(world_size: int, nodes: "NodeLaunch | None") -> list[str]:

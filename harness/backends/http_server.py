@@ -5,7 +5,6 @@ started (on cell end, error, Ctrl-C and SIGTERM: the caller's `with` block exits
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from contextlib import contextmanager
@@ -16,17 +15,12 @@ from typing import Iterator
 import httpx
 
 from harness.errors import RunError
-from harness.launch import stop_process_tree
+from harness.launch import free_port, stop_process_tree
+
+__all__ = ["Server", "ServerError", "free_port", "log_tail", "running_server", "wait_ready"]
 
 LOG_TAIL_LINES = 40
 POLL_S = 0.5
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:

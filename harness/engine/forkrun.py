@@ -20,22 +20,17 @@ import argparse
 import importlib
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Sequence
 
+from harness.launch import free_port
+
 STOP_GRACE_S = 10.0
 WORKER = "harness.engine.worker"
 FAILURE_LINE = "first failure: rank {rank} exited with code {code}"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank_main(rank: int, world: int, port: int, log_dir: Path | None, module: str, worker_args: list[str]) -> int:
