@@ -18,6 +18,12 @@ import torch.distributed as dist
 from harness.errors import RunError
 from harness.layout import dcp_members_of
 
+# gloo's all_reduce and all_gather of a small tensor take 1.5-24 ms at 2-8 ranks on a 2-core machine (its ring
+# algorithms hand each step between several threads), a gather to the group's first member and one broadcast
+# 0.5-3 ms; from a few MiB up the ring wins (benchmarks/bench_collectives.py). So on gloo, messages up to this
+# size (every decode step of a small model) take the star path; nccl always keeps its own collectives.
+STAR_MAX_BYTES = 256 * 1024
+
 
 @dataclass
 class ParallelState:
@@ -103,9 +109,19 @@ class Collectives:
         return self._state.dcp_rank
 
     def reduce_tp(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum partial results of a row-parallel projection over the TP group."""
-        if self._state.distributed:
+        """Sum partial results of a row-parallel projection over the TP group (in place; returns x)."""
+        if not self._state.distributed:
+            return x
+        if not self._star(x):
             dist.all_reduce(x, group=self._state.tp_group)
+            return x
+        parts = self._star_gather(x, self._state.tp_group, self._state.tp, to_all=False)
+        if parts is not None:  # the group's first member sums in member order, rounding in x's dtype per add
+            total = parts[0].clone()
+            for part in parts[1:]:
+                total += part
+            x.copy_(total)
+        dist.broadcast(x, src=dist.get_global_rank(self._state.tp_group, 0), group=self._state.tp_group)
         return x
 
     def gather_tp(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -120,10 +136,29 @@ class Collectives:
         """[dcp, *x.shape]: every DCP-group member's `x`, in member order."""
         return self.gather_dcp(x.unsqueeze(0), dim=0)
 
+    def _star(self, x: torch.Tensor) -> bool:
+        """Whether a collective on `x` takes the star path (gloo, small message; see STAR_MAX_BYTES)."""
+        return x.device.type == "cpu" and x.numel() * x.element_size() <= STAR_MAX_BYTES
+
     @staticmethod
-    def _gather(x: torch.Tensor, dim: int, group: Any, size: int) -> torch.Tensor:
+    def _star_gather(x: torch.Tensor, group: Any, size: int, to_all: bool = True) -> torch.Tensor | None:
+        """[size, *x.shape]: every member's `x` in member order, gathered at the group's first member and
+        (with `to_all`) broadcast to the others; without `to_all`, None except on the first member."""
+        root = dist.get_global_rank(group, 0)
+        stacked = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
+        mine = dist.get_rank() == root
+        dist.gather(x.contiguous(), list(stacked.unbind(0)) if mine else None, dst=root, group=group)
+        if to_all:
+            dist.broadcast(stacked, src=root, group=group)
+        return stacked if to_all or mine else None
+
+    def _gather(self, x: torch.Tensor, dim: int, group: Any, size: int) -> torch.Tensor:
         if size == 1:
             return x
+        if self._star(x):
+            stacked = self._star_gather(x, group, size)  # [size, *x.shape]
+            assert stacked is not None
+            return torch.cat(stacked.unbind(0), dim=dim)
         parts = [torch.empty_like(x) for _ in range(size)]
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=dim)
