@@ -55,18 +55,34 @@ def refuse_unsupported(attention_backend: str, dcp: int) -> None:
                           f"attention backend no-lse does not (dcp={dcp} refused)")
 
 
-def serve_argv(config_json: str, world_size: int, launcher: str = "torchrun") -> list[str]:
-    """The command that starts every rank: one plain process at world size 1, else the fork launcher
-    or torchrun (harness.launch.launcher_choice). The ranks write to this process's stdout/stderr
-    (the server log)."""
-    worker = ["-m", "harness.serve.worker", config_json]
-    if world_size == 1:
-        return [sys.executable, *worker]
-    if launcher == "fork":
-        return [sys.executable, "-m", "harness.engine.forkrun", f"--nproc={world_size}",
-                "--module=harness.serve.worker", "--", config_json]
+SERVE_WORKER = "harness.serve.worker"
+
+
+def torchrun_argv(config_json: str, world_size: int) -> list[str]:
+    """torchrun starting every rank of the server (CUDA, or HARNESS_LAUNCHER=torchrun); the ranks write
+    to this process's stdout/stderr (the server log)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-            "--max-restarts=0", *worker]
+            "--max-restarts=0", "-m", SERVE_WORKER, config_json]
+
+
+def start_ranks(config_json: str, world_size: int, launcher: str) -> int:
+    """Run the server's ranks from this process: the worker itself at world size 1, the ranks forked
+    from here by the fork launcher, else torchrun replacing this process. In every case signals reach
+    the process that stops the ranks. This interpreter has imported torch and the engine already, so
+    running in it (not exec'ing a fresh one that imports them again) halves a CPU server's start: tiny-gqa
+    at tp1 was ready after ~6 s, about half of it the second `import torch`."""
+    sys.stdout.flush()
+    if world_size == 1:
+        from harness.serve.worker import main as worker_main
+
+        return worker_main([config_json])
+    if launcher == "fork":
+        from harness.engine.forkrun import launch_ranks
+
+        return launch_ranks(world_size, None, [config_json], SERVE_WORKER)
+    argv = torchrun_argv(config_json, world_size)
+    os.execv(argv[0], argv)  # torchrun replaces this process: signals reach its agent directly
+    return 0  # not reached
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,7 +105,4 @@ def run(args: argparse.Namespace) -> int:
                          speculative={"k": args.spec_k} if args.spec_k else {})
     from harness.launch import LAUNCHER_ENV, launcher_choice
 
-    argv = serve_argv(config.to_json(), topo.tp, launcher_choice(args.device, False, os.environ.get(LAUNCHER_ENV)))
-    sys.stdout.flush()
-    os.execv(argv[0], argv)  # the server replaces this process: signals reach the launcher / the rank directly
-    return 0  # not reached
+    return start_ranks(config.to_json(), topo.tp, launcher_choice(args.device, False, os.environ.get(LAUNCHER_ENV)))

@@ -39,7 +39,9 @@ class Lockstep:
     def __init__(self, state: ParallelState, execute: Executor) -> None:
         self.state = state
         self.execute = execute
-        self.inbox: "queue.Queue[Pending | None]" = queue.Queue()
+        # SimpleQueue: its put() is reentrant, so stop() may run in a signal handler that interrupted the
+        # leader inside inbox.get() (a Queue's lock would deadlock there, and the server never stop)
+        self.inbox: "queue.SimpleQueue[Pending | None]" = queue.SimpleQueue()
 
     def _broadcast(self, command: tuple[str, list[Completion]] | None) -> tuple[str, list[Completion]]:
         """Rank 0's `command` on every rank (the others pass None)."""
