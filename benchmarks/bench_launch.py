@@ -1,6 +1,8 @@
-"""Cost of one launch of the embedded engine, torchrun against the fork launcher (harness/engine/forkrun.py),
-same job, interleaved rounds (one of each per round, so load changes hit both alike), medians of
---repeats. Prints wall seconds and CPU seconds (user + system of every process the launch started) per
+"""Cost of one launch of the embedded engine, torchrun against the fork launcher (harness/engine/forkrun.py,
+started warm from the forkserver of harness/engine/forkserver.py), same job, interleaved rounds (one of
+each per round, so load changes hit both alike), medians of --repeats. Prints wall seconds and the
+machine's busy CPU seconds over the launch (from /proc/stat: a warm launch's processes are children of
+the forkserver, not of this process, so their rusage never reaches it; run it on an idle machine) per
 launch; asserts nothing.
 
     python benchmarks/bench_launch.py [--model tiny-gqa] [--topos tp2 tp4dcp2 tp8] [--repeats 3] [--json FILE]
@@ -11,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import tempfile
 import time
@@ -26,9 +27,11 @@ from harness.specs.topology import parse_topology_name
 PROMPTS = ["The capital of France is", "def f(x):\n    return", "Q: 17 + 25 = ?\nA:"]
 
 
-def children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+def machine_cpu() -> float:
+    """Busy CPU seconds of the whole machine so far (/proc/stat: user, nice, system, irq, softirq, steal)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = fields[0] + fields[1] + fields[2] + fields[5] + fields[6] + fields[7]
+    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def one_launch(model: str, topo: str, launcher: str, out: Path) -> tuple[float, float]:
@@ -36,11 +39,11 @@ def one_launch(model: str, topo: str, launcher: str, out: Path) -> tuple[float, 
     job = Job(model=load_model(model).to_dict(), topology=parse_topology_name(topo).to_dict(), prompts=PROMPTS,
               out_dir=str(out), max_new_tokens=12, decode_prefix_tokens=3,
               pool={"budget_bytes": 8 << 20, "max_seq_len": 256})
-    cpu, start = children_cpu(), time.perf_counter()
+    cpu, start = machine_cpu(), time.perf_counter()
     result = launch(job, 900.0, env={LAUNCHER_ENV: launcher})
     if not result.ok:
         raise SystemExit(f"{launcher} {topo} failed: {result.error}")
-    return time.perf_counter() - start, children_cpu() - cpu
+    return time.perf_counter() - start, machine_cpu() - cpu
 
 
 def main() -> None:

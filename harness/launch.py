@@ -1,6 +1,7 @@
 """Launch one run: a plain process at world size 1, else ranks forked from one launcher process
-(gloo on CPU, harness/engine/forkrun.py) or torchrun (nccl with --device cuda, and multi-node).
-Bounded in time; a crashed or hung rank ends the launch with every rank's
+(gloo on CPU, harness/engine/forkrun.py) or torchrun (nccl with --device cuda, and multi-node). On CPU
+on one node that process is itself forked from a forkserver that imported torch and the engine once
+(harness/engine/forkserver.py), so a launch costs no interpreter start. Bounded in time; a crashed or hung rank ends the launch with every rank's
 log tail recorded in the run directory's manifest, so nothing else is lost."""
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, Union
 
 from harness.contract import JOB_FILE, LAUNCHER_LOG, MANIFEST_FILE, RUN_FILES, Job, LaunchResult
+from harness.engine import forkserver
 from harness.errors import ConfigError
 from harness.jsonio import write_json
 
@@ -25,6 +27,8 @@ __all__ = ["Job", "LaunchResult", "command", "launch"]  # Job, LaunchResult: har
 
 if TYPE_CHECKING:
     from harness.multinode import NodeLaunch
+
+Process = Union["subprocess.Popen[bytes]", forkserver.WarmProcess]  # a launch's top process
 
 LOG_TAIL_LINES = 40
 TERM_GRACE_S = 35.0
@@ -153,7 +157,7 @@ def _signal_groups(pids: list[int], sig: int) -> None:
             continue
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+def _kill_group(proc: "Process") -> None:
     """SIGTERM the launch's process group and the groups of all its descendants (torchrun starts each
     rank in a session of its own), then SIGKILL whatever is left. torchrun gets up to TERM_GRACE_S to
     stop before the SIGKILL."""
@@ -193,6 +197,17 @@ def _child_env(local_ranks: int, extra: dict[str, str] | None) -> dict[str, str]
     return {**merged, **thread_env(local_ranks, merged)}
 
 
+def _start(job_path: Path, world: int, log_dir: Path, worker_args: Sequence[str], nodes: "NodeLaunch | None",
+           launcher: str, env: dict[str, str], log_path: Path) -> "Process":
+    """The launch's top process in a session of its own, output to `log_path`: with the fork launcher,
+    forked warm from the forkserver (harness/engine/forkserver.py) where it can be, else started fresh."""
+    if launcher == "fork" and forkserver.usable(env):
+        return forkserver.start(world, log_path, log_dir if world > 1 else None, [str(job_path), *worker_args], env)
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(command(job_path, world, log_dir, worker_args, nodes, launcher), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+
 def stop_process_tree(proc: subprocess.Popen[bytes]) -> None:
     """Stop `proc` (started with start_new_session=True) and every process it started, as a launch does;
     the HTTP backends stop their engine servers with it."""
@@ -217,17 +232,16 @@ def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None,
     log_dir = run_dir / ("ranks" if launcher == "fork" else "torchrun")
     start = time.time()
     timed_out = False
-    with open(run_dir / (LAUNCHER_LOG if world > 1 else "rank0.log"), "wb") as log:
-        proc = subprocess.Popen(command(job_path, world, log_dir, worker_args, nodes, launcher), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, env=child_env)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc)
-        except BaseException:  # Ctrl-C or any error here: never leave ranks running
-            _kill_group(proc)
-            raise
+    proc = _start(job_path, world, log_dir, worker_args, nodes, launcher, child_env,
+                  run_dir / (LAUNCHER_LOG if world > 1 else "rank0.log"))
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_group(proc)
+    except BaseException:  # Ctrl-C or any error here: never leave ranks running
+        _kill_group(proc)
+        raise
     wall = time.time() - start
     tails = _collect_rank_logs(run_dir, log_dir, world) if world > 1 else {"rank0": _tail(run_dir / "rank0.log")}
     manifest_path = run_dir / MANIFEST_FILE

@@ -1,10 +1,13 @@
 """SIGTERM (a CI cancel) and SIGINT (Ctrl-C) during a real `harness run` subprocess: every process
 it started is gone, no half-written reference sits in the cache, the finished cells are reported
-(marked interrupted), one line on stderr, exit 128 + signum."""
+(marked interrupted), one line on stderr, exit 128 + signum. An injected hang holds the run at a known
+point (a launch of a tiny model is over in a second), and every process of the run carries a marker in
+its environment (ranks forked from the warm launcher's forkserver have the forkserver's command line)."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -13,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from harness.engine.worker import INJECT_ENV
 
 SUITE = """
 name: sig
@@ -26,20 +31,22 @@ max_seq_len: 64
 prompts: ["The capital of France is"]
 checks: {layout: {}, logits: {}, generation: {}}
 """
+MARKER_ENV = "HARNESS_SIGNAL_TEST"
 WAIT_S = 240.0  # a launch under load takes seconds; the wait only bounds a broken test
 
 
 class Harness:
     """`harness run` in a session of its own, its stdout read line by line on a thread."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, hang_rank: int) -> None:
         (tmp / "sig.yaml").write_text(SUITE)
         self.cache, self.out = tmp / "cache", tmp / "out"
-        self.marker = str(tmp)  # every child's argv names a job file under tmp
+        self.marker = f"{MARKER_ENV}={tmp}"  # in the environment of every process the run starts
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "harness", "run", "--suite", str(tmp / "sig.yaml"), "--out", str(self.out),
              "--cache-dir", str(self.cache)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            env={**os.environ, MARKER_ENV: str(tmp), INJECT_ENV: f"hang:{hang_rank}"})
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -64,14 +71,14 @@ class Harness:
 
 
 def _processes_naming(marker: str) -> list[str]:
-    """Command lines of live processes whose argv mentions `marker` (zombies have an empty cmdline)."""
+    """Command lines of live processes with `marker` in their environment (zombies have an empty one)."""
     found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            argv = cmdline.read_bytes().split(b"\0")
+            environ, argv = (proc / "environ").read_bytes().split(b"\0"), (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(marker.encode() in a for a in argv):
+        if marker.encode() in environ:
             found.append(" ".join(a.decode(errors="replace") for a in argv))
     return found
 
@@ -88,28 +95,29 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason=
 
 
 def test_sigterm_mid_run_stops_every_rank_and_reports_finished_cells(tmp_path: Path) -> None:
-    h = Harness(tmp_path)
-    # the first cell (reference runs included) is done and the tp2dcp2 launch under way
-    h.wait_for(lambda: any(line.startswith("[2/3]") for line in h.lines)
-               and any("harness.engine.forkrun" in c for c in _processes_naming(h.marker)), "a running second cell")
+    h = Harness(tmp_path, hang_rank=3)  # tp2 and tp2dcp2 finish; rank 3 of the tp4 launch hangs
+    hung = h.out / "runs" / "tiny-gqa" / "tp4" / "seed0" / "ranks" / "rank3.log"
+    h.wait_for(lambda: "injected failure: hang on rank 3" in (hung.read_text() if hung.exists() else ""),
+               "a running third cell")
     h.proc.send_signal(signal.SIGTERM)
     rc, err = h.finish()
     assert rc == 128 + signal.SIGTERM == 143
     assert _no_children_left(h.marker) == []
     assert list(h.cache.rglob("*.partial")) == []
     lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and "interrupted by SIGTERM after 1 of 3 cells" in lines[0], err
+    assert len(lines) == 1 and "interrupted by SIGTERM after 2 of 3 cells" in lines[0], err
     doc = json.loads((h.out / "results.json").read_text())
-    assert doc["provenance"]["interrupted"] == {"signal": "SIGTERM", "cells_finished": 1, "cells_planned": 3}
-    assert [c["topology"] for c in doc["cells"]] == ["tp2"] and doc["cells"][0]["status"] == "PASS"
+    assert doc["provenance"]["interrupted"] == {"signal": "SIGTERM", "cells_finished": 2, "cells_planned": 3}
+    assert [(c["topology"], c["status"]) for c in doc["cells"]] == [("tp2", "PASS"), ("tp2dcp2", "PASS")]
     html = (h.out / "index.html").read_text()
-    assert "INTERRUPTED" in html and "interrupted by SIGTERM after 1 of 3 cells" in html
+    assert "INTERRUPTED" in html and "interrupted by SIGTERM after 2 of 3 cells" in html
     assert "INTERRUPTED" in (h.out / "summary.md").read_text()
 
 
 def test_sigint_during_the_reference_run_leaves_no_partial_cache_entry(tmp_path: Path) -> None:
-    h = Harness(tmp_path)
-    h.wait_for(lambda: list(h.cache.glob("runs/*.partial/job.json")), "a reference run being written")
+    h = Harness(tmp_path, hang_rank=0)  # the reference (tp1) hangs
+    h.wait_for(lambda: any("injected failure: hang on rank 0" in p.read_text(errors="replace")
+                           for p in h.cache.glob("runs/*.partial/rank0.log")), "a reference run being written")
     h.proc.send_signal(signal.SIGINT)
     rc, err = h.finish()
     assert rc == 128 + signal.SIGINT == 130

@@ -13,12 +13,15 @@ import sys
 import time
 from dataclasses import asdict
 
+import pytest
 import torch
 
+from harness.artifacts import read_run
 from harness.contract import Job
+from harness.engine import forkserver
 from harness.engine.worker import INJECT_ENV
 from harness.jsonio import write_json
-from harness.launch import LAUNCHER_ENV, _descendants
+from harness.launch import LAUNCHER_ENV, _descendants, thread_env
 from harness.specs.model import load_model
 from harness.specs.topology import parse_topology_name
 from tests.conftest import TEST_PROMPTS, launch_run
@@ -82,3 +85,27 @@ def test_sigterm_to_the_fork_launcher_stops_every_rank(tmp_path: Path) -> None:
 
 def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
+
+
+def test_warm_launch_runs_in_the_callers_folder_with_its_environment(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch forked from the forkserver (started earlier, elsewhere) resolves a relative run folder
+    against the caller's current folder and sees the launch's environment (here: a crash injection)."""
+    assert launch_run(tmp_path / "first", "tiny-gqa", "tp2").ok  # the forkserver is up
+    monkeypatch.chdir(tmp_path)
+    assert launch_run(Path("relative"), "tiny-gqa", "tp2").ok
+    assert (tmp_path / "relative" / "manifest.json").exists() and (tmp_path / "relative" / "ranks").is_dir()
+    crashed = launch_run(Path("crashed"), "tiny-gqa", "tp1", env={INJECT_ENV: "crash:0"})
+    assert not crashed.ok and "injected failure: crash on rank 0" in crashed.manifest["log_tails"]["rank0"]
+
+
+def test_a_launch_with_another_openmp_wait_policy_starts_fresh(tmp_path: Path) -> None:
+    """OpenMP reads its wait policy once, when torch loads: a launch asking for another policy than the
+    forkserver's is started as a fresh interpreter, and runs alike."""
+    assert launch_run(tmp_path / "first", "tiny-gqa", "tp2").ok
+    policy = thread_env(1, dict(os.environ))["OMP_WAIT_POLICY"]  # what the forkserver started with
+    other = "ACTIVE" if policy != "ACTIVE" else "PASSIVE"
+    assert forkserver.usable({"OMP_WAIT_POLICY": policy}) and not forkserver.usable({"OMP_WAIT_POLICY": other})
+    fresh = launch_run(tmp_path / "fresh", "tiny-gqa", "tp2", env={"OMP_WAIT_POLICY": other})
+    first = read_run(tmp_path / "first")
+    assert fresh.ok and all(torch.equal(fresh.tensors[k], first.tensors[k]) for k in first.tensors)

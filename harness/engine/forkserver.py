@@ -1,0 +1,121 @@
+"""Warm CPU launches: the launcher process of a single-node CPU run is forked from a multiprocessing
+forkserver that imported torch and the engine once per harness process, instead of being a fresh
+interpreter that imports them again (~3 CPU-seconds per launch on a 2-core box, most of a small run).
+
+The forked launcher behaves like `python -m harness.engine.forkrun` (or, at world size 1, the worker
+itself) started by Popen with start_new_session=True: its own session and process group, the
+launch's environment and working directory, stdout/stderr into the launch's log, the exit code of
+the run (-N when killed by signal N). `WarmProcess` offers the part of Popen that launch() uses.
+
+What the forkserver fixed at its start cannot change per launch: OpenMP reads OMP_WAIT_POLICY when
+torch loads it. So the forkserver is started with the first warm launch's policy, and a launch that
+asks for another one is not warm (launch() falls back to a fresh interpreter). Thread counts are set
+per launch (torch.set_num_threads from OMP_NUM_THREADS).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+PRELOAD = ["torch", "harness.engine.forkrun", "harness.engine.worker"]
+WAIT_POLICY_VAR = "OMP_WAIT_POLICY"  # read by OpenMP once, when torch is imported
+_lock = threading.Lock()
+_policy: list[str | None] = []  # the wait policy the forkserver started with (empty: not started)
+
+
+class WarmProcess:
+    """A forked launcher, seen through Popen's interface (pid, returncode, wait, poll)."""
+
+    def __init__(self, process: Any) -> None:
+        self._process = process
+        self.pid: int = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode  # type: ignore[no-any-return]
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"launcher {self.pid}", timeout or 0.0)
+        return int(self._process.exitcode)
+
+
+def usable(env: Mapping[str, str]) -> bool:
+    """Whether a launch with `env` can be forked warm: the forkserver is not running yet (it will start
+    with this policy) or runs with the same OMP_WAIT_POLICY."""
+    with _lock:
+        return not _policy or _policy[0] == env.get(WAIT_POLICY_VAR)
+
+
+def start(world: int, log_path: Path, log_dir: Path | None, worker_args: Sequence[str],
+          env: Mapping[str, str]) -> WarmProcess:
+    """Fork the launcher of a `world`-rank run with `worker_args` (the job file, worker flags)."""
+    context = multiprocessing.get_context("forkserver")
+    with _lock:
+        _ensure_server(context, _policy[0] if _policy else env.get(WAIT_POLICY_VAR))
+        process = context.Process(target=_launcher, name="harness-launch", daemon=False,
+                                  args=(world, str(log_path), str(log_dir) if log_dir else None, list(worker_args),
+                                        dict(env), os.getcwd()))
+        process.start()
+    return WarmProcess(process)
+
+
+def _ensure_server(context: Any, policy: str | None) -> None:
+    """Start the forkserver (again, if it died) with `policy` in its environment: it inherits this
+    process's environment when it starts."""
+    context.set_forkserver_preload(PRELOAD)
+    previous = os.environ.get(WAIT_POLICY_VAR)
+    _set(WAIT_POLICY_VAR, policy)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        _set(WAIT_POLICY_VAR, previous)
+    if not _policy:
+        _policy.append(policy)
+
+
+def _set(var: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(var, None)
+    else:
+        os.environ[var] = value
+
+
+def _launcher(world: int, log_path: str, log_dir: str | None, worker_args: list[str], env: dict[str, str],
+              cwd: str) -> None:
+    """In the forked launcher: a session of its own, the launch's environment, cwd and log, then the run."""
+    os.setsid()
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    import torch
+
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    if world == 1:
+        from harness.engine.worker import main
+
+        code = main(worker_args)
+    else:
+        from harness.engine.forkrun import launch_ranks
+
+        code = launch_ranks(world, Path(log_dir) if log_dir else None, worker_args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
