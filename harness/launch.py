@@ -208,7 +208,7 @@ def _start(job_path: Path, world: int, log_dir: Path, worker_args: Sequence[str]
                                 stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
-def stop_process_tree(proc: subprocess.Popen[bytes]) -> None:
+def stop_process_tree(proc: Process) -> None:
     """Stop `proc` (started with start_new_session=True) and every process it started, as a launch does;
     the HTTP backends stop their engine servers with it."""
     _kill_group(proc)

@@ -1,4 +1,4 @@
-"""Speculative decoding under real torchrun/gloo processes at tp4dcp4: one launch runs every case.
+"""Speculative decoding in real gloo ranks at tp4dcp4 (the fork launcher): one launch runs every case.
 
 The tp4dcp4 target and its speculators (plain TP layout, dcp = 1) must reproduce the in-process tp1
 results: the same plain and speculative tokens, the same per-step acceptance; each speculator fault is
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from typing import Any
@@ -24,6 +25,7 @@ from harness.engine.speculative import run_speculative_cases
 from harness.engine.speculator import SpeculativeSettings, slot_pool, speculator_for
 from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights
+from harness.launch import thread_env
 from harness.layout import plan_layout, plan_speculator
 from harness.specs.model import load_model
 from harness.verdict import Verdict
@@ -65,9 +67,10 @@ def dist(spec_and_prompts, tmp_path_factory: pytest.TempPathFactory) -> dict[str
               "speculative": {"k": K}, "cases": [list(c) for c in CASES], "pool": POOL,
               "out": str(folder / "out.json")}
     (folder / "config.json").write_text(json.dumps(config))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={TP}",
-           "--max-restarts=0", "-m", "harness.engine.speculative_selftest", str(folder / "config.json")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TEST_LAUNCH_TIMEOUT_S)
+    cmd = [sys.executable, "-m", "harness.engine.forkrun", f"--nproc={TP}",  # torchrun's environment, one import
+           "--module=harness.engine.speculative_selftest", "--", str(folder / "config.json")]
+    env = {**os.environ, **thread_env(TP, dict(os.environ))}  # as launch() gives its ranks: no oversubscription
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TEST_LAUNCH_TIMEOUT_S, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((folder / "out.json").read_text())
     result["by_case"] = {(c["kind"], c["fault"]): c for c in result["cases"]}

@@ -14,13 +14,15 @@ from typing import Iterator
 
 import httpx
 
+from harness.engine import forkserver
 from harness.errors import RunError
-from harness.launch import free_port, stop_process_tree
+from harness.launch import Process, free_port, stop_process_tree
 
 __all__ = ["Server", "ServerError", "free_port", "log_tail", "running_server", "wait_ready"]
 
 LOG_TAIL_LINES = 40
 POLL_S = 0.5
+FIRST_POLL_S, FIRST_POLLS_FOR_S = 0.1, 5.0  # a warm harness-serve answers in about a second: look often at first
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -42,7 +44,7 @@ class ServerError(RunError):
 class Server:
     base_url: str
     log_path: Path
-    proc: subprocess.Popen[bytes] | None = None  # None: attached to a server someone else runs
+    proc: Process | None = None  # None: attached to a server someone else runs
 
     def tail(self) -> str:
         return log_tail(self.log_path) if self.proc is not None else ""
@@ -68,20 +70,28 @@ def wait_ready(server: Server, health: str, timeout_s: float) -> float:
             if time.monotonic() - start > timeout_s:
                 raise ServerError(f"engine server not ready after {timeout_s:.0f} s ({health} never answered 200)",
                                   server.tail())
-            time.sleep(POLL_S)
+            time.sleep(FIRST_POLL_S if time.monotonic() - start < FIRST_POLLS_FOR_S else POLL_S)
 
 
 @contextmanager
 def running_server(argv: list[str], env: dict[str, str], log_path: Path, base_url: str) -> Iterator[Server]:
-    """Start `argv` in a new session (its own process group), output to `log_path`; always stopped on exit."""
+    """Start `argv` in a new session (its own process group), output to `log_path`; always stopped on exit.
+    `harness ...` of this interpreter (the harness-serve engines) is forked warm from the launch
+    forkserver (harness/engine/forkserver.py) rather than started as a fresh interpreter."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
-        try:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env={**os.environ, **env})
-        except OSError as exc:
-            raise ServerError(f"cannot start engine server {argv[0]}: {exc.strerror}", "") from exc
-        try:
-            yield Server(base_url=base_url, log_path=log_path, proc=proc)
-        finally:
-            stop_process_tree(proc)
+    full_env = {**os.environ, **env}
+    harness_args = forkserver.harness_command(argv)
+    proc: Process
+    if harness_args is not None and forkserver.usable(full_env):
+        proc = forkserver.start_command(harness_args, log_path, full_env)
+    else:
+        with open(log_path, "wb") as log:
+            try:
+                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        start_new_session=True, env=full_env)
+            except OSError as exc:
+                raise ServerError(f"cannot start engine server {argv[0]}: {exc.strerror}", "") from exc
+    try:
+        yield Server(base_url=base_url, log_path=log_path, proc=proc)
+    finally:
+        stop_process_tree(proc)

@@ -1,6 +1,8 @@
 """Warm CPU launches: the launcher process of a single-node CPU run is forked from a multiprocessing
 forkserver that imported torch and the engine once per harness process, instead of being a fresh
 interpreter that imports them again (~3 CPU-seconds per launch on a 2-core box, most of a small run).
+An engine server whose command is this interpreter's `-m harness ...` (the harness-serve engines) is
+forked from it the same way.
 
 The forked launcher behaves like `python -m harness.engine.forkrun` (or, at world size 1, the worker
 itself) started by Popen with start_new_session=True: its own session and process group, the
@@ -61,12 +63,28 @@ def usable(env: Mapping[str, str]) -> bool:
 def start(world: int, log_path: Path, log_dir: Path | None, worker_args: Sequence[str],
           env: Mapping[str, str]) -> WarmProcess:
     """Fork the launcher of a `world`-rank run with `worker_args` (the job file, worker flags)."""
+    return _fork(("launch", world, str(log_dir) if log_dir else None, list(worker_args)), log_path, env)
+
+
+def harness_command(argv: Sequence[str]) -> list[str] | None:
+    """The harness CLI arguments of `argv` when it runs this interpreter's `-m harness` (an engine
+    server template's `{python} -m harness serve ...`), else None."""
+    if len(argv) >= 3 and list(argv[:3]) == [sys.executable, "-m", "harness"]:
+        return list(argv[3:])
+    return None
+
+
+def start_command(args: Sequence[str], log_path: Path, env: Mapping[str, str]) -> WarmProcess:
+    """Fork `harness ARGS` (e.g. a `harness serve` engine server) as if started by Popen."""
+    return _fork(("cli", list(args)), log_path, env)
+
+
+def _fork(what: tuple[Any, ...], log_path: Path, env: Mapping[str, str]) -> WarmProcess:
     context = multiprocessing.get_context("forkserver")
     with _lock:
         _ensure_server(context, _policy[0] if _policy else env.get(WAIT_POLICY_VAR))
-        process = context.Process(target=_launcher, name="harness-launch", daemon=False,
-                                  args=(world, str(log_path), str(log_dir) if log_dir else None, list(worker_args),
-                                        dict(env), os.getcwd()))
+        process = context.Process(target=_child, name="harness-launch", daemon=False,
+                                  args=(what, str(log_path), dict(env), os.getcwd()))
         process.start()
     return WarmProcess(process)
 
@@ -92,13 +110,16 @@ def _set(var: str, value: str | None) -> None:
         os.environ[var] = value
 
 
-def _launcher(world: int, log_path: str, log_dir: str | None, worker_args: list[str], env: dict[str, str],
-              cwd: str) -> None:
-    """In the forked launcher: a session of its own, the launch's environment, cwd and log, then the run."""
+def _child(what: tuple[Any, ...], log_path: str, env: dict[str, str], cwd: str) -> None:
+    """In the forked process: a session of its own, the caller's environment, cwd and log, then the run
+    (`what`: ("launch", world, log_dir, worker_args) or ("cli", harness arguments))."""
     os.setsid()
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -108,14 +129,18 @@ def _launcher(world: int, log_path: str, log_dir: str | None, worker_args: list[
     threads = env.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
-    if world == 1:
+    if what[0] == "cli":
+        from harness.cli import main as cli_main
+
+        code = cli_main(what[1])
+    elif what[1] == 1:
         from harness.engine.worker import main
 
-        code = main(worker_args)
+        code = main(what[3])
     else:
         from harness.engine.forkrun import launch_ranks
 
-        code = launch_ranks(world, Path(log_dir) if log_dir else None, worker_args)
+        code = launch_ranks(what[1], Path(what[2]) if what[2] else None, what[3])
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(code)
