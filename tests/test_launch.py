@@ -109,3 +109,23 @@ def test_a_launch_with_another_openmp_wait_policy_starts_fresh(tmp_path: Path) -
     fresh = launch_run(tmp_path / "fresh", "tiny-gqa", "tp2", env={"OMP_WAIT_POLICY": other})
     first = read_run(tmp_path / "first")
     assert fresh.ok and all(torch.equal(fresh.tensors[k], first.tensors[k]) for k in first.tensors)
+
+
+def test_an_engine_server_forked_first_leaves_later_launches_warm(tmp_path: Path) -> None:
+    """Whatever the harness forks first (here a `harness ...` engine-server command) starts the forkserver
+    with the wait policy every launch asks for, so later launches are still forked warm."""
+    script = f"""
+import os, sys
+os.environ.pop("OMP_WAIT_POLICY", None)
+from pathlib import Path
+from harness.backends.http_server import running_server
+from harness.engine import forkserver
+from harness.launch import thread_env
+with running_server([sys.executable, "-m", "harness", "--version"], {{}}, Path({str(tmp_path)!r}) / "server.log",
+                    "http://127.0.0.1:9") as server:
+    assert server.proc.wait(60) == 0
+assert forkserver.usable(thread_env(2, dict(os.environ))), forkserver._policy
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "server.log").read_text().startswith("harness ")

@@ -238,6 +238,7 @@ def smollm2_both(smollm2_ours: dict[str, torch.Tensor],
     return smollm2_ours, smollm2_model.state_dict()
 
 
+@pytest.mark.xdist_group("smollm2-transformers")  # one load of the model (~25 s)
 def test_smollm2_gguf_matches_transformers_gguf_loading(
         smollm2_both: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]) -> None:
     ours, theirs = smollm2_both
@@ -249,6 +250,7 @@ def test_smollm2_gguf_matches_transformers_gguf_loading(
     assert "lm_head.weight" not in ours  # tied: the engine uses embed.weight
 
 
+@pytest.mark.xdist_group("smollm2-transformers")  # one load of the model (~25 s)
 def test_smollm2_q_k_are_not_left_in_gguf_order(
         smollm2_both: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]) -> None:
     """Guard the guard: the raw GGUF row order differs from transformers', so the comparison above can fail."""
@@ -257,6 +259,7 @@ def test_smollm2_q_k_are_not_left_in_gguf_order(
     assert not torch.allclose(permuted, theirs["model.layers.0.self_attn.q_proj.weight"])
 
 
+@pytest.mark.xdist_group("smollm2-transformers")  # one load of the model (~25 s)
 def test_smollm2_reference_logits_match_transformers(smollm2_ours: dict[str, torch.Tensor],
                                                      smollm2_model: Any) -> None:
     single = pytest.importorskip("harness.engine.single")

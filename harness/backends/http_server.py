@@ -16,7 +16,7 @@ import httpx
 
 from harness.engine import forkserver
 from harness.errors import RunError
-from harness.launch import Process, free_port, stop_process_tree
+from harness.launch import WAIT_POLICY_VAR, Process, free_port, stop_process_tree, wait_policy
 
 __all__ = ["Server", "ServerError", "free_port", "log_tail", "running_server", "wait_ready"]
 
@@ -81,9 +81,10 @@ def running_server(argv: list[str], env: dict[str, str], log_path: Path, base_ur
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **env}
     harness_args = forkserver.harness_command(argv)
+    warm_env = {**full_env, WAIT_POLICY_VAR: wait_policy(full_env)}  # as a launch's: passive unless set
     proc: Process
-    if harness_args is not None and forkserver.usable(full_env):
-        proc = forkserver.start_command(harness_args, log_path, full_env)
+    if harness_args is not None and forkserver.usable(warm_env):
+        proc = forkserver.start_command(harness_args, log_path, warm_env)
     else:
         with open(log_path, "wb") as log:
             try:

@@ -83,7 +83,8 @@ def _fork(what: tuple[Any, ...], log_path: Path, env: Mapping[str, str]) -> Warm
     context = multiprocessing.get_context("forkserver")
     with _lock:
         _ensure_server(context, _policy[0] if _policy else env.get(WAIT_POLICY_VAR))
-        process = context.Process(target=_child, name="harness-launch", daemon=False,
+        # daemon: should a launch outlive its caller's normal exit, multiprocessing terminates it then
+        process = context.Process(target=_child, name="harness-launch", daemon=True,
                                   args=(what, str(log_path), dict(env), os.getcwd()))
         process.start()
     return WarmProcess(process)
