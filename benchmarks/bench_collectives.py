@@ -56,13 +56,15 @@ def cli() -> None:
     parser.add_argument("--kib", nargs="+", type=float, default=[0.25, 16, 256, 4096])
     parser.add_argument("--repeats", type=int, default=100)
     args = parser.parse_args()
-    print("| ranks | KiB per rank | gloo all_reduce ms | engine reduce_tp ms | gloo all_gather ms | engine gather_tp ms |")
+    print("| ranks | KiB per rank | gloo all_reduce ms | engine reduce_tp ms | gloo all_gather ms "
+          "| engine gather_tp ms |")
     print("| --- | --- | --- | --- | --- | --- |")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     for world in args.worlds:
-        subprocess.run([sys.executable, "-m", "harness.engine.forkrun", f"--nproc={world}", "--module=bench_collectives",
-                        "--", ",".join(str(k) for k in args.kib), str(args.repeats)], env=env, check=True)
+        subprocess.run([sys.executable, "-m", "harness.engine.forkrun", f"--nproc={world}",
+                        "--module=bench_collectives", "--", ",".join(str(k) for k in args.kib), str(args.repeats)],
+                       env=env, check=True)
 
 
 if __name__ == "__main__":

@@ -31,13 +31,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import yaml
 
-from harness.artifacts import RunArtifacts
 from harness.compare.settings import AcceptanceSettings
-from harness.compare.speculative import total_variation
 from harness.contract import JOB_FILE, MANIFEST_PROMPTS_HASH, MANIFEST_WEIGHTS_HASH
 from harness.errors import ConfigError, RunError
 from harness.jsonio import read_json, write_text_atomic
@@ -45,6 +43,9 @@ from harness.paths import BASELINES_DIR
 from harness.baseline import read_versioned_list
 from harness.specs.loader import check_keys, expect_int
 from harness.verdict import CellResult, CheckResult, Verdict
+
+if TYPE_CHECKING:  # torch only where runs are read: `harness report` / `plan` / `baseline` stay light
+    from harness.artifacts import RunArtifacts
 
 ACCEPTANCE_SCHEMA_VERSION = 1
 ACCEPTANCE_FILE = "acceptance.yaml"
@@ -210,6 +211,8 @@ def gate_acceptance(baselines: AcceptanceBaselines, key: AcceptanceKey, mean: fl
     base = float(entry.mean_accepted_length)
     tol = settings.baseline_tolerance(base)
     diff = mean - base
+    from harness.compare.speculative import total_variation
+
     tv = total_variation(list(entry.histogram), hist) if entry.histogram is not None and hist is not None else None
     metrics.update({"baseline": base, "difference": diff, "tolerance": tol, "baseline_histogram":
                     list(entry.histogram) if entry.histogram is not None else None, "histogram": hist,

@@ -1,8 +1,9 @@
 """Launch one run: a plain process at world size 1, else ranks forked from one launcher process
 (gloo on CPU, harness/engine/forkrun.py) or torchrun (nccl with --device cuda, and multi-node). On CPU
 on one node that process is itself forked from a forkserver that imported torch and the engine once
-(harness/engine/forkserver.py), so a launch costs no interpreter start. Bounded in time; a crashed or hung rank ends the launch with every rank's
-log tail recorded in the run directory's manifest, so nothing else is lost."""
+(harness/engine/forkserver.py), so a launch costs no interpreter start. Bounded in time; a crashed
+or hung rank ends the launch with every rank's log tail recorded in the run directory's manifest, so
+nothing else is lost."""
 
 from __future__ import annotations
 

@@ -217,3 +217,16 @@ def test_python_m_harness_plan(tmp_path: Path) -> None:
     assert table_rows(proc.stdout) == [["0", "0-2", "0", "0", "0", "0", "0", "0-127", "0-95"],
                                        ["1", "3-5", "1", "1", "0", "1", "1", "128-255", "96-191"],
                                        ["2", "6-8", "2", "2", "0", "2", "2", "256-383", "192-287"]]
+
+
+def test_plan_and_report_do_not_import_torch(tmp_path: Path) -> None:
+    """`harness plan` and `harness report` only read specs and JSON: they start in a fraction of a second
+    because nothing on their path imports torch (about 3 s on a small machine)."""
+    results = Path(__file__).parent / "data" / "results" / "clean"
+    script = ("import sys, contextlib, io\nfrom harness.cli import main\n"
+              "with contextlib.redirect_stdout(io.StringIO()):\n"
+              "    assert main(['plan', '--model', 'tiny-gqa', '--topo', 'tp4dcp4']) == 0\n"
+              f"    assert main(['report', {str(results)!r}, '--out', {str(tmp_path / 'report')!r}]) == 0\n"
+              "assert 'torch' not in sys.modules, 'torch imported'\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
