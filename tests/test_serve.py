@@ -3,6 +3,7 @@ process), agree with each other by token id, refuse bad requests with 400, and S
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -16,6 +17,7 @@ from harness.backends.http_server import Server, free_port, running_server, wait
 from harness.engine.engine import Engine
 from harness.engine.parallel import ParallelState
 from harness.engine.weights import load_weights
+from harness.launch import THREADS_ENV, available_cores, threads_per_process
 from harness.specs.model import load_model
 
 SEQUENCES = [[72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100], [81, 58, 32, 49, 55]]
@@ -81,3 +83,10 @@ def test_server_log_reports_the_kv_pool(server: Server) -> None:
     # tp2dcp2: each rank holds both KV heads of tiny-gqa for half of every sequence's tokens
     blocks = int(text.split("harness-serve KV cache: blocks=")[1].split()[0])
     assert f"tokens={blocks * 16 * 2} " in text
+
+
+def test_ranks_divide_the_cores_as_launched_ranks_do(server: Server) -> None:
+    """Each rank gets cores // ranks intra-op threads (like a launch's ranks), not all the cores each."""
+    want = int(os.environ["OMP_NUM_THREADS"]) if "OMP_NUM_THREADS" in os.environ else \
+        threads_per_process(2, available_cores(), os.environ.get(THREADS_ENV))
+    assert httpx.get(f"{server.base_url}/server_info").json()["threads_per_rank"] == [want, want]

@@ -65,6 +65,19 @@ def torchrun_argv(config_json: str, world_size: int) -> list[str]:
             "--max-restarts=0", "-m", SERVE_WORKER, config_json]
 
 
+def _divide_cores(ranks: int) -> None:
+    """Give each rank run from this process the intra-op threads a launch gives its ranks (cores //
+    ranks; HARNESS_THREADS_PER_PROCESS overrides), unless the environment sets OMP_NUM_THREADS itself:
+    forked ranks inherit it, and without it every rank took all the cores."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    from harness.launch import THREADS_ENV, available_cores, threads_per_process
+
+    torch.set_num_threads(threads_per_process(ranks, available_cores(), os.environ.get(THREADS_ENV)))
+
+
 def start_ranks(config_json: str, world_size: int, launcher: str) -> int:
     """Run the server's ranks from this process: the worker itself at world size 1, the ranks forked
     from here by the fork launcher, else torchrun replacing this process. In every case signals reach
@@ -72,6 +85,8 @@ def start_ranks(config_json: str, world_size: int, launcher: str) -> int:
     running in it (not exec'ing a fresh one that imports them again) halves a CPU server's start: tiny-gqa
     at tp1 was ready after ~6 s, about half of it the second `import torch`."""
     sys.stdout.flush()
+    if world_size == 1 or launcher == "fork":
+        _divide_cores(world_size)
     if world_size == 1:
         from harness.serve.worker import main as worker_main
 

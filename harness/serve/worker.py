@@ -11,6 +11,8 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from harness.engine.engine import Engine, PoolSettings
 from harness.engine.faults import fault_flags
 from harness.engine.parallel import ParallelState
@@ -102,12 +104,14 @@ def serve(config: ServeConfig) -> None:
         decoder = SpeculativeDecoder(engine, speculator, settings.k)
     lockstep = Lockstep(state, lambda batch: execute(engine, batch, tokenizer.eos_id, decoder))
     layouts = state.gather_objects(engine.layout_report())
+    threads = state.gather_objects(torch.get_num_threads())  # every rank's intra-op threads, rank order
     if state.rank == 0:
         pool = engine.pool
         print(kv_capacity_line(engine, speculator), flush=True)
         name = config.served_model_name or spec.name
         info = {"engine": "harness-serve", "model": spec.to_dict(), "topology": topo.to_dict(), "fault": config.fault,
-                "weights_hash": weights_hash(weights), "layout": {"ranks": layouts, "pool": pool.to_dict()}}
+                "weights_hash": weights_hash(weights), "layout": {"ranks": layouts, "pool": pool.to_dict()},
+                "threads_per_rank": threads}
         limits = Limits(vocab=spec.vocab, max_model_len=pool.max_seq_len, max_logprobs=config.max_logprobs)
         vocab = Vocabulary(encode=tokenizer.encode, decode=tokenizer.decode)
         _serve_http(lockstep, config, build_app(lockstep.inbox.put, vocab, limits, name, info))
