@@ -73,9 +73,9 @@ def _divide_cores(ranks: int) -> None:
         return
     import torch
 
-    from harness.launch import THREADS_ENV, available_cores, threads_per_process
+    from harness.launch import thread_env
 
-    torch.set_num_threads(threads_per_process(ranks, available_cores(), os.environ.get(THREADS_ENV)))
+    torch.set_num_threads(int(thread_env(ranks, dict(os.environ))["OMP_NUM_THREADS"]))
 
 
 def start_ranks(config_json: str, world_size: int, launcher: str) -> int:
