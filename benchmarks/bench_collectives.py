@@ -1,7 +1,8 @@
-"""Milliseconds per collective on gloo: torch.distributed's own all_reduce / all_gather against the
-engine's Collectives (harness/engine/parallel.py: the star path, a gather at the group's first member
-and one broadcast, for messages up to STAR_MAX_BYTES; gloo's own above), per world size and message
-size, ranks forked by the fork launcher. Prints numbers; asserts nothing.
+"""Milliseconds per collective on the CPU: torch.distributed's own all_reduce / all_gather on gloo against
+the engine's Collectives (harness/engine/parallel.py) on each of its paths: `shm`, shared memory among
+the ranks of one machine (harness/engine/shm_group.py, the default), and `star` (HARNESS_SHM_COLLECTIVES=0:
+a gather at the group's first member and one broadcast for messages up to STAR_MAX_BYTES, gloo's own
+above), per world size and message size, ranks forked by the fork launcher. Prints numbers; asserts nothing.
 
     python benchmarks/bench_collectives.py [--worlds 2 4 8] [--kib 0.25 16 256 4096] [--repeats 100]
 """
@@ -33,7 +34,7 @@ def main(argv: list[str]) -> int:
 
     from harness.engine.parallel import ParallelState
 
-    worlds_kib, repeats = [float(k) for k in argv[0].split(",")], int(argv[1])
+    worlds_kib, repeats, path = [float(k) for k in argv[0].split(",")], int(argv[1]), argv[2]
     world = int(os.environ["WORLD_SIZE"])
     state = ParallelState.from_launcher(world, 1, "cpu", 300)
     comm = state.collectives()
@@ -45,7 +46,7 @@ def main(argv: list[str]) -> int:
                "all_gather": _ms(lambda: dist.all_gather(parts, x), n),
                "engine gather": _ms(lambda: comm.gather_tp(x, 0), n)}
         if state.rank == 0:
-            print(f"| {world} | {kib:g} | " + " | ".join(f"{v:.3f}" for v in row.values()) + " |", flush=True)
+            print(f"| {world} | {kib:g} | {path} | " + " | ".join(f"{v:.3f}" for v in row.values()) + " |", flush=True)
     state.shutdown()
     return 0
 
@@ -56,15 +57,16 @@ def cli() -> None:
     parser.add_argument("--kib", nargs="+", type=float, default=[0.25, 16, 256, 4096])
     parser.add_argument("--repeats", type=int, default=100)
     args = parser.parse_args()
-    print("| ranks | KiB per rank | gloo all_reduce ms | engine reduce_tp ms | gloo all_gather ms "
+    print("| ranks | KiB per rank | engine path | gloo all_reduce ms | engine reduce_tp ms | gloo all_gather ms "
           "| engine gather_tp ms |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     for world in args.worlds:
-        subprocess.run([sys.executable, "-m", "harness.engine.forkrun", f"--nproc={world}",
-                        "--module=bench_collectives", "--", ",".join(str(k) for k in args.kib), str(args.repeats)],
-                       env=env, check=True)
+        for path, setting in (("shm", "1"), ("star", "0")):
+            subprocess.run([sys.executable, "-m", "harness.engine.forkrun", f"--nproc={world}",
+                            "--module=bench_collectives", "--", ",".join(str(k) for k in args.kib),
+                            str(args.repeats), path], env={**env, "HARNESS_SHM_COLLECTIVES": setting}, check=True)
 
 
 if __name__ == "__main__":

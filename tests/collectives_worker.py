@@ -1,11 +1,13 @@
 """A rank of tests/test_parallel_collectives.py, run by the fork launcher: the engine's collectives
-(harness/engine/parallel.py) next to torch.distributed's own on the same inputs, written to OUT/rank{r}.pt
-as safetensors."""
+(harness/engine/parallel.py) next to torch.distributed's own on the same inputs, written to
+OUT/rank{r}.safetensors, with `shm` = 1 when the run's collectives went through shared memory.
+Argument `hang` instead makes the last rank skip the first all-reduce (it sleeps, then exits)."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -13,7 +15,8 @@ from safetensors.torch import save_file
 
 from harness.engine.parallel import STAR_MAX_BYTES, ParallelState
 
-SIZES = ("small", "large")  # under and over the star path's message limit
+SIZES = ("small", "large")  # under and over the star path's message limit (and a shared-memory slot)
+HANG_TIMEOUT_S = 2.0
 
 
 def elements(size: str, dtype: torch.dtype) -> int:
@@ -23,9 +26,16 @@ def elements(size: str, dtype: torch.dtype) -> int:
 def main(argv: list[str]) -> int:
     out, dcp = argv[0], int(argv[1])
     world = int(os.environ["WORLD_SIZE"])
+    if argv[2:] == ["hang"]:
+        state = ParallelState.from_launcher(world, dcp, "cpu", HANG_TIMEOUT_S)
+        if state.rank == world - 1:
+            time.sleep(30)
+            return 0
+        state.collectives().reduce_tp(torch.ones(4))
+        return 0
     state = ParallelState.from_launcher(world, dcp, "cpu", 120)
     comm = state.collectives()
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {"shm": torch.tensor([1 if state.shm else 0])}
     for dtype in (torch.float32, torch.bfloat16):
         for name in SIZES:
             n = elements(name, dtype)
@@ -38,7 +48,8 @@ def main(argv: list[str]) -> int:
             tensors[f"{key}.ring"] = ring
             tensors[f"{key}.gather"] = comm.gather_tp(x.view(1, -1), dim=0)  # [world, n]
             tensors[f"{key}.gather_dcp"] = comm.gather_dcp(x.view(1, -1), dim=0)  # [dcp, n]
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, f"rank{state.rank}.safetensors"))
+            tensors[f"{key}.gather_dcp_2d"] = comm.gather_dcp(x.view(-1, 1)[: n - n % 2].view(2, -1), dim=1)
+    save_file({k: v.contiguous().clone() for k, v in tensors.items()}, os.path.join(out, f"rank{state.rank}.safetensors"))
     state.shutdown()
     return 0
 

@@ -416,15 +416,15 @@ class Decoder:
         group_q = self.comm.gather_dcp(q, dim=2)  # [B, S, dcp * Hq_local, hd], member order
         out, lse = attention_with_lse(group_q, k_all, v_all, visible, hm.group_q_to_local_kv, kind)
         # one gather for both, in float32 so a half-precision model's LSE keeps its precision:
-        # [B, S, Hg, hd] + [B, S, Hg, 1] -> [dcp, B, S, Hg, hd + 1]
-        packed = self.comm.stack_dcp(torch.cat((out.float(), lse[..., None].float()), dim=-1))
-        outs, lses = packed[..., :-1].to(out.dtype), packed[..., -1].to(lse.dtype)  # [G, B, S, H, hd], [G, B, S, H]
-        merged = merge_partials(outs, lses, self.flags.lse_merge_mean)
+        # [B, S, Hg, hd] + [B, S, Hg, 1] -> [dcp, B, S, Hg, hd + 1] -> this rank's own heads [dcp, B, S, Hq_local, hd + 1]
         lo, hi = hm.own_slice
+        packed = self.comm.stack_dcp(torch.cat((out.float(), lse[..., None].float()), dim=-1))[:, :, :, lo:hi]
+        outs, lses = packed[..., :-1].to(out.dtype), packed[..., -1].to(lse.dtype)  # [G, B, S, H, hd], [G, B, S, H]
+        merged = merge_partials(outs, lses, self.flags.lse_merge_mean)  # [B, S, Hq_local, hd]
         if self._sites is not None:  # the gather must return this rank's own Q in its slot; the merge
             self._probe_site("dcp-q-gather", group_q[:, :, lo:hi], q)  # must equal an exact recompute
             self._probe_site("dcp-lse-merge", merged, merge_partials(outs.to(torch.float64), lses.to(torch.float64)))
-        return merged[:, :, lo:hi]
+        return merged
 
 
 @dataclass(frozen=True)

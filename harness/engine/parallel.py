@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
-from typing import Any
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from harness.engine import shm_group
+from harness.engine.shm_group import ShmGroup
 from harness.errors import RunError
 from harness.layout import dcp_members_of
 
-# gloo's all_reduce and all_gather of a small tensor take 1.5-24 ms at 2-8 ranks on a 2-core machine (its ring
-# algorithms hand each step between several threads), a gather to the group's first member and one broadcast
-# 0.5-3 ms; from a few MiB up the ring wins (benchmarks/bench_collectives.py). So on gloo, messages up to this
-# size (every decode step of a small model) take the star path; nccl always keeps its own collectives.
+# Ranks of one machine exchange tensors through shared memory (harness/engine/shm_group.py: 0.06-0.6 ms per
+# collective at 2-8 ranks on a 2-core machine). Where that is off or impossible (several nodes, another
+# platform): gloo's all_reduce and all_gather of a small tensor take 1.5-24 ms at 2-8 ranks on a 2-core machine
+# (its ring algorithms hand each step between several threads), a gather to the group's first member and one
+# broadcast 0.5-3 ms; from a few MiB up the ring wins (benchmarks/bench_collectives.py). So on gloo, messages up
+# to this size (every decode step of a small model) take the star path; nccl always keeps its own collectives.
 STAR_MAX_BYTES = 256 * 1024
 
 
@@ -35,6 +40,15 @@ class ParallelState:
     device: torch.device
     tp_group: Any = None
     dcp_group: Any = None
+    shm: dict[tuple[int, ...], ShmGroup] = field(default_factory=dict)  # member ranks -> segment
+
+    @property
+    def tp_members(self) -> tuple[int, ...]:
+        return tuple(range(self.tp))
+
+    @property
+    def dcp_members(self) -> tuple[int, ...]:
+        return dcp_members_of(self.rank, self.dcp)
 
     @property
     def world_size(self) -> int:
@@ -48,13 +62,21 @@ class ParallelState:
     def distributed(self) -> bool:
         return self.tp > 1
 
+    @property
+    def collectives_path(self) -> str:
+        """What the engine's collectives run on: none (one rank), nccl, shm (shared memory) or gloo."""
+        if not self.distributed:
+            return "none"
+        return "nccl" if self.device.type == "cuda" else "shm" if self.shm else "gloo"
+
     @classmethod
     def single(cls, device: str = "cpu") -> "ParallelState":
         return cls(rank=0, tp=1, dcp=1, device=torch.device(device))
 
     @classmethod
     def from_launcher(cls, tp: int, dcp: int, device: str, timeout_s: float) -> "ParallelState":
-        """Join the process group torchrun set up (env:// rendezvous) and build the DCP groups."""
+        """Join the process group torchrun set up (env:// rendezvous), build the DCP groups and, when every
+        rank runs on this machine on the CPU, their shared-memory segments (HARNESS_SHM_COLLECTIVES=0: none)."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         if world != tp:
@@ -68,11 +90,18 @@ class ParallelState:
         dist.init_process_group(backend=backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         dcp_group = None
-        for members in dict.fromkeys(dcp_members_of(r, dcp) for r in range(tp)):  # every rank creates every
-            group = dist.new_group(list(members)) if dcp > 1 else None        # group, in the same order
+        dcp_groups = list(dict.fromkeys(dcp_members_of(r, dcp) for r in range(tp)))
+        for members in dcp_groups:  # every rank creates every group, in the same order
+            group = dist.new_group(list(members)) if dcp > 1 else None
             if rank in members:
                 dcp_group = group
-        return cls(rank=rank, tp=tp, dcp=dcp, device=dev, tp_group=dist.group.WORLD, dcp_group=dcp_group)
+        state = cls(rank=rank, tp=tp, dcp=dcp, device=dev, tp_group=dist.group.WORLD, dcp_group=dcp_group)
+        local = os.environ.get("LOCAL_WORLD_SIZE") == str(world)
+        if device == "cpu" and local and shm_group.enabled(os.environ.get(shm_group.SHM_ENV)):
+            groups = [state.tp_members] + (dcp_groups if dcp > 1 else [])
+            state.shm = shm_group.open_groups(groups, rank, state.gather_objects(secrets.token_hex(8))[0],
+                                              timeout_s, state.all_agree)
+        return state
 
     def collectives(self) -> "Collectives":
         return Collectives(self)
@@ -89,7 +118,12 @@ class ParallelState:
         dist.all_gather_object(out, obj)
         return out
 
+    def all_agree(self, ok: bool) -> bool:
+        """True on every rank when every rank says `ok`."""
+        return all(self.gather_objects(ok))
+
     def shutdown(self) -> None:
+        self.shm = {}
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -112,25 +146,30 @@ class Collectives:
         """Sum partial results of a row-parallel projection over the TP group (in place; returns x)."""
         if not self._state.distributed:
             return x
+        shm = self._state.shm.get(self._state.tp_members)
+        if shm is not None:  # each member sums every member's piece in member order
+            flat = x.view(-1) if x.is_contiguous() else torch.empty(x.numel(), dtype=x.dtype)  # [numel]
+            for start, parts in shm.pieces(x):  # parts [tp, n]; x's own piece is in its slot: x may be overwritten
+                _ordered_sum(parts.unbind(0), flat[start:start + parts.shape[1]])
+            if not x.is_contiguous():
+                x.copy_(flat.view(x.shape))
+            return x
         if not self._star(x):
             dist.all_reduce(x, group=self._state.tp_group)
             return x
         parts = self._star_gather(x, self._state.tp_group, self._state.tp, to_all=False)
         if parts is not None:  # the group's first member sums in member order, rounding in x's dtype per add
-            total = parts[0].clone()
-            for part in parts[1:]:
-                total += part
-            x.copy_(total)
+            x.copy_(_ordered_sum(parts.unbind(0), torch.empty_like(x)))
         dist.broadcast(x, src=dist.get_global_rank(self._state.tp_group, 0), group=self._state.tp_group)
         return x
 
     def gather_tp(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenate every TP rank's `x` along `dim`, in rank order."""
-        return self._gather(x, dim, self._state.tp_group, self._state.tp if self._state.distributed else 1)
+        return self._gather(x, dim, self._state.tp_group, self._state.tp_members if self._state.distributed else (0,))
 
     def gather_dcp(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenate every DCP-group member's `x` along `dim`, in member order."""
-        return self._gather(x, dim, self._state.dcp_group, self._state.dcp)
+        return self._gather(x, dim, self._state.dcp_group, self._state.dcp_members)
 
     def stack_dcp(self, x: torch.Tensor) -> torch.Tensor:
         """[dcp, *x.shape]: every DCP-group member's `x`, in member order."""
@@ -152,9 +191,18 @@ class Collectives:
             dist.broadcast(stacked, src=root, group=group)
         return stacked if to_all or mine else None
 
-    def _gather(self, x: torch.Tensor, dim: int, group: Any, size: int) -> torch.Tensor:
+    def _gather(self, x: torch.Tensor, dim: int, group: Any, members: tuple[int, ...]) -> torch.Tensor:
+        size = len(members)
         if size == 1:
             return x
+        shm = self._state.shm.get(members)
+        if shm is not None:
+            stacked = torch.empty((size, x.numel()), dtype=x.dtype, device=x.device)  # [size, numel]
+            for start, parts in shm.pieces(x):  # parts [size, n]
+                stacked[:, start:start + parts.shape[1]] = parts
+            d = dim % x.dim()
+            # [size, numel] -> [size, *x.shape] -> member axis beside `dim` -> members' blocks along `dim`
+            return stacked.view(size, *x.shape).movedim(0, d).reshape(*x.shape[:d], size * x.shape[d], *x.shape[d + 1:])
         if self._star(x):
             stacked = self._star_gather(x, group, size)  # [size, *x.shape]
             assert stacked is not None
@@ -162,3 +210,13 @@ class Collectives:
         parts = [torch.empty_like(x) for _ in range(size)]
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=dim)
+
+
+def _ordered_sum(parts: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """parts[0] + parts[1] + ... added left to right into `out`, rounding in its dtype after each add."""
+    if len(parts) == 1:
+        return out.copy_(parts[0])
+    torch.add(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        out += part
+    return out

@@ -141,6 +141,7 @@ def run_job(job: Job, topk_only: int | None = None) -> None:
             "versions": {"harness": __version__, "torch": torch.__version__, "python": platform.python_version()},
             "device": job.device if job.device == "cpu" else torch.cuda.get_device_name(),
             "git_commit": job.git_commit, "host": platform.node(), "threads_per_rank": torch.get_num_threads(),
+            "collectives": state.collectives_path,
             "wall_s": {"init": t_init - t0, "load": t_load - t_init, "run": t_run - t_load,
                        "total": time.time() - t0},
         }

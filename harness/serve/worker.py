@@ -111,7 +111,7 @@ def serve(config: ServeConfig) -> None:
         name = config.served_model_name or spec.name
         info = {"engine": "harness-serve", "model": spec.to_dict(), "topology": topo.to_dict(), "fault": config.fault,
                 "weights_hash": weights_hash(weights), "layout": {"ranks": layouts, "pool": pool.to_dict()},
-                "threads_per_rank": threads}
+                "threads_per_rank": threads, "collectives": state.collectives_path}
         limits = Limits(vocab=spec.vocab, max_model_len=pool.max_seq_len, max_logprobs=config.max_logprobs)
         vocab = Vocabulary(encode=tokenizer.encode, decode=tokenizer.decode)
         _serve_http(lockstep, config, build_app(lockstep.inbox.put, vocab, limits, name, info))
