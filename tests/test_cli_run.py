@@ -247,3 +247,17 @@ def test_damaged_reference_cache_entry_is_run_again(tmp_path: Path, suite_file: 
     assert main([*argv, "--out", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     assert "cache entry unreadable" in out and "tensors.safetensors" in out
+
+
+def test_the_reference_topology_as_a_cell_reads_the_reference_run(tmp_path: Path, suite_file: Path, cache_dir: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """tp1 is the reference's own job on the same engine (the gsm8k suite lists it): its cell is checked
+    against the reference run instead of launching the same run again; tp2 still runs."""
+    assert main(["run", "--suite", str(suite_file), "--topo", "tp1,tp2", "--out", str(tmp_path),
+                 "--cache-dir", str(cache_dir)]) == 0
+    cells = {c["topology"]: c for c in _results(tmp_path)["cells"]}
+    assert cells["tp1"]["status"] == "PASS" and cells["tp1"]["run_dir"] == cells["tp1"]["reference_dir"]
+    assert Path(cells["tp1"]["run_dir"]).parent == cache_dir / "runs"
+    assert cells["tp2"]["status"] == "PASS" and Path(cells["tp2"]["run_dir"]).is_relative_to(tmp_path / "runs")
+    assert [p.name for p in (tmp_path / "runs" / "tiny-gqa").iterdir()] == ["tp2"]  # nothing launched for tp1
+    assert "tp1: the reference's own job on the same engine" in capsys.readouterr().out
