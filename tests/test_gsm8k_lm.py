@@ -145,3 +145,24 @@ def test_smollm2_gsm8k_three_questions() -> None:
                                                                     generator.tokenizer.encode("<|im_end|>")[0]}
     chat = lm.apply_chat_template([{"role": "user", "content": "What is 6*7?"}])
     assert "What is 6*7?" in chat and chat != "What is 6*7?"
+
+
+def test_engine_run_records_the_batch_its_kv_pool_allows(capsys: pytest.CaptureFixture[str]) -> None:
+    """batch_size 3 asked, a pool of two max-length slots: two at a time, said in the log and the result."""
+    from harness.gsm8k.engine_eval import evaluate_engine
+    from harness.gsm8k.settings import gsm8k_settings
+    from tests.conftest import GSM8K_FIXTURE
+
+    spec = load_model("tiny-gqa")
+    one = LocalGenerator(spec, pool=PoolSettings(max_seq_len=512)).engine.capacity
+    small = LocalGenerator(spec, pool=PoolSettings(budget_bytes=2 * one.blocks_per_slot * one.block_bytes,
+                                                   max_seq_len=512))
+    assert small.engine.max_batch == 2
+    settings = gsm8k_settings({"limit": 3, "num_fewshot": 0, "max_new_tokens": 4, "batch_size": 3})
+    result = evaluate_engine(small.engine, small.tokenizer, settings, GSM8K_FIXTURE)
+    assert result.n == 3 and result.batch == 2
+    assert "batch_size=3 but the KV pool holds 2 sequences of max_seq_len=512 per rank: 2 at a time" in \
+        capsys.readouterr().out
+    roomy = evaluate_engine(LocalGenerator(spec, pool=PoolSettings(max_seq_len=512)).engine, small.tokenizer,
+                            settings, GSM8K_FIXTURE)
+    assert roomy.batch == 3 and roomy.from_dict(roomy.to_dict()).batch == 3

@@ -75,6 +75,10 @@ def test_clean_tp3_passes_and_baseline_round_trip(tmp_path: Path, suite_file: Pa
     verdicts = _verdicts(cell)
     assert verdicts["gsm8k_paired"] == "PASS" and verdicts["layout"] == "PASS"
     assert verdicts["gsm8k_baseline"] == "WARN"  # no baseline yet: WARN naming the update command
+    gsm8k = cell["details"]["gsm8k"]  # the topology's speed, next to the reference's
+    assert gsm8k["questions_per_min"] == pytest.approx(60 * N_QUESTIONS / gsm8k["wall_s"])
+    assert gsm8k["reference_questions_per_min"] > 0
+    assert gsm8k["batch"] == gsm8k["reference_batch"] == N_QUESTIONS  # the pool holds the batch asked
     gate_reason = next(c["reason"] for c in cell["checks"] if c["name"] == "gsm8k_baseline")
     assert f"harness baseline update --from {out}" in gate_reason
 

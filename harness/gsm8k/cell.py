@@ -34,5 +34,12 @@ def gsm8k_checks(ref_dir: Path, par_dir: Path, settings: GSM8KSettings, suite: s
                "answer_agreement": comparison["answer_agreement"],
                "generation_agreement": comparison["generation_agreement"], "b": comparison["b"],
                "c": comparison["c"], "p_value": comparison["p_value"], "flips": comparison["flips"],
-               "baseline": gate.metrics, "wall_s": par.wall_s}
+               "baseline": gate.metrics, "wall_s": par.wall_s, "questions_per_min": questions_per_min(par),
+               "reference_questions_per_min": questions_per_min(ref), "batch": par.batch or None,
+               "reference_batch": ref.batch or None}
     return [paired_check(comparison, settings), gate], details
+
+
+def questions_per_min(result: GSM8KResult) -> float | None:
+    """How fast a run answered its questions (its GSM8K wall time), or None when it recorded none."""
+    return 60.0 * result.n / result.wall_s if result.wall_s > 0 else None

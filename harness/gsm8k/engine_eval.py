@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from harness.engine.engine import Engine
@@ -28,4 +29,11 @@ def evaluate_generator(generator: Generator, settings: GSM8KSettings, data_path:
 
 def evaluate_engine(engine: Engine, tokenizer: Tokenizer, settings: GSM8KSettings,
                     data_path: str | Path | None) -> GSM8KResult:
-    return evaluate_generator(EngineGenerator(engine, tokenizer), settings, data_path, engine.pool.max_seq_len)
+    """GSM8K through the engine, recording the batch it could run: min(batch_size, the KV pool's slots)."""
+    batch = min(settings.batch_size, engine.max_batch)
+    if batch < settings.batch_size:
+        print(f"GSM8K: batch_size={settings.batch_size} but the KV pool holds {engine.max_batch} sequences of "
+              f"max_seq_len={engine.pool.max_seq_len} per rank: {batch} at a time (raise kv_budget_mib for more)",
+              flush=True)
+    result = evaluate_generator(EngineGenerator(engine, tokenizer), settings, data_path, engine.pool.max_seq_len)
+    return replace(result, batch=batch)

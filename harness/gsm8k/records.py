@@ -61,6 +61,7 @@ class GSM8KResult:
     stderrs: Mapping[str, float]
     records: tuple[QuestionRecord, ...] = field(default_factory=tuple)
     wall_s: float = 0.0
+    batch: int = 0  # sequences generated at once (the engine's KV pool may hold fewer than asked); 0: unknown
 
     def score(self, filter_name: str = STRICT) -> float:
         return self.scores[filter_name]
@@ -73,7 +74,7 @@ class GSM8KResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"task": self.task, "num_fewshot": self.num_fewshot, "n": self.n, "scores": dict(self.scores),
-                "stderrs": dict(self.stderrs), "wall_s": self.wall_s,
+                "stderrs": dict(self.stderrs), "wall_s": self.wall_s, "batch": self.batch,
                 "records": [r.to_dict() for r in self.records]}
 
     @classmethod
@@ -82,4 +83,4 @@ class GSM8KResult:
                    scores={k: float(v) for k, v in data["scores"].items()},
                    stderrs={k: float(v) for k, v in data["stderrs"].items()},
                    records=tuple(QuestionRecord.from_dict(r) for r in data.get("records", [])),
-                   wall_s=float(data.get("wall_s", 0.0)))
+                   wall_s=float(data.get("wall_s", 0.0)), batch=int(data.get("batch", 0)))
