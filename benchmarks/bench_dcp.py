@@ -78,8 +78,10 @@ def main() -> None:
     tp, dcp = _launch(args, 1), _launch(args, args.tp)
     print(f"{args.model} batch {args.batch} prompt {args.prompt_len} new {args.new}, best of {args.repeats}")
     for row in (tp, dcp):
-        print(f"  {row['topology']:<10} {row['ms_per_token']:8.2f} ms per generated token")
-    print(f"  dcp / tp: {dcp['ms_per_token'] / tp['ms_per_token']:.2f}x")
+        print(f"  {row['topology']:<10} {row['ms_per_token']:8.2f} ms per generated token, prefill "
+              f"{1000 * row['prefill_s']:8.1f} ms")
+    print(f"  dcp / tp: {dcp['ms_per_token'] / tp['ms_per_token']:.2f}x per generated token, "
+          f"{dcp['prefill_s'] / tp['prefill_s']:.2f}x prefill")
 
 
 if __name__ == "__main__":

@@ -165,18 +165,26 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return out, lse.transpose(1, 2)
 
 
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The fused CPU kernel's form of mask [B, S, L] (True = visible): [B, 1, S, L] of 0 or -inf in `dtype`."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))[:, None]
+
+
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                       kv_index: tuple[int, ...], kind: str = "mask") -> tuple[torch.Tensor, torch.Tensor]:
+                       kv_index: tuple[int, ...], kind: str = "mask",
+                       bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """local_attention (same arguments and results) through torch's fused CPU kernel, which also returns
-    the LSE; on other devices, local_attention itself. `kind` is mask_kind(mask) ("all": no mask)."""
+    the LSE; on other devices, local_attention itself. `kind` is mask_kind(mask) ("all": no mask);
+    `bias` is additive_mask(mask, q.dtype) when the caller made it already (once for all layers)."""
     if q.device.type != "cpu":
         return local_attention(q, k, v, mask, kv_index)
     idx = torch.tensor(kv_index, device=k.device)
     # [B, L, Hkv, hd] -> per query head [B, L, Hq, hd] -> [B, Hq, L, hd]
     k_h, v_h = k[:, :, idx].transpose(1, 2), v[:, :, idx].transpose(1, 2)
-    # the kernel takes an additive mask of q's dtype: [B, S, L] -> [B, 1, S, L], 0 or -inf
-    bias = (None if kind == "all" else
-            torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))[:, None])
+    if kind == "all":
+        bias = None
+    elif bias is None:
+        bias = additive_mask(mask, q.dtype)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.transpose(1, 2), k_h, v_h, 0.0, False, attn_mask=bias)  # [B, Hq, S, hd], [B, Hq, S]
     out = out.transpose(1, 2)  # [B, S, Hq, hd]
@@ -296,12 +304,15 @@ class Decoder:
         if self.flags.rope_local_positions and self.comm.dcp > 1:  # the dcp-rope-local-pos fault: keys rotated
             k_tables = self._rope.tables(batch.positions // self.comm.dcp, x.dtype)  # by their local store index
         kind = mask_kind(visible)
+        # the DCP path's fused-kernel mask, made once for every layer: [B, 1, S, L]
+        bias = (additive_mask(visible, x.dtype) if self.comm.dcp > 1 and kind == "mask" and x.device.type == "cpu"
+                else None)
         if capture is not None:
             capture.hidden.append(x)
         for i, layer in enumerate(self.w.layers):
             self._sites = {} if capture is not None else None
             attn = self._attention(i, layer, rms_norm(x, layer.attn_norm, self.hyper.norm_eps), batch,
-                                   write_rows, stored_mask, flat, (visible, kind), tables, k_tables)
+                                   write_rows, stored_mask, flat, (visible, kind, bias), tables, k_tables)
             if capture is not None:
                 capture.attn.append(attn)
             x = x + self._row_parallel(attn.flatten(2), layer.o, attn_out=True)
@@ -390,13 +401,14 @@ class Decoder:
 
     def _attention(self, i: int, layer: LayerWeights, h: torch.Tensor, batch: Batch,
                    write_rows: torch.Tensor, stored: torch.Tensor, flat: torch.Tensor,
-                   mask: tuple[torch.Tensor, str], tables: tuple[torch.Tensor, torch.Tensor],
+                   mask: tuple[torch.Tensor, str, torch.Tensor | None], tables: tuple[torch.Tensor, torch.Tensor],
                    k_tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Attention output of this rank's own Q heads: [B, S, n_q, hd]. `mask` is (visible [B, S, L],
-        its mask_kind); `k_tables` are the keys' RoPE tables (the queries' `tables` in a correct engine)."""
+        its mask_kind, its additive form or None); `k_tables` are the keys' RoPE tables (the queries'
+        `tables` in a correct engine)."""
         B, S, _ = h.shape
         hd, hm = self.hyper.head_dim, self.heads
-        visible, kind = mask
+        visible, kind, bias = mask
         fused = self._fused[i]
         # [B, S, (Hq + 2 Hkv) * hd] -> q, k, v
         q, k, v = _proj(h, fused.qkv, fused.qkv_bias).split([hm.n_q * hd, hm.n_kv * hd, hm.n_kv * hd], dim=-1)
@@ -414,7 +426,7 @@ class Decoder:
         if self.comm.dcp == 1:
             return fused_attention(q, k_all, v_all, visible, hm.group_q_to_local_kv, kind)
         group_q = self.comm.gather_dcp(q, dim=2)  # [B, S, dcp * Hq_local, hd], member order
-        out, lse = attention_with_lse(group_q, k_all, v_all, visible, hm.group_q_to_local_kv, kind)
+        out, lse = attention_with_lse(group_q, k_all, v_all, visible, hm.group_q_to_local_kv, kind, bias)
         # one gather for both, in float32 so a half-precision model's LSE keeps its precision:
         # [B, S, Hg, hd] + [B, S, Hg, 1] -> [dcp, B, S, Hg, hd + 1] -> this rank's own heads [dcp, B, S, Hq_local, hd + 1]
         lo, hi = hm.own_slice
