@@ -148,7 +148,7 @@ class Collectives:
             return x
         shm = self._state.shm.get(self._state.tp_members)
         if shm is not None:  # each member sums every member's piece in member order
-            flat = x.view(-1) if x.is_contiguous() else torch.empty(x.numel(), dtype=x.dtype)  # [numel]
+            flat = x.view(-1) if x.is_contiguous() else torch.empty(x.numel(), dtype=x.dtype, device=x.device)
             for start, parts in shm.pieces(x):  # parts [tp, n]; x's own piece is in its slot: x may be overwritten
                 _ordered_sum(parts.unbind(0), flat[start:start + parts.shape[1]])
             if not x.is_contiguous():

@@ -80,7 +80,7 @@ class ShmGroup:
         self._words = [base + j * WORD_STRIDE for j in range(members)]
         self._seq = [ctypes.c_uint32.from_address(a) for a in self._words]
         self._count = 0  # collectives done on this group
-        self._views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}  # (half, bytes, dtype) -> slots
+        self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # (half, numel, dtype) -> slots
         self._syscall = ctypes.CDLL(None, use_errno=True).syscall
         self._futex_args = [(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(a)) for a in self._words]
         self._wake = (ctypes.c_int(_FUTEX_WAKE), ctypes.c_int(0x7FFFFFFF), None, None, ctypes.c_int(0))
