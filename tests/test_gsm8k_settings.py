@@ -62,3 +62,25 @@ def test_paired_check_fails_on_generation_disagreement_with_equal_answers() -> N
     assert broken.verdict is Verdict.FAIL and "generations disagree" in broken.reason
     mostly_same = {**_comparison(10, 0, 0, 1.0, 1.0), "generation_agreement": 0.9}
     assert paired_check(mostly_same, settings).verdict is Verdict.PASS
+
+
+@pytest.mark.parametrize("profile", ["nightly", "full"])
+def test_shipped_gsm8k_profiles_kv_budget_holds_their_batch(profile: str) -> None:
+    """Every model of the shipped gsm8k suite gets batch_size sequences of max_seq_len at once at the
+    reference topology (its KV pool would otherwise cap the batch the profile asks for)."""
+    from harness.layout import plan_layout, pool_capacity
+    from harness.specs.model import load_model
+    from harness.specs.suite import load_suite, with_profile
+    from harness.specs.topology import parse_topology_name
+
+    suite = with_profile(load_suite("gsm8k"), profile)
+    batch = gsm8k_settings(suite.gsm8k).batch_size
+    ref = parse_topology_name(suite.reference)
+    for name in suite.models:
+        try:
+            model = load_model(name)
+        except ConfigError as exc:  # a model whose package is not installed
+            pytest.skip(str(exc))
+        plan = plan_layout(model.attention_shape, ref.tp, ref.dcp)
+        slots = pool_capacity(plan, suite.kv_budget_mib * 1024 ** 2, suite.max_seq_len).slots
+        assert slots >= batch, (name, profile, slots, batch)
