@@ -340,7 +340,9 @@ class Runner:
                                     engine=self.backend.name, reference_engine=self.ref_backend.name,
                                     checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False)
             reason = next((c.reason for c in result.checks if c.verdict is result.status), "")
-            self.progress(f"[{i}/{len(cells)}] {cell.slug}: {result.status.value} ({result.wall_s:.1f} s)"
+            took = "the reference run" if result.run_dir and result.run_dir == result.reference_dir else \
+                f"{result.wall_s:.1f} s"
+            self.progress(f"[{i}/{len(cells)}] {cell.slug}: {result.status.value} ({took})"
                           + (f" - {reason}" if result.status is not Verdict.PASS else ""))
             results.append(result)
         return results

@@ -260,4 +260,6 @@ def test_the_reference_topology_as_a_cell_reads_the_reference_run(tmp_path: Path
     assert Path(cells["tp1"]["run_dir"]).parent == cache_dir / "runs"
     assert cells["tp2"]["status"] == "PASS" and Path(cells["tp2"]["run_dir"]).is_relative_to(tmp_path / "runs")
     assert [p.name for p in (tmp_path / "runs" / "tiny-gqa").iterdir()] == ["tp2"]  # nothing launched for tp1
-    assert "tp1: the reference's own job on the same engine" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "tp1: the reference's own job on the same engine" in out
+    assert "tiny-gqa/tp1/seed0: PASS (the reference run)" in out
