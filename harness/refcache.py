@@ -53,13 +53,17 @@ class ReferenceCache:
         self.timeout_s = timeout_s
         self.progress = progress
 
+    def key(self, job: Job, repeat: bool = False) -> str:
+        """What identifies `job`'s artifacts: a hash of the job (minus its output folder, commit and
+        timeouts) and the backend's identity; `repeat` keys an independent second run."""
+        content = {k: v for k, v in job.__dict__.items() if k not in _UNKEYED}
+        return hashlib.sha256(json.dumps({"job": content, "backend": self.backend.identity(job), "repeat": repeat},
+                                         sort_keys=True, default=str).encode()).hexdigest()
+
     def entry(self, job: Job, name: str, repeat: bool = False) -> Path:
         """The run directory of `job` (its out_dir ignored); `repeat` keys an independent second run."""
-        content = {k: v for k, v in job.__dict__.items() if k not in _UNKEYED}
-        key = hashlib.sha256(json.dumps({"job": content, "backend": self.backend.identity(job), "repeat": repeat},
-                                        sort_keys=True, default=str).encode())
         engine = "" if self.backend.name == DEFAULT_ENGINE else f"{self.backend.name}-"
-        return self.cache_dir / "runs" / f"{engine}{name}-{key.hexdigest()[:16]}"
+        return self.cache_dir / "runs" / f"{engine}{name}-{self.key(job, repeat)[:16]}"
 
     def get(self, job: Job, name: str, label: str, repeat: bool = False) -> RunArtifacts:
         """The cached run of `job`, or launched now and cached; ReferenceFailed when it fails."""

@@ -191,20 +191,25 @@ class Runner:
         run (same topology and dtype, another reduction order, no speculator; see noise_run). A failed reference is launched once:
         later cells get the same ReferenceFailed. A failed twin leaves the tolerance floors in charge.
         A fault in code the reference runs too (Fault.shared) is injected into the reference as well."""
-        shared = fault if fault in FAULTS and FAULTS[fault].shared else None
+        topo, shared = self._reference_of(speculator, fault)
         key = (model.name, seed, speculator + (f"+{shared}" if shared else ""))
         if key in self._failed_refs:
             raise self._failed_refs[key]
         if key not in self._refs:
-            base = self.reference_topology
             try:
-                ref = self._cached(model, seed, model.dtype, Topology(tp=base.tp, dcp=base.dcp, speculator=speculator),
-                                   fault=shared)
+                ref = self._cached(model, seed, model.dtype, topo, fault=shared)
             except ReferenceFailed as exc:
                 self._failed_refs[key] = exc
                 raise
-            self._refs[key] = (ref, self._noise_run(model, seed, base))
+            self._refs[key] = (ref, self._noise_run(model, seed, self.reference_topology))
         return self._refs[key]
+
+    def _reference_of(self, speculator: str, fault: str | None) -> tuple[Topology, str | None]:
+        """The reference topology of a cell with `speculator` and `fault`, and the fault the reference
+        shares (Fault.shared: in code the reference runs too), if any."""
+        base = self.reference_topology
+        shared = fault if fault in FAULTS and FAULTS[fault].shared else None
+        return Topology(tp=base.tp, dcp=base.dcp, speculator=speculator), shared
 
     def _noise_run(self, model: ModelSpec, seed: int, base: Topology) -> RunArtifacts | None:
         """The run the noise floor is measured against, by the reference engine's strategy: the
@@ -258,10 +263,7 @@ class Runner:
         if nodes is None and self._reference_job(cell, job):
             self.progress(f"  {cell.topology.name}: the reference's own job on the same engine: its run is the "
                           f"reference run ({ref.path}), not launched again")
-            ctx = self.context(cell, ref, ref, noise)
-            return CellResult(**base, checks=tuple(run_checks(ctx)), clean_exit=True, localization=ctx.localization,
-                              run_dir=str(ref.path), reference_dir=str(ref.path), wall_s=0.0,
-                              details=ctx.details.to_dict())
+            return self._checked(cell, base, ref, ref, noise, ref.path, 0.0)
         result = (self.backend.run(job, self.req.timeout_s) if nodes is None
                   else run_on_nodes(self.backend, job, self.req.timeout_s, nodes))
         if not result.ok and result.refused:  # the engine cannot run this topology: its own words, a SKIP
@@ -281,10 +283,14 @@ class Runner:
                                                           {"problems": problems}),),
                               clean_exit=True, run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s)
         assert par is not None
+        return self._checked(cell, base, ref, par, noise, run_dir, result.wall_s)
+
+    def _checked(self, cell: CellPlan, base: dict[str, Any], ref: RunArtifacts, par: RunArtifacts,
+                 noise: RunArtifacts | None, run_dir: Path, wall_s: float) -> CellResult:
+        """The cell's checks of `par` (read from `run_dir`) against the reference, as its result."""
         ctx = self.context(cell, ref, par, noise)
-        checks = run_checks(ctx)
-        return CellResult(**base, checks=tuple(checks), clean_exit=True, localization=ctx.localization,
-                          run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s, details=ctx.details.to_dict())
+        return CellResult(**base, checks=tuple(run_checks(ctx)), clean_exit=True, localization=ctx.localization,
+                          run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=wall_s, details=ctx.details.to_dict())
 
     def _reference_job(self, cell: CellPlan, job: Job) -> bool:
         """Whether `job` is the cell's reference job again (the reference topology, speculator and fault,
@@ -292,12 +298,9 @@ class Runner:
         Such a cell (gsm8k's tp1) reads the reference run instead of paying for the same run twice."""
         if self.req.engine != self.req.ref_engine:
             return False
-        base = self.reference_topology
-        topo = Topology(tp=base.tp, dcp=base.dcp, speculator=cell.topology.speculator)
-        shared = cell.fault if cell.fault in FAULTS and FAULTS[cell.fault].shared else None
+        topo, shared = self._reference_of(cell.topology.speculator, cell.fault)
         ref_job = self.job(cell.model, topo, shared, cell.seed, Path("."), cell.model.dtype)
-        same_dtype = replace(job, dtype=job.dtype or cell.model.dtype)
-        return self.cache.entry(same_dtype, "") == self.cache.entry(ref_job, "")
+        return self.cache.key(replace(job, dtype=job.dtype or cell.model.dtype)) == self.cache.key(ref_job)
 
     def context(self, cell: CellPlan, ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None) -> CellContext:
         """Everything the checks of `cell` read."""

@@ -56,7 +56,7 @@ class ParallelState:
 
     @property
     def dcp_rank(self) -> int:
-        return dcp_members_of(self.rank, self.dcp).index(self.rank)
+        return self.dcp_members.index(self.rank)
 
     @property
     def distributed(self) -> bool:
@@ -165,7 +165,7 @@ class Collectives:
 
     def gather_tp(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenate every TP rank's `x` along `dim`, in rank order."""
-        return self._gather(x, dim, self._state.tp_group, self._state.tp_members if self._state.distributed else (0,))
+        return self._gather(x, dim, self._state.tp_group, self._state.tp_members)  # (0,) at tp1: x itself
 
     def gather_dcp(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenate every DCP-group member's `x` along `dim`, in member order."""
