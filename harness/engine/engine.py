@@ -42,11 +42,13 @@ class PoolSettings:
 
 @dataclass(frozen=True)
 class Generation:
-    """Greedy generation of one batch: new tokens and top-k (ids, logprobs) per step, per sequence."""
+    """Greedy generation of one batch: new tokens and top-k (ids, logprobs) per step, per sequence, and
+    how many sequences ran at once at most (`width`: max_batch as the KV pool allows it)."""
 
     tokens: list[list[int]]
     topk_ids: list[torch.Tensor]
     topk_logprobs: list[torch.Tensor]
+    width: int = 0
 
 
 @dataclass(frozen=True)
@@ -269,7 +271,7 @@ class Engine:
                     finished.append(b)
             self.cache.close([running.pop(b) for b in finished])
         self.cache.close(prefix)
-        return Generation(new, [torch.stack(t) for t in tk_ids], [torch.stack(t) for t in tk_lp])
+        return Generation(new, [torch.stack(t) for t in tk_ids], [torch.stack(t) for t in tk_lp], width)
 
     def _prompt_logits(self, prompts: list[Sequence[int]], seq_ids: list[int], cached: int = 0) -> torch.Tensor:
         """Prefill new sequences whose first `cached` tokens are already in the cache; float32 logits

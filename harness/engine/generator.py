@@ -40,9 +40,12 @@ class EngineGenerator:
         self.tokenizer = tokenizer
         self.rank = engine.state.rank
         self.world_size = engine.state.world_size
+        self.widest = 0  # the most sequences any generate() call ran at once
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: set[int],
                  stop_strings: Sequence[str] = (), max_batch: int | None = None) -> list[list[int]]:
-        return self.engine.generate(prompts, max_new_tokens, stop_token_ids=frozenset(stop_token_ids),
-                                    stop=stop_string_check(self.tokenizer, stop_strings),
-                                    max_batch=max_batch, share_prefix=self.share_prefix).tokens
+        out = self.engine.generate(prompts, max_new_tokens, stop_token_ids=frozenset(stop_token_ids),
+                                   stop=stop_string_check(self.tokenizer, stop_strings),
+                                   max_batch=max_batch, share_prefix=self.share_prefix)
+        self.widest = max(self.widest, out.width)
+        return out.tokens

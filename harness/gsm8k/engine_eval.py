@@ -29,11 +29,12 @@ def evaluate_generator(generator: Generator, settings: GSM8KSettings, data_path:
 
 def evaluate_engine(engine: Engine, tokenizer: Tokenizer, settings: GSM8KSettings,
                     data_path: str | Path | None) -> GSM8KResult:
-    """GSM8K through the engine, recording the batch it could run: min(batch_size, the KV pool's slots)."""
-    batch = min(settings.batch_size, engine.max_batch)
-    if batch < settings.batch_size:
+    """GSM8K through the engine, recording the batch it ran: batch_size, or fewer where the KV pool's
+    slots cap it (said in the log)."""
+    generator = EngineGenerator(engine, tokenizer)
+    result = evaluate_generator(generator, settings, data_path, engine.pool.max_seq_len)
+    if generator.widest < settings.batch_size:
         print(f"GSM8K: batch_size={settings.batch_size} but the KV pool holds {engine.max_batch} sequences of "
-              f"max_seq_len={engine.pool.max_seq_len} per rank: {batch} at a time (raise kv_budget_mib for more)",
-              flush=True)
-    result = evaluate_generator(EngineGenerator(engine, tokenizer), settings, data_path, engine.pool.max_seq_len)
-    return replace(result, batch=batch)
+              f"max_seq_len={engine.pool.max_seq_len} per rank: {generator.widest} at a time (raise kv_budget_mib "
+              f"for more)", flush=True)
+    return replace(result, batch=generator.widest)
