@@ -64,7 +64,7 @@ def cli() -> None:
            "OMP_NUM_THREADS": "1"}
     for world in args.worlds:
         for path, setting in (("shm", "1"), ("star", "0")):
-            subprocess.run([sys.executable, "-m", "harness.engine.forkrun", f"--nproc={world}",
+            subprocess.run([sys.executable, "-m", "harness.launcher.forkrun", f"--nproc={world}",
                             "--module=bench_collectives", "--", ",".join(str(k) for k in args.kib),
                             str(args.repeats), path], env={**env, "HARNESS_SHM_COLLECTIVES": setting}, check=True)
 

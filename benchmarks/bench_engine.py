@@ -24,7 +24,7 @@ from harness.engine.checkpoint import save_hf_checkpoint
 from harness.engine.engine import TORCH_DTYPES, Engine, PoolSettings
 from harness.engine.parallel import ParallelState
 from harness.engine.weights import load_weights
-from harness.specs.model import load_model
+from harness.specs.checkpoint import load_model
 
 PROMPT_LEN = 64
 NEW_TOKENS = 32

@@ -1,5 +1,5 @@
-"""Cost of one launch of the embedded engine, torchrun against the fork launcher (harness/engine/forkrun.py,
-started warm from the forkserver of harness/engine/forkserver.py), same job, interleaved rounds (one of
+"""Cost of one launch of the embedded engine, torchrun against the fork launcher (harness/launcher/forkrun.py,
+started warm from the forkserver of harness/launcher/forkserver.py), same job, interleaved rounds (one of
 each per round, so load changes hit both alike), medians of --repeats. Prints wall seconds and the
 machine's busy CPU seconds over the launch (from /proc/stat: a warm launch's processes are children of
 the forkserver, not of this process, so their rusage never reaches it; run it on an idle machine) per
@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.contract import Job
-from harness.launch import LAUNCHER_ENV, LAUNCHERS, launch
-from harness.specs.model import load_model
+from harness.backends.embedded import WORKER_MODULE
+from harness.launcher.launch import LAUNCHER_ENV, LAUNCHERS, launch
+from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 
 PROMPTS = ["The capital of France is", "def f(x):\n    return", "Q: 17 + 25 = ?\nA:"]
@@ -40,7 +41,7 @@ def one_launch(model: str, topo: str, launcher: str, out: Path) -> tuple[float, 
               out_dir=str(out), max_new_tokens=12, decode_prefix_tokens=3,
               pool={"budget_bytes": 8 << 20, "max_seq_len": 256})
     cpu, start = machine_cpu(), time.perf_counter()
-    result = launch(job, 900.0, env={LAUNCHER_ENV: launcher})
+    result = launch(job, 900.0, WORKER_MODULE, env={LAUNCHER_ENV: launcher})
     if not result.ok:
         raise SystemExit(f"{launcher} {topo} failed: {result.error}")
     return time.perf_counter() - start, machine_cpu() - cpu

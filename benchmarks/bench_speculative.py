@@ -23,7 +23,7 @@ from harness.engine.parallel import ParallelState
 from harness.engine.speculative import run_speculative_cases
 from harness.engine.speculator import SpeculativeSettings, speculator_for
 from harness.engine.weights import load_weights
-from harness.specs.model import load_model
+from harness.specs.checkpoint import load_model
 
 PROMPT_LEN = 32
 NEW_TOKENS = 64

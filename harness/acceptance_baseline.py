@@ -35,13 +35,13 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import yaml
 
+from harness.acceptance import total_variation
 from harness.compare.settings import AcceptanceSettings
 from harness.contract import JOB_FILE, MANIFEST_PROMPTS_HASH, MANIFEST_WEIGHTS_HASH
 from harness.errors import ConfigError, RunError
 from harness.jsonio import read_json, write_text_atomic
 from harness.paths import BASELINES_DIR
-from harness.baseline import read_versioned_list
-from harness.specs.loader import check_keys, expect_int
+from harness.specs.loader import check_keys, expect_int, read_versioned_list
 from harness.verdict import CellResult, CheckResult, Verdict
 
 if TYPE_CHECKING:  # torch only where runs are read: `harness report` / `plan` / `baseline` stay light
@@ -211,7 +211,6 @@ def gate_acceptance(baselines: AcceptanceBaselines, key: AcceptanceKey, mean: fl
     base = float(entry.mean_accepted_length)
     tol = settings.baseline_tolerance(base)
     diff = mean - base
-    from harness.compare.speculative import total_variation
 
     tv = total_variation(list(entry.histogram), hist) if entry.histogram is not None and hist is not None else None
     metrics.update({"baseline": base, "difference": diff, "tolerance": tol, "baseline_histogram":

@@ -41,7 +41,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from harness.contract import CASES_FILE, LAYOUT_FILE, MANIFEST_FILE, TENSORS_FILE, tensor_key
+from harness.contract import (CASES_FILE, FULL_ARTIFACTS, LAYOUT_FILE, MANIFEST_FILE, TENSORS_FILE, Capabilities,
+                              recorded_capabilities, tensor_key)
 from harness.errors import RunError
 from harness.jsonio import read_json, write_json
 
@@ -116,3 +117,11 @@ def read_run(path: Path, with_tensors: bool = True) -> RunArtifacts:
         raise RunError(f"{path / TENSORS_FILE}: unreadable tensors: {exc}") from exc
     return RunArtifacts(path=path, manifest=manifest, layout=read_json(path / LAYOUT_FILE),
                         cases=[Case.from_dict(c) for c in read_json(path / CASES_FILE)], tensors=tensors)
+
+
+def run_capabilities(run: RunArtifacts, default: Capabilities | None = None) -> Capabilities:
+    """The capabilities the run's manifest records, else `default` (else every artifact of the contract)."""
+    recorded = recorded_capabilities(run.manifest)
+    if recorded is not None:
+        return recorded
+    return default if default is not None else Capabilities(provides=FULL_ARTIFACTS)

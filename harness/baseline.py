@@ -31,7 +31,7 @@ from harness.gsm8k.records import STRICT
 from harness.gsm8k.settings import GSM8KSettings
 from harness.gsm8k.stats import baseline_gate
 from harness.paths import BASELINES_DIR
-from harness.specs.loader import check_keys, expect_int, load_yaml
+from harness.specs.loader import check_keys, expect_int, load_yaml, read_versioned_list
 from harness.verdict import CellResult, CheckResult, Verdict
 
 BASELINE_SCHEMA_VERSION = 1
@@ -122,20 +122,6 @@ def _entry(where: str, data: Any) -> BaselineEntry:
     return BaselineEntry(model=str(data["model"]), task=str(data["task"]), topology=str(data["topology"]),
                          n=data["n"], score=data["score"], stderr=data["stderr"],
                          filter=str(data.get("filter", STRICT)), provenance=dict(provenance))
-
-
-def read_versioned_list(path: Path, keys: tuple[str, ...], version: int) -> tuple[dict[str, Any], list[Any]]:
-    """A baselines YAML file's top level (its keys checked, schema_version required and equal to
-    `version`) and its `baselines` list."""
-    data = load_yaml(path) or {}
-    check_keys(str(path), data, keys, required=("schema_version",))
-    if data["schema_version"] != version:
-        raise ConfigError(f"{path}: schema_version {data['schema_version']!r}; this harness reads schema_version "
-                          f"{version}")
-    raw = data.get("baselines") or []
-    if not isinstance(raw, list):
-        raise ConfigError(f"{path}: baselines must be a list")
-    return data, raw
 
 
 def read_baselines(path: Path, suite: str | None = None) -> Baselines:

@@ -77,6 +77,9 @@ ALL_CAPABILITIES: tuple[str, ...] = (
     FULL_LOGITS, TOPK_LOGPROBS, PROMPT_LOGPROBS, DECODE_PATH, HIDDEN_STATES, ATTENTION_OUTPUTS, COLLECTIVE_ERRORS,
     LAYOUT_REPORT, KV_POOL_SIZE, ACCEPT_TRACES, ACCEPTANCE_AGGREGATE, GENERATION, GSM8K,
 )
+# Every artifact of the contract in full (the embedded engine's; what a run that records no backend is read
+# as): full logits carry every top-k, so no *_topk_* tensors; accept traces, not only their mean.
+FULL_ARTIFACTS: frozenset[str] = frozenset(ALL_CAPABILITIES) - {ACCEPTANCE_AGGREGATE, TOPK_LOGPROBS}
 
 # --- how a backend measures the noise floor tolerances scale with --------------------------------
 NOISE_PRECISION_TWIN = "precision-twin"  # the reference recomputed in a higher precision
@@ -183,3 +186,11 @@ class Backend(Protocol):
     def run(self, job: Job, timeout_s: float) -> LaunchResult:
         """Run `job`, writing the run directory at job.out_dir; always leaves a manifest.json."""
         ...
+
+
+def recorded_capabilities(manifest: dict[str, Any]) -> Capabilities | None:
+    """The capabilities a run's manifest records (its backend entry), or None when it records none."""
+    entry = manifest.get(MANIFEST_BACKEND)
+    if not isinstance(entry, dict) or not isinstance(entry.get("capabilities"), dict):
+        return None
+    return Capabilities.from_dict(entry["capabilities"])

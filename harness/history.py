@@ -26,7 +26,7 @@ from typing import Any, Iterable, Sequence
 
 from harness.checkmetrics import key_metric, noise_multiples
 from harness.errors import ConfigError
-from harness.report.results import read_results
+from harness.results import read_results
 from harness.verdict import CellResult
 
 HISTORY_ENV = "HARNESS_HISTORY"

@@ -316,3 +316,10 @@ def pool_capacity(plan: LayoutPlan, budget_bytes: int, max_seq_len: int, block_s
             f"max_seq_len={max_seq_len}, dcp={plan.dcp}): short by {slot_bytes - budget_bytes} bytes")
     return PoolCapacity(budget_bytes=budget_bytes, block_size=block_size, blocks_per_slot=blocks_per_slot,
                         slots=slots, block_bytes=block_bytes)
+
+
+def slot_pool(plan: LayoutPlan, slots: int, max_seq_len: int, block_size: int) -> PoolCapacity:
+    """A pool of exactly `slots` sequence slots for `plan`, sized by the planner's own rule: the budget
+    is `slots` times the planner's slot size (blocks_per_slot x block_bytes)."""
+    unit = pool_capacity(plan, 2 ** 62, max_seq_len, block_size)  # only its per-slot numbers are used
+    return pool_capacity(plan, slots * unit.blocks_per_slot * unit.block_bytes, max_seq_len, block_size)

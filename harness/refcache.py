@@ -28,7 +28,7 @@ from harness.validate import load_run, validate_artifacts
 
 PARTIAL_SUFFIX = ".partial"  # a reference run still being written into the cache (renamed when done)
 _UNKEYED = ("out_dir", "git_commit", "collective_timeout_s")  # job fields that do not change the artifacts
-__all__ = ["PARTIAL_SUFFIX", "ReferenceCache", "ReferenceFailed", "default_cache_dir", "partial_dirs"]
+__all__ = ["PARTIAL_SUFFIX", "ReferenceCache", "ReferenceFailed", "partial_dirs"]
 
 
 class ReferenceFailed(HarnessError):

@@ -9,32 +9,33 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from harness.artifacts import RunArtifacts
+from harness.artifacts import RunArtifacts, run_capabilities
 from harness.backends.registry import DEFAULT_ENGINE, get_backend
 from harness.backends.base import backend_record
+from harness.backends.embedded import EmbeddedBackend
 from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks
-from harness.checks.runs import run_capabilities
-from harness.compare.settings import CheckSettings
-from harness.contract import NOISE_NONE, NOISE_PRECISION_TWIN, NOISE_REDUCTION_ORDER, SCHEDULE_SEQUENTIAL, Backend, Job
+from harness.checks.settings import CheckSettings
+from harness.contract import NOISE_NONE, NOISE_PRECISION_TWIN, NOISE_REDUCTION_ORDER, SCHEDULE_SEQUENTIAL, Backend, Job, LaunchResult
 from harness.engine.fault_scope import inert_reason
 from harness.engine.faults import FAULTS, PERTURBATIONS, fault_flags
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
-from harness.baseline import BASELINES_DIR
+
 from harness.gsm8k.settings import GSM8KSettings
 from harness.errors import ConfigError, HarnessError, RunError
 from harness.jsonio import read_json
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
+from harness.paths import BASELINES_DIR
 from harness.layout import plan_layout, plan_speculator
 from harness.refcache import ReferenceCache, ReferenceFailed
 from harness.report.provenance import collect_provenance, git_commit
 from harness.validate import load_run, validate_artifacts
-from harness.multinode import NodeLaunch, Nodes, run_on_nodes
+from harness.launcher.nodes import NodeLaunch, Nodes
 from harness.shard import Shard, shard_cells
 from harness.specs.model import ModelSpec
 from harness.specs.suite import Suite
 from harness.specs.topology import Topology, parse_topology_name
-from harness.verdict import CellResult, CheckResult, Verdict
+from harness.verdict import EXIT_ERROR, EXIT_OK, CellResult, CheckResult, Verdict
 
 # The noise run: what a correct run may differ from the reference by. Like with like: the reference
 # topology in the model's own dtype, with another reduction order (split partial sums, keys merged
@@ -76,7 +77,7 @@ class RunRequest:
     def ref_engine(self) -> str:
         return self.reference_engine or self.engine
     shard: Shard | None = None  # run only this share of the cells (harness/shard.py)
-    nodes: Nodes | None = None  # this machine's place in a multi-node run (harness/multinode.py)
+    nodes: Nodes | None = None  # this machine's place in a multi-node run (harness/launcher/nodes.py)
 
 
 @dataclass(frozen=True)
@@ -265,7 +266,7 @@ class Runner:
                           f"reference run ({ref.path}), not launched again")
             return self._checked(cell, base, ref, ref, noise, ref.path, 0.0)
         result = (self.backend.run(job, self.req.timeout_s) if nodes is None
-                  else run_on_nodes(self.backend, job, self.req.timeout_s, nodes))
+                  else self._on_nodes(job, nodes))
         if not result.ok and result.refused:  # the engine cannot run this topology: its own words, a SKIP
             return CellResult(**base, checks=(CheckResult("cell", Verdict.SKIP, result.refused),), clean_exit=True,
                               run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s)
@@ -327,6 +328,33 @@ class Runner:
         if nodes is None or not nodes.spans(cell.topology.world_size):
             return None
         return nodes.launch([c.slug for c in self.planned()].index(cell.slug))
+
+    def _on_nodes(self, job: Job, nodes: NodeLaunch) -> LaunchResult:
+        """The parallel run of a cell that spans the nodes: only the embedded engines launch over nodes."""
+        if not isinstance(self.backend, EmbeddedBackend):
+            raise ConfigError(f"engine {self.backend.name!r} cannot run over several nodes from the harness")
+        return self.backend.run_on_nodes(job, self.req.timeout_s, nodes)
+
+    def follow(self) -> int:
+        """Node R > 0: lend this node's ranks to every cell that spans the nodes, in plan order.
+        0 when every launch exited cleanly, else EXIT_ERROR (node 0's report has the verdicts)."""
+        req, progress = self.req, self.progress
+        nodes = req.nodes
+        assert nodes is not None and nodes.node_rank > 0
+        failed = 0
+        for index, cell in enumerate(self.planned()):
+            if cell.skip_reason or not nodes.spans(cell.topology.world_size):
+                progress(f"[{index + 1}] {cell.slug}: runs on node 0")
+                continue
+            job = self.job(cell.model, cell.topology, cell.fault, cell.seed, req.out_dir / "runs" / cell.slug)
+            progress(f"[{index + 1}] {cell.slug}: node {nodes.node_rank} ranks joining "
+                     f"{nodes.host}:{nodes.port + index}")
+            result = self._on_nodes(job, nodes.launch(index))
+            ok = result.returncode == 0
+            failed += not ok
+            progress(f"[{index + 1}] {cell.slug}: {'done' if ok else 'FAILED: ' + result.error} "
+                     f"({result.wall_s:.1f} s)")
+        return EXIT_OK if not failed else EXIT_ERROR
 
     def run(self) -> list[CellResult]:
         cells = self.planned()

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence, TypeVar
+from typing import Protocol, Sequence, TypeVar
 
 from harness.errors import ConfigError
+from harness.specs.topology import Topology
 
 T = TypeVar("T")
-if TYPE_CHECKING:
-    from harness.runner import CellPlan
 _SHARD_RE = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 
 # cost model: a launch costs its process start-up plus work per rank; a speculator about doubles
@@ -86,7 +85,20 @@ def select(items: Sequence[T], costs: Sequence[float], shard: Shard) -> list[T]:
     return [item for item, o in zip(items, owner) if o == shard.index - 1]
 
 
-def shard_cells(cells: Sequence["CellPlan"], shard: Shard | None) -> list["CellPlan"]:
+class PlannedCell(Protocol):
+    """What sharding reads of a planned cell (the runner's CellPlan)."""
+
+    @property
+    def topology(self) -> Topology: ...
+
+    @property
+    def skip_reason(self) -> str | None: ...
+
+
+C = TypeVar("C", bound=PlannedCell)
+
+
+def shard_cells(cells: Sequence[C], shard: Shard | None) -> list[C]:
     """The planned cells of `shard` (all of them without one), cost-balanced, in plan order."""
     if shard is None:
         return list(cells)

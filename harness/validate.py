@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from harness import contract as c
-from harness.artifacts import RunArtifacts, read_run
+from harness.artifacts import RunArtifacts, read_run, run_capabilities
 from harness.errors import RunError
 from harness.jsonio import read_json
 
@@ -85,7 +85,6 @@ class _Tensors:
 
 def validate_artifacts(run: RunArtifacts) -> list[str]:
     """Problems of a read run directory; a run whose manifest says status 'error' is one problem."""
-    from harness.checks.runs import run_capabilities
 
     problems = _manifest_problems(run.manifest)
     if problems:

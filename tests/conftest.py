@@ -46,16 +46,17 @@ def launch_run(out_dir: Path, model: str, topo: str, fault: str | None = None, p
                dtype: str | None = None, env: dict[str, str] | None = None, timeout_s: float = TEST_LAUNCH_TIMEOUT_S,
                collective_timeout_s: float = 60.0) -> RunArtifacts:
     """Launch one real run (torchrun on gloo for world size > 1) and read its run directory."""
-    from harness.engine.worker import Job
-    from harness.launch import launch
-    from harness.specs.model import load_model
+    from harness.backends.embedded import WORKER_MODULE
+    from harness.contract import Job
+    from harness.launcher.launch import launch
+    from harness.specs.checkpoint import load_model
     from harness.specs.topology import parse_topology_name
 
     topology = parse_topology_name(topo)
     job = Job(model=load_model(model).to_dict(), topology=topology.to_dict(), prompts=prompts or TEST_PROMPTS,
               out_dir=str(out_dir), fault=fault, dtype=dtype, max_new_tokens=12, decode_prefix_tokens=3,
               pool={"budget_bytes": 8 << 20, "max_seq_len": 256}, collective_timeout_s=collective_timeout_s)
-    launch(job, timeout_s, env=env)
+    launch(job, timeout_s, WORKER_MODULE, env=env)
     return read_run(out_dir)
 
 

@@ -18,7 +18,7 @@ from harness.compare.settings import AcceptanceSettings
 from harness.compare.speculative import check_acceptance, trace_step_detail
 from harness.details import divergence_text
 from harness.errors import ConfigError
-from harness.report.results import write_results
+from harness.results import write_results
 from harness.verdict import CellResult, CheckResult, Verdict
 
 KEY = AcceptanceKey(model="tiny-gqa", engine="embedded", speculator="mtp", k=3,

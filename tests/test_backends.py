@@ -13,7 +13,7 @@ from harness.backends.registry import ENTRY_POINT_GROUP, available, get_backend
 from harness.contract import Backend, Job
 from harness.errors import ConfigError
 from harness.paths import PROJECT_ROOT
-from harness.specs.model import load_model
+from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 
 
@@ -55,17 +55,17 @@ def _copy_package(tmp_path: Path) -> Path:
 
 def test_editing_a_check_keeps_the_engine_identity_editing_the_engine_changes_it(tmp_path: Path) -> None:
     root = _copy_package(tmp_path)
-    files = {p.relative_to(root).as_posix() for p in import_closure("harness.engine.worker", root)}
+    files = {p.relative_to(root).as_posix() for p in import_closure("harness.backends.embedded_worker", root)}
     assert "harness/engine/model.py" in files and "harness/layout.py" in files and "harness/cases.py" in files
     assert not any(f.startswith(("harness/compare/", "harness/report/", "harness/cli/")) for f in files)
-    before = code_hash("harness.engine.worker", root)
+    before = code_hash("harness.backends.embedded_worker", root)
     for check in ("compare/logits.py", "compare/generation.py", "compare/cell.py", "report/html.py"):
         with open(root / "harness" / check, "a") as f:
             f.write("\n# a tolerance tweak\n")
-    assert code_hash("harness.engine.worker", root) == before
+    assert code_hash("harness.backends.embedded_worker", root) == before
     with open(root / "harness" / "engine" / "model.py", "a") as f:
         f.write("\n# an engine change\n")
-    assert code_hash("harness.engine.worker", root) != before
+    assert code_hash("harness.backends.embedded_worker", root) != before
 
 
 def test_embedded_identity_names_engine_version_and_weights() -> None:

@@ -14,7 +14,7 @@ from harness.cli import main
 from harness.errors import ConfigError
 from harness.gsm8k.records import FLEXIBLE
 from harness.gsm8k.settings import GSM8KSettings
-from harness.report.results import write_results
+from harness.results import write_results
 from harness.verdict import CellResult, CheckResult, Verdict
 
 PROVENANCE = {"harness_version": "0.1.0", "git_commit": "abc123", "torch_version": "2.13.0", "python": "3.11",

@@ -8,15 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.checks.catalog import CHECKS, SECTIONS
+from harness.checks.catalog import registered_checks, sections
+
+CHECKS = registered_checks()
 from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks
-from harness.compare.settings import CheckSettings
+from harness.checks.settings import CheckSettings
 from harness.contract import Capabilities
-from harness.backends.embedded import FULL, TOPK_ONLY
+from harness.backends.embedded import TOPK_ONLY
+from harness.contract import FULL_ARTIFACTS as FULL
 from harness.errors import ConfigError
 from harness.layout import plan_layout
-from harness.specs.suite import load_suite
+from harness.checks.settings import load_suite
 from harness.verdict import Verdict
 from tests.test_compare_support import GQA, synthetic_runs, with_tensors
 
@@ -77,11 +80,11 @@ def test_settings_that_are_never_read_are_rejected(tmp_path: Path, section: str,
 
 def test_every_section_is_read_by_a_check_and_names_are_unique() -> None:
     assert len({spec.name for spec in CHECKS}) == len(CHECKS)
-    assert set(SECTIONS) == {spec.section for spec in CHECKS}
+    assert set(sections()) == {spec.section for spec in CHECKS}
 
 
 def test_details_are_typed_and_round_trip_through_the_shared_schema() -> None:
-    from harness.compare.cell import compare_cell
+    from harness.checks.cell import compare_cell
     from harness.details import CellDetails, LayoutDetails
 
     ref, noise, par = synthetic_runs(PLAN)

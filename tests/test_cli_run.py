@@ -13,7 +13,7 @@ import pytest
 
 from harness.cli import main
 from tests.conftest import TEST_LAUNCH_TIMEOUT_S, TEST_LAUNCHES_PER_TEST
-from harness.engine.worker import INJECT_ENV
+from harness.backends.embedded_worker import INJECT_ENV
 
 SMALL_SUITE = """
 name: small
@@ -220,7 +220,7 @@ def test_bad_checkpoint_is_one_error_before_any_rank(tmp_path: Path, suite_file:
     exit-2 line from `harness run --model DIR`, and nothing is launched or written."""
     from harness.engine.checkpoint import save_hf_checkpoint
     from harness.engine.weights import load_weights
-    from harness.specs.model import load_model
+    from harness.specs.checkpoint import load_model
 
     spec = load_model("tiny-gqa")
     folder = save_hf_checkpoint(spec, load_weights(spec), tmp_path / "ckpt")

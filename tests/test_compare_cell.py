@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import torch
 
-from harness.compare.cell import compare_cell
-from harness.compare.settings import CheckSettings
+from harness.checks.cell import compare_cell
+from harness.checks.settings import CheckSettings
 from harness.layout import plan_layout, plan_speculator
 from harness.verdict import Verdict
 from tests.test_compare_support import GQA, layout_entry, synthetic_runs, with_tensors

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from harness.compare.localize import localize, relative_error
+from harness.compare.localize import localize, onset, relative_error
 from harness.compare.settings import LocalizationSettings
 from harness.layout import plan_layout
 from tests.test_compare_support import GQA, synthetic_runs, with_tensors
@@ -114,3 +114,37 @@ def test_missing_tensors_give_no_localization_and_a_note(runs) -> None:
 def test_relative_error_shape_and_zero_reference() -> None:
     ref = torch.zeros(2, 3, 4)
     assert relative_error(ref, ref).shape == (2, 3) and float(relative_error(ref, ref).max()) == 0.0
+
+
+# (errors, noise, crossed, onset): hidden-index errors where the bound (20x noise) is first crossed at
+# index `crossed`; the divergence began at the earliest index of the run above 5x its own noise
+ONSETS = [
+    ([0.0, 4.4e-2, 7.3e-2], [0.0, 2.3e-3, 3.3e-3], 2, 1),   # 19x noise at layer 0, under its bound: layer 0
+    ([0.0, 2.5e-3, 7.3e-2], [0.0, 2.3e-3, 3.3e-3], 2, 2),   # layer 0 at 1x its noise: the crossing layer
+    ([0.0, 4.4e-2, 2.5e-3, 7.3e-2], [0.0, 2.3e-3, 2.3e-3, 3.3e-3], 3, 3),  # the run is broken at layer 1
+    ([1e-3, 4.4e-2, 7.3e-2], None, 2, 2),                   # no noise run: the bound's own crossing
+]
+
+
+@pytest.mark.parametrize(("errors", "noise", "crossed", "expected"), ONSETS)
+def test_divergence_onset_is_where_the_error_leaves_its_noise(errors, noise, crossed, expected) -> None:
+    assert onset(errors, noise, crossed, LocalizationSettings()) == expected
+
+
+def test_localization_names_the_onset_layer_and_by_how_much_it_missed_its_bound(runs) -> None:
+    """Positive control: a divergence entering at layer 0 under that layer's bound and crossing it only at
+    layer 1 is placed at layer 0, and the summary says how far layer 0 was from its bound."""
+    ref, noise, par = runs
+    settings = LocalizationSettings()
+    _, clean = localize(ref, par, noise, PLAN, ref.cases, settings)
+    limits, noises = clean["layer_errors"]["threshold"], clean["layer_errors"]["noise"]
+    hidden = par.tensors["hidden.1"].clone()  # [L+1, P, H]
+    ref_hidden = ref.tensors["hidden.1"].to(torch.float64)
+    direction = torch.randn(hidden.shape[1:], generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    for index, share in ((1, 0.8), (2, 3.0)):  # 0.8 of layer 0's bound (far above 5x noise), then 3x layer 1's
+        scale = share * limits[index] * ref_hidden[index].norm(dim=-1, keepdim=True) / direction.norm(dim=-1, keepdim=True)
+        hidden[index] = (ref_hidden[index] + scale * direction).to(hidden.dtype)
+    assert limits[1] * 0.8 > 5 * noises[1]
+    loc, _ = localize(ref, with_tensors(par, hidden_1=hidden), noise, PLAN, ref.cases, settings)
+    assert loc is not None and loc.layer == 0, loc
+    assert "of its bound" in loc.summary and "first crossed at layer 1" in loc.summary, loc.summary

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.compare.settings import DTYPE_DEFAULTS, CheckSettings, LocalizationSettings, LogitsSettings, parse_section
+from harness.compare.settings import DTYPE_DEFAULTS, LocalizationSettings, LogitsSettings, parse_section
+from harness.checks.settings import CheckSettings
 from harness.errors import ConfigError
 from harness.specs.suite import Suite
 

@@ -19,7 +19,7 @@ from harness.errors import ConfigError
 from harness.engine.model import COLLECTIVE_SITES
 from harness.layout import plan_layout
 from harness.runner import noise_run
-from harness.specs.model import load_model
+from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 from tests.test_compare_support import GQA, synthetic_runs, with_tensors
 

@@ -16,7 +16,7 @@ from harness.engine.parallel import ParallelState
 from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights
 from harness.gsm8k.lm import cut_at_stop
-from harness.specs.model import load_model
+from harness.specs.checkpoint import load_model
 
 PROMPTS = ["Question: What is 2 + 3?\nAnswer:", "Hi", "A long prompt about ducks and eggs. " * 3, "Q: 7 * 6 = ?\nA:",
            "one two three"]

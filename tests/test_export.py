@@ -13,7 +13,7 @@ from harness.engine.engine import Engine
 from harness.engine.parallel import ParallelState
 from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights, weights_hash
-from harness.specs.model import load_model
+from harness.specs.checkpoint import load_model
 
 TEXTS = ["The capital of France is", "héllo wörld\n\tdef f(x): return x"]
 

@@ -23,7 +23,7 @@ from harness.gsm8k.data import ENV_VAR  # noqa: E402
 from harness.gsm8k.lm import HarnessLM, cut_at_stop, cut_at_stop_token  # noqa: E402
 from harness.gsm8k.records import FILTERS, INVALID  # noqa: E402
 from harness.gsm8k.tasks import evaluate_with  # noqa: E402
-from harness.specs.model import load_model  # noqa: E402
+from harness.specs.checkpoint import load_model  # noqa: E402
 from tests.ckpt_helpers import smollm2_gguf  # noqa: E402
 
 PROMPTS = ["Question: What is 2 + 3?\nAnswer:", "Q: 7 * 6 = ?\nA:", "Hi", "A long prompt about ducks and eggs. " * 4]

@@ -13,9 +13,9 @@ import pytest
 
 from harness.cli import main
 from tests.conftest import GSM8K_FIXTURE, small_gsm8k_suite
-from harness.gsm8k.cell import gsm8k_checks
+from harness.checks.gsm8k import gsm8k_checks
 from harness.gsm8k.settings import gsm8k_settings
-from harness.specs.suite import load_suite
+from harness.checks.settings import load_suite
 from harness.verdict import Verdict
 
 pytestmark = [pytest.mark.xdist_group("gsm8k-run"),  # both tests need the same smollm2 reference: built once

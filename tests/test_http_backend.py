@@ -18,7 +18,7 @@ from harness.contract import Backend, Job
 from harness.errors import ConfigError
 from harness.jsonio import read_json
 from harness.specs.engine import load_engine
-from harness.specs.model import load_model
+from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 
 PIDFILE_SERVER = ("import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); "

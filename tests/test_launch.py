@@ -18,11 +18,11 @@ import torch
 
 from harness.artifacts import read_run
 from harness.contract import Job
-from harness.engine import forkserver
-from harness.engine.worker import INJECT_ENV
+from harness.launcher import forkserver
+from harness.backends.embedded_worker import INJECT_ENV
 from harness.jsonio import write_json
-from harness.launch import LAUNCHER_ENV, _descendants, thread_env
-from harness.specs.model import load_model
+from harness.launcher.launch import LAUNCHER_ENV, _descendants, thread_env
+from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 from tests.conftest import TEST_PROMPTS, launch_run
 
@@ -65,7 +65,7 @@ def test_sigterm_to_the_fork_launcher_stops_every_rank(tmp_path: Path) -> None:
     job = Job(model=load_model("tiny-gqa").to_dict(), topology=parse_topology_name("tp2").to_dict(),
               prompts=TEST_PROMPTS, out_dir=str(tmp_path / "run"), max_new_tokens=4, collective_timeout_s=300)
     write_json(tmp_path / "job.json", asdict(job))
-    proc = subprocess.Popen([sys.executable, "-m", "harness.engine.forkrun", "--nproc=2",
+    proc = subprocess.Popen([sys.executable, "-m", "harness.launcher.forkrun", "--nproc=2",
                              f"--log-dir={tmp_path / 'ranks'}", "--", str(tmp_path / "job.json")],
                             env={**os.environ, INJECT_ENV: "hang:1"}, start_new_session=True)
     try:
@@ -119,8 +119,8 @@ import os, sys
 os.environ.pop("OMP_WAIT_POLICY", None)
 from pathlib import Path
 from harness.backends.http_server import running_server
-from harness.engine import forkserver
-from harness.launch import thread_env
+from harness.launcher import forkserver
+from harness.launcher.launch import thread_env
 with running_server([sys.executable, "-m", "harness", "--version"], {{}}, Path({str(tmp_path)!r}) / "server.log",
                     "http://127.0.0.1:9") as server:
     assert server.proc.wait(60) == 0

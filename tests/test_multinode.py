@@ -13,7 +13,7 @@ import pytest
 
 from harness.cli import main
 from harness.errors import ConfigError
-from harness.multinode import parse_nodes
+from harness.launcher.nodes import parse_nodes
 
 CELL = ["--suite", "dcp", "--topo", "tp4dcp2", "--model", "tiny-gqa"]
 

@@ -28,7 +28,7 @@ needs_shm = pytest.mark.skipif(not shm_group.supported(), reason="shared-memory 
 
 
 def _run(tmp_path: Path, world: int, dcp: int, shm: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "harness.engine.forkrun", f"--nproc={world}",
+    return subprocess.run([sys.executable, "-m", "harness.launcher.forkrun", f"--nproc={world}",
                            f"--log-dir={tmp_path / 'logs'}", "--module=tests.collectives_worker", "--",
                            str(tmp_path), str(dcp), *extra],
                           cwd=ROOT, env={**os.environ, shm_group.SHM_ENV: shm}, capture_output=True, text=True,

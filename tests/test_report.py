@@ -31,7 +31,7 @@ from harness.report.html import render_html
 from harness.report.junit import build_junit
 from harness.report.matrix import build_matrix, headline, key_number
 from harness.report.merge import merge_cells
-from harness.report.results import RESULTS_SCHEMA_VERSION, ResultsError, summary_counts
+from harness.results import RESULTS_SCHEMA_VERSION, ResultsError, summary_counts
 from harness.report.summary import render_summary
 from harness.verdict import CellResult, CheckResult, Localization, Verdict
 

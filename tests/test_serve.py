@@ -17,8 +17,8 @@ from harness.backends.http_server import Server, free_port, running_server, wait
 from harness.engine.engine import Engine
 from harness.engine.parallel import ParallelState
 from harness.engine.weights import load_weights
-from harness.launch import THREADS_ENV, available_cores, threads_per_process
-from harness.specs.model import load_model
+from harness.launcher.launch import THREADS_ENV, available_cores, threads_per_process
+from harness.specs.checkpoint import load_model
 
 SEQUENCES = [[72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100], [81, 58, 32, 49, 55]]
 K = 5

@@ -7,8 +7,11 @@ from pathlib import Path
 import pytest
 
 from harness.errors import ConfigError
-from harness.specs.model import ModelSpec, load_model, model_from_dict, shipped_models
-from harness.specs.suite import CHECKS, Suite, load_suite, shipped_suites
+from harness.specs.model import ModelSpec, model_from_dict, shipped_models
+from harness.specs.checkpoint import load_model
+from harness.specs.suite import Suite, shipped_suites
+from harness.checks.catalog import sections as registered_sections
+from harness.checks.settings import load_suite
 from harness.specs.topology import Topology, load_catalog, parse_topology_name
 
 # ----------------------------------------------------------------------------- topologies
@@ -266,7 +269,7 @@ def test_shipped_suites_load_and_resolve(name: str) -> None:
     suite = load_suite(name)
     assert suite.name == name and suite.version >= 1
     assert suite.models and suite.topologies and suite.prompts
-    assert set(suite.checks) <= set(CHECKS)
+    assert set(suite.checks) <= set(registered_sections())
     catalog = load_catalog()
     topos = catalog.resolve(",".join(suite.topologies))
     assert topos and len({t.name for t in topos}) == len(topos)

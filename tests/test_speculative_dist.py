@@ -22,12 +22,13 @@ from harness.compare.speculative import check_acceptance, check_lossless
 from harness.engine.engine import Engine, PoolSettings
 from harness.engine.parallel import ParallelState
 from harness.engine.speculative import run_speculative_cases
-from harness.engine.speculator import SpeculativeSettings, slot_pool, speculator_for
+from harness.engine.speculator import SpeculativeSettings, speculator_for
+from harness.layout import slot_pool
 from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights
-from harness.launch import thread_env
+from harness.launcher.launch import thread_env
 from harness.layout import plan_layout, plan_speculator
-from harness.specs.model import load_model
+from harness.specs.checkpoint import load_model
 from harness.verdict import Verdict
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far away, there lived a",
@@ -67,7 +68,7 @@ def dist(spec_and_prompts, tmp_path_factory: pytest.TempPathFactory) -> dict[str
               "speculative": {"k": K}, "cases": [list(c) for c in CASES], "pool": POOL,
               "out": str(folder / "out.json")}
     (folder / "config.json").write_text(json.dumps(config))
-    cmd = [sys.executable, "-m", "harness.engine.forkrun", f"--nproc={TP}",  # torchrun's environment, one import
+    cmd = [sys.executable, "-m", "harness.launcher.forkrun", f"--nproc={TP}",  # torchrun's environment, one import
            "--module=harness.engine.speculative_selftest", "--", str(folder / "config.json")]
     env = {**os.environ, **thread_env(TP, dict(os.environ))}  # as launch() gives its ranks: no oversubscription
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TEST_LAUNCH_TIMEOUT_S, env=env)

@@ -13,7 +13,8 @@ from tests.ckpt_helpers import smollm2_gguf, write_gguf
 from harness.engine.tokenizer import ByteTokenizer, TokenizersTokenizer, gguf_tokenizer, load_tokenizer
 from harness.engine.weights import load_weights
 from harness.errors import ConfigError
-from harness.specs.model import ModelSpec, load_model
+from harness.specs.model import ModelSpec
+from harness.specs.checkpoint import load_model
 
 SENTENCES = [
     "Hello world!",
@@ -156,7 +157,7 @@ def test_gguf_tokenizer_from_the_conversion_cache_equals_a_fresh_parse(
         smollm2_tokenizers: tuple[TokenizersTokenizer, Any]) -> None:
     """load_tokenizer reads the converted tokenizer (harness/engine/gguf_cache.py), not the GGUF's 49k-entry
     metadata; it must be the same tokenizer as parsing the file now."""
-    from harness.engine.checkpoint import checkpoint_path
+    from harness.specs.checkpoint import checkpoint_path
     from harness.engine.gguf_cache import cache_folder
     from harness.engine.tokenizer import parse_gguf_tokenizer
 

@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from tests.ckpt_helpers import llama_cpp_permute, save_hf, smollm2_gguf, tiny_llama, tiny_qwen2, write_gguf
-from harness.engine.checkpoint import save_hf_checkpoint, spec_from_checkpoint
-from harness.engine.gguf_file import unpermute_rows
+from harness.engine.checkpoint import save_hf_checkpoint
+from harness.specs.checkpoint import spec_from_checkpoint
+from harness.gguf_file import unpermute_rows
 from harness.engine.names import expected_shapes, hf_name
 from harness.engine.weights import load_weights, weights_hash
 from harness.errors import ConfigError
-from harness.specs.model import ModelSpec, load_model, shipped_models
+from harness.specs.model import ModelSpec, shipped_models
+from harness.specs.checkpoint import load_model
 
 TINY_MODELS = [name for name in shipped_models() if name.startswith("tiny-")]
 SMALL = ModelSpec(name="small", heads=4, kv_heads=2, head_dim=8, hidden=32, layers=2, ffn=48, vocab=300, seed=7)
@@ -69,7 +71,7 @@ def test_synthetic_tensors_do_not_depend_on_creation_order() -> None:
 
 
 def test_synthetic_weights_are_identical_in_separate_processes() -> None:
-    code = ("from harness.specs.model import load_model; from harness.engine.weights import load_weights, "
+    code = ("from harness.specs.checkpoint import load_model; from harness.engine.weights import load_weights, "
             "weights_hash; print(weights_hash(load_weights(load_model('tiny-kv6'))))")
     hashes = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
               for _ in range(2)}

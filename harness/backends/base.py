@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harness.contract import MANIFEST_BACKEND, MANIFEST_FILE, Backend, Capabilities
+from harness.contract import MANIFEST_BACKEND, MANIFEST_FILE, Backend
 from harness.errors import RunError
 from harness.jsonio import read_json, write_json
 
@@ -24,11 +24,3 @@ def stamp_manifest(run_dir: Path, backend: Backend) -> None:
         return
     if isinstance(manifest, dict):
         write_json(path, {**manifest, MANIFEST_BACKEND: backend_record(backend)})
-
-
-def recorded_capabilities(manifest: dict[str, Any]) -> Capabilities | None:
-    """The capabilities a run's manifest records, or None when it records none."""
-    entry = manifest.get(MANIFEST_BACKEND)
-    if not isinstance(entry, dict) or not isinstance(entry.get("capabilities"), dict):
-        return None
-    return Capabilities.from_dict(entry["capabilities"])

@@ -1,4 +1,4 @@
-"""The embedded engine as a backend: harness.engine.worker under torchrun (launch.launch).
+"""The embedded engine as a backend: harness.backends.embedded_worker under torchrun (launch.launch).
 
 `embedded` produces every artifact of the contract. `embedded-topk` is the same engine in its
 top-k-only mode: it withholds full logits, hidden states and attention outputs and writes top-K
@@ -17,21 +17,22 @@ from harness.backends.identity import code_hash
 from harness.contract import Capabilities, Job, LaunchResult
 from harness.engine import ENGINE_VERSION
 from harness.errors import ConfigError
+from harness.launcher.launch import launch
+from harness.launcher.nodes import NodeLaunch
 from harness.specs.model import ModelSpec, model_from_dict
 from harness.specs.topology import Topology
 
-ENGINE_ENTRIES: tuple[str, ...] = ("harness.engine.worker", "harness.launch")
+WORKER_MODULE = "harness.backends.embedded_worker"  # each rank runs WORKER_MODULE.main(job file, flags)
+ENGINE_ENTRIES: tuple[str, ...] = (WORKER_MODULE, "harness.launcher.launch")
 TOPK_ONLY_K = 20  # logprobs per position in the top-k-only mode (vLLM's default max_logprobs is 20)
 
-# full logits carry every top-k: the embedded engine writes no *_topk_* tensors of its own
-FULL: frozenset[str] = frozenset(c.ALL_CAPABILITIES) - {c.ACCEPTANCE_AGGREGATE, c.TOPK_LOGPROBS}
-TOPK_ONLY: frozenset[str] = (FULL - {c.FULL_LOGITS, c.HIDDEN_STATES, c.ATTENTION_OUTPUTS, c.COLLECTIVE_ERRORS}) \
+TOPK_ONLY: frozenset[str] = (c.FULL_ARTIFACTS - {c.FULL_LOGITS, c.HIDDEN_STATES, c.ATTENTION_OUTPUTS, c.COLLECTIVE_ERRORS}) \
     | {c.TOPK_LOGPROBS}
 
 
 def weights_key(model: ModelSpec) -> dict[str, Any]:
     """Identifies the weights without loading them: the spec, plus size and mtime of a weight file."""
-    from harness.engine.checkpoint import checkpoint_path
+    from harness.specs.checkpoint import checkpoint_path
 
     key: dict[str, Any] = {"spec": model.to_dict()}
     if model.source != "synthetic":
@@ -55,7 +56,7 @@ class EmbeddedBackend:
         return ENGINE_VERSION
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(provides=FULL)
+        return Capabilities(provides=c.FULL_ARTIFACTS)
 
     def worker_args(self) -> list[str]:
         return []
@@ -73,10 +74,15 @@ class EmbeddedBackend:
         return c.NOISE_REDUCTION_ORDER  # same dtype, another reduction order (runner.noise_run)
 
     def run(self, job: Job, timeout_s: float) -> LaunchResult:
-        from harness.launch import launch
-
-        result = launch(job, timeout_s, worker_args=self.worker_args())
+        result = launch(job, timeout_s, WORKER_MODULE, worker_args=self.worker_args())
         stamp_manifest(Path(job.out_dir), self)
+        return result
+
+    def run_on_nodes(self, job: Job, timeout_s: float, nodes: NodeLaunch) -> LaunchResult:
+        """The run with this node's share of the ranks (torchrun rendezvous); node 0 stamps the manifest."""
+        result = launch(job, timeout_s, WORKER_MODULE, worker_args=self.worker_args(), nodes=nodes)
+        if nodes.node_rank == 0:
+            stamp_manifest(Path(job.out_dir), self)
         return result
 
 

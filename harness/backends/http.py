@@ -67,7 +67,7 @@ VERSION_CODE = ("import importlib.metadata as m, sys\n"
 
 def export_dir(model: ModelSpec) -> Path:
     """Where the HF export of a non-HF model is cached (keyed by its spec)."""
-    from harness.refcache import default_cache_dir
+    from harness.paths import default_cache_dir
 
     key = hashlib.sha256(json.dumps(model.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
     return default_cache_dir() / "exports" / f"{model.name}-{key}"
@@ -298,7 +298,7 @@ class HttpBackend:
         collected = collect(job, model, dialect, self.spec.max_logprobs, job.schedule == c.SCHEDULE_BATCHED)
         if not job.gsm8k:
             return collected
-        from harness.gsm8k.http_eval import evaluate_server  # lm-eval only where GSM8K runs
+        from harness.backends.http_gsm8k import evaluate_server  # lm-eval only where GSM8K runs
         from harness.gsm8k.settings import gsm8k_settings
 
         result = evaluate_server(dialect, load_tokenizer(model), gsm8k_settings(job.gsm8k["settings"]),

@@ -14,9 +14,8 @@ from harness.artifacts import Case
 from harness.backends.http_dialects import Dialect
 from harness.cases import build_cases, prompts_hash
 from harness.contract import Job
-from harness.engine.tokenizer import load_tokenizer
+from harness.engine.tokenizer import load_tokenizer, tokenizer_hash
 from harness.engine.weights import load_weights, weights_hash
-from harness.engine.worker import tokenizer_hash
 from harness.specs.model import ModelSpec
 
 

@@ -14,9 +14,9 @@ from typing import Iterator
 
 import httpx
 
-from harness.engine import forkserver
+from harness.launcher import forkserver
 from harness.errors import RunError
-from harness.launch import WAIT_POLICY_VAR, Process, free_port, stop_process_tree, wait_policy
+from harness.launcher.launch import WAIT_POLICY_VAR, Process, free_port, stop_process_tree, wait_policy
 
 __all__ = ["Server", "ServerError", "free_port", "log_tail", "running_server", "wait_ready"]
 
@@ -77,7 +77,7 @@ def wait_ready(server: Server, health: str, timeout_s: float) -> float:
 def running_server(argv: list[str], env: dict[str, str], log_path: Path, base_url: str) -> Iterator[Server]:
     """Start `argv` in a new session (its own process group), output to `log_path`; always stopped on exit.
     `harness ...` of this interpreter (the harness-serve engines) is forked warm from the launch
-    forkserver (harness/engine/forkserver.py) rather than started as a fresh interpreter."""
+    forkserver (harness/launcher/forkserver.py) rather than started as a fresh interpreter."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **env}
     harness_args = forkserver.harness_command(argv)

@@ -1,6 +1,6 @@
 """What keys a cached reference run: the engine's own code and weights, never the compare code.
 
-`code_hash` follows the imports of an entry module (`harness.engine.worker` for the embedded engine)
+`code_hash` follows the imports of an entry module (`harness.backends.embedded_worker` for the embedded engine)
 through the package, statically, so the hash covers exactly the modules that produce the artifacts;
 editing a check, the report or the CLI leaves every cached reference valid.
 """
@@ -18,7 +18,7 @@ PACKAGE = "harness"
 # (the engine borrows a helper or a constant from some of them; editing those still keeps the cache)
 COMPARE_SIDE: tuple[str, ...] = ("harness.compare", "harness.report", "harness.cli", "harness.checks",
                                  "harness.verdict", "harness.baseline", "harness.gsm8k.stats",
-                                 "harness.gsm8k.checks", "harness.gsm8k.cell")
+                                 "harness.gsm8k.checks", "harness.checks.gsm8k")
 
 
 def _compare_side(module: str) -> bool:

@@ -11,13 +11,11 @@ one in its pyproject.toml:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from importlib import import_module
-from importlib.metadata import entry_points
 from typing import Callable
 
 from harness.contract import Backend
 from harness.errors import ConfigError
+from harness.plugins import Registered, load_target, registered
 from harness.specs.loader import did_you_mean
 
 ENTRY_POINT_GROUP = "harness.backends"
@@ -39,30 +37,14 @@ BUILTIN: dict[str, str] = {
 }
 
 
-@dataclass(frozen=True)
-class BackendInfo:
-    """Where a backend comes from: `builtin` or the distribution that registered it."""
-
-    name: str
-    target: str
-    origin: str
-
-
-def _load(target: str) -> Factory:
-    module, _, attr = target.partition(":")
-    obj = import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj  # type: ignore[return-value]
+BackendInfo = Registered  # where a backend comes from: `builtin` or the distribution that registered it
 
 
 def available() -> dict[str, BackendInfo]:
     """Every backend name, built-ins first; an entry point never shadows a built-in."""
     out = {name: BackendInfo(name, target, "builtin") for name, target in BUILTIN.items()}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name not in out:
-            dist = ep.dist.name if ep.dist is not None else "entry point"
-            out[ep.name] = BackendInfo(ep.name, ep.value, dist)
+    for entry in registered(ENTRY_POINT_GROUP):
+        out.setdefault(entry.name, entry)
     return out
 
 
@@ -79,7 +61,7 @@ def get_backend(engine: str = DEFAULT_ENGINE) -> Backend:
     if name not in known:
         raise ConfigError(f"unknown engine {name!r}{did_you_mean(name, tuple(known))}; "
                           f"valid: {', '.join(known)} (harness list engines)")
-    factory = _load(known[name].target)
+    factory: Factory = load_target(known[name].target)
     backend = factory(option)
     if not isinstance(backend, Backend):
         raise ConfigError(f"engine {name!r} ({known[name].target}) does not implement harness.contract.Backend")

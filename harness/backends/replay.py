@@ -19,7 +19,6 @@ from typing import Any
 
 from harness import __version__
 from harness import contract as c
-from harness.backends.base import recorded_capabilities
 from harness.contract import Capabilities, Job, LaunchResult
 from harness.errors import ConfigError, RunError
 from harness.jsonio import read_json, write_json
@@ -58,12 +57,11 @@ class ReplayBackend:
 
     def capabilities(self) -> Capabilities:
         """What every stored run records (all of the embedded engine's artifacts when none records any)."""
-        from harness.backends.embedded import FULL
 
-        recorded = [recorded_capabilities(self._manifest(run)) for run in self._runs]
+        recorded = [c.recorded_capabilities(self._manifest(run)) for run in self._runs]
         found = [caps for caps in recorded if caps is not None]
         if not found:
-            return Capabilities(provides=FULL)
+            return Capabilities(provides=c.FULL_ARTIFACTS)
         provides = frozenset.intersection(*(caps.provides for caps in found))
         return Capabilities(provides=provides, top_k=min(caps.top_k for caps in found))
 

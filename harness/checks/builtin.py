@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from harness import contract as c
+from harness.artifacts import RunArtifacts
 from harness.checks.context import CellContext
-from harness.compare.cell import PARITY_CHECKS, prompt_details
+from harness.checkmetrics import PARITY_CHECKS
 from harness.compare.generation import check_generation
+from harness.compare.settings import AcceptanceSettings, CollectiveSettings, GenerationSettings, LayoutSettings, LocalizationSettings, LogitsSettings, LosslessSettings
 from harness.compare.layout_check import check_kv_capacity, check_layout_with_pool, kv_groups_differ
 from harness.compare.localize import localize, output_head
 from harness.compare.logits import check_logits
@@ -18,6 +21,15 @@ from harness.details import HeadErrors, LayerErrors, LayoutDetails, PromptDetail
 from harness.errors import RunError
 from harness.fmt import id_ranges
 from harness.verdict import CheckResult, Verdict
+
+def prompt_details(ref: RunArtifacts, prefill: list[dict[str, Any]], decode: list[dict[str, Any]],
+                   generation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The report's `prompts` rows: one per reference case with its prefill, decode and generation rows."""
+    by_index = lambda rows: {row["index"]: row for row in rows}  # noqa: E731
+    pre, dec, gen = by_index(prefill), by_index(decode), by_index(generation)
+    return [{"index": c.index, "prompt": c.prompt, "prefill": pre.get(c.index), "decode": dec.get(c.index),
+             "generation": gen.get(c.index)} for c in ref.cases]
+
 
 def inputs(ctx: CellContext) -> list[CheckResult]:
     from harness.checks.inputs import check_inputs
@@ -34,8 +46,8 @@ def _layout(ctx: CellContext, entry: str, name: str) -> CheckResult:
         ctx.details.speculator_layout = section
     if not isinstance(actual, dict) or plan is None:
         return CheckResult(name, Verdict.ERROR, f"layout.json has no {entry!r} entry")
-    check_pool = ctx.settings.layout.check_pool and ctx.par_caps.has(c.KV_POOL_SIZE)
-    return check_layout_with_pool(plan, actual, name, check_pool, ctx.settings.layout.check_checksums)
+    check_pool = ctx.settings.of(LayoutSettings).check_pool and ctx.par_caps.has(c.KV_POOL_SIZE)
+    return check_layout_with_pool(plan, actual, name, check_pool, ctx.settings.of(LayoutSettings).check_checksums)
 
 
 def layout(ctx: CellContext) -> list[CheckResult]:
@@ -49,7 +61,7 @@ def _kv_capacity(ctx: CellContext) -> CheckResult:
     ctx.details.layout = LayoutDetails(planned=ctx.plan.to_dict(), actual=actual)
     if not isinstance(actual, dict):
         return CheckResult("layout", Verdict.ERROR, "layout.json has no 'target' entry")
-    if not ctx.settings.layout.check_pool:
+    if not ctx.settings.of(LayoutSettings).check_pool:
         return CheckResult("layout", Verdict.SKIP, "the suite switches the KV pool check off (layout.check_pool)")
     return check_kv_capacity(ctx.plan, actual, ctx.speculator_plan)
 
@@ -60,9 +72,9 @@ def speculator_layout(ctx: CellContext) -> list[CheckResult]:
 
 def _logits(ctx: CellContext, path: str) -> list[CheckResult]:
     if ctx.both_have(c.FULL_LOGITS):
-        result, prompts = check_logits(path, ctx.ref, ctx.par, ctx.noise, ctx.settings.logits)
+        result, prompts = check_logits(path, ctx.ref, ctx.par, ctx.noise, ctx.settings.of(LogitsSettings))
     else:
-        result, prompts = check_topk(path, ctx.ref, ctx.par, ctx.noise, ctx.settings.logits, ctx.top_k)
+        result, prompts = check_topk(path, ctx.ref, ctx.par, ctx.noise, ctx.settings.of(LogitsSettings), ctx.top_k)
     ctx.prompt_rows[path] = prompts
     return [result]
 
@@ -76,7 +88,7 @@ def logits_decode(ctx: CellContext) -> list[CheckResult]:
 
 
 def generation(ctx: CellContext) -> list[CheckResult]:
-    result, prompts = check_generation(ctx.ref, ctx.par, ctx.settings.generation, noise=ctx.noise, decode=ctx.decode)
+    result, prompts = check_generation(ctx.ref, ctx.par, ctx.settings.of(GenerationSettings), noise=ctx.noise, decode=ctx.decode)
     ctx.prompt_rows["generation"] = prompts
     return [result]
 
@@ -84,8 +96,8 @@ def generation(ctx: CellContext) -> list[CheckResult]:
 def localization(ctx: CellContext) -> list[CheckResult]:
     """No verdict of its own: explains a parity or collectives FAIL (ctx.localization) and adds the per-layer and
     per-head errors to the details."""
-    found, loc_details = localize(ctx.ref, ctx.par, ctx.noise, ctx.plan, ctx.ref.cases, ctx.settings.localization,
-                                  ctx.settings.collectives)
+    found, loc_details = localize(ctx.ref, ctx.par, ctx.noise, ctx.plan, ctx.ref.cases, ctx.settings.of(LocalizationSettings),
+                                  ctx.settings.of(CollectiveSettings))
     if "layer_errors" in loc_details:
         ctx.details.layer_errors = LayerErrors(**loc_details["layer_errors"])
     if "head_errors" in loc_details:
@@ -114,11 +126,11 @@ def localization(ctx: CellContext) -> list[CheckResult]:
 
 def collectives(ctx: CellContext) -> list[CheckResult]:
     from harness.compare.collectives import check_collectives
-    return [check_collectives(ctx.par, ctx.ref.cases, ctx.plan.tp, ctx.plan.dcp, ctx.settings.collectives)]
+    return [check_collectives(ctx.par, ctx.ref.cases, ctx.plan.tp, ctx.plan.dcp, ctx.settings.of(CollectiveSettings))]
 
 
 def lossless(ctx: CellContext) -> list[CheckResult]:
-    return [lossless_from_run(ctx.par, ctx.settings.lossless)]
+    return [lossless_from_run(ctx.par, ctx.settings.of(LosslessSettings))]
 
 
 def acceptance(ctx: CellContext) -> list[CheckResult]:
@@ -127,10 +139,10 @@ def acceptance(ctx: CellContext) -> list[CheckResult]:
     from harness.acceptance_baseline import baseline_check, key_of_run, load_acceptance
     from harness.baseline import update_command
 
-    result = acceptance_from_runs(ctx.ref, ctx.par, ctx.settings.acceptance)
+    result = acceptance_from_runs(ctx.ref, ctx.par, ctx.settings.of(AcceptanceSettings))
     command = update_command(ctx.info.report_dir or "RUN_DIR", ctx.info.suite)
     gate = baseline_check(ctx.par, result, ctx.info.model, ctx.info.engine, load_acceptance(ctx.info.baselines_dir),
-                          ctx.settings.acceptance, command)
+                          ctx.settings.of(AcceptanceSettings), command)
     try:
         ref_key = key_of_run(ctx.ref, ctx.info.model, ctx.info.reference_engine).to_dict()
     except RunError:
@@ -140,7 +152,7 @@ def acceptance(ctx: CellContext) -> list[CheckResult]:
 
 
 def gsm8k(ctx: CellContext) -> list[CheckResult]:
-    from harness.gsm8k.cell import gsm8k_checks
+    from harness.checks.gsm8k import gsm8k_checks
 
     if ctx.gsm8k is None:  # the catalog runs it only in suites with gsm8k
         raise RunError("gsm8k check in a cell without GSM8K settings")

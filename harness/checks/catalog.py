@@ -1,10 +1,17 @@
-"""Every check of a cell, declared once: name, the suite `checks:` section holding its settings, the
-capabilities it needs, which cells it belongs to and the function that runs it.
+"""The check registry: every check of a cell, declared once: name, the suite `checks:` section holding
+its settings and the settings class it parses them into, the capabilities it needs, which cells it
+belongs to and the function that runs it. Built-in checks are listed here; a package adds its own
+through the entry point group `harness.checks` (each entry point names a CheckSpec or a sequence of
+them; see docs/checks.md):
 
-This module imports nothing heavy: the suite validator (`checks:` keys), `harness list checks` and
-the driver read the same list. A check's function is imported only when a cell runs it; it takes
-one CellContext (harness/checks/context.py) and returns a list of CheckResults (a check may report
-several, e.g. gsm8k's paired and baseline checks, or none: localization only explains a failure).
+    [project.entry-points."harness.checks"]
+    my_check = "my_package.checks:SPEC"
+
+This module imports nothing heavy: the suite's `checks:` keys (harness/checks/settings.py), CheckSettings,
+`harness list checks` and the driver read the same registry. A check's function is imported only when a
+cell runs it; it takes one CellContext (harness/checks/context.py) and returns a list of CheckResults
+(a check may report several, e.g. gsm8k's paired and baseline checks, or none: localization only
+explains a failure).
 
 An unmet need is a SKIP naming the engine and the capability; `checks: {NAME: {enabled: false}}`
 in a suite switches a section off (its checks are SKIPs saying so).
@@ -12,9 +19,17 @@ in a suite switches a section off (its checks are SKIPs saying so).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 from harness import contract as c
+from harness.compare.settings import (AcceptanceSettings, CollectiveSettings, GenerationSettings, LayoutSettings,
+                                      LocalizationSettings, LogitsSettings, LosslessSettings)
+from harness.errors import ConfigError
+from harness.plugins import load_target, registered
+
+ENTRY_POINT_GROUP = "harness.checks"
 
 CELL_KINDS: tuple[str, ...] = ("all", "speculative", "gsm8k")
 
@@ -27,6 +42,7 @@ class CheckSpec:
     section: str                           # the suite `checks:` key of its settings ("logits")
     target: str                            # "module:function" taking a CellContext
     description: str
+    settings: type | None = None           # the frozen dataclass its section parses into (None: only `enabled`)
     requires: tuple[str, ...] = ()         # capabilities needed, all of them
     requires_any: tuple[str, ...] = ()     # capabilities of which one suffices (e.g. full logits or top-k)
     cells: str = "all"                     # "all", "speculative" (-draft/-mtp cells), "gsm8k" (suites with gsm8k)
@@ -43,52 +59,78 @@ class CheckSpec:
 
 
 _B = "harness.checks.builtin"
-CHECKS: tuple[CheckSpec, ...] = (
+BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("inputs", "inputs", f"{_B}:inputs",
               "reference and parallel runs used the same prompt token ids, weights and tokenizer"),
     CheckSpec("layout", "layout", f"{_B}:layout",
               "each rank's heads, DCP groups, K/V checksums, Q->KV reads and KV pool against the planner "
               "(an HTTP engine: the KV capacity its server logged, speculator pool included)",
-              requires_any=(c.LAYOUT_REPORT, c.KV_POOL_SIZE)),
+              settings=LayoutSettings, requires_any=(c.LAYOUT_REPORT, c.KV_POOL_SIZE)),
     CheckSpec("speculator_layout", "speculator_layout", f"{_B}:speculator_layout",
               "the draft/MTP model keeps the plain TP layout and its own KV pool",
               requires=(c.LAYOUT_REPORT,), cells="speculative"),
     CheckSpec("logits_prefill", "logits", f"{_B}:logits_prefill",
               "teacher-forced prefill logits: KL, abs/logprob error, top-1/top-k agreement, near ties",
-              requires=(c.PROMPT_LOGPROBS,), requires_any=(c.FULL_LOGITS, c.TOPK_LOGPROBS)),
+              settings=LogitsSettings, requires=(c.PROMPT_LOGPROBS,), requires_any=(c.FULL_LOGITS, c.TOPK_LOGPROBS)),
     CheckSpec("logits_decode", "logits", f"{_B}:logits_decode",
               "teacher-forced one-token decode steps through the KV cache, as logits_prefill",
-              requires=(c.DECODE_PATH,), requires_any=(c.FULL_LOGITS, c.TOPK_LOGPROBS)),
+              settings=LogitsSettings, requires=(c.DECODE_PATH,), requires_any=(c.FULL_LOGITS, c.TOPK_LOGPROBS)),
     CheckSpec("generation", "generation", f"{_B}:generation",
               "greedy tokens; a divergence is benign only at a near tie of the reference",
-              requires=(c.GENERATION,)),
+              settings=GenerationSettings, requires=(c.GENERATION,)),
     CheckSpec("collectives", "collectives", f"{_B}:collectives",
               "each all-reduce, DCP Q gather and LSE merge against an exact recompute from its own inputs, "
               "bounded by the model dtype's rounding (catches a collective done in a lower precision)",
-              requires=(c.COLLECTIVE_ERRORS,)),
+              settings=CollectiveSettings, requires=(c.COLLECTIVE_ERRORS,)),
     CheckSpec("localization", "localization", f"{_B}:localization",
               "when a parity or collectives check fails: the first diverging layer or collective, its heads, "
               "their ranks and KV heads",
-              requires=(c.HIDDEN_STATES,)),
+              settings=LocalizationSettings, requires=(c.HIDDEN_STATES,)),
     CheckSpec("lossless", "lossless", f"{_B}:lossless",
               "speculative greedy output equals plain greedy output of the same run",
-              requires=(c.GENERATION,), cells="speculative"),
+              settings=LosslessSettings, requires=(c.GENERATION,), cells="speculative"),
     CheckSpec("acceptance", "acceptance", f"{_B}:acceptance",
               "mean accepted length and per-prompt accept traces against the reference with the same speculator, "
               "and acceptance_baseline against baselines/acceptance.yaml",
-              requires_any=(c.ACCEPT_TRACES, c.ACCEPTANCE_AGGREGATE), cells="speculative"),
+              settings=AcceptanceSettings, requires_any=(c.ACCEPT_TRACES, c.ACCEPTANCE_AGGREGATE), cells="speculative"),
     CheckSpec("gsm8k", "gsm8k", f"{_B}:gsm8k",
               "gsm8k_paired (McNemar, answer agreement) and gsm8k_baseline (hypothesis test) per cell",
               requires=(c.GSM8K,), cells="gsm8k"),
 )
 
-# suite `checks:` sections: those whose settings live in harness/compare/settings.py, and those
-# that take nothing but `enabled` (gsm8k's settings are the suite's top-level `gsm8k:`)
-SECTIONS: tuple[str, ...] = tuple(dict.fromkeys(spec.section for spec in CHECKS))
-SETTINGS_SECTIONS: tuple[str, ...] = ("layout", "logits", "generation", "localization", "collectives", "lossless",
-                                      "acceptance")
-ENABLED_KEY = "enabled"
+def _specs_of(entry: str, obj: Any) -> list[CheckSpec]:
+    specs = list(obj) if isinstance(obj, Sequence) else [obj]
+    if not specs or not all(isinstance(spec, CheckSpec) for spec in specs):
+        raise ConfigError(f"check entry point {entry!r} ({ENTRY_POINT_GROUP}) names {obj!r}, not a CheckSpec "
+                          "or a sequence of CheckSpecs")
+    return specs
+
+
+@functools.lru_cache(maxsize=1)
+def registered_checks() -> tuple[CheckSpec, ...]:
+    """Every check: the built-ins, then those of the `harness.checks` entry points. Names are unique, and
+    the checks sharing a section share its settings class."""
+    specs = list(BUILTIN_CHECKS)
+    for entry in registered(ENTRY_POINT_GROUP):
+        specs += _specs_of(f"{entry.name} = {entry.target} ({entry.origin})", load_target(entry.target))
+    names: set[str] = set()
+    classes: dict[str, type | None] = {}
+    for spec in specs:
+        if spec.name in names:
+            raise ConfigError(f"check {spec.name!r} is registered twice (entry point group {ENTRY_POINT_GROUP})")
+        names.add(spec.name)
+        if classes.setdefault(spec.section, spec.settings) is not spec.settings:
+            raise ConfigError(f"check {spec.name!r}: section {spec.section!r} is parsed by "
+                              f"{getattr(classes[spec.section], '__name__', None)} for another check, "
+                              f"not {getattr(spec.settings, '__name__', None)}")
+    return tuple(specs)
+
+
+def sections() -> dict[str, type | None]:
+    """The suite `checks:` keys, in registry order, with the settings class each parses into (None: the
+    section takes nothing but `enabled`; gsm8k's settings are the suite's top-level `gsm8k:`)."""
+    return {spec.section: spec.settings for spec in registered_checks()}
 
 
 def check_spec(name: str) -> CheckSpec:
-    return next(spec for spec in CHECKS if spec.name == name)
+    return next(spec for spec in registered_checks() if spec.name == name)

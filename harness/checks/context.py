@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from harness.artifacts import RunArtifacts
-from harness.baseline import BASELINES_DIR
-from harness.compare.settings import CheckSettings
+from harness.paths import BASELINES_DIR
+from harness.checks.settings import CheckSettings
 from harness.contract import Capabilities
 from harness.details import CellDetails
 from harness.gsm8k.settings import GSM8KSettings

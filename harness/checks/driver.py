@@ -5,10 +5,10 @@ in its metrics), so the other checks and cells keep their verdicts."""
 from __future__ import annotations
 
 import traceback
-from importlib import import_module
 from typing import Callable
 
-from harness.checks.catalog import CHECKS, CheckSpec
+from harness.checks.catalog import CheckSpec, registered_checks
+from harness.plugins import load_target
 from harness.checks.context import CellContext
 from harness.verdict import CheckResult, Verdict
 
@@ -16,8 +16,7 @@ CheckFn = Callable[[CellContext], list[CheckResult]]
 
 
 def load(spec: CheckSpec) -> CheckFn:
-    module, _, name = spec.target.partition(":")
-    fn: CheckFn = getattr(import_module(module), name)
+    fn: CheckFn = load_target(spec.target)
     return fn
 
 
@@ -31,7 +30,7 @@ def belongs(spec: CheckSpec, ctx: CellContext) -> bool:
 
 
 def check_names(ctx: CellContext) -> list[str]:
-    return [spec.name for spec in CHECKS if belongs(spec, ctx)]
+    return [spec.name for spec in registered_checks() if belongs(spec, ctx)]
 
 
 def failed_run(ctx: CellContext) -> str | None:
@@ -64,7 +63,7 @@ def run_checks(ctx: CellContext) -> list[CheckResult]:
     if failed:
         return [CheckResult(name, Verdict.ERROR, failed) for name in check_names(ctx)]
     ctx.noise = ctx.noise if ctx.noise is not None and ctx.noise.ok else None
-    for spec in CHECKS:
+    for spec in registered_checks():
         if belongs(spec, ctx):
             ctx.results.extend(run_check(spec, ctx))
     try:

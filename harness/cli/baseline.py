@@ -11,11 +11,12 @@ from harness.acceptance_baseline import (AcceptanceBaseline, AcceptanceBaselines
                                         write_acceptance)
 from harness.acceptance_baseline import entries_from_cells as acceptance_entries
 from harness.jsonio import read_json
-from harness.baseline import (BASELINES_DIR, Baselines, BaselineEntry, baselines_path, diff_lines,
+from harness.paths import BASELINES_DIR
+from harness.baseline import (Baselines, BaselineEntry, baselines_path, diff_lines,
                               entry_from_cell, load_baselines, skip_reason, write_baselines)
 from harness.errors import ConfigError
 from harness.fmt import table
-from harness.report.results import RESULTS_FILE, read_results
+from harness.results import RESULTS_FILE, read_results
 from harness.verdict import CellResult
 
 

@@ -86,7 +86,7 @@ def _age(days: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.refcache import default_cache_dir
+    from harness.paths import default_cache_dir
 
     cache_dir: Path = args.cache_dir or default_cache_dir()
     found, now = entries(cache_dir), time.time()

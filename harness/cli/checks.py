@@ -70,7 +70,7 @@ def require_device(device: str, world_sizes: list[int]) -> None:
 
 def require_launch_settings(env: dict[str, str]) -> None:
     """HARNESS_LAUNCHER and HARNESS_THREADS_PER_PROCESS, checked before anything runs."""
-    from harness.launch import LAUNCHER_ENV, THREADS_ENV, launcher_choice, threads_per_process
+    from harness.launcher.launch import LAUNCHER_ENV, THREADS_ENV, launcher_choice, threads_per_process
 
     launcher_choice("cpu", False, env.get(LAUNCHER_ENV))
     threads_per_process(1, 1, env.get(THREADS_ENV))

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from harness.specs.model import load_model
+from harness.specs.checkpoint import load_model
 
 
 def add_parser(sub: Any) -> None:

@@ -6,8 +6,10 @@ import argparse
 from typing import Any, Callable
 
 from harness.specs.loader import load_yaml
-from harness.specs.model import load_model, shipped_models
-from harness.specs.suite import load_suite, shipped_suites
+from harness.specs.model import shipped_models
+from harness.specs.checkpoint import load_model
+from harness.checks.settings import load_suite
+from harness.specs.suite import shipped_suites
 from harness.specs.topology import load_catalog
 
 
@@ -70,11 +72,11 @@ def _engines() -> list[str]:
 
 
 def _checks() -> list[str]:
-    from harness.checks.catalog import CHECKS, SETTINGS_SECTIONS
+    from harness.checks.catalog import registered_checks
 
     out = [f"{'check':<18} {'suite checks: key':<28} {'cells':<12} {'needs':<44} what it compares"]
-    for spec in CHECKS:
-        section = spec.section + ("" if spec.section in SETTINGS_SECTIONS else " (enabled)")
+    for spec in registered_checks():
+        section = spec.section + ("" if spec.settings is not None else " (enabled)")
         out.append(f"{spec.name:<18} {section:<28} {spec.cells:<12} {spec.needs():<44} {spec.description}")
     out.append("(an engine lacking a need makes the check a SKIP with the reason; "
                "checks: {KEY: {enabled: false}} switches a key's checks off)")

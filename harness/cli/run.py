@@ -15,10 +15,11 @@ from harness.cli.checks import (positive_float, positive_int, require_device, re
 from harness.errors import ConfigError
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.paths import BASELINES_DIR, REPORTS_DIR
-from harness.multinode import check_engine, parse_nodes
+from harness.launcher.nodes import check_engine, parse_nodes
 from harness.shard import parse_shard
-from harness.specs.model import load_model
-from harness.specs.suite import load_suite, with_profile
+from harness.specs.checkpoint import load_model
+from harness.checks.settings import load_suite
+from harness.specs.suite import with_profile
 from harness.specs.topology import load_catalog
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a run is asked for
@@ -88,13 +89,13 @@ def run_id(suite: str) -> str:
 
 def build_request(args: argparse.Namespace) -> "RunRequest":
     """Resolve and validate everything a run needs; every bad input is one ConfigError, before launching."""
-    from harness.compare.settings import CheckSettings
+    from harness.checks.settings import CheckSettings
     from harness.engine.speculator import SpeculativeSettings
     from harness.engine.tokenizer import load_tokenizer
     from harness.engine.weights import validate_checkpoint
     from harness.gsm8k.data import resolve_source
     from harness.gsm8k.settings import gsm8k_settings
-    from harness.refcache import default_cache_dir
+    from harness.paths import default_cache_dir
     from harness.runner import RunRequest
 
     suite = with_profile(load_suite(args.suite), args.profile)
@@ -191,7 +192,7 @@ def _run(args: argparse.Namespace) -> int:
     from harness.refcache import partial_dirs
     from harness.runner import Runner, plan_cells
     from harness.report import render_all
-    from harness.report.results import exit_code
+    from harness.results import exit_code
     from harness.report.text import print_matrix
 
     req = build_request(args)
@@ -200,8 +201,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(planned[0].skip_reason or "no cell to run")
     runner = Runner(req, progress=lambda line: print(line, flush=True))
     if req.nodes is not None and req.nodes.node_rank > 0:  # lends its ranks; node 0 writes the report
-        from harness.multinode import follow
-        return follow(runner, lambda line: print(line, flush=True))
+        return runner.follow()
     start = time.time()
     try:
         cells = runner.run()

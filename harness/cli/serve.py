@@ -14,7 +14,7 @@ from harness.engine.faults import fault_flags
 from harness.errors import ConfigError
 from harness.layout import plan_layout
 from harness.specs.loader import did_you_mean
-from harness.specs.model import load_model
+from harness.specs.checkpoint import load_model
 from harness.specs.topology import load_catalog
 
 MIB = 1024 ** 2
@@ -73,7 +73,7 @@ def _divide_cores(ranks: int) -> None:
         return
     import torch
 
-    from harness.launch import thread_env
+    from harness.launcher.launch import thread_env
 
     torch.set_num_threads(int(thread_env(ranks, dict(os.environ))["OMP_NUM_THREADS"]))
 
@@ -92,7 +92,7 @@ def start_ranks(config_json: str, world_size: int, launcher: str) -> int:
 
         return worker_main([config_json])
     if launcher == "fork":
-        from harness.engine.forkrun import launch_ranks
+        from harness.launcher.forkrun import launch_ranks
 
         return launch_ranks(world_size, None, [config_json], SERVE_WORKER)
     argv = torchrun_argv(config_json, world_size)
@@ -118,6 +118,6 @@ def run(args: argparse.Namespace) -> int:
                          pool={"budget_bytes": args.kv_budget_mib * MIB, "max_seq_len": args.max_seq_len},
                          served_model_name=args.served_model_name, max_logprobs=args.max_logprobs,
                          speculative={"k": args.spec_k} if args.spec_k else {})
-    from harness.launch import LAUNCHER_ENV, launcher_choice
+    from harness.launcher.launch import LAUNCHER_ENV, launcher_choice
 
     return start_ranks(config.to_json(), topo.tp, launcher_choice(args.device, False, os.environ.get(LAUNCHER_ENV)))

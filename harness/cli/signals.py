@@ -1,5 +1,5 @@
 """SIGINT and SIGTERM during a run: the first one raises Interrupted where the run is (a launch then
-stops every process group it started, see harness/launch.py); later ones are ignored while the run
+stops every process group it started, see harness/launcher/launch.py); later ones are ignored while the run
 writes what finished."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 from harness.errors import ConfigError
 from harness.fmt import id_ranges
-from harness.layout import LayoutPlan, PoolCapacity, RankLayout, kv_of_q, pool_capacity
+from harness.layout import LayoutPlan, PoolCapacity, RankLayout, kv_of_q, pool_capacity, slot_pool
 from harness.verdict import CheckResult, Verdict
 
 RANK_KEYS: tuple[str, ...] = ("rank", "q_heads", "kv_heads", "dcp_group", "dcp_rank", "dcp_members",
@@ -212,7 +212,6 @@ def predicted_kv_capacity(plan: LayoutPlan, pool: Mapping[str, Any],
     block_size x dcp, vLLM's count under DCP), the target pool's blocks, and the bytes of every KV pool
     of the rank: the target's plus, with a speculator, its pool of as many slots in the plain TP layout.
     Raises ConfigError when the budget cannot hold one slot."""
-    from harness.engine.speculator import slot_pool  # the planner's rule for the speculator's pool
 
     cap = pool_capacity(plan, int(pool["budget_bytes"]), int(pool["max_seq_len"]), int(pool["block_size"]))
     spec_bytes = (slot_pool(speculator_plan, cap.slots, int(pool["max_seq_len"]), cap.block_size).pool_bytes

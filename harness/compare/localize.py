@@ -9,7 +9,9 @@ order whose output on some rank differs from an exact float64 recompute from its
 rounding in the model dtype allows names the communication step and its ranks. The noise floor is
 the same error of the noise run (the reference topology with another reduction order) against the
 reference; a value diverges above max(rel_floor, factor x noise) (per hidden index; per layer for
-heads, the noise being the layer's largest head error). Non-finite errors count as diverging.
+heads, the noise being the layer's largest head error). Non-finite errors count as diverging. The
+divergence is placed where it began (`onset`): the earliest hidden index of the unbroken run, ending at
+the first one over its bound, whose errors all stand above onset_factor x their own noise.
 """
 
 from __future__ import annotations
@@ -71,6 +73,25 @@ def _bounds(count: int, noise: torch.Tensor | None, settings: LocalizationSettin
     """One bound per entry: max(rel_floor, factor x noise), or rel_floor without a noise run."""
     noises: list[float | None] = [None] * count if noise is None else [float(n) for n in noise]
     return [Bound(settings.rel_floor, settings.factor, n).limit for n in noises]
+
+
+def _listed(values: torch.Tensor | None) -> list[float] | None:
+    return None if values is None else [float(v) for v in values]
+
+
+def onset(errors: Sequence[float], noise: Sequence[float] | None, crossed: int,
+          settings: LocalizationSettings) -> int:
+    """The hidden index where the divergence that first crosses its bound at `crossed` began: walking back
+    from `crossed`, the earliest index of the unbroken run of indices each above max(rel_floor, onset_factor
+    x its own noise). A bug's error stands far above the noise where it enters even when it is still under
+    that index's bound there (e.g. a half-precision run whose noise run measured more on one CPU's kernels
+    than on another's), while a correct index sits near 1x its noise."""
+    if noise is None:
+        return crossed
+    start = crossed
+    while start > 0 and errors[start - 1] > max(settings.rel_floor, settings.onset_factor * noise[start - 1]):
+        start -= 1
+    return start
 
 
 def _owners(plan: LayoutPlan, heads: Sequence[int]) -> list[int]:
@@ -140,7 +161,8 @@ def localize(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None, p
             "error": _floats(heads), "noise": None if head_noise is None else _floats(head_noise),
             "threshold": head_limit, "owner_ranks": _owners(plan, all_heads),
             "kv_heads": [kv_of_q(plan.shape, h) for h in all_heads]}  # as planned; the summary names actual reads
-    first = next((j for j, (e, t) in enumerate(zip(hidden.tolist(), hidden_limit)) if not e <= t), None)
+    crossed = next((j for j, (e, t) in enumerate(zip(hidden.tolist(), hidden_limit)) if not e <= t), None)
+    first = None if crossed is None else onset(hidden.tolist(), _listed(hidden_noise), crossed, settings)
     coll = collective_settings or CollectiveSettings()
     errors = collective_errors(par, cases)
     broken = None
@@ -156,6 +178,12 @@ def localize(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None, p
     if first is None:
         return None, details
     err = f"rel err {hidden[first]:.1e} > {hidden_limit[first]:.1e}"
+    if first != crossed and hidden_noise is not None:  # the divergence began under its bound
+        assert crossed is not None
+        where = "the embedding output" if crossed == 0 else f"layer {crossed - 1}"
+        err = (f"rel err {hidden[first]:.1e}, {float(hidden[first] / hidden_noise[first]):.0f}x its noise and "
+               f"{float(hidden[first]) / hidden_limit[first]:.2f} of its bound {hidden_limit[first]:.1e}; the bound "
+               f"is first crossed at {where}: {hidden[crossed]:.1e} > {hidden_limit[crossed]:.1e}")
     if first == 0:
         return Localization(layer=-1, heads=(), ranks=(), kv_heads=(),
                             summary=f"embeddings: the embedding output already differs ({err})"), details

@@ -17,13 +17,12 @@ only matter when the noise run measures (almost) nothing.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, TypeVar
 
 from harness.errors import ConfigError
 from harness.specs.loader import build, did_you_mean
 from harness.specs.model import DTYPES
-from harness.specs.suite import Suite
 
 T = TypeVar("T")
 
@@ -108,6 +107,8 @@ class LocalizationSettings:
 
     rel_floor: float = 1e-6        # smallest relative-error bound (layer and head; float32, DTYPE_DEFAULTS)
     factor: float = 20.0           # x the noise run's relative error at the same layer
+    onset_factor: float = 5.0      # a divergence began at the earliest layer of the run of layers, ending at
+    #                                the first one over its bound, each above this x its own noise
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -166,40 +167,6 @@ class AcceptanceSettings:
 
     def baseline_tolerance(self, baseline_mean: float) -> float:
         return max(self.baseline_abs_tol, self.baseline_rel_tol * baseline_mean)
-
-
-@dataclass(frozen=True)
-class CheckSettings:
-    """The resolved settings of all parity checks for one dtype."""
-
-    dtype: str = "float32"
-    layout: LayoutSettings = field(default_factory=LayoutSettings)
-    logits: LogitsSettings = field(default_factory=LogitsSettings)
-    generation: GenerationSettings = field(default_factory=GenerationSettings)
-    localization: LocalizationSettings = field(default_factory=LocalizationSettings)
-    collectives: CollectiveSettings = field(default_factory=CollectiveSettings)
-    lossless: LosslessSettings = field(default_factory=LosslessSettings)
-    acceptance: AcceptanceSettings = field(default_factory=AcceptanceSettings)
-
-    @classmethod
-    def from_suite(cls, suite: Suite, dtype: str) -> "CheckSettings":
-        if dtype not in SETTINGS_DTYPES:
-            raise ConfigError(f"unknown dtype {dtype!r}{did_you_mean(dtype, SETTINGS_DTYPES)}; "
-                              f"valid: {', '.join(SETTINGS_DTYPES)}")
-        where = f"suite {suite.name!r}: checks"
-        return cls(
-            dtype=dtype,
-            layout=parse_section(LayoutSettings, f"{where}.layout", suite.check_settings("layout"), dtype),
-            logits=parse_section(LogitsSettings, f"{where}.logits", suite.check_settings("logits"), dtype),
-            generation=parse_section(GenerationSettings, f"{where}.generation",
-                                     suite.check_settings("generation"), dtype),
-            localization=parse_section(LocalizationSettings, f"{where}.localization",
-                                       suite.check_settings("localization"), dtype),
-            collectives=parse_section(CollectiveSettings, f"{where}.collectives",
-                                      suite.check_settings("collectives"), dtype),
-            lossless=parse_section(LosslessSettings, f"{where}.lossless", suite.check_settings("lossless"), dtype),
-            acceptance=parse_section(AcceptanceSettings, f"{where}.acceptance", suite.check_settings("acceptance"),
-                                     dtype))
 
 
 # Floors per dtype, a few times what a correct float32 tp/dcp run of the tiny models measures (KL

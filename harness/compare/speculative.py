@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from harness.artifacts import RunArtifacts
+from harness.acceptance import histogram, mean_accepted_length, total_variation
 from harness.compare.generation import first_divergence, top2_gaps
 from harness.compare.settings import AcceptanceSettings, LosslessSettings
 from harness.details import divergence_text
@@ -43,34 +44,6 @@ from harness.errors import RunError
 from harness.verdict import CheckResult, Verdict
 from harness.contract import (GEN_TOKENS, GEN_TOPK_IDS, GEN_TOPK_LOGPROBS, SPEC_ACCEPTED, SPEC_DRAFTS, SPEC_TOKENS,
                               tensor_key)
-
-
-def histogram(accepted: Sequence[Sequence[int]], k: int) -> list[int]:
-    """Verify steps per accepted draft-token count 0..k, over all prompts."""
-    counts = [0] * (k + 1)
-    for steps in accepted:
-        for a in steps:
-            if not 0 <= a <= k:
-                raise RunError(f"accepted count {a} outside 0..{k}")
-            counts[a] += 1
-    return counts
-
-
-def mean_accepted_length(accepted: Sequence[Sequence[int]]) -> float:
-    """Mean of (accepted + 1) over all verify steps; NaN without steps."""
-    flat = [a for steps in accepted for a in steps]
-    return sum(a + 1 for a in flat) / len(flat) if flat else float("nan")
-
-
-def total_variation(p: Sequence[int], q: Sequence[int]) -> float:
-    """Total-variation distance of two histograms (normalised); 0 when both are empty."""
-    sp, sq = sum(p), sum(q)
-    if not sp or not sq:
-        return 0.0 if sp == sq else 1.0
-    return 0.5 * sum(abs(a / sp - b / sq) for a, b in zip(p, q))
-
-
-# ---- lossless ----------------------------------------------------------------------------------------------
 
 
 def _lossless_case(index: int, spec: list[int], plain: list[int], topk_ids: torch.Tensor | None,

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from harness.engine.gguf_file import require_file
+from harness.gguf_file import require_file
 from harness.paths import default_cache_dir
 
 CONVERTER_VERSION = 1

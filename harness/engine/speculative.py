@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
-from harness.compare.speculative import histogram, mean_accepted_length
+from harness.acceptance import histogram, mean_accepted_length
 from harness.contract import SPEC_ACCEPTED, SPEC_DRAFTS, SPEC_TOKENS
 from harness.engine.engine import Engine
 from harness.engine.speculator import SpeculativeSettings, Speculator

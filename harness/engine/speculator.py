@@ -42,7 +42,7 @@ from harness.engine.parallel import ParallelState
 from harness.engine.parallelize import actual_layout, head_map, shard_weights
 from harness.engine.weights import seeded_generator
 from harness.errors import ConfigError
-from harness.layout import LayoutPlan, PoolCapacity, plan_layout, plan_speculator, pool_capacity
+from harness.layout import LayoutPlan, PoolCapacity, plan_layout, plan_speculator, pool_capacity, slot_pool
 from harness.specs.loader import build
 from harness.specs.model import ModelSpec
 
@@ -160,13 +160,6 @@ def speculator_plan(spec: ModelSpec, tp: int, dcp: int, flags: FaultFlags) -> La
     if flags.speculator_kv_dcp:
         return plan_layout(spec.speculator_shape, tp, dcp=1, kv_dcp=dcp)
     return plan_speculator(spec.speculator_shape, tp)
-
-
-def slot_pool(plan: LayoutPlan, slots: int, max_seq_len: int, block_size: int) -> PoolCapacity:
-    """A pool of exactly `slots` sequence slots for `plan`, sized by the planner's own rule: the budget
-    is `slots` times the planner's slot size (blocks_per_slot x block_bytes)."""
-    unit = pool_capacity(plan, 2 ** 62, max_seq_len, block_size)  # only its per-slot numbers are used
-    return pool_capacity(plan, slots * unit.blocks_per_slot * unit.block_bytes, max_seq_len, block_size)
 
 
 # ---- the speculator of one rank ------------------------------------------------------------------------------

@@ -7,13 +7,14 @@ assistant turn opened (add_generation_prompt=True).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from harness.engine.checkpoint import checkpoint_path, read_json
-from harness.engine.gguf_file import field, open_gguf
+from harness.specs.checkpoint import checkpoint_path, read_json
+from harness.gguf_file import field, open_gguf
 from harness.errors import ConfigError
 from harness.specs.model import ModelSpec
 
@@ -239,3 +240,12 @@ def load_tokenizer(spec: ModelSpec) -> Tokenizer:
         return ByteTokenizer(spec.vocab)
     path = checkpoint_path(spec)
     return hf_tokenizer(path) if spec.source == "hf" else gguf_tokenizer(path)
+
+
+def tokenizer_hash(tokenizer: Tokenizer) -> str:
+    """A fingerprint of the tokenizer: its kind, special ids and the text of every id."""
+    h = hashlib.sha256(json.dumps([type(tokenizer).__name__, tokenizer.vocab_size, tokenizer.bos_id,
+                                   tokenizer.eos_id]).encode())
+    for i in range(tokenizer.vocab_size):
+        h.update(tokenizer.decode([i]).encode("utf-8", errors="replace") + b"\0")
+    return h.hexdigest()

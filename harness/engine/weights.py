@@ -15,8 +15,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from harness.engine.checkpoint import checkpoint_path, hf_config, read_json
-from harness.engine.gguf_file import architecture, dequantize, open_gguf, unpermute_rows
+from harness.specs.checkpoint import checkpoint_path, hf_config, read_json
+from harness.gguf_file import architecture, dequantize, open_gguf, unpermute_rows
 from harness.engine.names import Shape, canonical_from_gguf, canonical_from_hf, expected_shapes
 from harness.errors import ConfigError
 from harness.specs.model import ModelSpec

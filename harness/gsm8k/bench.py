@@ -35,7 +35,7 @@ from harness.gsm8k.lm import Generator, HarnessLM
 from harness.gsm8k.records import GSM8KResult
 from harness.gsm8k.stats import agreement_rate
 from harness.gsm8k.tasks import evaluate_with
-from harness.specs.model import load_model
+from harness.specs.checkpoint import load_model
 
 GIB = 1024 ** 3
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from harness.report.html import write_html
 from harness.report.junit import write_junit
 from harness.report.merge import merge
-from harness.report.results import exit_code, read_results, write_results
+from harness.results import exit_code, read_results, write_results
 from harness.report.summary import write_summary
 from harness.report.text import print_matrix
 from harness.verdict import CellResult

@@ -42,7 +42,7 @@ from harness.report.matrix import (
     provenance_items,
     suspect_text,
 )
-from harness.report.results import summary_counts
+from harness.results import summary_counts
 from harness.report.svg import head_heatmap, layer_error_plot
 from harness.verdict import CellResult, CheckResult, Verdict
 

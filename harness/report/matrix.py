@@ -12,13 +12,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from harness.checkmetrics import PARITY_CHECKS, find_key_metric
 from harness.fmt import id_ranges
 from harness.verdict import CellResult, CheckResult, Localization, Verdict
 
-KEY_METRICS: tuple[str, ...] = (
-    "max_kl", "kl_max", "kl", "first_divergence", "mean_acceptance", "acceptance", "score", "accuracy",
-    "answer_agreement", "agreement", "mismatches", "max_abs", "max_abs_error", "problems",
-)
 _SHORT: dict[str, str] = {"max_kl": "KL", "kl_max": "KL", "kl": "KL", "first_divergence": "div@",
                           "mean_acceptance": "acc", "acceptance": "acc", "answer_agreement": "agree",
                           "max_abs": "max|d|", "max_abs_error": "max|d|"}
@@ -116,13 +113,8 @@ KEY_LEGEND: dict[str, str] = {
 
 def _key_metric(check: CheckResult) -> tuple[str, str] | None:
     """(label, value text) of the check's key number, or None."""
-    named = check.metrics.get("headline")
-    names = [named] if isinstance(named, str) else list(KEY_METRICS)
-    for name in names:
-        text = _key_value(check.metrics.get(name))
-        if text is not None:
-            return _SHORT.get(name, name), text
-    return None
+    found = find_key_metric(check, _key_value)
+    return None if found is None else (_SHORT.get(found[0], found[0]), found[1])
 
 
 def key_number(check: CheckResult) -> str:
@@ -166,8 +158,6 @@ def suspect_text(cell: CellResult) -> str:
     """Where a failing cell's corruption is: its localization, else its first failed check (whose reason
     names the place itself, e.g. acceptance's first differing verify step or layout's first problem;
     "not localized" only where a parity check failed and no layer could be named)."""
-    from harness.compare.cell import PARITY_CHECKS
-
     if cell.localization:
         return localization_text(cell.localization)
     failed = [c for c in cell.checks if c.verdict is Verdict.FAIL]

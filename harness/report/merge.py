@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from harness.report.results import read_results
+from harness.results import read_results
 from harness.verdict import CellResult
 
 CellKey = tuple[str, str, str, str | None, int]

@@ -10,7 +10,7 @@ from typing import Any
 
 from harness.report.matrix import (Matrix, build_matrix, headline, interrupted_text, plural, provenance_items,
                                    suspect_text)
-from harness.report.results import summary_counts
+from harness.results import summary_counts
 from harness.verdict import CellResult, Verdict
 
 SUMMARY_FILE = "summary.md"

@@ -67,3 +67,17 @@ def expect_int(where: str, name: str, value: Any, minimum: int = 0) -> int:
     if value < minimum:
         raise ConfigError(f"{where}: {name}={value} must be >= {minimum}")
     return value
+
+
+def read_versioned_list(path: Path, keys: tuple[str, ...], version: int) -> tuple[dict[str, Any], list[Any]]:
+    """A baselines YAML file's top level (its keys checked, schema_version required and equal to
+    `version`) and its `baselines` list."""
+    data = load_yaml(path) or {}
+    check_keys(str(path), data, keys, required=("schema_version",))
+    if data["schema_version"] != version:
+        raise ConfigError(f"{path}: schema_version {data['schema_version']!r}; this harness reads schema_version "
+                          f"{version}")
+    raw = data.get("baselines") or []
+    if not isinstance(raw, list):
+        raise ConfigError(f"{path}: baselines must be a list")
+    return data, raw

@@ -95,20 +95,3 @@ def model_from_dict(where: str, data: dict[str, Any], name: str = "") -> ModelSp
 
 def shipped_models(folder: Path = MODELS_DIR) -> dict[str, Path]:
     return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
-
-
-def load_model(ref: str, folder: Path = MODELS_DIR) -> ModelSpec:
-    """A model by shipped name, by path to a YAML model spec, or by checkpoint folder / GGUF file."""
-    shipped = shipped_models(folder)
-    if ref in shipped:
-        return model_from_dict(str(shipped[ref]), load_yaml(shipped[ref]) or {}, name=ref)
-    path = Path(ref)
-    if path.suffix in (".yaml", ".yml"):
-        if not path.is_file():
-            raise ConfigError(f"model spec file {ref!r} does not exist")
-        return model_from_dict(str(path), load_yaml(path) or {}, name=path.stem)
-    if path.is_dir() or path.suffix == ".gguf":
-        from harness.engine.checkpoint import spec_from_checkpoint  # heavy imports only when needed
-        return spec_from_checkpoint(path)
-    raise ConfigError(f"unknown model {ref!r}{did_you_mean(ref, tuple(shipped))}; valid: "
-                      f"{', '.join(shipped)}, a model spec .yaml, a checkpoint folder or a .gguf file")

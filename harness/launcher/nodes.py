@@ -13,13 +13,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
 
 from harness.errors import ConfigError
-
-if TYPE_CHECKING:
-    from harness.contract import Backend, Job, LaunchResult
-    from harness.runner import Runner
 
 MULTINODE_ENGINES = ("embedded", "embedded-topk")  # engines this harness launches itself
 
@@ -40,7 +35,7 @@ class Nodes:
         """Whether a cell of `world_size` ranks runs over all the nodes (else on node 0 alone)."""
         return self.nnodes > 1 and world_size % self.nnodes == 0
 
-    def launch(self, index: int) -> "NodeLaunch":
+    def launch(self, index: int) -> NodeLaunch:
         return NodeLaunch(self.nnodes, self.node_rank, self.host, self.port + index, self.join_timeout_s)
 
 
@@ -88,41 +83,3 @@ def check_engine(engine: str, nodes: Nodes | None) -> None:
     if nodes is not None and engine.split(":", 1)[0] not in MULTINODE_ENGINES:
         raise ConfigError(f"--nnodes {nodes.nnodes} works with the engines {', '.join(MULTINODE_ENGINES)}, not "
                           f"{engine!r}: an external engine's template describes its own multi-node launch")
-
-
-def run_on_nodes(backend: "Backend", job: "Job", timeout_s: float, nodes: NodeLaunch) -> "LaunchResult":
-    """The embedded backend's run with this node's share of the ranks (torchrun rendezvous)."""
-    from pathlib import Path
-
-    from harness.backends.base import stamp_manifest
-    from harness.backends.embedded import EmbeddedBackend
-    from harness.launch import launch
-
-    if not isinstance(backend, EmbeddedBackend):
-        raise ConfigError(f"engine {backend.name!r} cannot run over several nodes from the harness")
-    result = launch(job, timeout_s, worker_args=backend.worker_args(), nodes=nodes)
-    if nodes.node_rank == 0:
-        stamp_manifest(Path(job.out_dir), backend)
-    return result
-
-
-def follow(runner: "Runner", progress: Callable[[str], None]) -> int:
-    """Node R > 0: lend this node's ranks to every cell that spans the nodes, in plan order.
-    0 when every launch exited cleanly, else EXIT_ERROR (node 0's report has the verdicts)."""
-    from harness.verdict import EXIT_ERROR, EXIT_OK
-
-    req = runner.req
-    nodes = req.nodes
-    assert nodes is not None and nodes.node_rank > 0
-    failed = 0
-    for index, cell in enumerate(runner.planned()):
-        if cell.skip_reason or not nodes.spans(cell.topology.world_size):
-            progress(f"[{index + 1}] {cell.slug}: runs on node 0")
-            continue
-        job = runner.job(cell.model, cell.topology, cell.fault, cell.seed, req.out_dir / "runs" / cell.slug)
-        progress(f"[{index + 1}] {cell.slug}: node {nodes.node_rank} ranks joining {nodes.host}:{nodes.port + index}")
-        result = run_on_nodes(runner.backend, job, req.timeout_s, nodes.launch(index))
-        ok = result.returncode == 0
-        failed += not ok
-        progress(f"[{index + 1}] {cell.slug}: {'done' if ok else 'FAILED: ' + result.error} ({result.wall_s:.1f} s)")
-    return EXIT_OK if not failed else EXIT_ERROR

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harness.baseline import BASELINES_DIR, Measurement, gate_cell, load_baselines
+from harness.baseline import Measurement, gate_cell, load_baselines
+from harness.paths import BASELINES_DIR
 from harness.contract import GSM8K_FILE
 from harness.gsm8k.checks import paired_check
 from harness.gsm8k.records import GSM8KResult

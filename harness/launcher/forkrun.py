@@ -1,4 +1,4 @@
-"""Single-node CPU launcher: `python -m harness.engine.forkrun --nproc N [--log-dir DIR] [--module M] -- ARGS`.
+"""Single-node CPU launcher: `python -m harness.launcher.forkrun --nproc N [--log-dir DIR] --module M -- ARGS`.
 
 torchrun starts its agent and then a fresh interpreter per rank, and each imports torch and the
 engine again: about 3 CPU-seconds apiece, more than a tiny model's whole run, paid N + 1 times per
@@ -6,12 +6,12 @@ launch. This launcher imports the worker once and forks the N ranks from it (cop
 in the parent has started a thread, a process group or a device yet), each with torchrun's
 environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free
 loopback port) and its stdout/stderr in DIR/rank{r}.log (without --log-dir: this process's own, as
-`harness serve` wants for its server log). The worker is `M.main(ARGS)` (default harness.engine.worker;
-harness serve: harness.serve.worker). Like torchrun it waits for every rank; the first rank to fail is
+`harness serve` wants for its server log). The worker is `M.main(ARGS)` (the embedded backend's
+worker; harness serve: harness.serve.worker). Like torchrun it waits for every rank; the first rank to fail is
 named on stdout ("first failure: rank R exited with code C"), the others get SIGTERM (then SIGKILL),
 and it exits non-zero; a SIGTERM, SIGINT or SIGHUP it receives is passed on to every rank the same way.
 
-Multi-node launches and CUDA devices keep torchrun (harness/launch.py decides).
+Multi-node launches and CUDA devices keep torchrun (harness/launcher/launch.py decides).
 """
 
 from __future__ import annotations
@@ -26,10 +26,9 @@ import traceback
 from pathlib import Path
 from typing import Sequence
 
-from harness.launch import free_port
+from harness.launcher.launch import free_port
 
 STOP_GRACE_S = 10.0
-WORKER = "harness.engine.worker"
 FAILURE_LINE = "first failure: rank {rank} exited with code {code}"
 
 
@@ -78,7 +77,7 @@ def _alive(pid: int) -> bool:
     return done == 0
 
 
-def launch_ranks(world: int, log_dir: Path | None, worker_args: list[str], module: str = WORKER) -> int:
+def launch_ranks(world: int, log_dir: Path | None, worker_args: list[str], module: str) -> int:
     """Fork `world` ranks of `module`'s main, wait for them; 0 when all exit 0, else the first failure's code."""
     importlib.import_module(module)  # imported once here, inherited by every rank
     if log_dir is not None:
@@ -120,10 +119,10 @@ def launch_ranks(world: int, log_dir: Path | None, worker_args: list[str], modul
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.engine.forkrun")
+    parser = argparse.ArgumentParser(prog="python -m harness.launcher.forkrun")
     parser.add_argument("--nproc", type=int, required=True, help="ranks to fork")
     parser.add_argument("--log-dir", type=Path, default=None, help="where rank{r}.log go (default: this stdout)")
-    parser.add_argument("--module", default=WORKER, help="the module whose main(args) each rank runs")
+    parser.add_argument("--module", required=True, help="the module whose main(args) each rank runs")
     parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="-- then the worker's arguments")
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     worker_args = args.worker_args[1:] if args.worker_args[:1] == ["--"] else args.worker_args

@@ -1,7 +1,7 @@
 """Launch one run: a plain process at world size 1, else ranks forked from one launcher process
-(gloo on CPU, harness/engine/forkrun.py) or torchrun (nccl with --device cuda, and multi-node). On CPU
+(gloo on CPU, harness/launcher/forkrun.py) or torchrun (nccl with --device cuda, and multi-node). On CPU
 on one node that process is itself forked from a forkserver that imported torch and the engine once
-(harness/engine/forkserver.py), so a launch costs no interpreter start. Bounded in time; a crashed
+(harness/launcher/forkserver.py), so a launch costs no interpreter start. Bounded in time; a crashed
 or hung rank ends the launch with every rank's log tail recorded in the run directory's manifest, so
 nothing else is lost."""
 
@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence, Union
 
 from harness.contract import JOB_FILE, LAUNCHER_LOG, MANIFEST_FILE, RUN_FILES, Job, LaunchResult
-from harness.engine import forkserver
+from harness.launcher import forkserver
 from harness.errors import ConfigError
 from harness.jsonio import write_json
 
-__all__ = ["Job", "LaunchResult", "command", "launch"]  # Job, LaunchResult: harness.contract (old import path)
+FORKRUN_MODULE = "harness.launcher.forkrun"
 
 if TYPE_CHECKING:
-    from harness.multinode import NodeLaunch
+    from harness.launcher.nodes import NodeLaunch
 
 Process = Union["subprocess.Popen[bytes]", forkserver.WarmProcess]  # a launch's top process
 
@@ -41,7 +41,7 @@ LAUNCHERS = ("fork", "torchrun")
 
 
 def launcher_choice(device: str, multi_node: bool, setting: str | None) -> str:
-    """'fork' (harness/engine/forkrun.py) for a CPU run on one node unless HARNESS_LAUNCHER=torchrun
+    """'fork' (harness/launcher/forkrun.py) for a CPU run on one node unless HARNESS_LAUNCHER=torchrun
     says otherwise; 'torchrun' for CUDA devices and multi-node launches."""
     if setting and setting not in LAUNCHERS:
         raise ConfigError(f"{LAUNCHER_ENV}={setting!r} is not a launcher; valid: {', '.join(LAUNCHERS)}")
@@ -64,16 +64,17 @@ def rendezvous_args(world_size: int, nodes: "NodeLaunch | None") -> list[str]:
     return nodes.torchrun_args(world_size)
 
 
-def command(job_path: Path, world_size: int, log_dir: Path, worker_args: Sequence[str] = (),
+def command(job_path: Path, world_size: int, log_dir: Path, module: str, worker_args: Sequence[str] = (),
             nodes: "NodeLaunch | None" = None, launcher: str = "torchrun") -> list[str]:
-    """One plain process at world size 1; else the fork launcher (harness/engine/forkrun.py: the engine
-    imported once, ranks forked from it) or torchrun (launcher_choice)."""
-    worker = ["-m", "harness.engine.worker", str(job_path), *worker_args]
+    """`module` (the rank's worker, e.g. the embedded backend's) as one plain process at world size 1; else
+    the fork launcher (harness/launcher/forkrun.py: the worker imported once, ranks forked from it) or
+    torchrun (launcher_choice)."""
+    worker = ["-m", module, str(job_path), *worker_args]
     if world_size == 1:
         return [sys.executable, *worker]
     if launcher == "fork":
-        return [sys.executable, "-m", "harness.engine.forkrun", f"--nproc={world_size}", f"--log-dir={log_dir}",
-                "--", str(job_path), *worker_args]
+        return [sys.executable, "-m", FORKRUN_MODULE, f"--nproc={world_size}", f"--log-dir={log_dir}",
+                f"--module={module}", "--", str(job_path), *worker_args]
     return [sys.executable, "-m", "torch.distributed.run", *rendezvous_args(world_size, nodes),
             "--max-restarts=0", "--monitor-interval=0.5", f"--log-dir={log_dir}", "--redirects=3", *worker]
 
@@ -185,7 +186,7 @@ def root_cause(tails: dict[str, str]) -> str:
     """'rankN: <its last error line>' for the rank torchrun names as the root cause (else the first
     rank with an error line), so an ERROR cell's reason holds the error itself, not only a log tail."""
     launcher = tails.get("launcher", "")
-    named = (re.findall(r"^first failure: rank (\d+)", launcher, re.M)  # harness/engine/forkrun.py
+    named = (re.findall(r"^first failure: rank (\d+)", launcher, re.M)  # harness/launcher/forkrun.py
              or re.findall(r"Root Cause.*?\n.*?rank\s*:\s*(\d+)", launcher, re.S))  # torchrun
     order = [f"rank{named[0]}"] if named else []
     order += [r for r in tails if r.startswith("rank") and r not in order]
@@ -203,14 +204,15 @@ def _child_env(local_ranks: int, extra: dict[str, str] | None) -> dict[str, str]
     return {**merged, **thread_env(local_ranks, merged)}
 
 
-def _start(job_path: Path, world: int, log_dir: Path, worker_args: Sequence[str], nodes: "NodeLaunch | None",
-           launcher: str, env: dict[str, str], log_path: Path) -> "Process":
+def _start(job_path: Path, world: int, log_dir: Path, module: str, worker_args: Sequence[str],
+           nodes: "NodeLaunch | None", launcher: str, env: dict[str, str], log_path: Path) -> "Process":
     """The launch's top process in a session of its own, output to `log_path`: with the fork launcher,
-    forked warm from the forkserver (harness/engine/forkserver.py) where it can be, else started fresh."""
+    forked warm from the forkserver (harness/launcher/forkserver.py) where it can be, else started fresh."""
     if launcher == "fork" and forkserver.usable(env):
-        return forkserver.start(world, log_path, log_dir if world > 1 else None, [str(job_path), *worker_args], env)
+        return forkserver.start(world, log_path, log_dir if world > 1 else None, module, [str(job_path), *worker_args],
+                                env)
     with open(log_path, "wb") as log:
-        return subprocess.Popen(command(job_path, world, log_dir, worker_args, nodes, launcher), stdout=log,
+        return subprocess.Popen(command(job_path, world, log_dir, module, worker_args, nodes, launcher), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
@@ -220,10 +222,11 @@ def stop_process_tree(proc: Process) -> None:
     _kill_group(proc)
 
 
-def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None,
+def launch(job: Job, timeout_s: float, module: str, env: dict[str, str] | None = None,
            worker_args: Sequence[str] = (), nodes: "NodeLaunch | None" = None) -> LaunchResult:
-    """Run `job` to completion or until `timeout_s`; always leaves a manifest.json in job.out_dir.
-    `worker_args` are extra worker flags (e.g. `--topk 20`: the top-k-only mode)."""
+    """Run `job` on its ranks, each running `module`'s main(job file, worker flags), to completion or until
+    `timeout_s`; always leaves a manifest.json in job.out_dir. `worker_args` are extra worker flags
+    (e.g. `--topk 20`: the top-k-only mode)."""
     run_dir = Path(job.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in [*RUN_FILES, *(p.name for p in run_dir.glob("rank*.log"))]:  # nothing of an earlier launch
@@ -238,7 +241,7 @@ def launch(job: Job, timeout_s: float, env: dict[str, str] | None = None,
     log_dir = run_dir / ("ranks" if launcher == "fork" else "torchrun")
     start = time.time()
     timed_out = False
-    proc = _start(job_path, world, log_dir, worker_args, nodes, launcher, child_env,
+    proc = _start(job_path, world, log_dir, module, worker_args, nodes, launcher, child_env,
                   run_dir / (LAUNCHER_LOG if world > 1 else "rank0.log"))
     try:
         proc.wait(timeout=timeout_s)

@@ -1,4 +1,4 @@
-"""The per-rank entry point: `python -m harness.engine.worker JOB.json`, started by torchrun (or
+"""The per-rank entry point: `python -m harness.backends.embedded_worker JOB.json`, started by torchrun (or
 directly at world size 1). Joins the process group, builds the engine, runs every case of the job in
 lockstep, and rank 0 writes the run directory.
 
@@ -9,8 +9,6 @@ instead, as an engine that only returns top-k logprobs would (harness/contract.p
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import platform
 import sys
@@ -33,22 +31,12 @@ from harness.engine.faults import fault_flags
 from harness.engine.parallel import ParallelState
 from harness.engine.speculative import run_speculative_cases, spec_manifest, spec_tensors
 from harness.engine.speculator import SpeculativeSettings, speculator_for
-from harness.engine.tokenizer import Tokenizer, load_tokenizer
+from harness.engine.tokenizer import Tokenizer, load_tokenizer, tokenizer_hash
 from harness.engine.weights import load_weights, weights_hash
 from harness.specs.model import model_from_dict
 from harness.specs.topology import Topology
 
-__all__ = ["ENGINE_VERSION", "INJECT_ENV", "Job", "main", "run_job", "tokenizer_hash", "topk_logprobs"]
 INJECT_ENV = "HARNESS_INJECT_RANK_FAILURE"  # "crash:R" or "hang:R": test hook for the launcher's error path
-
-
-def tokenizer_hash(tokenizer: Tokenizer) -> str:
-    """A fingerprint of the tokenizer: its kind, special ids and the text of every id."""
-    h = hashlib.sha256(json.dumps([type(tokenizer).__name__, tokenizer.vocab_size, tokenizer.bos_id,
-                                   tokenizer.eos_id]).encode())
-    for i in range(tokenizer.vocab_size):
-        h.update(tokenizer.decode([i]).encode("utf-8", errors="replace") + b"\0")
-    return h.hexdigest()
 
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,7 +144,7 @@ def run_job(job: Job, topk_only: int | None = None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.engine.worker")
+    parser = argparse.ArgumentParser(prog="python -m harness.backends.embedded_worker")
     parser.add_argument("job", type=Path, help="job.json written by the launcher")
     parser.add_argument("--topk", type=int, default=None, metavar="K",
                         help="top-k-only mode: write top-K logprobs instead of full logits and hidden states")

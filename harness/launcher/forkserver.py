@@ -4,7 +4,7 @@ interpreter that imports them again (~3 CPU-seconds per launch on a 2-core box, 
 An engine server whose command is this interpreter's `-m harness ...` (the harness-serve engines) is
 forked from it the same way.
 
-The forked launcher behaves like `python -m harness.engine.forkrun` (or, at world size 1, the worker
+The forked launcher behaves like `python -m harness.launcher.forkrun` (or, at world size 1, the worker
 itself) started by Popen with start_new_session=True: its own session and process group, the
 launch's environment and working directory, stdout/stderr into the launch's log, the exit code of
 the run (-N when killed by signal N). `WarmProcess` offers the part of Popen that launch() uses.
@@ -17,6 +17,7 @@ per launch (torch.set_num_threads from OMP_NUM_THREADS).
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -26,7 +27,10 @@ import threading
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-PRELOAD = ["torch", "harness.engine.forkrun", "harness.engine.worker"]
+# Modules named, never imported here: the launcher and the CLI sit above this module.
+FORKRUN_MODULE = "harness.launcher.forkrun"
+CLI_MODULE = "harness.cli"
+PRELOAD = ["torch", FORKRUN_MODULE]  # and the first launch's worker module: what every launch would import again
 WAIT_POLICY_VAR = "OMP_WAIT_POLICY"  # read by OpenMP once, when torch is imported
 _lock = threading.Lock()
 _policy: list[str | None] = []  # the wait policy the forkserver started with (empty: not started)
@@ -60,10 +64,11 @@ def usable(env: Mapping[str, str]) -> bool:
         return not _policy or _policy[0] == env.get(WAIT_POLICY_VAR)
 
 
-def start(world: int, log_path: Path, log_dir: Path | None, worker_args: Sequence[str],
+def start(world: int, log_path: Path, log_dir: Path | None, module: str, worker_args: Sequence[str],
           env: Mapping[str, str]) -> WarmProcess:
-    """Fork the launcher of a `world`-rank run with `worker_args` (the job file, worker flags)."""
-    return _fork(("launch", world, str(log_dir) if log_dir else None, list(worker_args)), log_path, env)
+    """Fork the launcher of a `world`-rank run of `module` with `worker_args` (the job file, worker flags)."""
+    return _fork(("launch", world, str(log_dir) if log_dir else None, module, list(worker_args)), log_path, env,
+                 module)
 
 
 def harness_command(argv: Sequence[str]) -> list[str] | None:
@@ -76,13 +81,13 @@ def harness_command(argv: Sequence[str]) -> list[str] | None:
 
 def start_command(args: Sequence[str], log_path: Path, env: Mapping[str, str]) -> WarmProcess:
     """Fork `harness ARGS` (e.g. a `harness serve` engine server) as if started by Popen."""
-    return _fork(("cli", list(args)), log_path, env)
+    return _fork(("cli", list(args)), log_path, env, CLI_MODULE)
 
 
-def _fork(what: tuple[Any, ...], log_path: Path, env: Mapping[str, str]) -> WarmProcess:
+def _fork(what: tuple[Any, ...], log_path: Path, env: Mapping[str, str], preload: str) -> WarmProcess:
     context = multiprocessing.get_context("forkserver")
     with _lock:
-        _ensure_server(context, _policy[0] if _policy else env.get(WAIT_POLICY_VAR))
+        _ensure_server(context, _policy[0] if _policy else env.get(WAIT_POLICY_VAR), preload)
         # daemon: should a launch outlive its caller's normal exit, multiprocessing terminates it then
         process = context.Process(target=_child, name="harness-launch", daemon=True,
                                   args=(what, str(log_path), dict(env), os.getcwd()))
@@ -90,10 +95,10 @@ def _fork(what: tuple[Any, ...], log_path: Path, env: Mapping[str, str]) -> Warm
     return WarmProcess(process)
 
 
-def _ensure_server(context: Any, policy: str | None) -> None:
-    """Start the forkserver (again, if it died) with `policy` in its environment: it inherits this
-    process's environment when it starts."""
-    context.set_forkserver_preload(PRELOAD)
+def _ensure_server(context: Any, policy: str | None, preload: str) -> None:
+    """Start the forkserver (again, if it died) with `policy` in its environment (it inherits this
+    process's environment when it starts), preloading PRELOAD and `preload`."""
+    context.set_forkserver_preload([*PRELOAD, preload])
     previous = os.environ.get(WAIT_POLICY_VAR)
     _set(WAIT_POLICY_VAR, policy)
     try:
@@ -113,7 +118,7 @@ def _set(var: str, value: str | None) -> None:
 
 def _child(what: tuple[Any, ...], log_path: str, env: dict[str, str], cwd: str) -> None:
     """In the forked process: a session of its own, the caller's environment, cwd and log, then the run
-    (`what`: ("launch", world, log_dir, worker_args) or ("cli", harness arguments))."""
+    (`what`: ("launch", world, log_dir, worker module, worker_args) or ("cli", harness arguments))."""
     os.setsid()
     os.chdir(cwd)
     os.environ.clear()
@@ -131,17 +136,12 @@ def _child(what: tuple[Any, ...], log_path: str, env: dict[str, str], cwd: str) 
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
     if what[0] == "cli":
-        from harness.cli import main as cli_main
-
-        code = cli_main(what[1])
+        code = importlib.import_module(CLI_MODULE).main(what[1])
     elif what[1] == 1:
-        from harness.engine.worker import main
-
-        code = main(what[3])
+        code = importlib.import_module(what[3]).main(what[4])
     else:
-        from harness.engine.forkrun import launch_ranks
-
-        code = launch_ranks(what[1], Path(what[2]) if what[2] else None, what[3])
+        code = importlib.import_module(FORKRUN_MODULE).launch_ranks(what[1], Path(what[2]) if what[2] else None,
+                                                                    what[4], what[3])
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(code)
