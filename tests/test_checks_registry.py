@@ -3,14 +3,15 @@ unmet needs are SKIPs naming the engine, suites switch sections off and never ca
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from harness.checks.catalog import registered_checks, sections
-
-CHECKS = registered_checks()
 from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks
 from harness.checks.settings import CheckSettings
@@ -22,6 +23,8 @@ from harness.layout import plan_layout
 from harness.checks.settings import load_suite
 from harness.verdict import Verdict
 from tests.test_compare_support import GQA, synthetic_runs, with_tensors
+
+CHECKS = registered_checks()
 
 PLAN = plan_layout(GQA, 4, 4)
 
@@ -120,3 +123,85 @@ def test_the_report_notes_details_that_drift_from_the_schema(tmp_path: Path) -> 
     paths = render_all(tmp_path, [cell], {"command": "harness run"}, "run")
     assert "details do not match harness/details.py (unknown details sections [&#39;layuot&#39;]" in \
         Path(paths["html"]).read_text()
+
+
+THIRD_PARTY_CHECK = '''
+from dataclasses import dataclass
+
+from harness import contract as c
+from harness.checks.catalog import CheckSpec
+from harness.checks.context import CellContext
+from harness.verdict import CheckResult, Verdict
+
+
+@dataclass(frozen=True)
+class StepCountSettings:
+    slack: int = 0
+
+
+def step_count(ctx: CellContext) -> list[CheckResult]:
+    slack = ctx.settings.of(StepCountSettings).slack
+    ref = sum(len(x.generated_ids) for x in ctx.ref.cases)
+    par = sum(len(x.generated_ids) for x in ctx.par.cases)
+    verdict = Verdict.PASS if par + slack >= ref else Verdict.FAIL
+    return [CheckResult("step_count", verdict, f"{par} generated tokens, reference {ref}, slack {slack}")]
+
+
+SPEC = CheckSpec("step_count", "step_count", "my_checks:step_count", "generates as many tokens",
+                 settings=StepCountSettings, requires=(c.GENERATION,))
+'''
+
+THIRD_PARTY_DRIVER = '''
+import dataclasses
+import sys
+from pathlib import Path
+
+from harness.checks.catalog import registered_checks
+from harness.checks.driver import run_checks
+from harness.checks.settings import CheckSettings, load_suite
+from harness.errors import ConfigError
+from tests.test_checks_registry import PLAN, _ctx
+from tests.test_compare_support import synthetic_runs
+
+assert [s.name for s in registered_checks()][-1] == "step_count"
+suite = load_suite(sys.argv[1])
+ref, noise, par = synthetic_runs(PLAN)
+ctx = _ctx(ref, par, noise)
+ctx = dataclasses.replace(ctx, settings=CheckSettings.from_suite(suite, "float32"))
+(result,) = [r for r in run_checks(ctx) if r.name == "step_count"]
+print("RESULT", result.verdict.value, result.reason)
+try:
+    load_suite(sys.argv[2])
+except ConfigError as exc:
+    print("ERROR", exc)
+'''
+
+
+def test_a_third_party_check_registers_through_its_entry_point(tmp_path: Path) -> None:
+    """One module plus one entry point (a real installed distribution on sys.path): the check is listed,
+    its suite section is validated against its own settings class, and cells run it."""
+    site = tmp_path / "site"
+    dist = site / "my_checks-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (site / "my_checks.py").write_text(THIRD_PARTY_CHECK)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-checks\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[harness.checks]\nstep_count = my_checks:SPEC\n")
+    suite = "name: s\nversion: 1\nmodels: [tiny-gqa]\ntopologies: [tp2]\nprompts: [hi]\n"
+    (tmp_path / "good.yaml").write_text(suite + "checks: {step_count: {slack: 2}}\n")
+    (tmp_path / "bad.yaml").write_text(suite + "checks: {step_count: {slak: 2}}\n")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(root)])}
+    listed = subprocess.run([sys.executable, "-m", "harness", "list", "checks"], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    assert any(line.startswith("step_count ") for line in listed.stdout.splitlines()), listed.stdout
+    ran = subprocess.run([sys.executable, "-c", THIRD_PARTY_DRIVER, str(tmp_path / "good.yaml"),
+                          str(tmp_path / "bad.yaml")], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=root)
+    assert ran.returncode == 0, ran.stderr
+    assert "RESULT PASS" in ran.stdout and "slack 2" in ran.stdout, ran.stdout
+    assert "unknown key 'slak' (did you mean 'slack'?)" in ran.stdout, ran.stdout
+    # without the distribution the section is unknown: a suite naming it is refused
+    bare = subprocess.run([sys.executable, "-m", "harness", "list", "checks"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert "step_count" not in bare.stdout

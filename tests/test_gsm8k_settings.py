@@ -70,7 +70,8 @@ def test_shipped_gsm8k_profiles_kv_budget_holds_their_batch(profile: str) -> Non
     reference topology (its KV pool would otherwise cap the batch the profile asks for)."""
     from harness.layout import plan_layout, pool_capacity
     from harness.specs.checkpoint import load_model
-    from harness.specs.suite import load_suite, with_profile
+    from harness.checks.settings import load_suite
+    from harness.specs.suite import with_profile
     from harness.specs.topology import parse_topology_name
 
     suite = with_profile(load_suite("gsm8k"), profile)

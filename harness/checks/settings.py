@@ -23,8 +23,9 @@ T = TypeVar("T")
 
 
 def validate_suite_checks(suite: Suite) -> None:
-    """Every `checks:` key of `suite` names a registered section, and a section without settings sets
-    nothing but `enabled` (a key that nothing reads is rejected, not ignored)."""
+    """Every `checks:` key of `suite` names a registered section whose settings parse (unknown keys and
+    bad values rejected), and a section without settings sets nothing but `enabled` (a key that nothing
+    reads is rejected, not ignored)."""
     where = f"suite {suite.name!r}"
     known = sections()
     for check, settings in suite.checks.items():
@@ -32,7 +33,10 @@ def validate_suite_checks(suite: Suite) -> None:
             raise ConfigError(f"{where}: unknown check {check!r}{did_you_mean(check, tuple(known))}; "
                               f"valid checks: {', '.join(known)}")
         unread = sorted(str(k) for k in (settings or {}) if k != ENABLED_KEY)
-        if known[check] is None and unread:
+        cls = known[check]
+        if cls is not None:  # every key and dtype section parses (the dtype used only picks the values)
+            parse_section(cls, f"{where}: checks.{check}", suite.check_settings(check), SETTINGS_DTYPES[0])
+        elif unread:
             raise ConfigError(f"{where}: checks.{check} takes only {ENABLED_KEY!r}, got {', '.join(unread)}"
                               + (" (GSM8K settings go under the suite's top-level gsm8k:)"
                                  if check == "gsm8k" else ""))
