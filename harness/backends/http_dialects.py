@@ -236,4 +236,6 @@ class SglangDialect(Dialect):
         return out
 
 
-DIALECTS: dict[str, type[Dialect]] = {"vllm": VllmDialect, "sglang": SglangDialect, "openai": OpenAIDialect}
+# each dialect by its class's name: the names a template's `dialect` takes (harness.specs.engine.DIALECT_NAMES,
+# validated when a template loads; tests/test_http_dialects.py asserts the two lists are the same)
+DIALECTS: dict[str, type[Dialect]] = {d.name: d for d in (VllmDialect, SglangDialect, OpenAIDialect)}

@@ -57,17 +57,26 @@ def _faults() -> list[str]:
 def _engines() -> list[str]:
     from harness.backends.registry import available, get_backend
     from harness.errors import ConfigError
+    from harness.specs.engine import load_engine
 
     out = []
     for name, info in available().items():
+        head = f"{name:<20} [{info.origin}]"
+        if info.template:  # an engine template: what it is, even when this machine cannot start it
+            try:
+                head += f" {load_engine(info.template).description};"
+            except ConfigError as exc:
+                out.append(f"{head} {exc}")
+                continue
         try:
             backend = get_backend(name)
         except ConfigError as exc:  # a backend that needs an option (replay:DIR) is listed without an instance
-            out.append(f"{name:<14} [{info.origin}] {exc}")
+            out.append(f"{head} {exc}")
             continue
         caps = backend.capabilities()
-        out.append(f"{name:<14} [{info.origin}] version={backend.version()} noise={backend.noise_strategy()} "
+        out.append(f"{head} version={backend.version()} noise={backend.noise_strategy()} "
                    f"top_k={caps.top_k} provides={','.join(sorted(caps.provides))}")
+    out.append("(an engine template that is not shipped runs by its path: --engine PATH.yaml[:OPTION])")
     return out
 
 

@@ -51,7 +51,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--cache-dir", type=Path, default=None, help="reference-run cache (default: $HARNESS_CACHE_DIR "
                    "or ~/.cache/llm-parallel-harness)")
     p.add_argument("--engine", default="embedded",
-                   help="backend of the parallel runs, NAME or NAME:OPTION (harness list engines; default: embedded)")
+                   help="backend of the parallel runs: NAME or NAME:OPTION (harness list engines), or an engine "
+                   "template file PATH.yaml[:OPTION] (default: embedded)")
     p.add_argument("--reference-engine", default=None,
                    help="backend of the reference runs (default: the same engine at the suite's reference topology)")
     p.add_argument("--shard", default=None, metavar="K/N",
@@ -150,9 +151,10 @@ def _ref(ref: str) -> str:
 
 
 def _engine_ref(engine: str) -> str:
-    """NAME:OPTION with an OPTION that is an existing path made absolute."""
+    """NAME[:OPTION] with a NAME (an engine template's path) or an OPTION that is an existing path made absolute."""
     name, sep, option = engine.partition(":")
-    return f"{name}:{_ref(option)}" if sep and option else engine
+    name = _ref(name)
+    return f"{name}:{_ref(option)}" if sep and option else name
 
 
 def reproduce_args(args: argparse.Namespace, budget_mib: int, max_seq_len: int) -> tuple[str, ...]:

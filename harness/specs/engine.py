@@ -15,6 +15,9 @@ What an engine cannot run: `supports_dcp: false` skips DCP topologies before any
 `refuses` lists regular expressions of the engine's own startup errors for a topology it refuses
 (e.g. vLLM's CPU backend on DCP): a server that exits before it is ready with a log line matching one
 is a SKIP quoting that line, any other startup failure stays an ERROR with the log tail.
+
+A shipped engine is its file: engines/NAME.yaml is the engine NAME (harness list engines), with no
+line of Python; a template that is not shipped runs by its path (--engine PATH.yaml).
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from harness.paths import PROJECT_ROOT
 from harness.specs.loader import build, did_you_mean, load_yaml
 
 ENGINES_DIR: Path = PROJECT_ROOT / "engines"
-DIALECTS: tuple[str, ...] = ("vllm", "sglang", "openai")
+# the request dialects, by name: each is one client class in harness/backends/http_dialects.py (DIALECTS maps
+# these names to them; tests/test_http_dialects.py asserts the two are the same names)
+DIALECT_NAMES: tuple[str, ...] = ("vllm", "sglang", "openai")
 MODEL_FORMATS: tuple[str, ...] = ("hf", "spec")  # what {model_path} is: an HF folder, or a harness model spec
 PLACEHOLDERS: tuple[str, ...] = ("python", "model_path", "model_name", "tp", "dcp", "topology", "port", "host",
                                  "dtype", "seed", "max_logprobs", "max_model_len", "kv_budget_mib", "block_size",
@@ -80,18 +85,21 @@ class EngineSpec:
     kv_capacity_pattern: str = ""
     refuses: tuple[str, ...] = ()
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    # the distributions whose version, installed in the engine's python (first found), is the engine's version;
+    # none: this harness's own for model_format spec, else "unknown" (an attached server answers /version)
+    version_packages: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         where = f"engine {self.name!r}"
-        if self.dialect not in DIALECTS:
-            raise ConfigError(f"{where}: dialect={self.dialect!r} is not one of {', '.join(DIALECTS)}"
-                              f"{did_you_mean(self.dialect, DIALECTS)}")
+        if self.dialect not in DIALECT_NAMES:
+            raise ConfigError(f"{where}: dialect={self.dialect!r} is not one of {', '.join(DIALECT_NAMES)}"
+                              f"{did_you_mean(self.dialect, DIALECT_NAMES)}")
         if self.model_format not in MODEL_FORMATS:
             raise ConfigError(f"{where}: model_format={self.model_format!r} is not one of "
                               f"{', '.join(MODEL_FORMATS)}{did_you_mean(self.model_format, MODEL_FORMATS)}")
         if bool(self.argv) == bool(self.url):
             raise ConfigError(f"{where}: give either argv (start a server) or url (attach to a running one)")
-        for key in ("argv", "dcp_argv", "fault_argv", "dtypes"):
+        for key in ("argv", "dcp_argv", "fault_argv", "dtypes", "version_packages"):
             object.__setattr__(self, key, _strings(where, key, getattr(self, key)))
         spec_argv = dict(self.speculator_argv)
         for kind, argv in spec_argv.items():
