@@ -10,12 +10,16 @@ are not met is a SKIP naming the missing capability, never an ERROR.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from harness.jsonio import read_json
 from harness.limits import COLLECTIVE_TIMEOUT_S
+from harness.specs.model import ModelSpec, model_from_dict
+from harness.specs.topology import Topology
 
 # --- tensor kinds in tensors.safetensors (one entry per case i: f"{kind}.{i}") ------------------
 PREFILL_LOGITS = "prefill_logits"          # [T, V] float32, teacher-forced prefill
@@ -117,10 +121,12 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class Job:
-    """Everything one run needs, written by the runner as job.json in the run directory."""
+    """Everything one run needs, written by the runner as job.json in the run directory. The model and
+    topology are the specs themselves; `to_dict` / `from_dict` serialize them only at the process boundary
+    (job.json, the reference cache's key)."""
 
-    model: dict[str, Any]
-    topology: dict[str, Any]
+    model: ModelSpec
+    topology: Topology
     prompts: list[str]
     out_dir: str
     fault: str | None = None
@@ -137,9 +143,23 @@ class Job:
     speculative: dict[str, Any] = field(default_factory=dict)
     schedule: str = SCHEDULE_BATCHED
 
+    def to_dict(self) -> dict[str, Any]:
+        """The job as JSON-ready data (what job.json holds): every field, the specs by their own to_dict."""
+        data = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)}
+        data["model"], data["topology"] = self.model.to_dict(), self.topology.to_dict()
+        return data
+
     @classmethod
-    def load(cls, path: Path) -> "Job":
-        return cls(**read_json(path))
+    def from_dict(cls, data: Mapping[str, Any]) -> Job:
+        """The job `to_dict` wrote, its model and topology parsed (and validated) back into specs."""
+        rest = dict(data)
+        model = model_from_dict("job", rest.pop("model"))
+        topology = Topology.from_dict(rest.pop("topology"), where="job topology")
+        return cls(model=model, topology=topology, **rest)
+
+    @classmethod
+    def load(cls, path: Path) -> Job:
+        return cls.from_dict(read_json(path))
 
 
 @dataclass(frozen=True)

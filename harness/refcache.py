@@ -56,7 +56,7 @@ class ReferenceCache:
     def key(self, job: Job, repeat: bool = False) -> str:
         """What identifies `job`'s artifacts: a hash of the job (minus its output folder, commit and
         timeouts) and the backend's identity; `repeat` keys an independent second run."""
-        content = {k: v for k, v in job.__dict__.items() if k not in _UNKEYED}
+        content = {k: v for k, v in job.to_dict().items() if k not in _UNKEYED}
         return hashlib.sha256(json.dumps({"job": content, "backend": self.backend.identity(job), "repeat": repeat},
                                          sort_keys=True, default=str).encode()).hexdigest()
 
@@ -74,7 +74,7 @@ class ReferenceCache:
         self.progress(f"  {label}: running")
         staging = run_dir.with_name(f"{run_dir.name}.{os.getpid()}{PARTIAL_SUFFIX}")
         result = self.backend.run(replace(job, out_dir=str(staging)), self.timeout_s)
-        model, dtype = job.model.get("name"), job.dtype or job.model.get("dtype")
+        model, dtype = job.model.name, job.dtype or job.model.dtype
         if not result.ok:
             raise ReferenceFailed(f"reference run of {model} ({dtype}) failed: {result.error}", staging)
         try:

@@ -165,7 +165,7 @@ class Runner:
         noise = fault in PERTURBATIONS or dtype not in (None, model.dtype)  # the noise run skips GSM8K
         gsm8k = ({"settings": req.gsm8k.to_dict(), "data_path": req.gsm8k_data}
                  if req.gsm8k is not None and not noise else None)
-        return Job(model=seeded(model, seed).to_dict(), topology=topo.to_dict(), prompts=list(s.prompts),
+        return Job(model=seeded(model, seed), topology=topo, prompts=list(s.prompts),
                    out_dir=str(out_dir), fault=fault, dtype=dtype, seed=seed, max_new_tokens=s.max_new_tokens,
                    decode_prefix_tokens=s.decode_prefix_tokens, pool=dict(req.pool), device=req.device,
                    collective_timeout_s=req.collective_timeout_s, git_commit=self._commit, gsm8k=gsm8k,

@@ -53,7 +53,7 @@ def launch_run(out_dir: Path, model: str, topo: str, fault: str | None = None, p
     from harness.specs.topology import parse_topology_name
 
     topology = parse_topology_name(topo)
-    job = Job(model=load_model(model).to_dict(), topology=topology.to_dict(), prompts=prompts or TEST_PROMPTS,
+    job = Job(model=load_model(model), topology=topology, prompts=prompts or TEST_PROMPTS,
               out_dir=str(out_dir), fault=fault, dtype=dtype, max_new_tokens=12, decode_prefix_tokens=3,
               pool={"budget_bytes": 8 << 20, "max_seq_len": 256}, collective_timeout_s=collective_timeout_s)
     launch(job, timeout_s, WORKER_MODULE, env=env)

@@ -70,7 +70,7 @@ def test_editing_a_check_keeps_the_engine_identity_editing_the_engine_changes_it
 
 def test_embedded_identity_names_engine_version_and_weights() -> None:
     model = load_model("tiny-gqa")
-    job = Job(model=model.to_dict(), topology=parse_topology_name("tp1").to_dict(), prompts=["x"], out_dir=".")
+    job = Job(model=model, topology=parse_topology_name("tp1"), prompts=["x"], out_dir=".")
     ident = get_backend("embedded").identity(job)
     assert ident["engine"] == "embedded" and ident["version"] and ident["weights"]["spec"]["name"] == "tiny-gqa"
     assert get_backend("embedded-topk").identity(job) != ident  # a top-k-only run is another artifact set

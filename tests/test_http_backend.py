@@ -34,7 +34,7 @@ def _template(tmp_path: Path, code: str, **extra: object) -> str:
 
 
 def _job(tmp_path: Path, topo: str = "tp1") -> Job:
-    return Job(model=load_model("tiny-gqa").to_dict(), topology=parse_topology_name(topo).to_dict(),
+    return Job(model=load_model("tiny-gqa"), topology=parse_topology_name(topo),
                prompts=["hi"], out_dir=str(tmp_path / "run"))
 
 
@@ -104,7 +104,7 @@ def test_registry_options_and_skips(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 def test_command_fills_placeholders_and_fault_flags(tmp_path: Path) -> None:
     serve = HttpBackend("harness-serve")
-    job = Job(model=load_model("tiny-gqa").to_dict(), topology=parse_topology_name("tp2dcp2").to_dict(),
+    job = Job(model=load_model("tiny-gqa"), topology=parse_topology_name("tp2dcp2"),
               prompts=["x"], out_dir=str(tmp_path), fault="dcp-lse-merge", pool={"budget_bytes": 8 << 20,
                                                                                    "max_seq_len": 256})
     argv, env = serve.command(job, "/m.yaml", 1234)

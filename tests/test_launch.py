@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ import torch
 from harness.artifacts import read_run
 from harness.contract import Job
 from harness.launcher import forkserver
+from harness.backends.embedded import WORKER_MODULE
 from harness.backends.embedded_worker import INJECT_ENV
 from harness.jsonio import write_json
 from harness.launcher.launch import LAUNCHER_ENV, _descendants, thread_env
@@ -62,11 +62,12 @@ def test_fork_launcher_and_torchrun_give_the_same_run(tmp_path: Path) -> None:
 def test_sigterm_to_the_fork_launcher_stops_every_rank(tmp_path: Path) -> None:
     """`kill PID` of the launcher alone (as a process manager stops `harness serve`): it passes the signal
     on to its ranks, reaps them and exits 128 + SIGTERM; no rank is left running."""
-    job = Job(model=load_model("tiny-gqa").to_dict(), topology=parse_topology_name("tp2").to_dict(),
+    job = Job(model=load_model("tiny-gqa"), topology=parse_topology_name("tp2"),
               prompts=TEST_PROMPTS, out_dir=str(tmp_path / "run"), max_new_tokens=4, collective_timeout_s=300)
-    write_json(tmp_path / "job.json", asdict(job))
+    write_json(tmp_path / "job.json", job.to_dict())
     proc = subprocess.Popen([sys.executable, "-m", "harness.launcher.forkrun", "--nproc=2",
-                             f"--log-dir={tmp_path / 'ranks'}", "--", str(tmp_path / "job.json")],
+                             f"--log-dir={tmp_path / 'ranks'}", f"--module={WORKER_MODULE}", "--",
+                             str(tmp_path / "job.json")],
                             env={**os.environ, INJECT_ENV: "hang:1"}, start_new_session=True)
     try:
         deadline = time.monotonic() + 120

@@ -19,7 +19,7 @@ from harness.engine import ENGINE_VERSION
 from harness.errors import ConfigError
 from harness.launcher.launch import launch
 from harness.launcher.nodes import NodeLaunch
-from harness.specs.model import ModelSpec, model_from_dict
+from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
 
 WORKER_MODULE = "harness.backends.embedded_worker"  # each rank runs WORKER_MODULE.main(job file, flags)
@@ -65,7 +65,7 @@ class EmbeddedBackend:
         if self._code is None:
             self._code = "".join(code_hash(entry) for entry in ENGINE_ENTRIES)
         return {"engine": self.name, "version": self.version(), "worker_args": self.worker_args(),
-                "weights": weights_key(model_from_dict("job", dict(job.model))), "code": self._code}
+                "weights": weights_key(job.model), "code": self._code}
 
     def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
         return None  # every layout the planner accepts (the runner checks that first)

@@ -33,8 +33,6 @@ from harness.engine.speculative import run_speculative_cases, spec_manifest, spe
 from harness.engine.speculator import SpeculativeSettings, speculator_for
 from harness.engine.tokenizer import Tokenizer, load_tokenizer, tokenizer_hash
 from harness.engine.weights import load_weights, weights_hash
-from harness.specs.model import model_from_dict
-from harness.specs.topology import Topology
 
 INJECT_ENV = "HARNESS_INJECT_RANK_FAILURE"  # "crash:R" or "hang:R": test hook for the launcher's error path
 
@@ -85,11 +83,10 @@ def _run_gsm8k(job: Job, engine: Engine, tokenizer: Tokenizer) -> dict[str, Any]
 
 def run_job(job: Job, topk_only: int | None = None) -> None:
     t0 = time.time()
-    topo = Topology(tp=job.topology["tp"], dcp=job.topology["dcp"], speculator=job.topology["speculator"],
-                    name=job.topology["name"])
+    topo = job.topology
     state = ParallelState.from_launcher(topo.tp, topo.dcp, job.device, job.collective_timeout_s)
     t_init = time.time()
-    spec = model_from_dict("job", job.model)
+    spec = job.model
     tokenizer = load_tokenizer(spec)
     weights = load_weights(spec)
     engine = Engine(spec, weights, state, fault_flags(job.fault, topo), PoolSettings(**job.pool), job.dtype)

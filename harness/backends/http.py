@@ -49,7 +49,7 @@ from harness.engine.tokenizer import load_tokenizer
 from harness.errors import ConfigError, RunError
 from harness.jsonio import write_json
 from harness.specs.engine import load_engine
-from harness.specs.model import ModelSpec, model_from_dict
+from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
 
 HOST = "127.0.0.1"
@@ -186,7 +186,7 @@ class HttpBackend:
     def identity(self, job: Job) -> dict[str, Any]:
         template = {k: v for k, v in asdict(self.spec).items() if k not in IDENTITY_EXCLUDES}
         return {"engine": self.name, "version": self.version(), "template": template,
-                "weights": weights_key(model_from_dict("job", dict(job.model)))}
+                "weights": weights_key(job.model)}
 
     def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
         if topology.dcp > 1 and not self.spec.supports_dcp:
@@ -205,22 +205,21 @@ class HttpBackend:
     def _values(self, job: Job, model: ModelSpec, model_path: str, port: int) -> dict[str, str]:
         pool = PoolSettings(**job.pool)
         return {"python": self.spec.interpreter(), "model_path": model_path, "model_name": model.name,
-                "tp": str(job.topology["tp"]), "dcp": str(job.topology["dcp"]), "topology": job.topology["name"],
+                "tp": str(job.topology.tp), "dcp": str(job.topology.dcp), "topology": job.topology.name,
                 "port": str(port), "host": HOST, "dtype": job.dtype or model.dtype, "seed": str(job.seed),
                 "max_logprobs": str(self.spec.max_logprobs), "max_model_len": str(pool.max_seq_len),
                 "kv_budget_mib": str(server_budget_bytes(pool) >> 20), "block_size": str(pool.block_size),
                 "fault": job.fault or "", "spec_k": str(job.speculative.get("k", DEFAULT_SPEC_K)),
-                "cpu_bind": cpu_bind(int(job.topology["tp"]))}
+                "cpu_bind": cpu_bind(job.topology.tp)}
 
     def command(self, job: Job, model_path: str, port: int) -> tuple[list[str], dict[str, str]]:
         """The server's argv and extra environment for `job` (placeholders filled)."""
-        model = model_from_dict("job", dict(job.model))
-        values = self._values(job, model, model_path, port)
+        values = self._values(job, job.model, model_path, port)
         argv = list(self.spec.argv)
-        if int(job.topology["dcp"]) > 1:
+        if job.topology.dcp > 1:
             argv += self.spec.dcp_argv
-        if job.topology["speculator"] != "none":
-            argv += self.spec.speculator_argv[job.topology["speculator"]]
+        if job.topology.speculator != "none":
+            argv += self.spec.speculator_argv[job.topology.speculator]
         env = {k: v for k, v in self.spec.env.items() if k not in os.environ}  # the caller's environment wins
         if job.fault:
             if not self.spec.can_fault():
@@ -230,7 +229,7 @@ class HttpBackend:
         return [a.format(**values) for a in argv], {k: v.format(**values) for k, v in env.items()}
 
     def _model_path(self, job: Job, run_dir: Path) -> str:
-        model = model_from_dict("job", dict(job.model))
+        model = job.model
         if self.spec.model_format == "hf":
             return str(hf_folder(model).resolve())
         path = run_dir / "model.yaml"
@@ -245,13 +244,13 @@ class HttpBackend:
         run_dir.mkdir(parents=True, exist_ok=True)
         for stale in (*c.RUN_FILES, SERVER_LOG, SPEC_SERVER_LOG):
             (run_dir / stale).unlink(missing_ok=True)
-        write_json(run_dir / c.JOB_FILE, asdict(job))
+        write_json(run_dir / c.JOB_FILE, job.to_dict())
         start = time.time()
         deadline = start + timeout_s
-        speculative = job.topology["speculator"] != "none"
+        speculative = job.topology.speculator != "none"
         # the plain server of the same setting; a fault that lives in the speculator has nothing to break there
         fault = FAULTS.get(job.fault or "")
-        plain = replace(job, topology=Topology(tp=job.topology["tp"], dcp=job.topology["dcp"]).to_dict(),
+        plain = replace(job, topology=job.topology.without_speculator(),
                         fault=None if fault is not None and fault.needs_speculator else job.fault)
         logs = [run_dir / SERVER_LOG] + ([run_dir / SPEC_SERVER_LOG] if speculative else [])
         try:
@@ -264,7 +263,7 @@ class HttpBackend:
         except (RunError, ConfigError) as exc:
             tail = exc.tail if isinstance(exc, ServerError) else "\n".join(log_tail(p) for p in logs)
             line = refusal(self.spec.refuses, logs) if isinstance(exc, ServerError) else None
-            refused = f"engine {self.name} refused {job.topology['name']}: {line}" if line else ""
+            refused = f"engine {self.name} refused {job.topology.name}: {line}" if line else ""
             return self._failed(job, str(exc), tail, time.time() - start, refused)
         self._write(job, collected, {"plain": kv, "speculative": kv_spec}, counters,
                     {"url": base_url, "ready_s": ready, "template": self.name}, start)
@@ -291,11 +290,11 @@ class HttpBackend:
         return ready, answer, kv_capacity(self.spec.kv_capacity_pattern, log_text), server.base_url
 
     def _dialect(self, job: Job, client: httpx.Client) -> Dialect:
-        return DIALECTS[self.spec.dialect](post_json(client), model_from_dict("job", dict(job.model)).name)
+        return DIALECTS[self.spec.dialect](post_json(client), job.model.name)
 
     def _collect_all(self, job: Job, client: httpx.Client) -> Collected:
         """The cases' top-k and generations, then GSM8K through the same server when the job asks."""
-        model = model_from_dict("job", dict(job.model))
+        model = job.model
         dialect = self._dialect(job, client)
         collected = collect(job, model, dialect, self.spec.max_logprobs, job.schedule == c.SCHEDULE_BATCHED)
         if not job.gsm8k:
@@ -309,21 +308,22 @@ class HttpBackend:
 
     def _collect_speculative(self, job: Job, client: httpx.Client) -> tuple[list[torch.Tensor], dict[str, Any]]:
         """Greedy generations with the speculator, and its counters' growth over them."""
-        tokenizer = load_tokenizer(model_from_dict("job", dict(job.model)))
+        tokenizer = load_tokenizer(job.model)
         cases = build_cases(job.prompts, tokenizer, job.seed, job.max_new_tokens, job.decode_prefix_tokens)
         before = spec_counters(client)
         generated = self._dialect(job, client).generate([case.prompt_ids for case in cases], job.max_new_tokens,
                                                         1, job.schedule == c.SCHEDULE_BATCHED)
         counters = request_counts(generated) or counters_delta(before, spec_counters(client)) or {"source": "none"}
-        summary = {"kind": job.topology["speculator"], "k": int(job.speculative.get("k", DEFAULT_SPEC_K)), **counters}
+        summary = {"kind": job.topology.speculator, "k": int(job.speculative.get("k", DEFAULT_SPEC_K)), **counters}
         return [g.tokens for g in generated], summary
 
     def _failed(self, job: Job, error: str, tail: str, wall: float, refused: str = "") -> LaunchResult:
         write_json(Path(job.out_dir) / c.MANIFEST_FILE,
                    {"schema_version": 1, "status": "error", "error": f"engine {self.name}: {error}", "returncode": None,
                     "refused": refused or None,
-                    "timed_out": "no answer within" in error or "not ready after" in error, "topology": job.topology,
-                    "fault": job.fault, "seed": job.seed, "wall_s": {"total": wall}, "log_tails": {"server": tail}})
+                    "timed_out": "no answer within" in error or "not ready after" in error,
+                    "topology": job.topology.to_dict(), "fault": job.fault, "seed": job.seed, "wall_s": {"total": wall},
+                    "log_tails": {"server": tail}})
         stamp_manifest(Path(job.out_dir), self)
         return LaunchResult(False, None, wall, f"engine {self.name}: {error}", {"server": tail}, refused)
 
@@ -331,10 +331,10 @@ class HttpBackend:
                counters: dict[str, Any] | None, server: dict[str, Any], start: float) -> None:
         """The run directory. `kv`: the KV capacity each server logged ("plain"; "speculative" for -draft /
         -mtp cells, whose server also holds the speculator's pool)."""
-        model = model_from_dict("job", dict(job.model))
+        model = job.model
         manifest = {
-            "status": "ok", "error": None, "topology": job.topology, "model": model.to_dict(), "fault": job.fault,
-            "seed": job.seed, "dtype": job.dtype or model.dtype, "engine_version": self.version(),
+            "status": "ok", "error": None, "topology": job.topology.to_dict(), "model": model.to_dict(),
+            "fault": job.fault, "seed": job.seed, "dtype": job.dtype or model.dtype, "engine_version": self.version(),
             c.MANIFEST_WEIGHTS_HASH: collected.weights_hash, c.MANIFEST_PROMPTS_HASH: collected.prompts_hash,
             c.MANIFEST_TOKENIZER_HASH: collected.tokenizer_hash, "topk_only": self.spec.max_logprobs,
             "schedule": job.schedule, "kv_capacity": kv["plain"], "kv_capacity_speculative": kv["speculative"],

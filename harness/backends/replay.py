@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +66,7 @@ class ReplayBackend:
 
     def find(self, job: Job) -> Path | None:
         """The stored run answering `job`, or None."""
-        want = _job_content(asdict(job))
+        want = _job_content(job.to_dict())
         by_manifest = None
         for run in self._runs:
             manifest = self._manifest(run)
@@ -82,8 +81,8 @@ class ReplayBackend:
                 continue
             topo, model = manifest.get("topology") or {}, manifest.get("model") or {}
             if (topo.get("name"), model.get("name"), manifest.get("fault"), manifest.get("seed"),
-                    manifest.get("dtype")) == (job.topology.get("name"), job.model.get("name"), job.fault,
-                                               job.seed, job.dtype or job.model.get("dtype")):
+                    manifest.get("dtype")) == (job.topology.name, job.model.name, job.fault, job.seed,
+                                               job.dtype or job.model.dtype):
                 by_manifest = by_manifest or run
         return by_manifest
 
@@ -103,11 +102,12 @@ class ReplayBackend:
         out = Path(job.out_dir)
         run = self.find(job)
         if run is None:
-            error = (f"replay: no stored run under {self.root} matches {job.model.get('name')} "
-                     f"{job.topology.get('name')} fault={job.fault} seed={job.seed} dtype={job.dtype}")
+            error = (f"replay: no stored run under {self.root} matches {job.model.name} "
+                     f"{job.topology.name} fault={job.fault} seed={job.seed} dtype={job.dtype}")
             out.mkdir(parents=True, exist_ok=True)
             write_json(out / c.MANIFEST_FILE, {"schema_version": 1, "status": "error", "error": error,
-                                               "topology": job.topology, "fault": job.fault, "seed": job.seed})
+                                               "topology": job.topology.to_dict(), "fault": job.fault,
+                                               "seed": job.seed})
             return LaunchResult(False, None, time.time() - start, error, {})
         if out.exists():
             shutil.rmtree(out)

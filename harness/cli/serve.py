@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     fault_flags(args.fault, topo)
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port {args.port} is not a port number (0..65535)")
-    config = ServeConfig(model=model.to_dict(), topology=topo.to_dict(), host=args.host, port=args.port,
+    config = ServeConfig(model=model, topology=topo, host=args.host, port=args.port,
                          fault=args.fault, dtype=args.dtype, device=args.device,
                          pool={"budget_bytes": args.kv_budget_mib * MIB, "max_seq_len": args.max_seq_len},
                          served_model_name=args.served_model_name, max_logprobs=args.max_logprobs,

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence, Union
 
@@ -234,8 +233,8 @@ def launch(job: Job, timeout_s: float, module: str, env: dict[str, str] | None =
     for old_logs in ("torchrun", "ranks"):
         shutil.rmtree(run_dir / old_logs, ignore_errors=True)
     job_path = run_dir / JOB_FILE
-    write_json(job_path, asdict(job))
-    world = int(job.topology["tp"])
+    write_json(job_path, job.to_dict())
+    world = job.topology.world_size
     child_env = _child_env(world // (nodes.nnodes if nodes else 1), env)
     launcher = launcher_choice(job.device, nodes is not None, child_env.get(LAUNCHER_ENV))
     log_dir = run_dir / ("ranks" if launcher == "fork" else "torchrun")
@@ -266,6 +265,6 @@ def launch(job: Job, timeout_s: float, module: str, env: dict[str, str] | None =
     if cause:
         error += f"; {cause}"
     write_json(manifest_path, {"schema_version": 1, "status": "error", "error": error, "returncode": proc.returncode,
-                               "timed_out": timed_out, "topology": job.topology, "fault": job.fault,
+                               "timed_out": timed_out, "topology": job.topology.to_dict(), "fault": job.fault,
                                "seed": job.seed, "wall_s": {"total": wall}, "log_tails": tails})
     return LaunchResult(False, proc.returncode, wall, error, tails)

@@ -8,7 +8,7 @@ import json
 import signal
 import sys
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from harness.limits import COLLECTIVE_TIMEOUT_S
 from harness.serve.dialects import Limits, Vocabulary
 from harness.serve.executor import execute
 from harness.serve.lockstep import Lockstep
-from harness.specs.model import model_from_dict
+from harness.specs.model import ModelSpec, model_from_dict
 from harness.specs.topology import Topology
 
 DEFAULT_MAX_LOGPROBS = 20
@@ -46,8 +46,10 @@ def kv_capacity_line(engine: Engine, speculator: Speculator | None) -> str:
 
 @dataclass(frozen=True)
 class ServeConfig:
-    model: dict[str, Any]
-    topology: dict[str, Any]
+    """What `harness serve` hands every rank (as JSON on its command line: to_json / from_json)."""
+
+    model: ModelSpec
+    topology: Topology
     host: str = "127.0.0.1"
     port: int = 8000
     fault: str | None = None
@@ -60,11 +62,16 @@ class ServeConfig:
     speculative: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["model"], data["topology"] = self.model.to_dict(), self.topology.to_dict()
+        return json.dumps(data)
 
     @classmethod
     def from_json(cls, text: str) -> "ServeConfig":
-        return cls(**json.loads(text))
+        data = json.loads(text)
+        model = model_from_dict("serve", data.pop("model"))
+        topology = Topology.from_dict(data.pop("topology"), where="serve topology")
+        return cls(model=model, topology=topology, **data)
 
 
 def _serve_http(lockstep: Lockstep, config: ServeConfig, app: Any) -> None:
@@ -87,13 +94,12 @@ def _serve_http(lockstep: Lockstep, config: ServeConfig, app: Any) -> None:
 def serve(config: ServeConfig) -> None:
     from harness.serve.app import build_app  # FastAPI only where it is used
 
-    topo = Topology(tp=config.topology["tp"], dcp=config.topology["dcp"],
-                    speculator=config.topology["speculator"], name=config.topology["name"])
+    topo = config.topology
     state = ParallelState.from_launcher(topo.tp, topo.dcp, config.device, config.collective_timeout_s)
     if state.rank > 0:  # followers stop when rank 0 says so; a signal must not leave rank 0 mid-collective
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
-    spec = model_from_dict("serve", config.model)
+    spec = config.model
     tokenizer = load_tokenizer(spec)
     weights = load_weights(spec)
     engine = Engine(spec, weights, state, fault_flags(config.fault, topo), PoolSettings(**config.pool), config.dtype)

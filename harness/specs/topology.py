@@ -54,6 +54,16 @@ class Topology:
         return {"name": self.name, "tp": self.tp, "dcp": self.dcp, "speculator": self.speculator,
                 "world_size": self.world_size}
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "topology") -> Topology:
+        """The topology `to_dict` wrote (its derived world_size, when present, must agree with tp)."""
+        check_keys(where, data, ("name", "tp", "dcp", "speculator", "world_size"), ("tp",))
+        topo = cls(tp=data["tp"], dcp=data.get("dcp", 1), speculator=data.get("speculator", "none"),
+                   name=data.get("name", ""))
+        if "world_size" in data and data["world_size"] != topo.world_size:
+            raise ConfigError(f"{where}: world_size={data['world_size']!r} is not tp={topo.tp}")
+        return topo
+
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
