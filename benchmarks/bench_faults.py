@@ -53,8 +53,8 @@ class SuiteRun:
 
 def candidate_suites(fault: str, suites: tuple[str, ...]) -> list[str]:
     """The suites whose topologies can express `fault` (its needs against the suite's topology set)."""
+    from harness.checks.settings import load_suite
     from harness.engine.faults import FAULTS
-    from harness.specs.suite import load_suite
     from harness.specs.topology import load_catalog
 
     need = FAULTS[fault]
@@ -64,7 +64,8 @@ def candidate_suites(fault: str, suites: tuple[str, ...]) -> list[str]:
         suite = load_suite(name)
         topologies = catalog.resolve(",".join(suite.topologies), all_names=suite.topologies)
         if any((not need.needs_dcp or t.dcp > 1) and (not need.needs_tp or t.tp > 1)
-               and (not need.needs_speculator or (t.speculator != "none" and need.needs_speculator in ("any", t.speculator)))
+               and (not need.needs_speculator
+                    or (t.speculator != "none" and need.needs_speculator in ("any", t.speculator)))
                for t in topologies):
             out.append(name)
     return out

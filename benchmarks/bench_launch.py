@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.contract import Job
 from harness.backends.embedded import WORKER_MODULE
+from harness.contract import Job
 from harness.launcher.launch import LAUNCHER_ENV, LAUNCHERS, launch
 from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name

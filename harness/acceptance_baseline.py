@@ -73,7 +73,8 @@ class AcceptanceKey:
     def label(self) -> str:
         extra = ", ".join(f"{n}={v}" for n, v in self.settings)
         return (f"{self.model} / {self.engine} / {self.speculator} k={self.k}{' (' + extra + ')' if extra else ''} / "
-                f"{self.dtype} / weights {self.weights_hash[:12]} / prompts {self.prompts_hash[:12]} / {self.max_new_tokens} new tokens")
+                f"{self.dtype} / weights {self.weights_hash[:12]} / prompts {self.prompts_hash[:12]} / "
+                f"{self.max_new_tokens} new tokens")
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "engine": self.engine, "speculator": self.speculator, "k": self.k,
@@ -88,7 +89,8 @@ class AcceptanceKey:
             raise ConfigError(f"{where}: settings must be a mapping, got {settings!r}")
         return cls(model=str(data["model"]), engine=str(data["engine"]), speculator=str(data["speculator"]),
                    k=expect_int(where, "k", data["k"], minimum=1), settings=tuple(sorted(settings.items())),
-                   dtype=str(data["dtype"]), weights_hash=str(data["weights_hash"]), prompts_hash=str(data["prompts_hash"]),
+                   dtype=str(data["dtype"]), weights_hash=str(data["weights_hash"]),
+                   prompts_hash=str(data["prompts_hash"]),
                    max_new_tokens=expect_int(where, "max_new_tokens", data["max_new_tokens"], minimum=1))
 
 
@@ -220,7 +222,8 @@ def gate_acceptance(baselines: AcceptanceBaselines, key: AcceptanceKey, mean: fl
     if abs(diff) > tol:
         way = "below" if diff < 0 else "above"
         return CheckResult(BASELINE_CHECK, Verdict.FAIL,
-                           f"{means}: {abs(diff):.3f} {way} it, > tolerance {tol:.3f} (max({settings.baseline_abs_tol:g}, "
+                           f"{means}: {abs(diff):.3f} {way} it, > tolerance {tol:.3f} "
+                           f"(max({settings.baseline_abs_tol:g}, "
                            f"{settings.baseline_rel_tol:g} x baseline)); the reference changed alike if the "
                            f"acceptance check passes: suspect code both run (verify, accept bookkeeping)", metrics)
     if tv is not None and tv > settings.tv_warn:
@@ -258,7 +261,8 @@ def entries_from_cells(cells: list[CellResult], provenance: Mapping[str, Any], r
         check = next((c for c in cell.checks if c.name == "acceptance"), None)
         why = ("fault injected: a positive control is not a baseline" if cell.fault
                else "the run broke (ERROR)" if not cell.clean_exit or cell.status is Verdict.ERROR
-               else "its acceptance check did not pass" if check is None or check.verdict not in (Verdict.PASS, Verdict.WARN)
+               else "its acceptance check did not pass"
+               if check is None or check.verdict not in (Verdict.PASS, Verdict.WARN)
                else "no reference mean accepted length" if spec.get("reference_mean_acceptance") is None else None)
         if why is not None:
             skipped.append(f"skip acceptance of {cell.model} / {cell.topology} (seed {cell.seed}): {why}")
@@ -271,7 +275,9 @@ def entries_from_cells(cells: list[CellResult], provenance: Mapping[str, Any], r
         entry = AcceptanceBaseline(key, float(spec["reference_mean_acceptance"]),
                                    tuple(hist) if hist is not None else None, prov)
         old = found.get(key)
-        if old is not None and (old.mean_accepted_length, old.histogram) != (entry.mean_accepted_length, entry.histogram):
+        changed = old is not None and (old.mean_accepted_length, old.histogram) != (entry.mean_accepted_length,
+                                                                                  entry.histogram)
+        if changed:
             raise ConfigError(f"two cells of the run give different reference acceptance for {key.label} "
                               f"({old.mean_accepted_length} vs {entry.mean_accepted_length}); record from one run")
         found.setdefault(key, entry)
@@ -287,7 +293,8 @@ def acceptance_diff(old: AcceptanceBaselines, updates: list[AcceptanceBaseline])
         hist = list(new.histogram) if new.histogram is not None else None
         if cur is None:
             changed += 1
-            lines.append(f"+ {new.key.label}: mean accepted length {new.mean_accepted_length:.4f}, histogram {hist} [new]")
+            lines.append(f"+ {new.key.label}: mean accepted length {new.mean_accepted_length:.4f}, "
+                         f"histogram {hist} [new]")
         elif (cur.mean_accepted_length, cur.histogram) == (new.mean_accepted_length, new.histogram):
             lines.append(f"= {new.key.label}: unchanged")
         else:

@@ -41,8 +41,16 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from harness.contract import (CASES_FILE, FULL_ARTIFACTS, LAYOUT_FILE, MANIFEST_FILE, TENSORS_FILE, Capabilities,
-                              recorded_capabilities, tensor_key)
+from harness.contract import (
+    CASES_FILE,
+    FULL_ARTIFACTS,
+    LAYOUT_FILE,
+    MANIFEST_FILE,
+    TENSORS_FILE,
+    Capabilities,
+    recorded_capabilities,
+    tensor_key,
+)
 from harness.errors import RunError
 from harness.jsonio import read_json, write_json
 

@@ -26,12 +26,12 @@ from typing import Any, Mapping
 import yaml
 
 from harness.errors import ConfigError
-from harness.jsonio import write_text_atomic
 from harness.gsm8k.records import STRICT
 from harness.gsm8k.settings import GSM8KSettings
 from harness.gsm8k.stats import baseline_gate
+from harness.jsonio import write_text_atomic
 from harness.paths import BASELINES_DIR
-from harness.specs.loader import check_keys, expect_int, load_yaml, read_versioned_list
+from harness.specs.loader import check_keys, expect_int, read_versioned_list
 from harness.verdict import CellResult, CheckResult, Verdict
 
 BASELINE_SCHEMA_VERSION = 1

@@ -1,8 +1,9 @@
 """A check's key metric and its noise multiples, as history and sign-off store and compare them.
 
 Key metric: the number `metrics["headline"]` names, else the first of KEY_METRICS that holds a
-plain number (the report's matrix shows the same metric as text). Noise multiples: for every bound `<p>_bound` carrying a measured
-`noise` > 0 (logits checks: kl_bound, abs_bound), the measured `max_<p>` divided by that noise.
+plain number (the report's matrix shows the same metric as text). Noise multiples: for every bound
+`<p>_bound` carrying a measured `noise` > 0 (logits checks: kl_bound, abs_bound), the measured
+`max_<p>` divided by that noise.
 """
 
 from __future__ import annotations

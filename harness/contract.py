@@ -39,7 +39,8 @@ GEN_TOPK_LOGPROBS = "gen_topk_logprobs"    # [N, k] float32
 SPEC_TOKENS = "spec_tokens"                # [N] int64 greedy generation with the speculator
 SPEC_ACCEPTED = "spec_accepted"            # [S] int64 accepted draft tokens per verify step
 SPEC_DRAFTS = "spec_drafts"                # [S, k] int64, optional: the proposals of each verify step
-COLLECTIVE_SITES: tuple[str, ...] = ("dcp-q-gather", "dcp-lse-merge", "attn-allreduce", "mlp-allreduce")  # last dim of COLLECTIVES
+# the last dim of COLLECTIVES
+COLLECTIVE_SITES: tuple[str, ...] = ("dcp-q-gather", "dcp-lse-merge", "attn-allreduce", "mlp-allreduce")
 
 # --- files of a run directory -------------------------------------------------------------------
 MANIFEST_FILE = "manifest.json"

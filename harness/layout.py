@@ -1,6 +1,6 @@
 """The layout planner: the only place in the project with head and token partition math.
 
-Rules (see DESIGN.md section 2):
+Rules (docs/architecture.md, Layout math; the bug classes: README.md):
 - Q heads are split by tp: rank r holds heads [r * heads/tp, (r + 1) * heads/tp).
 - KV heads are split over kv_tp_size = tp // dcp ranks, with kv_tp_rank = tp_rank // dcp, so
   the ranks of one DCP group (consecutive tp ranks sharing kv_tp_rank) hold identical KV heads.

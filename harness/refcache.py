@@ -23,7 +23,6 @@ from harness.artifacts import RunArtifacts, read_run
 from harness.backends.registry import DEFAULT_ENGINE
 from harness.contract import Backend, Job
 from harness.errors import HarnessError, RunError
-from harness.paths import default_cache_dir
 from harness.validate import load_run, validate_artifacts
 
 PARTIAL_SUFFIX = ".partial"  # a reference run still being written into the cache (renamed when done)

@@ -45,9 +45,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from harness.jsonio import read_json, write_json
 from harness.errors import ConfigError, RunError
-from harness.verdict import EXIT_ERROR, EXIT_FAIL, EXIT_OK, CellResult, Verdict
+from harness.jsonio import read_json, write_json
+from harness.verdict import CellResult, ExitCode, Verdict
 
 RESULTS_SCHEMA_VERSION = 1
 RESULTS_FILE = "results.json"
@@ -70,10 +70,10 @@ def exit_code(cells: list[CellResult]) -> int:
     """0 when every cell passes, warns or is skipped; 1 on any FAIL; 3 on any ERROR and no FAIL."""
     statuses = {c.status for c in cells}
     if Verdict.FAIL in statuses:
-        return EXIT_FAIL
+        return ExitCode.FAIL
     if Verdict.ERROR in statuses:
-        return EXIT_ERROR
-    return EXIT_OK
+        return ExitCode.ERROR
+    return ExitCode.OK
 
 
 def results_document(cells: list[CellResult], provenance: dict[str, Any], run_id: str) -> dict[str, Any]:

@@ -10,32 +10,39 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from harness.artifacts import RunArtifacts, run_capabilities
-from harness.backends.registry import DEFAULT_ENGINE, get_backend
 from harness.backends.base import backend_record
 from harness.backends.embedded import EmbeddedBackend
+from harness.backends.registry import DEFAULT_ENGINE, get_backend
 from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks
 from harness.checks.settings import CheckSettings
-from harness.contract import NOISE_NONE, NOISE_PRECISION_TWIN, NOISE_REDUCTION_ORDER, SCHEDULE_SEQUENTIAL, Backend, Job, LaunchResult
+from harness.contract import (
+    NOISE_NONE,
+    NOISE_PRECISION_TWIN,
+    NOISE_REDUCTION_ORDER,
+    SCHEDULE_SEQUENTIAL,
+    Backend,
+    Job,
+    LaunchResult,
+)
 from harness.engine.fault_scope import inert_reason
 from harness.engine.faults import FAULTS, PERTURBATIONS, fault_flags
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
-
-from harness.gsm8k.settings import GSM8KSettings
 from harness.errors import ConfigError, HarnessError, RunError
+from harness.gsm8k.settings import GSM8KSettings
 from harness.jsonio import read_json
+from harness.launcher.nodes import NodeLaunch, Nodes
+from harness.layout import plan_layout, plan_speculator
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.paths import BASELINES_DIR
-from harness.layout import plan_layout, plan_speculator
 from harness.refcache import ReferenceCache, ReferenceFailed
 from harness.report.provenance import collect_provenance, git_commit
-from harness.validate import load_run, validate_artifacts
-from harness.launcher.nodes import NodeLaunch, Nodes
 from harness.shard import Shard, shard_cells
 from harness.specs.model import ModelSpec
 from harness.specs.suite import Suite
 from harness.specs.topology import Topology, parse_topology_name
-from harness.verdict import EXIT_ERROR, EXIT_OK, CellResult, CheckResult, Verdict
+from harness.validate import load_run, validate_artifacts
+from harness.verdict import CellResult, CheckResult, ExitCode, Verdict
 
 # The noise run: what a correct run may differ from the reference by. Like with like: the reference
 # topology in the model's own dtype, with another reduction order (split partial sums, keys merged
@@ -189,8 +196,8 @@ class Runner:
     def references(self, model: ModelSpec, seed: int, speculator: str = "none",
                    fault: str | None = None) -> tuple[RunArtifacts, RunArtifacts | None]:
         """The reference (the suite's reference topology with the cell's speculator) and its noise-floor
-        run (same topology and dtype, another reduction order, no speculator; see noise_run). A failed reference is launched once:
-        later cells get the same ReferenceFailed. A failed twin leaves the tolerance floors in charge.
+        run (same topology and dtype, another reduction order, no speculator; see noise_run). A failed reference
+        is launched once: later cells get the same ReferenceFailed. A failed twin leaves the tolerance floors in charge.
         A fault in code the reference runs too (Fault.shared) is injected into the reference as well."""
         topo, shared = self._reference_of(speculator, fault)
         key = (model.name, seed, speculator + (f"+{shared}" if shared else ""))
@@ -291,7 +298,8 @@ class Runner:
         """The cell's checks of `par` (read from `run_dir`) against the reference, as its result."""
         ctx = self.context(cell, ref, par, noise)
         return CellResult(**base, checks=tuple(run_checks(ctx)), clean_exit=True, localization=ctx.localization,
-                          run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=wall_s, details=ctx.details.to_dict())
+                          run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=wall_s,
+                          details=ctx.details.to_dict())
 
     def _reference_job(self, cell: CellPlan, job: Job) -> bool:
         """Whether `job` is the cell's reference job again (the reference topology, speculator and fault,
@@ -315,7 +323,8 @@ class Runner:
             info=CellInfo(suite=suite.name, model=cell.model.name, topology=topo.name, speculator=topo.speculator,
                           engine=self.backend.name, reference_engine=self.ref_backend.name,
                           report_dir=str(self.req.out_dir), baselines_dir=self.req.baselines_dir),
-            speculator_plan=plan_speculator(cell.model.speculator_shape, topo.tp) if topo.speculator != "none" else None,
+            speculator_plan=(plan_speculator(cell.model.speculator_shape, topo.tp) if topo.speculator != "none"
+                             else None),
             decode=self._decoder(cell.model), gsm8k=self.req.gsm8k, enabled=suite.check_enabled)
 
     def planned(self) -> list[CellPlan]:
@@ -337,7 +346,7 @@ class Runner:
 
     def follow(self) -> int:
         """Node R > 0: lend this node's ranks to every cell that spans the nodes, in plan order.
-        0 when every launch exited cleanly, else EXIT_ERROR (node 0's report has the verdicts)."""
+        0 when every launch exited cleanly, else ExitCode.ERROR (node 0's report has the verdicts)."""
         req, progress = self.req, self.progress
         nodes = req.nodes
         assert nodes is not None and nodes.node_rank > 0
@@ -354,7 +363,7 @@ class Runner:
             failed += not ok
             progress(f"[{index + 1}] {cell.slug}: {'done' if ok else 'FAILED: ' + result.error} "
                      f"({result.wall_s:.1f} s)")
-        return EXIT_OK if not failed else EXIT_ERROR
+        return ExitCode.OK if not failed else ExitCode.ERROR
 
     def run(self) -> list[CellResult]:
         cells = self.planned()

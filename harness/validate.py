@@ -49,7 +49,8 @@ def _manifest_problems(manifest: Any) -> list[str]:
         if key not in manifest:
             out.append(f"{c.MANIFEST_FILE} lacks {key!r}")
         elif not isinstance(manifest[key], kind) or isinstance(manifest[key], bool):
-            out.append(f"{c.MANIFEST_FILE}: {key!r} is {type(manifest[key]).__name__}, expected {getattr(kind, '__name__', kind)}")
+            out.append(f"{c.MANIFEST_FILE}: {key!r} is {type(manifest[key]).__name__}, "
+                       f"expected {getattr(kind, '__name__', kind)}")
     if manifest.get("status") not in (None, "ok", "error"):
         out.append(f"{c.MANIFEST_FILE}: status {manifest['status']!r} is not 'ok' or 'error'")
     for key, fields in (("topology", TOPOLOGY_FIELDS), ("model", MODEL_FIELDS)):

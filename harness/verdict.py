@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import Any
 
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3  # the CLI's exit codes
+class ExitCode(IntEnum):
+    """The CLI's exit codes (a process ended by signal S exits 128 + S, as a shell reports it)."""
+
+    OK = 0           # every cell passed
+    FAIL = 1         # a check failed
+    USAGE = 2        # bad input or configuration, before anything ran
+    ERROR = 3        # a cell could not run (and none failed)
+    BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of the output closed the pipe
 
 
 class Verdict(str, Enum):

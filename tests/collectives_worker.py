@@ -49,7 +49,8 @@ def main(argv: list[str]) -> int:
             tensors[f"{key}.gather"] = comm.gather_tp(x.view(1, -1), dim=0)  # [world, n]
             tensors[f"{key}.gather_dcp"] = comm.gather_dcp(x.view(1, -1), dim=0)  # [dcp, n]
             tensors[f"{key}.gather_dcp_2d"] = comm.gather_dcp(x.view(-1, 1)[: n - n % 2].view(2, -1), dim=1)
-    save_file({k: v.contiguous().clone() for k, v in tensors.items()}, os.path.join(out, f"rank{state.rank}.safetensors"))
+    save_file({k: v.contiguous().clone() for k, v in tensors.items()},
+              os.path.join(out, f"rank{state.rank}.safetensors"))
     state.shutdown()
     return 0
 

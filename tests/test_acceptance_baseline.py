@@ -10,9 +10,17 @@ from typing import Any
 import pytest
 import torch
 
-from harness.acceptance_baseline import (BASELINE_CHECK, AcceptanceBaseline, AcceptanceBaselines, AcceptanceKey,
-                                         acceptance_path, gate_acceptance, load_acceptance, read_acceptance,
-                                         write_acceptance)
+from harness.acceptance_baseline import (
+    BASELINE_CHECK,
+    AcceptanceBaseline,
+    AcceptanceBaselines,
+    AcceptanceKey,
+    acceptance_path,
+    gate_acceptance,
+    load_acceptance,
+    read_acceptance,
+    write_acceptance,
+)
 from harness.cli import main
 from harness.compare.settings import AcceptanceSettings
 from harness.compare.speculative import check_acceptance, trace_step_detail

@@ -59,7 +59,8 @@ def test_clean_topk_cell_passes_and_localization_skips_with_the_reason(tmp_path:
     assert checks["inputs"]["verdict"] == "PASS"
     run_dir = Path(cell["run_dir"])
     manifest = json.loads((run_dir / "manifest.json").read_text())
-    assert manifest["backend"]["name"] == "embedded-topk" and "full_logits" not in manifest["backend"]["capabilities"]["provides"]
+    assert (manifest["backend"]["name"] == "embedded-topk"
+            and "full_logits" not in manifest["backend"]["capabilities"]["provides"])
     from safetensors import safe_open
     with safe_open(str(run_dir / "tensors.safetensors"), "pt") as f:
         keys = set(f.keys())

@@ -8,8 +8,18 @@ from typing import Any
 
 import pytest
 
-from harness.baseline import (BASELINE_SCHEMA_VERSION, GATE_CHECK, BaselineEntry, Baselines, Measurement,
-                              baselines_path, gate_cell, load_baselines, read_baselines, write_baselines)
+from harness.baseline import (
+    BASELINE_SCHEMA_VERSION,
+    GATE_CHECK,
+    BaselineEntry,
+    Baselines,
+    Measurement,
+    baselines_path,
+    gate_cell,
+    load_baselines,
+    read_baselines,
+    write_baselines,
+)
 from harness.cli import main
 from harness.errors import ConfigError
 from harness.gsm8k.records import FLEXIBLE

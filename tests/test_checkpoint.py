@@ -9,12 +9,11 @@ from typing import Any
 
 import pytest
 
-from tests.ckpt_helpers import save_hf, smollm2_gguf, tiny_llama, tiny_qwen2, write_gguf
-from harness.specs.checkpoint import checkpoint_path, package_gguf, spec_from_checkpoint
 from harness.engine.weights import load_weights
 from harness.errors import ConfigError
+from harness.specs.checkpoint import checkpoint_path, load_model, package_gguf, spec_from_checkpoint
 from harness.specs.model import ModelSpec
-from harness.specs.checkpoint import load_model
+from tests.ckpt_helpers import save_hf, smollm2_gguf, tiny_llama, tiny_qwen2, write_gguf
 
 SMALL = ModelSpec(name="small", heads=4, kv_heads=2, head_dim=8, hidden=32, layers=2, ffn=48, vocab=300, seed=7)
 

@@ -11,16 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.backends.embedded import TOPK_ONLY
 from harness.checks.catalog import registered_checks, sections
 from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks
-from harness.checks.settings import CheckSettings
-from harness.contract import Capabilities
-from harness.backends.embedded import TOPK_ONLY
+from harness.checks.settings import CheckSettings, load_suite
 from harness.contract import FULL_ARTIFACTS as FULL
+from harness.contract import Capabilities
 from harness.errors import ConfigError
 from harness.layout import plan_layout
-from harness.checks.settings import load_suite
 from harness.verdict import Verdict
 from tests.test_compare_support import GQA, synthetic_runs, with_tensors
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli import EXIT_BROKEN_PIPE, main
+from harness.cli import main
+from harness.verdict import ExitCode
 
 try:
     import torch
@@ -140,7 +141,7 @@ def test_closed_stdout_pipe_is_a_quiet_exit(tmp_path: Path) -> None:
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # before the harness has written a byte: every write hits a closed pipe
     err = proc.stderr.read().decode()
-    assert proc.wait(timeout=120) == EXIT_BROKEN_PIPE
+    assert proc.wait(timeout=120) == ExitCode.BROKEN_PIPE
     assert err == ""
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.backends.embedded_worker import INJECT_ENV
 from harness.cli import main
 from tests.conftest import TEST_LAUNCH_TIMEOUT_S, TEST_LAUNCHES_PER_TEST
-from harness.backends.embedded_worker import INJECT_ENV
 
 SMALL_SUITE = """
 name: small
@@ -188,7 +188,8 @@ def test_killed_rank_is_an_error_cell_and_other_cells_complete(tmp_path: Path, s
     env = {**os.environ, INJECT_ENV: "crash:1"}
     proc = subprocess.run([sys.executable, "-m", "harness", "run", "--suite", str(suite_file), "--topo", "tp1,tp2",
                            "--out", str(tmp_path), "--cache-dir", str(cache_dir)],
-                          capture_output=True, text=True, timeout=TEST_LAUNCHES_PER_TEST * TEST_LAUNCH_TIMEOUT_S, env=env)
+                          capture_output=True, text=True, timeout=TEST_LAUNCHES_PER_TEST * TEST_LAUNCH_TIMEOUT_S,
+                          env=env)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     cells = {c["topology"]: c for c in _results(tmp_path)["cells"]}
     assert cells["tp1"]["status"] == "PASS"
@@ -224,7 +225,8 @@ def test_bad_checkpoint_is_one_error_before_any_rank(tmp_path: Path, suite_file:
 
     spec = load_model("tiny-gqa")
     folder = save_hf_checkpoint(spec, load_weights(spec), tmp_path / "ckpt")
-    argv = ["run", "--suite", str(suite_file), "--model", str(folder), "--topo", "tp2dcp2", "--out", str(tmp_path / "out")]
+    argv = ["run", "--suite", str(suite_file), "--model", str(folder), "--topo", "tp2dcp2",
+            "--out", str(tmp_path / "out")]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no tokenizer.json" in err[0]

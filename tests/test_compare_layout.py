@@ -45,7 +45,8 @@ def test_vocab_and_ffn_shards_off_plan_fail_naming_the_rank() -> None:
     for broken_plan, want in ((plan, None),
                               (plan_layout(shape, 4, vocab_floor_offset=True),
                                "rank 1 holds vocab rows (token ids) 97-194, planned 98-195"),
-                              (plan_layout(shape, 4, ffn_floor=True), "rank 1 holds FFN columns 72-143, planned 72-144")):
+                              (plan_layout(shape, 4, ffn_floor=True),
+                               "rank 1 holds FFN columns 72-143, planned 72-144")):
         actual = layout_entry(plan)
         for entry, r in zip(actual["ranks"], broken_plan.ranks):
             entry["vocab_shard"], entry["ffn_shard"] = list(r.vocab_shard), list(r.ffn_shard)
@@ -171,7 +172,8 @@ def test_logged_kv_capacity_as_planned_passes_and_a_speculator_pool_split_like_d
     split = plan_layout(GQA, 4, dcp=1, kv_dcp=4)
     over = {k: v for k, v in predicted_kv_capacity(plan, pool, split).items() if k in shown}
     bad = check_kv_capacity(plan, _served(kv_capacity=plain, kv_capacity_speculative=over), spec_plan)
-    assert bad.verdict is Verdict.FAIL and bad.reason.startswith(f"speculative server logged KV cache bytes={over['bytes']}")
+    assert bad.verdict is Verdict.FAIL and bad.reason.startswith(
+        f"speculative server logged KV cache bytes={over['bytes']}")
     # bugs nobody catalogued: an engine that forgets dcp in its token count, or sizes one block short
     for wrong in ({**plain, "tokens": plain["tokens"] // 4}, {"blocks": plain["blocks"] - 1}):
         assert check_kv_capacity(plan, _served(kv_capacity=wrong), None).verdict is Verdict.FAIL

@@ -142,7 +142,8 @@ def test_localization_names_the_onset_layer_and_by_how_much_it_missed_its_bound(
     ref_hidden = ref.tensors["hidden.1"].to(torch.float64)
     direction = torch.randn(hidden.shape[1:], generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     for index, share in ((1, 0.8), (2, 3.0)):  # 0.8 of layer 0's bound (far above 5x noise), then 3x layer 1's
-        scale = share * limits[index] * ref_hidden[index].norm(dim=-1, keepdim=True) / direction.norm(dim=-1, keepdim=True)
+        scale = (share * limits[index] * ref_hidden[index].norm(dim=-1, keepdim=True)
+                 / direction.norm(dim=-1, keepdim=True))
         hidden[index] = (ref_hidden[index] + scale * direction).to(hidden.dtype)
     assert limits[1] * 0.8 > 5 * noises[1]
     loc, _ = localize(ref, with_tensors(par, hidden_1=hidden), noise, PLAN, ref.cases, settings)

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from harness.compare.settings import (DTYPE_DEFAULTS, GenerationSettings, LocalizationSettings, LogitsSettings,
-                                      parse_section)
 from harness.checks.settings import CheckSettings
+from harness.compare.settings import (
+    DTYPE_DEFAULTS,
+    GenerationSettings,
+    LocalizationSettings,
+    LogitsSettings,
+    parse_section,
+)
 from harness.errors import ConfigError
 from harness.specs.suite import Suite
 
@@ -26,11 +31,12 @@ def test_flat_keys_apply_to_every_dtype_and_dtype_sections_override() -> None:
               generation={"near_tie": 0.2})
     f32 = CheckSettings.from_suite(s, "float32")
     bf16 = CheckSettings.from_suite(s, "bfloat16")
-    assert (f32.of(LogitsSettings).kl_factor, f32.of(LogitsSettings).kl_floor) == (100.0, 1e-8)  # YAML 1.1 string '1e-8' -> float
+    # YAML 1.1 string '1e-8' -> float
+    assert (f32.of(LogitsSettings).kl_factor, f32.of(LogitsSettings).kl_floor) == (100.0, 1e-8)
     assert (bf16.of(LogitsSettings).kl_factor, bf16.of(LogitsSettings).kl_floor) == (100.0, 1e-3)
     # without a float16 section, float16 gets its own dtype default floor (DTYPE_DEFAULTS)
-    assert CheckSettings.from_suite(s, "float16").of(LogitsSettings).kl_floor == DTYPE_DEFAULTS["LogitsSettings"]["float16"][
-        "kl_floor"]
+    assert (CheckSettings.from_suite(s, "float16").of(LogitsSettings).kl_floor
+            == DTYPE_DEFAULTS["LogitsSettings"]["float16"]["kl_floor"])
     assert f32.of(GenerationSettings).near_tie == bf16.of(GenerationSettings).near_tie == 0.2
 
 
@@ -66,7 +72,8 @@ def test_localization_section_parses_like_the_others() -> None:
 
 
 def test_half_precision_floors_are_looser_than_float32_and_suites_override_them() -> None:
-    f32, f16, bf16 = (CheckSettings.from_suite(suite(logits={}), d).of(LogitsSettings) for d in ("float32", "float16", "bfloat16"))
+    f32, f16, bf16 = (CheckSettings.from_suite(suite(logits={}), d).of(LogitsSettings)
+                      for d in ("float32", "float16", "bfloat16"))
     assert f32.abs_floor < f16.abs_floor < bf16.abs_floor
     assert f32.kl_floor < f16.kl_floor < bf16.kl_floor
     assert CheckSettings.from_suite(suite(logits={"abs_floor": 0.5}), "bfloat16").of(LogitsSettings).abs_floor == 0.5

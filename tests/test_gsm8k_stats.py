@@ -8,8 +8,16 @@ import pytest
 
 from harness.errors import ConfigError, RunError
 from harness.gsm8k.records import FLEXIBLE, STRICT, QuestionRecord, final_answer
-from harness.gsm8k.stats import (SIGMA_FLOOR, agreement_rate, baseline_gate, bernoulli_sigma, gate_numbers,
-                                 mcnemar_exact, min_questions, paired_comparison)
+from harness.gsm8k.stats import (
+    SIGMA_FLOOR,
+    agreement_rate,
+    baseline_gate,
+    bernoulli_sigma,
+    gate_numbers,
+    mcnemar_exact,
+    min_questions,
+    paired_comparison,
+)
 from harness.verdict import Verdict
 
 

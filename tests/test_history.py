@@ -40,9 +40,9 @@ def test_flaky_cell_is_named_with_its_flip_count(runs: dict[str, Path], capsys: 
     assert main(["history", "show", "--history", str(runs["db"])]) == 1
     out = capsys.readouterr().out
     assert "3 runs from" in out
-    line = next(l for l in out.splitlines() if "logits_decode" in l and "tp2dcp2" in l and not l.startswith(" "))
+    line = next(ln for ln in out.splitlines() if "logits_decode" in ln and "tp2dcp2" in ln and not ln.startswith(" "))
     assert "PFP" in line and "FLAKY(2 flips)" in line
-    layout = next(l for l in out.splitlines() if " layout " in l)
+    layout = next(ln for ln in out.splitlines() if " layout " in ln)
     assert "PPP" in layout and "FLAKY" not in layout
     assert "FLAKY dcp/tiny-gqa/tp2dcp2/seed0 logits_decode: 2 flip(s) over 3 runs" in out
     assert "build nightly-build-7" in out
@@ -63,7 +63,7 @@ def test_new_failure_and_fixed_across_builds(runs: dict[str, Path], tmp_path: Pa
     capsys.readouterr()
     assert main(["history", "show", "--history", str(db), "--cell", "tiny-gqa/tp2dcp2"]) == 0
     out = capsys.readouterr().out
-    decode = next(l for l in out.splitlines() if "logits_decode" in l)
+    decode = next(ln for ln in out.splitlines() if "logits_decode" in ln)
     assert "NEW-FAIL" in decode and "FLAKY" not in decode
     assert main(["history", "add", str(runs["r3"]), "--label", "v3", "--history", str(db)]) == 0
     conn = connect(db, create=False)

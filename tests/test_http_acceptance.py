@@ -14,7 +14,6 @@ import pytest
 from harness.cli import main
 from harness.jsonio import read_json
 
-
 pytestmark = pytest.mark.xdist_group("http-acceptance")  # the module's reference runs once
 
 

@@ -17,8 +17,8 @@ from harness.backends.registry import get_backend
 from harness.contract import Backend, Job
 from harness.errors import ConfigError
 from harness.jsonio import read_json
-from harness.specs.engine import load_engine
 from harness.specs.checkpoint import load_model
+from harness.specs.engine import load_engine
 from harness.specs.topology import parse_topology_name
 
 PIDFILE_SERVER = ("import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); "
@@ -117,7 +117,8 @@ def test_command_fills_placeholders_and_fault_flags(tmp_path: Path) -> None:
 
 
 def test_kv_capacity_and_spec_counters() -> None:
-    assert kv_capacity(r"KV cache size: (?P<tokens>[\d,]+) tokens", "x\nKV cache size: 12,345 tokens\n") == {"tokens": 12345}
+    assert kv_capacity(r"KV cache size: (?P<tokens>[\d,]+) tokens",
+                       "x\nKV cache size: 12,345 tokens\n") == {"tokens": 12345}
     assert kv_capacity("", "anything") is None
     delta = counters_delta({"drafts": 2.0, "accepted_tokens": 3.0}, {"drafts": 6.0, "accepted_tokens": 9.0})
     assert delta is not None and delta["drafts"] == 4.0 and delta["mean_accepted_length"] == pytest.approx(2.5)

@@ -11,10 +11,11 @@ import torch
 
 from harness.backends.http_dialects import DIALECTS, SglangDialect, VllmDialect, token_id, topk_rows
 from harness.errors import RunError
-from harness.specs.engine import DIALECT_NAMES
 from harness.serve.dialects import BadRequest, Limits, Vocabulary, parse_completions, parse_generate
+from harness.specs.engine import DIALECT_NAMES
 
-VOCAB = Vocabulary(encode=lambda text: list(text.encode()), decode=lambda ids: bytes(i for i in ids if i < 256).decode())
+VOCAB = Vocabulary(encode=lambda text: list(text.encode()),
+                   decode=lambda ids: bytes(i for i in ids if i < 256).decode())
 LIMITS = Limits(vocab=384, max_model_len=64, max_logprobs=5)
 
 
@@ -48,7 +49,8 @@ def _fake(answer: Any) -> tuple[list[tuple[str, dict]], Any]:
 def test_vllm_prompt_logprobs_aligned_by_id_with_the_prompt_token_beside_the_top_k() -> None:
     # position 1's entry lists the prompt token (rank 7) first, before the top-2: ids decide, not order
     answer = {"choices": [{"index": 0, "prompt_logprobs": [
-        None, {"11": {"logprob": -6.0, "rank": 7}, "5": {"logprob": -0.2, "rank": 1}, "6": {"logprob": -1.9, "rank": 2}},
+        None, {"11": {"logprob": -6.0, "rank": 7}, "5": {"logprob": -0.2, "rank": 1},
+               "6": {"logprob": -1.9, "rank": 2}},
         {"8": {"logprob": -0.3, "rank": 1}, "12": {"logprob": -0.9, "rank": 2}}],
         "logprobs": {"tokens": ["token_id:8"], "token_logprobs": [-0.1],
                      "top_logprobs": [{"token_id:8": -0.1, "token_id:2": -3.0}]}}]}
@@ -87,7 +89,8 @@ def test_server_parses_both_dialects_to_the_same_completion() -> None:
     vllm = parse_completions({"prompt": [[1, 2, 3]], "max_tokens": 4, "logprobs": 3, "prompt_logprobs": 3,
                               "ignore_eos": True}, VOCAB, LIMITS)
     sglang, batched = parse_generate({"input_ids": [[1, 2, 3]], "return_logprob": True, "logprob_start_len": 0,
-                                      "top_logprobs_num": 3, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}},
+                                      "top_logprobs_num": 3,
+                                      "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}},
                                      VOCAB, LIMITS)
     assert batched and vllm == sglang
     text = parse_completions({"prompt": "hi", "max_tokens": 1}, VOCAB, LIMITS)

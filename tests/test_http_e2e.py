@@ -11,7 +11,6 @@ import pytest
 from harness.cli import main
 from harness.jsonio import read_json
 
-
 pytestmark = pytest.mark.xdist_group("http-e2e")  # the module's reference runs once
 
 

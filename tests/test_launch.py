@@ -4,24 +4,23 @@ and the root cause's error line in the error."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from harness.artifacts import read_run
-from harness.contract import Job
-from harness.launcher import forkserver
 from harness.backends.embedded import WORKER_MODULE
 from harness.backends.embedded_worker import INJECT_ENV
+from harness.contract import Job
 from harness.jsonio import write_json
-from harness.launcher.launch import LAUNCHER_ENV, _descendants, thread_env
+from harness.launcher import forkserver
+from harness.launcher.launch import LAUNCHER_ENV, descendants, thread_env
 from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 from tests.conftest import TEST_PROMPTS, launch_run
@@ -74,7 +73,7 @@ def test_sigterm_to_the_fork_launcher_stops_every_rank(tmp_path: Path) -> None:
         while "injected failure: hang on rank 1" not in _read(tmp_path / "ranks" / "rank1.log"):
             assert proc.poll() is None and time.monotonic() < deadline, "rank 1 never reached its hang"
             time.sleep(0.2)
-        ranks = _descendants(proc.pid)
+        ranks = descendants(proc.pid)
         assert len(ranks) == 2
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
@@ -125,7 +124,7 @@ from harness.launcher.launch import thread_env
 with running_server([sys.executable, "-m", "harness", "--version"], {{}}, Path({str(tmp_path)!r}) / "server.log",
                     "http://127.0.0.1:9") as server:
     assert server.proc.wait(60) == 0
-assert forkserver.usable(thread_env(2, dict(os.environ))), forkserver._policy
+assert forkserver.usable(thread_env(2, dict(os.environ))), "the forkserver started with another wait policy"
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""The layout planner against brute-force enumeration (DESIGN.md section 4).
+"""The layout planner against brute-force enumeration (docs/architecture.md, Layout math).
 
 Expected values are rebuilt here from first principles (loops over heads and ranks), not from
 the planner's own formulas, wherever that is possible.

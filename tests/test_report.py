@@ -12,6 +12,16 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
+from harness.report import exit_code, print_matrix, read_results, render_all, write_results
+from harness.report.details import layout_view
+from harness.report.html import render_html
+from harness.report.junit import build_junit
+from harness.report.matrix import build_matrix, headline, key_number
+from harness.report.merge import merge_cells
+from harness.report.summary import render_summary
+from harness.results import RESULTS_SCHEMA_VERSION, ResultsError, summary_counts
+from harness.verdict import CellResult, CheckResult, Localization, Verdict
 from tests.report_samples import (
     EVIL_PROMPT,
     LOC_SUMMARY,
@@ -24,16 +34,6 @@ from tests.report_samples import (
     skip_cell,
     warn_cell,
 )
-
-from harness.report import exit_code, print_matrix, read_results, render_all, write_results
-from harness.report.details import layout_view
-from harness.report.html import render_html
-from harness.report.junit import build_junit
-from harness.report.matrix import build_matrix, headline, key_number
-from harness.report.merge import merge_cells
-from harness.results import RESULTS_SCHEMA_VERSION, ResultsError, summary_counts
-from harness.report.summary import render_summary
-from harness.verdict import CellResult, CheckResult, Localization, Verdict
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,8 @@ def test_error_cell_shows_its_log_tail_without_colour_codes(page: str) -> None:
 def test_drill_down_sections(page: str) -> None:
     assert page.count("<svg") == 4  # pass layer plot; fail layer plot + heat map; acceptance bars
     assert 'class="mismatch"' in page and "(plan 0)" in page  # broken layout highlighted
-    assert "<mark>&#39; was&#39;</mark>" in page and "<mark>&#39; is&#39;</mark>" in page  # first diverging token, quoted
+    # first diverging token, quoted
+    assert "<mark>&#39; was&#39;</mark>" in page and "<mark>&#39; is&#39;</mark>" in page
     assert "&lt;big&gt;" in page
     assert "Tom has 3 &lt;apples&gt; &amp; 2 pears?" in page  # GSM8K flip
     assert "baseline gate" in page and "reference_mean_acceptance" in page
@@ -287,8 +288,8 @@ def test_junit_survives_control_characters(tmp_path: Path) -> None:
 def test_summary_markdown(tmp_path: Path) -> None:
     text = (render_all(tmp_path, all_cells(), PROVENANCE, "run-1")["summary"]).read_text()
     assert text.startswith("## Harness report run-1: FAIL")
-    assert ("| suite | model | topology | fault | status | layout | logits_decode | generation | run | cell | acceptance "
-            "| gsm8k_baseline |" in text)
+    assert ("| suite | model | topology | fault | status | layout | logits_decode | generation | run | cell "
+            "| acceptance | gsm8k_baseline |" in text)
     assert "| dcp | tiny-gqa | tp4dcp4 | dcp-tp-kv-layout | **FAIL** (silent corruption) |" in text
     assert "### Silent corruption" in text and LOC_SUMMARY in text
     assert "1 PASS, 1 WARN, 1 FAIL, 1 ERROR, 1 SKIP" in text

@@ -10,11 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tests.report_samples import PROVENANCE, error_cell, fail_cell, pass_cell, skip_cell, warn_cell
 
 from harness.cli import main
 from harness.report import read_results, render_all, write_results
 from harness.verdict import CellResult
+from tests.report_samples import PROVENANCE, error_cell, fail_cell, pass_cell, skip_cell, warn_cell
 
 PROJECT = Path(__file__).resolve().parents[1]
 

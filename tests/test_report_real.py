@@ -12,7 +12,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from tests.report_fixtures import KINDS, RESULTS_DIR, cell, load
 
 from harness.cli import main
 from harness.report import render_all
@@ -21,6 +20,7 @@ from harness.report.junit import build_junit
 from harness.report.merge import merge
 from harness.report.summary import render_summary
 from harness.verdict import Verdict
+from tests.report_fixtures import KINDS, RESULTS_DIR, cell, load
 
 
 def _page(kind: str) -> str:

@@ -40,7 +40,7 @@ def test_faulted_candidate_is_blocked_naming_the_cell(builds: dict[str, Path], t
     assert "| dcp/tiny-gqa/tp2/seed0 | PASS | SKIP | not checked |" in md
     assert "needs a DCP topology" in md.split("## Skipped or unavailable checks")[1]
     # the parity metrics moved by orders of magnitude in noise multiples
-    row = next(l for l in md.splitlines() if "| logits_decode | max_kl |" in l)
+    row = next(ln for ln in md.splitlines() if "| logits_decode | max_kl |" in ln)
     assert row.endswith("x noise |") and float(row.split("|")[5]) > 1e3
     assert "dcp-lse-merge" in md.split("## Provenance")[1]
 
@@ -53,13 +53,13 @@ def test_unchanged_candidate_signs_off(builds: dict[str, Path], tmp_path: Path,
     assert code == 0 and capsys.readouterr().out.startswith("SIGN-OFF")
     md = (out / "signoff.md").read_text()
     assert md.startswith("# SIGN-OFF")
-    verdict_rows = [l for l in md.splitlines() if l.startswith("| dcp/") and l.count("|") == 5]
-    assert len(verdict_rows) == 2 and all(l.endswith("| PASS | PASS | unchanged |") for l in verdict_rows)
+    verdict_rows = [ln for ln in md.splitlines() if ln.startswith("| dcp/") and ln.count("|") == 5]
+    assert len(verdict_rows) == 2 and all(ln.endswith("| PASS | PASS | unchanged |") for ln in verdict_rows)
     assert "none: every check ran" in md
     base_commit = json.loads((builds["baseline"] / "results.json").read_text())["provenance"]["git_commit"]
     assert base_commit in md
-    deltas = [l for l in md.splitlines() if "x noise |" in l]
-    assert deltas and all(abs(float(l.split("|")[6])) < 1.0 for l in deltas)  # same build: deltas within noise
+    deltas = [ln for ln in md.splitlines() if "x noise |" in ln]
+    assert deltas and all(abs(float(ln.split("|")[6])) < 1.0 for ln in deltas)  # same build: deltas within noise
 
 
 def test_fixed_and_missing_cells(builds: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

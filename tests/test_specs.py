@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.errors import ConfigError
-from harness.specs.model import ModelSpec, model_from_dict, shipped_models
-from harness.specs.checkpoint import load_model
-from harness.specs.suite import Suite, shipped_suites
 from harness.checks.catalog import sections as registered_sections
 from harness.checks.settings import load_suite
+from harness.errors import ConfigError
+from harness.specs.checkpoint import load_model
+from harness.specs.model import ModelSpec, model_from_dict, shipped_models
+from harness.specs.suite import Suite, shipped_suites
 from harness.specs.topology import Topology, load_catalog, parse_topology_name
 
 # ----------------------------------------------------------------------------- topologies

@@ -7,25 +7,34 @@ import dataclasses
 import pytest
 import torch
 
-from harness.compare.layout_check import check_layout_with_pool
 from harness.acceptance import histogram, mean_accepted_length, total_variation
+from harness.compare.layout_check import check_layout_with_pool
 from harness.compare.settings import AcceptanceSettings, LosslessSettings
 from harness.compare.speculative import check_acceptance, check_lossless
 from harness.engine.engine import Engine, PoolSettings
 from harness.engine.faults import FAULTS, FaultFlags, fault_flags
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.parallel import ParallelState
-from harness.engine.speculative import (SpeculativeDecoder, SpecResult, run_speculative_cases, spec_manifest,
-                                        spec_tensors)
-from harness.engine.speculator import (SpeculativeSettings, Speculator, speculator_for, speculator_plan,
-                                       speculator_weights)
-from harness.layout import slot_pool
+from harness.engine.speculative import (
+    SpecResult,
+    SpeculativeDecoder,
+    run_speculative_cases,
+    spec_manifest,
+    spec_tensors,
+)
+from harness.engine.speculator import (
+    SpeculativeSettings,
+    Speculator,
+    speculator_for,
+    speculator_plan,
+    speculator_weights,
+)
 from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights
 from harness.errors import ConfigError, RunError
-from harness.layout import plan_layout, plan_speculator, pool_capacity
-from harness.specs.model import ModelSpec
+from harness.layout import plan_layout, plan_speculator, pool_capacity, slot_pool
 from harness.specs.checkpoint import load_model
+from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology, parse_topology_name
 from harness.verdict import Verdict
 

@@ -15,21 +15,19 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import TEST_LAUNCH_TIMEOUT_S
-
 from harness.compare.layout_check import check_layout_with_pool
 from harness.compare.speculative import check_acceptance, check_lossless
 from harness.engine.engine import Engine, PoolSettings
 from harness.engine.parallel import ParallelState
 from harness.engine.speculative import run_speculative_cases
 from harness.engine.speculator import SpeculativeSettings, speculator_for
-from harness.layout import slot_pool
 from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights
 from harness.launcher.launch import thread_env
-from harness.layout import plan_layout, plan_speculator
+from harness.layout import plan_layout, plan_speculator, slot_pool
 from harness.specs.checkpoint import load_model
 from harness.verdict import Verdict
+from tests.conftest import TEST_LAUNCH_TIMEOUT_S
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far away, there lived a",
            "Q: 17 + 25 = ?\nA:", "<script>alert('escape me')</script> tokens & more", "Layout bugs hide in decode"]

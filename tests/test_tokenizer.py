@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from tests.ckpt_helpers import smollm2_gguf, write_gguf
 from harness.engine.tokenizer import ByteTokenizer, TokenizersTokenizer, gguf_tokenizer, load_tokenizer
 from harness.engine.weights import load_weights
 from harness.errors import ConfigError
-from harness.specs.model import ModelSpec
 from harness.specs.checkpoint import load_model
+from harness.specs.model import ModelSpec
+from tests.ckpt_helpers import smollm2_gguf, write_gguf
 
 SENTENCES = [
     "Hello world!",
@@ -157,9 +157,9 @@ def test_gguf_tokenizer_from_the_conversion_cache_equals_a_fresh_parse(
         smollm2_tokenizers: tuple[TokenizersTokenizer, Any]) -> None:
     """load_tokenizer reads the converted tokenizer (harness/engine/gguf_cache.py), not the GGUF's 49k-entry
     metadata; it must be the same tokenizer as parsing the file now."""
-    from harness.specs.checkpoint import checkpoint_path
     from harness.engine.gguf_cache import cache_folder
     from harness.engine.tokenizer import parse_gguf_tokenizer
+    from harness.specs.checkpoint import checkpoint_path
 
     ours, _ = smollm2_tokenizers
     path = checkpoint_path(load_model("smollm2-135m"))

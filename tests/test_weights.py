@@ -12,15 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from tests.ckpt_helpers import llama_cpp_permute, save_hf, smollm2_gguf, tiny_llama, tiny_qwen2, write_gguf
 from harness.engine.checkpoint import save_hf_checkpoint
-from harness.specs.checkpoint import spec_from_checkpoint
-from harness.gguf_file import unpermute_rows
 from harness.engine.names import expected_shapes, hf_name
 from harness.engine.weights import load_weights, weights_hash
 from harness.errors import ConfigError
+from harness.gguf_file import unpermute_rows
+from harness.specs.checkpoint import load_model, spec_from_checkpoint
 from harness.specs.model import ModelSpec, shipped_models
-from harness.specs.checkpoint import load_model
+from tests.ckpt_helpers import llama_cpp_permute, save_hf, smollm2_gguf, tiny_llama, tiny_qwen2, write_gguf
 
 TINY_MODELS = [name for name in shipped_models() if name.startswith("tiny-")]
 SMALL = ModelSpec(name="small", heads=4, kv_heads=2, head_dim=8, hidden=32, layers=2, ffn=48, vocab=300, seed=7)

@@ -26,7 +26,8 @@ WORKER_MODULE = "harness.backends.embedded_worker"  # each rank runs WORKER_MODU
 ENGINE_ENTRIES: tuple[str, ...] = (WORKER_MODULE, "harness.launcher.launch")
 TOPK_ONLY_K = 20  # logprobs per position in the top-k-only mode (vLLM's default max_logprobs is 20)
 
-TOPK_ONLY: frozenset[str] = (c.FULL_ARTIFACTS - {c.FULL_LOGITS, c.HIDDEN_STATES, c.ATTENTION_OUTPUTS, c.COLLECTIVE_ERRORS}) \
+TOPK_ONLY: frozenset[str] = (c.FULL_ARTIFACTS
+                              - {c.FULL_LOGITS, c.HIDDEN_STATES, c.ATTENTION_OUTPUTS, c.COLLECTIVE_ERRORS}) \
     | {c.TOPK_LOGPROBS}
 
 

@@ -22,9 +22,8 @@ import torch
 from harness import __version__
 from harness import contract as c_
 from harness.artifacts import Case, write_run
-from harness.contract import Job
-from harness.jsonio import write_json
 from harness.cases import build_cases, prompts_hash
+from harness.contract import Job
 from harness.engine import ENGINE_VERSION
 from harness.engine.engine import Engine, PoolSettings
 from harness.engine.faults import fault_flags
@@ -33,6 +32,7 @@ from harness.engine.speculative import run_speculative_cases, spec_manifest, spe
 from harness.engine.speculator import SpeculativeSettings, speculator_for
 from harness.engine.tokenizer import Tokenizer, load_tokenizer, tokenizer_hash
 from harness.engine.weights import load_weights, weights_hash
+from harness.jsonio import write_json
 
 INJECT_ENV = "HARNESS_INJECT_RANK_FAILURE"  # "crash:R" or "hang:R": test hook for the launcher's error path
 

@@ -41,8 +41,8 @@ from harness.backends.embedded import weights_key
 from harness.backends.http_collect import Collected, collect
 from harness.backends.http_dialects import DIALECTS, Dialect, Generation, parse_spec_counters, post_json
 from harness.backends.http_server import Server, ServerError, free_port, log_tail, running_server, wait_ready
-from harness.contract import Capabilities, Job, LaunchResult
 from harness.cases import build_cases
+from harness.contract import Capabilities, Job, LaunchResult
 from harness.engine.engine import PoolSettings
 from harness.engine.faults import FAULTS
 from harness.engine.tokenizer import load_tokenizer
@@ -194,7 +194,8 @@ class HttpBackend:
         if topology.speculator != "none" and topology.speculator not in self.spec.speculator_argv:
             return f"engine {self.name} has no -{topology.speculator} speculator in its template"
         if not self.spec.url and model.dtype not in self.spec.dtypes:  # an attached server runs what it runs
-            return f"engine {self.name} does not run dtype {model.dtype} (template dtypes: {', '.join(self.spec.dtypes)})"
+            return (f"engine {self.name} does not run dtype {model.dtype} "
+                    f"(template dtypes: {', '.join(self.spec.dtypes)})")
         return None
 
     def noise_strategy(self) -> str:
@@ -270,7 +271,8 @@ class HttpBackend:
         stamp_manifest(run_dir, self)
         return LaunchResult(True, 0, time.time() - start, "", {"server": log_tail(logs[-1])})
 
-    def _serve(self, job: Job, log_path: Path, deadline: float, ask: Any) -> tuple[float, Any, dict[str, int] | None, str]:
+    def _serve(self, job: Job, log_path: Path, deadline: float,
+               ask: Any) -> tuple[float, Any, dict[str, int] | None, str]:
         """Start (or attach to) the server for `job`, wait until ready, `ask(job, client)`, stop it.
         Returns (seconds to ready, ask's answer, the KV capacity it logged, its URL)."""
         if self.spec.url:
@@ -281,7 +283,8 @@ class HttpBackend:
         with running_server(argv, env, log_path, f"http://{HOST}:{port}") as server:
             return self._ask(job, server, deadline, ask)
 
-    def _ask(self, job: Job, server: Server, deadline: float, ask: Any) -> tuple[float, Any, dict[str, int] | None, str]:
+    def _ask(self, job: Job, server: Server, deadline: float,
+             ask: Any) -> tuple[float, Any, dict[str, int] | None, str]:
         ready = wait_ready(server, self.spec.health, max(1.0, min(self.spec.ready_timeout_s, deadline - time.time())))
         timeout = httpx.Timeout(max(1.0, min(self.spec.request_timeout_s, deadline - time.time())), connect=10.0)
         with httpx.Client(base_url=server.base_url, timeout=timeout) as client:

@@ -14,8 +14,8 @@ from typing import Iterator
 
 import httpx
 
-from harness.launcher import forkserver
 from harness.errors import RunError
+from harness.launcher import forkserver
 from harness.launcher.launch import WAIT_POLICY_VAR, Process, free_port, stop_process_tree, wait_policy
 
 __all__ = ["Server", "ServerError", "free_port", "log_tail", "running_server", "wait_ready"]

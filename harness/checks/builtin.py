@@ -8,19 +8,28 @@ from typing import Any
 
 from harness import contract as c
 from harness.artifacts import RunArtifacts
-from harness.checks.context import CellContext
 from harness.checkmetrics import PARITY_CHECKS
+from harness.checks.context import CellContext
 from harness.compare.generation import check_generation
-from harness.compare.settings import AcceptanceSettings, CollectiveSettings, GenerationSettings, LayoutSettings, LocalizationSettings, LogitsSettings, LosslessSettings
 from harness.compare.layout_check import check_kv_capacity, check_layout_with_pool, kv_groups_differ
 from harness.compare.localize import localize, output_head
 from harness.compare.logits import check_logits
+from harness.compare.settings import (
+    AcceptanceSettings,
+    CollectiveSettings,
+    GenerationSettings,
+    LayoutSettings,
+    LocalizationSettings,
+    LogitsSettings,
+    LosslessSettings,
+)
 from harness.compare.speculative import acceptance_from_runs, lossless_from_run, speculator_details
 from harness.compare.topk import check_topk
 from harness.details import HeadErrors, LayerErrors, LayoutDetails, PromptDetails, SpeculatorDetails
 from harness.errors import RunError
 from harness.fmt import id_ranges
 from harness.verdict import CheckResult, Verdict
+
 
 def prompt_details(ref: RunArtifacts, prefill: list[dict[str, Any]], decode: list[dict[str, Any]],
                    generation: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -88,7 +97,8 @@ def logits_decode(ctx: CellContext) -> list[CheckResult]:
 
 
 def generation(ctx: CellContext) -> list[CheckResult]:
-    result, prompts = check_generation(ctx.ref, ctx.par, ctx.settings.of(GenerationSettings), noise=ctx.noise, decode=ctx.decode)
+    result, prompts = check_generation(ctx.ref, ctx.par, ctx.settings.of(GenerationSettings), noise=ctx.noise,
+                                       decode=ctx.decode)
     ctx.prompt_rows["generation"] = prompts
     return [result]
 
@@ -96,8 +106,8 @@ def generation(ctx: CellContext) -> list[CheckResult]:
 def localization(ctx: CellContext) -> list[CheckResult]:
     """No verdict of its own: explains a parity or collectives FAIL (ctx.localization) and adds the per-layer and
     per-head errors to the details."""
-    found, loc_details = localize(ctx.ref, ctx.par, ctx.noise, ctx.plan, ctx.ref.cases, ctx.settings.of(LocalizationSettings),
-                                  ctx.settings.of(CollectiveSettings))
+    found, loc_details = localize(ctx.ref, ctx.par, ctx.noise, ctx.plan, ctx.ref.cases,
+                                  ctx.settings.of(LocalizationSettings), ctx.settings.of(CollectiveSettings))
     if "layer_errors" in loc_details:
         ctx.details.layer_errors = LayerErrors(**loc_details["layer_errors"])
     if "head_errors" in loc_details:

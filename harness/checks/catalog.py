@@ -24,8 +24,15 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from harness import contract as c
-from harness.compare.settings import (AcceptanceSettings, CollectiveSettings, GenerationSettings, LayoutSettings,
-                                      LocalizationSettings, LogitsSettings, LosslessSettings)
+from harness.compare.settings import (
+    AcceptanceSettings,
+    CollectiveSettings,
+    GenerationSettings,
+    LayoutSettings,
+    LocalizationSettings,
+    LogitsSettings,
+    LosslessSettings,
+)
 from harness.errors import ConfigError
 from harness.plugins import load_target, registered
 

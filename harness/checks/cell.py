@@ -9,10 +9,11 @@ from typing import Any
 from harness.artifacts import RunArtifacts, run_capabilities
 from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks
-from harness.compare.generation import Decoder
 from harness.checks.settings import CheckSettings
+from harness.compare.generation import Decoder
 from harness.layout import LayoutPlan
 from harness.verdict import CheckResult, Localization
+
 
 def compare_cell(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None, plan: LayoutPlan,
                  settings: CheckSettings, speculator_plan: LayoutPlan | None = None,

@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from harness.artifacts import RunArtifacts
-from harness.paths import BASELINES_DIR
 from harness.checks.settings import CheckSettings
 from harness.contract import Capabilities
 from harness.details import CellDetails
 from harness.gsm8k.settings import GSM8KSettings
 from harness.layout import LayoutPlan
+from harness.paths import BASELINES_DIR
 from harness.verdict import CheckResult, Localization
 
 Decoder = Callable[[Sequence[int]], str]

@@ -8,8 +8,8 @@ import traceback
 from typing import Callable
 
 from harness.checks.catalog import CheckSpec, registered_checks
-from harness.plugins import load_target
 from harness.checks.context import CellContext
+from harness.plugins import load_target
 from harness.verdict import CheckResult, Verdict
 
 CheckFn = Callable[[CellContext], list[CheckResult]]
@@ -43,7 +43,8 @@ def failed_run(ctx: CellContext) -> str | None:
 def run_check(spec: CheckSpec, ctx: CellContext) -> list[CheckResult]:
     """One check: SKIP when switched off or a need is unmet, ERROR with the traceback when it raises."""
     if not ctx.enabled(spec.section):
-        return [CheckResult(spec.name, Verdict.SKIP, f"switched off by the suite (checks.{spec.section}.enabled: false)")]
+        return [CheckResult(spec.name, Verdict.SKIP,
+                            f"switched off by the suite (checks.{spec.section}.enabled: false)")]
     missing = ctx.missing(spec.requires, spec.requires_any)
     if missing:
         return [CheckResult(spec.name, Verdict.SKIP, f"{missing}: {spec.name} unavailable",

@@ -6,13 +6,13 @@ from pathlib import Path
 from typing import Any
 
 from harness.baseline import Measurement, gate_cell, load_baselines
-from harness.paths import BASELINES_DIR
 from harness.contract import GSM8K_FILE
 from harness.gsm8k.checks import paired_check
 from harness.gsm8k.records import GSM8KResult
 from harness.gsm8k.settings import GSM8KSettings
 from harness.gsm8k.stats import paired_comparison
 from harness.jsonio import read_json
+from harness.paths import BASELINES_DIR
 from harness.verdict import CheckResult
 
 RESULT_FILE = GSM8K_FILE  # the run-directory file name (harness.contract)
@@ -30,7 +30,8 @@ def gsm8k_checks(ref_dir: Path, par_dir: Path, settings: GSM8KSettings, suite: s
     comparison = paired_comparison(ref.records, par.records, settings.filter)
     measured = Measurement(score=par.score(settings.filter), n=par.n,
                            stderr=par.stderrs.get(settings.filter, 0.0), filter=settings.filter)
-    gate = gate_cell(load_baselines(suite, baselines_dir), model, settings.task, topology, measured, settings, report_dir)
+    gate = gate_cell(load_baselines(suite, baselines_dir), model, settings.task, topology, measured, settings,
+                     report_dir)
     details = {**par.summary(settings.filter), "reference_score": ref.score(settings.filter),
                "answer_agreement": comparison["answer_agreement"],
                "generation_agreement": comparison["generation_agreement"], "b": comparison["b"],

@@ -10,14 +10,11 @@ from types import ModuleType
 
 from harness import __version__
 from harness.errors import ConfigError, HarnessError
-from harness.verdict import EXIT_ERROR, EXIT_USAGE
-
-EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader closed the pipe
+from harness.verdict import ExitCode
 
 
 def _subcommands() -> list[ModuleType]:
-    from harness.cli import (baseline, cache, export, history, list_cmd, plan, report, run, serve, signoff,
-                             validate)
+    from harness.cli import baseline, cache, export, history, list_cmd, plan, report, run, serve, signoff, validate
     return [plan, list_cmd, run, report, baseline, cache, history, signoff, validate, export, serve]
 
 
@@ -25,7 +22,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(sys.stderr)
         print(f"harness: error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
+        raise SystemExit(ExitCode.USAGE)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,14 +43,14 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except BrokenPipeError:  # `harness plan --format json | head`: the reader is gone; exit quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        return EXIT_BROKEN_PIPE
+        return ExitCode.BROKEN_PIPE
     except ConfigError as exc:
         print(f"harness: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     except HarnessError as exc:
         print(f"harness: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        return ExitCode.ERROR
     except Exception:  # a harness bug must not read as a FAIL (exit 1) to CI
         traceback.print_exc()
         print("harness: internal error (a bug in the harness; traceback above)", file=sys.stderr)
-        return EXIT_ERROR
+        return ExitCode.ERROR

@@ -7,21 +7,36 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from harness.acceptance_baseline import (AcceptanceBaseline, AcceptanceBaselines, acceptance_diff, acceptance_path, load_acceptance,
-                                        write_acceptance)
+from harness.acceptance_baseline import (
+    AcceptanceBaseline,
+    AcceptanceBaselines,
+    acceptance_diff,
+    acceptance_path,
+    load_acceptance,
+    write_acceptance,
+)
 from harness.acceptance_baseline import entries_from_cells as acceptance_entries
-from harness.jsonio import read_json
-from harness.paths import BASELINES_DIR
-from harness.baseline import (Baselines, BaselineEntry, baselines_path, diff_lines,
-                              entry_from_cell, load_baselines, skip_reason, write_baselines)
+from harness.baseline import (
+    BaselineEntry,
+    Baselines,
+    baselines_path,
+    diff_lines,
+    entry_from_cell,
+    load_baselines,
+    skip_reason,
+    write_baselines,
+)
 from harness.errors import ConfigError
 from harness.fmt import table
+from harness.jsonio import read_json
+from harness.paths import BASELINES_DIR
 from harness.results import RESULTS_FILE, read_results
 from harness.verdict import CellResult
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("baseline", help="record or show GSM8K baselines (baselines/<suite>.yaml) and acceptance baselines (baselines/acceptance.yaml)")
+    p = sub.add_parser("baseline", help="record or show GSM8K baselines (baselines/<suite>.yaml) and acceptance "
+                                        "baselines (baselines/acceptance.yaml)")
     actions = p.add_subparsers(dest="baseline_action", required=True)
     up = actions.add_parser("update", help="write baselines from a run's results.json, showing the diff first")
     up.add_argument("--from", dest="run_dir", required=True, help="run folder holding results.json (or the file)")

@@ -2,9 +2,9 @@
 ~/.cache/llm-parallel-harness), so it does not grow forever on a nightly box.
 
 Each entry is one reference run under CACHE/runs/, one converted GGUF file under CACHE/gguf/ (its
-tokenizer and float32 weights) or one model exported for an HTTP engine under CACHE/exports/. Its age is the time since it was last written or
-reused (a run that takes an entry from the cache marks it used). Entries still being written
-(`*.<pid>.partial`) belong to the live process <pid> and are never pruned while it runs.
+tokenizer and float32 weights) or one model exported for an HTTP engine under CACHE/exports/. Its age is
+the time since it was last written or reused (a run that takes an entry from the cache marks it used).
+Entries still being written (`*.<pid>.partial`) belong to the live process <pid> and are never pruned while it runs.
 """
 
 from __future__ import annotations

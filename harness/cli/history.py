@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import ConfigError
-from harness.verdict import EXIT_FAIL, EXIT_OK
+from harness.verdict import ExitCode
 
 
 def add_parser(sub: Any) -> None:
@@ -27,7 +27,8 @@ def add_parser(sub: Any) -> None:
     show = hsub.add_parser("show", help="trend per cell x check, with new failures, fixes and flaky checks")
     show.add_argument("--suite", default=None, help="only this suite")
     show.add_argument("--cell", action="append", default=[], metavar="CELL",
-                      help="only cells matching (topology, model/topology, or part of suite/model/topology/seedN); repeatable")
+                      help="only cells matching (topology, model/topology, or part of suite/model/topology/seedN); "
+                           "repeatable")
     show.add_argument("--since", default=None, help="only runs created since (ISO date, or an age: 7d, 12h, 2w)")
     show.add_argument("--last", type=int, default=20, help="verdicts shown per line (default 20)")
     for sp in (add, show):
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         for run_dir in args.dirs:
             run_id, n = add_run(conn, run_dir, args.label)
             print(f"recorded {run_id}: {n} cell x check rows into {path}")
-        return EXIT_OK
+        return ExitCode.OK
     return show(connect(path, create=False), args)
 
 
@@ -63,7 +64,7 @@ def show(conn: Any, args: argparse.Namespace) -> int:
     rows = query(conn, args.suite, args.cell, parse_since(args.since) if args.since else None)
     if not rows:
         print("no recorded runs match")
-        return EXIT_OK
+        return ExitCode.OK
     found = trends(rows)
     runs = sorted({(r.created, r.run_id) for r in rows})
     print(f"{len(runs)} runs from {runs[0][0]} to {runs[-1][0]}; {len(found)} cell x check trends")
@@ -87,5 +88,5 @@ def show(conn: Any, args: argparse.Namespace) -> int:
             codes = sorted({f"commit {r.git_commit[:12]} engine {r.engine_version} build {r.build_label or '-'}"
                             for r in t.rows})
             print(f"  FLAKY {t.label}: {t.flips} flip(s) over {len(t.rows)} runs ({'; '.join(codes)})")
-        return EXIT_FAIL
-    return EXIT_OK
+        return ExitCode.FAIL
+    return ExitCode.OK

@@ -7,11 +7,11 @@ import json
 from typing import Any
 
 from harness.cli.checks import positive_float, positive_int
-from harness.fmt import human_bytes, id_ranges, table
 from harness.errors import ConfigError
+from harness.fmt import human_bytes, id_ranges, table
 from harness.layout import LAYOUT_SCHEMA_VERSION, plan_layout, plan_speculator, pool_capacity
-from harness.specs.model import ModelSpec
 from harness.specs.checkpoint import load_model
+from harness.specs.model import ModelSpec
 from harness.specs.topology import load_catalog
 
 GIB = 1024 ** 3

@@ -10,15 +10,20 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.cli.checks import (positive_float, positive_int, require_device, require_launch_settings,
-                                require_writable_dir)
+from harness.checks.settings import load_suite
+from harness.cli.checks import (
+    positive_float,
+    positive_int,
+    require_device,
+    require_launch_settings,
+    require_writable_dir,
+)
 from harness.errors import ConfigError
+from harness.launcher.nodes import check_engine, parse_nodes
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
 from harness.paths import BASELINES_DIR, REPORTS_DIR
-from harness.launcher.nodes import check_engine, parse_nodes
 from harness.shard import parse_shard
 from harness.specs.checkpoint import load_model
-from harness.checks.settings import load_suite
 from harness.specs.suite import with_profile
 from harness.specs.topology import load_catalog
 
@@ -38,12 +43,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, action="append", default=None, help="seed (repeatable; default: suite's)")
     p.add_argument("--out", type=Path, default=None, help="report folder (default: reports/<run-id>)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--kv-budget-mib", type=positive_int, default=None, help="KV pool budget per rank, MiB (default: suite's)")
-    p.add_argument("--max-seq-len", type=positive_int, default=None, help="tokens per KV sequence slot (default: suite's)")
+    p.add_argument("--kv-budget-mib", type=positive_int, default=None,
+                   help="KV pool budget per rank, MiB (default: suite's)")
+    p.add_argument("--max-seq-len", type=positive_int, default=None,
+                   help="tokens per KV sequence slot (default: suite's)")
     p.add_argument("--profile", default=None, help="a profile of the suite (e.g. nightly) overriding its settings")
     p.add_argument("--gsm8k-path", default=None, help="folder with GSM8K test.jsonl/train.jsonl "
                    "(default: $HARNESS_GSM8K_PATH, else the hub through datasets)")
-    p.add_argument("--baselines-dir", type=Path, default=BASELINES_DIR, help="stored GSM8K baselines (default: baselines/)")
+    p.add_argument("--baselines-dir", type=Path, default=BASELINES_DIR,
+                   help="stored GSM8K baselines (default: baselines/)")
     p.add_argument("--timeout", type=positive_float, default=None,
                    help=f"seconds before a launch is killed (default: ${TIMEOUT_ENV} or {LAUNCH_TIMEOUT_S:.0f})")
     p.add_argument("--collective-timeout", type=positive_float, default=COLLECTIVE_TIMEOUT_S,
@@ -192,10 +200,10 @@ def _run(args: argparse.Namespace) -> int:
     from harness.cli.signals import exit_status
     from harness.errors import Interrupted
     from harness.refcache import partial_dirs
-    from harness.runner import Runner, plan_cells
     from harness.report import render_all
-    from harness.results import exit_code
     from harness.report.text import print_matrix
+    from harness.results import exit_code
+    from harness.runner import Runner, plan_cells
 
     req = build_request(args)
     planned = plan_cells(req)
@@ -224,9 +232,10 @@ def _run(args: argparse.Namespace) -> int:
     return exit_code(cells)
 
 
-def record_history(given: Path | None, out_dir: Path, cells: list[Any], provenance: dict[str, Any], run_id: str) -> None:
+def record_history(given: Path | None, out_dir: Path, cells: list[Any], provenance: dict[str, Any],
+                   run_id: str) -> None:
     """With a history store (--history or $HARNESS_HISTORY): record the run, re-render its page with the strips."""
-    from harness.history import history_path, histories_for
+    from harness.history import histories_for, history_path
     from harness.report.html import write_html
     path = history_path(given)
     if path is not None:

@@ -13,8 +13,8 @@ from typing import Any
 from harness.engine.faults import fault_flags
 from harness.errors import ConfigError
 from harness.layout import plan_layout
-from harness.specs.loader import did_you_mean
 from harness.specs.checkpoint import load_model
+from harness.specs.loader import did_you_mean
 from harness.specs.topology import load_catalog
 
 MIB = 1024 ** 2

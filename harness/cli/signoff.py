@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.paths import REPORTS_DIR
-from harness.verdict import EXIT_FAIL, EXIT_OK
+from harness.verdict import ExitCode
 
 
 def add_parser(sub: Any) -> None:
@@ -41,4 +41,4 @@ def run(args: argparse.Namespace) -> int:
     for c in signoff.blocking:
         print(f"  blocking {c.label} ({c.change}): {c.reason}")
     print(f"sign-off page: {paths['html']} (markdown: {paths['markdown']})")
-    return EXIT_OK if signoff.signed_off else EXIT_FAIL
+    return ExitCode.OK if signoff.signed_off else ExitCode.FAIL

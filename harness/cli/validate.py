@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from harness.verdict import EXIT_FAIL, EXIT_OK
+from harness.verdict import ExitCode
 
 
 def add_parser(sub: Any) -> None:
@@ -28,4 +28,4 @@ def run(args: argparse.Namespace) -> int:
             print("\n".join(f"  - {p}" for p in problems))
         else:
             print(f"{run_dir}: ok")
-    return EXIT_FAIL if bad else EXIT_OK
+    return ExitCode.FAIL if bad else ExitCode.OK

@@ -16,9 +16,9 @@ import torch
 from harness.artifacts import Case, RunArtifacts
 from harness.compare.bounds import Bound, json_float
 from harness.compare.settings import GenerationSettings
+from harness.contract import GEN_TOKENS, GEN_TOPK_IDS, GEN_TOPK_LOGPROBS
 from harness.errors import RunError
 from harness.verdict import CheckResult, Verdict
-from harness.contract import GEN_TOKENS, GEN_TOPK_IDS, GEN_TOPK_LOGPROBS
 
 Decoder = Callable[[Sequence[int]], str]
 

@@ -26,11 +26,11 @@ from harness.compare.bounds import Bound, json_float
 from harness.compare.collectives import collective_errors, describe, first_broken
 from harness.compare.collectives import details as collective_details
 from harness.compare.settings import CollectiveSettings, LocalizationSettings
+from harness.contract import ATTN, HIDDEN
 from harness.errors import RunError
 from harness.fmt import id_ranges
 from harness.layout import LayoutPlan, kv_of_q
 from harness.verdict import Localization
-from harness.contract import ATTN, HIDDEN
 
 _TINY = 1e-30
 

@@ -35,15 +35,22 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from harness.artifacts import RunArtifacts
 from harness.acceptance import histogram, mean_accepted_length, total_variation
+from harness.artifacts import RunArtifacts
 from harness.compare.generation import first_divergence, top2_gaps
 from harness.compare.settings import AcceptanceSettings, LosslessSettings
+from harness.contract import (
+    GEN_TOKENS,
+    GEN_TOPK_IDS,
+    GEN_TOPK_LOGPROBS,
+    SPEC_ACCEPTED,
+    SPEC_DRAFTS,
+    SPEC_TOKENS,
+    tensor_key,
+)
 from harness.details import divergence_text
 from harness.errors import RunError
 from harness.verdict import CheckResult, Verdict
-from harness.contract import (GEN_TOKENS, GEN_TOPK_IDS, GEN_TOPK_LOGPROBS, SPEC_ACCEPTED, SPEC_DRAFTS, SPEC_TOKENS,
-                              tensor_key)
 
 
 def _lossless_case(index: int, spec: list[int], plain: list[int], topk_ids: torch.Tensor | None,

@@ -109,7 +109,8 @@ def _mean(t: torch.Tensor, empty: float = 1.0) -> float:
     return float(t.to(torch.float64).mean()) if t.numel() else empty
 
 
-def _noise(path: str, ref: RunArtifacts, noise: RunArtifacts | None, k: int) -> tuple[float | None, float | None, str | None]:
+def _noise(path: str, ref: RunArtifacts, noise: RunArtifacts | None,
+           k: int) -> tuple[float | None, float | None, str | None]:
     """(max KL lower bound, max logprob error) of the reference against the noise run, or Nones and why."""
     if noise is None:
         return None, None, None

@@ -15,11 +15,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from harness.engine.faults import FaultFlags
-from harness.errors import ConfigError
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.model import Batch, Capture, Decoder, Hyper
 from harness.engine.parallel import ParallelState
 from harness.engine.parallelize import actual_layout, engine_plan, head_map, shard_weights
+from harness.errors import ConfigError
 from harness.layout import LayoutPlan, pool_capacity
 from harness.specs.model import ModelSpec
 
@@ -54,7 +54,8 @@ class Generation:
 @dataclass(frozen=True)
 class DecodePath:
     """Teacher-forced decode of one sequence: logits [T-D, V], hidden [L+1, P, H], attn [L, P, heads, hd],
-    collectives [tp, L, P, sites] (each rank's error of each collective's output in unit roundoffs, contract.COLLECTIVES)."""
+    collectives [tp, L, P, sites] (each rank's error of each collective's output in unit roundoffs,
+    contract.COLLECTIVES)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor

@@ -428,7 +428,8 @@ class Decoder:
         group_q = self.comm.gather_dcp(q, dim=2)  # [B, S, dcp * Hq_local, hd], member order
         out, lse = attention_with_lse(group_q, k_all, v_all, visible, hm.group_q_to_local_kv, kind, bias)
         # one gather for both, in float32 so a half-precision model's LSE keeps its precision:
-        # [B, S, Hg, hd] + [B, S, Hg, 1] -> [dcp, B, S, Hg, hd + 1] -> this rank's own heads [dcp, B, S, Hq_local, hd + 1]
+        # [B, S, Hg, hd] + [B, S, Hg, 1] -> [dcp, B, S, Hg, hd + 1]
+        #   -> this rank's own heads [dcp, B, S, Hq_local, hd + 1]
         lo, hi = hm.own_slice
         packed = self.comm.stack_dcp(torch.cat((out.float(), lse[..., None].float()), dim=-1))[:, :, :, lo:hi]
         outs, lses = packed[..., :-1].to(out.dtype), packed[..., -1].to(lse.dtype)  # [G, B, S, H, hd], [G, B, S, H]

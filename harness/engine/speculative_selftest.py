@@ -23,8 +23,8 @@ from harness.engine.faults import fault_flags
 from harness.engine.parallel import ParallelState
 from harness.engine.speculative import run_speculative_cases
 from harness.engine.speculator import SpeculativeSettings, speculator_for
-from harness.limits import COLLECTIVE_TIMEOUT_S
 from harness.engine.weights import load_weights
+from harness.limits import COLLECTIVE_TIMEOUT_S
 from harness.specs.model import model_from_dict
 from harness.specs.topology import Topology
 

@@ -42,7 +42,7 @@ from harness.engine.parallel import ParallelState
 from harness.engine.parallelize import actual_layout, head_map, shard_weights
 from harness.engine.weights import seeded_generator
 from harness.errors import ConfigError
-from harness.layout import LayoutPlan, PoolCapacity, plan_layout, plan_speculator, pool_capacity, slot_pool
+from harness.layout import LayoutPlan, plan_layout, plan_speculator, slot_pool
 from harness.specs.loader import build
 from harness.specs.model import ModelSpec
 

@@ -6,7 +6,7 @@ All scores are fractions in 0..1 (0.880, not 88.0); sentences for people print p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 from statistics import NormalDist
 from typing import Any, Sequence
 

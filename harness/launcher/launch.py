@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence, Union
 
 from harness.contract import JOB_FILE, LAUNCHER_LOG, MANIFEST_FILE, RUN_FILES, Job, LaunchResult
-from harness.launcher import forkserver
 from harness.errors import ConfigError
 from harness.jsonio import write_json
+from harness.launcher import forkserver
 
 FORKRUN_MODULE = "harness.launcher.forkrun"
 
@@ -130,7 +130,7 @@ def _collect_rank_logs(run_dir: Path, log_dir: Path, world_size: int) -> dict[st
     return tails
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every live descendant of `pid` (Linux /proc; empty elsewhere). torchrun's ranks sit in sessions
     of their own, so killing torchrun's process group alone would leave them running."""
     children: dict[int, list[int]] = {}
@@ -167,7 +167,7 @@ def _kill_group(proc: "Process") -> None:
     """SIGTERM the launch's process group and the groups of all its descendants (torchrun starts each
     rank in a session of its own), then SIGKILL whatever is left. torchrun gets up to TERM_GRACE_S to
     stop before the SIGKILL."""
-    pids = [proc.pid, *_descendants(proc.pid)]
+    pids = [proc.pid, *descendants(proc.pid)]
     for sig, wait in ((signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, 5.0)):
         _signal_groups(pids, sig)
         try:

@@ -1,4 +1,4 @@
-"""Reports of a run: results.json, index.html, junit.xml and summary.md (DESIGN.md section 7).
+"""Reports of a run: results.json, index.html, junit.xml and summary.md (docs/architecture.md, Reports).
 
 render_all writes all four into one folder; merge reads the results.json of run folders for
 `harness report`. Nothing here runs a model or needs a GPU.
@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 from harness.report.html import write_html
 from harness.report.junit import write_junit
 from harness.report.merge import merge
-from harness.results import exit_code, read_results, write_results
 from harness.report.summary import write_summary
 from harness.report.text import print_matrix
+from harness.results import exit_code, read_results, write_results
 from harness.verdict import CellResult
 
 if TYPE_CHECKING:

@@ -42,8 +42,8 @@ from harness.report.matrix import (
     provenance_items,
     suspect_text,
 )
-from harness.results import summary_counts
 from harness.report.svg import head_heatmap, layer_error_plot
+from harness.results import summary_counts
 from harness.verdict import CellResult, CheckResult, Verdict
 
 if TYPE_CHECKING:
@@ -213,7 +213,8 @@ def render_html(cells: list[CellResult], provenance: dict[str, Any], run_id: str
                 and not v.row.cell.silent_corruption]
     skipped = [v for v in views if v.row.cell.status is Verdict.SKIP]
     page = _environment().get_template("index.html.j2").render(
-        run_id=run_id, head=headline(cells, interrupted_text(provenance)), counts=summary_counts(cells), verdicts=list(Verdict),
+        run_id=run_id, head=headline(cells, interrupted_text(provenance)), counts=summary_counts(cells),
+        verdicts=list(Verdict),
         matrix=matrix, banner=banner_items(matrix), problems=problems, skipped=skipped, cells=views,
         legend=key_legend(cells),
         provenance=provenance_items(provenance), command=str(provenance.get("command", "")),

@@ -8,8 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harness.report.matrix import (Matrix, build_matrix, headline, interrupted_text, plural, provenance_items,
-                                   suspect_text)
+from harness.report.matrix import (
+    Matrix,
+    build_matrix,
+    headline,
+    interrupted_text,
+    plural,
+    provenance_items,
+    suspect_text,
+)
 from harness.results import summary_counts
 from harness.verdict import CellResult, Verdict
 

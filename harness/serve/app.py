@@ -12,8 +12,15 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from harness.serve.dialects import (BadRequest, Limits, Vocabulary, completions_response, generate_response,
-                                    parse_completions, parse_generate)
+from harness.serve.dialects import (
+    BadRequest,
+    Limits,
+    Vocabulary,
+    completions_response,
+    generate_response,
+    parse_completions,
+    parse_generate,
+)
 from harness.serve.lockstep import Pending
 from harness.serve.protocol import Completion, CompletionResult
 

@@ -225,7 +225,8 @@ def _sglang_one(body: dict[str, Any], c: Completion, r: CompletionResult, vocab:
                                         for e, t in zip(entries, prompt_ids)]
         meta["output_token_logprobs"] = [_triple(s.logprob, s.token, vocab, text) for s in r.logprobs]
         if c.top_k > 0:
-            meta["input_top_logprobs"] = [None if e is None else [_triple(lp, t, vocab, text) for t, lp in e.top[:c.top_k]]
+            meta["input_top_logprobs"] = [None if e is None
+                                          else [_triple(lp, t, vocab, text) for t, lp in e.top[:c.top_k]]
                                           for e in entries]
             meta["output_top_logprobs"] = [[_triple(lp, t, vocab, text) for t, lp in s.top[:c.top_k]]
                                            for s in r.logprobs]

@@ -5,16 +5,15 @@ including GGUFs shipped inside pip packages). Reads metadata only: no torch."""
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 from typing import Any
 
-from harness.gguf_file import architecture, field, float32_decimal, open_gguf, tensor_index
 from harness import jsonio
 from harness.errors import ConfigError
+from harness.gguf_file import architecture, field, float32_decimal, open_gguf, tensor_index
+from harness.paths import MODELS_DIR
 from harness.specs.loader import did_you_mean, load_yaml
 from harness.specs.model import ModelSpec, model_from_dict, shipped_models
-from harness.paths import MODELS_DIR
 
 HF_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral")
 QKV_BIAS_MODEL_TYPES: tuple[str, ...] = ("qwen2",)

@@ -5,8 +5,8 @@ environment and interpreter (engines live in their own environment and are never
 health endpoint, timeouts, the request dialect, and the log line that reports the KV cache size.
 
 Placeholders in argv / env values: {python} {model_path} {model_name} {tp} {dcp} {topology} {port}
-{host} {dtype} {seed} {max_logprobs} {max_model_len} {kv_budget_mib} {block_size} {fault} {spec_k} {cpu_bind} (this machine's
-cores split into tp contiguous ranges, "0-3|4-7": vLLM CPU's VLLM_CPU_OMP_THREADS_BIND). An `env`
+{host} {dtype} {seed} {max_logprobs} {max_model_len} {kv_budget_mib} {block_size} {fault} {spec_k} {cpu_bind}
+(this machine's cores split into tp contiguous ranges, "0-3|4-7": vLLM CPU's VLLM_CPU_OMP_THREADS_BIND). An `env`
 value is a default: the same variable set in the harness's environment wins. `dcp_argv` is appended when
 dcp > 1, `speculator_argv[kind]` for -draft / -mtp topologies, `fault_argv` / `fault_env` when the
 job injects a fault.

@@ -9,7 +9,7 @@ from typing import Any
 from harness.errors import ConfigError
 from harness.layout import AttentionShape
 from harness.paths import MODELS_DIR
-from harness.specs.loader import build, did_you_mean, expect_int, load_yaml
+from harness.specs.loader import build, did_you_mean, expect_int
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}

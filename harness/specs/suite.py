@@ -90,7 +90,8 @@ def with_profile(suite: Suite, profile: str | None) -> Suite:
         return suite
     if profile not in suite.profiles:
         raise ConfigError(f"suite {suite.name!r} has no profile {profile!r}"
-                          f"{did_you_mean(profile, tuple(suite.profiles))}; valid: {', '.join(suite.profiles) or '(none)'}")
+                          f"{did_you_mean(profile, tuple(suite.profiles))}; "
+                          f"valid: {', '.join(suite.profiles) or '(none)'}")
     over = dict(suite.profiles[profile] or {})
     for key in over:
         if key not in PROFILE_KEYS:

@@ -24,7 +24,8 @@ def _wrong_kv_shard(load: Callable[..., Any]) -> Callable[..., Any]:
     parameter's (vLLM's BasevLLMParameter): both are shifted for the call."""
 
     @functools.wraps(load)
-    def loader(self: Any, param: Any, loaded_weight: Any, loaded_shard_id: Any = None, *args: Any, **kwargs: Any) -> Any:
+    def loader(self: Any, param: Any, loaded_weight: Any, loaded_shard_id: Any = None,
+               *args: Any, **kwargs: Any) -> Any:
         rank, size = self.tp_rank, self.tp_size
         if loaded_shard_id not in ("k", "v") or size < 2 or rank != FAULTY_RANK:
             return load(self, param, loaded_weight, loaded_shard_id, *args, **kwargs)
