@@ -13,18 +13,23 @@ Schema, version RESULTS_SCHEMA_VERSION = 1 (a reader refuses any other version):
         "sources": [...]                        # only after `harness report A B`: each input's
       },                                        #   {dir, run_id, provenance}
       "summary": {"cells": 5, "pass": 2, "warn": 0, "fail": 1, "error": 1, "skip": 1,
-                  "silent_corruption": 1},      # cells counted by their status
+                  "silent_corruption": 1,       # cells counted by their status, and failing cells by class:
+                  "output": 1, "performance": 0, "infrastructure": 1},
       "cells": [                                # one per (suite, model, topology, fault, seed)
         {
           "suite": "dcp", "model": "tiny-gqa", "topology": "tp4dcp4",
           "fault": "dcp-tp-kv-layout" | null, "seed": 0,
           "status": "PASS" | "WARN" | "FAIL" | "ERROR" | "SKIP",   # the worst check verdict
-          "silent_corruption": true,            # FAIL while every process exited cleanly
+          "silent_corruption": true,            # output corruption while every process exited cleanly
+          "failure_class": "output" | "performance" | "infrastructure" | null,  # what the failure means:
+                                                #   outputs wrong, only a speed figure (draft acceptance)
+                                                #   regressed, or the run could not complete (ERROR)
           "clean_exit": true,
           "localization": {"layer": 0, "heads": [4, 5], "ranks": [1, 3], "kv_heads": [1],
                            "summary": "layer 0 attention: ..."} | null,
           "checks": [{"name": "logits", "verdict": "FAIL", "reason": "one line",
-                      "metrics": {"max_kl": 3.2, ...}}],
+                      "metrics": {"max_kl": 3.2, ...},
+                      "performance_only": false}],  # a check of speed, not of outputs
           "command": "harness run ...",         # reproduces this cell alone
           "run_dir": "...", "reference_dir": "...", "wall_s": 12.3,
           "error_log": "",                      # log tail of a broken run (ERROR cells)
@@ -33,7 +38,7 @@ Schema, version RESULTS_SCHEMA_VERSION = 1 (a reader refuses any other version):
       ]
     }
 
-Status and silent_corruption are derived from the checks and clean_exit on reading; the file
+Status, failure_class and silent_corruption are derived from the checks and clean_exit on reading; the file
 stores them so that other tools need not recompute them. Non-finite floats, where a check or
 detail holds one, are written as Python's json writes them (NaN, Infinity, -Infinity).
 """
@@ -47,7 +52,7 @@ from typing import Any
 
 from harness.errors import ConfigError, RunError
 from harness.jsonio import read_json, write_json
-from harness.verdict import CellResult, ExitCode, Verdict
+from harness.verdict import CellResult, ExitCode, FailureClass, Verdict
 
 RESULTS_SCHEMA_VERSION = 1
 RESULTS_FILE = "results.json"
@@ -58,11 +63,13 @@ class ResultsError(ConfigError):
 
 
 def summary_counts(cells: list[CellResult]) -> dict[str, int]:
-    """Cells counted by status, plus how many are silent corruption."""
+    """Cells counted by status, how many are silent corruption, and the failing cells by failure class."""
     by_status = Counter(c.status for c in cells)
     counts = {"cells": len(cells)}
     counts.update({v.value.lower(): by_status.get(v, 0) for v in Verdict})
     counts["silent_corruption"] = sum(1 for c in cells if c.silent_corruption)
+    by_class = Counter(c.failure_class for c in cells)
+    counts.update({f.value: by_class.get(f, 0) for f in FailureClass})
     return counts
 
 

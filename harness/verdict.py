@@ -29,6 +29,20 @@ class Verdict(str, Enum):
         return {"SKIP": 0, "PASS": 1, "WARN": 2, "ERROR": 3, "FAIL": 4}[self.value]
 
 
+class FailureClass(str, Enum):
+    """What a failing cell's failure means for a release: its outputs are wrong, only a speed figure
+    regressed, or the run itself could not be completed."""
+
+    OUTPUT = "output"                  # outputs or layout differ from the reference beyond the noise floor
+    PERFORMANCE = "performance"        # only performance checks failed (draft acceptance): outputs agree
+    INFRASTRUCTURE = "infrastructure"  # the run could not be completed (ERROR): no verdict on its outputs
+
+    @property
+    def label(self) -> str:
+        return {"output": "output corruption", "performance": "performance-only",
+                "infrastructure": "infrastructure"}[self.value]
+
+
 def worst(verdicts: list[Verdict]) -> Verdict:
     """The cell status: the most severe verdict (FAIL over ERROR over WARN over PASS over SKIP)."""
     return max(verdicts, key=lambda v: v.severity) if verdicts else Verdict.SKIP
@@ -36,20 +50,24 @@ def worst(verdicts: list[Verdict]) -> Verdict:
 
 @dataclass(frozen=True)
 class CheckResult:
-    """One check of one cell: a verdict, a one-line reason, and the numbers behind it."""
+    """One check of one cell: a verdict, a one-line reason, and the numbers behind it. `performance_only`:
+    the check measures speed (e.g. draft acceptance), not outputs, so its FAIL is a performance regression
+    (set from the check's registry entry)."""
 
     name: str
     verdict: Verdict
     reason: str
     metrics: dict[str, Any] = field(default_factory=dict)
+    performance_only: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "verdict": self.verdict.value, "reason": self.reason, "metrics": self.metrics}
+        return {"name": self.name, "verdict": self.verdict.value, "reason": self.reason, "metrics": self.metrics,
+                "performance_only": self.performance_only}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CheckResult":
         return cls(name=data["name"], verdict=Verdict(data["verdict"]), reason=data["reason"],
-                   metrics=dict(data.get("metrics") or {}))
+                   metrics=dict(data.get("metrics") or {}), performance_only=bool(data.get("performance_only")))
 
 
 @dataclass(frozen=True)
@@ -102,13 +120,23 @@ class CellResult:
         return worst([c.verdict for c in self.checks])
 
     @property
+    def failure_class(self) -> FailureClass | None:
+        """Output corruption (a FAIL of a check on outputs or layout), performance-only (every FAIL is of a
+        performance check), infrastructure (ERROR, and nothing FAILed); None when nothing failed."""
+        failed = [c for c in self.checks if c.verdict is Verdict.FAIL]
+        if failed:
+            return FailureClass.PERFORMANCE if all(c.performance_only for c in failed) else FailureClass.OUTPUT
+        return FailureClass.INFRASTRUCTURE if self.status is Verdict.ERROR else None
+
+    @property
     def silent_corruption(self) -> bool:
-        """A FAIL in a run whose processes all exited cleanly."""
-        return self.clean_exit and self.status is Verdict.FAIL
+        """Output corruption in a run whose processes all exited cleanly."""
+        return self.clean_exit and self.failure_class is FailureClass.OUTPUT
 
     def to_dict(self) -> dict[str, Any]:
         return {"suite": self.suite, "model": self.model, "topology": self.topology, "fault": self.fault,
                 "seed": self.seed, "status": self.status.value, "silent_corruption": self.silent_corruption,
+                "failure_class": self.failure_class.value if self.failure_class else None,
                 "clean_exit": self.clean_exit,
                 "localization": self.localization.to_dict() if self.localization else None,
                 "checks": [c.to_dict() for c in self.checks], "command": self.command,

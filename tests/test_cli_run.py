@@ -152,6 +152,25 @@ def test_split_fault_is_flagged_with_localization(tmp_path: Path, suite_file: Pa
         assert f"layout: {layout_problem}" in loc  # the localization names what the rank holds
 
 
+# oneDNN's kernels for half precision differ by CPU (AVX512-FP16 and AMX where present): this caps them at
+# AVX-512 without FP16/AMX, so the fault below is localized on both kernel paths of a machine that has both
+KERNEL_PATHS = [{}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}]
+
+
+@pytest.mark.parametrize("isa", KERNEL_PATHS, ids=["default-kernels", "no-fp16-amx-kernels"])
+def test_split_fault_localization_does_not_depend_on_the_half_precision_kernels(tmp_path: Path, suite_file: Path,
+                                                                                isa: dict[str, str]) -> None:
+    """ffn-floor-split on the float16 model: layer 0 on either kernel path (each its own noise run: a fresh
+    cache per path, the CLI in a fresh process with the path's environment)."""
+    done = subprocess.run([sys.executable, "-m", "harness", "run", "--suite", str(suite_file), "--model",
+                           "tiny-fp16-big", "--topo", "tp4", "--fault", "ffn-floor-split", "--out", str(tmp_path / "r"),
+                           "--cache-dir", str(tmp_path / "cache")], env={**os.environ, **isa}, capture_output=True,
+                          text=True, timeout=TEST_LAUNCH_TIMEOUT_S)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    (cell,) = _results(tmp_path / "r")["cells"]
+    assert cell["localization"]["summary"].startswith("layer 0: residual stream diverges"), cell["localization"]
+
+
 def test_uneven_vocab_and_ffn_splits_pass_clean_with_the_planned_shards(tmp_path: Path, suite_file: Path,
                                                                         cache_dir: Path) -> None:
     """The negative control of the split faults: vocab 383 and FFN 290 over tp4, vocab-parallel."""

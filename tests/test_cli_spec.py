@@ -58,7 +58,15 @@ def test_speculator_fault_flagged_by_its_check_only(tmp_path: Path, cache_dir: P
                  "--cache-dir", str(cache_dir)]) == 1
     (cell,) = _cells(tmp_path)
     failed = {c["name"] for c in cell["checks"] if c["verdict"] == "FAIL"}
-    assert failed == flagged and cell["silent_corruption"]
+    assert failed == flagged
+    # a broken drafter is a speed regression (outputs agree), a wrong draft layout a layout bug
+    performance = flagged <= {"acceptance", "acceptance_baseline"}
+    assert cell["failure_class"] == ("performance" if performance else "output")
+    assert cell["silent_corruption"] is not performance
+    if performance:
+        page = (tmp_path / "index.html").read_text()
+        assert "Performance-only regression in 1 cell" in page and "Silent corruption in" not in page
+        assert 'type="performance-only"' in (tmp_path / "junit.xml").read_text()
     verdicts = {c["name"]: c["verdict"] for c in cell["checks"]}
     assert verdicts["lossless"] == "PASS"  # a broken drafter never changes greedy output
     spec = cell["details"]["speculator"]

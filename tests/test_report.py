@@ -180,12 +180,12 @@ def test_results_round_trip(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["schema_version"] == RESULTS_SCHEMA_VERSION and doc["run_id"] == "run-1"
     assert doc["summary"] == {"cells": 5, "pass": 1, "warn": 1, "fail": 1, "error": 1, "skip": 1,
-                              "silent_corruption": 1}
+                              "silent_corruption": 1, "output": 1, "performance": 0, "infrastructure": 1}
     first = doc["cells"][1]
     for key in ("suite", "model", "topology", "fault", "status", "silent_corruption", "localization", "checks"):
         assert key in first
     assert set(first["localization"]) >= {"layer", "heads", "ranks", "kv_heads"}
-    assert set(first["checks"][0]) == {"name", "verdict", "reason", "metrics"}
+    assert set(first["checks"][0]) == {"name", "verdict", "reason", "metrics", "performance_only"}
     read, provenance, run_id = read_results(tmp_path)
     assert run_id == "run-1" and provenance == PROVENANCE
     # float("inf") in a layer error survives the trip
@@ -227,7 +227,13 @@ def test_exit_code(cells: list[CellResult], code: int) -> None:
 
 def test_summary_counts_and_headline() -> None:
     assert summary_counts([pass_cell(), fail_cell()])["silent_corruption"] == 1
-    assert headline(all_cells()).title == "NOT SHIPPABLE"
+    assert headline([pass_cell(), replace(fail_cell(), fault=None)]).title == "NOT SHIPPABLE"
+    # a --fault run is a positive control, not a build verdict; merged with build cells, the build decides
+    control = headline([fail_cell()])
+    assert control.title == "POSITIVE CONTROL: FAULT DETECTED" and "not a build verdict" in control.text
+    assert headline([replace(pass_cell(), fault="dcp-tp-kv-layout")]).title == "POSITIVE CONTROL: FAULT MISSED"
+    mixed = headline(all_cells())
+    assert mixed.title == "INCOMPLETE" and "Also a positive-control run (--fault dcp-tp-kv-layout)" in mixed.text
     assert headline([pass_cell(), warn_cell()]).title == "SHIPPABLE WITH WARNINGS"
     assert headline([pass_cell(), skip_cell()]).title == "SHIPPABLE"
     assert headline([skip_cell()]).title == "NOTHING CHECKED"
@@ -287,7 +293,7 @@ def test_junit_survives_control_characters(tmp_path: Path) -> None:
 
 def test_summary_markdown(tmp_path: Path) -> None:
     text = (render_all(tmp_path, all_cells(), PROVENANCE, "run-1")["summary"]).read_text()
-    assert text.startswith("## Harness report run-1: FAIL")
+    assert text.startswith("## Harness report run-1: ERROR")  # the build cells' verdict (the FAIL is a control)
     assert ("| suite | model | topology | fault | status | layout | logits_decode | generation | run | cell "
             "| acceptance | gsm8k_baseline |" in text)
     assert "| dcp | tiny-gqa | tp4dcp4 | dcp-tp-kv-layout | **FAIL** (silent corruption) |" in text
@@ -310,7 +316,10 @@ def test_print_matrix() -> None:
                                 "generation", "run", "cell", "acceptance", "gsm8k_baseline"]
     assert any("dcp-tp-kv-layout" in ln and "FAIL (silent corruption)" in ln for ln in lines)
     assert any("tp2dcp2" in ln and "ERR" in ln for ln in lines)
-    assert lines[-1].startswith("NOT SHIPPABLE")
+    assert lines[-1].startswith("INCOMPLETE") and "positive-control run" in lines[-1]
+    # each failing or broken cell: where it fails and the command that reruns it
+    assert any(ln.startswith("dcp/tiny-gqa/tp4dcp4") and "FAIL (silent corruption)" in ln for ln in lines)
+    assert sum(1 for ln in lines if ln.startswith("  rerun: ")) == 2
 
 
 def test_render_all_writes_four_files(tmp_path: Path) -> None:

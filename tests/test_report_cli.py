@@ -105,7 +105,7 @@ def _harness(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def test_subprocess_merge_exit_codes(tmp_path: Path) -> None:
     clean = _run_dir(tmp_path, "clean", [pass_cell(), skip_cell()])
-    broken = _run_dir(tmp_path, "broken", [fail_cell()])
+    broken = _run_dir(tmp_path, "broken", [replace(fail_cell(), fault=None)])  # a build's FAIL, not a control
     crashed = _run_dir(tmp_path, "crashed", [error_cell()])
     done = _harness(str(clean), str(broken), "--out", str(tmp_path / "o1"), cwd=tmp_path)
     assert done.returncode == 1, done.stderr

@@ -53,6 +53,7 @@ class CheckSpec:
     requires: tuple[str, ...] = ()         # capabilities needed, all of them
     requires_any: tuple[str, ...] = ()     # capabilities of which one suffices (e.g. full logits or top-k)
     cells: str = "all"                     # "all", "speculative" (-draft/-mtp cells), "gsm8k" (suites with gsm8k)
+    performance_only: bool = False         # measures speed, not outputs: its FAIL is a performance regression
 
     def __post_init__(self) -> None:
         unknown = [x for x in (*self.requires, *self.requires_any) if x not in c.ALL_CAPABILITIES]
@@ -99,7 +100,8 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("acceptance", "acceptance", f"{_B}:acceptance",
               "mean accepted length and per-prompt accept traces against the reference with the same speculator, "
               "and acceptance_baseline against baselines/acceptance.yaml",
-              settings=AcceptanceSettings, requires_any=(c.ACCEPT_TRACES, c.ACCEPTANCE_AGGREGATE), cells="speculative"),
+              settings=AcceptanceSettings, requires_any=(c.ACCEPT_TRACES, c.ACCEPTANCE_AGGREGATE), cells="speculative",
+              performance_only=True),
     CheckSpec("gsm8k", "gsm8k", f"{_B}:gsm8k",
               "gsm8k_paired (McNemar, answer agreement) and gsm8k_baseline (hypothesis test) per cell",
               requires=(c.GSM8K,), cells="gsm8k"),

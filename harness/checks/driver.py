@@ -5,8 +5,10 @@ in its metrics), so the other checks and cells keep their verdicts."""
 from __future__ import annotations
 
 import traceback
+from dataclasses import replace
 from typing import Callable
 
+from harness.checks.builtin import finish_details
 from harness.checks.catalog import CheckSpec, registered_checks
 from harness.checks.context import CellContext
 from harness.plugins import load_target
@@ -50,16 +52,15 @@ def run_check(spec: CheckSpec, ctx: CellContext) -> list[CheckResult]:
         return [CheckResult(spec.name, Verdict.SKIP, f"{missing}: {spec.name} unavailable",
                             {"requires": spec.needs()})]
     try:
-        return list(load(spec)(ctx))
+        results = list(load(spec)(ctx))
     except Exception as exc:  # a broken check must not take the cell's other verdicts with it
         return [CheckResult(spec.name, Verdict.ERROR, f"check raised {type(exc).__name__}: {exc}",
                             {"traceback": traceback.format_exc()})]
+    return [replace(r, performance_only=True) for r in results] if spec.performance_only else results
 
 
 def run_checks(ctx: CellContext) -> list[CheckResult]:
     """Every check of the cell in registry order; ctx.details and ctx.localization are filled in."""
-    from harness.checks.builtin import finish_details
-
     failed = failed_run(ctx)
     if failed:
         return [CheckResult(name, Verdict.ERROR, failed) for name in check_names(ctx)]

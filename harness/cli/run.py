@@ -181,6 +181,10 @@ def reproduce_args(args: argparse.Namespace, budget_mib: int, max_seq_len: int) 
         out += ["--gsm8k-path", _ref(args.gsm8k_path)]
     if Path(args.baselines_dir).resolve() != BASELINES_DIR.resolve():
         out += ["--baselines-dir", _ref(str(args.baselines_dir))]
+    if args.timeout is not None:  # a cell that timed out times out again the same way
+        out += ["--timeout", f"{args.timeout:g}"]
+    if args.collective_timeout != COLLECTIVE_TIMEOUT_S:
+        out += ["--collective-timeout", f"{args.collective_timeout:g}"]
     return tuple(out)
 
 

@@ -33,6 +33,7 @@ from harness.report.matrix import (
     Matrix,
     MatrixRow,
     build_matrix,
+    class_label,
     headline,
     interrupted_text,
     key_legend,
@@ -44,7 +45,7 @@ from harness.report.matrix import (
 )
 from harness.report.svg import head_heatmap, layer_error_plot
 from harness.results import summary_counts
-from harness.verdict import CellResult, CheckResult, Verdict
+from harness.verdict import CellResult, CheckResult, FailureClass, Verdict
 
 if TYPE_CHECKING:
     from harness.history import CellHistory, CellId
@@ -163,12 +164,13 @@ def cell_view(row: MatrixRow) -> CellView:
         notes=tuple(notes))
 
 
-def banner_items(matrix: Matrix) -> list[BannerItem]:
-    """The silent-corruption cells with their failed checks and suspects."""
+def banner_items(matrix: Matrix, performance: bool = False) -> list[BannerItem]:
+    """The silent-corruption cells (or, with `performance`, the performance-only ones) with their failed
+    checks and suspects."""
     items = []
     for row in matrix.rows:
         cell = row.cell
-        if not cell.silent_corruption:
+        if not (cell.failure_class is FailureClass.PERFORMANCE if performance else cell.silent_corruption):
             continue
         failed = ", ".join(c.name for c in cell.checks if c.verdict is Verdict.FAIL)
         items.append(BannerItem(label=row.label, anchor=_anchor(row), failed=failed, suspect=suspect_text(cell)))
@@ -210,12 +212,13 @@ def render_html(cells: list[CellResult], provenance: dict[str, Any], run_id: str
     views = [cell_view(r) for r in matrix.rows]
     history, flaky = history_views(matrix, histories)
     problems = [v for v in views if v.row.cell.status in (Verdict.FAIL, Verdict.ERROR)
-                and not v.row.cell.silent_corruption]
+                and not v.row.cell.silent_corruption and v.row.cell.failure_class is not FailureClass.PERFORMANCE]
     skipped = [v for v in views if v.row.cell.status is Verdict.SKIP]
     page = _environment().get_template("index.html.j2").render(
         run_id=run_id, head=headline(cells, interrupted_text(provenance)), counts=summary_counts(cells),
         verdicts=list(Verdict),
-        matrix=matrix, banner=banner_items(matrix), problems=problems, skipped=skipped, cells=views,
+        matrix=matrix, banner=banner_items(matrix), performance=banner_items(matrix, performance=True),
+        problems=problems, class_label=class_label, skipped=skipped, cells=views,
         legend=key_legend(cells),
         provenance=provenance_items(provenance), command=str(provenance.get("command", "")),
         sources=_sources(provenance), harness_version=__version__, history=history, flaky=flaky,

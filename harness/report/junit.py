@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from harness.report.logs import clean_log, xml_safe
-from harness.report.matrix import localization_text, metrics_text
+from harness.report.matrix import class_label, localization_text, metrics_text
 from harness.verdict import CellResult, CheckResult, Verdict
 
 JUNIT_FILE = "junit.xml"
@@ -47,12 +47,12 @@ def _testcase(parent: ET.Element, classname: str, check: CheckResult, cell: Cell
     body = "\n".join([*_lists_text(check), *metrics_text(check.metrics)])
     reason = xml_safe(check.reason)
     if check.verdict is Verdict.FAIL:
-        kind = "silent-corruption" if cell.silent_corruption else "FAIL"
+        kind = class_label(cell).replace(" ", "-") or "FAIL"  # silent-corruption, performance-only, ...
         where = f"localization: {localization_text(cell.localization)}\n" if cell.localization else ""
         ET.SubElement(case, "failure", message=reason, type=kind).text = xml_safe(where + body)
     elif check.verdict is Verdict.ERROR:
         text = clean_log(cell.error_log) if cell.error_log else xml_safe(body)
-        ET.SubElement(case, "error", message=reason, type="ERROR").text = text
+        ET.SubElement(case, "error", message=reason, type="infrastructure").text = text
     elif check.verdict is Verdict.SKIP:  # the reason as message and text: CI pages show one or the other
         ET.SubElement(case, "skipped", message=reason).text = reason
     elif check.verdict is Verdict.WARN:

@@ -14,7 +14,7 @@ from typing import Any
 
 from harness.checkmetrics import PARITY_CHECKS, find_key_metric
 from harness.fmt import id_ranges
-from harness.verdict import CellResult, CheckResult, Localization, Verdict
+from harness.verdict import CellResult, CheckResult, FailureClass, Localization, Verdict
 
 _SHORT: dict[str, str] = {"max_kl": "KL", "kl_max": "KL", "kl": "KL", "first_divergence": "div@",
                           "mean_acceptance": "acc", "acceptance": "acc", "answer_agreement": "agree",
@@ -223,8 +223,14 @@ def interrupted_text(provenance: dict[str, Any]) -> str:
 
 def headline(cells: list[CellResult], interrupted: str = "") -> Headline:
     """The overall verdict of a set of cells, phrased for a release manager; an interrupted run
-    (`interrupted`: interrupted_text()) is never shippable."""
-    head = _headline(cells)
+    (`interrupted`: interrupted_text()) is never shippable, and a run with injected faults (positive
+    controls) is no build verdict: its headline says whether each fault was flagged."""
+    controls = [c for c in cells if c.fault]
+    builds = [c for c in cells if not c.fault]
+    head = _headline(builds) if builds else _control_headline(controls)
+    if builds and controls:  # a merge of build cells and positive controls: the verdict is the build's
+        control = _control_headline(controls)
+        head = Headline(head.verdict, head.title, f"{head.text} Also {control.text}")
     if not interrupted:
         return head
     if head.verdict is Verdict.FAIL:
@@ -232,18 +238,58 @@ def headline(cells: list[CellResult], interrupted: str = "") -> Headline:
     return Headline(Verdict.ERROR, "INTERRUPTED", f"{interrupted} In those: {head.text}")
 
 
+def class_label(cell: CellResult) -> str:
+    """What a failing cell's failure is: 'silent corruption' (output corruption in a run that exited
+    cleanly), 'output corruption', 'performance-only', 'infrastructure' (ERROR); '' when nothing failed."""
+    failure = cell.failure_class
+    if failure is None:
+        return ""
+    return "silent corruption" if cell.silent_corruption else failure.label
+
+
+def _failed_text(cells: list[CellResult]) -> str:
+    """'2 silent corruption, 1 performance-only'."""
+    classes = [c.failure_class for c in cells if c.status is Verdict.FAIL]
+    silent = sum(1 for c in cells if c.silent_corruption)
+    parts = [f"{silent} silent corruption"]
+    output_loud = sum(1 for c in cells if c.failure_class is FailureClass.OUTPUT and not c.silent_corruption)
+    if output_loud:
+        parts.append(f"{output_loud} output corruption after a crash")
+    performance = classes.count(FailureClass.PERFORMANCE)
+    if performance:
+        parts.append(f"{performance} performance-only: outputs agree, draft acceptance regressed")
+    return ", ".join(parts)
+
+
+def _control_headline(faulted: list[CellResult]) -> Headline:
+    """Positive controls (cells run with --fault): whether the fault was flagged where it ran."""
+    ran = [c for c in faulted if c.status is not Verdict.SKIP]
+    flagged = [c for c in ran if c.status is Verdict.FAIL]
+    faults = ", ".join(sorted({c.fault for c in faulted if c.fault}))
+    what = (f"a positive-control run (--fault {faults}), not a build verdict: the fault was flagged in "
+            f"{len(flagged)} of {len(ran)} cells it ran in")
+    if flagged:
+        what += f" ({_failed_text(flagged)})"
+    errors = sum(1 for c in ran if c.status is Verdict.ERROR)
+    if errors:
+        what += f"; {errors} could not run"
+    if ran and len(flagged) == len(ran):
+        return Headline(Verdict.FAIL, "POSITIVE CONTROL: FAULT DETECTED", what + ".")
+    return Headline(Verdict.WARN if ran else Verdict.SKIP,
+                    "POSITIVE CONTROL: FAULT MISSED" if ran else "POSITIVE CONTROL: NOTHING RAN", what + ".")
+
+
 def _headline(cells: list[CellResult]) -> Headline:
     n = len(cells)
     count = {v: sum(1 for c in cells if c.status is v) for v in Verdict}
-    silent = sum(1 for c in cells if c.silent_corruption)
     if count[Verdict.FAIL]:
         extra = f", {count[Verdict.ERROR]} could not run" if count[Verdict.ERROR] else ""
         return Headline(Verdict.FAIL, "NOT SHIPPABLE",
-                        f"{count[Verdict.FAIL]} of {n} cells FAIL ({silent} silent corruption){extra}.")
+                        f"{count[Verdict.FAIL]} of {n} cells FAIL ({_failed_text(cells)}){extra}.")
     if count[Verdict.ERROR]:
         return Headline(Verdict.ERROR, "INCOMPLETE",
-                        f"{count[Verdict.ERROR]} of {n} cells could not run (ERROR); no check failed "
-                        f"in the cells that ran.")
+                        f"{count[Verdict.ERROR]} of {n} cells could not run (ERROR: infrastructure, no verdict "
+                        f"on their outputs); no check failed in the cells that ran.")
     if n == 0 or count[Verdict.SKIP] == n:
         return Headline(Verdict.SKIP, "NOTHING CHECKED", f"all {n} cells were skipped." if n else "no cells.")
     if count[Verdict.WARN]:

@@ -11,6 +11,7 @@ from typing import Any
 from harness.report.matrix import (
     Matrix,
     build_matrix,
+    class_label,
     headline,
     interrupted_text,
     plural,
@@ -18,7 +19,7 @@ from harness.report.matrix import (
     suspect_text,
 )
 from harness.results import summary_counts
-from harness.verdict import CellResult, Verdict
+from harness.verdict import CellResult, FailureClass, Verdict
 
 SUMMARY_FILE = "summary.md"
 _MD_SPECIAL = {"\\": "\\\\", "|": "\\|", "`": "\\`", "*": "\\*", "[": "\\[", "]": "\\]",
@@ -35,7 +36,7 @@ def _table(matrix: Matrix) -> list[str]:
     headers = [*matrix.key_headers, "status", *matrix.check_names]
     lines = ["| " + " | ".join(md_escape(h) for h in headers) + " |", "|" + "---|" * len(headers)]
     for row in matrix.rows:
-        status = _verdict(row.cell.status) + (" (silent corruption)" if row.cell.silent_corruption else "")
+        status = _verdict(row.cell.status) + (f" ({class_label(row.cell)})" if class_label(row.cell) else "")
         checks = [(_verdict(c.verdict) + (f" {md_escape(c.key)}" if c.key else "")) if c.verdict else "-"
                   for c in row.checks]
         lines.append("| " + " | ".join([*(md_escape(k) for k in row.keys), status, *checks]) + " |")
@@ -54,11 +55,13 @@ def _problems(matrix: Matrix) -> list[str]:
         for r in silent:
             failed = ", ".join(ch.name for ch in r.cell.checks if ch.verdict is Verdict.FAIL)
             out.append(f"- {md_escape(r.label)} (failed: {md_escape(failed)}): {md_escape(suspect_text(r.cell))}")
-    other = [r for r in matrix.rows
-             if r.cell.status in (Verdict.FAIL, Verdict.ERROR) and not r.cell.silent_corruption]
-    if other:
-        out += ["", "### Other failures and errors", ""]
-        for r in other:
+    for title, failure in (("Performance-only regressions (outputs agree)", FailureClass.PERFORMANCE),
+                           ("Other failures", FailureClass.OUTPUT),
+                           ("Could not run (infrastructure)", FailureClass.INFRASTRUCTURE)):
+        rows = [r for r in matrix.rows if r.cell.failure_class is failure and not r.cell.silent_corruption]
+        if rows:
+            out += ["", f"### {title}", ""]
+        for r in rows:
             bad = [ch for ch in r.cell.checks if ch.verdict in (Verdict.FAIL, Verdict.ERROR)]
             reason = "; ".join(f"{ch.name}: {ch.reason}" for ch in bad) or "no checks ran"
             out.append(f"- {md_escape(r.label)} {r.cell.status.value}: {md_escape(reason)}")
