@@ -29,12 +29,27 @@ from tests.conftest import TEST_PROMPTS, launch_run
 def test_crashed_rank_is_an_error_with_log_tails(tmp_path: Path) -> None:
     art = launch_run(tmp_path / "crash", "tiny-gqa", "tp2", env={INJECT_ENV: "crash:1"}, timeout_s=300)
     assert not art.ok
-    assert "exited with code" in art.manifest["error"]
+    assert art.manifest["error"].startswith("rank 1 exited with code 17; the launcher stopped the other ranks")
     # the reason names the rank that failed first and its error, not rank 0's broken-pipe follow-up
     assert art.manifest["error"].endswith("; rank1: injected failure: crash on rank 1")
     tails = art.manifest["log_tails"]
     assert "injected failure: crash on rank 1" in tails["rank1"]
     assert set(tails) >= {"rank0", "rank1", "launcher"}
+
+
+def test_killed_rank_is_named_with_its_signal(tmp_path: Path) -> None:
+    """kill -9 of rank 1: the reason names the rank and the signal, not only the launch's exit code."""
+    art = launch_run(tmp_path / "kill", "tiny-gqa", "tp2", env={INJECT_ENV: "kill:1"}, timeout_s=300)
+    assert not art.ok
+    assert art.manifest["error"].startswith("rank 1 was killed by SIGKILL (exit code 137)"), art.manifest["error"]
+
+
+def test_launch_timeout_says_how_long_and_which_logs_are_empty(tmp_path: Path) -> None:
+    """A launch killed by its timeout says so, with the time, the setting, and how many rank logs are empty."""
+    art = launch_run(tmp_path / "slow", "tiny-gqa", "tp2", env={INJECT_ENV: "hang:1"}, timeout_s=3,
+                     collective_timeout_s=60)
+    error = art.manifest["error"]
+    assert not art.ok and error.startswith("killed after ") and "by the launch timeout (--timeout 3)" in error, error
 
 
 def test_hung_rank_ends_the_launch(tmp_path: Path) -> None:

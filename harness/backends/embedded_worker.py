@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -34,7 +35,7 @@ from harness.engine.tokenizer import Tokenizer, load_tokenizer, tokenizer_hash
 from harness.engine.weights import load_weights, weights_hash
 from harness.jsonio import write_json
 
-INJECT_ENV = "HARNESS_INJECT_RANK_FAILURE"  # "crash:R" or "hang:R": test hook for the launcher's error path
+INJECT_ENV = "HARNESS_INJECT_RANK_FAILURE"  # "crash|hang|kill|stop:R": test hook for the launcher's error path
 
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,6 +70,8 @@ def _inject_failure(rank: int) -> None:
             os._exit(17)
         if mode == "hang":
             time.sleep(10 ** 6)
+        if mode in ("kill", "stop"):  # as `kill -9` / `kill -STOP` of the rank from outside
+            os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
 
 
 def _run_gsm8k(job: Job, engine: Engine, tokenizer: Tokenizer) -> dict[str, Any] | None:

@@ -178,6 +178,28 @@ def _kill_group(proc: "Process") -> None:
     _signal_groups(pids, signal.SIGKILL)  # ranks that outlived torchrun
 
 
+_FIRST_FAILURE = re.compile(r"^first failure: rank (\d+) exited with code (-?\d+)", re.M)  # forkrun.py
+
+
+def _code_text(code: int) -> str:
+    """'exited with code 1' / 'was killed by SIGKILL (exit code 137)'; negative codes are signals (Popen's)."""
+    signum = -code if code < 0 else code - 128 if code > 128 else 0
+    try:
+        name = signal.Signals(signum).name if signum else ""
+    except ValueError:
+        name = ""
+    return f"was killed by {name} (exit code {128 + signum})" if name else f"exited with code {code}"
+
+
+def exit_text(launcher_log: str, returncode: int) -> str:
+    """Why a launch failed: the first rank that failed and how (the fork launcher names it), else the
+    launch's own exit."""
+    found = _FIRST_FAILURE.search(launcher_log)
+    if found:
+        return f"rank {found.group(1)} {_code_text(int(found.group(2)))}; the launcher stopped the other ranks"
+    return f"launch {_code_text(returncode)}"
+
+
 _ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+(?:Error|Exception|Interrupt)|injected failure)\b.*)$")
 
 
@@ -255,9 +277,14 @@ def launch(job: Job, timeout_s: float, module: str, env: dict[str, str] | None =
     manifest_path = run_dir / MANIFEST_FILE
     if not timed_out and proc.returncode == 0 and manifest_path.exists():
         return LaunchResult(True, 0, wall, "", tails)
-    error = (f"run timed out after {timeout_s:.0f} s (a rank hung?)" if timed_out
-             else f"launch exited with code {proc.returncode}" if proc.returncode
+    error = (f"killed after {wall:.1f} s by the launch timeout (--timeout {timeout_s:g}): a rank hung or ran "
+             f"too long" if timed_out
+             else exit_text(tails.get("launcher", ""), proc.returncode) if proc.returncode
              else "launch exited cleanly but wrote no manifest")
+    empty = [r for r, text in tails.items() if r.startswith("rank") and not text.strip()]
+    if empty:
+        error += (f"; {len(empty)} of {world} rank logs empty" if len(empty) > 1 or world > 1
+                  else "; its rank log is empty")
     failed = [r for r, t in tails.items() if "Traceback" in t or "injected failure" in t or "Error" in t]
     if failed:
         error += f"; failing: {', '.join(failed)}"
