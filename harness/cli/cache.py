@@ -1,10 +1,12 @@
-"""`harness cache list|size|prune`: the reference-run cache (default $HARNESS_CACHE_DIR or
-~/.cache/llm-parallel-harness), so it does not grow forever on a nightly box.
+"""`harness cache list|size|prune`: the reference-run cache (default $HARNESS_CACHE_DIR, else the
+user's own $XDG_CACHE_HOME/llm-parallel-harness or ~/.cache/llm-parallel-harness, mode 0700), so it does not
+grow forever on a nightly box.
 
 Each entry is one reference run under CACHE/runs/, one converted GGUF file under CACHE/gguf/ (its
 tokenizer and float32 weights) or one model exported for an HTTP engine under CACHE/exports/. Its age is
 the time since it was last written or reused (a run that takes an entry from the cache marks it used).
 Entries still being written (`*.<pid>.partial`) belong to the live process <pid> and are never pruned while it runs.
+CACHE/locks/ holds one empty lock file per reference key (harness/refcache.py); they are not entries.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("cache", help="list, size or prune the reference-run cache", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache-dir", type=Path, default=None,
-                   help="cache folder (default: $HARNESS_CACHE_DIR or ~/.cache/llm-parallel-harness)")
+                   help="cache folder (default: $HARNESS_CACHE_DIR, else $XDG_CACHE_HOME or ~/.cache "
+                        "/llm-parallel-harness)")
     actions = p.add_subparsers(dest="action", required=True, parser_class=type(p))
     actions.add_parser("list", help="every entry with its size and age")
     actions.add_parser("size", help="the entries' count and total size")

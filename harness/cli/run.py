@@ -56,8 +56,8 @@ def add_parser(sub: Any) -> None:
                    help=f"seconds before a launch is killed (default: ${TIMEOUT_ENV} or {LAUNCH_TIMEOUT_S:.0f})")
     p.add_argument("--collective-timeout", type=positive_float, default=COLLECTIVE_TIMEOUT_S,
                    help="seconds before a collective fails")
-    p.add_argument("--cache-dir", type=Path, default=None, help="reference-run cache (default: $HARNESS_CACHE_DIR "
-                   "or ~/.cache/llm-parallel-harness)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="reference-run cache (default: $HARNESS_CACHE_DIR, "
+                   "else the user's $XDG_CACHE_HOME or ~/.cache /llm-parallel-harness, mode 0700)")
     p.add_argument("--engine", default="embedded",
                    help="backend of the parallel runs: NAME or NAME:OPTION (harness list engines), or an engine "
                    "template file PATH.yaml[:OPTION] (default: embedded)")

@@ -63,3 +63,44 @@ def json_float(value: float) -> float | None:
     """A float for JSON: non-finite values (NaN, +-Inf) become None."""
     value = float(value)
     return value if math.isfinite(value) else None
+
+
+# Unit roundoff u (half the machine epsilon) of each dtype a run computes in.
+UNIT_ROUNDOFF: dict[str, float] = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11,
+                                   "bfloat16": 2.0 ** -8}
+# A noise run differs from its reference only by rounding (another reduction order, a precision twin or
+# a rescheduled repeat), so its max abs logit difference stays within a modest multiple of u x the
+# logits' magnitude: the shipped tiny models measure ~13 u x max|logit| in float32, float16 and bfloat16
+# alike. 2^10 of them (~80x that) cannot be rounding: the noise run (or the reference) is broken, and a
+# bound scaled from it would excuse anything. For KL, Hoeffding's lemma gives KL(p||q) <= max|dlogit|^2 / 2.
+NOISE_PLAUSIBLE_ROUNDOFFS = 2.0 ** 10
+
+
+@dataclass(frozen=True)
+class NoiseLimit:
+    """The largest noise rounding in `dtype` explains for logits of magnitude `magnitude`."""
+
+    dtype: str
+    magnitude: float  # max |logit| of the reference
+
+    @property
+    def abs_limit(self) -> float:
+        return NOISE_PLAUSIBLE_ROUNDOFFS * UNIT_ROUNDOFF[self.dtype] * max(self.magnitude, 1.0)
+
+    @property
+    def kl_limit(self) -> float:
+        return 0.5 * self.abs_limit ** 2
+
+    def problem(self, max_abs: float, max_kl: float) -> str | None:
+        """'max abs 5.2e+00 > 1.2e-03 (2^10 u x max |logit| 18.8) for float32', or None when plausible."""
+        why = f"(2^10 u x max |logit| {max(self.magnitude, 1.0):.1f}) for {self.dtype}"
+        if not math.isfinite(max_abs) or max_abs > self.abs_limit:
+            return f"max abs {max_abs:.1e} > {self.abs_limit:.1e} {why}"
+        if not math.isfinite(max_kl) or max_kl > self.kl_limit:
+            return f"max KL {max_kl:.1e} > {self.kl_limit:.1e} (half the square of the max abs limit {why})"
+        return None
+
+
+def noise_limit(dtype: str | None, magnitude: float) -> NoiseLimit | None:
+    """The plausibility limit of a noise run in `dtype`, or None for a dtype without a known unit roundoff."""
+    return NoiseLimit(dtype, magnitude) if dtype in UNIT_ROUNDOFF else None

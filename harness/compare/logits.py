@@ -7,7 +7,9 @@ Verdict (bounds from LogitsSettings, noise-scaled, see bounds.Bound):
   or more near-tie flips than tie_flip_limit (a few more than the noise run had: systematic flips
   are not excused as ties). Each metric is also reported as a multiple of the measured noise.
 - WARN: max KL or max abs error between its bound and fail_ratio x bound, or mean top-k overlap
-  below topk_warn.
+  below topk_warn, or a noise run implausible for the dtype (its max abs difference from the reference
+  beyond what rounding explains, bounds.NoiseLimit): the reason names it, and the bounds then fall back
+  to their floors instead of scaling from a broken noise floor.
 - PASS otherwise; ERROR when a run lacks the tensors; SKIP without prompts.
 """
 
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 
 from harness.artifacts import RunArtifacts
-from harness.compare.bounds import Bound, json_float
+from harness.compare.bounds import Bound, json_float, noise_limit
 from harness.compare.settings import LogitsSettings
 from harness.errors import RunError
 from harness.verdict import CheckResult, Verdict, worst
@@ -102,6 +104,7 @@ class _Noise:
     abs: float | None = None
     flips: int = 0
     note: str | None = None
+    implausible: bool = False  # measured, but beyond rounding in the dtype: not used (a WARN)
 
 
 def _noise_levels(kind: str, ref: RunArtifacts, noise: RunArtifacts | None, k: int) -> _Noise:
@@ -112,6 +115,7 @@ def _noise_levels(kind: str, ref: RunArtifacts, noise: RunArtifacts | None, k: i
         return _Noise(note="noise run failed")
     kls: list[float] = []
     abss: list[float] = []
+    magnitude = 0.0
     flips = 0
     try:
         for case in ref.cases:
@@ -121,9 +125,16 @@ def _noise_levels(kind: str, ref: RunArtifacts, noise: RunArtifacts | None, k: i
             kls.append(_max(got.metrics.kl))
             abss.append(_max(got.metrics.max_abs))
             flips += int((~got.metrics.top1_match).sum())
+            magnitude = max(magnitude, _max(ref.tensor(kind, case.index).abs()))
     except RunError as exc:
         return _Noise(note=f"noise run unusable: {exc}")
-    return _Noise(kl=max(kls, default=0.0), abs=max(abss, default=0.0), flips=flips)
+    max_kl, max_abs = max(kls, default=0.0), max(abss, default=0.0)
+    limit = noise_limit(ref.manifest.get("dtype"), magnitude)
+    problem = limit.problem(max_abs, max_kl) if limit is not None else None
+    if problem:
+        return _Noise(note=f"noise run {noise.path} implausible: {problem}, far beyond rounding; "
+                           f"bounds fall back to their floors", implausible=True)
+    return _Noise(kl=max_kl, abs=max_abs, flips=flips)
 
 
 def _max(t: torch.Tensor) -> float:
@@ -189,7 +200,10 @@ def _verdict(name: str, path: str, cases: list[_Case], prompts: list[dict[str, A
     metrics: dict[str, Any] = {"path": path, "problems": problems, "k": settings.topk, "tie_bound": tie_bound,
                                "kl_bound": kl.to_dict(), "abs_bound": abs_.to_dict(), "first_divergence": None,
                                "noise_note": noise_note, "noise_flips": measured.flips,
-                               "tie_flip_limit": tie_flip_limit(settings, measured.flips)}
+                               "tie_flip_limit": tie_flip_limit(settings, measured.flips),
+                               "noise_implausible": measured.implausible}
+    if measured.implausible:
+        verdicts.append(Verdict.WARN)
     if valid:
         def cat(attr: str) -> torch.Tensor:
             return torch.cat([getattr(m, attr) for m in valid])  # [T] per prompt -> [sum of T]
