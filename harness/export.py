@@ -13,7 +13,10 @@ placeholder tokens (they exist in the model and decode to nothing, as in the byt
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -80,10 +83,51 @@ def write_tokenizer(spec: ModelSpec, folder: Path) -> tuple[int | None, int | No
     return bos_id, eos_id
 
 
-def export_model(spec: ModelSpec, out: Path) -> Path:
-    """Write `spec` (weights and tokenizer) as a Hugging Face checkpoint folder at `out`."""
+REAL_EXTRA_PACKAGES: tuple[str, ...] = ("tokenizers",)  # what writing tokenizer.json needs (the [real] extra)
+
+
+def require_real_extra() -> None:
+    """The packages of the `[real]` extra that export needs, or one ConfigError saying what to install."""
+    for name in REAL_EXTRA_PACKAGES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            raise ConfigError(f"harness export needs the {name!r} package (the [real] extra), which is not "
+                              f"installed; install it with: pip install -e '.[real]'") from None
+
+
+def check_out(out: Path) -> None:
+    """--out is a new folder or an empty one."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a new or empty folder")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} exists and is not empty; give a new or empty folder")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"--out {out} lies under the file {parent}; give a new or empty folder")
+            break
+
+
+def export_model(spec: ModelSpec, out: Path) -> Path:
+    """Write `spec` (weights and tokenizer) as a Hugging Face checkpoint folder at `out`: into a temporary
+    folder beside it, renamed into place only when complete (a failed export leaves no folder behind)."""
+    check_out(out)
+    require_real_extra()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.{os.getpid()}.partial"  # this process's own staging folder
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        _write_folder(spec, tmp)
+        os.replace(tmp, out)  # an empty `out` is replaced too
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_folder(spec: ModelSpec, out: Path) -> None:
     save_hf_checkpoint(spec, load_weights(spec), out)
     bos_id, eos_id = write_tokenizer(spec, out)
     config = json.loads((out / "config.json").read_text())
@@ -91,4 +135,3 @@ def export_model(spec: ModelSpec, out: Path) -> Path:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    return out

@@ -38,7 +38,8 @@ def _reader(path: str, mtime_ns: int, size: int) -> Any:
     try:
         import gguf
     except ImportError as exc:
-        raise ConfigError(f"reading {path} needs the `gguf` package: pip install gguf") from exc
+        raise ConfigError(f"reading {path} needs the `gguf` package (the [real] extra): "
+                          f"pip install -e '.[real]'") from exc
     return gguf.GGUFReader(path)
 
 

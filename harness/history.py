@@ -159,26 +159,72 @@ def rows_of(cells: Sequence[CellResult], run_id: str, created: str, provenance: 
     return rows
 
 
-def add_run(conn: sqlite3.Connection, run_dir: Path, build_label: str | None = None) -> tuple[str, int]:
-    """Record run_dir's results.json; recording the same run (run id and suites) again replaces it.
-    (run id, rows)."""
+@dataclass(frozen=True)
+class LoadedRun:
+    """One run folder's results.json, read and turned into rows (nothing written yet)."""
+
+    run_dir: Path
+    run_id: str
+    created: str
+    label: str
+    provenance: dict[str, Any]
+    suites: list[str]
+    rows: list[Row]
+
+
+def load_run_rows(run_dir: Path, build_label: str | None = None) -> LoadedRun:
+    """Read run_dir's results.json into the rows `add_run` records; a bad folder is one ConfigError."""
     cells, provenance, run_id = read_results(run_dir)
     label = build_label if build_label is not None else str(
         provenance.get("build_label") or os.environ.get(BUILD_LABEL_ENV, ""))
     created = _created(run_dir)
     rows = rows_of(cells, run_id, created, provenance, label)
     suites = sorted({c.suite for c in cells}) or [str(provenance.get("suite", ""))]
+    return LoadedRun(run_dir, run_id, created, label, provenance, suites, rows)
+
+
+def record_runs(path: Path, run_dirs: Sequence[Path], build_label: str | None = None) -> list[tuple[str, int]]:
+    """Record run folders into the store at `path` in one transaction: every folder is read before the
+    store is touched, and a failure leaves the store as it was (a store this call created is removed)."""
+    loaded = [load_run_rows(d, build_label) for d in run_dirs]
+    existed = path.exists()
+    try:
+        conn = connect(path)
+        try:
+            with conn:
+                out = [_insert(conn, run) for run in loaded]
+        finally:
+            conn.close()
+    except BaseException:
+        if not existed:
+            for leftover in (path, path.with_name(path.name + "-journal")):
+                leftover.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def add_run(conn: sqlite3.Connection, run_dir: Path, build_label: str | None = None) -> tuple[str, int]:
+    """Record run_dir's results.json; recording the same run (run id and suites) again replaces it.
+    (run id, rows)."""
+    run = load_run_rows(run_dir, build_label)
     with conn:
-        conn.executemany("DELETE FROM checks WHERE run_id = ? AND suite = ?", [(run_id, s) for s in suites])
-        conn.execute("INSERT OR REPLACE INTO runs VALUES (?,?,?,?,?,?,?,?,?,?,?)", (
-            run_id, created, datetime.now(timezone.utc).isoformat(timespec="seconds"), ",".join(suites),
-            str(provenance.get("git_commit", "unknown")), str(provenance.get("engine", "")),
-            str(provenance.get("engine_version", "")), label, str(provenance.get("hostname", "")),
-            str(run_dir.resolve()), json.dumps(provenance, default=str)))
-        conn.executemany("INSERT INTO checks VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", [
-            (r.run_id, r.created, r.suite, r.model, r.topology, r.seed, r.fault, r.cell_status, r.check,
-             r.verdict, r.reason, r.key_metric, r.key_value, json.dumps(r.noise_multiples),
-             r.max_noise_multiple, r.git_commit, r.engine_version, r.build_label) for r in rows])
+        return _insert(conn, run)
+
+
+def _insert(conn: sqlite3.Connection, run: LoadedRun) -> tuple[str, int]:
+    """The rows of `run` written (the caller commits)."""
+    run_dir, run_id, created, label, provenance, suites, rows = (
+        run.run_dir, run.run_id, run.created, run.label, run.provenance, run.suites, run.rows)
+    conn.executemany("DELETE FROM checks WHERE run_id = ? AND suite = ?", [(run_id, s) for s in suites])
+    conn.execute("INSERT OR REPLACE INTO runs VALUES (?,?,?,?,?,?,?,?,?,?,?)", (
+        run_id, created, datetime.now(timezone.utc).isoformat(timespec="seconds"), ",".join(suites),
+        str(provenance.get("git_commit", "unknown")), str(provenance.get("engine", "")),
+        str(provenance.get("engine_version", "")), label, str(provenance.get("hostname", "")),
+        str(run_dir.resolve()), json.dumps(provenance, default=str)))
+    conn.executemany("INSERT INTO checks VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", [
+        (r.run_id, r.created, r.suite, r.model, r.topology, r.seed, r.fault, r.cell_status, r.check,
+         r.verdict, r.reason, r.key_metric, r.key_value, json.dumps(r.noise_multiples),
+         r.max_noise_multiple, r.git_commit, r.engine_version, r.build_label) for r in rows])
     return run_id, len(rows)
 
 

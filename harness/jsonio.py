@@ -2,18 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from harness.errors import HarnessError, RunError
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write a file atomically: into a temporary file in the same folder, flushed to disk (fsync), then
+    renamed over `path`. A crash or a full disk never leaves half a file: `path` is either the complete
+    new file or as it was, and the temporary file is removed when the write fails."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # the mode an ordinary write would give (mkstemp makes 0600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(name, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+        raise
+
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write a file atomically (a crash never leaves half a file)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    """Write a UTF-8 text file atomically (write_bytes_atomic)."""
+    write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -3,7 +3,10 @@ compare -> CellResults. Stages talk through run directories (harness/artifacts.p
 
 from __future__ import annotations
 
+import errno
+import os
 import shlex
+import shutil
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,12 +31,12 @@ from harness.contract import (
 from harness.engine.fault_scope import inert_reason
 from harness.engine.faults import FAULTS, PERTURBATIONS, fault_flags
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
-from harness.errors import ConfigError, HarnessError, RunError
+from harness.errors import ConfigError, DiskFull, HarnessError, RunError
 from harness.gsm8k.settings import GSM8KSettings
 from harness.jsonio import read_json
 from harness.launcher.nodes import NodeLaunch, Nodes
 from harness.layout import plan_layout, plan_speculator
-from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
+from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, RUN_DIR_MIN_BYTES, free_bytes
 from harness.paths import BASELINES_DIR
 from harness.refcache import ReferenceCache, ReferenceFailed
 from harness.report.provenance import collect_provenance, git_commit
@@ -384,8 +387,23 @@ class Runner:
                 f"{result.wall_s:.1f} s"
             self.progress(f"[{i}/{len(cells)}] {cell.slug}: {result.status.value} ({took})"
                           + (f" - {reason}" if result.status is not Verdict.PASS else ""))
+            full = self._disk_full(reason) if result.status is Verdict.ERROR else None
+            if full is not None:  # every later cell would fail alike: stop, keep the cells done
+                folder, free = full
+                shutil.rmtree(self.req.out_dir / "runs" / cell.slug, ignore_errors=True)  # incomplete; frees room
+                results.append(replace(result, run_dir="", checks=(CheckResult(
+                    "run", Verdict.ERROR, f"no space left on device in {folder} ({free} bytes free): {reason}"),)))
+                raise DiskFull(folder, free, cell.slug)
             results.append(result)
         return results
+
+    def _disk_full(self, reason: str) -> tuple[Path, int] | None:
+        """(folder, free bytes) when the out or cache folder's disk is full: a cell error that says so, or
+        less room left than one run folder needs."""
+        free, folder = min((free_bytes(f), f) for f in (self.req.out_dir, self.req.cache_dir))
+        if free < RUN_DIR_MIN_BYTES or os.strerror(errno.ENOSPC) in reason:
+            return folder, free
+        return None
 
     def provenance(self, argv: list[str]) -> dict[str, Any]:
         return {**collect_provenance(" ".join(["harness", *argv]), self.req.device,

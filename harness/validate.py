@@ -25,6 +25,8 @@ INT_KINDS: frozenset[str] = frozenset({c.PREFILL_TOPK_IDS, c.DECODE_TOPK_IDS, c.
 
 def load_run(path: Path) -> tuple[RunArtifacts | None, list[str]]:
     """The run directory read, or None and why it cannot be read."""
+    if not path.exists():
+        return None, [f"{path} does not exist"]
     if not (path / c.MANIFEST_FILE).is_file():
         return None, [f"{path}: no {c.MANIFEST_FILE}"]
     try:

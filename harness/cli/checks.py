@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from harness.errors import ConfigError
+from harness.limits import REPORTS_MIN_BYTES, RUN_DIR_MIN_BYTES, free_bytes
 
 
 def positive_float(text: str) -> float:
@@ -33,6 +34,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def seed_int(text: str) -> int:
+    """argparse type: a seed, a whole number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; seeds are integers >= 0") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative; seeds are integers >= 0")
+    return value
+
+
 def require_writable_dir(path: Path, flag: str) -> None:
     """`path` is, or can be created as, a folder this process can write; checked by writing a probe
     file into it (or into its nearest existing parent, which is left as it was)."""
@@ -51,6 +63,16 @@ def require_writable_dir(path: Path, flag: str) -> None:
     except OSError as exc:
         raise ConfigError(f"{flag} {path} is not writable ({exc.strerror or exc} in {probe_in}); "
                           f"give a folder you can write to") from None
+
+
+def require_free_space(folder: Path, flag: str, cells: int) -> None:
+    """Refuse a run whose --out disk clearly cannot hold it: less free than a lower bound of what `cells`
+    launched cells and the reports need (harness/limits.py)."""
+    need = cells * RUN_DIR_MIN_BYTES + REPORTS_MIN_BYTES
+    free = free_bytes(folder)
+    if free < need:
+        raise ConfigError(f"{flag} {folder}: {free} bytes free on its disk; {cells} cell(s) and the reports need "
+                          f"at least {need} bytes; free some space or give a folder on a larger disk")
 
 
 def require_device(device: str, world_sizes: list[int]) -> None:

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from harness.cli.checks import require_writable_dir
 from harness.specs.checkpoint import load_model
 
 
@@ -20,6 +21,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from harness.export import export_model  # heavy imports only for this command
 
+    require_writable_dir(args.out, "--out")
     out = export_model(load_model(args.model), args.out)
     print(f"exported {args.model} to {out}")
     return 0

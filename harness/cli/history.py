@@ -45,12 +45,10 @@ def _store(args: argparse.Namespace) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.history import add_run, connect
+    from harness.history import connect, record_runs
     path = _store(args)
     if args.history_command == "add":
-        conn = connect(path)
-        for run_dir in args.dirs:
-            run_id, n = add_run(conn, run_dir, args.label)
+        for run_id, n in record_runs(path, args.dirs, args.label):
             print(f"recorded {run_id}: {n} cell x check rows into {path}")
         return ExitCode.OK
     return show(connect(path, create=False), args)

@@ -15,12 +15,14 @@ from harness.cli.checks import (
     positive_float,
     positive_int,
     require_device,
+    require_free_space,
     require_launch_settings,
     require_writable_dir,
+    seed_int,
 )
-from harness.errors import ConfigError
+from harness.errors import ConfigError, DiskFull, RunError
 from harness.launcher.nodes import check_engine, parse_nodes
-from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S
+from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, free_bytes
 from harness.paths import BASELINES_DIR, REPORTS_DIR
 from harness.shard import parse_shard
 from harness.specs.checkpoint import load_model
@@ -40,7 +42,7 @@ def add_parser(sub: Any) -> None:
                    help="topology, comma list, set name, or 'all' (default: the suite's topologies)")
     p.add_argument("--model", default=None, help="override the suite's models (name, .yaml, checkpoint, .gguf)")
     p.add_argument("--fault", default=None, help="inject a known bug into the parallel runs (harness list faults)")
-    p.add_argument("--seed", type=int, action="append", default=None, help="seed (repeatable; default: suite's)")
+    p.add_argument("--seed", type=seed_int, action="append", default=None, help="seed (repeatable; default: suite's)")
     p.add_argument("--out", type=Path, default=None, help="report folder (default: reports/<run-id>)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--kv-budget-mib", type=positive_int, default=None,
@@ -109,7 +111,8 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
 
     suite = with_profile(load_suite(args.suite), args.profile)
     catalog = load_catalog()
-    topologies = catalog.resolve(args.topo or ",".join(suite.topologies), all_names=suite.topologies)
+    topo_expr = ",".join(suite.topologies) if args.topo is None else args.topo  # --topo "" is an error, not all
+    topologies = catalog.resolve(topo_expr, all_names=suite.topologies)
     models = (load_model(args.model),) if args.model else tuple(load_model(m) for m in suite.models)
     for model in models:
         CheckSettings.from_suite(suite, model.dtype)  # a tolerance typo fails here, not after the runs
@@ -213,6 +216,7 @@ def _run(args: argparse.Namespace) -> int:
     planned = plan_cells(req)
     if all(c.skip_reason for c in planned):  # nothing would run: an explicit request that cannot work
         raise ConfigError(planned[0].skip_reason or "no cell to run")
+    require_free_space(req.out_dir, "--out", sum(1 for c in planned if not c.skip_reason))
     runner = Runner(req, progress=lambda line: print(line, flush=True))
     if req.nodes is not None and req.nodes.node_rank > 0:  # lends its ranks; node 0 writes the report
         return runner.follow()
@@ -229,11 +233,36 @@ def _run(args: argparse.Namespace) -> int:
         print(f"harness: {exc} after {len(cells)} of {len(planned)} cells; report of those: {paths['html']}",
               file=sys.stderr, flush=True)
         return exit_status(exc)
-    paths = render_all(req.out_dir, cells, runner.provenance(args.argv), req.out_dir.name)
+    except DiskFull as exc:  # the cells done keep their verdicts: on screen, and in the report if it fits
+        for staging in partial_dirs(req.cache_dir, os.getpid()):
+            shutil.rmtree(staging, ignore_errors=True)
+        cells = list(runner.finished)
+        print(print_matrix(cells))
+        written = write_reports(req.out_dir, cells, runner.provenance(args.argv))
+        where = f"report of those: {written['html']}" if isinstance(written, dict) else \
+            f"no report written ({written.strerror})"
+        raise RunError(f"{exc}; the {len(cells)} cell(s) done of {len(planned)} keep their verdicts (above); "
+                       f"{where}") from None
+    written = write_reports(req.out_dir, cells, runner.provenance(args.argv))
+    if not isinstance(written, dict):
+        print(print_matrix(cells))
+        raise RunError(f"cannot write the report into {req.out_dir}: {written.strerror} "
+                       f"({free_bytes(req.out_dir)} bytes free); the verdicts are above")
+    paths = written
     record_history(args.history, req.out_dir, cells, runner.provenance(args.argv), req.out_dir.name)
     print(print_matrix(cells))
     print(f"report: {paths['html']} ({time.time() - start:.1f} s)")
     return exit_code(cells)
+
+
+def write_reports(out_dir: Path, cells: list[Any], provenance: dict[str, Any]) -> "dict[str, Path] | OSError":
+    """render_all, or the OSError that stopped it (a full disk). Each report file is written atomically,
+    so what is on disk is complete: the files written before the error, none after it."""
+    from harness.report import render_all
+    try:
+        return render_all(out_dir, cells, provenance, out_dir.name)
+    except OSError as exc:
+        return exc
 
 
 def record_history(given: Path | None, out_dir: Path, cells: list[Any], provenance: dict[str, Any],

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from harness.errors import ConfigError
 from harness.verdict import ExitCode
 
 
@@ -19,6 +20,12 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from harness.validate import validate_run
 
+    for run_dir in args.run_dirs:  # a mistyped path is bad input, not an invalid run
+        if not run_dir.exists():
+            raise ConfigError(f"RUN_DIR {run_dir} does not exist; give a run folder (one holding manifest.json)")
+        if not run_dir.is_dir():
+            raise ConfigError(f"RUN_DIR {run_dir} is a file, not a folder; give a run folder (one holding "
+                              f"manifest.json)")
     bad = 0
     for run_dir in args.run_dirs:
         problems = validate_run(run_dir)

@@ -17,6 +17,7 @@ from markupsafe import Markup
 
 from harness import __version__
 from harness.details import CellDetails
+from harness.jsonio import write_text_atomic
 from harness.report.details import (
     Gsm8kView,
     LayoutView,
@@ -231,5 +232,5 @@ def render_html(cells: list[CellResult], provenance: dict[str, Any], run_id: str
 def write_html(out_dir: Path, cells: list[CellResult], provenance: dict[str, Any], run_id: str,
                histories: "dict[CellId, CellHistory] | None" = None) -> Path:
     path = out_dir / HTML_FILE
-    path.write_text(render_html(cells, provenance, run_id, histories), encoding="utf-8")
+    write_text_atomic(path, render_html(cells, provenance, run_id, histories))
     return path

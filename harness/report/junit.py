@@ -11,6 +11,7 @@ import xml.etree.ElementTree as ET
 from collections import defaultdict
 from pathlib import Path
 
+from harness.jsonio import write_bytes_atomic
 from harness.report.logs import clean_log, xml_safe
 from harness.report.matrix import class_label, localization_text, metrics_text
 from harness.verdict import CellResult, CheckResult, Verdict
@@ -87,5 +88,5 @@ def write_junit(out_dir: Path, cells: list[CellResult]) -> Path:
     path = out_dir / JUNIT_FILE
     tree = build_junit(cells)
     ET.indent(tree)
-    tree.write(path, encoding="utf-8", xml_declaration=True)
+    write_bytes_atomic(path, ET.tostring(tree.getroot(), encoding="utf-8", xml_declaration=True))
     return path

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from harness.jsonio import write_text_atomic
 from harness.report.matrix import (
     Matrix,
     build_matrix,
@@ -91,5 +92,5 @@ def render_summary(cells: list[CellResult], provenance: dict[str, Any], run_id: 
 
 def write_summary(out_dir: Path, cells: list[CellResult], provenance: dict[str, Any], run_id: str) -> Path:
     path = out_dir / SUMMARY_FILE
-    path.write_text(render_summary(cells, provenance, run_id), encoding="utf-8")
+    write_text_atomic(path, render_summary(cells, provenance, run_id))
     return path

@@ -51,7 +51,10 @@ def build(cls: type[T], where: str, data: Mapping[str, Any], **extra: Any) -> T:
 def load_yaml(path: Path) -> Any:
     """Parse one YAML file, with errors naming the file."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not a text YAML file (byte {exc.start} is not UTF-8); "
+                          f"give a YAML file of UTF-8 text") from None
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}") from exc
     try:

@@ -92,9 +92,12 @@ class TopologyCatalog:
     def resolve(self, expr: str, all_names: tuple[str, ...] = ()) -> list[Topology]:
         """Resolve `tp4,dcp-nightly,tp8dcp8` (or `all` = `all_names`) into unique topologies, in order."""
         out: dict[str, Topology] = {}
-        items = [p.strip() for p in expr.split(",") if p.strip()]
-        if not items:
+        items = [p.strip() for p in expr.split(",")]
+        if not any(items):  # '', ' ', ','
             raise ConfigError(f"empty topology list {expr!r}; expected names or sets separated by commas")
+        if "" in items:
+            raise ConfigError(f"empty item in topology list {expr!r} (item {items.index('') + 1}); "
+                              f"expected names or sets separated by single commas, e.g. tp2,tp4")
         for item in items:
             for topo in self._resolve_one(item, all_names, seen=()):
                 out.setdefault(topo.canonical_name, topo)  # one run per configuration
