@@ -291,6 +291,14 @@ def test_junit_survives_control_characters(tmp_path: Path) -> None:
 # summary.md and the terminal matrix
 
 
+def test_interrupted_run_summary_heading_says_interrupted(tmp_path: Path) -> None:
+    provenance = {**PROVENANCE, "interrupted": {"signal": "SIGINT", "cells_finished": 1, "cells_planned": 3}}
+    cells = [replace(fail_cell(), fault=None)]
+    text = render_all(tmp_path, cells, provenance, "run-1")["summary"].read_text()
+    assert text.startswith("## Harness report run-1: INTERRUPTED")
+    assert "Run interrupted by SIGINT after 1 of 3 cells" in text
+
+
 def test_summary_markdown(tmp_path: Path) -> None:
     text = (render_all(tmp_path, all_cells(), PROVENANCE, "run-1")["summary"]).read_text()
     assert text.startswith("## Harness report run-1: ERROR")  # the build cells' verdict (the FAIL is a control)

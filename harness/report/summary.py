@@ -81,7 +81,8 @@ def render_summary(cells: list[CellResult], provenance: dict[str, Any], run_id: 
     counts = summary_counts(cells)
     count_line = ", ".join(f"{counts[v.value.lower()]} {v.value}" for v in Verdict)
     prov = " · ".join(f"{k} {md_escape(text)}" for k, text in provenance_items(provenance))
-    lines = [f"## Harness report {md_escape(run_id)}: {head.verdict.value}", "",
+    status = "INTERRUPTED" if interrupted_text(provenance) else head.verdict.value
+    lines = [f"## Harness report {md_escape(run_id)}: {status}", "",
              f"**{head.title}**: {md_escape(head.text)}", "",
              f"{plural(counts['cells'], 'cell')}: {count_line}; {counts['silent_corruption']} silent corruption.", "",
              *_table(matrix), *_problems(matrix)]
