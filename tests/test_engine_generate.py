@@ -57,6 +57,23 @@ def test_stop_check_ends_only_that_sequence(generator: EngineGenerator) -> None:
     assert [c for i, c in enumerate(cut) if i != 1] == [f for i, f in enumerate(full) if i != 1]
 
 
+def test_abandoned_prompts_stop_at_once_running_or_queued(generator: EngineGenerator) -> None:
+    """What `harness serve` does with a request whose client went away: asked before every step, the hook's
+    prompts stop there (a running one keeps its tokens so far, a queued one never starts); others are unchanged."""
+    prompts = _ids(generator)
+    full = generator.engine.generate(prompts, 10, max_batch=2).tokens
+    steps = []
+
+    def abandoned() -> set[int]:
+        steps.append(1)
+        return {0, 4} if len(steps) > 3 else set()  # prompt 0 runs from the start; 4 waits for a slot
+
+    cut = generator.engine.generate(prompts, 10, max_batch=2, abandoned=abandoned)
+    assert cut.tokens[0] == full[0][:3] and cut.tokens[4] == [] and cut.topk_ids[4].shape[0] == 0
+    assert cut.tokens[1:4] == full[1:4]
+    assert not generator.engine.cache.seqs  # the dropped sequences' slots were given back
+
+
 def test_stop_strings_end_generation_early_with_the_same_cut_text(generator: EngineGenerator) -> None:
     prompts = _ids(generator)
     full = generator.generate(prompts, 24, set())

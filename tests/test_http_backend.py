@@ -5,6 +5,7 @@ whole process group is gone afterwards; a bad option or a missing interpreter is
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -56,6 +57,41 @@ def test_a_server_that_exits_is_an_error_with_its_log_tail(tmp_path: Path) -> No
     manifest = read_json(tmp_path / "run" / "manifest.json")
     assert manifest["status"] == "error" and "head_dim 16" in manifest["log_tails"]["server"]
     assert manifest["backend"]["name"] == "stand-in"
+
+
+UVICORN_BIND = ("ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 8000): "
+                "address already in use")
+
+
+def test_a_server_that_cannot_bind_and_hangs_fails_at_once(tmp_path: Path) -> None:
+    """A server that logs a bind failure but stays up (harness serve once did) fails from its log, long
+    before ready_timeout_s, and is stopped."""
+    code = (f"import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); "
+            f"print({UVICORN_BIND!r}, flush=True); time.sleep(600)")
+    backend = HttpBackend(_template(tmp_path, code, ready_timeout_s=300))
+    start = time.monotonic()
+    result = backend.run(_job(tmp_path), timeout_s=600)
+    assert time.monotonic() - start < 30
+    assert not result.ok and f"engine server cannot bind its address: {UVICORN_BIND}" in result.error
+    pid = int((tmp_path / "pid").read_text())
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(pid)
+
+
+def test_harness_serve_on_a_taken_port_is_an_error_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        monkeypatch.setattr("harness.backends.http.free_port", lambda *_: port)
+        start = time.monotonic()
+        result = get_backend("harness-serve").run(_job(tmp_path, "tp2"), timeout_s=300)
+        took = time.monotonic() - start
+    assert not result.ok and took < 60
+    assert (f"exited with code 2 before it was ready: harness: error: cannot listen on 127.0.0.1:{port}: "
+            "Address already in use") in result.error
 
 
 VLLM_CPU_DCP = ("AssertionError: DCP requires attention impls to return the softmax lse for decode, but the impl "

@@ -112,6 +112,20 @@ def test_stop_token_and_length_limit(setup) -> None:
         run_speculative_cases(target, sp, prompts[:1], 3, POOL.max_seq_len)
 
 
+def test_abandoned_prompts_stop_at_the_next_step(setup) -> None:
+    spec, weights, prompts, target, plain = setup
+    decoder = SpeculativeDecoder(target, speculator_for(target, "draft", weights, SpeculativeSettings()), 3)
+    asked = []
+
+    def abandoned() -> set[int]:
+        asked.append(1)
+        return {0} if len(asked) > 1 else set()  # after the first step
+
+    result = decoder.generate(prompts[:2], MAX_NEW, abandoned=abandoned)
+    assert len(result.tokens[0]) <= 1 + 4 < len(plain[0]) and result.tokens[0] == plain[0][:len(result.tokens[0])]
+    assert result.tokens[1] == plain[1] and len(result.accepted[0]) == 1
+
+
 def test_result_artifacts(setup) -> None:
     result = _speculate(setup, "mtp")
     tensors = spec_tensors(result, [0, 1, 2, 3, 4, 5])

@@ -1,10 +1,12 @@
 """One engine server process: started in its own process group on a free loopback port, its output
 kept in a log file, ready when its health endpoint answers (bounded), stopped with everything it
-started (on cell end, error, Ctrl-C and SIGTERM: the caller's `with` block exits)."""
+started (on cell end, error, Ctrl-C and SIGTERM: the caller's `with` block exits). A server that logs
+that it cannot bind its address fails at once, naming the line, whether it exits or hangs."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from contextlib import contextmanager
@@ -18,11 +20,25 @@ from harness.errors import RunError
 from harness.launcher import forkserver
 from harness.launcher.launch import WAIT_POLICY_VAR, Process, free_port, stop_process_tree, wait_policy
 
-__all__ = ["Server", "ServerError", "free_port", "log_tail", "running_server", "wait_ready"]
+__all__ = ["Server", "ServerError", "bind_failure", "free_port", "log_tail", "running_server", "wait_ready"]
 
 LOG_TAIL_LINES = 40
 POLL_S = 0.5
 FIRST_POLL_S, FIRST_POLLS_FOR_S = 0.1, 5.0  # a warm harness-serve answers in about a second: look often at first
+
+
+# a server's own words for an address it cannot bind: harness serve's error line, uvicorn's (vLLM, SGLang)
+BIND_FAILURE = re.compile(r"cannot listen on \S+:|error while attempting to bind on address", re.IGNORECASE)
+
+
+def bind_failure(text: str) -> str | None:
+    """The first line of `text` saying the server cannot bind its address, stripped; None when none does."""
+    match = BIND_FAILURE.search(text)
+    if match is None:
+        return None
+    start = text.rfind("\n", 0, match.start()) + 1
+    end = text.find("\n", match.end())
+    return text[start:end if end >= 0 else len(text)].strip()
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -52,16 +68,37 @@ class Server:
     def exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
+    def log_since(self, offset: int) -> tuple[str, int]:
+        """What the log gained after byte `offset`, and the new offset (whole lines only)."""
+        if self.proc is None:
+            return "", offset
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except OSError:
+            return "", offset
+        complete = data[:data.rfind(b"\n") + 1]
+        return complete.decode(errors="replace"), offset + len(complete)
+
 
 def wait_ready(server: Server, health: str, timeout_s: float) -> float:
-    """Poll `health` until it answers 200; returns the seconds it took. A server that exits or stays
-    unhealthy for `timeout_s` is a ServerError with its log tail."""
+    """Poll `health` until it answers 200; returns the seconds it took. A server that exits, logs that it
+    cannot bind its address, or stays unhealthy for `timeout_s` is a ServerError with its log tail."""
     start = time.monotonic()
+    offset = 0
     with httpx.Client(base_url=server.base_url, timeout=5.0) as client:
         while True:
             code = server.exited()
+            new, offset = server.log_since(offset)
             if code is not None:
-                raise ServerError(f"engine server exited with code {code} before it was ready", server.tail())
+                new += server.log_since(offset)[0]
+            line = bind_failure(new)
+            if code is not None:
+                why = f": {line}" if line else ""
+                raise ServerError(f"engine server exited with code {code} before it was ready{why}", server.tail())
+            if line is not None:
+                raise ServerError(f"engine server cannot bind its address: {line}", server.tail())
             try:
                 if client.get(health).status_code == 200:
                     return time.monotonic() - start

@@ -1,7 +1,8 @@
 """`harness serve --model M --topo T [--fault F] [--port P] [--host H]`: the embedded engine behind an
 HTTP server in vLLM's OpenAI-compatible dialect (/v1/completions with token-id prompts, prompt_logprobs,
 logprobs; /health, /v1/models, /metrics) and SGLang's native /generate. Rank 0 serves; the other ranks
-follow in lockstep. Binds 127.0.0.1 unless --host says otherwise. Stops on SIGTERM / Ctrl-C."""
+follow in lockstep. Binds 127.0.0.1 unless --host says otherwise; an address it cannot bind is one error
+line and exit 2. Stops on SIGTERM / Ctrl-C."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from harness.engine.faults import fault_flags
 from harness.errors import ConfigError
 from harness.layout import plan_layout
+from harness.serve.listen import check_listen
 from harness.specs.checkpoint import load_model
 from harness.specs.loader import did_you_mean
 from harness.specs.topology import load_catalog
@@ -113,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     fault_flags(args.fault, topo)
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port {args.port} is not a port number (0..65535)")
+    check_listen(args.host, args.port)  # a taken port or a bad host: one line, exit 2, before any rank starts
     config = ServeConfig(model=model, topology=topo, host=args.host, port=args.port,
                          fault=args.fault, dtype=args.dtype, device=args.device,
                          pool={"budget_bytes": args.kv_budget_mib * MIB, "max_seq_len": args.max_seq_len},

@@ -10,7 +10,7 @@ Every rank calls the same methods in the same order (lockstep); all ranks return
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 
@@ -25,6 +25,7 @@ from harness.specs.model import ModelSpec
 
 MIN_SHARED_PREFIX_BLOCKS = 1  # generate() computes a common prompt prefix once when it spans this many KV blocks
 StopCheck = Callable[[int, list[int]], bool]  # (prompt index, its new tokens so far) -> stop now?
+Abandoned = Callable[[], Collection[int]]  # asked once per step: prompt indices to drop now
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                         "float16": torch.float16, "float64": torch.float64}
@@ -226,11 +227,15 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_k: int = 5,
                  stop_token_ids: frozenset[int] = frozenset(), stop: StopCheck | None = None,
-                 max_batch: int | None = None, share_prefix: bool = True) -> Generation:
+                 max_batch: int | None = None, share_prefix: bool = True,
+                 abandoned: Abandoned | None = None) -> Generation:
         """Greedy generation with continuous batching: up to `max_batch` (default: the pool's slots)
         sequences run together, and a finished sequence's slot is refilled with the next prompt at once.
         A sequence stops at a stop token, when stop(index, new_tokens) says so (e.g. a stop string in
-        its text; it must answer alike on every rank), or after max_new_tokens.
+        its text; it must answer alike on every rank), or after max_new_tokens. `abandoned()`, asked
+        before every step (it must answer alike on every rank: `harness serve` broadcasts rank 0's
+        answer), names prompts nobody waits for any more: they stop at once, running or queued, with
+        the tokens they have.
         With `share_prefix`, the prompts' common prefix (when it fills a KV block) is computed once and
         its cached K/V copied into each new sequence, which then prefills only its own tokens."""
         self.check_lengths([len(p) + max_new_tokens for p in prompts])
@@ -249,6 +254,12 @@ class Engine:
         queue = list(range(len(prompts)))[::-1]  # popped from the end: prompts in the order given
         running: dict[int, int] = {}  # prompt index -> sequence id, in admission order
         while queue or running:
+            gone = set(abandoned()) if abandoned is not None else set()
+            if gone:
+                queue = [b for b in queue if b not in gone]
+                self.cache.close([running.pop(b) for b in list(running) if b in gone])
+                if not (queue or running):
+                    break
             decoding = list(running)
             rows = [self._step_logits(decoding, running, prompts, new)] if decoding else []
             admitted = [queue.pop() for _ in range(min(len(queue), width - len(running)))]
@@ -272,7 +283,9 @@ class Engine:
                     finished.append(b)
             self.cache.close([running.pop(b) for b in finished])
         self.cache.close(prefix)
-        return Generation(new, [torch.stack(t) for t in tk_ids], [torch.stack(t) for t in tk_lp], width)
+        k = min(top_k, self.spec.vocab)  # a prompt dropped before its first step has no rows
+        return Generation(new, [torch.stack(t) if t else torch.empty((0, k), dtype=torch.long) for t in tk_ids],
+                          [torch.stack(t) if t else torch.empty((0, k)) for t in tk_lp], width)
 
     def _prompt_logits(self, prompts: list[Sequence[int]], seq_ids: list[int], cached: int = 0) -> torch.Tensor:
         """Prefill new sequences whose first `cached` tokens are already in the cache; float32 logits

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 
@@ -206,8 +206,10 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 stop_token_ids: frozenset[int] = frozenset()) -> SpecResult:
-        """Greedy speculative generation, batched up to the target's slot count."""
+                 stop_token_ids: frozenset[int] = frozenset(),
+                 abandoned: Callable[[], Collection[int]] | None = None) -> SpecResult:
+        """Greedy speculative generation, batched up to the target's slot count. `abandoned()`, asked before
+        every step (alike on every rank), names prompts to stop at once (as Engine.generate)."""
         t0 = time.time()
         limit = max(len(p) for p in prompts) + max_new_tokens + self.k + 1 if prompts else 0
         if limit > self.target.pool.max_seq_len:
@@ -221,12 +223,17 @@ class SpeculativeDecoder:
             seqs = self.start(prompts[lo:lo + step])
             for s in seqs:
                 _finish(s, max_new_tokens, stop_token_ids)
-            active = [s for s in seqs if not s.done]
+            active = [(lo + j, s) for j, s in enumerate(seqs) if not s.done]
             while active:
-                self.step(active)
-                for s in active:
+                if abandoned is not None:
+                    gone = set(abandoned())
+                    active = [(i, s) for i, s in active if i not in gone]
+                    if not active:
+                        break
+                self.step([s for _, s in active])
+                for _, s in active:
                     _finish(s, max_new_tokens, stop_token_ids)
-                active = [s for s in active if not s.done]
+                active = [(i, s) for i, s in active if not s.done]
             self.close(seqs)
             tokens += [_trim(s.generated, max_new_tokens, stop_token_ids) for s in seqs]
             accepted += [list(s.accepted) for s in seqs]

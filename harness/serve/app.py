@@ -1,16 +1,22 @@
 """The HTTP routes of `harness serve` (FastAPI): /health, /v1/models, /v1/completions (vLLM dialect),
-/generate (SGLang dialect), /metrics (Prometheus text, vLLM's metric names)."""
+/generate (SGLang dialect), /metrics (Prometheus text, vLLM's metric names).
+
+A client that goes away before its answer (it disconnects while waiting, or while still sending its
+body) is one log line, and its request is cancelled: the engine loop drops it (harness/serve/lockstep.py).
+A request naming a model this server does not serve is a 404 in OpenAI's error shape."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.requests import ClientDisconnect
 
 from harness.serve.dialects import (
     BadRequest,
@@ -23,6 +29,22 @@ from harness.serve.dialects import (
 )
 from harness.serve.lockstep import Pending
 from harness.serve.protocol import Completion, CompletionResult
+
+DISCONNECT_POLL_S = 0.2  # how often a waiting handler checks that its client is still there
+CLIENT_GONE = 499  # the status logged for a request whose client left (nginx's "client closed request")
+log = logging.getLogger("uvicorn.error")  # the server log's own lines, as uvicorn writes them
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+class UnknownModel(Exception):
+    """A request named a model this server does not serve."""
+
+    def __init__(self, asked: str, served: str) -> None:
+        super().__init__(f"The model `{asked}` does not exist; this server serves `{served}`.")
+        self.asked = asked
 
 
 @dataclass
@@ -63,6 +85,10 @@ def _error(message: str, status: int) -> JSONResponse:
     return JSONResponse({"object": "error", "message": message, "type": kind, "code": status}, status_code=status)
 
 
+def _peer(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "?"
+
+
 def build_app(submit: Callable[[Pending], None], vocab: Vocabulary, limits: Limits, model: str,
               info: dict[str, Any]) -> FastAPI:
     """The app; `submit` hands a Pending to the engine loop, which completes its future."""
@@ -70,12 +96,27 @@ def build_app(submit: Callable[[Pending], None], vocab: Vocabulary, limits: Limi
     metrics = Metrics()
     created = int(time.time())
 
-    async def run(batch: list[Completion]) -> list[CompletionResult]:
+    async def run(request: Request, batch: list[Completion]) -> list[CompletionResult]:
+        """The batch's results from the engine loop; a client that disconnects meanwhile cancels it."""
         pending = Pending(batch)
         submit(pending)
-        results = await asyncio.wrap_future(pending.future)
+        waiter = asyncio.wrap_future(pending.future)
+        try:
+            while not waiter.done():
+                await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S)
+                if not waiter.done() and await request.is_disconnected():
+                    raise ClientGone()
+            results = waiter.result()
+        finally:
+            if not waiter.done():  # client gone or this task cancelled: cancels pending.future too
+                waiter.cancel()
         metrics.add(batch, results)
         return results
+
+    def check_model(body: dict[str, Any]) -> None:
+        asked = body.get("model")
+        if asked is not None and asked != model:
+            raise UnknownModel(str(asked), model)
 
     async def body_of(request: Request) -> dict[str, Any]:
         try:
@@ -89,6 +130,23 @@ def build_app(submit: Callable[[Pending], None], vocab: Vocabulary, limits: Limi
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
         return _error(str(exc), 400)
+
+    @app.exception_handler(UnknownModel)
+    async def unknown_model(_: Request, exc: UnknownModel) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(exc), "type": "NotFoundError", "param": "model", "code": 404}},
+                            status_code=404)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, _: ClientGone) -> Response:
+        log.info("client %s disconnected before the answer to %s %s: request cancelled", _peer(request),
+                 request.method, request.url.path)
+        return Response(status_code=CLIENT_GONE)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_disconnect(request: Request, _: ClientDisconnect) -> Response:
+        log.info("client %s disconnected while sending the body of %s %s: request dropped", _peer(request),
+                 request.method, request.url.path)
+        return Response(status_code=CLIENT_GONE)
 
     @app.exception_handler(RuntimeError)
     async def engine_error(_: Request, exc: RuntimeError) -> JSONResponse:
@@ -116,13 +174,15 @@ def build_app(submit: Callable[[Pending], None], vocab: Vocabulary, limits: Limi
         body = await body_of(request)
         if body.get("stream"):
             raise BadRequest("stream=true is not supported")
+        check_model(body)
         batch = parse_completions(body, vocab, limits)
-        return completions_response(body, batch, await run(batch), vocab, model)
+        return completions_response(body, batch, await run(request, batch), vocab, model)
 
     @app.post("/generate")
     async def generate(request: Request) -> Any:
         body = await body_of(request)
+        check_model(body)  # SGLang's /generate has no model field; one that names another model is refused
         batch, batched = parse_generate(body, vocab, limits)
-        return generate_response(body, batch, await run(batch), vocab, batched)
+        return generate_response(body, batch, await run(request, batch), vocab, batched)
 
     return app

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import groupby
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -41,8 +41,16 @@ def teacher_forced(engine: Engine, sequences: Sequence[Sequence[int]]) -> list[t
     return [torch.log_softmax(logits.double(), dim=-1) for logits in engine.prefill_logits(sequences)]
 
 
-def _prompt_logprobs(engine: Engine, batch: Sequence[Completion]) -> list[list[TokenLogprob | None] | None]:
-    wanted = [i for i, c in enumerate(batch) if c.prompt_top_k > 0]
+Abandoned = Callable[[], frozenset[int]]  # indices of the batch nobody waits for (alike on every rank)
+
+
+def _nothing_abandoned() -> frozenset[int]:
+    return frozenset()
+
+
+def _prompt_logprobs(engine: Engine, batch: Sequence[Completion],
+                     gone: frozenset[int]) -> list[list[TokenLogprob | None] | None]:
+    wanted = [i for i, c in enumerate(batch) if c.prompt_top_k > 0 and i not in gone]
     out: list[list[TokenLogprob | None] | None] = [None] * len(batch)
     rows = teacher_forced(engine, [batch[i].prompt for i in wanted]) if wanted else []
     for i, lp in zip(wanted, rows):
@@ -56,8 +64,9 @@ def _stop(c: Completion, eos_id: int | None) -> frozenset[int]:
     return eos | frozenset(c.stop_token_ids)
 
 
-def _plain(engine: Engine, group: list[Completion], stop: frozenset[int]) -> list[Generated]:
-    gen = engine.generate([c.prompt for c in group], group[0].max_tokens, max(c.top_k for c in group) or 1, stop)
+def _plain(engine: Engine, group: list[Completion], stop: frozenset[int], gone: Abandoned) -> list[Generated]:
+    gen = engine.generate([c.prompt for c in group], group[0].max_tokens, max(c.top_k for c in group) or 1, stop,
+                          abandoned=gone)
     out = []
     for c, toks, ids, lps in zip(group, gen.tokens, gen.topk_ids, gen.topk_logprobs):
         steps = [TokenLogprob(token=t, logprob=float(lp[0]), rank=1,
@@ -68,35 +77,49 @@ def _plain(engine: Engine, group: list[Completion], stop: frozenset[int]) -> lis
 
 
 def _speculative(engine: Engine, decoder: SpeculativeDecoder, group: list[Completion],
-                 stop: frozenset[int]) -> list[Generated]:
+                 stop: frozenset[int], gone: Abandoned) -> list[Generated]:
     """Tokens from speculative decoding; their logprobs from a teacher-forced pass over prompt + tokens
-    (exact for greedy decoding: the same distributions the target verified)."""
-    result = decoder.generate([c.prompt for c in group], group[0].max_tokens, stop)
-    rows = teacher_forced(engine, [c.prompt + toks for c, toks in zip(group, result.tokens)])
+    (exact for greedy decoding: the same distributions the target verified). Abandoned completions get
+    no logprobs."""
+    result = decoder.generate([c.prompt for c in group], group[0].max_tokens, stop, abandoned=gone)
+    dropped = gone()
+    kept = [j for j in range(len(group)) if j not in dropped]
+    rows = dict(zip(kept, teacher_forced(engine, [group[j].prompt + result.tokens[j] for j in kept])))
     out = []
-    for c, toks, acc, lp in zip(group, result.tokens, result.accepted, rows):
-        base = len(c.prompt) - 1
+    for j, (c, toks, acc) in enumerate(zip(group, result.tokens, result.accepted)):
+        if j not in rows:
+            out.append(Generated(list(toks), [], list(acc)))
+            continue
+        lp, base = rows[j], len(c.prompt) - 1
         steps = [score(lp[base + j], t, c.top_k) for j, t in enumerate(toks)]
         out.append(Generated(list(toks), steps, list(acc)))
     return out
 
 
 def execute(engine: Engine, batch: Sequence[Completion], eos_id: int | None,
-            decoder: SpeculativeDecoder | None = None) -> list[CompletionResult]:
-    """Every completion of `batch`; generations batched by (max_tokens, stop tokens)."""
-    prompt_lps = _prompt_logprobs(engine, batch)
+            decoder: SpeculativeDecoder | None = None,
+            abandoned: Abandoned = _nothing_abandoned) -> list[CompletionResult]:
+    """Every completion of `batch`; generations batched by (max_tokens, stop tokens). `abandoned()` (asked
+    before the prompt pass and every generation step, alike on every rank) names completions nobody waits for:
+    they are skipped or stopped at that step, and their results are partial."""
+    prompt_lps = _prompt_logprobs(engine, batch, abandoned())
     generated: dict[int, Generated] = {}
     key = lambda i: (batch[i].max_tokens, sorted(_stop(batch[i], eos_id)))  # noqa: E731
     for (max_tokens, _), members in groupby(sorted(range(len(batch)), key=key), key=key):
         index = list(members)
         group = [batch[i] for i in index]
         stop = _stop(group[0], eos_id)
+
+        def local(index: list[int] = index) -> frozenset[int]:  # the group's own positions of abandoned ones
+            gone = abandoned()
+            return frozenset(j for j, i in enumerate(index) if i in gone)
+
         if max_tokens == 0:
             done = [Generated([], [], []) for _ in group]
         elif decoder is not None:
-            done = _speculative(engine, decoder, group, stop)
+            done = _speculative(engine, decoder, group, stop, local)
         else:
-            done = _plain(engine, group, stop)
+            done = _plain(engine, group, stop, local)
         generated.update(zip(index, done))
     results = []
     for i, c in enumerate(batch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import sys
 import threading
 from dataclasses import dataclass, field, fields
@@ -20,12 +21,15 @@ from harness.engine.speculative import SpeculativeDecoder
 from harness.engine.speculator import SpeculativeSettings, Speculator, speculator_for
 from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights, weights_hash
+from harness.errors import ConfigError, HarnessError, RunError
 from harness.limits import COLLECTIVE_TIMEOUT_S
 from harness.serve.dialects import Limits, Vocabulary
 from harness.serve.executor import execute
+from harness.serve.listen import ListenError, address, bind_socket
 from harness.serve.lockstep import Lockstep
 from harness.specs.model import ModelSpec, model_from_dict
 from harness.specs.topology import Topology
+from harness.verdict import ExitCode
 
 DEFAULT_MAX_LOGPROBS = 20
 KV_LOG_PREFIX = "harness-serve KV cache:"  # engines/harness-serve.yaml parses this line
@@ -74,21 +78,57 @@ class ServeConfig:
         return cls(model=model, topology=topology, **data)
 
 
-def _serve_http(lockstep: Lockstep, config: ServeConfig, app: Any) -> None:
-    """Rank 0: uvicorn in a thread, the engine loop on the main thread until SIGTERM / SIGINT."""
+def _serve_http(lockstep: Lockstep, sock: socket.socket, app: Any) -> None:
+    """Rank 0: uvicorn in a thread on the socket bound at startup, the engine loop on the main thread until
+    SIGTERM / SIGINT. An HTTP server that ends on its own (it failed) stops the loop too, and is a RunError."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, name="http", daemon=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=2))
+    where = address(*sock.getsockname()[:2])
+    failed: list[BaseException] = []
+
+    def http() -> None:
+        try:
+            server.run(sockets=[sock])
+        except BaseException as exc:  # SystemExit included: uvicorn exits on a startup failure
+            failed.append(exc)
+        finally:
+            if not server.should_exit:  # not asked to stop: no requests can come any more
+                failed.append(RuntimeError("the HTTP server stopped"))
+                lockstep.stop()
+
+    thread = threading.Thread(target=http, name="http", daemon=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: lockstep.stop())
     thread.start()
+    print(f"harness-serve listening on http://{where}", flush=True)
     try:
         lockstep.lead()
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+        sock.close()
+    if failed:
+        raise RunError(f"the HTTP server on {where} failed: {failed[0]!r}")
+
+
+def _listen(state: ParallelState, config: ServeConfig) -> tuple[socket.socket | None, bool]:
+    """Rank 0 binds the server's address before the engine is built: (its socket, True) on rank 0, (None,
+    True) on the others. A failure (port taken, unknown host) is one ListenError on rank 0 and (None, False)
+    on every other rank, all after tearing down the process group: every rank stops."""
+    sock, error = None, None
+    if state.rank == 0:
+        try:
+            sock = bind_socket(config.host, config.port)
+        except ListenError as exc:
+            error = str(exc)
+    error = state.gather_objects(error)[0]  # every rank learns rank 0's outcome
+    if error is None:
+        return sock, True
+    state.shutdown()
+    if state.rank == 0:
+        raise ListenError(error)
+    return None, False
 
 
 def serve(config: ServeConfig) -> None:
@@ -96,6 +136,9 @@ def serve(config: ServeConfig) -> None:
 
     topo = config.topology
     state = ParallelState.from_launcher(topo.tp, topo.dcp, config.device, config.collective_timeout_s)
+    sock, listening = _listen(state, config)
+    if not listening:
+        return
     if state.rank > 0:  # followers stop when rank 0 says so; a signal must not leave rank 0 mid-collective
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
@@ -108,7 +151,7 @@ def serve(config: ServeConfig) -> None:
         settings = SpeculativeSettings.from_mapping(config.speculative)
         speculator = speculator_for(engine, topo.speculator, weights, settings)
         decoder = SpeculativeDecoder(engine, speculator, settings.k)
-    lockstep = Lockstep(state, lambda batch: execute(engine, batch, tokenizer.eos_id, decoder))
+    lockstep = Lockstep(state, lambda batch, abandoned: execute(engine, batch, tokenizer.eos_id, decoder, abandoned))
     layouts = state.gather_objects(engine.layout_report())
     threads = state.gather_objects(torch.get_num_threads())  # every rank's intra-op threads, rank order
     if state.rank == 0:
@@ -120,7 +163,8 @@ def serve(config: ServeConfig) -> None:
                 "threads_per_rank": threads, "collectives": state.collectives_path}
         limits = Limits(vocab=spec.vocab, max_model_len=pool.max_seq_len, max_logprobs=config.max_logprobs)
         vocab = Vocabulary(encode=tokenizer.encode, decode=tokenizer.decode)
-        _serve_http(lockstep, config, build_app(lockstep.inbox.put, vocab, limits, name, info))
+        assert sock is not None
+        _serve_http(lockstep, sock, build_app(lockstep.inbox.put, vocab, limits, name, info))
     else:
         lockstep.follow()
     state.shutdown()
@@ -131,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m harness.serve.worker CONFIG_JSON", file=sys.stderr)
         return 2
-    serve(ServeConfig.from_json(args[0]))
+    try:
+        serve(ServeConfig.from_json(args[0]))
+    except HarnessError as exc:  # one line, as the CLI prints it (also when this runs as a launched rank)
+        print(f"harness: error: {exc}", file=sys.stderr, flush=True)
+        return ExitCode.USAGE if isinstance(exc, ConfigError) else ExitCode.ERROR
     return 0
 
 
