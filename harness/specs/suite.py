@@ -48,6 +48,11 @@ class Suite:
             if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
                 raise ConfigError(f"{where}: {attr} must be a list, got {value!r}")
             object.__setattr__(self, attr, tuple(value))
+        for attr in ("models", "topologies", "prompts"):
+            bad = next((item for item in getattr(self, attr) if not isinstance(item, str)), None)
+            if bad is not None:
+                raise ConfigError(f"{where}: every item of {attr} must be a string, got {bad!r} (quote YAML "
+                                  f"text holding ': ' or '#')")
         if not self.models:
             raise ConfigError(f"{where}: models is empty")
         if not self.topologies:
