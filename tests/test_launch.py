@@ -144,3 +144,28 @@ assert forkserver.usable(thread_env(2, dict(os.environ))), "the forkserver start
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "server.log").read_text().startswith("harness ")
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
+def test_no_process_of_the_harness_outlives_it(tmp_path: Path) -> None:
+    """The warm forkserver (and every launch it forked) has exited by the time the harness process has."""
+    marker = f"HARNESS_TEST_MARKER=outlive-{os.getpid()}"
+    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1]}
+    log = tmp_path / "harness.log"
+    with open(log, "wb") as out:  # a file, not a pipe: waiting for the process is not waiting for a pipe's EOF
+        proc = subprocess.Popen([sys.executable, "-m", "harness", "run", "--suite", "dcp", "--topo", "tp2dcp2",
+                                 "--model", "tiny-gqa", "--out", str(tmp_path / "r"), "--cache-dir", str(tmp_path / "c")],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+        assert proc.wait(timeout=600) == 0, log.read_text()[-2000:]
+    assert _processes_with(marker) == []

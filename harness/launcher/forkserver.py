@@ -17,6 +17,7 @@ per launch (torch.set_num_threads from OMP_NUM_THREADS).
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import multiprocessing
 import multiprocessing.forkserver
@@ -107,6 +108,16 @@ def _ensure_server(context: Any, policy: str | None, preload: str) -> None:
         _set(WAIT_POLICY_VAR, previous)
     if not _policy:
         _policy.append(policy)
+        atexit.register(_stop_server)
+
+
+def _stop_server() -> None:
+    """At exit, stop the forkserver and wait for it, so that no process of this harness outlives it (left
+    alone, the server notices its parent's exit only when the kernel closes the parent's end of its pipe,
+    then takes its own time to exit). The stdlib's own stop, meant for its tests; absent, the pipe does it."""
+    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
 
 
 def _set(var: str, value: str | None) -> None:
