@@ -64,8 +64,11 @@ def file_checksums(run_dir: Path) -> dict[str, str]:
     for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
         rel = path.relative_to(run_dir).as_posix()
         if rel != CHECKSUMS_FILE:
+            digest = hashlib.sha256()
             with open(path, "rb") as f:
-                sums[rel] = hashlib.file_digest(f, "sha256").hexdigest()
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            sums[rel] = digest.hexdigest()
     return sums
 
 
