@@ -50,7 +50,7 @@ def test_clean_speculative_cell_gets_a_real_acceptance_verdict_over_http(tmp_pat
 def test_stale_draft_kv_fails_acceptance_over_http(tmp_path: Path, cache: Path) -> None:
     cell = _run(tmp_path / "fault", cache, "--fault", "draft-stale-kv")
     verdicts = cell["verdicts"]
-    assert cell["exit"] == 1 and cell["silent_corruption"]
+    assert cell["exit"] == 1 and cell["failure_class"] == "performance" and not cell["silent_corruption"]
     assert verdicts["acceptance"] == "FAIL" and verdicts["acceptance_baseline"] == "FAIL"
     assert verdicts["lossless"] == "PASS"
     spec = cell["details"]["speculator"]
