@@ -2,15 +2,21 @@
 
 One row per (run, cell, check): verdict, reason, key metric, noise multiples, and the run's
 identity (run id, when it was created, git commit, engine and engine version, build label).
-A cell is (suite, model, topology, seed); an injected fault is stored with the row but is not part
-of the cell, so the same cell of a faulted and a clean run share one trend.
+A cell is (suite, model, topology, seed). A trend is keyed by (cell, fault, check): a run with an
+injected fault (`--fault`) is a positive control, so its rows form their own trend (a control, whose
+FAIL means "still detected") and never count as a flip of the clean cell.
 
-Trend marks (per cell x check, runs in creation order):
-- flaky: the verdict flips between PASS and FAIL between consecutive runs of the same code
-  (same git commit, engine version and build label); the flip count is reported. A flaky check is
-  a harness defect.
-- new failure: the latest run FAILs or ERRORs where the run before it did not.
-- fixed: the latest run passes (PASS or WARN) where the run before it FAILed or ERRORed.
+A build is the code under test: (git commit, engine version, build label). The runs of one build
+(the unsharded run, a shard merge, a rerun) are one build, not several: a merged run's rows that
+repeat a recorded source run's rows (`harness report A B` of shards already recorded) are not
+counted twice.
+
+Trend marks (per cell x fault x check, runs in creation order):
+- flaky: the verdict flips between PASS and FAIL between consecutive runs of the same build; the
+  flip count is reported. A flaky check is a harness defect.
+- new failure: the latest build's last run FAILs or ERRORs where the build before it did not.
+- fixed: the latest build's last run passes (PASS or WARN) where the build before it FAILed or ERRORed.
+- control (fault runs): still detected (the latest run FAILs) or not detected (it passes).
 """
 
 from __future__ import annotations
@@ -48,9 +54,12 @@ CREATE TABLE IF NOT EXISTS checks (
     git_commit TEXT NOT NULL, engine_version TEXT NOT NULL, build_label TEXT NOT NULL,
     PRIMARY KEY (run_id, suite, model, topology, seed, check_name));
 CREATE INDEX IF NOT EXISTS checks_cell ON checks (suite, model, topology, seed, check_name, created);
+CREATE TABLE IF NOT EXISTS merged_from (run_id TEXT NOT NULL, source_run_id TEXT NOT NULL,
+    PRIMARY KEY (run_id, source_run_id));
 """
 
 CellId = tuple[str, str, str, int]  # (suite, model, topology, seed)
+TrendKey = tuple[str, str, str, int, str | None]  # (suite, model, topology, seed, fault)
 
 
 @dataclass(frozen=True)
@@ -81,20 +90,31 @@ class Row:
         return (self.suite, self.model, self.topology, self.seed)
 
     @property
+    def key(self) -> TrendKey:
+        """The trend this row belongs to: the cell and its injected fault (None for a clean run)."""
+        return (self.suite, self.model, self.topology, self.seed, self.fault)
+
+    @property
     def code(self) -> tuple[str, str, str]:
-        """What identifies the code under test: a flip within one code is flakiness."""
+        """What identifies the code under test (the build): a flip within one build is flakiness."""
         return (self.git_commit, self.engine_version, self.build_label)
+
+    @property
+    def build(self) -> str:
+        """The build's name as shown: its label, else the commit's first 10 characters."""
+        return self.build_label or (self.git_commit[:10] if self.git_commit else "?")
 
 
 @dataclass(frozen=True)
 class Trend:
-    """One cell x check over the recorded runs (oldest first)."""
+    """One cell x fault x check over the recorded runs (oldest first)."""
 
     cell: CellId
+    fault: str | None     # a positive control's injected fault; None for the clean cell
     check: str
     rows: tuple[Row, ...]
-    flips: int            # PASS<->FAIL flips between consecutive runs of the same code
-    new_failure: bool
+    flips: int            # PASS<->FAIL flips between consecutive runs of the same build
+    new_failure: bool     # never set for a control: its FAIL is the expected detection
     fixed: bool
 
     @property
@@ -102,9 +122,22 @@ class Trend:
         return self.flips > 0
 
     @property
-    def label(self) -> str:
+    def control(self) -> bool:
+        return self.fault is not None
+
+    @property
+    def detected(self) -> bool:
+        """A control whose latest run FAILs this check: the fault is still detected by it."""
+        return self.control and self.rows[-1].verdict == "FAIL"
+
+    @property
+    def cell_label(self) -> str:
         suite, model, topo, seed = self.cell
-        return f"{suite}/{model}/{topo}/seed{seed} {self.check}"
+        return f"{suite}/{model}/{topo}/seed{seed}" + (f" [fault {self.fault}]" if self.fault else "")
+
+    @property
+    def label(self) -> str:
+        return f"{self.cell_label} {self.check}"
 
 
 def history_path(given: Path | str | None) -> Path | None:
@@ -159,6 +192,14 @@ def rows_of(cells: Sequence[CellResult], run_id: str, created: str, provenance: 
     return rows
 
 
+def source_run_ids(provenance: dict[str, Any]) -> list[str]:
+    """The run ids a merged run (`harness report A B`) was merged from; [] for a run of its own."""
+    sources = provenance.get("sources")
+    if not isinstance(sources, list):
+        return []
+    return [str(s["run_id"]) for s in sources if isinstance(s, dict) and s.get("run_id")]
+
+
 @dataclass(frozen=True)
 class LoadedRun:
     """One run folder's results.json, read and turned into rows (nothing written yet)."""
@@ -205,7 +246,7 @@ def record_runs(path: Path, run_dirs: Sequence[Path], build_label: str | None = 
 
 def add_run(conn: sqlite3.Connection, run_dir: Path, build_label: str | None = None) -> tuple[str, int]:
     """Record run_dir's results.json; recording the same run (run id and suites) again replaces it.
-    (run id, rows)."""
+    A merged run also records the run ids it was merged from. (run id, rows)."""
     run = load_run_rows(run_dir, build_label)
     with conn:
         return _insert(conn, run)
@@ -225,6 +266,9 @@ def _insert(conn: sqlite3.Connection, run: LoadedRun) -> tuple[str, int]:
         (r.run_id, r.created, r.suite, r.model, r.topology, r.seed, r.fault, r.cell_status, r.check,
          r.verdict, r.reason, r.key_metric, r.key_value, json.dumps(r.noise_multiples),
          r.max_noise_multiple, r.git_commit, r.engine_version, r.build_label) for r in rows])
+    conn.execute("DELETE FROM merged_from WHERE run_id = ?", (run_id,))
+    conn.executemany("INSERT OR IGNORE INTO merged_from VALUES (?, ?)",
+                     [(run_id, src) for src in source_run_ids(provenance) if src != run_id])
     return run_id, len(rows)
 
 
@@ -269,7 +313,21 @@ def query(conn: sqlite3.Connection, suite: str | None = None, cells: Iterable[st
                   max_noise_multiple=rec[14], git_commit=rec[15], engine_version=rec[16], build_label=rec[17])
         if not patterns or any(_matches(p, row) for p in patterns):
             out.append(row)
-    return out
+    return drop_merge_repeats(out, _merged_from(conn))
+
+
+def _merged_from(conn: sqlite3.Connection) -> dict[str, set[str]]:
+    merged: dict[str, set[str]] = {}
+    for run_id, source in conn.execute("SELECT run_id, source_run_id FROM merged_from").fetchall():
+        merged.setdefault(run_id, set()).add(source)
+    return merged
+
+
+def drop_merge_repeats(rows: Sequence[Row], merged_from: dict[str, set[str]]) -> list[Row]:
+    """Rows without a merged run's copies of rows its recorded source runs already hold (one result, one run)."""
+    recorded = {(r.run_id, r.key, r.check) for r in rows}
+    return [r for r in rows
+            if not any((src, r.key, r.check) in recorded for src in merged_from.get(r.run_id, ()))]
 
 
 def _matches(pattern: str, row: Row) -> bool:
@@ -285,69 +343,121 @@ def _is_pass(verdict: str) -> bool:
     return verdict in ("PASS", "WARN")
 
 
+def builds(rows: Sequence[Row]) -> list[list[Row]]:
+    """Rows grouped by build (commit, engine version, build label), builds in order of their first run."""
+    groups: dict[tuple[str, str, str], list[Row]] = {}
+    for row in rows:
+        groups.setdefault(row.code, []).append(row)
+    return list(groups.values())
+
+
 def count_flips(rows: Sequence[Row]) -> int:
-    """PASS<->FAIL flips between consecutive runs of the same code (commit, engine version, build)."""
-    return sum(1 for a, b in zip(rows, rows[1:])
-               if a.code == b.code and {a.verdict, b.verdict} == {"PASS", "FAIL"})
+    """PASS<->FAIL flips between consecutive runs of the same build (commit, engine version, build label).
+    `rows` are one trend's (one cell, one fault, one check), oldest first."""
+    return sum(1 for group in builds(rows) for a, b in zip(group, group[1:])
+               if {a.verdict, b.verdict} == {"PASS", "FAIL"})
 
 
 def trends(rows: Sequence[Row]) -> list[Trend]:
-    """One Trend per cell x check, in first-seen order."""
-    groups: dict[tuple[CellId, str], list[Row]] = {}
+    """One Trend per cell x fault x check, in first-seen order. New failure and fixed compare the check in
+    the cell's latest run with the same check in the latest run of the build before (a check absent there,
+    e.g. the `run` check of an ERROR that was not one before, did not fail); reruns of one build are
+    flips, not fixes; a check absent from the cell's latest run has no mark. A control (a fault run) is
+    never a new failure or a fix: its FAIL is the detection it exists for."""
+    groups: dict[tuple[TrendKey, str], list[Row]] = {}
+    runs: dict[TrendKey, list[tuple[str, tuple[str, str, str]]]] = {}  # the cell's runs, oldest first
     for row in rows:
-        groups.setdefault((row.cell, row.check), []).append(row)
+        groups.setdefault((row.key, row.check), []).append(row)
+        key_runs = runs.setdefault(row.key, [])
+        if not key_runs or key_runs[-1][0] != row.run_id:
+            key_runs.append((row.run_id, row.code))
     out = []
-    for (cell, check), group in groups.items():
-        last, prev = group[-1], group[-2] if len(group) > 1 else None
-        out.append(Trend(cell=cell, check=check, rows=tuple(group), flips=count_flips(group),
-                         new_failure=prev is not None and _is_fail(last.verdict) and not _is_fail(prev.verdict),
-                         fixed=prev is not None and _is_pass(last.verdict) and _is_fail(prev.verdict)))
+    for (key, check), group in groups.items():
+        last, key_runs = group[-1], runs[key]
+        before = [code for run_id, code in key_runs[:-1] if code != last.code]
+        prev = [r for r in group if before and r.code == before[-1]]
+        compared = key[4] is None and last.run_id == key_runs[-1][0] and bool(before)
+        was_failing = bool(prev) and _is_fail(prev[-1].verdict)
+        out.append(Trend(cell=key[:4], fault=key[4], check=check, rows=tuple(group), flips=count_flips(group),
+                         new_failure=compared and _is_fail(last.verdict) and not was_failing,
+                         fixed=compared and _is_pass(last.verdict) and was_failing))
     return out
 
 
 @dataclass(frozen=True)
+class RunPoint:
+    """One recorded run of a cell: the cell's status, its largest noise multiple, the build it tested."""
+
+    run_id: str
+    status: str
+    max_noise_multiple: float | None
+    build: str
+    code: tuple[str, str, str] = ("", "", "")  # (commit, engine version, build label)
+
+
+@dataclass(frozen=True)
 class CellHistory:
-    """A cell's recent runs for the report: (run_id, cell status, max noise multiple) oldest first,
-    and its marks."""
+    """A cell's (or a positive control's) recent runs for the report, oldest first, and its marks."""
 
-    runs: tuple[tuple[str, str, float | None], ...]
+    runs: tuple[RunPoint, ...]
     flaky_checks: tuple[tuple[str, int], ...]  # (check, flips)
-    new_failure: bool
-    fixed: bool
+    new_failure: bool  # the cell FAILs or ERRORs in its latest run, not in the latest run of the build before
+    fixed: bool        # it passes in its latest run, FAILed or ERRORed in the latest run of the build before
+    fault: str | None = None  # a positive control's fault: its FAIL is "still detected"
+
+    @property
+    def builds(self) -> tuple[str, ...]:
+        """The builds of the shown runs, oldest first, each once."""
+        return tuple(dict.fromkeys(r.build for r in self.runs))
+
+    @property
+    def detected(self) -> bool | None:
+        """A control: whether its latest run still FAILs (detects the fault); None for a clean cell."""
+        return None if self.fault is None or not self.runs else self.runs[-1].status == "FAIL"
 
 
-def cell_histories(rows: Sequence[Row], last: int = STRIP_RUNS) -> dict[CellId, CellHistory]:
-    """Per cell: its last `last` runs and the marks of its checks."""
-    by_cell: dict[CellId, dict[str, tuple[str, float | None]]] = {}
+def cell_histories(rows: Sequence[Row], last: int = STRIP_RUNS) -> dict[TrendKey, CellHistory]:
+    """Per cell and fault: its last `last` runs, its flaky checks, and whether it newly fails or was fixed."""
+    by_key: dict[TrendKey, dict[str, RunPoint]] = {}
     for row in rows:
-        runs = by_cell.setdefault(row.cell, {})
-        status, worst_multiple = runs.get(row.run_id, (row.cell_status, None))
-        m = row.max_noise_multiple
-        runs[row.run_id] = (status, m if worst_multiple is None or (m is not None and m > worst_multiple)
-                            else worst_multiple)
-    marks: dict[CellId, list[Trend]] = {}
+        runs = by_key.setdefault(row.key, {})
+        seen = runs.get(row.run_id)
+        m, worst_multiple = row.max_noise_multiple, seen.max_noise_multiple if seen else None
+        if worst_multiple is not None and (m is None or m < worst_multiple):
+            m = worst_multiple
+        runs[row.run_id] = RunPoint(row.run_id, row.cell_status, m, row.build, row.code)
+    flaky: dict[TrendKey, list[Trend]] = {}
     for trend in trends(rows):
-        marks.setdefault(trend.cell, []).append(trend)
+        if trend.flaky:
+            flaky.setdefault((*trend.cell, trend.fault), []).append(trend)
     out = {}
-    for cell, runs in by_cell.items():
-        cell_trends = marks.get(cell, [])
-        out[cell] = CellHistory(
-            runs=tuple((rid, s, m) for rid, (s, m) in list(runs.items())[-last:]),
-            flaky_checks=tuple((t.check, t.flips) for t in cell_trends if t.flaky),
-            new_failure=any(t.new_failure for t in cell_trends), fixed=any(t.fixed for t in cell_trends)
-            and not any(_is_fail(t.rows[-1].verdict) for t in cell_trends))
+    for key, by_run in by_key.items():
+        points = list(by_run.values())
+        latest = points[-1]
+        before = [p for p in points[:-1] if p.code != latest.code]
+        compared = key[4] is None and bool(before)
+        was_failing = bool(before) and _is_fail(before[-1].status)
+        out[key] = CellHistory(
+            runs=tuple(points[-last:]),
+            flaky_checks=tuple((t.check, t.flips) for t in flaky.get(key, [])),
+            new_failure=compared and _is_fail(latest.status) and not was_failing,
+            fixed=compared and _is_pass(latest.status) and was_failing, fault=key[4])
     return out
 
 
+def trend_key(cell: CellResult) -> TrendKey:
+    return (cell.suite, cell.model, cell.topology, cell.seed, cell.fault)
+
+
 def histories_for(path: Path, cells: Sequence[CellResult], record: Path | None = None,
-                  build_label: str | None = None) -> dict[CellId, CellHistory]:
+                  build_label: str | None = None) -> dict[TrendKey, CellHistory]:
     """The report's view of the store at `path` for `cells` (recording the run folder `record` first)."""
     conn = connect(path, create=record is not None)
     try:
         if record is not None:
             add_run(conn, record, build_label)
-        wanted = {(c.suite, c.model, c.topology, c.seed) for c in cells}
-        rows = [r for suite in sorted({c.suite for c in cells}) for r in query(conn, suite) if r.cell in wanted]
+        wanted = {trend_key(c) for c in cells}
+        rows = [r for suite in sorted({c.suite for c in cells}) for r in query(conn, suite) if r.key in wanted]
     finally:
         conn.close()
     rows.sort(key=lambda r: (r.created, r.run_id))

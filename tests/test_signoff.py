@@ -1,14 +1,18 @@
 """harness signoff end to end on CPU: a clean baseline, a candidate with an injected fault (BLOCKED,
-naming the cell), an unchanged candidate (SIGN-OFF); bad input exits 2."""
+naming the cell, counted as new output corruption), an unchanged candidate (SIGN-OFF), a timed-out
+candidate (new ERROR, not new FAIL), a partial candidate (not run: missing coverage), a speculator
+fault (performance-only); a candidate that is its own baseline and bad input exit 2."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from harness.cli import main
+from harness.report.history_strip import ERROR_COLOUR
 
 MATRIX = ["--suite", "dcp", "--topo", "tp2dcp2,tp2", "--model", "tiny-gqa"]
 
@@ -16,12 +20,21 @@ MATRIX = ["--suite", "dcp", "--topo", "tp2dcp2,tp2", "--model", "tiny-gqa"]
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory: pytest.TempPathFactory, shared_cache: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("signoff")
-    runs = {"baseline": ([], 0), "faulted": (["--fault", "dcp-lse-merge"], 1), "unchanged": ([], 0)}
+    runs = {"baseline": ([], 0), "faulted": (["--fault", "dcp-lse-merge"], 1), "unchanged": ([], 0),
+            # every launch times out (the references are cached by then): ERROR cells, exit 3
+            "timeout": (["--timeout", "0.05"], 3),
+            "partial": (["--topo", "tp2dcp2", "--fault", "dcp-lse-merge"], 1)}
     out = {}
     for name, (extra, code) in runs.items():
         out[name] = root / name
         assert main(["run", *MATRIX, *extra, "--out", str(out[name]), "--cache-dir", str(shared_cache)]) == code
     return out
+
+
+def _signoff(builds: dict[str, Path], candidate: str, baseline: str, out: Path) -> tuple[int, str, dict]:
+    code = main(["signoff", "--candidate", str(builds[candidate]), "--baseline", str(builds[baseline]),
+                 "--out", str(out)])
+    return code, (out / "signoff.md").read_text(), json.loads((out / "signoff.json").read_text())
 
 
 def test_faulted_candidate_is_blocked_naming_the_cell(builds: dict[str, Path], tmp_path: Path,
@@ -31,10 +44,35 @@ def test_faulted_candidate_is_blocked_naming_the_cell(builds: dict[str, Path], t
                  "--out", str(out)])
     printed = capsys.readouterr().out
     assert code == 1
-    assert printed.startswith("BLOCKED") and "blocking dcp/tiny-gqa/tp2dcp2/seed0 (new FAIL)" in printed
+    assert printed.startswith("BLOCKED: 1 of 2 cells block the release: 1 new output corruption (1 silent), "
+                              "0 new performance-only, 0 new ERROR, 0 not run (missing coverage)")
+    assert "blocking dcp/tiny-gqa/tp2dcp2/seed0 (new output corruption)" in printed
     html, md = (out / "signoff.html").read_text(), (out / "signoff.md").read_text()
-    assert md.startswith("# BLOCKED") and "**dcp/tiny-gqa/tp2dcp2/seed0** (new FAIL)" in md
+    assert md.startswith("# BLOCKED") and "**dcp/tiny-gqa/tp2dcp2/seed0** (new output corruption)" in md
     assert html.index("BLOCKED") < html.index("Verdicts") and "dcp/tiny-gqa/tp2dcp2/seed0" in html
+    # candidate and baseline named at the top, each linked to its report (relative links, no URL)
+    top = html[:html.index("Blocking cells")]
+    assert "<th>candidate</th><td><b>faulted</b>" in top and "<th>baseline</th><td><b>baseline</b>" in top
+    assert 'faulted/index.html"' in top
+    assert 'baseline/index.html"' in top
+    assert "- **candidate** faulted" in md and "(../" in md.split("## Blocking cells")[0]
+    # the noise floor as the harness measures it
+    assert "same dtype with another reduction order" in html and "higher-precision twin" not in html
+    # changes first, sorted: the verdict changes lead, by their size; unchanged metrics are not rows of +0
+    table = md.split("## Metric deltas")[1].split("##")[0]
+    rows = [ln.split("|") for ln in table.splitlines() if ln.startswith("| dcp/")]
+    assert rows and all(r[7].strip() != "+0" for r in rows)
+    noise_rows = [r for r in rows if r[7].strip() == "x noise"]
+    sizes = [abs(float(r[6])) for r in noise_rows]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 1e3
+    # signoff.json beside the page: the same classes for CI
+    doc = json.loads((out / "signoff.json").read_text())
+    assert doc["verdict"] == "BLOCKED" and not doc["signed_off"] and doc["summary"] in printed
+    assert doc["counts"] == {"new_output_corruption": 1, "new_silent_corruption": 1, "new_performance_only": 0,
+                             "new_error": 0, "still_failing": 0, "not_run": 0, "blocking": 1, "cells": 2}
+    (cell,) = [c for c in doc["cells"] if c["blocking"]]
+    assert cell["cell"] == "dcp/tiny-gqa/tp2dcp2/seed0" and cell["failure_class"] == "output"
+    assert cell["silent_corruption"] and cell["change"] == "new output corruption"
     assert "://" not in html and "<script" not in html
     # the fault does not apply at tp2: that cell is listed as not checked, never silently green
     assert "| dcp/tiny-gqa/tp2/seed0 | PASS | SKIP | not checked |" in md
@@ -59,7 +97,10 @@ def test_unchanged_candidate_signs_off(builds: dict[str, Path], tmp_path: Path,
     base_commit = json.loads((builds["baseline"] / "results.json").read_text())["provenance"]["git_commit"]
     assert base_commit in md
     deltas = [ln for ln in md.splitlines() if "x noise |" in ln]
-    assert deltas and all(abs(float(ln.split("|")[6])) < 1.0 for ln in deltas)  # same build: deltas within noise
+    assert all(abs(float(ln.split("|")[6])) < 1.0 for ln in deltas)  # same build: deltas within noise
+    assert deltas or "No metric changed." in md
+    doc = json.loads((out / "signoff.json").read_text())
+    assert doc["signed_off"] and doc["verdict"] == "SIGN-OFF" and doc["counts"]["blocking"] == 0
 
 
 def test_fixed_and_missing_cells(builds: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -67,6 +108,64 @@ def test_fixed_and_missing_cells(builds: dict[str, Path], tmp_path: Path, capsys
     assert main(["signoff", "--candidate", str(builds["unchanged"]), "--baseline", str(builds["faulted"]),
                  "--out", str(tmp_path / "a")]) == 0
     assert "| dcp/tiny-gqa/tp2dcp2/seed0 | FAIL | PASS | fixed |" in (tmp_path / "a" / "signoff.md").read_text()
+
+
+def test_timeout_candidate_is_new_error_not_new_fail(builds: dict[str, Path], tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    code, md, doc = _signoff(builds, "timeout", "baseline", tmp_path / "so")
+    printed = capsys.readouterr().out
+    assert code == 1 and "new FAIL" not in printed + md
+    assert printed.startswith("BLOCKED: 2 of 2 cells block the release: 0 new output corruption, "
+                              "0 new performance-only, 2 new ERROR, 0 not run (missing coverage)")
+    assert "| dcp/tiny-gqa/tp2/seed0 | PASS | ERROR | new ERROR |" in md
+    assert doc["counts"]["new_error"] == 2 and doc["counts"]["new_output_corruption"] == 0
+    assert {c["failure_class"] for c in doc["cells"]} == {"infrastructure"}
+    html = (tmp_path / "so" / "signoff.html").read_text()
+    assert f".s-ERROR {{ background: {ERROR_COLOUR}" in html
+    # FAIL -> ERROR is a new ERROR too
+    code, md, doc = _signoff(builds, "timeout", "faulted", tmp_path / "so2")
+    assert "| dcp/tiny-gqa/tp2dcp2/seed0 | FAIL | ERROR | new ERROR |" in md and doc["counts"]["new_error"] == 2
+
+
+def test_missing_coverage_is_counted_apart_from_corruption(builds: dict[str, Path], tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    code, md, doc = _signoff(builds, "partial", "baseline", tmp_path / "so")
+    assert code == 1
+    assert md.splitlines()[2] == ("2 of 2 cells block the release: 1 new output corruption (1 silent), "
+                                  "0 new performance-only, 0 new ERROR, 1 not run (missing coverage)")
+    assert "| dcp/tiny-gqa/tp2/seed0 | PASS | - | not run |" in md
+    assert doc["counts"]["not_run"] == 1 and doc["counts"]["new_output_corruption"] == 1
+
+
+def test_speculator_fault_is_performance_only(tmp_path: Path, shared_cache: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A real speculator fault whose outputs agree (a broken MTP head): performance-only, never corruption."""
+    spec = ["run", "--suite", "spec", "--topo", "tp2dcp2-mtp", "--cache-dir", str(shared_cache)]
+    assert main([*spec, "--out", str(tmp_path / "base")]) == 0
+    assert main([*spec, "--fault", "mtp-wrong-hidden", "--out", str(tmp_path / "cand")]) == 1
+    builds = {"base": tmp_path / "base", "cand": tmp_path / "cand"}
+    code, md, doc = _signoff(builds, "cand", "base", tmp_path / "so")
+    assert code == 1
+    assert md.splitlines()[2] == ("1 of 1 cells block the release: 0 new output corruption, "
+                                  "1 new performance-only, 0 new ERROR, 0 not run (missing coverage)")
+    assert doc["counts"]["new_performance_only"] == 1 and doc["counts"]["new_output_corruption"] == 0
+    (cell,) = doc["cells"]
+    assert cell["failure_class"] == "performance" and not cell["silent_corruption"]
+
+
+def test_candidate_equal_to_its_baseline_is_refused(builds: dict[str, Path], tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "so"
+    assert main(["signoff", "--candidate", str(builds["baseline"]), "--baseline", str(builds["baseline"]),
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("harness: error:") == 1 and len(err.strip().splitlines()) == 1 and "same run" in err
+    assert not out.exists()
+    # a copy of the run (same results.json) is the same run too
+    copy = tmp_path / "copy"
+    shutil.copytree(builds["baseline"], copy)
+    assert main(["signoff", "--candidate", str(copy), "--baseline", str(builds["baseline"]), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.count("harness: error:") == 1
 
 
 def test_bad_input_exits_2(builds: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

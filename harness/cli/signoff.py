@@ -3,8 +3,11 @@
 Compares a candidate build's run folders with the last signed-off build's: SIGN-OFF or BLOCKED at
 the top (with the blocking cells), old vs new verdicts, metric deltas as multiples of noise, GSM8K
 scores with the paired test and the minimum detectable drop, acceptance lengths, both builds'
-provenance and every skipped or unavailable check. Writes signoff.html and signoff.md.
-Exit 0 SIGN-OFF, 1 BLOCKED, 2 bad input.
+provenance and every skipped or unavailable check. The first line counts the blocking cells by
+category: new output corruption (silent or not), new performance-only, new ERROR (infrastructure:
+PASS->ERROR is not a new FAIL), still failing, not run (missing coverage). Writes signoff.html,
+signoff.md and signoff.json (the same verdict, counts and cells for CI; keys in harness/signoff/render.py).
+Exit 0 SIGN-OFF, 1 BLOCKED, 2 bad input (a candidate that is the same run as its baseline included).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.errors import ConfigError
 from harness.paths import REPORTS_DIR
 from harness.verdict import ExitCode
 
@@ -30,15 +34,19 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.signoff.compare import compare_builds, load_build
+    from harness.signoff.compare import compare_builds, load_build, same_run
     from harness.signoff.render import header, write_signoff
 
-    signoff = compare_builds(load_build(args.candidate, "candidate"), load_build(args.baseline, "baseline"))
+    candidate, baseline = load_build(args.candidate, "candidate"), load_build(args.baseline, "baseline")
+    why = same_run(candidate, baseline)
+    if why:
+        raise ConfigError(f"{why}: sign off a candidate against the last signed-off build's runs")
+    signoff = compare_builds(candidate, baseline)
     out = args.out or REPORTS_DIR / ("signoff-" + time.strftime("%Y%m%d-%H%M%S"))
     paths = write_signoff(out, signoff)
     head = header(signoff)
     print(f"{head.title}: {head.text}")
     for c in signoff.blocking:
         print(f"  blocking {c.label} ({c.change}): {c.reason}")
-    print(f"sign-off page: {paths['html']} (markdown: {paths['markdown']})")
+    print(f"sign-off page: {paths['html']} (markdown: {paths['markdown']}; for CI: {paths['json']})")
     return ExitCode.OK if signoff.signed_off else ExitCode.FAIL

@@ -18,13 +18,13 @@ from harness.results import exit_code, read_results, write_results
 from harness.verdict import CellResult
 
 if TYPE_CHECKING:
-    from harness.history import CellHistory, CellId
+    from harness.history import CellHistory, TrendKey
 
 __all__ = ["exit_code", "merge", "print_matrix", "read_results", "render_all", "write_results"]
 
 
 def render_all(out_dir: Path, cells: list[CellResult], provenance: dict[str, Any], run_id: str,
-               histories: "dict[CellId, CellHistory] | None" = None) -> dict[str, Path]:
+               histories: "dict[TrendKey, CellHistory] | None" = None) -> dict[str, Path]:
     """Write results.json, index.html, junit.xml and summary.md into out_dir; their paths by kind.
     With `histories` (harness/history.py) the HTML shows each cell's recent runs."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -49,7 +49,7 @@ from harness.results import summary_counts
 from harness.verdict import CellResult, CheckResult, FailureClass, Verdict
 
 if TYPE_CHECKING:
-    from harness.history import CellHistory, CellId
+    from harness.history import CellHistory, TrendKey
 
 HTML_FILE = "index.html"
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
@@ -197,7 +197,7 @@ def _environment() -> Environment:
     return env
 
 
-def history_views(matrix: Matrix, histories: "dict[CellId, CellHistory] | None"
+def history_views(matrix: Matrix, histories: "dict[TrendKey, CellHistory] | None"
                   ) -> tuple[dict[str, HistoryView], list[tuple[str, str, str]]]:
     """Per cell anchor its history view, and the flaky cells as (label, anchor, flips text)."""
     views = {_anchor(r): history_view(histories[cell_id(r.cell)]) for r in matrix.rows
@@ -208,7 +208,7 @@ def history_views(matrix: Matrix, histories: "dict[CellId, CellHistory] | None"
 
 
 def render_html(cells: list[CellResult], provenance: dict[str, Any], run_id: str,
-                histories: "dict[CellId, CellHistory] | None" = None) -> str:
+                histories: "dict[TrendKey, CellHistory] | None" = None) -> str:
     matrix = build_matrix(cells)
     views = [cell_view(r) for r in matrix.rows]
     history, flaky = history_views(matrix, histories)
@@ -230,7 +230,7 @@ def render_html(cells: list[CellResult], provenance: dict[str, Any], run_id: str
 
 
 def write_html(out_dir: Path, cells: list[CellResult], provenance: dict[str, Any], run_id: str,
-               histories: "dict[CellId, CellHistory] | None" = None) -> Path:
+               histories: "dict[TrendKey, CellHistory] | None" = None) -> Path:
     path = out_dir / HTML_FILE
     write_text_atomic(path, render_html(cells, provenance, run_id, histories))
     return path

@@ -3,10 +3,18 @@
 A cell is (suite, model, topology, seed); an injected fault belongs to the build, not the cell.
 The candidate is BLOCKED when any of its cells FAILs or ERRORs, or a cell of the baseline was not
 run for it; otherwise it can be signed off. Skipped checks are listed, never silently green.
+
+Each blocking cell is in one category (CATEGORIES), by the candidate cell's failure class:
+new output corruption (a FAIL of an output or layout check, silent or not), new performance-only
+regression (only performance checks FAIL), new ERROR (the run could not complete: PASS->ERROR and
+FAIL->ERROR are this, never a new FAIL), still failing (the same failure class as in the baseline),
+not run (a baseline cell absent from the candidate: missing coverage). A candidate that is the
+same run as its baseline is refused (same_run).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -15,21 +23,32 @@ from harness.checkmetrics import key_metric, noise_multiples
 from harness.errors import ConfigError
 from harness.gsm8k.stats import DEFAULT_ALPHA, DEFAULT_BETA, bernoulli_sigma, gate_numbers
 from harness.report.merge import merge
-from harness.verdict import CellResult, CheckResult, Verdict
+from harness.verdict import CellResult, CheckResult, FailureClass, Verdict
 
 CellId = tuple[str, str, str, int]
 FAILING = (Verdict.FAIL, Verdict.ERROR)
 PAIRED, GATE, ACCEPTANCE = "gsm8k_paired", "gsm8k_baseline", "acceptance"
+NEW_OUTPUT, NEW_PERFORMANCE, NEW_ERROR = "new output corruption", "new performance-only", "new ERROR"
+STILL_FAILING, NOT_RUN = "still failing", "not run"
+# the blocking categories, in the order the page and signoff.json count them: (change, signoff.json key)
+CATEGORIES: tuple[tuple[str, str], ...] = (
+    (NEW_OUTPUT, "new_output_corruption"), (NEW_PERFORMANCE, "new_performance_only"), (NEW_ERROR, "new_error"),
+    (STILL_FAILING, "still_failing"), (NOT_RUN, "not_run"))
+NEW_BY_CLASS = {FailureClass.OUTPUT: NEW_OUTPUT, FailureClass.PERFORMANCE: NEW_PERFORMANCE,
+                FailureClass.INFRASTRUCTURE: NEW_ERROR}
 
 
 @dataclass(frozen=True)
 class Build:
-    """One side of the comparison: its cells by id and its provenance."""
+    """One side of the comparison: its cells by id and its provenance. `runs`: per source run its
+    (run id, git commit, command); `digest`: its cells as canonical JSON (what same_run compares)."""
 
     dirs: tuple[Path, ...]
     cells: dict[CellId, CellResult]
     provenance: dict[str, Any]
     run_id: str
+    runs: tuple[tuple[str, str, str], ...] = ()
+    digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -37,9 +56,11 @@ class CellChange:
     cell: CellId
     old: Verdict | None
     new: Verdict | None
-    change: str  # new FAIL | still failing | fixed | unchanged | changed | not checked | new cell | not run
+    change: str  # a blocking category (CATEGORIES) | fixed | unchanged | changed | not checked | new cell
     blocking: bool
     reason: str          # the candidate's first failing check, or why it blocks
+    failure_class: FailureClass | None = None  # the candidate cell's
+    silent: bool = False  # the candidate cell is silent corruption (output corruption, clean exit)
 
     @property
     def label(self) -> str:
@@ -107,6 +128,14 @@ class Signoff:
     def signed_off(self) -> bool:
         return not self.blocking
 
+    def counts(self) -> dict[str, int]:
+        """Blocking cells per category (signoff.json keys), the silent ones among the new output
+        corruptions, and the totals."""
+        out = {key: sum(1 for c in self.blocking if c.change == change) for change, key in CATEGORIES}
+        out["new_silent_corruption"] = sum(1 for c in self.blocking if c.change == NEW_OUTPUT and c.silent)
+        out.update(blocking=len(self.blocking), cells=len(self.changes))
+        return out
+
 
 def cell_id(cell: CellResult) -> CellId:
     return (cell.suite, cell.model, cell.topology, cell.seed)
@@ -120,7 +149,23 @@ def load_build(dirs: Sequence[Path], side: str) -> Build:
     by_id: dict[CellId, CellResult] = {}
     for cell in cells:
         by_id[cell_id(cell)] = cell
-    return Build(tuple(dirs), by_id, provenance, run_id)
+    sources = [(str(s.get("run_id", "")), s.get("provenance") or {}) for s in provenance.get("sources", [])
+               if isinstance(s, dict)] or [(run_id, provenance)]
+    runs = tuple(sorted((rid, str(p.get("git_commit", "")), str(p.get("command", ""))) for rid, p in sources))
+    digest = json.dumps(sorted((c.to_dict() for c in cells), key=lambda d: json.dumps(d, sort_keys=True)),
+                        sort_keys=True)
+    return Build(tuple(dirs), by_id, provenance, run_id, runs, digest)
+
+
+def same_run(candidate: Build, baseline: Build) -> str:
+    """Why the two sides are the same results ('' when they are not): the same runs (run id, git commit
+    and command of every source) or identical cells (a copied or re-rendered results.json)."""
+    if candidate.runs == baseline.runs:
+        rid = ", ".join(r[0] for r in candidate.runs)
+        return f"the candidate is the same run as the baseline (run {rid}, same git commit and command)"
+    if candidate.digest == baseline.digest:
+        return "the candidate's results are identical to the baseline's (the same run's results.json)"
+    return ""
 
 
 def _first_problem(cell: CellResult) -> str:
@@ -135,19 +180,22 @@ def _first_skip(cell: CellResult) -> str:
 
 
 def classify(old: CellResult | None, new: CellResult | None) -> tuple[str, bool, str]:
-    """(change, blocking, reason) of one cell."""
+    """(change, blocking, reason) of one cell. A failing candidate cell is in the category of its failure
+    class (new output corruption, new performance-only, new ERROR) unless the baseline cell failed
+    with the same class (still failing); a cell of the baseline the candidate lacks is not run."""
     if new is None:
-        return "not run", True, "in the baseline but not run for the candidate"
-    failing_new = new.status in FAILING
+        return NOT_RUN, True, "in the baseline but not run for the candidate (missing coverage)"
     reason = _first_problem(new) + (" (silent corruption)" if new.silent_corruption else "")
+    if new.status in FAILING:
+        assert new.failure_class is not None
+        if old is None:
+            return NEW_BY_CLASS[new.failure_class], True, reason + " (a cell the baseline did not run)"
+        if old.status in FAILING and old.failure_class is new.failure_class:
+            return STILL_FAILING, True, f"{new.failure_class.label}: {reason}"
+        return NEW_BY_CLASS[new.failure_class], True, reason
     if old is None:
-        return "new cell", failing_new, reason
-    failing_old = old.status in FAILING
-    if failing_new and not failing_old:
-        return "new FAIL", True, reason
-    if failing_new:
-        return "still failing", True, reason
-    if failing_old:
+        return "new cell", False, ""
+    if old.status in FAILING:
         return "fixed", False, ""
     if new.status is Verdict.SKIP and old.status is not Verdict.SKIP:
         return "not checked", False, _first_skip(new)
@@ -235,7 +283,8 @@ def compare_builds(candidate: Build, baseline: Build) -> Signoff:
         old, new = baseline.cells.get(cid), candidate.cells.get(cid)
         change, blocking, reason = classify(old, new)
         changes.append(CellChange(cid, old.status if old else None, new.status if new else None,
-                                  change, blocking, reason))
+                                  change, blocking, reason, new.failure_class if new else None,
+                                  bool(new and new.silent_corruption)))
         deltas += metric_deltas(cid, old, new)
         skipped += unchecked(cid, old, new)
         if new is not None:
@@ -245,8 +294,29 @@ def compare_builds(candidate: Build, baseline: Build) -> Signoff:
             acc = acceptance_row(cid, old, new)
             if acc is not None:
                 acceptance.append(acc)
-    return Signoff(candidate, baseline, tuple(changes), tuple(deltas), tuple(gsm8k), tuple(acceptance),
-                   tuple(skipped))
+    return Signoff(candidate, baseline, tuple(changes), tuple(sort_deltas(deltas)), tuple(gsm8k),
+                   tuple(acceptance), tuple(skipped))
+
+
+def delta_changed(d: MetricDelta) -> bool:
+    """The verdict or the number moved (a metric on one side only counts as moved)."""
+    return d.old_verdict != d.new_verdict or d.old != d.new
+
+
+def _delta_size(d: MetricDelta) -> float:
+    """How far it moved: noise multiples by their difference, other numbers relative to the baseline's."""
+    if d.old is None or d.new is None:
+        return float("inf")
+    diff = abs(d.new - d.old)
+    return diff if d.unit == "x noise" else (diff / abs(d.old) if d.old else (float("inf") if diff else 0.0))
+
+
+def sort_deltas(deltas: Sequence[MetricDelta]) -> list[MetricDelta]:
+    """Changes first: verdict changes, then the largest moves (noise multiples before other numbers);
+    unchanged metrics last, in their order."""
+    changed = sorted((d for d in deltas if delta_changed(d)),
+                     key=lambda d: (d.old_verdict == d.new_verdict, d.unit != "x noise", -_delta_size(d)))
+    return changed + [d for d in deltas if not delta_changed(d)]
 
 
 PROVENANCE_KEYS = ("git_commit", "engine", "engine_version", "harness_version", "torch_version", "device",
