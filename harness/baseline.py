@@ -234,6 +234,7 @@ def gate_cell(baselines: Baselines, model: str, task: str, topology: str, measur
                            {"measured": measured.score, "n": measured.n, "update_command": command})
     outcome = baseline_gate(entry.score, measured.score, measured.n, alpha=cfg.alpha, beta=cfg.beta,
                             sigma=cfg.sigma, detect_drop=cfg.detect_drop)
-    metrics = {**outcome.metrics(), "baseline_stderr": entry.stderr, "measured_stderr": measured.stderr,
+    metrics = {"headline": "measured", **outcome.metrics(), "baseline_stderr": entry.stderr,
+               "measured_stderr": measured.stderr,
                "baseline_provenance": dict(entry.provenance)}
     return CheckResult(GATE_CHECK, outcome.verdict, outcome.reason, metrics)

@@ -69,8 +69,11 @@ def test_clear_gap_divergence_fails_with_context(runs) -> None:
     assert result.verdict is Verdict.FAIL
     ref_ids = ref.tensors["gen_tokens.0"].tolist()
     par_ids = par_gap.tensors["gen_tokens.0"].tolist()
-    assert result.reason.startswith(f"prompt 0 diverges at token 3: ref {decode(ref_ids[3:4])!r} vs "
-                                    f"par {decode(par_ids[3:4])!r} (ref gap 5.0e-01 > near-tie 1.0e-03)")
+    assert result.reason.startswith(f"prompt 0 diverges at token 3: ref {decode(ref_ids[3:4])!r} (id {ref_ids[3]}) "
+                                    f"vs par {decode(par_ids[3:4])!r} (id {par_ids[3]}) "
+                                    f"(ref gap 5.0e-01 > near-tie 1.0e-03)")
+    assert [e["id"] for e in prompts[0]["ref_topk"]] == ref_gap.tensors["gen_topk_ids.0"][3].tolist()
+    assert prompts[0]["par_topk"] and all(isinstance(e["token"], str) for e in prompts[0]["par_topk"])
     assert result.reason.endswith("1/3 prompts diverge outside near ties")
     div = prompts[0]
     assert div["benign"] is False

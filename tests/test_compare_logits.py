@@ -9,6 +9,7 @@ import torch
 
 from harness.compare.logits import check_logits, position_metrics
 from harness.compare.settings import LogitsSettings
+from harness.fmt import multiple as times_text
 from harness.layout import plan_layout
 from harness.verdict import Verdict
 from tests.test_compare_support import GQA, synthetic_runs, with_tensors
@@ -182,4 +183,4 @@ def test_metrics_are_reported_as_multiples_of_the_noise(runs) -> None:
     result, _ = check_logits("decode", ref, par, noise, NOISE_ONLY)
     multiple = result.metrics["abs_noise_multiple"]
     assert multiple == pytest.approx(result.metrics["max_abs"] / result.metrics["abs_bound"]["noise"])
-    assert f"({multiple:.1f}x noise)" in result.reason
+    assert f"({times_text(multiple)} noise)" in result.reason

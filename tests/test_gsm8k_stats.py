@@ -158,3 +158,24 @@ def test_gate_rejects_bad_parameters(kwargs: dict[str, float]) -> None:
 def test_gate_rejects_percent_scale() -> None:
     with pytest.raises(ConfigError, match="0..1"):
         baseline_gate(88.0, 0.88, 100)
+
+
+def test_gate_that_cannot_fail_is_a_skip_naming_the_n_it_needs() -> None:
+    """'score 0.000 >= threshold -0.067' on 3 questions: no score in 0..1 is below the threshold."""
+    out = baseline_gate(0.0, 0.0, 3, detect_drop=0.05)
+    assert out.threshold <= 0 and out.verdict is Verdict.SKIP
+    need = min_questions(out.sigma, 0.05, out.alpha, out.beta)
+    assert "no power" in out.reason and f"n >= {need}" in out.reason and "alpha=0.05, beta=0.2" in out.reason
+    assert baseline_gate(0.0, 0.0, 3).verdict is Verdict.SKIP  # without a detect_drop: the default 5 points
+    assert baseline_gate(0.60, 0.60, 50, sigma=0.5, detect_drop=0.05).verdict is Verdict.WARN  # some power
+
+
+def test_paired_comparison_lists_answer_disagreements() -> None:
+    ref = [QuestionRecord(index=i, question=f"q{i}", target=a, target_answer=a, generation="g",
+                          answers={STRICT: r}, correct={STRICT: r == a}) for i, (a, r) in enumerate(
+                              [("1", "1"), ("2", "5"), ("3", "3")])]
+    par = [QuestionRecord(index=i, question=f"q{i}", target=a, target_answer=a, generation="g",
+                          answers={STRICT: r}, correct={STRICT: r == a}) for i, (a, r) in enumerate(
+                              [("1", "1"), ("2", "6"), ("3", "4")])]
+    out = paired_comparison(ref, par)
+    assert [d["index"] for d in out["disagreements"]] == [1, 2] and [f["index"] for f in out["flips"]] == [2]

@@ -82,7 +82,8 @@ def test_no_banner_without_silent_corruption() -> None:
 
 def test_matrix_cells_carry_verdict_colour_key_number_and_reason(page: str) -> None:
     matrix = page[page.index('class="matrix"'):page.index("</table>", page.index('class="matrix"'))]
-    assert 'class="v v-FAIL" title="FAIL: decode max KL 3.2 &gt; 1e-5 (noise floor 1e-7)' in matrix
+    assert re.search(r'class="v v-FAIL ck ck-\d+" title="FAIL: decode max KL 3.2 &gt; 1e-5 \(noise floor 1e-7\)',
+                     matrix)
     assert "KL 3.2" in matrix and "div@2" in matrix
     assert matrix.count("v v-ERROR") == 2 and "v v-SKIP" in matrix and "v v-WARN" in matrix
     for row in build_matrix(all_cells()).rows:
@@ -102,7 +103,7 @@ def test_error_cell_shows_its_log_tail_without_colour_codes(page: str) -> None:
 
 
 def test_drill_down_sections(page: str) -> None:
-    assert page.count("<svg") == 4  # pass layer plot; fail layer plot + heat map; acceptance bars
+    assert page.count("<svg") == 3  # fail layer plot + heat map; acceptance bars (a PASS cell draws no plots)
     assert 'class="mismatch"' in page and "(plan 0)" in page  # broken layout highlighted
     # first diverging token, quoted
     assert "<mark>&#39; was&#39;</mark>" in page and "<mark>&#39; is&#39;</mark>" in page
@@ -357,8 +358,8 @@ def test_compare_format_details() -> None:
     assert "KV pool: budget_bytes=1.00 MiB · block_size=16" in page
     # hidden index 0 is the embedding; the localized layer 1 is hidden index 2
     assert ">emb</text>" in page and "first diverging layer 1" in page and "layer 1: error=0.4" in page
-    assert "parallel <code>(end of text)</code>" in page and "(id 98)</code>" in page
-    assert "\x07" not in page and "&#39;b\\x07&#39; (id 98)" in page  # the control character escaped, visible
+    assert "parallel <code>(end of text)</code>" in page and "\u27e8id 98\u27e9</code>" in page
+    assert "\x07" not in page and "&#39;b\\x07&#39; \u27e8id 98\u27e9" in page  # the control character escaped, visible
     assert "<li>rank 1 holds kv heads 1</li>" in page  # every layout problem listed
     assert "div@1 p0" in page and "problems 2" in page
 

@@ -15,11 +15,12 @@ import pytest
 
 from harness.cli import main
 from harness.report import render_all
-from harness.report.html import render_html
+from harness.report.html import TEMPLATES_DIR, render_html
 from harness.report.junit import build_junit
 from harness.report.merge import merge
 from harness.report.summary import render_summary
-from harness.verdict import Verdict
+from harness.report.svg import acceptance_bars
+from harness.verdict import CheckResult, Verdict
 from tests.report_fixtures import KINDS, RESULTS_DIR, cell, load
 
 
@@ -69,7 +70,7 @@ def test_diverging_tokens_show_id_and_escaped_text() -> None:
     gens = [p["generation"] for p in cell("corruption").details["prompts"] if p["generation"].get("ref_token_id")]
     assert gens
     for gen in gens:
-        assert f"(id {gen['ref_token_id']})</code>" in page and f"(id {gen['par_token_id']})</code>" in page
+        assert f"id {gen['ref_token_id']}\u27e9</code>" in page and f"id {gen['par_token_id']}\u27e9</code>" in page
     assert "\ufffd</code>" not in page and "<code>&#39;&#39;</code>" not in page
 
 
@@ -167,11 +168,11 @@ document.body.setAttribute('data-probe', JSON.stringify({
 </script>"""
 
 
-def _chromium(html_path: Path, shot: Path) -> dict:
+def _chromium(html_path: Path, shot: Path, window: tuple[int, int] = WINDOW, script: str = PROBE) -> dict:
     probe = html_path.with_name("probe.html")
-    probe.write_text(html_path.read_text(encoding="utf-8").replace("</body>", PROBE + "</body>"), encoding="utf-8")
+    probe.write_text(html_path.read_text(encoding="utf-8").replace("</body>", script + "</body>"), encoding="utf-8")
     base = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
-            f"--window-size={WINDOW[0]},{WINDOW[1]}", f"--user-data-dir={html_path.parent / 'chromium-profile'}"]
+            f"--window-size={window[0]},{window[1]}", f"--user-data-dir={html_path.parent / 'chromium-profile'}"]
     dom = subprocess.run([*base, "--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=180)
     assert dom.returncode == 0, dom.stderr[-2000:]
     match = re.search(r'data-probe="([^"]*)"', dom.stdout)
@@ -206,3 +207,131 @@ def test_report_in_headless_chromium(tmp_path: Path, kind: str, title: str) -> N
         assert probe["banner"] is not None and probe["banner"] < probe["height"]  # and the corruption banner
     if kind in ("error", "merged"):
         assert probe["logbox"]["endShown"], probe  # the tail opens at its end, where the error is
+
+
+# the reports issue (items 2, 3, 5, 8): numbers that fit, readable evidence, size and contrast
+
+
+def _matrix_html(page: str) -> str:
+    start = page.index('<table class="matrix">')
+    return page[start:page.index("</table>", start)]
+
+
+def test_matrix_cells_show_noise_multiples_and_link_to_their_rows() -> None:
+    page = _page("corruption")
+    matrix = _matrix_html(page)
+    assert re.search(r"KL \d(\.\d)?e\d+x<", matrix), matrix  # e.g. 'KL 1.2e12x', not 'KL 1161773916233.8x'
+    assert not re.search(r"\d{6,}(\.\d+)?x", page)  # no long multiple anywhere, the reasons included
+    for ref in re.findall(r'<a href="#(cell-0-ck-[^"]+)">', matrix):
+        assert f'id="{ref}"' in page  # each check cell links to its row in the drill-down
+
+
+def test_tokens_at_the_first_divergence_are_readable_with_top_k() -> None:
+    page = _page("corruption")
+    prompts = cell("corruption").details["prompts"]
+    divergences = page.split('<div class="divergence">')[1:]
+    assert divergences and len(divergences) == sum(p["generation"].get("first_divergence") is not None
+                                                   for p in prompts)
+    for p, block in zip([p for p in prompts if p["generation"].get("first_divergence") is not None], divergences):
+        block = block.split("</div>\n  </div>", 1)[0]
+        gen = p["generation"]
+        assert "\ufffd" not in block
+        for side in ("ref", "par"):
+            text = gen[f"{side}_token"]
+            if text == "" or not text.isprintable() or "\ufffd" in text:  # an id escape stands in for it
+                assert f"\u27e8id {gen[f'{side}_token_id']}\u27e9" in block
+            topk = gen[f"{side}_topk"]
+            assert topk and all(f"\u27e8id {e['id']}\u27e9" in block for e in topk)
+        assert '<table class="topk">' in block and "logprob" in block
+        assert "\u2026" in block or "&hellip;" in block  # the prompt tail
+
+
+def test_pass_cells_carry_no_heat_map() -> None:
+    clean = _page("clean")
+    assert cell("clean").status is Verdict.PASS and "head_errors" in cell("clean").details
+    assert 'aria-label="per-head error heat map"' not in clean and "<svg" not in clean
+    assert "drawn only for cells that did not pass" in clean
+    assert 'aria-label="per-head error heat map"' in _page("corruption")  # the failing cell keeps its evidence
+    assert len(clean.encode()) < 40_000
+
+
+def test_counts_agree_and_the_collectives_unit_is_explained() -> None:
+    page = _page("corruption")
+    problems = len(next(ch for ch in cell("corruption").checks if ch.name == "layout").metrics["problems"])
+    assert f"problems {problems}<" in _matrix_html(page)
+    assert f"the layout check lists {problems} problem(s)" in page
+    assert "u: unit roundoff of the model dtype" in page
+
+
+def test_acceptance_histogram_has_axes_and_counts() -> None:
+    svg = str(acceptance_bars([5, 3, 12], [4, 4, 12]))
+    assert ">0%<" in svg and ">60%<" in svg and ">12<" in svg and ">accepted tokens per step<" in svg
+
+
+def _luminance(hex_colour: str) -> float:
+    h = hex_colour.lstrip("#")
+    rgb = [int(h[i:i + 2], 16) / 255 for i in (0, 2, 4)] if len(h) == 6 else [int(c * 2, 16) / 255 for c in h]
+    lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
+    return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+
+def contrast(a: str, b: str) -> float:
+    """WCAG 2 contrast ratio of two #rrggbb colours."""
+    la, lb = sorted((_luminance(a), _luminance(b)), reverse=True)
+    return (la + 0.05) / (lb + 0.05)
+
+
+def test_verdict_colours_have_wcag_contrast() -> None:
+    """Small text on every verdict colour (matrix cells, badges, headlines) at least 4.5:1."""
+    css = (TEMPLATES_DIR / "report.css").read_text()
+    variables = dict(re.findall(r"--([a-z-]+):\s*(#[0-9a-fA-F]{3,6})", css))
+    rules = re.findall(r"\.(v-[A-Z]+|headline\.h-[A-Z]+|hmark-[a-z]+)\s*\{([^}]*)\}", css)
+    seen = set()
+    for name, body in rules:
+        bg = re.search(r"background:\s*(#[0-9a-fA-F]{3,6}|var\(--([a-z-]+)\))", body)
+        assert bg, name
+        background = bg.group(1) if bg.group(2) is None else variables[bg.group(2)]
+        fg = re.search(r"(?<![-\w])color:\s*(#[0-9a-fA-F]{3,6})", body)
+        text = fg.group(1) if fg else "#fff"  # headlines and history marks: white text (.headline, .hmark)
+        assert contrast(text, background) >= 4.5, (name, text, background, round(contrast(text, background), 2))
+        seen.add(name)
+    assert {"v-PASS", "v-WARN", "v-FAIL", "v-ERROR", "v-SKIP", "headline.h-PASS", "headline.h-WARN"} <= seen
+
+
+def _wide() -> list:
+    """The corruption cell next to the clean one, each with the many columns of a speculative suite."""
+    cells = [cell("corruption"), cell("clean")]
+    extra = [CheckResult(f"speculative_acceptance_{kind}", Verdict.FAIL, "acceptance dropped",
+                         {"mean_acceptance": 1.234}) for kind in ("draft", "mtp", "draft_baseline", "mtp_baseline",
+                                                                 "eagle", "eagle_baseline")]
+    import dataclasses
+    return [dataclasses.replace(c, checks=(*c.checks, *extra)) for c in cells]
+
+
+MEASURE = """<script>
+const wrap = document.querySelector('.matrix-wrap'), doc = document.documentElement;
+document.body.setAttribute('data-probe', JSON.stringify({
+  height: window.innerHeight, headline: 0, banner: null, logbox: null, headtext: '',
+  page: {scroll: doc.scrollWidth, client: doc.clientWidth},
+  wrap: {scroll: wrap.scrollWidth, client: wrap.clientWidth, overflow: getComputedStyle(wrap).overflowX},
+  sticky: getComputedStyle(document.querySelector('table.matrix td.keys')).position}));
+</script>"""
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install -y chromium)")
+@pytest.mark.parametrize("width", [1400, 800])
+@pytest.mark.parametrize("kind", ["corruption", "gcd", "wide"])
+def test_matrix_fits_in_headless_chromium(tmp_path: Path, kind: str, width: int) -> None:
+    """At 1400 px no matrix overflows its container; at 800 px the page itself never scrolls sideways
+    (a wide matrix scrolls inside its container, its cell column sticky)."""
+    if kind == "wide":
+        cells, provenance, run_id = _wide(), {}, "wide"
+        html_path = tmp_path / "index.html"
+        html_path.write_text(render_html(cells, provenance, run_id), encoding="utf-8")
+    else:
+        html_path = _render(kind, tmp_path)
+    probe = _chromium(html_path, SCREENSHOTS / f"matrix-{kind}-{width}.png", window=(width, 900), script=MEASURE)
+    assert probe["page"]["scroll"] <= probe["page"]["client"], probe  # the page: no sideways scrolling
+    assert probe["wrap"]["overflow"] == "auto" and probe["sticky"] == "sticky", probe
+    if width == 1400:
+        assert probe["wrap"]["scroll"] <= probe["wrap"]["client"], probe  # the matrix fits, nothing cut

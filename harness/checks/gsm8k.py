@@ -36,6 +36,7 @@ def gsm8k_checks(ref_dir: Path, par_dir: Path, settings: GSM8KSettings, suite: s
                "answer_agreement": comparison["answer_agreement"],
                "generation_agreement": comparison["generation_agreement"], "b": comparison["b"],
                "c": comparison["c"], "p_value": comparison["p_value"], "flips": comparison["flips"],
+               "disagreements": comparison["disagreements"],
                "baseline": gate.metrics, "wall_s": par.wall_s, "questions_per_min": questions_per_min(par),
                "reference_questions_per_min": questions_per_min(ref), "batch": par.batch or None,
                "reference_batch": ref.batch or None}

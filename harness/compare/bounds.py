@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from harness.fmt import multiple as times_text
 from harness.verdict import Verdict
 
 
@@ -48,10 +49,10 @@ class Bound:
         return f"(floor; noise {self.noise:.1e})"
 
     def compare(self, label: str, value: float) -> str:
-        """'max KL 3.1e-01 (7.8e+06x noise) > 2.0e-06 (noise 4.0e-08 x 50)'."""
+        """'max KL 3.1e-01 (7.8e6x noise) > 2.0e-06 (noise 4.0e-08 x 50)'."""
         op = "<=" if value <= self.limit else ">"
         multiple = self.noise_multiple(value)
-        times = f" ({multiple:.1f}x noise)" if multiple is not None else ""
+        times = f" ({times_text(multiple)} noise)" if multiple is not None else ""
         return f"{label} {value:.1e}{times} {op} {self.limit:.1e} {self.describe()}"
 
     def to_dict(self) -> dict[str, float | None]:

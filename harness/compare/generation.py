@@ -79,7 +79,8 @@ def _compare_case(index: int, ref: RunArtifacts, par: RunArtifacts, par_case: Ca
                   settings: GenerationSettings, decode: Decoder | None) -> dict[str, Any]:
     """One prompt, in the report's schema (harness/report/details.py): texts, first_divergence
     (token index or None), benign, ref_token/par_token (text) with their ids, context_ref and
-    context_par ({before, token, after}), and the gaps that decided benign."""
+    context_par ({before, token, after}), prompt_tail (the prompt's last tokens), ref_topk/par_topk
+    (each run's top-k at the diverging step) and the gaps that decided benign."""
     ref_ids = [int(x) for x in ref.tensor(GEN_TOKENS, index).tolist()]
     par_ids = [int(x) for x in par.tensor(GEN_TOKENS, index).tolist()]
     ref_case = next((c for c in ref.cases if c.index == index), None)
@@ -98,7 +99,9 @@ def _compare_case(index: int, ref: RunArtifacts, par: RunArtifacts, par_case: Ca
         "ref_token_id": ref_ids[pos] if pos < len(ref_ids) else None,
         "par_token_id": par_ids[pos] if pos < len(par_ids) else None,
         "context_ref": _context(ref_ids, pos, settings.context_tokens, word),
-        "context_par": _context(par_ids, pos, settings.context_tokens, word)})
+        "context_par": _context(par_ids, pos, settings.context_tokens, word),
+        "prompt_tail": word(list(ref_case.prompt_ids[-settings.context_tokens:])) if ref_case else "",
+        "ref_topk": _topk_at(ref, index, pos, word), "par_topk": _topk_at(par, index, pos, word)})
     lps = ref.tensor(GEN_TOPK_LOGPROBS, index).to(torch.float64)  # [N, k]
     ids = ref.tensor(GEN_TOPK_IDS, index)  # [N, k]
     if pos < len(ref_ids) and pos < len(par_ids) and pos < lps.shape[0]:
@@ -111,14 +114,30 @@ def _compare_case(index: int, ref: RunArtifacts, par: RunArtifacts, par_case: Ca
     return out
 
 
+def _topk_at(run: RunArtifacts, index: int, pos: int, word: Decoder) -> list[dict[str, Any]]:
+    """The run's top-k at generation step `pos`: [{"id", "token" (text), "logprob"}], best first; [] past its end."""
+    lps = run.tensor(GEN_TOPK_LOGPROBS, index)  # [N, k]
+    ids = run.tensor(GEN_TOPK_IDS, index)  # [N, k]
+    if pos >= min(lps.shape[0], ids.shape[0]):
+        return []
+    return [{"id": int(i), "token": word([int(i)]), "logprob": json_float(float(lp))}
+            for i, lp in zip(ids[pos].tolist(), lps[pos].to(torch.float64).tolist())]
+
+
 def _token_text(ids: Sequence[int], pos: int, word: Decoder) -> str | None:
     return word(ids[pos:pos + 1]) if pos < len(ids) else None
 
 
+def _quoted(text: str) -> str:
+    """repr() with U+FFFD (a partial UTF-8 sequence) escaped too, so it never prints as a blank box."""
+    return repr(text).replace("\ufffd", "\\ufffd")
+
+
 def _describe(p: dict[str, Any]) -> str:
-    """'prompt 2 diverges at token 3: ref ' Paris' vs par ' the' (ref gap 4.2e+00 > near-tie 1.0e-03)'."""
-    ref_t = "<end>" if p["ref_token"] is None else repr(p["ref_token"])
-    par_t = "<end>" if p["par_token"] is None else repr(p["par_token"])
+    """'prompt 2 diverges at token 3: ref ' Paris' (id 12) vs par ' the' (id 9) (ref gap 4.2e+00 > near-tie
+    1.0e-03)'."""
+    ref_t = "<end>" if p["ref_token"] is None else f"{_quoted(p['ref_token'])} (id {p['ref_token_id']})"
+    par_t = "<end>" if p["par_token"] is None else f"{_quoted(p['par_token'])} (id {p['par_token_id']})"
     if p["ref_token"] is None or p["par_token"] is None:
         why = f"lengths differ: ref {p['ref_tokens']} vs par {p['par_tokens']} tokens"
     elif p["par_token_gap"] is None:

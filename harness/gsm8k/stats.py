@@ -63,7 +63,8 @@ def paired_comparison(ref: Sequence[QuestionRecord], par: Sequence[QuestionRecor
     """Per-question comparison of a parallel run with the reference on the same questions.
 
     b counts questions the reference got right and the parallel run wrong; c the reverse.
-    flips lists every question whose correctness changed, with both extracted answers.
+    flips lists every question whose correctness changed, with both extracted answers; disagreements
+    every question whose extracted answers differ (flips included, and wrong -> another wrong answer).
     """
     pairs = _pair(ref, par)
     for r, p in pairs[:1]:
@@ -76,6 +77,11 @@ def paired_comparison(ref: Sequence[QuestionRecord], par: Sequence[QuestionRecor
               "ref_answer": r.answers[filter_name], "par_answer": p.answers[filter_name],
               "ref_correct": r.correct[filter_name], "par_correct": p.correct[filter_name]}
              for r, p in pairs if r.correct[filter_name] != p.correct[filter_name]]
+    disagreements = [{"index": r.index, "question": r.question, "target": r.target_answer,
+                      "ref_answer": r.answers[filter_name], "par_answer": p.answers[filter_name],
+                      "ref_correct": r.correct[filter_name], "par_correct": p.correct[filter_name]}
+                     for r, p in pairs if r.answers[filter_name] != p.answers[filter_name]
+                     or r.correct[filter_name] != p.correct[filter_name]]
     return {"n": n, "filter": filter_name,
             "ref_score": sum(r.correct[filter_name] for r, _ in pairs) / n if n else 0.0,
             "par_score": sum(p.correct[filter_name] for _, p in pairs) / n if n else 0.0,
@@ -83,7 +89,8 @@ def paired_comparison(ref: Sequence[QuestionRecord], par: Sequence[QuestionRecor
                                                [p.answers[filter_name] for _, p in pairs]),
             "generation_agreement": agreement_rate([r.generation for r, _ in pairs],
                                                    [p.generation for _, p in pairs]),
-            "b": b, "c": c, "p_value": mcnemar_exact(b, c), "flips": flips}
+            "b": b, "c": c, "p_value": mcnemar_exact(b, c), "flips": flips,
+            "disagreements": disagreements}
 
 
 def bernoulli_sigma(score: float, floor: float = SIGMA_FLOOR) -> float:
@@ -141,8 +148,11 @@ def baseline_gate(ref_score: float, measured: float, n: int, alpha: float = DEFA
                   sigma_floor: float = SIGMA_FLOOR) -> GateOutcome:
     """Gate a measured 0..1 score against its baseline with a one-sided test.
 
-    FAIL when measured < ref + z(alpha) * scale. A PASS becomes WARN when theta (the smallest drop
-    this n detects with power 1 - beta) exceeds `detect_drop`, the drop the suite says it cares about.
+    FAIL when measured < ref + z(alpha) * scale. SKIP when the threshold is <= 0: no score in 0..1
+    can fall below it, so the test can never reject (no power at all, e.g. a baseline of 0.000 on 3
+    questions); its reason names the n that would detect `detect_drop` (DEFAULT_DETECT_DROP when unset)
+    at this alpha and beta. A PASS becomes WARN when theta (the smallest drop this n detects with
+    power 1 - beta) exceeds `detect_drop`, the drop the suite says it cares about.
     sigma defaults to the Bernoulli sigma of the measured score, floored at `sigma_floor`.
     """
     for name, value in (("baseline score", ref_score), ("measured score", measured)):
@@ -153,7 +163,13 @@ def baseline_gate(ref_score: float, measured: float, n: int, alpha: float = DEFA
     threshold = ref_score + offset
     where = (f"threshold {threshold:.3f} = baseline {ref_score:.3f} - {_points(-offset)} points "
              f"(n={n}, alpha={alpha}, sigma={used_sigma:.3f})")
-    if measured < threshold:
+    if threshold <= 0.0:
+        drop = detect_drop if detect_drop is not None else DEFAULT_DETECT_DROP
+        verdict = Verdict.SKIP
+        reason = (f"no power: {where} is <= 0, so no score can fail it (measured {measured:.3f}); "
+                  f"n >= {min_questions(used_sigma, drop, alpha, beta)} would detect a drop of {_points(drop)} "
+                  f"points at alpha={alpha}, beta={beta}")
+    elif measured < threshold:
         verdict = Verdict.FAIL
         reason = (f"score {measured:.3f} < {where}: a drop of {_points(ref_score - measured)} points, "
                   f"beyond noise")

@@ -13,8 +13,10 @@ absent renders nothing. Keys read (anything else is ignored):
   speculator_layout  like layout, for the draft/MTP model (plain TP layout).
   prompts       [{"index", "prompt", "prefill": {metric: value}, "decode": {metric: value},
                   "generation": {"ref_text", "par_text", "first_divergence": int | null,
-                  "benign": bool, "ref_token", "par_token", "context_ref", "context_par"}}]
+                  "benign": bool, "ref_token", "par_token", "ref_token_id", "par_token_id", "context_ref",
+                  "context_par", "prompt_tail", "ref_topk"/"par_topk": [{"id", "token", "logprob"}]}}]
                 context_*: a string, or {"before", "token", "after"} (the token is highlighted).
+                Tokens show escaped with their id: "' Paris' <id 12>", "<id 285>" for an empty one.
   layer_errors  {"error": [...], "noise": [...] | null, "threshold": [...] | number}, one entry per
                 hidden index as in artifacts' hidden.{i}: 0 = embedding output, i = output of layer i-1.
   head_errors   {"error": [[per head] per layer], "threshold": number | [per layer] | [[...]],
@@ -47,7 +49,11 @@ from harness.report.svg import acceptance_bars
 MAX_TABLE_ROWS = 200
 _PROMPT_SKIP = ("index", "prompt", "offset")
 _PROMPT_FIRST = ("max_kl", "max_abs", "top1_agreement", "first_diverging_position", "problem")
-_PROMPT_SHOWN = 4
+# the per-prompt table's metric columns: (metric key, header, unit)
+PROMPT_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("max_kl", "max KL", "nats"), ("mean_kl", "mean KL", "nats"), ("max_abs", "max |\u0394 logit|", "logit"),
+    ("top1_agreement", "top-1 agree", "fraction"), ("topk_overlap", "top-k overlap", "fraction"),
+    ("first_diverging_position", "first diverging", "position"), ("problem", "problem", ""))
 _POOL_PLAN_KEYS = (("kv_pool_blocks", "blocks"), ("kv_pool_bytes", "pool_bytes"))
 _LAYOUT_FIRST = ("q_heads", "kv_heads", "dcp_group", "dcp_rank", "kv_tp_rank", "q_to_kv", "q_to_local_kv")
 
@@ -84,10 +90,26 @@ class Context:
 
 @dataclass(frozen=True)
 class Metrics:
-    """A few metrics shown, all of them in the tooltip."""
+    """The per-prompt metrics of one path: PROMPT_COLUMNS' values (formatted; '' where absent), and
+    every metric in the tooltip."""
 
-    shown: tuple[str, ...]
+    values: tuple[str, ...]
     title: str
+
+    @property
+    def present(self) -> bool:
+        return any(self.values)
+
+
+@dataclass(frozen=True)
+class TopkRow:
+    rank: int
+    ref: str
+    ref_logprob: str
+    ref_chosen: bool
+    par: str
+    par_logprob: str
+    par_chosen: bool
 
 
 @dataclass(frozen=True)
@@ -106,6 +128,8 @@ class PromptView:
     context_par: Context | None
     ref_text: str
     par_text: str
+    prompt_tail: str = ""
+    topk: tuple[TopkRow, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -130,10 +154,28 @@ class SpeculatorView:
 
 @dataclass(frozen=True)
 class Gsm8kView:
-    facts: Facts
-    baseline: Facts | None
-    flips: TableView | None
+    facts: Facts              # what matters, labelled with units (GSM8K_FACTS)
+    baseline: Facts | None    # the gate's numbers (GATE_FACTS)
+    flips: TableView | None   # one row per question whose answers differ (or whose correctness flipped)
     flip_count: int
+    everything: Facts | None = None  # every scalar, collapsed under the tables
+    power: str = ""           # the gate's reason when it has no or too little power
+
+
+# (key, label): the GSM8K numbers worth reading; the rest stays in `everything`
+GSM8K_FACTS: tuple[tuple[str, str], ...] = (
+    ("score", "score (fraction correct)"), ("reference_score", "reference score"), ("n", "questions"),
+    ("answer_agreement", "answers equal to the reference's (fraction)"),
+    ("generation_agreement", "generations identical (fraction)"), ("b", "right -> wrong"), ("c", "wrong -> right"),
+    ("p_value", "McNemar p"), ("questions_per_min", "questions / min"))
+GATE_FACTS: tuple[tuple[str, str], ...] = (
+    ("verdict", "gate verdict"), ("measured", "measured score"), ("ref_score", "baseline score"),
+    ("threshold", "fails below"), ("min_detectable_drop", "smallest drop detected (power 1 - beta)"),
+    ("detect_drop", "drop the suite asks to detect"), ("n", "questions"), ("alpha", "alpha (false alarms)"),
+    ("beta", "beta (misses)"), ("sigma", "sigma"))
+_FLIP_COLUMNS: tuple[tuple[str, str], ...] = (("index", "#"), ("question", "question"),
+                                              ("ref_answer", "reference answer"), ("par_answer", "parallel answer"),
+                                              ("target", "gold"))
 
 
 def _dict(value: Any, what: str) -> dict[str, Any]:
@@ -263,14 +305,40 @@ def _pool(section: dict[str, Any]) -> tuple[str, ...]:
     return ()
 
 
-def _context(value: Any) -> Context | None:
+def _context(value: Any, token_id: Any = None) -> Context | None:
     if isinstance(value, str):
-        return Context(before=value, token="", after="")
+        return Context(before=shown(value), token="", after="")
     if isinstance(value, dict):  # the highlighted token escaped: an empty or U+FFFD token stays visible
         token = value.get("token")
-        return Context(before=str(value.get("before", "")), token=visible(token) if isinstance(token, str) else "",
-                       after=str(value.get("after", "")))
+        text = token_text(token, token_id) if isinstance(token, str) else ""
+        return Context(before=shown(str(value.get("before", ""))), token=text, after=shown(str(value.get("after", ""))))
     return None
+
+
+def _escape(ch: str) -> str:
+    return f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}"
+
+
+def shown(text: str) -> str:
+    """Running text with the characters that would not show escaped (control and format characters,
+    U+FFFD); newlines, tabs and spaces kept."""
+    return "".join(ch if ch in "\n\t " or (ch.isprintable() and ch != "\ufffd") else _escape(ch) for ch in text)
+
+
+def printable(text: str) -> bool:
+    """Every character shows as itself (no control, format or U+FFFD characters, no whitespace but ' ')."""
+    return all(ch == " " or (ch.isprintable() and ch != "\ufffd") for ch in text)
+
+
+def token_text(text: str | None, token_id: Any) -> str:
+    """A token as read in the report: its quoted, escaped text and '<id N>' (U+27E8/9 brackets); only
+    the id where the text is empty, the end of text for None."""
+    tag = f"\u27e8id {format_number(token_id)}\u27e9" if token_id is not None else ""
+    if text is None:
+        return "(end of text)"
+    if text == "" and tag:
+        return tag
+    return f"{visible(text)} {tag}".rstrip()
 
 
 def visible(text: str) -> str:
@@ -286,17 +354,35 @@ def visible(text: str) -> str:
         elif ch in "\n\t\r":
             out.append({"\n": "\\n", "\t": "\\t", "\r": "\\r"}[ch])
         else:
-            out.append(f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+            out.append(_escape(ch))
     return "'" + "".join(out) + "'"
 
 
 def _token(value: Any, token_id: Any, diverged: bool) -> str:
-    """A diverging token: its escaped text and its id ("'\\ufffd' (id 210)", "'' (id 285)"); None is
+    """A diverging token: its escaped text and its id ("'\\ufffd' <id 210>", "<id 285>"); None is
     the end of the text."""
     if value is None:
         return "(end of text)" if diverged else ""
-    text = visible(value) if isinstance(value, str) else str(value)
-    return f"{text} (id {format_number(token_id)})" if token_id is not None else text
+    return token_text(value if isinstance(value, str) else str(value), token_id)
+
+
+def _topk(gen: dict[str, Any]) -> tuple[TopkRow, ...]:
+    """Both runs' top-k at the first divergence side by side, each run's own token marked."""
+    ref, par = gen.get("ref_topk") or [], gen.get("par_topk") or []
+
+    def side(entries: list[Any], k: int, chosen: Any) -> tuple[str, str, bool]:
+        if k >= len(entries):
+            return "", "", False
+        e = _dict(entries[k], "topk entry")
+        text = e.get("token")
+        return (token_text(text if isinstance(text, str) else None, e.get("id")), format_number(e.get("logprob")),
+                e.get("id") == chosen)
+    rows = []
+    for k in range(max(len(_list(ref, "ref_topk")), len(_list(par, "par_topk")))):
+        r, p = side(ref, k, gen.get("ref_token_id")), side(par, k, gen.get("par_token_id"))
+        rows.append(TopkRow(rank=k + 1, ref=r[0], ref_logprob=r[1], ref_chosen=r[2], par=p[0], par_logprob=p[1],
+                            par_chosen=p[2]))
+    return tuple(rows)
 
 
 def _generation_text(gen: dict[str, Any]) -> tuple[str, bool, bool]:
@@ -321,7 +407,8 @@ def _metrics(value: Any, what: str) -> Metrics:
     data = _dict(value or {}, what)
     ordered = {**{k: data[k] for k in _PROMPT_FIRST if k in data}, **data}
     items = metrics_text(ordered, skip=_PROMPT_SKIP)
-    return Metrics(shown=tuple(items[:_PROMPT_SHOWN]), title="\n".join(items))
+    values = tuple(format_number(data[k]) if data.get(k) is not None else "" for k, _, _ in PROMPT_COLUMNS)
+    return Metrics(values=values, title="\n".join(items))
 
 
 def _prompt_view(i: int, raw: Any) -> PromptView:
@@ -335,8 +422,10 @@ def _prompt_view(i: int, raw: Any) -> PromptView:
                       ref_token=_token(gen.get("ref_token"), gen.get("ref_token_id"), diverged),
                       par_token=_token(gen.get("par_token"), gen.get("par_token_id"), diverged),
                       token_ids=_token_ids(gen.get("ref_token_id"), gen.get("par_token_id")),
-                      context_ref=_context(gen.get("context_ref")), context_par=_context(gen.get("context_par")),
-                      ref_text=str(gen.get("ref_text", "")), par_text=str(gen.get("par_text", "")))
+                      context_ref=_context(gen.get("context_ref"), gen.get("ref_token_id")),
+                      context_par=_context(gen.get("context_par"), gen.get("par_token_id")),
+                      ref_text=shown(str(gen.get("ref_text", ""))), par_text=shown(str(gen.get("par_text", ""))),
+                      prompt_tail=shown(str(gen.get("prompt_tail") or "")), topk=_topk(gen))
 
 
 def prompts_view(data: Any) -> tuple[PromptView, ...] | None:
@@ -355,12 +444,36 @@ def speculator_view(data: Any) -> SpeculatorView | None:
     return view if view.facts.items or view.layout or view.histogram else None
 
 
+def _picked(data: dict[str, Any], keys: tuple[tuple[str, str], ...]) -> Facts:
+    return Facts(tuple((label, format_number(data[k])) for k, label in keys if is_scalar(data.get(k))
+                       and data.get(k) is not None))
+
+
+def _answers_table(records: list[Any]) -> TableView | None:
+    """Questions whose answers differ: question, both answers, gold, and how correctness changed."""
+    rows = []
+    for i, raw in enumerate(records[:MAX_TABLE_ROWS]):
+        r = _dict(raw, f"gsm8k.disagreements[{i}]")
+        change = {(True, False): "right -> wrong", (False, True): "wrong -> right"}.get(
+            (r.get("ref_correct"), r.get("par_correct")), "both right" if r.get("ref_correct") else "both wrong")
+        rows.append((*(_compact(r.get(k)) if k != "question" else str(r.get(k, "")) for k, _ in _FLIP_COLUMNS),
+                     change))
+    if not rows:
+        return None
+    return TableView(columns=(*(label for _, label in _FLIP_COLUMNS), "change"), rows=tuple(rows),
+                     omitted=len(records) - len(rows))
+
+
 def gsm8k_view(data: Any) -> Gsm8kView | None:
     section = _dict(data, "gsm8k")
     baseline = section.get("baseline")
-    flips = section.get("flips")
-    view = Gsm8kView(facts=facts(section, skip=("baseline", "flips")),
-                     baseline=facts(_dict(baseline, "gsm8k.baseline")) if baseline is not None else None,
-                     flips=table_view(flips, "gsm8k.flips") if flips is not None else None,
-                     flip_count=len(flips) if isinstance(flips, list) else 0)
-    return view if view.facts.items or view.baseline or view.flips else None
+    records = section.get("disagreements", section.get("flips"))
+    gate = _dict(baseline, "gsm8k.baseline") if baseline is not None else None
+    reason = str(gate.get("reason", "")) if gate else ""
+    power = reason if gate and gate.get("verdict") in ("SKIP", "WARN") and "detect" in reason else ""
+    everything = facts(section, skip=("baseline", "flips", "disagreements"))
+    view = Gsm8kView(facts=_picked(section, GSM8K_FACTS), baseline=_picked(gate, GATE_FACTS) if gate else None,
+                     flips=_answers_table(_list(records, "gsm8k.disagreements")) if records is not None else None,
+                     flip_count=len(records) if isinstance(records, list) else 0,
+                     everything=everything if everything.items else None, power=power)
+    return view if view.facts.items or view.baseline or view.flips or view.everything else None

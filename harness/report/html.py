@@ -1,8 +1,12 @@
 """index.html: one self-contained page (inline CSS and SVG, no script, no URL), all user text escaped.
 
 The first screen answers "can I ship this build?": the headline, a silent-corruption banner naming
-cells and suspects, the matrix (cell x check, coloured by verdict, key number, reason on hover) and
-the provenance. Below it, one <details> drill-down per cell (see details.py for the data it reads).
+cells and suspects, the matrix (cell x check, coloured by verdict, key number, reason on hover; in a
+scroll container whose cell column stays put; filters "failing only" and "one check" done in CSS
+with :has(), no script) and the provenance. Each matrix cell links to its check's row in the cell's
+drill-down (a browser opens the <details> around a fragment's target). Below it, one <details>
+drill-down per cell (see details.py for the data it reads); per-layer plots and head heat maps are
+drawn only for cells that did not pass (results.json keeps the numbers of every cell).
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from markupsafe import Markup
 
 from harness import __version__
+from harness.checkmetrics import noise_multiples
 from harness.details import CellDetails
+from harness.fmt import multiple
 from harness.jsonio import write_text_atomic
 from harness.report.details import (
+    PROMPT_COLUMNS,
     Gsm8kView,
     LayoutView,
     PromptView,
@@ -34,13 +41,15 @@ from harness.report.matrix import (
     Matrix,
     MatrixRow,
     build_matrix,
+    check_anchor,
     class_label,
+    format_number,
     headline,
     interrupted_text,
+    is_scalar,
     key_legend,
     key_number,
     localization_text,
-    metrics_text,
     provenance_items,
     suspect_text,
 )
@@ -67,20 +76,66 @@ class BannerItem:
     suspect: str
 
 
+U_UNIT = "u: unit roundoff of the model dtype (2^-8 bf16, 2^-11 fp16, 2^-24 fp32)"
+# what a metric is measured in, by the first fragment of its name that matches
+_UNITS: tuple[tuple[str, str], ...] = (
+    ("/noise", "x noise floor"), ("fraction_of_bound", "fraction of bound"), ("kl", "nats"), ("abs", "logit"),
+    ("agreement", "fraction"), ("overlap", "fraction"), ("score", "fraction correct"), ("p_value", "probability"),
+    ("wall_s", "s"), ("bytes", "bytes"), ("positions", "positions"), ("position", "token index"),
+    ("tokens", "tokens"), ("gap", "nats"),
+    ("prompts", "prompts"), ("questions_per_min", "questions / min"))
+
+
+def metric_unit(check: str, name: str) -> str:
+    """The unit of a check's metric ('' when it is a count or unitless)."""
+    if check == "collectives" and ("error" in name or "bound" in name) and "fraction" not in name:
+        return "u"
+    return next((unit for fragment, unit in _UNITS if fragment in name), "")
+
+
+@dataclass(frozen=True)
+class MetricRow:
+    name: str
+    value: str
+    unit: str
+
+
 @dataclass(frozen=True)
 class CheckView:
-    """One check in the drill-down: its scalar metrics and its lists of text (e.g. every problem)."""
+    """One check in the drill-down: its scalar metrics as a table with units, and its lists of text
+    (e.g. every problem)."""
 
     check: CheckResult
     key: str
-    metrics: tuple[str, ...]
+    metrics: tuple[MetricRow, ...]
     lists: tuple[tuple[str, tuple[str, ...]], ...]
+    anchor: str = ""
+
+    @property
+    def uses_u(self) -> bool:
+        return self.check.name == "collectives" or any(m.unit == "u" for m in self.metrics)
 
 
-def check_view(check: CheckResult) -> CheckView:
+def metric_rows(check: CheckResult) -> tuple[MetricRow, ...]:
+    """Noise multiples first ('max_kl / noise'), then every scalar and nested scalar ('kl_bound.limit')."""
+    rows = [MetricRow(f"{name} / noise", multiple(value), "x noise floor") for name, value in
+            noise_multiples(check).items()]
+    for key, value in check.metrics.items():
+        if key == "headline":
+            continue
+        if isinstance(value, dict):
+            rows += [MetricRow(f"{key}.{k}", format_number(v), metric_unit(check.name, key if k != "factor" else ""))
+                     for k, v in value.items() if v is not None and is_scalar(v)]
+        elif value is not None and is_scalar(value):
+            rows.append(MetricRow(key, format_number(value), metric_unit(check.name, key)))
+    return tuple(rows)
+
+
+def check_view(check: CheckResult, row_index: int = 0) -> CheckView:
     lists = tuple((name, tuple(str(v) for v in value)) for name, value in check.metrics.items()
                   if isinstance(value, list) and value and all(isinstance(v, str) for v in value))
-    return CheckView(check=check, key=key_number(check), metrics=tuple(metrics_text(check.metrics)), lists=lists)
+    return CheckView(check=check, key=key_number(check), metrics=metric_rows(check), lists=lists,
+                     anchor=check_anchor(row_index, check.name))
 
 
 @dataclass(frozen=True)
@@ -99,6 +154,13 @@ class CellView:
     speculator: SpeculatorView | None
     gsm8k: Gsm8kView | None
     notes: tuple[str, ...]
+    prompt_columns: tuple[tuple[int, str, str], ...] = ()  # (index into Metrics.values, header, unit)
+    layout_problems: int | None = None  # the layout check's problem count, next to the table's own count
+    plots_omitted: bool = False
+
+    @property
+    def uses_u(self) -> bool:
+        return any(c.uses_u for c in self.checks)
 
 
 def _section(details: dict[str, Any], key: str, build: Callable[[Any], T | None], notes: list[str]) -> T | None:
@@ -149,20 +211,32 @@ def cell_view(row: MatrixRow) -> CellView:
         notes.append(f"details do not match harness/details.py ({exc})")
     loc = cell.localization
     heads = loc.heads if loc else ()
+    heavy = cell.status not in (Verdict.PASS, Verdict.SKIP)  # plots only where someone will read them
+    prompts = _section(details, "prompts", prompts_view, notes)
+    columns = tuple((i, header, unit) for i, (_, header, unit) in enumerate(PROMPT_COLUMNS)
+                    if prompts and any(m.values[i] for p in prompts for m in (p.prefill, p.decode)))
     return CellView(
-        row=row, checks=tuple(map(check_view, cell.checks)), anchor=_anchor(row),
+        row=row, checks=tuple(check_view(c, row.index) for c in cell.checks), anchor=_anchor(row),
         expanded=cell.status in (Verdict.FAIL, Verdict.ERROR),
         first_problem=_first_problem(cell), localization=localization_text(loc) if loc else "",
         layout=_section(details, "layout", lambda d: layout_view(d, _pool_expected(cell, "layout")), notes),
         speculator_layout=_section(details, "speculator_layout",
                                    lambda d: layout_view(d, _pool_expected(cell, "speculator_layout")), notes),
-        prompts=_section(details, "prompts", prompts_view, notes),
-        layer_plot=_section(details, "layer_errors",
-                            lambda d: layer_error_plot(_object(d), loc.layer if loc else None), notes),
-        head_map=_section(details, "head_errors", lambda d: head_heatmap(_object(d), heads), notes),
+        prompts=prompts,
+        layer_plot=_section(details, "layer_errors", lambda d: layer_error_plot(_object(d), loc.layer if loc else None),
+                            notes) if heavy else None,
+        head_map=_section(details, "head_errors", lambda d: head_heatmap(_object(d), heads), notes) if heavy else None,
         speculator=_section(details, "speculator", speculator_view, notes),
         gsm8k=_section(details, "gsm8k", gsm8k_view, notes),
-        notes=tuple(notes))
+        notes=tuple(notes), prompt_columns=columns, layout_problems=_problem_count(cell, "layout"),
+        plots_omitted=not heavy and ("layer_errors" in details or "head_errors" in details))
+
+
+def _problem_count(cell: CellResult, check_name: str) -> int | None:
+    for check in cell.checks:
+        if check.name == check_name and isinstance(check.metrics.get("problems"), list):
+            return len(check.metrics["problems"])
+    return None
 
 
 def banner_items(matrix: Matrix, performance: bool = False) -> list[BannerItem]:
@@ -190,10 +264,15 @@ def _printable(value: Any) -> Any:
     return xml_safe(value) if isinstance(value, str) and not isinstance(value, Markup) else value
 
 
+def breakable(name: str) -> Markup:
+    """A check name that may wrap after its underscores (short matrix headers)."""
+    return Markup("_<wbr>").join(Markup.escape(part) for part in name.split("_"))
+
+
 def _environment() -> Environment:
     env = Environment(loader=FileSystemLoader(str(TEMPLATES_DIR)), autoescape=True, undefined=StrictUndefined,
                       trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, finalize=_printable)
-    env.globals.update(clean_log=clean_log)
+    env.globals.update(clean_log=clean_log, breakable=breakable)
     return env
 
 
@@ -220,7 +299,7 @@ def render_html(cells: list[CellResult], provenance: dict[str, Any], run_id: str
         verdicts=list(Verdict),
         matrix=matrix, banner=banner_items(matrix), performance=banner_items(matrix, performance=True),
         problems=problems, class_label=class_label, skipped=skipped, cells=views,
-        legend=key_legend(cells),
+        legend=key_legend(cells), u_unit=U_UNIT,
         provenance=provenance_items(provenance), command=str(provenance.get("command", "")),
         sources=_sources(provenance), harness_version=__version__, history=history, flaky=flaky,
         rendered=datetime.now(timezone.utc).isoformat(timespec="seconds"))

@@ -7,17 +7,18 @@ with a value (None values are skipped).
 
 from __future__ import annotations
 
-import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from harness.checkmetrics import PARITY_CHECKS, find_key_metric
-from harness.fmt import id_ranges
+from harness.checkmetrics import PARITY_CHECKS, find_key_metric, noise_multiples
+from harness.fmt import id_ranges, multiple, number
 from harness.verdict import CellResult, CheckResult, FailureClass, Localization, Verdict
 
 _SHORT: dict[str, str] = {"max_kl": "KL", "kl_max": "KL", "kl": "KL", "first_divergence": "div@",
                           "mean_acceptance": "acc", "acceptance": "acc", "answer_agreement": "agree",
+                          "measured": "score",
                           "max_abs": "max|d|", "max_abs_error": "max|d|"}
 _TOOLTIP_METRICS = 12
 
@@ -30,6 +31,7 @@ class MatrixCell:
     key: str
     reason: str
     tooltip: str
+    anchor: str = ""  # the check's row in the cell's drill-down
 
 
 @dataclass(frozen=True)
@@ -66,13 +68,7 @@ def format_number(value: Any) -> str:
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):
-        if math.isnan(value) or math.isinf(value):
-            return str(value)
-        if value == 0:
-            return "0"
-        if abs(value) < 1e-3 or abs(value) >= 1e5:
-            return f"{value:.2e}"
-        return f"{value:.4g}"
+        return number(value)
     if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return id_ranges(value) if list(value) == sorted(set(value)) else ",".join(map(str, value))
     return str(value)
@@ -98,23 +94,29 @@ def _key_value(value: Any) -> str | None:
 
 # What each key-number label in the matrix means (the legend under it lists the labels in use).
 KEY_LEGEND: dict[str, str] = {
-    "KL": "largest KL divergence of the next-token distribution, parallel vs reference",
+    "KL": "largest KL divergence of the next-token distribution, parallel vs reference; 'Nx': N times the "
+          "noise floor (the noise run's KL; above about 10x fails)",
     "div@": "div@N pP: generation first diverges at token N of prompt P",
     "acc": "mean accepted draft length per step",
     "agree": "fraction of GSM8K answers equal to the reference's",
-    "max|d|": "largest absolute logit difference",
+    "max|d|": "largest absolute logit difference ('Nx': N times the noise run's)",
     "problems": "number of layout problems (listed in the cell's drill-down)",
     "mismatches": "number of mismatching values",
-    "score": "GSM8K score",
+    "score": "GSM8K score (fraction correct)",
     "accuracy": "accuracy",
     "agreement": "agreement with the reference",
 }
 
 
 def _key_metric(check: CheckResult) -> tuple[str, str] | None:
-    """(label, value text) of the check's key number, or None."""
+    """(label, value text) of the check's key number, or None; a maximum with a noise floor shows as
+    its multiple of the floor (checkmetrics.noise_multiples), e.g. 'KL 1.1e12x'."""
     found = find_key_metric(check, _key_value)
-    return None if found is None else (_SHORT.get(found[0], found[0]), found[1])
+    if found is None:
+        return None
+    name, text = found
+    multiples = noise_multiples(check)
+    return _SHORT.get(name, name), multiple(multiples[name]) if name in multiples else text
 
 
 def key_number(check: CheckResult) -> str:
@@ -183,11 +185,17 @@ def cell_labels(cells: list[CellResult]) -> list[str]:
     return labels
 
 
-def _matrix_cell(check: CheckResult | None) -> MatrixCell:
+def check_anchor(row_index: int, check_name: str) -> str:
+    """The id of a check's row in its cell's drill-down ('cell-3-ck-logits_prefill')."""
+    return f"cell-{row_index}-ck-{re.sub(r'[^A-Za-z0-9_-]', '-', check_name)}"
+
+
+def _matrix_cell(check: CheckResult | None, row_index: int) -> MatrixCell:
     if check is None:
         return MatrixCell(verdict=None, key="", reason="", tooltip="not run for this cell")
     tooltip = "\n".join([f"{check.verdict.value}: {check.reason}", *metrics_text(check.metrics, _TOOLTIP_METRICS)])
-    return MatrixCell(verdict=check.verdict, key=key_number(check), reason=check.reason, tooltip=tooltip)
+    return MatrixCell(verdict=check.verdict, key=key_number(check), reason=check.reason, tooltip=tooltip,
+                      anchor=check_anchor(row_index, check.name))
 
 
 def build_matrix(cells: list[CellResult]) -> Matrix:
@@ -202,7 +210,7 @@ def build_matrix(cells: list[CellResult]) -> Matrix:
                   "fault": cell.fault or "-", "seed": str(cell.seed)}
         by_name = {ch.name: ch for ch in cell.checks}
         rows.append(MatrixRow(index=i, cell=cell, label=label, keys=tuple(values[h] for h in headers),
-                              checks=tuple(_matrix_cell(by_name.get(n)) for n in names)))
+                              checks=tuple(_matrix_cell(by_name.get(n), i) for n in names)))
     return Matrix(key_headers=headers, check_names=tuple(names), rows=tuple(rows))
 
 

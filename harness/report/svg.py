@@ -253,8 +253,19 @@ def acceptance_bars(histogram: Any, reference: Any) -> Markup | None:
         for b, count in enumerate(counts):
             h = shares[k][b] / top * plot_h
             tip = f"{label}: {format_number(count)} steps accepted {b} tokens ({shares[k][b]:.1%})"
-            body.append(_el("rect", {"x": f"{30 + b * bin_w + 3 + k * bar_w:.1f}", "y": f"{20 + plot_h - h:.1f}",
+            x = 30 + b * bin_w + 3 + k * bar_w
+            body.append(_el("rect", {"x": f"{x:.1f}", "y": f"{20 + plot_h - h:.1f}",
                                      "width": f"{bar_w:.1f}", "height": f"{h:.1f}", "class": cls}, _title(tip)))
+            if count:  # the count itself above its bar
+                body.append(_text(x + bar_w / 2, 20 + plot_h - h - 2, format_number(int(count)), text_anchor="middle",
+                                  class_="svg-label"))
+    # y axis: share of steps, 0 and the tallest bar's share
+    body.append(_el("line", {"x1": 28, "y1": 20, "x2": 28, "y2": 20 + plot_h, "stroke": "#57606a"}))
+    body.append(_el("line", {"x1": 28, "y1": 20 + plot_h, "x2": 30 + bins * bin_w, "y2": 20 + plot_h,
+                             "stroke": "#57606a"}))
+    body.append(_text(25, 20 + plot_h, "0%", text_anchor="end", class_="svg-label"))
+    body.append(_text(25, 28, f"{top:.0%}", text_anchor="end", class_="svg-label"))
+    body.append(_text(25, 20 + plot_h / 2, "steps", text_anchor="end", class_="svg-label"))
     for b in range(bins):
         body.append(_text(30 + b * bin_w + bin_w / 2, 20 + plot_h + 14, str(b), text_anchor="middle",
                           class_="svg-label"))
