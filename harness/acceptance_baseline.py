@@ -203,7 +203,8 @@ def gate_acceptance(baselines: AcceptanceBaselines, key: AcceptanceKey, mean: fl
     inflate acceptance too), WARN when the histograms' total-variation distance exceeds tv_warn;
     SKIP naming the command that records one when the key has no baseline."""
     entry = baselines.get(key)
-    metrics: dict[str, Any] = {"key": key.to_dict(), "measured": mean, "update_command": update_command}
+    metrics: dict[str, Any] = {"key": key.to_dict(), "measured": mean, "mean_accepted_length": mean,
+                               "update_command": update_command}
     if entry is None:
         return CheckResult(BASELINE_CHECK, Verdict.SKIP,
                            f"no acceptance baseline for {key.label}; record one from a clean run with "

@@ -17,8 +17,8 @@ T = TypeVar("T")
 BOUND_SUFFIX = "_bound"
 # the metrics a check's key number is looked for in, in this order (unless metrics["headline"] names one)
 KEY_METRICS: tuple[str, ...] = (
-    "max_kl", "kl_max", "kl", "first_divergence", "mean_acceptance", "acceptance", "score", "accuracy",
-    "answer_agreement", "agreement", "mismatches", "max_abs", "max_abs_error", "problems",
+    "max_kl", "kl_max", "kl", "first_divergence", "mean_acceptance", "mean_accepted_length", "acceptance", "score",
+    "accuracy", "answer_agreement", "agreement", "mismatches", "max_abs", "max_abs_error", "problems",
 )
 # the checks that compare outputs with the reference (a failure of one of them wants a localization)
 PARITY_CHECKS: tuple[str, ...] = ("logits_prefill", "logits_decode", "generation")

@@ -17,7 +17,8 @@ from harness.fmt import id_ranges, multiple, number
 from harness.verdict import CellResult, CheckResult, FailureClass, Localization, Verdict
 
 _SHORT: dict[str, str] = {"max_kl": "KL", "kl_max": "KL", "kl": "KL", "first_divergence": "div@",
-                          "mean_acceptance": "acc", "acceptance": "acc", "answer_agreement": "agree",
+                          "mean_acceptance": "acc", "mean_accepted_length": "acc", "acceptance": "acc",
+                          "answer_agreement": "agree",
                           "measured": "score",
                           "max_abs": "max|d|", "max_abs_error": "max|d|"}
 _TOOLTIP_METRICS = 12
