@@ -1,10 +1,12 @@
 """Milliseconds per collective on the CPU: torch.distributed's own all_reduce / all_gather on gloo against
 the engine's Collectives (harness/engine/parallel.py) on each of its paths: `shm`, shared memory among
-the ranks of one machine (harness/engine/shm_group.py, the default), and `star` (HARNESS_SHM_COLLECTIVES=0:
-a gather at the group's first member and one broadcast for messages up to STAR_MAX_BYTES, gloo's own
-above), per world size and message size, ranks forked by the fork launcher. Prints numbers; asserts nothing.
+the ranks of one machine (harness/engine/shm_group.py, the default, headers checked), and `gloo`
+(HARNESS_SHM_COLLECTIVES=0: a gather at the group's first member, for an all-reduce a member-order sum there, and
+one broadcast, on gloo), per world size and
+message size, ranks forked by the fork launcher. Prints numbers; asserts nothing.
 
     python benchmarks/bench_collectives.py [--worlds 2 4 8] [--kib 0.25 16 256 4096] [--repeats 100]
+        [--paths shm gloo]
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable
+
+PATHS = {"shm": "1", "gloo": "0"}  # engine path -> HARNESS_SHM_COLLECTIVES
 
 
 def _ms(fn: Callable[[], object], repeats: int) -> float:
@@ -56,6 +60,7 @@ def cli() -> None:
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4, 8])
     parser.add_argument("--kib", nargs="+", type=float, default=[0.25, 16, 256, 4096])
     parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     args = parser.parse_args()
     print("| ranks | KiB per rank | engine path | gloo all_reduce ms | engine reduce_tp ms | gloo all_gather ms "
           "| engine gather_tp ms |")
@@ -63,10 +68,10 @@ def cli() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     for world in args.worlds:
-        for path, setting in (("shm", "1"), ("star", "0")):
+        for path in args.paths:
             subprocess.run([sys.executable, "-m", "harness.launcher.forkrun", f"--nproc={world}",
                             "--module=bench_collectives", "--", ",".join(str(k) for k in args.kib),
-                            str(args.repeats), path], env={**env, "HARNESS_SHM_COLLECTIVES": setting}, check=True)
+                            str(args.repeats), path], env={**env, "HARNESS_SHM_COLLECTIVES": PATHS[path]}, check=True)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,54 @@
 """A rank of tests/test_parallel_collectives.py, run by the fork launcher: the engine's collectives
-(harness/engine/parallel.py) next to torch.distributed's own on the same inputs, written to
-OUT/rank{r}.safetensors, with `shm` = 1 when the run's collectives went through shared memory.
-Argument `hang` instead makes the last rank skip the first all-reduce (it sleeps, then exits)."""
+(harness/engine/parallel.py) on fixed inputs, written to OUT/rank{r}.safetensors, with `shm` = 1 when the
+run's collectives went through shared memory. Argument `hang` instead makes the last rank skip the first
+all-reduce (it sleeps, then exits); `mismatch KIND` makes rank ODD_RANK (DCP: the last rank) bring another
+collective than the others after a few matching ones (KIND: op, size, dtype, dcp; `same`: no odd one), and
+every rank writes what its collective did (ok or the RunError's message) and how long it took to
+OUT/rank{r}.json."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 
-from harness.engine.parallel import STAR_MAX_BYTES, ParallelState
+from harness.engine.parallel import Collectives, ParallelState
+from harness.engine.shm_group import SLOT_BYTES
+from harness.errors import RunError
 
-SIZES = ("small", "large")  # under and over the star path's message limit (and a shared-memory slot)
+SIZES = ("small", "large")  # within one shared-memory slot and over it (two pieces)
 HANG_TIMEOUT_S = 2.0
+MISMATCH_TIMEOUT_S = 120.0  # a mismatch must fail long before this
+MISMATCHES = ("same", "op", "size", "dtype", "dcp")
+ODD_RANK = 1
+MATCHED = 256  # float32 elements of every matching collective
+LARGE = SLOT_BYTES // 4 + 7  # float32 elements: two pieces
 
 
 def elements(size: str, dtype: torch.dtype) -> int:
-    return 96 if size == "small" else STAR_MAX_BYTES // dtype.itemsize + 7
+    return 96 if size == "small" else SLOT_BYTES // dtype.itemsize + 7
+
+
+def mismatched(state: ParallelState, comm: Collectives, kind: str) -> None:
+    """Collectives every rank brings alike, then the one rank ODD_RANK (dcp: the last rank) brings otherwise."""
+    x = torch.ones(MATCHED)
+    comm.reduce_tp(x.clone())
+    comm.gather_tp(x, dim=0)
+    comm.gather_dcp(x, dim=0)
+    if kind == "dcp":  # the last DCP group's second member: a 2-member group, a tie broken by member order
+        comm.gather_dcp(x.to(torch.bfloat16) if state.rank == state.tp - 1 else x, dim=0)
+    elif kind == "same" or state.rank != ODD_RANK:
+        comm.reduce_tp(x.clone())
+    elif kind == "op":
+        comm.gather_tp(x, dim=0)
+    elif kind == "size":
+        comm.reduce_tp(torch.ones(LARGE))
+    else:
+        comm.reduce_tp(x.to(torch.bfloat16))
 
 
 def main(argv: list[str]) -> int:
@@ -33,6 +61,18 @@ def main(argv: list[str]) -> int:
             return 0
         state.collectives().reduce_tp(torch.ones(4))
         return 0
+    if argv[2:3] == ["mismatch"]:
+        state = ParallelState.from_launcher(world, dcp, "cpu", MISMATCH_TIMEOUT_S)
+        start = time.monotonic()
+        try:
+            mismatched(state, state.collectives(), argv[3])
+            result = "ok"
+        except RunError as exc:  # caught: the launcher would stop the other ranks at the first failure
+            result = f"RunError: {exc}"
+        with open(os.path.join(out, f"rank{state.rank}.json"), "w") as f:
+            json.dump({"result": result, "seconds": time.monotonic() - start, "shm": bool(state.shm)}, f)
+        state.shutdown()
+        return 0
     state = ParallelState.from_launcher(world, dcp, "cpu", 120)
     comm = state.collectives()
     tensors: dict[str, torch.Tensor] = {"shm": torch.tensor([1 if state.shm else 0])}
@@ -43,9 +83,7 @@ def main(argv: list[str]) -> int:
             key = f"{name}.{str(dtype).removeprefix('torch.')}"
             tensors[f"{key}.input"] = x.clone()
             tensors[f"{key}.reduce"] = comm.reduce_tp(x.clone())
-            ring = x.clone()
-            dist.all_reduce(ring)
-            tensors[f"{key}.ring"] = ring
+            tensors[f"{key}.reduce_2d_t"] = comm.reduce_tp(x.clone()[: n - n % 2].view(2, -1).t())  # non-contiguous
             tensors[f"{key}.gather"] = comm.gather_tp(x.view(1, -1), dim=0)  # [world, n]
             tensors[f"{key}.gather_dcp"] = comm.gather_dcp(x.view(1, -1), dim=0)  # [dcp, n]
             tensors[f"{key}.gather_dcp_2d"] = comm.gather_dcp(x.view(-1, 1)[: n - n % 2].view(2, -1), dim=1)

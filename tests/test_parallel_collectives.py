@@ -1,13 +1,15 @@
 """The engine's collectives on the CPU (harness/engine/parallel.py), in real forked ranks, on both paths:
 shared memory among the ranks of one machine (the default; harness/engine/shm_group.py) and gloo
-(HARNESS_SHM_COLLECTIVES=0: small messages take the star path, large ones gloo's own). Both give every
-rank the same all-reduce, within the rounding of tp - 1 additions in the tensor's dtype of the exact
-sum, and the all-gathers give every member's tensor in member order. Shared memory sums in member
-order, so its all-reduce is exactly that sum, slot-sized pieces and all; a member that never arrives
-is a RunError after the collective timeout, not a hang."""
+(HARNESS_SHM_COLLECTIVES=0: gloo's all_gather, and for an all-reduce a sum of it in member order). Both
+give every rank the same all-reduce, within the rounding of tp - 1 additions in the tensor's dtype of the
+exact sum, and exactly the member-order sum (slot-sized pieces and all), so the two paths are
+bit-identical; the all-gathers give every member's tensor in member order. On shared memory a member
+that never arrives is a RunError after the collective timeout, not a hang, and members that bring
+different collectives (operation, size, dtype) all fail at once with a RunError naming who brought what."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +22,7 @@ from safetensors.torch import load_file
 from harness.engine import shm_group
 from harness.errors import ConfigError
 from harness.layout import dcp_members_of
-from tests.collectives_worker import HANG_TIMEOUT_S, SIZES
+from tests.collectives_worker import HANG_TIMEOUT_S, LARGE, MATCHED, MISMATCH_TIMEOUT_S, SIZES
 
 ROOT = Path(__file__).resolve().parents[1]
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8}
@@ -52,18 +54,17 @@ def test_reduce_and_gathers_on_every_rank(tmp_path: Path, world: int, dcp: int, 
             in_order = inputs[0].clone()
             for part in inputs[1:]:
                 in_order += part  # member order, rounding in the dtype per add
+            even = inputs.shape[1] // 2 * 2
             for r, got in enumerate(ranks):
                 assert torch.equal(got[f"{key}.reduce"], ranks[0][f"{key}.reduce"]), (key, r)  # every rank alike
                 assert ((got[f"{key}.reduce"].double() - exact).abs() <= bound).all(), (key, r)
+                assert torch.equal(got[f"{key}.reduce"], in_order), (key, r)  # either path: the member-order sum
+                assert torch.equal(got[f"{key}.reduce_2d_t"], in_order[:even].view(2, -1).t()), (key, r)
                 assert torch.equal(got[f"{key}.gather"], inputs), (key, r)
                 members = list(dcp_members_of(r, dcp))
                 assert torch.equal(got[f"{key}.gather_dcp"], inputs[members]), (key, r)
-                halves = inputs[members][:, : inputs.shape[1] // 2 * 2].view(len(members), 2, -1)  # [dcp, 2, n/2]
+                halves = inputs[members][:, :even].view(len(members), 2, -1)  # [dcp, 2, n/2]
                 assert torch.equal(got[f"{key}.gather_dcp_2d"], torch.cat(halves.unbind(0), dim=1)), (key, r)
-            if shm == "1" or size == "small":  # shared memory and the star: exactly the member-order sum
-                assert torch.equal(ranks[0][f"{key}.reduce"], in_order), key
-            else:  # gloo's own all-reduce: the very same tensor
-                assert torch.equal(ranks[0][f"{key}.reduce"], ranks[0][f"{key}.ring"]), key
 
 
 @needs_shm
@@ -73,6 +74,34 @@ def test_a_member_that_never_arrives_is_a_timeout_error(tmp_path: Path) -> None:
     assert "first failure: rank 0" in done.stdout or "first failure: rank 1" in done.stdout
     log = (tmp_path / "logs" / "rank0.log").read_text()
     assert f"timed out after {HANG_TIMEOUT_S:g} s waiting for member 2 of 3" in log
+
+
+ODD = "collective 3 on TP group (ranks 0-2): rank 1 brought {}; ranks 0, 2 brought all_reduce of 256 float32"
+MISMATCH_CASES = {  # kind -> (world, dcp, {rank: what its collective ended with})
+    "same": (3, 1, {r: "ok" for r in range(3)}),
+    "op": (3, 1, {r: "RunError: " + ODD.format(f"all_gather of {MATCHED} float32") for r in range(3)}),
+    "size": (3, 1, {r: "RunError: " + ODD.format(f"all_reduce of {LARGE} float32") for r in range(3)}),
+    "dtype": (3, 1, {r: "RunError: " + ODD.format(f"all_reduce of {MATCHED} bfloat16") for r in range(3)}),
+    "dcp": (4, 2, {0: "ok", 1: "ok", **{r: "RunError: collective 2 on DCP group (ranks 2-3): rank 3 (member 1) brought "
+                                        f"all_gather of {MATCHED} bfloat16; rank 2 brought all_gather of {MATCHED} "
+                                        "float32" for r in (2, 3)}}),
+}
+
+
+@needs_shm
+@pytest.mark.parametrize("kind", list(MISMATCH_CASES))
+def test_members_that_bring_different_collectives_all_fail_at_once(tmp_path: Path, kind: str) -> None:
+    """One member calls another operation, size or dtype than the others (after matching
+    ones): every member of that group raises the same RunError naming it, what it brought and
+    what the others brought, within seconds rather than at the collective timeout; the other group of
+    a DCP run and a run without an odd member go on as before."""
+    world, dcp, expected = MISMATCH_CASES[kind]
+    done = _run(tmp_path, world, dcp, "1", "mismatch", kind)
+    assert done.returncode == 0, done.stdout
+    for rank, want in expected.items():
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["shm"] and got["result"] == want, (rank, got)
+        assert got["seconds"] < MISMATCH_TIMEOUT_S / 10, (rank, got)
 
 
 def test_setting_is_checked() -> None:
@@ -96,7 +125,7 @@ def test_a_segment_that_cannot_be_made_leaves_every_rank_on_gloo(tmp_path: Path)
             votes.append(ok)
             return ok
 
-        assert shm_group.open_groups([(0,)], 0, token, 1.0, agree) == {}
+        assert shm_group.open_groups({(0,): "TP group"}, 0, token, 1.0, agree) == {}
         assert votes == [False]
         assert taken.read_bytes() == b"someone else's"
     finally:
@@ -104,13 +133,14 @@ def test_a_segment_that_cannot_be_made_leaves_every_rank_on_gloo(tmp_path: Path)
     assert not list(shm_group.SHM_DIR.glob(f"harness-{token}-*"))
 
 
-def test_a_run_on_shared_memory_equals_the_same_run_on_gloo(tmp_path: Path) -> None:
-    """A whole tp2dcp2 run (all-reduces, Q gathers, LSE-merge gathers, logits gathers): shared memory and
-    gloo's star path sum in the same member order, so every tensor of the run is bit-identical; the
-    manifest says which path ran."""
+@pytest.mark.parametrize("topo", ["tp2dcp2", "tp4dcp2"])  # tp4: gloo's own all_reduce would add in another order
+def test_a_run_on_shared_memory_equals_the_same_run_on_gloo(tmp_path: Path, topo: str) -> None:
+    """A whole run (all-reduces, Q gathers, LSE-merge gathers, logits gathers): shared memory and gloo's
+    all_gather sum in the same member order, so every tensor of the run is bit-identical; the manifest
+    says which path ran."""
     from tests.conftest import launch_run
 
-    runs = {s: launch_run(tmp_path / s, "tiny-gqa", "tp2dcp2", env={shm_group.SHM_ENV: s}) for s in ("1", "0")}
+    runs = {s: launch_run(tmp_path / s, "tiny-gqa", topo, env={shm_group.SHM_ENV: s}) for s in ("1", "0")}
     assert runs["0"].ok and runs["0"].manifest["collectives"] == "gloo"
     assert runs["1"].ok and runs["1"].manifest["collectives"] == ("shm" if shm_group.supported() else "gloo")
     assert runs["1"].tensors.keys() == runs["0"].tensors.keys() and runs["1"].tensors

@@ -22,12 +22,13 @@ from harness.errors import RunError
 from harness.layout import dcp_members_of
 
 # Ranks of one machine exchange tensors through shared memory (harness/engine/shm_group.py: 0.06-0.6 ms per
-# collective at 2-8 ranks on a 2-core machine). Where that is off or impossible (several nodes, another
-# platform): gloo's all_reduce and all_gather of a small tensor take 1.5-24 ms at 2-8 ranks on a 2-core machine
-# (its ring algorithms hand each step between several threads), a gather to the group's first member and one
-# broadcast 0.5-3 ms; from a few MiB up the ring wins (benchmarks/bench_collectives.py). So on gloo, messages up
-# to this size (every decode step of a small model) take the star path; nccl always keeps its own collectives.
-STAR_MAX_BYTES = 256 * 1024
+# collective at 2-8 ranks on a 2-core machine), which also checks that every member brought the same collective.
+# Where that is off or impossible (several nodes, another platform) gloo serves through a star: a gather at the
+# group's first member (which, for an all-reduce, sums in member order: the arithmetic of shared memory, so both
+# paths are bit-identical; gloo's own all_reduce adds in another order) and one broadcast. At 4 ranks on 2 cores
+# that took 1.4-1.8 ms for a small all-reduce or all-gather where gloo's all_gather took 3.2-3.8 ms, and at 4 MiB
+# 16 ms per all-reduce against 37-80 ms for an all_gather and a sum (benchmarks/bench_collectives.py). nccl keeps
+# its own collectives.
 
 
 @dataclass
@@ -98,7 +99,9 @@ class ParallelState:
         state = cls(rank=rank, tp=tp, dcp=dcp, device=dev, tp_group=dist.group.WORLD, dcp_group=dcp_group)
         local = os.environ.get("LOCAL_WORLD_SIZE") == str(world)
         if device == "cpu" and local and shm_group.enabled(os.environ.get(shm_group.SHM_ENV)):
-            groups = [state.tp_members] + (dcp_groups if dcp > 1 else [])
+            groups = {state.tp_members: "TP group"}  # member ranks -> name in errors
+            for members in dcp_groups if dcp > 1 else []:
+                groups[members] = "TP/DCP group" if members == state.tp_members else "DCP group"
             state.shm = shm_group.open_groups(groups, rank, state.gather_objects(secrets.token_hex(8))[0],
                                               timeout_s, state.all_agree)
         return state
@@ -149,18 +152,23 @@ class Collectives:
         shm = self._state.shm.get(self._state.tp_members)
         if shm is not None:  # each member sums every member's piece in member order
             flat = x.view(-1) if x.is_contiguous() else torch.empty(x.numel(), dtype=x.dtype, device=x.device)
-            for start, parts in shm.pieces(x):  # parts [tp, n]; x's own piece is in its slot: x may be overwritten
+            # parts [tp, n]; x's own piece is in its slot: x may be overwritten
+            for start, parts in shm.pieces(x, "all_reduce"):
                 _ordered_sum(parts.unbind(0), flat[start:start + parts.shape[1]])
             if not x.is_contiguous():
                 x.copy_(flat.view(x.shape))
             return x
-        if not self._star(x):
-            dist.all_reduce(x, group=self._state.tp_group)
+        group = self._state.tp_group
+        if x.device.type != "cpu":  # nccl
+            dist.all_reduce(x, group=group)
             return x
-        parts = self._star_gather(x, self._state.tp_group, self._state.tp, to_all=False)
+        out = x if x.is_contiguous() else torch.empty_like(x, memory_format=torch.contiguous_format)
+        parts = self._star_gather(x, group, self._state.tp, to_all=False)  # [tp, *x.shape] at the first member
         if parts is not None:  # the group's first member sums in member order, rounding in x's dtype per add
-            x.copy_(_ordered_sum(parts.unbind(0), torch.empty_like(x)))
-        dist.broadcast(x, src=dist.get_global_rank(self._state.tp_group, 0), group=self._state.tp_group)
+            _ordered_sum(parts.unbind(0), out)
+        dist.broadcast(out, src=dist.get_global_rank(group, 0), group=group)
+        if out is not x:
+            x.copy_(out)
         return x
 
     def gather_tp(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -174,10 +182,6 @@ class Collectives:
     def stack_dcp(self, x: torch.Tensor) -> torch.Tensor:
         """[dcp, *x.shape]: every DCP-group member's `x`, in member order."""
         return self.gather_dcp(x.unsqueeze(0), dim=0)
-
-    def _star(self, x: torch.Tensor) -> bool:
-        """Whether a collective on `x` takes the star path (gloo, small message; see STAR_MAX_BYTES)."""
-        return x.device.type == "cpu" and x.numel() * x.element_size() <= STAR_MAX_BYTES
 
     @staticmethod
     def _star_gather(x: torch.Tensor, group: Any, size: int, to_all: bool = True) -> torch.Tensor | None:
@@ -198,12 +202,12 @@ class Collectives:
         shm = self._state.shm.get(members)
         if shm is not None:
             stacked = torch.empty((size, x.numel()), dtype=x.dtype, device=x.device)  # [size, numel]
-            for start, parts in shm.pieces(x):  # parts [size, n]
+            for start, parts in shm.pieces(x, "all_gather"):  # parts [size, n]
                 stacked[:, start:start + parts.shape[1]] = parts
             d = dim % x.dim()
             # [size, numel] -> [size, *x.shape] -> member axis beside `dim` -> members' blocks along `dim`
             return stacked.view(size, *x.shape).movedim(0, d).reshape(*x.shape[:d], size * x.shape[d], *x.shape[d + 1:])
-        if self._star(x):
+        if x.device.type == "cpu":  # gloo
             stacked = self._star_gather(x, group, size)  # [size, *x.shape]
             assert stacked is not None
             return torch.cat(stacked.unbind(0), dim=dim)
