@@ -44,6 +44,15 @@ def test_killed_rank_is_named_with_its_signal(tmp_path: Path) -> None:
     assert art.manifest["error"].startswith("rank 1 was killed by SIGKILL (exit code 137)"), art.manifest["error"]
 
 
+def test_stopped_rank_is_named_not_the_rank_that_waited_for_it(tmp_path: Path) -> None:
+    """kill -STOP of rank 1: rank 0 gives up first at the collective timeout, but the reason names rank 1."""
+    art = launch_run(tmp_path / "stop", "tiny-gqa", "tp2", env={INJECT_ENV: "stop:1"}, timeout_s=300,
+                     collective_timeout_s=3)
+    error = art.manifest["error"]
+    assert not art.ok and error.startswith("rank 1 never arrived at a collective (hung, stopped or dead)"), error
+    assert "waiting for member 1 of 2 (rank 1" in error
+
+
 def test_launch_timeout_says_how_long_and_which_logs_are_empty(tmp_path: Path) -> None:
     """A launch killed by its timeout says so, with the time, the setting, and how many rank logs are empty."""
     art = launch_run(tmp_path / "slow", "tiny-gqa", "tp2", env={INJECT_ENV: "hang:1"}, timeout_s=3,

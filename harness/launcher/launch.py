@@ -200,6 +200,20 @@ def exit_text(launcher_log: str, returncode: int) -> str:
     return f"launch {_code_text(returncode)}"
 
 
+_ABSENT = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:[\w.]+Error: )?(.*waiting for member \d+ of \d+ \(rank (\d+)\b.*)$",
+                     re.M)  # harness/engine/shm_group.py's timeout
+
+
+def absent_rank(tails: dict[str, str]) -> tuple[int, str] | None:
+    """(rank, the waiting rank's line) when ranks timed out waiting for one that never arrived at a
+    collective: that rank hung, was stopped or died, whoever gave up first."""
+    for name, text in tails.items():
+        found = _ABSENT.search(text) if name.startswith("rank") else None
+        if found:
+            return int(found.group(2)), f"{name}: {found.group(1).strip()[:300]}"
+    return None
+
+
 _ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+(?:Error|Exception|Interrupt)|injected failure)\b.*)$")
 
 
@@ -281,6 +295,9 @@ def launch(job: Job, timeout_s: float, module: str, env: dict[str, str] | None =
              f"too long" if timed_out
              else exit_text(tails.get("launcher", ""), proc.returncode) if proc.returncode
              else "launch exited cleanly but wrote no manifest")
+    absent = absent_rank(tails)
+    if absent is not None:  # the rank the others waited for is the cause, not the first to give up
+        error = f"rank {absent[0]} never arrived at a collective (hung, stopped or dead): {absent[1]}; {error}"
     empty = [r for r, text in tails.items() if r.startswith("rank") and not text.strip()]
     if empty:
         error += (f"; {len(empty)} of {world} rank logs empty" if len(empty) > 1 or world > 1
