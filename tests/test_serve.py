@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -24,14 +25,20 @@ SEQUENCES = [[72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100], [81, 58, 32,
 K = 5
 
 
+@contextmanager
+def serving(folder: Path, topo: str, max_seq_len: int, kv_budget_mib: int) -> Iterator[Server]:
+    """A real `harness serve` of tiny-gqa on a free loopback port, ready, its log in `folder`."""
+    port = free_port()
+    argv = [sys.executable, "-m", "harness", "serve", "--model", "tiny-gqa", "--topo", topo,
+            "--port", str(port), "--max-seq-len", str(max_seq_len), "--kv-budget-mib", str(kv_budget_mib)]
+    with running_server(argv, {}, folder / "server.log", f"http://127.0.0.1:{port}") as srv:
+        wait_ready(srv, "/health", 300)
+        yield srv
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port = free_port()
-    argv = [sys.executable, "-m", "harness", "serve", "--model", "tiny-gqa", "--topo", "tp2dcp2",
-            "--port", str(port), "--max-seq-len", "128", "--kv-budget-mib", "8"]
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    with running_server(argv, {}, log, f"http://127.0.0.1:{port}") as srv:
-        wait_ready(srv, "/health", 300)
+    with serving(tmp_path_factory.mktemp("serve"), "tp2dcp2", 128, 8) as srv:
         yield srv
     assert srv.proc is not None and srv.proc.poll() is not None  # stopped with the block
 

@@ -16,10 +16,11 @@ from typing import Iterator
 import httpx
 import pytest
 
-from harness.backends.http_server import Server, free_port, running_server, wait_ready
+from harness.backends.http_server import Server
 from harness.serve.worker import ServeConfig
 from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
+from tests.test_serve import serving
 
 LONG = 1900  # tokens of the request that is abandoned (max_seq_len 2048)
 PROMPT = [72, 101, 108, 108, 111]
@@ -73,12 +74,7 @@ def test_rank0_that_cannot_bind_stops_every_rank(taken_port: int) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port = free_port()
-    argv = [sys.executable, "-m", "harness", "serve", "--model", "tiny-gqa", "--topo", "tp2",
-            "--port", str(port), "--max-seq-len", "2048", "--kv-budget-mib", "16"]
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    with running_server(argv, {}, log, f"http://127.0.0.1:{port}") as srv:
-        wait_ready(srv, "/health", 300)
+    with serving(tmp_path_factory.mktemp("serve"), "tp2", 2048, 16) as srv:
         yield srv
 
 
