@@ -216,3 +216,55 @@ def test_serve_without_lse_refuses_only_dcp_and_names_bad_backends() -> None:
     with pytest.raises(ConfigError, match="did you mean 'no-lse'"):
         refuse_unsupported("nolse", 1)
 
+
+def test_engine_env_is_recorded_and_part_of_the_identity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = load_engine("vllm")
+    environ = {"VLLM_CPU_KVCACHE_SPACE": "2", "HARNESS_VLLM_FAULT": "kv-shard",
+               "OMP_NUM_THREADS": "1", "HOME": "/root"}
+    assert spec.engine_env_values(environ) == {"HARNESS_VLLM_FAULT": "kv-shard", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert spec.engine_fault(environ) == "HARNESS_VLLM_FAULT=kv-shard"
+    assert spec.engine_fault({"VLLM_CPU_KVCACHE_SPACE": "2"}) is None
+    backend = HttpBackend(_template(tmp_path, PIDFILE_SERVER, engine_env=["STAND_IN_*"],
+                                    engine_faults=["STAND_IN_BUG"]))
+    monkeypatch.delenv("STAND_IN_BUG", raising=False)
+    clean = backend.identity(_job(tmp_path))
+    monkeypatch.setenv("STAND_IN_BUG", "1")
+    assert backend.identity(_job(tmp_path)) != clean and backend.identity(_job(tmp_path))["engine_env"] == {
+        "STAND_IN_BUG": "1"}
+    assert backend.engine_fault() == "STAND_IN_BUG=1"
+    with pytest.raises(ConfigError, match="match no engine_env pattern"):
+        HttpBackend(_template(tmp_path, PIDFILE_SERVER, engine_env=["STAND_IN_*"], engine_faults=["OTHER"]))
+
+
+@pytest.mark.slow
+def test_an_engine_side_fault_is_a_control_with_its_own_reference(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A template's engine_faults variable set in the harness's environment: the cell is a fault run named
+    VAR=VALUE, the variable is recorded in the cell and the manifests, shown in the report, repeated by the
+    reproduce command, and the reference is launched with it (the clean reference is not reused)."""
+    from harness.cli import main
+
+    template = yaml.safe_load((Path(__file__).parents[1] / "engines" / "harness-serve.yaml").read_text())
+    template.update(engine_env=["HARNESS_STAND_IN_*"], engine_faults=["HARNESS_STAND_IN_FAULT"])
+    path = tmp_path / "serve-env.yaml"
+    path.write_text(yaml.safe_dump(template))
+    cache = tmp_path / "cache"
+
+    def run(out: str) -> dict:
+        main(["run", "--suite", "tp", "--model", "tiny-gqa", "--topo", "tp2", "--engine", str(path), "--out",
+              str(tmp_path / out), "--cache-dir", str(cache), "--kv-budget-mib", "8", "--max-seq-len", "128"])
+        return read_json(tmp_path / out / "results.json")["cells"][0]
+
+    monkeypatch.delenv("HARNESS_STAND_IN_FAULT", raising=False)
+    clean = run("clean")
+    assert clean["fault"] is None and clean["engine_env"] == {} and clean["command"].startswith("harness run ")
+    monkeypatch.setenv("HARNESS_STAND_IN_FAULT", "kv shard")
+    cell = run("fault")
+    assert cell["fault"] == "HARNESS_STAND_IN_FAULT=kv shard"
+    assert cell["engine_env"] == {"HARNESS_STAND_IN_FAULT": "kv shard"}
+    assert cell["command"].startswith("HARNESS_STAND_IN_FAULT='kv shard' harness run ")
+    assert "--fault" not in cell["command"]
+    assert cell["reference_dir"] != clean["reference_dir"]
+    for run_dir in (cell["run_dir"], cell["reference_dir"]):
+        assert read_json(Path(run_dir) / "manifest.json")["engine_env"] == {"HARNESS_STAND_IN_FAULT": "kv shard"}
+    assert "HARNESS_STAND_IN_FAULT=kv shard" in (tmp_path / "fault" / "index.html").read_text()

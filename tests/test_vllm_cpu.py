@@ -5,8 +5,9 @@ Two harness runs for the whole module (each vLLM server start costs tens of seco
 tp2, tp4, tp2dcp2 and tp2-draft (one reference and noise twin for all), and the same tp2 with the test
 plugin's fault (HARNESS_VLLM_FAULT=kv-shard: TP rank 1 loads another rank's K/V shard). tp2 and tp4 PASS
 against vLLM's own tp1; tp2dcp2 is a SKIP quoting vLLM's own refusal (the template's `refuses`); the
-n-gram speculative cell is lossless; the fault run FAILs as silent corruption; the stopped servers leave
-no vllm_dist_* shared memory behind."""
+n-gram speculative cell is lossless; the fault run FAILs as silent corruption, is a fault run named by
+its variable, with a reference of its own and a reproduce command that sets it; the stopped servers
+leave no vllm_dist_* shared memory behind."""
 
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ def fault(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> dict:
 def test_vllm_tp_passes_against_vllm_tp1(clean: dict, topo: str) -> None:
     cell = clean["cells"][topo]
     assert cell["status"] == "PASS" and cell["engine"] == "vllm", cell["checks"]
+    assert cell["fault"] is None and cell["engine_env"] == {}
     assert read_json(Path(cell["run_dir"]) / "manifest.json")["kv_capacity"]["tokens"] > 0
 
 
@@ -112,6 +114,18 @@ def test_vllm_plugin_fault_is_silent_corruption(fault: dict, clean: dict) -> Non
     cell = fault["cell"]
     assert fault["exit"] == 1 and cell["status"] == "FAIL" and cell["silent_corruption"], cell["checks"]
     assert "loads another rank's K/V shard" in (Path(cell["run_dir"]) / "server.log").read_text()
+
+
+def test_an_engine_side_fault_is_recorded_keyed_and_reproduced(fault: dict, clean: dict) -> None:
+    """HARNESS_VLLM_FAULT is the engine's (engines/vllm.yaml engine_env / engine_faults): the cell is a fault
+    run named by it, its reference is launched with it (not the clean tp1 reference), and the reproduce
+    command sets it, so it FAILs again."""
+    cell = fault["cell"]
+    assert cell["fault"] == "HARNESS_VLLM_FAULT=kv-shard" and cell["engine_env"] == {FAULT: "kv-shard"}
+    assert cell["command"].startswith("HARNESS_VLLM_FAULT=kv-shard harness run ") and "--topo tp2" in cell["command"]
+    assert cell["reference_dir"] != clean["cells"]["tp2"]["reference_dir"]
+    for run_dir in (cell["run_dir"], cell["reference_dir"]):
+        assert read_json(Path(run_dir) / "manifest.json")["engine_env"] == {FAULT: "kv-shard"}
 
 
 def test_stopped_vllm_servers_leave_no_shared_memory(clean: dict, fault: dict) -> None:

@@ -192,10 +192,19 @@ class HttpBackend:
             provides.add(c.ACCEPTANCE_AGGREGATE)
         return Capabilities(provides=frozenset(provides), top_k=self.spec.max_logprobs)
 
+    def engine_env(self) -> dict[str, str]:
+        """The engine's variables (template engine_env) in the harness's environment, which the server inherits."""
+        return self.spec.engine_env_values()
+
+    def engine_fault(self) -> str | None:
+        return self.spec.engine_fault()
+
     def identity(self, job: Job) -> dict[str, Any]:
+        """What decides a run besides the job: the engine, its version, template and the engine's own
+        environment variables (a run with HARNESS_VLLM_FAULT set never reuses a clean reference)."""
         template = {k: v for k, v in asdict(self.spec).items() if k not in IDENTITY_EXCLUDES}
         return {"engine": self.name, "version": self.version(), "template": template,
-                "weights": weights_key(job.model)}
+                "weights": weights_key(job.model), "engine_env": self.engine_env()}
 
     def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
         if topology.dcp > 1 and not self.spec.supports_dcp:
@@ -332,7 +341,7 @@ class HttpBackend:
     def _failed(self, job: Job, error: str, tail: str, wall: float, refused: str = "") -> LaunchResult:
         write_json(Path(job.out_dir) / c.MANIFEST_FILE,
                    {"schema_version": 1, "status": "error", "error": f"engine {self.name}: {error}", "returncode": None,
-                    "refused": refused or None,
+                    "refused": refused or None, "engine_env": self.engine_env(), "engine_fault": self.engine_fault(),
                     "timed_out": "no answer within" in error or "not ready after" in error,
                     "topology": job.topology.to_dict(), "fault": job.fault, "seed": job.seed, "wall_s": {"total": wall},
                     "log_tails": {"server": tail}})
@@ -346,7 +355,8 @@ class HttpBackend:
         model = job.model
         manifest = {
             "status": "ok", "error": None, "topology": job.topology.to_dict(), "model": model.to_dict(),
-            "fault": job.fault, "seed": job.seed, "dtype": job.dtype or model.dtype, "engine_version": self.version(),
+            "fault": job.fault, "engine_env": self.engine_env(), "engine_fault": self.engine_fault(),
+            "seed": job.seed, "dtype": job.dtype or model.dtype, "engine_version": self.version(),
             c.MANIFEST_WEIGHTS_HASH: collected.weights_hash, c.MANIFEST_PROMPTS_HASH: collected.prompts_hash,
             c.MANIFEST_TOKENIZER_HASH: collected.tokenizer_hash, "topk_only": self.spec.max_logprobs,
             "schedule": job.schedule, "kv_capacity": kv["plain"], "kv_capacity_speculative": kv["speculative"],
