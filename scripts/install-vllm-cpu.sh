@@ -13,8 +13,8 @@
 #   - torchvision, torchaudio and torchcodec come in as CUDA builds and break `import vllm`: removed;
 #   - the `vllm` console script fails on missing metadata: the template starts
 #     `python -m vllm.entrypoints.openai.api_server` instead;
-#   - the test plugin (tests/vllm_plugin, entry point group vllm.general_plugins) is installed
-#     into the same environment; it does nothing unless HARNESS_VLLM_FAULT is set.
+#   - the test plugins (tests/vllm_plugin, entry point group vllm.general_plugins: the fault and the layout probe)
+#     are installed into the same environment; inactive unless HARNESS_VLLM_FAULT / HARNESS_VLLM_PROBE_DIR is set.
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"

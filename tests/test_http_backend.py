@@ -219,7 +219,7 @@ def test_serve_without_lse_refuses_only_dcp_and_names_bad_backends() -> None:
 
 def test_engine_env_is_recorded_and_part_of_the_identity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = load_engine("vllm")
-    environ = {"VLLM_CPU_KVCACHE_SPACE": "2", "HARNESS_VLLM_FAULT": "kv-shard",
+    environ = {"VLLM_CPU_KVCACHE_SPACE": "2", "HARNESS_VLLM_FAULT": "kv-shard", "HARNESS_VLLM_PROBE_DIR": "/x",
                "OMP_NUM_THREADS": "1", "HOME": "/root"}
     assert spec.engine_env_values(environ) == {"HARNESS_VLLM_FAULT": "kv-shard", "VLLM_CPU_KVCACHE_SPACE": "2"}
     assert spec.engine_fault(environ) == "HARNESS_VLLM_FAULT=kv-shard"

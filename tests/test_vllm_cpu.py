@@ -7,7 +7,8 @@ plugin's fault (HARNESS_VLLM_FAULT=kv-shard: TP rank 1 loads another rank's K/V 
 against vLLM's own tp1; tp2dcp2 is a SKIP quoting vLLM's own refusal (the template's `refuses`); the
 n-gram speculative cell is lossless; the fault run FAILs as silent corruption, is a fault run named by
 its variable, with a reference of its own and a reproduce command that sets it; the stopped servers
-leave no vllm_dist_* shared memory behind."""
+leave no vllm_dist_* shared memory behind. The layout probe's per-worker report (tests/vllm_plugin) makes
+`layout` PASS at tp2 and tp4 and FAIL on the fault, naming rank 1 and the KV heads it holds."""
 
 from __future__ import annotations
 
@@ -88,6 +89,22 @@ def test_vllm_tp_passes_against_vllm_tp1(clean: dict, topo: str) -> None:
     assert read_json(Path(cell["run_dir"]) / "manifest.json")["kv_capacity"]["tokens"] > 0
 
 
+@pytest.mark.parametrize("topo", ["tp2", "tp4"])
+def test_vllm_layout_probe_passes_layout(clean: dict, topo: str) -> None:
+    """The probe's per-worker report (heads from the attention layers' shard parameters and loaded weights,
+    the KV cache as vLLM allocated it) is the run's layout: it matches the planner, capacity included."""
+    cell = clean["cells"][topo]
+    layout = next(c for c in cell["checks"] if c["name"] == "layout")
+    tp = int(topo[2:])
+    assert layout["verdict"] == "PASS" and layout["reason"].startswith(f"{tp} ranks as planned: {8 // tp} Q / "
+                                                                        f"{4 // tp} KV heads per rank"), layout
+    target = read_json(Path(cell["run_dir"]) / "layout.json")["target"]
+    assert target["source"] == "probe" and [r["rank"] for r in target["ranks"]] == list(range(tp))
+    per_token = 2 * 2 * (4 // tp) * 64 * 4  # K and V, 2 layers, the rank's KV heads, 64 dims, float32
+    assert all(r["kv_pool_blocks"] > 0 and r["kv_bytes_per_token"] == per_token for r in target["ranks"])
+    assert (Path(cell["run_dir"]) / "server.layout" / f"rank{tp - 1}.json").is_file()
+
+
 def test_vllm_cpu_refuses_dcp_as_a_skip_with_its_own_line(clean: dict) -> None:
     cell = clean["cells"]["tp2dcp2"]
     assert cell["status"] == "SKIP", cell["checks"]
@@ -101,6 +118,9 @@ def test_vllm_ngram_speculative_cell_is_lossless(clean: dict) -> None:
     cell = clean["cells"]["tp2-draft"]
     checks = {c["name"]: c for c in cell["checks"]}
     assert checks["lossless"]["verdict"] == "PASS", cell["checks"]
+    assert checks["layout"]["verdict"] == "PASS"
+    assert checks["speculator_layout"]["verdict"] == "SKIP" and "target model's layers only" in \
+        checks["speculator_layout"]["reason"]
     counters = read_json(Path(cell["run_dir"]) / "manifest.json")["speculative"]
     assert counters["source"] == "metrics"  # vLLM's spec-decode counters were read around the requests
     if counters["drafts"] == 0:
@@ -114,6 +134,15 @@ def test_vllm_plugin_fault_is_silent_corruption(fault: dict, clean: dict) -> Non
     cell = fault["cell"]
     assert fault["exit"] == 1 and cell["status"] == "FAIL" and cell["silent_corruption"], cell["checks"]
     assert "loads another rank's K/V shard" in (Path(cell["run_dir"]) / "server.log").read_text()
+
+
+def test_vllm_plugin_fault_fails_layout_naming_ranks_and_heads(fault: dict) -> None:
+    """TP rank 1 loaded rank 0's K/V shard: the probe finds shard 0's rows in rank 1's QKV projection."""
+    layout = next(c for c in fault["cell"]["checks"] if c["name"] == "layout")
+    assert layout["verdict"] == "FAIL" and layout["reason"].startswith("rank 1 holds kv heads 0-1, planned 2-3"), layout
+    problems = layout["metrics"]["problems"]
+    assert "rank 1 Q heads 4-7 read KV heads 0,0,1,1, should read 2,2,3,3" in problems
+    assert "KV head 2 held by 0 rank(s), planned 1" in problems
 
 
 def test_an_engine_side_fault_is_recorded_keyed_and_reproduced(fault: dict, clean: dict) -> None:

@@ -94,6 +94,9 @@ class EngineSpec:
     engine_env: tuple[str, ...] = ()
     # those of them that inject an engine-side fault: set, the cell is a fault run named VAR=VALUE (a control)
     engine_faults: tuple[str, ...] = ()
+    # the variable through which the server's layout probe is told where to write its per-rank report
+    # (rank<R>.json): the run then has a layout report and the `layout` check compares it with the planner
+    layout_report_env: str = ""
 
     def __post_init__(self) -> None:
         where = f"engine {self.name!r}"
@@ -149,12 +152,15 @@ class EngineSpec:
         unclaimed = [v for v in self.engine_faults if not any(fnmatch.fnmatchcase(v, p) for p in self.engine_env)]
         if unclaimed:
             raise ConfigError(f"{where}: engine_faults {', '.join(unclaimed)} match no engine_env pattern")
+        if self.layout_report_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.layout_report_env):
+            raise ConfigError(f"{where}: layout_report_env={self.layout_report_env!r} is not a variable name")
 
     def engine_env_values(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The engine's variables (engine_env patterns) set in `environ` (the harness's environment), sorted."""
+        """The engine's variables (engine_env patterns) set in `environ` (the harness's environment), sorted;
+        the layout probe's folder variable is the harness's own setting, left out."""
         environ = os.environ if environ is None else environ
-        return {k: environ[k] for k in sorted(environ)
-                if any(fnmatch.fnmatchcase(k, p) for p in self.engine_env)}
+        return {k: environ[k] for k in sorted(environ) if k != self.layout_report_env
+                and any(fnmatch.fnmatchcase(k, p) for p in self.engine_env)}
 
     def engine_fault(self, environ: Mapping[str, str] | None = None) -> str | None:
         """"VAR=VALUE" of the engine-side fault variables set (engine_faults), comma-joined; None when none is."""
