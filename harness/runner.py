@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from harness.artifacts import RunArtifacts, run_capabilities
-from harness.backends.base import backend_record
+from harness.backends.base import backend_record, engine_env, engine_fault
 from harness.backends.embedded import EmbeddedBackend
 from harness.backends.registry import DEFAULT_ENGINE, get_backend
 from harness.checks.context import CellContext, CellInfo
@@ -249,18 +249,24 @@ class Runner:
         (RunRequest.reproduce) and the cell's topology, model (by path when given by path), seed and fault."""
         refs = dict(self.req.model_refs)
         shared = list(self.req.reproduce) or ["--suite", self.req.suite.name]
+        env = [f"{k}={shlex.quote(v)}" for k, v in {**engine_env(self.ref_backend), **engine_env(self.backend)}.items()]
         parts = ["harness", "run", *shared, "--topo", cell.topology.name,
                  "--model", refs.get(cell.model.name, cell.model.name), "--seed", str(cell.seed)]
         if cell.fault:
             parts += ["--fault", cell.fault]
         if self.req.device != "cpu" and "--device" not in shared:
             parts += ["--device", self.req.device]
-        return shlex.join(parts)
+        return " ".join([*env, shlex.join(parts)])
+
+    def _fault(self, cell: CellPlan) -> str | None:
+        """The cell's fault: the harness's (--fault), else the engine-side one its environment sets
+        ("HARNESS_VLLM_FAULT=kv-shard", template engine_faults): either makes the cell a positive control."""
+        return cell.fault or engine_fault(self.backend)
 
     def run_cell(self, cell: CellPlan) -> CellResult:
         base = dict(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
-                    fault=cell.fault, seed=cell.seed, command=self.command(cell), engine=self.backend.name,
-                    reference_engine=self.ref_backend.name)
+                    fault=self._fault(cell), seed=cell.seed, command=self.command(cell), engine=self.backend.name,
+                    reference_engine=self.ref_backend.name, engine_env=engine_env(self.backend))
         if cell.skip_reason:
             return CellResult(**base, checks=(CheckResult("cell", Verdict.SKIP, cell.skip_reason),), clean_exit=True)
         try:
@@ -379,8 +385,9 @@ class Runner:
                 if not isinstance(exc, HarnessError):
                     exc = RunError(f"internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
                 result = CellResult(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
-                                    fault=cell.fault, seed=cell.seed, command=self.command(cell),
+                                    fault=self._fault(cell), seed=cell.seed, command=self.command(cell),
                                     engine=self.backend.name, reference_engine=self.ref_backend.name,
+                                    engine_env=engine_env(self.backend),
                                     checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False)
             reason = next((c.reason for c in result.checks if c.verdict is result.status), "")
             took = "the reference run" if result.run_dir and result.run_dir == result.reference_dir else \

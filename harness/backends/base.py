@@ -24,3 +24,15 @@ def stamp_manifest(run_dir: Path, backend: Backend) -> None:
         return
     if isinstance(manifest, dict):
         write_json(path, {**manifest, MANIFEST_BACKEND: backend_record(backend)})
+
+
+def engine_env(backend: Backend) -> dict[str, str]:
+    """The engine's own environment variables the backend runs with (an HTTP template's engine_env), else {}."""
+    values = getattr(backend, "engine_env", None)
+    return dict(values()) if callable(values) else {}
+
+
+def engine_fault(backend: Backend) -> str | None:
+    """"VAR=VALUE" of the engine-side fault variables set for the backend (template engine_faults), else None."""
+    fault = getattr(backend, "engine_fault", None)
+    return fault() if callable(fault) else None

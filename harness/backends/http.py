@@ -11,7 +11,10 @@ the run directory: top-k tensors and generations (contract names), the KV capaci
 with a line the template `refuses` is a refusal (the cell is a SKIP quoting it), not an error.
 
 Capabilities are what HTTP gives: top-k logprobs of the prompt (prefill path) and of generation. No
-full logits, no decode path, no hidden states (so localization is a SKIP), no layout self-report.
+full logits, no decode path, no hidden states (so localization is a SKIP). A template with
+`layout_report_env` has a layout self-report: its server's probe writes each rank's heads and KV cache
+allocation into a folder beside the log (server.layout/, harness/backends/http_layout.py), which becomes
+layout.json's target entry.
 Noise: two reference runs that differ only in scheduling (cases sent together vs one at a time).
 """
 
@@ -40,7 +43,16 @@ from harness.backends.base import stamp_manifest
 from harness.backends.embedded import weights_key
 from harness.backends.http_collect import Collected, collect
 from harness.backends.http_dialects import DIALECTS, Dialect, Generation, parse_spec_counters, post_json
-from harness.backends.http_server import Server, ServerError, free_port, log_tail, running_server, wait_ready
+from harness.backends.http_layout import probe_layout
+from harness.backends.http_server import (
+    Server,
+    ServerError,
+    free_port,
+    log_line,
+    log_tail,
+    running_server,
+    wait_ready,
+)
 from harness.cases import build_cases
 from harness.contract import Capabilities, Job, LaunchResult
 from harness.engine.engine import PoolSettings
@@ -118,7 +130,8 @@ def kv_capacity(pattern: str, log_text: str) -> dict[str, int] | None:
 
 def refusal(patterns: tuple[str, ...], logs: list[Path]) -> str | None:
     """The first server log line matching one of the template's `refuses` patterns (the engine's own
-    words for a topology it cannot run), stripped; None when no line matches."""
+    words for a topology it cannot run) as a reason (log_line: no process prefix, no pydantic tail); None
+    when no line matches."""
     for path in logs:
         try:
             lines = path.read_text(errors="replace").splitlines()
@@ -126,7 +139,7 @@ def refusal(patterns: tuple[str, ...], logs: list[Path]) -> str | None:
             continue
         for line in lines:
             if any(re.search(p, line) for p in patterns):
-                return line.strip()
+                return log_line(line)
     return None
 
 
@@ -181,12 +194,23 @@ class HttpBackend:
             provides.add(c.KV_POOL_SIZE)
         if self.spec.speculator_argv:
             provides.add(c.ACCEPTANCE_AGGREGATE)
+        if self.spec.layout_report_env:  # its server's layout probe reports what each rank holds
+            provides.add(c.LAYOUT_REPORT)
         return Capabilities(provides=frozenset(provides), top_k=self.spec.max_logprobs)
 
+    def engine_env(self) -> dict[str, str]:
+        """The engine's variables (template engine_env) in the harness's environment, which the server inherits."""
+        return self.spec.engine_env_values()
+
+    def engine_fault(self) -> str | None:
+        return self.spec.engine_fault()
+
     def identity(self, job: Job) -> dict[str, Any]:
+        """What decides a run besides the job: the engine, its version, template and the engine's own
+        environment variables (a run with HARNESS_VLLM_FAULT set never reuses a clean reference)."""
         template = {k: v for k, v in asdict(self.spec).items() if k not in IDENTITY_EXCLUDES}
         return {"engine": self.name, "version": self.version(), "template": template,
-                "weights": weights_key(job.model)}
+                "weights": weights_key(job.model), "engine_env": self.engine_env()}
 
     def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
         if topology.dcp > 1 and not self.spec.supports_dcp:
@@ -256,6 +280,8 @@ class HttpBackend:
         logs = [run_dir / SERVER_LOG] + ([run_dir / SPEC_SERVER_LOG] if speculative else [])
         try:
             ready, collected, kv, base_url = self._serve(plain, logs[0], deadline, self._collect_all)
+            reported = (probe_layout(probe_dir(logs[0]), job.topology.tp) if self.spec.layout_report_env
+                        and not self.spec.url else None)
             counters = kv_spec = None
             if speculative:
                 _, (tokens, counters), kv_spec, _ = self._serve(job, logs[1], deadline, self._collect_speculative)
@@ -267,7 +293,7 @@ class HttpBackend:
             refused = f"engine {self.name} refused {job.topology.name}: {line}" if line else ""
             return self._failed(job, str(exc), tail, time.time() - start, refused)
         self._write(job, collected, {"plain": kv, "speculative": kv_spec}, counters,
-                    {"url": base_url, "ready_s": ready, "template": self.name}, start)
+                    {"url": base_url, "ready_s": ready, "template": self.name}, start, reported)
         stamp_manifest(run_dir, self)
         return LaunchResult(True, 0, time.time() - start, "", {"server": log_tail(logs[-1])})
 
@@ -279,6 +305,10 @@ class HttpBackend:
             return self._ask(job, Server(base_url=self.spec.url, log_path=log_path), deadline, ask)
         port = free_port(HOST)
         argv, env = self.command(job, self._model_path(job, log_path.parent), port)
+        if self.spec.layout_report_env:  # where the server's layout probe writes rank<R>.json
+            folder = probe_dir(log_path)
+            shutil.rmtree(folder, ignore_errors=True)
+            env[self.spec.layout_report_env] = str(folder.resolve())
         log_path.with_suffix(".argv.json").write_text(json.dumps(argv, indent=1) + "\n")
         with running_server(argv, env, log_path, f"http://{HOST}:{port}") as server:
             return self._ask(job, server, deadline, ask)
@@ -323,7 +353,7 @@ class HttpBackend:
     def _failed(self, job: Job, error: str, tail: str, wall: float, refused: str = "") -> LaunchResult:
         write_json(Path(job.out_dir) / c.MANIFEST_FILE,
                    {"schema_version": 1, "status": "error", "error": f"engine {self.name}: {error}", "returncode": None,
-                    "refused": refused or None,
+                    "refused": refused or None, "engine_env": self.engine_env(), "engine_fault": self.engine_fault(),
                     "timed_out": "no answer within" in error or "not ready after" in error,
                     "topology": job.topology.to_dict(), "fault": job.fault, "seed": job.seed, "wall_s": {"total": wall},
                     "log_tails": {"server": tail}})
@@ -331,13 +361,16 @@ class HttpBackend:
         return LaunchResult(False, None, wall, f"engine {self.name}: {error}", {"server": tail}, refused)
 
     def _write(self, job: Job, collected: Collected, kv: dict[str, dict[str, int] | None],
-               counters: dict[str, Any] | None, server: dict[str, Any], start: float) -> None:
+               counters: dict[str, Any] | None, server: dict[str, Any], start: float,
+               reported: dict[str, Any] | None = None) -> None:
         """The run directory. `kv`: the KV capacity each server logged ("plain"; "speculative" for -draft /
-        -mtp cells, whose server also holds the speculator's pool)."""
+        -mtp cells, whose server also holds the speculator's pool). `reported`: the plain server's layout
+        probe report (ranks and the pool the engine sized), when the template has one."""
         model = job.model
         manifest = {
             "status": "ok", "error": None, "topology": job.topology.to_dict(), "model": model.to_dict(),
-            "fault": job.fault, "seed": job.seed, "dtype": job.dtype or model.dtype, "engine_version": self.version(),
+            "fault": job.fault, "engine_env": self.engine_env(), "engine_fault": self.engine_fault(),
+            "seed": job.seed, "dtype": job.dtype or model.dtype, "engine_version": self.version(),
             c.MANIFEST_WEIGHTS_HASH: collected.weights_hash, c.MANIFEST_PROMPTS_HASH: collected.prompts_hash,
             c.MANIFEST_TOKENIZER_HASH: collected.tokenizer_hash, "topk_only": self.spec.max_logprobs,
             "schedule": job.schedule, "kv_capacity": kv["plain"], "kv_capacity_speculative": kv["speculative"],
@@ -349,13 +382,20 @@ class HttpBackend:
             manifest["speculative"] = counters
         pool = PoolSettings(**job.pool)  # the budget as the server was given it (whole MiB)
         pool = replace(pool, budget_bytes=server_budget_bytes(pool))
-        layout = {"target": {"ranks": [], "pool": pool.to_dict(), "kv_capacity": kv["plain"],
-                             "kv_capacity_speculative": kv["speculative"],
-                             "kv_budget_given": self.spec.gets_kv_budget()},
-                  "speculator": None}
+        target = {"ranks": [], "pool": pool.to_dict(), **(reported or {}), "kv_capacity": kv["plain"],
+                  "kv_capacity_speculative": kv["speculative"], "kv_budget_given": self.spec.gets_kv_budget()}
+        layout: dict[str, Any] = {"target": target, "speculator": None}
+        if reported is not None and job.topology.speculator != "none":
+            layout["speculator_reason"] = (f"engine {self.name}'s layout probe reports the target model's layers only "
+                                           f"(its {job.topology.speculator} speculator's layout is not reported)")
         write_run(Path(job.out_dir), manifest, layout, collected.cases, collected.tensors)
         if collected.gsm8k is not None:
             write_json(Path(job.out_dir) / c.GSM8K_FILE, collected.gsm8k)
+
+
+def probe_dir(log_path: Path) -> Path:
+    """The folder a server's layout probe writes to: beside its log (server.log -> server.layout/)."""
+    return log_path.with_suffix(".layout")
 
 
 def spec_counters(client: httpx.Client) -> dict[str, float] | None:

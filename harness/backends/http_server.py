@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import time
 from contextlib import contextmanager
@@ -18,11 +19,14 @@ import httpx
 
 from harness.errors import RunError
 from harness.launcher import forkserver
-from harness.launcher.launch import WAIT_POLICY_VAR, Process, free_port, stop_process_tree, wait_policy
+from harness.launcher.launch import WAIT_POLICY_VAR, Process, descendants, free_port, stop_process_tree, wait_policy
 
-__all__ = ["Server", "ServerError", "bind_failure", "free_port", "log_tail", "running_server", "wait_ready"]
+__all__ = ["Server", "ServerError", "bind_failure", "clean_reason", "free_port", "log_line", "log_tail", "root_cause",
+           "running_server", "stop_server", "wait_ready"]
 
 LOG_TAIL_LINES = 40
+CAUSE_CONTEXT_LINES = 30  # lines of the root cause's traceback kept as the error's context
+STOP_GRACE_S = 45.0  # a server's leader gets this long to stop its own processes before the group is killed
 POLL_S = 0.5
 FIRST_POLL_S, FIRST_POLLS_FOR_S = 0.1, 5.0  # a warm harness-serve answers in about a second: look often at first
 
@@ -39,6 +43,66 @@ def bind_failure(text: str) -> str | None:
     start = text.rfind("\n", 0, match.start()) + 1
     end = text.find("\n", match.end())
     return text[start:end if end >= 0 else len(text)].strip()
+
+
+# "(EngineCore pid=123) " / "(Worker_TP1 pid=9) ": vLLM's prefix of a child process's lines
+_PROC_PREFIX = re.compile(r"^\((?:[A-Za-z0-9_]+ )?pid=\d+\)\s?")
+_TRACEBACK = "Traceback (most recent call last):"
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit|Interrupt)\b(?::|$)")
+_ERROR_LINE = re.compile(r"\bERROR\b|\bCRITICAL\b|\bFATAL\b|^(?:error|fatal):", re.IGNORECASE)
+
+
+_PYDANTIC_TAIL = re.compile(r"\s*\[type=[\w.]+, input_value=.*$")
+_PYDANTIC_KIND = re.compile(r"(^|: )Value error, ")
+
+
+def clean_reason(line: str) -> str:
+    """A log line as a reason: stripped, without pydantic's "[type=..., input_value=..., input_type=...]" tail
+    (a repr of the whole config, cut mid-word) and its "Value error, " label."""
+    return _PYDANTIC_KIND.sub(r"\1", _PYDANTIC_TAIL.sub("", line.strip())).strip()
+
+
+# "ERROR 12-01 22:04:33 [multiproc_executor.py:1063] ": vLLM's logger header
+_LOG_HEADER = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? \[[^\]]*\] ")
+
+
+def _bare(line: str) -> str:
+    return _LOG_HEADER.sub("", _PROC_PREFIX.sub("", line)).rstrip()
+
+
+def log_line(line: str) -> str:
+    """A server log line as a reason: without vLLM's "(Proc pid=N)" prefix, as clean_reason."""
+    return clean_reason(_bare(line))
+
+
+def root_cause(text: str) -> tuple[str, str] | None:
+    """The root cause of a crashed server in its log `text`: (the line, its context). The line is the
+    exception of the first traceback with its own continuation lines (pydantic's "  Value error, ..."), as
+    clean_reason gives it: a server that re-raises it later ("See root cause above") is not the cause.
+    Without a traceback, the first error line. The context is the error line logged just before that
+    traceback ("WorkerProc hit an exception.") and the traceback (or the lines around the error line), at
+    most CAUSE_CONTEXT_LINES lines, vLLM's "(Proc pid=N)" prefixes and logger headers removed. None when the
+    log has neither."""
+    raw = text.splitlines()
+    lines = [_bare(line) for line in raw]
+    start = next((i for i, line in enumerate(lines) if line.strip() == _TRACEBACK), None)
+    if start is not None:
+        end = next((j for j in range(start + 1, len(lines)) if _EXCEPTION_LINE.match(lines[j])), None)
+        if end is not None:
+            more = 0  # the exception's own continuation lines (pydantic's "  Value error, ...")
+            while (more < 3 and end + more + 1 < len(lines) and lines[end + more + 1].startswith("  ")
+                   and lines[end + more + 1].strip() and "further information" not in lines[end + more + 1]):
+                more += 1
+            line = ": ".join([lines[end].strip().rstrip(":")] + [lines[end + k].strip() for k in range(1, more + 1)])
+            first = start - 1 if start and _ERROR_LINE.search(_PROC_PREFIX.sub("", raw[start - 1])) else start
+            block = lines[first:end + more + 1]
+            keep = CAUSE_CONTEXT_LINES
+            context = block if len(block) <= keep else [*block[:2], "  ...", *block[-keep + 3:]]
+            return clean_reason(line), "\n".join(context)
+    for i, line in enumerate(raw):
+        if _ERROR_LINE.search(_PROC_PREFIX.sub("", line)) and "DeprecationWarning" not in line:
+            return clean_reason(lines[i]), "\n".join(lines[max(0, i - 3):i + CAUSE_CONTEXT_LINES - 3])
+    return None
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -95,8 +159,7 @@ def wait_ready(server: Server, health: str, timeout_s: float) -> float:
                 new += server.log_since(offset)[0]
             line = bind_failure(new)
             if code is not None:
-                why = f": {line}" if line else ""
-                raise ServerError(f"engine server exited with code {code} before it was ready{why}", server.tail())
+                _exited(server, code, line)
             if line is not None:
                 raise ServerError(f"engine server cannot bind its address: {line}", server.tail())
             try:
@@ -108,6 +171,63 @@ def wait_ready(server: Server, health: str, timeout_s: float) -> float:
                 raise ServerError(f"engine server not ready after {timeout_s:.0f} s ({health} never answered 200)",
                                   server.tail())
             time.sleep(FIRST_POLL_S if time.monotonic() - start < FIRST_POLLS_FOR_S else POLL_S)
+
+
+def _exited(server: Server, code: int, bind_line: str | None) -> None:
+    """The ServerError of a server that exited before it was ready: its root cause (the bind failure, the
+    first traceback's exception, the first error line) as the message, that cause's context as the tail."""
+    where = f"server exited with code {code} before it was ready"
+    if bind_line:
+        raise ServerError(f"engine server exited with code {code} before it was ready: {bind_line}", server.tail())
+    try:
+        cause = root_cause(server.log_path.read_text(errors="replace"))
+    except OSError:
+        cause = None
+    if cause is None:
+        raise ServerError(f"engine server exited with code {code} before it was ready (no error line in "
+                          f"{server.log_path.name})", server.tail())
+    raise ServerError(f"{cause[0]} ({where}; {server.log_path.name})", cause[1])
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    return state not in ("Z", "X")
+
+
+def stop_server(proc: Process, grace_s: float = STOP_GRACE_S) -> None:
+    """Stop an engine server and everything it started. The leader alone gets SIGTERM first and up to
+    `grace_s` to stop its own processes (vLLM's API server shuts its engine core and workers down, and they
+    unlink their shared memory, tp x 4 MiB vllm_dist_* files in /dev/shm, which a SIGKILL leaves behind),
+    then its processes get what is left of the grace to exit; then the whole tree is stopped as a launch's
+    (SIGTERM to every group, SIGKILL)."""
+    children = descendants(proc.pid)
+    deadline = time.monotonic() + grace_s
+    if proc.poll() is None:
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stop_process_tree(proc)
+    for pid in children:  # reparented ones outside the group, if any
+        if _alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 @contextmanager
@@ -132,4 +252,4 @@ def running_server(argv: list[str], env: dict[str, str], log_path: Path, base_ur
     try:
         yield Server(base_url=base_url, log_path=log_path, proc=proc)
     finally:
-        stop_process_tree(proc)
+        stop_server(proc)

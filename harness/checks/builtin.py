@@ -53,6 +53,9 @@ def _layout(ctx: CellContext, entry: str, name: str) -> CheckResult:
         ctx.details.layout = section
     else:
         ctx.details.speculator_layout = section
+    reason = ctx.par.layout.get(f"{entry}_reason")
+    if actual is None and isinstance(reason, str) and reason:  # the engine says why it reports none
+        return CheckResult(name, Verdict.SKIP, reason)
     if not isinstance(actual, dict) or plan is None:
         return CheckResult(name, Verdict.ERROR, f"layout.json has no {entry!r} entry")
     check_pool = ctx.settings.of(LayoutSettings).check_pool and ctx.par_caps.has(c.KV_POOL_SIZE)

@@ -4,7 +4,8 @@
   {"ranks": [{rank, q_heads, kv_heads, dcp_group, dcp_rank, dcp_members, kv_tp_rank,
               q_to_kv, group_q_heads, group_q_to_kv, kv_pool_bytes, kv_pool_blocks,
               kv_weight_checksums: {"<kv head>": "<hex>"},
-              optional: ffn_shard [lo, hi) MLP columns, vocab_shard [lo, hi) token ids}],
+              optional: ffn_shard [lo, hi) MLP columns, vocab_shard [lo, hi) token ids,
+                        kv_bytes_per_token (the KV cache's bytes per stored token, as the engine allocated)}],
    "pool": {budget_bytes, block_size, max_seq_len}}
 Every problem found is collected; the verdict is FAIL when there is any, ERROR when the entry is
 malformed (missing keys), PASS otherwise.
@@ -150,6 +151,12 @@ def check_layout(plan: LayoutPlan, actual: Mapping[str, Any], pool_expected: Poo
     for planned in plan.ranks:
         if planned.rank in by_rank:
             problems += _rank_problems(planned, by_rank[planned.rank])
+    stored = defaultdict(list)  # KV bytes per stored token, where the engine reports it (vLLM's probe)
+    for r, got in sorted(by_rank.items()):
+        if got.get("kv_bytes_per_token") not in (None, plan.kv_bytes_per_token_per_rank):
+            stored[got["kv_bytes_per_token"]].append(r)
+    problems += [f"ranks {id_ranges(rs)} store {value} KV bytes per token, planned {plan.kv_bytes_per_token_per_rank}"
+                 for value, rs in stored.items()]
     group_problems, groups = _group_problems(plan, by_rank)
     problems = group_problems + problems  # the most telling problem first
     for got in by_rank.values():

