@@ -178,14 +178,13 @@ def _exited(server: Server, code: int, bind_line: str | None) -> None:
     first traceback's exception, the first error line) as the message, that cause's context as the tail."""
     where = f"server exited with code {code} before it was ready"
     if bind_line:
-        raise ServerError(f"engine server exited with code {code} before it was ready: {bind_line}", server.tail())
+        raise ServerError(f"engine {where}: {bind_line}", server.tail())
     try:
         cause = root_cause(server.log_path.read_text(errors="replace"))
     except OSError:
         cause = None
     if cause is None:
-        raise ServerError(f"engine server exited with code {code} before it was ready (no error line in "
-                          f"{server.log_path.name})", server.tail())
+        raise ServerError(f"engine {where} (no error line in {server.log_path.name})", server.tail())
     raise ServerError(f"{cause[0]} ({where}; {server.log_path.name})", cause[1])
 
 

@@ -24,8 +24,14 @@ T = TypeVar("T")
 
 def validate_suite_checks(suite: Suite) -> None:
     """Every `checks:` key of `suite` names a registered section whose settings parse (unknown keys and
-    bad values rejected), and a section without settings sets nothing but `enabled` (a key that nothing
-    reads is rejected, not ignored)."""
+    bad values rejected, every dtype sub-section included), and a section without settings sets nothing but
+    `enabled` (a key that nothing reads is rejected, not ignored)."""
+    _parsed(suite, SETTINGS_DTYPES[0])
+
+
+def _parsed(suite: Suite, dtype: str) -> dict[str, Any]:
+    """Every registered section's settings for `dtype`, from `suite` (defaults where it sets none), the
+    suite's `checks:` keys validated on the way (validate_suite_checks)."""
     where = f"suite {suite.name!r}"
     known = sections()
     for check, settings in suite.checks.items():
@@ -33,13 +39,13 @@ def validate_suite_checks(suite: Suite) -> None:
             raise ConfigError(f"{where}: unknown check {check!r}{did_you_mean(check, tuple(known))}; "
                               f"valid checks: {', '.join(known)}")
         unread = sorted(str(k) for k in (settings or {}) if k != ENABLED_KEY)
-        cls = known[check]
-        if cls is not None:  # every key and dtype section parses (the dtype used only picks the values)
-            parse_section(cls, f"{where}: checks.{check}", suite.check_settings(check), SETTINGS_DTYPES[0])
-        elif unread:
+        if known[check] is None and unread:
             raise ConfigError(f"{where}: checks.{check} takes only {ENABLED_KEY!r}, got {', '.join(unread)}"
                               + (" (GSM8K settings go under the suite's top-level gsm8k:)"
                                  if check == "gsm8k" else ""))
+    # parse_section validates every key and dtype sub-section; `dtype` only picks the values
+    return {name: parse_section(cls, f"{where}: checks.{name}", suite.check_settings(name), dtype)
+            for name, cls in known.items() if cls is not None}
 
 
 def load_suite(ref: str, folder: Path = SUITES_DIR) -> Suite:
@@ -74,8 +80,4 @@ class CheckSettings:
         if dtype not in SETTINGS_DTYPES:
             raise ConfigError(f"unknown dtype {dtype!r}{did_you_mean(dtype, SETTINGS_DTYPES)}; "
                               f"valid: {', '.join(SETTINGS_DTYPES)}")
-        validate_suite_checks(suite)
-        where = f"suite {suite.name!r}: checks"
-        return cls(dtype=dtype, sections={
-            name: parse_section(settings, f"{where}.{name}", suite.check_settings(name), dtype)
-            for name, settings in sections().items() if settings is not None})
+        return cls(dtype=dtype, sections=_parsed(suite, dtype))
