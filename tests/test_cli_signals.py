@@ -70,7 +70,7 @@ class Harness:
         return rc, self.proc.stderr.read()
 
 
-def _processes_naming(marker: str) -> list[str]:
+def processes_naming(marker: str) -> list[str]:
     """Command lines of live processes with `marker` in their environment (zombies have an empty one)."""
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
@@ -86,7 +86,7 @@ def _processes_naming(marker: str) -> list[str]:
 def _no_children_left(marker: str) -> list[str]:
     """Live processes of the run a few seconds after it exited (a SIGKILLed rank needs a moment)."""
     deadline = time.monotonic() + 10
-    while (left := _processes_naming(marker)) and time.monotonic() < deadline:
+    while (left := processes_naming(marker)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
 

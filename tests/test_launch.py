@@ -24,6 +24,7 @@ from harness.launcher.launch import LAUNCHER_ENV, descendants, thread_env
 from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 from tests.conftest import TEST_PROMPTS, launch_run
+from tests.test_cli_signals import processes_naming
 
 
 def test_crashed_rank_is_an_error_with_log_tails(tmp_path: Path) -> None:
@@ -155,17 +156,6 @@ assert forkserver.usable(thread_env(2, dict(os.environ))), "the forkserver start
     assert (tmp_path / "server.log").read_text().startswith("harness ")
 
 
-def _processes_with(marker: str) -> list[int]:
-    found = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if marker.encode() in environ.read_bytes():
-                found.append(int(environ.parent.name))
-        except OSError:  # gone, or not ours to read
-            continue
-    return found
-
-
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
 def test_no_process_of_the_harness_outlives_it(tmp_path: Path) -> None:
     """The warm forkserver (and every launch it forked) has exited by the time the harness process has."""
@@ -177,4 +167,4 @@ def test_no_process_of_the_harness_outlives_it(tmp_path: Path) -> None:
                                  "--model", "tiny-gqa", "--out", str(tmp_path / "r"),
                                  "--cache-dir", str(tmp_path / "c")], env=env, stdout=out, stderr=subprocess.STDOUT)
         assert proc.wait(timeout=600) == 0, log.read_text()[-2000:]
-    assert _processes_with(marker) == []
+    assert processes_naming(marker) == []

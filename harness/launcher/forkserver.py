@@ -21,6 +21,7 @@ import atexit
 import importlib
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import subprocess
 import sys
@@ -112,12 +113,14 @@ def _ensure_server(context: Any, policy: str | None, preload: str) -> None:
 
 
 def _stop_server() -> None:
-    """At exit, stop the forkserver and wait for it, so that no process of this harness outlives it (left
-    alone, the server notices its parent's exit only when the kernel closes the parent's end of its pipe,
-    then takes its own time to exit). The stdlib's own stop, meant for its tests; absent, the pipe does it."""
-    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
-    if stop is not None:
-        stop()
+    """At exit, stop the forkserver and the resource tracker it brought, and wait for both, so that no
+    process of this harness outlives it (left alone, each notices its parent's exit only when the kernel
+    closes the parent's end of its pipe, then takes its own time to exit). The stdlib's own stops, meant for
+    its tests; where absent, the pipes do it."""
+    for owner in (multiprocessing.forkserver._forkserver, multiprocessing.resource_tracker._resource_tracker):
+        stop = getattr(owner, "_stop", None)
+        if stop is not None:
+            stop()
 
 
 def _set(var: str, value: str | None) -> None:
