@@ -7,7 +7,13 @@ Rules (docs/architecture.md, Layout math; the bug classes: README.md):
 - When kv_heads does not divide evenly over kv_tp_size, g = gcd(kv_heads, kv_tp_size) and groups
   of kv_tp_size / g KV-parallel ranks share the same kv_heads / g heads (GCD duplication).
 - The Q -> KV mapping is always taken from global indices: kv(q) = q // (heads / kv_heads).
-- Token t of a sequence is stored on DCP rank t % dcp of its group.
+- Token t of a sequence is stored on one DCP rank of its group, by the group's placement:
+  interleave K (token t on rank (t // K) % dcp; K = 1 is round-robin, t % dcp) or contiguous
+  (the sequence's prompt of P tokens in dcp blocks of ceil(P / dcp), every later token on the last
+  rank). A rank that owns no token of a sequence contributes nothing to the LSE merge.
+- MLA (kv_lora_rank > 0): one latent row per token (kv_lora_rank + qk_rope_dim values, every layer)
+  shared by all heads, planned as one KV head: every rank of a TP group holds the whole latent
+  cache (duplication x tp // dcp), a DCP group stores each token's row once, on its owner.
 - A speculator (draft or MTP) is not part of the DCP group: it uses the plain TP layout (dcp = 1).
 - The vocabulary (embedding rows, lm_head rows) is split by tp into contiguous shards of
   ceil(vocab / tp) rows: rank r holds token ids [r * c, min((r + 1) * c, vocab)); the last shard(s)
@@ -26,8 +32,38 @@ from typing import Any, TypeVar
 
 from harness.errors import ConfigError
 
-LAYOUT_SCHEMA_VERSION = 1
+LAYOUT_SCHEMA_VERSION = 2
 T = TypeVar("T")
+PLACEMENTS: tuple[str, ...] = ("interleave", "contiguous")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a DCP group deals a sequence's tokens to its ranks: `interleave` in chunks of `size`
+    tokens (size 1: round-robin) or `contiguous` blocks per sequence (size unused, 1)."""
+
+    kind: str = "interleave"
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in PLACEMENTS:
+            raise ConfigError(f"DCP placement {self.kind!r} is not one of {', '.join(PLACEMENTS)}")
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
+            raise ConfigError(f"DCP interleave size {self.size!r} must be a positive integer")
+        if self.kind == "contiguous" and self.size != 1:
+            raise ConfigError(f"contiguous DCP placement takes no interleave size (got {self.size})")
+
+    @property
+    def label(self) -> str:
+        if self.kind == "contiguous":
+            return "contiguous"
+        return "round-robin" if self.size == 1 else f"interleave {self.size}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "size": self.size, "label": self.label}
+
+
+ROUND_ROBIN = Placement()
 
 
 @dataclass(frozen=True)
@@ -41,10 +77,16 @@ class AttentionShape:
     dtype_bytes: int
     ffn: int = 0
     vocab: int = 0
+    kv_lora_rank: int = 0  # MLA: the latent width (0: not MLA); kv_heads is then 1 (the shared latent)
+    qk_rope_dim: int = 0   # MLA: the decoupled RoPE key dims stored with the latent
 
     @property
     def q_per_kv(self) -> int:
         return self.heads // self.kv_heads
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
 
 @dataclass(frozen=True)
@@ -89,6 +131,8 @@ class LayoutPlan:
     kv_replicas: tuple[int, ...]
     kv_duplication: int
     kv_bytes_per_token_per_rank: int
+    placement: Placement = ROUND_ROBIN
+    q_replicated: bool = False  # MLA: every rank holds the Q weights of its whole DCP group (mla_layout.py)
 
     @property
     def dcp_groups(self) -> tuple[tuple[int, ...], ...]:
@@ -113,6 +157,7 @@ class LayoutPlan:
             "kv_bytes_per_token_per_dcp_group": self.kv_bytes_per_token_per_dcp_group,
             "kv_bytes_per_token_total": self.kv_bytes_per_token_total,
             "vocab_rows_per_rank": vocab_rows_per_rank(self.shape.vocab, self.tp),
+            "placement": self.placement.to_dict(), "q_replicated": self.q_replicated,
         }
 
 
@@ -151,6 +196,9 @@ def validate(shape: AttentionShape, tp: int, dcp: int) -> None:
                         ("layers", shape.layers), ("tp", tp), ("dcp", dcp)):
         if value <= 0:
             raise ConfigError(f"{name}={value} must be positive")
+    if shape.mla and shape.kv_heads != 1:
+        raise ConfigError(f"an MLA shape (kv_lora_rank={shape.kv_lora_rank}) has one shared latent per token: "
+                          f"kv_heads={shape.kv_heads} must be 1")
     if shape.heads % shape.kv_heads:
         raise ConfigError(f"heads={shape.heads} is not divisible by kv_heads={shape.kv_heads}")
     if tp % dcp:
@@ -159,6 +207,17 @@ def validate(shape: AttentionShape, tp: int, dcp: int) -> None:
         raise ConfigError(f"heads={shape.heads} is not divisible by tp={tp}")
     if shape.ffn and shape.ffn < tp:
         raise ConfigError(f"ffn={shape.ffn} is smaller than tp={tp}: some rank would hold no MLP columns")
+
+
+def validate_q_mode(shape: AttentionShape, dcp: int, q_replicated: bool) -> None:
+    """Q replication needs an MLA model (its q_b_proj / w_kc) and a DCP group to replicate over."""
+    if not q_replicated:
+        return
+    if not shape.mla:
+        raise ConfigError("Q-replicated DCP (topology suffix q) needs an MLA model (kv_lora_rank > 0); "
+                          f"this model has kv_heads={shape.kv_heads} and no latent")
+    if dcp < 2:
+        raise ConfigError(f"Q-replicated DCP (topology suffix q) needs dcp > 1, got dcp={dcp}")
 
 
 def kv_of_q(shape: AttentionShape, q_head: int) -> int:
@@ -204,12 +263,16 @@ def naive_local_kv_index(n_q: int, n_kv: int) -> tuple[int, ...]:
 
 
 def kv_bytes_per_stored_token(shape: AttentionShape, n_kv_heads: int) -> int:
-    """K and V, every layer, for the KV heads one rank holds, for one token stored on that rank."""
+    """K and V, every layer, for the KV heads one rank holds, for one token stored on that rank; under
+    MLA the latent row (kv_lora_rank + qk_rope_dim values) every layer."""
+    if shape.mla:
+        return shape.layers * (shape.kv_lora_rank + shape.qk_rope_dim) * shape.dtype_bytes
     return 2 * shape.layers * n_kv_heads * shape.head_dim * shape.dtype_bytes
 
 
 def plan_layout(shape: AttentionShape, tp: int, dcp: int = 1, kv_dcp: int | None = None,
-                ffn_floor: bool = False, vocab_floor_offset: bool = False) -> LayoutPlan:
+                ffn_floor: bool = False, vocab_floor_offset: bool = False,
+                placement: Placement = ROUND_ROBIN, q_replicated: bool = False) -> LayoutPlan:
     """The partition of `shape` over tp ranks with decode context parallel size dcp.
 
     `kv_dcp` overrides the dcp used for the KV split (faults only: kv_dcp=1 under dcp>1 is the
@@ -217,6 +280,7 @@ def plan_layout(shape: AttentionShape, tp: int, dcp: int = 1, kv_dcp: int | None
     compute the FFN shards / the vocab shard offsets with floor division (see ffn_shard, vocab_shard).
     """
     validate(shape, tp, dcp)
+    validate_q_mode(shape, dcp, q_replicated)
     kv_split_dcp = dcp if kv_dcp is None else kv_dcp
     kv_tp_size = tp // kv_split_dcp
     g = math.gcd(shape.kv_heads, kv_tp_size)
@@ -240,7 +304,8 @@ def plan_layout(shape: AttentionShape, tp: int, dcp: int = 1, kv_dcp: int | None
     return LayoutPlan(
         shape=shape, tp=tp, dcp=dcp, kv_tp_size=kv_tp_size, kv_gcd=g, ranks=tuple(ranks),
         kv_replicas=replicas, kv_duplication=kv_tp_size // g,
-        kv_bytes_per_token_per_rank=kv_bytes_per_stored_token(shape, len(ranks[0].kv_heads)))
+        kv_bytes_per_token_per_rank=kv_bytes_per_stored_token(shape, len(ranks[0].kv_heads)), placement=placement,
+        q_replicated=q_replicated)
 
 
 def ffn_shard(ffn: int, rank: int, tp: int, floor: bool = False) -> tuple[int, int]:
@@ -285,26 +350,59 @@ def plan_speculator(shape: AttentionShape, tp: int) -> LayoutPlan:
     return plan_layout(shape, tp, dcp=1)
 
 
-def token_owner(position: T, dcp: int) -> T:
-    """The DCP rank that stores the K/V of token `position` (an int, or a tensor of positions)."""
-    return position % dcp
+def token_owner(position: T, dcp: int, placement: Placement = ROUND_ROBIN, prompt_len: Any = 0) -> T:
+    """The DCP rank that stores the K/V of token `position` (an int, or a tensor of positions).
+
+    `prompt_len` (contiguous placement only; an int or a tensor broadcasting with `position`) is the
+    length of the sequence's first forward: its tokens are dealt in dcp blocks of ceil(prompt_len / dcp),
+    every later token goes to the last rank."""
+    if placement.kind == "interleave":
+        return (position // placement.size) % dcp
+    block = (prompt_len + dcp - 1) // dcp + (prompt_len <= 0)  # ceil(P / dcp), 1 where P = 0
+    inside = position < prompt_len
+    return inside * (position // block) + (position >= prompt_len) * (dcp - 1)
 
 
-def local_token_count(seq_len: int, dcp_rank: int, dcp: int) -> int:
-    """How many of positions 0..seq_len-1 DCP rank `dcp_rank` stores."""
-    return len(range(dcp_rank, seq_len, dcp))
+def local_token_count(seq_len: int, dcp_rank: int, dcp: int, placement: Placement = ROUND_ROBIN,
+                      prompt_len: int = 0) -> int:
+    """How many of positions 0..seq_len-1 DCP rank `dcp_rank` stores (closed form of counting
+    token_owner over the positions)."""
+    if placement.kind == "interleave":
+        k = placement.size
+        cycles, rest = divmod(max(seq_len, 0), k * dcp)
+        return cycles * k + min(max(rest - dcp_rank * k, 0), k)
+    block = max(1, -(-prompt_len // dcp))
+    lo, hi = dcp_rank * block, min((dcp_rank + 1) * block, prompt_len, seq_len)
+    later = max(0, seq_len - max(prompt_len, 0)) if dcp_rank == dcp - 1 else 0
+    return max(0, hi - lo) + later
+
+
+def local_positions(seq_len: int, dcp_rank: int, dcp: int, placement: Placement = ROUND_ROBIN,
+                    prompt_len: int = 0) -> list[int]:
+    """Positions 0..seq_len-1 that DCP rank `dcp_rank` stores, in increasing (storage) order."""
+    return [t for t in range(seq_len) if token_owner(t, dcp, placement, prompt_len) == dcp_rank]
+
+
+def max_local_tokens(max_seq_len: int, dcp: int, placement: Placement = ROUND_ROBIN) -> int:
+    """The most tokens of one sequence of up to max_seq_len tokens that any rank of a DCP group stores:
+    rank 0's share under interleave; under contiguous the whole sequence bounds it (a one-token
+    prompt leaves every later token to the last rank)."""
+    if placement.kind == "contiguous" and dcp > 1:
+        return max_seq_len
+    return local_token_count(max_seq_len, 0, dcp, placement)
 
 
 def pool_capacity(plan: LayoutPlan, budget_bytes: int, max_seq_len: int, block_size: int = 16) -> PoolCapacity:
     """Size a rank's KV pool from a budget: a whole number of per-sequence slots, each holding
-    the rank's share (ceil(max_seq_len / dcp) tokens) of one max-length sequence.
+    the rank's largest share (max_local_tokens; ceil(max_seq_len / dcp) round-robin) of one
+    max-length sequence.
 
     Raises naming the shortfall when the budget cannot hold one slot (never clamps to one).
     """
     if block_size <= 0 or max_seq_len <= 0 or budget_bytes < 0:
         raise ConfigError(f"block_size={block_size}, max_seq_len={max_seq_len} must be positive "
                           f"and budget={budget_bytes} bytes non-negative")
-    tokens_per_slot = -(-max_seq_len // plan.dcp)
+    tokens_per_slot = max_local_tokens(max_seq_len, plan.dcp, plan.placement)
     blocks_per_slot = -(-tokens_per_slot // block_size)
     block_bytes = block_size * plan.kv_bytes_per_token_per_rank
     slot_bytes = blocks_per_slot * block_bytes

@@ -111,7 +111,7 @@ def seeded(model: ModelSpec, seed: int) -> ModelSpec:
 def skip_reason(model: ModelSpec, topo: Topology, fault: str | None) -> str | None:
     """Why a cell cannot run (model does not split, fault does not apply), or None."""
     try:
-        plan_layout(model.attention_shape, topo.tp, topo.dcp)
+        plan_layout(model.attention_shape, topo.tp, topo.dcp, placement=topo.placement, q_replicated=topo.q_replicated)
     except ConfigError as exc:
         return f"{model.name} does not split at {topo.name}: {exc}"
     if topo.speculator != "none":
@@ -325,7 +325,8 @@ class Runner:
         suite = self.req.suite
         topo = cell.topology
         return CellContext(
-            ref=ref, par=par, noise=noise, plan=plan_layout(cell.model.attention_shape, topo.tp, topo.dcp),
+            ref=ref, par=par, noise=noise, plan=plan_layout(cell.model.attention_shape, topo.tp, topo.dcp,
+                                                      placement=topo.placement, q_replicated=topo.q_replicated),
             settings=CheckSettings.from_suite(suite, cell.model.dtype),
             par_caps=run_capabilities(par, self.backend.capabilities()),
             ref_caps=run_capabilities(ref, self.ref_backend.capabilities()),

@@ -80,7 +80,7 @@ def test_plan_table_dcp_capacity_and_speculator(capsys: pytest.CaptureFixture[st
 
 def test_plan_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
     doc = plan_json(capsys, "--model", "tiny-kv6", "--topo", "tp4")
-    assert doc["schema_version"] == LAYOUT_SCHEMA_VERSION == 1
+    assert doc["schema_version"] == LAYOUT_SCHEMA_VERSION == 2
     assert doc["model"] == "tiny-kv6"
     assert doc["topology"] == {"name": "tp4", "tp": 4, "dcp": 1, "speculator": "none", "world_size": 4}
     assert (doc["tp"], doc["dcp"], doc["kv_tp_size"], doc["kv_gcd"]) == (4, 1, 4, 2)
@@ -183,7 +183,7 @@ def test_list_sections(capsys: pytest.CaptureFixture[str], what: str) -> None:
         assert "dcp-nightly" in first_words
         line = next(line for line in out.splitlines() if line.split()[0] == "dcp-nightly")
         assert line.split(None, 1)[1] == "set: tp4dcp2, tp4dcp4, tp8dcp2, tp8dcp4"
-        assert "tp<N>[dcp<M>][-draft|-mtp]" in out
+        assert "tp<N>[dcp<M>[i<K>|c][q]][-draft|-mtp]" in out
 
 
 def test_list_all(capsys: pytest.CaptureFixture[str]) -> None:
@@ -203,7 +203,7 @@ def test_python_m_harness_plan(tmp_path: Path) -> None:
     proc = run_process("plan", "--model", "tiny-gqa", "--topo", "tp4dcp4", "--format", "json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    assert doc["schema_version"] == 1 and doc["kv_duplication"] == 1
+    assert doc["schema_version"] == 2 and doc["kv_duplication"] == 1
     assert [r["kv_heads"] for r in doc["ranks"]] == [[0, 1]] * 4
     assert [r["q_to_kv"] for r in doc["ranks"]] == [[0, 0], [0, 0], [1, 1], [1, 1]]
 

@@ -9,7 +9,8 @@ from typing import Any
 from harness.cli.checks import positive_float, positive_int
 from harness.errors import ConfigError
 from harness.fmt import human_bytes, id_ranges, table
-from harness.layout import LAYOUT_SCHEMA_VERSION, plan_layout, plan_speculator, pool_capacity
+from harness.layout import LAYOUT_SCHEMA_VERSION, plan_layout, plan_speculator, pool_capacity, token_owner
+from harness.mla_layout import plan_mla
 from harness.specs.checkpoint import load_model
 from harness.specs.model import ModelSpec
 from harness.specs.topology import load_catalog
@@ -24,20 +25,29 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--budget-gib", type=positive_float, default=None, help="KV memory budget per rank, GiB")
     p.add_argument("--max-seq-len", type=positive_int, default=None, help="tokens per sequence slot (default: model's)")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    p.add_argument("--tokens", type=positive_int, default=16,
+                   help="show the DCP owner of each token of a sequence this long (its whole prompt)")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.set_defaults(func=run)
 
 
 def plan_document(model: ModelSpec, topo_name: str, budget_gib: float | None, max_seq_len: int | None,
-                  block_size: int) -> dict[str, Any]:
+                  block_size: int, tokens: int = 16) -> dict[str, Any]:
     """The versioned JSON document of `harness plan` (schema in README, 'harness plan --format json')."""
     topos = load_catalog().resolve(topo_name)
     if len(topos) != 1:
         raise ConfigError(f"--topo {topo_name!r} names {len(topos)} topologies; plan takes exactly one")
     topo = topos[0]
-    plan = plan_layout(model.attention_shape, topo.tp, topo.dcp)
+    plan = plan_layout(model.attention_shape, topo.tp, topo.dcp, placement=topo.placement,
+                       q_replicated=topo.q_replicated)
     doc: dict[str, Any] = {"schema_version": LAYOUT_SCHEMA_VERSION, "model": model.name,
-                           "topology": topo.to_dict(), **plan.to_dict(), "capacity": None, "speculator": None}
+                           "topology": topo.to_dict(), **plan.to_dict(), "capacity": None, "speculator": None,
+                           "mla": None}
+    doc["token_owners"] = {"tokens": tokens, "prompt_len": tokens,
+                           "owners": [token_owner(t, topo.dcp, topo.placement, tokens) for t in range(tokens)]}
+    if model.mla:
+        doc["mla"] = plan_mla(model.attention_shape, model.mla_shape, topo.tp, topo.dcp, topo.placement,
+                              topo.q_replicated).to_dict()
     seq = max_seq_len or model.max_seq_len
     if budget_gib is not None:
         doc["capacity"] = {"max_seq_len": seq,
@@ -67,6 +77,12 @@ def render_table(doc: dict[str, Any]) -> str:
            f"KV bytes/token per DCP group: {doc['kv_bytes_per_token_per_dcp_group']}; "
            f"all ranks: {doc['kv_bytes_per_token_total']}",
            f"KV duplication: x{doc['kv_duplication']} (ranks holding each KV head: {doc['kv_replicas']})"]
+    owners = doc["token_owners"]
+    if doc["dcp"] > 1:
+        out.append(f"DCP placement: {doc['placement']['label']}; owner (DCP rank) of tokens 0-{owners['tokens'] - 1} "
+                   f"of a {owners['prompt_len']}-token prompt: {' '.join(str(o) for o in owners['owners'])}")
+    if doc["mla"]:
+        out += _mla_lines(doc["mla"], doc["tp"], doc["dcp"])
     cap = doc["capacity"]
     if cap:
         out.append(f"capacity per rank: {cap['slots']} slots of {cap['max_seq_len']} tokens = {cap['blocks']} "
@@ -80,7 +96,22 @@ def render_table(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _mla_lines(mla: dict[str, Any], tp: int, dcp: int) -> list[str]:
+    """The MLA part of the table: each rank's Q heads, the heads whose Q weights it holds, its latent bytes."""
+    gathered = "computed locally" if mla["q_mode"] == "replicated" else "all-gathered in the DCP group"
+    rows = [[str(r["rank"]), id_ranges(r["q_heads"]), id_ranges(r["q_weight_heads"]), str(r["latent_bytes_per_token"]),
+             human_bytes(r["q_weight_bytes"])] for r in mla["ranks"]]
+    where = "every rank of each TP group" if dcp == 1 else "its owner rank in each DCP group"
+    return [f"MLA: latent row {mla['latent_dim']} = kv_lora_rank {mla['kv_lora_rank']} + qk_rope_dim "
+            f"{mla['qk_rope_dim']} values per token and layer, shared by all heads; Q mode {mla['q_mode']} "
+            f"(group queries {gathered})",
+            table(["rank", "q_heads", "q_weights", "latent_B/token", "q_weight_bytes"], rows),
+            f"latent row of each token stored on {where}: duplication x{mla['latent_duplication']} "
+            f"over {tp} ranks"]
+
+
 def run(args: argparse.Namespace) -> int:
-    doc = plan_document(load_model(args.model), args.topo, args.budget_gib, args.max_seq_len, args.block_size)
+    doc = plan_document(load_model(args.model), args.topo, args.budget_gib, args.max_seq_len, args.block_size,
+                        args.tokens)
     print(json.dumps(doc, indent=2) if args.format == "json" else render_table(doc))
     return 0

@@ -5,7 +5,9 @@
               q_to_kv, group_q_heads, group_q_to_kv, kv_pool_bytes, kv_pool_blocks,
               kv_weight_checksums: {"<kv head>": "<hex>"},
               optional: ffn_shard [lo, hi) MLP columns, vocab_shard [lo, hi) token ids,
-                        kv_bytes_per_token (the KV cache's bytes per stored token, as the engine allocated)}],
+                        kv_bytes_per_token (the KV cache's bytes per stored token, as the engine allocated),
+              stored_positions {length, prompt_len, positions}, q_weight_heads, q_weight_checksums
+              (harness/compare/placement_check.py)}],
    "pool": {budget_bytes, block_size, max_seq_len}}
 Every problem found is collected; the verdict is FAIL when there is any, ERROR when the entry is
 malformed (missing keys), PASS otherwise.
@@ -17,6 +19,7 @@ from collections import defaultdict
 from typing import Any, Mapping, Sequence
 
 from harness.errors import ConfigError
+from harness.compare.placement_check import placement_problems, q_weight_problems
 from harness.fmt import id_ranges
 from harness.layout import LayoutPlan, PoolCapacity, RankLayout, kv_of_q, pool_capacity, slot_pool
 from harness.verdict import CheckResult, Verdict
@@ -166,6 +169,7 @@ def check_layout(plan: LayoutPlan, actual: Mapping[str, Any], pool_expected: Poo
     if check_checksums:
         problems += _checksum_problems(by_rank)
     problems += _replication_problems(plan, by_rank)
+    problems += placement_problems(plan, by_rank) + q_weight_problems(plan, by_rank)
     if pool_expected is not None:
         problems += _pool_problems(pool_expected, by_rank)
     metrics: dict[str, Any] = {"problems": problems, "kv_ids_differ_in_groups": groups,

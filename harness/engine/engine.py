@@ -16,11 +16,12 @@ import torch
 
 from harness.engine.faults import FaultFlags
 from harness.engine.kvcache import PagedKVCache
+from harness.engine.mla import MLAParts, build_mla, mla_report
 from harness.engine.model import Batch, Capture, Decoder, Hyper
 from harness.engine.parallel import ParallelState
 from harness.engine.parallelize import actual_layout, engine_plan, head_map, shard_weights
 from harness.errors import ConfigError
-from harness.layout import LayoutPlan, pool_capacity
+from harness.layout import ROUND_ROBIN, LayoutPlan, Placement, pool_capacity
 from harness.specs.model import ModelSpec
 
 MIN_SHARED_PREFIX_BLOCKS = 1  # generate() computes a common prompt prefix once when it spans this many KV blocks
@@ -93,21 +94,28 @@ class Engine:
 
     def __init__(self, spec: ModelSpec, full_weights: dict[str, torch.Tensor], state: ParallelState,
                  flags: FaultFlags = FaultFlags(), pool: PoolSettings = PoolSettings(),
-                 dtype: str | None = None) -> None:
+                 dtype: str | None = None, placement: Placement = ROUND_ROBIN, q_replicated: bool = False) -> None:
         self.spec = spec
         self.state = state
         self.flags = flags
         self.dtype = TORCH_DTYPES[dtype or spec.dtype]
-        self.plan: LayoutPlan = engine_plan(spec, state.tp, state.dcp, flags)
+        self.plan: LayoutPlan = engine_plan(spec, state.tp, state.dcp, flags, placement, q_replicated)
         self.rank_layout = self.plan.ranks[state.rank]
         self.heads = head_map(self.rank_layout, flags)
         self.capacity = pool_capacity(self.plan, pool.budget_bytes, pool.max_seq_len, pool.block_size)
         self.pool = pool
-        weights = shard_weights(full_weights, spec, self.rank_layout, self.dtype, state.device)
-        self.cache = PagedKVCache(self.capacity, spec.layers, self.heads.n_kv, spec.head_dim, self.dtype,
-                                  state.device)
-        self.decoder = Decoder(weights, self.heads, Hyper(spec.head_dim, spec.rope_theta, spec.norm_eps),
-                               state.collectives(), self.cache, flags)
+        self._mla: MLAParts | None = None
+        self._owner_probe: dict[str, Any] | None = None  # the first decode-path sequence's stored positions
+        if spec.mla:
+            self._mla = build_mla(spec, full_weights, self.rank_layout, self.heads, state.collectives(), flags,
+                                  self.capacity, self.dtype, state.device, state.tp, placement, q_replicated)
+            self.cache, self.decoder, weights = self._mla.cache, self._mla.decoder, self._mla.weights
+        else:
+            weights = shard_weights(full_weights, spec, self.rank_layout, self.dtype, state.device)
+            self.cache = PagedKVCache(self.capacity, spec.layers, self.heads.n_kv, spec.head_dim, self.dtype,
+                                      state.device)
+            self.decoder = Decoder(weights, self.heads, Hyper(spec.head_dim, spec.rope_theta, spec.norm_eps),
+                                   state.collectives(), self.cache, flags, placement)
         self._weights = weights
 
     @property
@@ -115,8 +123,13 @@ class Engine:
         return self.capacity.slots
 
     def layout_report(self) -> dict[str, Any]:
-        return actual_layout(self.rank_layout, self.heads, self._weights, self.spec, self.cache.pool_bytes,
-                             self.capacity.blocks)
+        mla = mla_report(self._mla, self.spec) if self._mla is not None else {}
+        sums = mla.pop("kv_weight_checksums", None)
+        report = actual_layout(self.rank_layout, self.heads, self._weights, self.spec, self.cache.pool_bytes,
+                               self.capacity.blocks, sums)
+        if self._owner_probe is not None:
+            report["stored_positions"] = self._owner_probe
+        return {**report, **mla}
 
     # -- building blocks ---------------------------------------------------------------------------
 
@@ -210,6 +223,10 @@ class Engine:
                     hidden[b].append(torch.stack([h[j, 0] for h in cap.hidden]).float().cpu())  # [L+1, H]
                     attn[b].append(torch.stack([a[j, 0] for a in cap.attn]))  # [L, n_q, hd]
                     sites[b].append(torch.stack([c[j, 0] for c in cap.collectives]))  # [L, sites]
+        if self._owner_probe is None:  # what this rank stored of the first sequence, for the layout check
+            first = self.cache.seqs[ids[0]]
+            self._owner_probe = {"length": len(seqs[0]), "prompt_len": first.prompt_len,
+                                 "positions": list(first.positions)}
         self.cache.close(ids)
         return [DecodePath(logits=torch.stack(lg), hidden=torch.stack(hd, dim=1),
                            attn=self._gather_heads(torch.stack(at, dim=1)),

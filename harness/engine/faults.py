@@ -19,6 +19,9 @@ class Fault:
     needs_dcp: bool = False
     needs_tp: bool = False      # acts only with tp > 1 (a collective that a tp1 run never calls)
     needs_speculator: str = ""  # "": none; "any": a draft or MTP speculator; "draft" / "mtp": that kind
+    needs_placement: str = ""   # "": any; "interleave" (an i<K> topology, K > 1) / "contiguous" (c)
+    needs_q_replicated: bool = False  # acts only on a Q-replicated topology (suffix q)
+    needs_mla: bool = False     # acts only on an MLA model (fault_scope: inert elsewhere)
     shared: bool = False        # the bug sits in code the reference topology runs too (e.g. verification):
     #                             the reference run gets it as well, so only a stored baseline can see it
 
@@ -80,6 +83,30 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "under DCP the keys are rotated (RoPE) by their index in the rank's local KV store (t // dcp) "
           "instead of their global position t, while the queries use global positions: relative "
           "positions are wrong for every key but the first", needs_dcp=True),
+    # -- MLA and the DCP token placements (harness/engine/mla.py, layout.token_owner) --
+    Fault("mla-rope-local-slot", "logits",
+          "under DCP the MLA latent's decoupled RoPE key rotated by the token's slot in its owner's local "
+          "latent cache instead of its global position (queries keep global positions)", needs_dcp=True,
+          needs_mla=True),
+    Fault("dcp-interleave-per-token", "layout, logits",
+          "with an interleaved placement (chunks of K tokens) the K/V store deals tokens one by one (t % dcp) "
+          "while the attention reads each rank's share by chunks ((t // K) % dcp, as its local sequence "
+          "lengths say): rows are read as the wrong tokens", needs_dcp=True, needs_placement="interleave"),
+    Fault("dcp-contiguous-global-len", "layout, logits",
+          "with the contiguous placement the K/V store sizes each sequence's blocks by the whole batch's "
+          "token count instead of the sequence's own length, while the attention reads per-sequence "
+          "blocks: ranks read rows they never stored", needs_dcp=True, needs_placement="contiguous"),
+    Fault("dcp-lse-base2", "logits",
+          "the partial attention's LSE handed to the DCP merge in base 2 (a kernel's log2 of the sum) "
+          "while the merge exponentiates in base e: partials weighted wrongly (SGLang FA3 / base-2 reducer)",
+          needs_dcp=True),
+    Fault("dcp-empty-shard-lse0", "logits",
+          "a DCP rank that holds no visible token for a query returns LSE 0 instead of -inf, so the merge "
+          "gives its zero output a real weight (vLLM / vllm-ascend empty-shard merge)", needs_dcp=True),
+    Fault("q-replicated-own-slice", "layout, logits",
+          "Q-replicated DCP loading only the rank's own slice of q_b_proj / w_kc for every head of its DCP "
+          "group, so the other heads' queries are computed with the wrong weights", needs_dcp=True,
+          needs_q_replicated=True, needs_mla=True),
 )}
 
 
@@ -103,6 +130,12 @@ class FaultFlags:
     vocab_floor_offset: bool = False    # vocab-shard-offset: vocab shard offsets by floor(vocab / tp)
     ffn_floor_split: bool = False       # ffn-floor-split: ffn // tp MLP columns per rank
     rope_local_positions: bool = False  # dcp-rope-local-pos: keys rotated by their local store index
+    interleave_per_token: bool = False  # dcp-interleave-per-token: K/V stored by t % dcp, read by chunks of K
+    contiguous_global_len: bool = False  # dcp-contiguous-global-len: blocks sized by the batch's tokens
+    lse_base2: bool = False             # dcp-lse-base2: partial LSEs in base 2 to a natural-log merge
+    empty_lse_zero: bool = False        # dcp-empty-shard-lse0: a shard with no key merged with LSE 0
+    latent_rope_local_slot: bool = False  # mla-rope-local-slot: the latent's RoPE key by its local slot
+    q_own_slice: bool = False           # q-replicated-own-slice: the group's Q weights = own slice repeated
 
 
 # Perturbations of a correct engine (not faults: no bug, only another reduction order). The noise run
@@ -125,6 +158,14 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         raise ConfigError(f"fault {name} needs a DCP topology (dcp > 1), got {topology.name}")
     if fault.needs_tp and topology.tp == 1:
         raise ConfigError(f"fault {name} needs a tensor-parallel topology (tp > 1), got {topology.name}")
+    if fault.needs_placement and topology.placement.kind != fault.needs_placement or (
+            fault.needs_placement == "interleave" and topology.placement.size == 1):
+        example = f"tp{topology.tp}dcp{topology.dcp}" + ("i16" if fault.needs_placement == "interleave" else "c")
+        raise ConfigError(f"fault {name} needs a {fault.needs_placement} DCP placement (e.g. {example}), "
+                          f"got {topology.name}")
+    if fault.needs_q_replicated and not topology.q_replicated:
+        raise ConfigError(f"fault {name} needs a Q-replicated DCP topology (suffix q, e.g. "
+                          f"tp{topology.tp}dcp{topology.dcp}q), got {topology.name}")
     wanted = fault.needs_speculator
     if wanted and (topology.speculator == "none" or wanted not in ("any", topology.speculator)):
         kind = "a -draft or -mtp" if wanted == "any" else f"a -{wanted}"
@@ -144,4 +185,10 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         vocab_floor_offset=name == "vocab-shard-offset",
         ffn_floor_split=name == "ffn-floor-split",
         rope_local_positions=name == "dcp-rope-local-pos",
+        interleave_per_token=name == "dcp-interleave-per-token",
+        contiguous_global_len=name == "dcp-contiguous-global-len",
+        lse_base2=name == "dcp-lse-base2",
+        empty_lse_zero=name == "dcp-empty-shard-lse0",
+        latent_rope_local_slot=name == "mla-rope-local-slot",
+        q_own_slice=name == "q-replicated-own-slice",
     )

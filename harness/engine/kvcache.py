@@ -23,6 +23,7 @@ class SequenceState:
 
     blocks: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
+    prompt_len: int = 0  # tokens of the sequence's first forward (the contiguous DCP placement deals them)
 
     @property
     def stored(self) -> int:
@@ -30,15 +31,16 @@ class SequenceState:
 
 
 class PagedKVCache:
-    """Pools k/v[layer]: [num_blocks, block_size, kv_heads_local, head_dim]."""
+    """Pools k/v[layer]: [num_blocks, block_size, kv_heads_local, head_dim]. With `values` False only
+    the k pools exist (an MLA latent cache: one row per token that serves as key and value)."""
 
     def __init__(self, capacity: PoolCapacity, layers: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, values: bool = True) -> None:
         self.capacity = capacity
         self.block_size = capacity.block_size
         shape = (capacity.blocks, capacity.block_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)] if values else []
         self._free = list(range(capacity.blocks - 1, -1, -1))
         self.seqs: dict[int, SequenceState] = {}
         self._next_id = 0
@@ -69,6 +71,7 @@ class PagedKVCache:
             return ids
         for seq_id in ids:
             self.reserve(seq_id, state.positions)
+            self.seqs[seq_id].prompt_len = state.prompt_len
         src = torch.tensor(state.blocks, device=self.k[0].device)  # [n_blocks]
         dst = torch.tensor([b for s in ids for b in self.seqs[s].blocks], device=src.device)  # [n * n_blocks]
         for pool in self.k + self.v:
@@ -121,13 +124,15 @@ class PagedKVCache:
         return torch.tensor([b * self.block_size + o for b, o in slots], dtype=torch.long,
                             device=self.k[0].device)
 
-    def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k/v [n, kv_heads, head_dim] at flattened-pool `rows` [n] of `layer` (see rows())."""
+    def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Store k/v [n, kv_heads, head_dim] at flattened-pool `rows` [n] of `layer` (see rows());
+        v is None for a cache without value pools."""
         if rows.numel() == 0:
             return
         # [blocks, block, kv, hd] -> [blocks * block, kv, hd] view; index_copy_ writes through it
         self.k[layer].view(-1, *self.k[layer].shape[2:]).index_copy_(0, rows, k)
-        self.v[layer].view(-1, *self.v[layer].shape[2:]).index_copy_(0, rows, v)
+        if v is not None:
+            self.v[layer].view(-1, *self.v[layer].shape[2:]).index_copy_(0, rows, v)
 
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All stored k/v of a sequence: [stored, kv_heads, head_dim] each, in storage order."""

@@ -9,6 +9,7 @@ partial outputs with their log-sum-exp weights. With dcp = 1 the group is the ra
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +19,7 @@ from harness.contract import COLLECTIVE_SITES
 from harness.engine.faults import FaultFlags
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.parallel import Collectives
-from harness.layout import token_owner
+from harness.layout import ROUND_ROBIN, Placement, local_positions, token_owner
 
 TORCH_REDUCE_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -245,6 +246,17 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, mean: bool = False) -
     return (weights[..., None] * outs).sum(dim=0) / total[..., None]
 
 
+def partial_lse(lse: torch.Tensor, flags: FaultFlags) -> torch.Tensor:
+    """A DCP partial's LSE [B, S, H] as the merge receives it: natural log, -inf where the rank saw no
+    key. Hooks: `lse_base2` (a fault) hands over log2 of the sum (a base-2 kernel's LSE to the natural-log
+    merge); `empty_lse_zero` (a fault) reports 0 instead of -inf for a shard with no visible key."""
+    if flags.lse_base2:
+        lse = lse / math.log(2.0)
+    if flags.empty_lse_zero:
+        lse = lse.masked_fill(torch.isinf(lse), 0.0)
+    return lse
+
+
 def split_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                         kv_index: tuple[int, ...], parts: int) -> torch.Tensor:
     """The noise perturbation of attention: keys dealt round-robin into `parts` sets (as DCP deals
@@ -258,7 +270,9 @@ class Decoder:
     """One rank's view of the model: forward over new tokens of a batch, through the paged KV cache."""
 
     def __init__(self, weights: LocalWeights, heads: HeadMap, hyper: Hyper, comm: Collectives,
-                 cache: PagedKVCache, flags: FaultFlags) -> None:
+                 cache: PagedKVCache, flags: FaultFlags, placement: Placement = ROUND_ROBIN,
+                 fuse: bool = True) -> None:
+        self.placement = placement
         self.w = weights
         self.heads = heads
         self.hyper = hyper
@@ -267,7 +281,7 @@ class Decoder:
         self.flags = flags
         self._sites: dict[str, torch.Tensor] | None = None  # collective errors of the layer being captured
         self._rope = RopeCache(hyper.head_dim, hyper.rope_theta)
-        self._fused = [fuse_projections(layer) for layer in weights.layers]
+        self._fused = [fuse_projections(layer) for layer in weights.layers] if fuse else []
 
     def forward(self, batch: Batch, capture: Capture | None = None) -> torch.Tensor:
         """Logits [B, S, V] for every new token; stores the new tokens' K/V first."""
@@ -294,7 +308,7 @@ class Decoder:
         the first layer's input (an MTP module feeds its projected [hidden; embedding] this way)."""
         slots, stored_mask = self._reserve(batch)
         write_rows = self.cache.rows(slots)  # [n]: flattened pool rows of the new tokens stored here
-        rows, key_pos, key_valid = self._key_index(batch.seq_ids)
+        rows, key_pos, key_valid = self._key_index(batch)
         flat = rows.flatten()  # [B, L] -> [B * L]: rows of the flattened pool to read
         # visible[b, s, l]: key l is stored and not after query s
         visible = key_valid[:, None, :] & (key_pos[:, None, :] <= batch.positions[:, :, None])
@@ -368,30 +382,58 @@ class Decoder:
                              parts64.abs().sum(dim=0))
         return out
 
+    def _prompt_lens(self, batch: Batch) -> torch.Tensor:
+        """Each sequence's first-forward length [B, 1] (recorded on its first forward), which the
+        contiguous placement deals; the dcp-contiguous-global-len fault deals by the whole batch's tokens."""
+        counts = batch.valid.sum(dim=1).tolist()
+        for seq_id, n in zip(batch.seq_ids, counts):
+            state = self.cache.seqs[seq_id]
+            if state.prompt_len == 0 and not state.positions:
+                state.prompt_len = n
+        lens = [sum(counts) if self.flags.contiguous_global_len else self.cache.seqs[s].prompt_len
+                for s in batch.seq_ids]
+        return torch.tensor(lens, device=batch.positions.device)[:, None]
+
     def _reserve(self, batch: Batch) -> tuple[list[tuple[int, int]], torch.Tensor]:
-        """Cache slots for the new tokens this rank stores: all under TP; under DCP its own tokens
-        (t % dcp == dcp_rank), or every token under the dcp-token-owner fault (decode steps only)."""
+        """Cache slots for the new tokens this rank stores: all under TP; under DCP the tokens the
+        placement gives it (layout.token_owner), or every token under the dcp-token-owner fault (decode
+        steps only); the dcp-interleave-per-token fault deals an interleaved placement token by token."""
         dcp, me = self.comm.dcp, self.comm.dcp_rank
         decode_step = batch.ids.shape[1] == 1
         store_all = self.flags.store_on_all_dcp_ranks and decode_step
         valid = batch.valid | (self.flags.store_padding and dcp > 1)  # the dcp-store-padding fault
-        stored = valid & ((token_owner(batch.positions, dcp) == me) | store_all)  # [B, S]
+        placement = ROUND_ROBIN if self.flags.interleave_per_token else self.placement
+        owner = token_owner(batch.positions, dcp, placement, self._prompt_lens(batch))  # [B, S]
+        stored = valid & ((owner == me) | store_all)  # [B, S]
         slots: list[tuple[int, int]] = []
         for seq_id, row, keep in zip(batch.seq_ids, batch.positions.tolist(), stored.tolist()):
             slots += self.cache.reserve(seq_id, [p for p, k in zip(row, keep) if k])
         return slots, stored
 
-    def _key_index(self, seq_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Padded (pool row, position, valid) of every stored token of each sequence: [B, L] each; the
-        row is block * block_size + offset in the flattened pool. Built with one tensor per field."""
-        states = [self.cache.seqs[s] for s in seq_ids]
-        length = max(1, max(s.stored for s in states))
+    def _local_positions(self, batch: Batch) -> list[list[int]]:
+        """Per sequence, the positions this rank reads as its stored tokens, in storage order: under DCP
+        the placement's share of the sequence so far (layout.local_positions, as an engine's local
+        sequence lengths come from the placement rule), the cache's own record otherwise."""
+        states = [self.cache.seqs[s] for s in batch.seq_ids]
+        if self.comm.dcp == 1:
+            return [st.positions for st in states]
+        ends = (batch.positions.masked_fill(~batch.valid, -1).amax(dim=1) + 1).tolist()  # [B]
+        return [local_positions(max(end, st.positions[-1] + 1 if st.positions else 0), self.comm.dcp_rank,
+                                self.comm.dcp, self.placement, st.prompt_len) for st, end in zip(states, ends)]
+
+    def _key_index(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Padded (pool row, position, valid) of every token this rank reads for each sequence: [B, L]
+        each; storage slot j holds the j-th of _local_positions, at row block * block_size + offset of
+        the flattened pool. Built with one tensor per field."""
+        states = [self.cache.seqs[s] for s in batch.seq_ids]
+        local = self._local_positions(batch)
+        length = max(1, max(len(p) for p in local))
         bs = self.cache.block_size
         n_blocks = -(-length // bs)
-        stored = torch.tensor([st.stored for st in states])  # [B]
-        table = torch.tensor([st.blocks + [0] * (n_blocks - len(st.blocks)) for st in states],
+        stored = torch.tensor([len(p) for p in local])  # [B]
+        table = torch.tensor([(st.blocks + [0] * n_blocks)[:n_blocks] for st in states],
                              dtype=torch.long).view(len(states), n_blocks)  # [B, n_blocks]
-        pos = torch.tensor([st.positions + [0] * (length - st.stored) for st in states],
+        pos = torch.tensor([p + [0] * (length - len(p)) for p in local],
                            dtype=torch.long).view(len(states), length)  # [B, L]
         j = torch.arange(length)  # storage index
         rows = table[:, j // bs] * bs + j % bs  # [B, L]
@@ -427,6 +469,7 @@ class Decoder:
             return fused_attention(q, k_all, v_all, visible, hm.group_q_to_local_kv, kind)
         group_q = self.comm.gather_dcp(q, dim=2)  # [B, S, dcp * Hq_local, hd], member order
         out, lse = attention_with_lse(group_q, k_all, v_all, visible, hm.group_q_to_local_kv, kind, bias)
+        lse = partial_lse(lse, self.flags)
         # one gather for both, in float32 so a half-precision model's LSE keeps its precision:
         # [B, S, Hg, hd] + [B, S, Hg, 1] -> [dcp, B, S, Hg, hd + 1]
         #   -> this rank's own heads [dcp, B, S, Hq_local, hd + 1]

@@ -5,6 +5,10 @@ Canonical names (all weights are [out, in] like torch.nn.Linear):
   layers.{i}.attn_norm.weight [H]; layers.{i}.q.weight [heads*hd, H]; layers.{i}.k.weight / v.weight [kv*hd, H];
   layers.{i}.q.bias / k.bias / v.bias (only with qkv_bias); layers.{i}.o.weight [H, heads*hd];
   layers.{i}.mlp_norm.weight [H]; layers.{i}.gate.weight / up.weight [ffn, H]; layers.{i}.down.weight [H, ffn].
+MLA models (kv_lora_rank > 0; qk = qk_nope_dim + qk_rope_dim, v = head_dim) replace q/k/v with
+  layers.{i}.q_a.weight [q_lora, H] and q_a_norm.weight [q_lora] (with a Q LoRA), then q_b.weight
+  [heads*qk, q_lora], or q.weight [heads*qk, H] without; layers.{i}.kv_a.weight [kv_lora + qk_rope_dim, H];
+  kv_a_norm.weight [kv_lora]; kv_b.weight [heads*(qk_nope_dim + v), kv_lora]; o.weight [H, heads*v].
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ HF_LAYER_NAMES: dict[str, str] = {
     "gate.weight": "mlp.gate_proj.weight",
     "up.weight": "mlp.up_proj.weight",
     "down.weight": "mlp.down_proj.weight",
+    "q_a.weight": "self_attn.q_a_proj.weight",
+    "q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "q_b.weight": "self_attn.q_b_proj.weight",
+    "kv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "kv_b.weight": "self_attn.kv_b_proj.weight",
 }
 HF_TOP_NAMES: dict[str, str] = {
     "embed.weight": "model.embed_tokens.weight",
@@ -60,8 +70,24 @@ GGUF_TOP_NAMES: dict[str, str] = {
 _LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
 
 
+def mla_attention_shapes(spec: ModelSpec) -> dict[str, Shape]:
+    """Per-layer canonical suffix -> shape of an MLA model's attention weights."""
+    qk, h = spec.qk_nope_dim + spec.qk_rope_dim, spec.hidden
+    shapes: dict[str, Shape] = (
+        {"q_a.weight": (spec.q_lora_rank, h), "q_a_norm.weight": (spec.q_lora_rank,),
+         "q_b.weight": (spec.heads * qk, spec.q_lora_rank)} if spec.q_lora_rank else {"q.weight": (spec.heads * qk, h)})
+    shapes.update({"kv_a.weight": (spec.kv_lora_rank + spec.qk_rope_dim, h), "kv_a_norm.weight": (spec.kv_lora_rank,),
+                   "kv_b.weight": (spec.heads * (spec.qk_nope_dim + spec.head_dim), spec.kv_lora_rank),
+                   "o.weight": (h, spec.heads * spec.head_dim)})
+    return shapes
+
+
 def layer_shapes(spec: ModelSpec) -> dict[str, Shape]:
     """Per-layer canonical suffix -> shape."""
+    if spec.mla:
+        return {"attn_norm.weight": (spec.hidden,), **mla_attention_shapes(spec), "mlp_norm.weight": (spec.hidden,),
+                "gate.weight": (spec.ffn, spec.hidden), "up.weight": (spec.ffn, spec.hidden),
+                "down.weight": (spec.hidden, spec.ffn)}
     q_out, kv_out = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
     shapes: dict[str, Shape] = {
         "attn_norm.weight": (spec.hidden,),

@@ -12,14 +12,15 @@ import torch
 
 from harness.engine.faults import FaultFlags
 from harness.engine.model import HeadMap, LayerWeights, LocalWeights
-from harness.layout import LayoutPlan, RankLayout, naive_local_kv_index, plan_layout
+from harness.layout import ROUND_ROBIN, LayoutPlan, Placement, RankLayout, naive_local_kv_index, plan_layout
 from harness.specs.model import ModelSpec
 
 
-def engine_plan(spec: ModelSpec, tp: int, dcp: int, flags: FaultFlags) -> LayoutPlan:
+def engine_plan(spec: ModelSpec, tp: int, dcp: int, flags: FaultFlags,
+                placement: Placement = ROUND_ROBIN, q_replicated: bool = False) -> LayoutPlan:
     """The plan the engine actually uses (the correct one unless a fault replaces a split)."""
     return plan_layout(spec.attention_shape, tp, dcp, kv_dcp=flags.kv_layout_dcp, ffn_floor=flags.ffn_floor_split,
-                       vocab_floor_offset=flags.vocab_floor_offset)
+                       vocab_floor_offset=flags.vocab_floor_offset, placement=placement, q_replicated=q_replicated)
 
 
 def head_map(rank: RankLayout, flags: FaultFlags) -> HeadMap:
@@ -93,8 +94,9 @@ def kv_checksums(weights: LocalWeights, rank: RankLayout, head_dim: int) -> dict
 
 
 def actual_layout(rank: RankLayout, heads: HeadMap, weights: LocalWeights, spec: ModelSpec,
-                  pool_bytes: int, pool_blocks: int) -> dict[str, Any]:
-    """What this rank really holds and reads, for the layout check (global ids throughout)."""
+                  pool_bytes: int, pool_blocks: int, checksums: dict[str, str] | None = None) -> dict[str, Any]:
+    """What this rank really holds and reads, for the layout check (global ids throughout);
+    `checksums` replaces the K/V weight checksums (an MLA rank's latent projection)."""
     group_reads = [rank.kv_heads[j] for j in heads.group_q_to_local_kv]
     lo, hi = heads.own_slice
     return {
@@ -105,5 +107,5 @@ def actual_layout(rank: RankLayout, heads: HeadMap, weights: LocalWeights, spec:
         "vocab_shard": [weights.vocab_start, weights.vocab_start + weights.vocab_held],
         "group_q_heads": list(rank.group_q_heads), "group_q_to_kv": group_reads,
         "kv_pool_bytes": pool_bytes, "kv_pool_blocks": pool_blocks,
-        "kv_weight_checksums": kv_checksums(weights, rank, spec.head_dim),
+        "kv_weight_checksums": kv_checksums(weights, rank, spec.head_dim) if checksums is None else checksums,
     }

@@ -8,6 +8,7 @@ from typing import Any
 
 from harness.errors import ConfigError
 from harness.layout import AttentionShape
+from harness.mla_layout import MLAShape
 from harness.paths import MODELS_DIR
 from harness.specs.loader import build, did_you_mean, expect_int
 
@@ -42,11 +43,21 @@ class ModelSpec:
     max_seq_len: int = 2048
     chat_template: bool = False
     speculator_layers: int = 1
+    # MLA (multi-head latent attention, DeepSeek-V2 style; kv_lora_rank > 0): head_dim is then the
+    # value head width, kv_heads is 1 (the shared latent), q_lora_rank 0 means q_proj reads the hidden state
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_dim: int = 0
+    qk_nope_dim: int = 0
 
     def __post_init__(self) -> None:
         where = f"model {self.name!r}"
         for name in ("heads", "kv_heads", "head_dim", "hidden", "layers", "ffn", "vocab", "max_seq_len"):
             expect_int(where, name, getattr(self, name), minimum=1)
+        for name in ("kv_lora_rank", "q_lora_rank", "qk_rope_dim", "qk_nope_dim"):
+            expect_int(where, name, getattr(self, name), minimum=0)
+        if self.mla:
+            self._check_mla(where)
         if self.heads % self.kv_heads:
             raise ConfigError(f"{where}: heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
         if self.head_dim % 2:
@@ -64,6 +75,25 @@ class ModelSpec:
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ConfigError(f"{where}: rope_theta={self.rope_theta} and norm_eps={self.norm_eps} must be > 0")
 
+    def _check_mla(self, where: str) -> None:
+        if self.kv_heads != 1:
+            raise ConfigError(f"{where}: an MLA model (kv_lora_rank={self.kv_lora_rank}) shares one latent per "
+                              f"token: kv_heads={self.kv_heads} must be 1")
+        if self.qk_rope_dim < 2 or self.qk_rope_dim % 2 or self.qk_nope_dim < 1:
+            raise ConfigError(f"{where}: MLA needs an even qk_rope_dim >= 2 and qk_nope_dim >= 1, got "
+                              f"qk_rope_dim={self.qk_rope_dim}, qk_nope_dim={self.qk_nope_dim}")
+        if self.source != "synthetic" or self.qkv_bias:
+            raise ConfigError(f"{where}: MLA models are synthetic only and without qkv_bias in the embedded "
+                              f"engine (got source={self.source}, qkv_bias={self.qkv_bias})")
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def mla_shape(self) -> MLAShape:
+        return MLAShape(q_lora_rank=self.q_lora_rank, qk_nope_dim=self.qk_nope_dim, hidden=self.hidden)
+
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
@@ -72,11 +102,13 @@ class ModelSpec:
     def attention_shape(self) -> AttentionShape:
         return AttentionShape(heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
                               layers=self.layers, dtype_bytes=self.dtype_bytes, ffn=self.ffn,
-                              vocab=self.vocab)
+                              vocab=self.vocab, kv_lora_rank=self.kv_lora_rank, qk_rope_dim=self.qk_rope_dim)
 
     @property
     def speculator_shape(self) -> AttentionShape:
         """The draft / MTP module: the target's head layout with `speculator_layers` layers."""
+        if self.mla:
+            raise ConfigError(f"model {self.name!r}: the embedded engine has no draft / MTP speculator for MLA models")
         return replace(self.attention_shape, layers=self.speculator_layers)
 
     def with_dtype(self, dtype: str) -> "ModelSpec":

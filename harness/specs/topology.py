@@ -8,12 +8,17 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from harness.errors import ConfigError
+from harness.layout import ROUND_ROBIN, Placement
 from harness.paths import TOPOLOGIES_DIR
 from harness.specs.loader import check_keys, did_you_mean, expect_int, load_yaml
 
 SPECULATORS: tuple[str, ...] = ("none", "draft", "mtp")
-_NAME_RE = re.compile(r"^tp(?P<tp>\d+)(?:dcp(?P<dcp>\d+))?(?:-(?P<spec>[a-z]+))?$")
-NAME_GRAMMAR = "tp<N>[dcp<M>][-draft|-mtp], e.g. tp1, tp4, tp4dcp4, tp8dcp2-mtp, tp4-draft"
+_NAME_RE = re.compile(r"^tp(?P<tp>\d+)(?:dcp(?P<dcp>\d+)(?:i(?P<interleave>\d+)|(?P<contiguous>c))?(?P<q>q)?)?"
+                      r"(?:-(?P<spec>[a-z]+))?$")
+NAME_GRAMMAR = ("tp<N>[dcp<M>[i<K>|c][q]][-draft|-mtp], e.g. tp1, tp4, tp4dcp4, tp4dcp4i16 (DCP tokens interleaved "
+                "in chunks of 16), tp4dcp4c (contiguous blocks per sequence), tp4dcp4q (Q replicated in the DCP "
+                "group), tp8dcp2-mtp, tp4-draft")
+PLACEMENT_KEYS: tuple[str, ...] = ("interleave", "contiguous", "q_replicated")
 
 
 @dataclass(frozen=True)
@@ -24,14 +29,27 @@ class Topology:
     dcp: int = 1
     speculator: str = "none"
     name: str = ""
+    interleave: int = 1         # DCP tokens dealt in chunks of this many (1: round-robin)
+    contiguous: bool = False    # DCP tokens in contiguous blocks per sequence (layout.Placement)
+    q_replicated: bool = False  # MLA: q_b_proj / w_kc of the whole DCP group on every rank, no Q gather
 
     def __post_init__(self) -> None:
         where = f"topology {self.name or '?'}"
         expect_int(where, "tp", self.tp, minimum=1)
         expect_int(where, "dcp", self.dcp, minimum=1)
+        expect_int(where, "interleave", self.interleave, minimum=1)
         if self.tp % self.dcp:
             raise ConfigError(f"{where}: dcp={self.dcp} does not divide tp={self.tp}; "
                               f"valid dcp values: {divisors(self.tp)}")
+        for key in ("contiguous", "q_replicated"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{where}: {key}={getattr(self, key)!r} must be true or false")
+        if self.contiguous and self.interleave != 1:
+            raise ConfigError(f"{where}: a DCP placement is interleaved (i{self.interleave}) or contiguous (c), "
+                              f"not both")
+        if self.dcp == 1 and (self.interleave != 1 or self.contiguous or self.q_replicated):
+            raise ConfigError(f"{where}: the DCP suffixes i<K>, c and q need dcp > 1 (got dcp=1); "
+                              f"e.g. tp{self.tp}dcp{self.tp}i16")
         if self.speculator not in SPECULATORS:
             raise ConfigError(f"{where}: speculator={self.speculator!r} is not one of "
                               f"{', '.join(SPECULATORS)}{did_you_mean(self.speculator, SPECULATORS)}")
@@ -43,23 +61,40 @@ class Topology:
         return self.tp
 
     @property
+    def placement(self) -> Placement:
+        """How the DCP group deals tokens to its ranks (layout.token_owner)."""
+        return Placement("contiguous") if self.contiguous else (
+            Placement("interleave", self.interleave) if self.interleave != 1 else ROUND_ROBIN)
+
+    @property
+    def dcp_suffix(self) -> str:
+        """i<K> / c, then q: the DCP placement and Q mode as the name spells them ('' for the defaults)."""
+        return ((f"i{self.interleave}" if self.interleave != 1 else "") + ("c" if self.contiguous else "")
+                + ("q" if self.q_replicated else ""))
+
+    @property
     def canonical_name(self) -> str:
-        base = f"tp{self.tp}" + (f"dcp{self.dcp}" if self.dcp > 1 else "")
+        base = f"tp{self.tp}" + (f"dcp{self.dcp}{self.dcp_suffix}" if self.dcp > 1 else "")
         return base + ("" if self.speculator == "none" else f"-{self.speculator}")
 
     def without_speculator(self) -> "Topology":
-        return Topology(tp=self.tp, dcp=self.dcp)
+        return Topology(tp=self.tp, dcp=self.dcp, **self._dcp_options())
+
+    def _dcp_options(self) -> dict[str, Any]:
+        """The placement and Q-mode fields that differ from their defaults."""
+        return {k: v for k, v in (("interleave", self.interleave), ("contiguous", self.contiguous),
+                                  ("q_replicated", self.q_replicated)) if v != Topology.__dataclass_fields__[k].default}
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "tp": self.tp, "dcp": self.dcp, "speculator": self.speculator,
-                "world_size": self.world_size}
+                "world_size": self.world_size, **self._dcp_options()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "topology") -> Topology:
         """The topology `to_dict` wrote (its derived world_size, when present, must agree with tp)."""
-        check_keys(where, data, ("name", "tp", "dcp", "speculator", "world_size"), ("tp",))
+        check_keys(where, data, ("name", "tp", "dcp", "speculator", "world_size", *PLACEMENT_KEYS), ("tp",))
         topo = cls(tp=data["tp"], dcp=data.get("dcp", 1), speculator=data.get("speculator", "none"),
-                   name=data.get("name", ""))
+                   name=data.get("name", ""), **{k: data[k] for k in PLACEMENT_KEYS if k in data})
         if "world_size" in data and data["world_size"] != topo.world_size:
             raise ConfigError(f"{where}: world_size={data['world_size']!r} is not tp={topo.tp}")
         return topo
@@ -79,7 +114,8 @@ def parse_topology_name(name: str) -> Topology:
         raise ConfigError(f"bad topology name {name!r}: speculator suffix -{spec} is not -draft or -mtp"
                           f"{did_you_mean(spec, ('draft', 'mtp'))}")
     return Topology(tp=int(match.group("tp")), dcp=int(match.group("dcp") or 1), speculator=spec,
-                    name=name.strip())
+                    name=name.strip(), interleave=int(match.group("interleave") or 1),
+                    contiguous=bool(match.group("contiguous")), q_replicated=bool(match.group("q")))
 
 
 @dataclass(frozen=True)
@@ -124,12 +160,12 @@ class TopologyCatalog:
 def _topology_from_yaml(where: str, name: str, data: Any) -> Topology:
     if isinstance(data, str):
         return _renamed(parse_topology_name(data), name)
-    check_keys(f"{where}: topology {name}", data, ("tp", "dcp", "speculator"), ("tp",))
+    check_keys(f"{where}: topology {name}", data, ("tp", "dcp", "speculator", *PLACEMENT_KEYS), ("tp",))
     return Topology(name=name, **data)
 
 
 def _renamed(topo: Topology, name: str) -> Topology:
-    return Topology(tp=topo.tp, dcp=topo.dcp, speculator=topo.speculator, name=name)
+    return Topology(tp=topo.tp, dcp=topo.dcp, speculator=topo.speculator, name=name, **topo._dcp_options())
 
 
 def load_catalog(dirs: tuple[Path, ...] = (TOPOLOGIES_DIR,)) -> TopologyCatalog:
