@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Mapping, Sequence
 
-from harness.errors import ConfigError
 from harness.compare.placement_check import placement_problems, q_weight_problems
+from harness.errors import ConfigError
 from harness.fmt import id_ranges
 from harness.layout import LayoutPlan, PoolCapacity, RankLayout, kv_of_q, pool_capacity, slot_pool
 from harness.verdict import CheckResult, Verdict

@@ -37,17 +37,17 @@ def placement_problems(plan: LayoutPlan, by_rank: Mapping[int, Mapping[str, Any]
             for p in stored:
                 holders[p].append(m)
             if stored != want:
-                out.append(f"rank {m} stores tokens {id_ranges(stored) or '-'} of a {got['length']}-token sequence, "
-                           f"the {plan.placement.label} placement gives it {id_ranges(want) or '-'}")
+                out.append(f"rank {m} stores tokens {id_ranges(stored) or '-'} of a {got['length']}-token "
+                           f"sequence, the {plan.placement.label} placement gives it {id_ranges(want) or '-'}")
         if holders and plan.dcp > 1:
+            group = plan.ranks[members[0]].dcp_group
             twice = sorted(p for p, ranks in holders.items() if len(ranks) > 1)
             never = [p for p in range(length) if p not in holders]
             if twice:
-                out.append(f"tokens {id_ranges(twice)} are stored on several ranks of DCP group "
-                           f"{plan.ranks[members[0]].dcp_group} (token {twice[0]}: ranks {id_ranges(holders[twice[0]])})")
+                out.append(f"tokens {id_ranges(twice)} are stored on several ranks of DCP group {group} "
+                           f"(token {twice[0]}: ranks {id_ranges(holders[twice[0]])})")
             if never:
-                out.append(f"tokens {id_ranges(never)} are stored on no rank of DCP group "
-                           f"{plan.ranks[members[0]].dcp_group}")
+                out.append(f"tokens {id_ranges(never)} are stored on no rank of DCP group {group}")
     return out
 
 
