@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_SUITES: tuple[str, ...] = ("tp", "dcp", "gqa-odd", "spec")
+DEFAULT_SUITES: tuple[str, ...] = ("tp", "dcp", "gqa-odd", "spec", "mla")
 
 
 @dataclass
@@ -66,6 +66,9 @@ def candidate_suites(fault: str, suites: tuple[str, ...]) -> list[str]:
         if any((not need.needs_dcp or t.dcp > 1) and (not need.needs_tp or t.tp > 1)
                and (not need.needs_speculator
                     or (t.speculator != "none" and need.needs_speculator in ("any", t.speculator)))
+               and (not need.needs_placement or (t.placement.kind == need.needs_placement and (
+                   need.needs_placement != "interleave" or t.placement.size > 1)))
+               and (not need.needs_q_replicated or t.q_replicated)
                for t in topologies):
             out.append(name)
     return out

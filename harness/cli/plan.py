@@ -98,13 +98,15 @@ def render_table(doc: dict[str, Any]) -> str:
 
 def _mla_lines(mla: dict[str, Any], tp: int, dcp: int) -> list[str]:
     """The MLA part of the table: each rank's Q heads, the heads whose Q weights it holds, its latent bytes."""
-    gathered = "computed locally" if mla["q_mode"] == "replicated" else "all-gathered in the DCP group"
+    gathered = ("no DCP group: each rank attends with its own heads" if dcp == 1 else
+                "group queries computed locally" if mla["q_mode"] == "replicated" else
+                "group queries all-gathered in the DCP group")
     rows = [[str(r["rank"]), id_ranges(r["q_heads"]), id_ranges(r["q_weight_heads"]), str(r["latent_bytes_per_token"]),
              human_bytes(r["q_weight_bytes"])] for r in mla["ranks"]]
-    where = "every rank of each TP group" if dcp == 1 else "its owner rank in each DCP group"
+    where = "every rank" if dcp == 1 else "its owner rank in each DCP group"
     return [f"MLA: latent row {mla['latent_dim']} = kv_lora_rank {mla['kv_lora_rank']} + qk_rope_dim "
             f"{mla['qk_rope_dim']} values per token and layer, shared by all heads; Q mode {mla['q_mode']} "
-            f"(group queries {gathered})",
+            f"({gathered})",
             table(["rank", "q_heads", "q_weights", "latent_B/token", "q_weight_bytes"], rows),
             f"latent row of each token stored on {where}: duplication x{mla['latent_duplication']} "
             f"over {tp} ranks"]
