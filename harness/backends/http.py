@@ -215,6 +215,9 @@ class HttpBackend:
     def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
         if topology.dcp > 1 and not self.spec.supports_dcp:
             return f"engine {self.name} cannot run decode context parallelism (dcp={topology.dcp})"
+        if topology.dcp_suffix:  # the template passes tp and dcp only: another placement would run round-robin
+            return (f"engine {self.name}'s template has no option for the DCP token placement "
+                    f"({topology.placement.label}) or Q replication of {topology.name}")
         if topology.speculator != "none" and topology.speculator not in self.spec.speculator_argv:
             return f"engine {self.name} has no -{topology.speculator} speculator in its template"
         if not self.spec.url and model.dtype not in self.spec.dtypes:  # an attached server runs what it runs

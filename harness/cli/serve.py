@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
     if len(topos) != 1:
         raise ConfigError(f"--topo {args.topo!r} names {len(topos)} topologies; serve takes exactly one")
     topo = topos[0]
-    plan_layout(model.attention_shape, topo.tp, topo.dcp)  # an impossible layout is one clear error
+    plan_layout(model.attention_shape, topo.tp, topo.dcp, placement=topo.placement,
+                q_replicated=topo.q_replicated)  # an impossible layout is one clear error
     refuse_unsupported(args.attention_backend, topo.dcp)
     fault_flags(args.fault, topo)
     if not 0 <= args.port < 65536:
