@@ -38,6 +38,9 @@ def test_a_report_as_planned_passes_for_every_placement_and_q_mode() -> None:
             plan = plan_layout(MLA, 4, 4, placement=placement, q_replicated=q)
             result = check_layout(plan, report(plan), None)
             assert result.verdict is Verdict.PASS, result.reason
+    plan = plan_layout(MLA, 4, 2)  # two DCP groups: each token's latent row once per group
+    reason = check_layout(plan, report(plan), None).reason
+    assert "MLA latent row (32 + 8 values) stored on 2 rank(s) per token" in reason
 
 
 def test_a_token_dealt_by_another_rule_is_named() -> None:
