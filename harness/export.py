@@ -113,6 +113,9 @@ def export_model(spec: ModelSpec, out: Path) -> Path:
     """Write `spec` (weights and tokenizer) as a Hugging Face checkpoint folder at `out`: into a temporary
     folder beside it, renamed into place only when complete (a failed export leaves no folder behind)."""
     check_out(out)
+    if spec.mla:  # the Llama config.json cannot describe a latent attention
+        raise ConfigError(f"model {spec.name!r} is an MLA model (kv_lora_rank={spec.kv_lora_rank}): harness export "
+                          f"writes Llama/Qwen2 folders only")
     require_real_extra()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.{os.getpid()}.partial"  # this process's own staging folder

@@ -131,3 +131,18 @@ def test_cells_a_fault_or_mode_cannot_act_on_are_skips(fault: str | None, model:
     assert reason is not None and why in reason, reason
     if fault == "mla-rope-local-slot":
         assert inert_reason(fault, spec, t) == reason
+
+
+def test_mla_models_stay_in_the_embedded_engine(tmp_path: Path) -> None:
+    """No Hugging Face export (its Llama config cannot hold a latent), so HTTP engines SKIP MLA cells, and
+    they SKIP placements and Q replication their templates cannot pass."""
+    from harness.backends.http import HttpBackend
+    from harness.errors import ConfigError
+    from harness.export import export_model
+
+    with pytest.raises(ConfigError, match="is an MLA model"):
+        export_model(load_model("tiny-mla"), tmp_path / "out")
+    backend = HttpBackend("harness-serve")
+    assert "MLA models have none" in backend.skip_reason(load_model("tiny-mla"), parse_topology_name("tp2"))
+    assert "no option for the DCP token placement (interleave 16)" in backend.skip_reason(
+        load_model("tiny-gqa"), parse_topology_name("tp4dcp4i16"))

@@ -215,6 +215,8 @@ class HttpBackend:
     def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
         if topology.dcp > 1 and not self.spec.supports_dcp:
             return f"engine {self.name} cannot run decode context parallelism (dcp={topology.dcp})"
+        if model.mla:  # an HTTP engine reads a Hugging Face folder, and harness export writes none for MLA
+            return f"engine {self.name} is given a Hugging Face export of the model, and MLA models have none"
         if topology.dcp_suffix:  # the template passes tp and dcp only: another placement would run round-robin
             return (f"engine {self.name}'s template has no option for the DCP token placement "
                     f"({topology.placement.label}) or Q replication of {topology.name}")
