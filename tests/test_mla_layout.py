@@ -143,3 +143,25 @@ def test_topology_suffixes_round_trip(name: str, placement: Placement, q: bool) 
 def test_bad_suffixes_are_one_clear_error(name: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_topology_name(name)
+
+
+def test_plan_shows_each_ranks_heads_latent_bytes_and_q_weights(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from harness.cli import main
+
+    assert main(["plan", "--model", "tiny-mla", "--topo", "tp4dcp4q"]) == 0
+    out = capsys.readouterr().out
+    assert "Q mode replicated (group queries computed locally)" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"], ["3"])]
+    # the MLA table: rank, own Q heads, Q-weight heads (the whole DCP group), latent bytes per stored token
+    assert [r[:4] for r in rows[4:]] == [["0", "0-1", "0-7", "320"], ["1", "2-3", "0-7", "320"],
+                                         ["2", "4-5", "0-7", "320"], ["3", "6-7", "0-7", "320"]]
+    assert "duplication x1 over 4 ranks" in out
+    assert main(["plan", "--model", "tiny-mla", "--topo", "tp4dcp2c", "--tokens", "10", "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema_version"] == 2 and doc["placement"]["kind"] == "contiguous"
+    assert doc["token_owners"]["owners"] == [0, 0, 0, 0, 0, 1, 1, 1, 1, 1]
+    assert doc["mla"]["latent_duplication"] == 2 and doc["mla"]["ranks"][1]["q_weight_heads"] == [2, 3]
+    assert main(["plan", "--model", "tiny-gqa", "--topo", "tp4dcp4q"]) == 2  # one clear error
+    assert "needs an MLA model" in capsys.readouterr().err
