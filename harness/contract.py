@@ -57,6 +57,9 @@ MANIFEST_BACKEND = "backend"           # {"name", "version", "capabilities": Cap
 MANIFEST_PROMPTS_HASH = "prompts_hash"  # sha256 of the teacher-forced token id sequences
 MANIFEST_WEIGHTS_HASH = "weights_hash"  # hash of the weights the engine loaded
 MANIFEST_TOKENIZER_HASH = "tokenizer_hash"  # hash of the tokenizer (vocabulary and merges)
+# non-finite logprobs an engine answered, as it spelled them ("null", "NaN", "Infinity"); their tensors hold
+# NaN / inf there: [{"case", "kind" (tensor kind), "row", "token", "value"}]
+MANIFEST_LOGPROB_VALUES = "nonfinite_logprobs"
 
 
 def tensor_key(kind: str, case: int) -> str:

@@ -380,6 +380,8 @@ class HttpBackend:
         }
         if counters is not None:
             manifest["speculative"] = counters
+        if collected.nonfinite:  # what the server answered where its tensors hold NaN / inf
+            manifest[c.MANIFEST_LOGPROB_VALUES] = list(collected.nonfinite)
         pool = PoolSettings(**job.pool)  # the budget as the server was given it (whole MiB)
         pool = replace(pool, budget_bytes=server_budget_bytes(pool))
         target = {"ranks": [], "pool": pool.to_dict(), **(reported or {}), "kv_capacity": kv["plain"],

@@ -27,6 +27,7 @@ class Collected:
     prompts_hash: str
     tokenizer_hash: str
     gsm8k: dict[str, Any] | None = None  # GSM8KResult.to_dict() when the job asks for GSM8K
+    nonfinite: tuple[dict[str, Any], ...] = ()  # the non-finite logprobs answered (contract.MANIFEST_LOGPROB_VALUES)
 
 
 def collect(job: Job, model: ModelSpec, dialect: Dialect, k: int, together: bool) -> Collected:
@@ -37,6 +38,9 @@ def collect(job: Job, model: ModelSpec, dialect: Dialect, k: int, together: bool
     generated = dialect.generate([case.prompt_ids for case in cases], job.max_new_tokens, job.top_k, together)
     tensors: dict[str, torch.Tensor] = {}
     done = []
+    nonfinite = [{"case": case.index, "kind": kind, **bad} for case, s, g in zip(cases, scored, generated)
+                 for kind, answer in ((c.PREFILL_TOPK_LOGPROBS, s), (c.GEN_TOPK_LOGPROBS, g))
+                 for bad in answer.nonfinite]
     for case, s, g in zip(cases, scored, generated):
         key = lambda kind: c.tensor_key(kind, case.index)  # noqa: E731
         tensors.update({key(c.PREFILL_TOPK_IDS): s.ids, key(c.PREFILL_TOPK_LOGPROBS): s.logprobs,
@@ -44,4 +48,5 @@ def collect(job: Job, model: ModelSpec, dialect: Dialect, k: int, together: bool
         tokens = [int(t) for t in g.tokens]
         done.append(replace(case, generated_ids=tuple(tokens), generated_text=tokenizer.decode(tokens)))
     return Collected(cases=done, tensors=tensors, weights_hash=weights_hash(load_weights(model)),
-                     prompts_hash=prompts_hash(cases), tokenizer_hash=tokenizer_hash(tokenizer))
+                     prompts_hash=prompts_hash(cases), tokenizer_hash=tokenizer_hash(tokenizer),
+                     nonfinite=tuple(nonfinite))
