@@ -146,6 +146,9 @@ class Job:
     gsm8k: dict[str, Any] | None = None
     speculative: dict[str, Any] = field(default_factory=dict)
     schedule: str = SCHEDULE_BATCHED
+    # how an HTTP run sends the cases' requests (harness/backends/http_send.py: "one-at-a-time", "all-at-once",
+    # "staggered", with parameters); None: all cases in one request (one at a time for the noise twin)
+    request_schedule: str | dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The job as JSON-ready data (what job.json holds): every field, the specs by their own to_dict."""

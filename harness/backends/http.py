@@ -44,6 +44,7 @@ from harness.backends.embedded import weights_key
 from harness.backends.http_collect import Collected, collect
 from harness.backends.http_dialects import DIALECTS, Dialect, Generation, parse_spec_counters, post_json
 from harness.backends.http_layout import probe_layout
+from harness.backends.http_send import SendSchedule
 from harness.backends.http_server import (
     Server,
     ServerError,
@@ -329,7 +330,8 @@ class HttpBackend:
         """The cases' top-k and generations, then GSM8K through the same server when the job asks."""
         model = job.model
         dialect = self._dialect(job, client)
-        collected = collect(job, model, dialect, self.spec.max_logprobs, job.schedule == c.SCHEDULE_BATCHED)
+        collected = collect(job, model, dialect, self.spec.max_logprobs, job.schedule == c.SCHEDULE_BATCHED,
+                            request_schedule(job))
         if not job.gsm8k:
             return collected
         from harness.backends.http_gsm8k import evaluate_server  # lm-eval only where GSM8K runs
@@ -380,6 +382,8 @@ class HttpBackend:
         }
         if counters is not None:
             manifest["speculative"] = counters
+        if collected.requests is not None:  # each request's order and times under the job's request schedule
+            manifest["requests"] = collected.requests
         if collected.nonfinite:  # what the server answered where its tensors hold NaN / inf
             manifest[c.MANIFEST_LOGPROB_VALUES] = list(collected.nonfinite)
         pool = PoolSettings(**job.pool)  # the budget as the server was given it (whole MiB)
@@ -393,6 +397,14 @@ class HttpBackend:
         write_run(Path(job.out_dir), manifest, layout, collected.cases, collected.tensors)
         if collected.gsm8k is not None:
             write_json(Path(job.out_dir) / c.GSM8K_FILE, collected.gsm8k)
+
+
+def request_schedule(job: Job) -> SendSchedule | None:
+    """The schedule the job's requests are sent by: its `request_schedule`, except in the noise twin (a
+    sequential job), whose requests go one at a time as always; None: today's sending."""
+    if job.request_schedule is None or job.schedule != c.SCHEDULE_BATCHED:
+        return None
+    return SendSchedule.parse(job.request_schedule)
 
 
 def probe_dir(log_path: Path) -> Path:

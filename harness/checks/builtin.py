@@ -188,6 +188,10 @@ def gsm8k(ctx: CellContext) -> list[CheckResult]:
 
 def finish_details(ctx: CellContext) -> None:
     """Fold the per-path prompt rows into the report's `prompts` section."""
+    sent = {who: run.manifest["requests"] for who, run in (("parallel", ctx.par), ("reference", ctx.ref))
+            if isinstance(run.manifest.get("requests"), dict)}
+    if sent:  # an HTTP run sent by a request schedule: its order and times
+        ctx.details.requests = sent
     rows = ctx.prompt_rows
     if rows:
         ctx.details.prompts = [PromptDetails(**p) for p in prompt_details(
