@@ -10,12 +10,15 @@ the run directory: top-k tensors and generations (contract names), the KV capaci
 (server.log) and, on any failure, an error manifest with the log tail. A server that exits at startup
 with a line the template `refuses` is a refusal (the cell is a SKIP quoting it), not an error.
 
-Capabilities are what HTTP gives: top-k logprobs of the prompt (prefill path) and of generation. No
-full logits, no decode path, no hidden states (so localization is a SKIP). A template with
+Capabilities are what HTTP gives: top-k logprobs of the prompt (prefill path) and of generation (each
+step a decode step: logits_decode walks them, harness/compare/decode_walk.py). No full logits, no
+teacher-forced decode path, no hidden states (so localization is a SKIP). A template with
 `layout_report_env` has a layout self-report: its server's probe writes each rank's heads and KV cache
 allocation into a folder beside the log (server.layout/, harness/backends/http_layout.py), which becomes
 layout.json's target entry.
 Noise: two reference runs that differ only in scheduling (cases sent together vs one at a time).
+A job's request_schedule sends one request per case as it says (harness/backends/http_send.py); a
+logprob answered as NaN, inf or null is kept and recorded as spelled (manifest nonfinite_logprobs).
 """
 
 from __future__ import annotations
