@@ -142,3 +142,13 @@ def test_the_report_shows_each_request_of_the_cell(runs: dict[str, Any]) -> None
     assert "<h4>Requests</h4>" in page and "parallel run: each case" in page
     assert "schedule.name</th><td>all-at-once" in page and "most in flight.generate</th><td>6" in page
     assert page.count("<td>generate</td>") == len(PROMPTS) == page.count("<td>score</td>")
+
+
+def test_a_workloads_schedule_maps_to_the_sender() -> None:
+    # a workload (harness/specs/workload.py) names its schedule and, staggered, the requests joining per step
+    assert SendSchedule.from_workload({"schedule": "staggered", "join_per_step": 3, "lengths": [5]}) == SendSchedule(
+        "staggered", wave=3)
+    assert SendSchedule.from_workload({"schedule": "one-at-a-time", "join_per_step": 1}) == SendSchedule(
+        "one-at-a-time")
+    with pytest.raises(ConfigError, match="request schedule 'later' is not one of"):
+        SendSchedule.from_workload({"schedule": "later"})

@@ -11,7 +11,7 @@ import torch
 
 from harness import contract as c
 from harness.artifacts import Case
-from harness.backends.http_dialects import Dialect
+from harness.backends.http_dialects import Dialect, Generation, Scored
 from harness.backends.http_send import SendLog, SendSchedule, send
 from harness.cases import build_cases, prompts_hash
 from harness.contract import Job
@@ -39,15 +39,7 @@ def collect(job: Job, model: ModelSpec, dialect: Dialect, k: int, together: bool
     tokenizer = load_tokenizer(model)
     cases = build_cases(job.prompts, tokenizer, job.seed, job.max_new_tokens, job.decode_prefix_tokens)
     log = SendLog(schedule) if schedule is not None else None
-    if log is None:
-        scored = dialect.score([case.sequence_ids for case in cases], k, together)
-        generated = dialect.generate([case.prompt_ids for case in cases], job.max_new_tokens, job.top_k, together)
-    else:
-        indices = [case.index for case in cases]
-        scored = send("score", indices, [_one(dialect.score, case.sequence_ids, k) for case in cases],
-                      log.schedule, log)
-        generated = send("generate", indices, [_one(dialect.generate, case.prompt_ids, job.max_new_tokens, job.top_k)
-                                               for case in cases], log.schedule, log)
+    scored, generated = send_cases(dialect, cases, k, job.max_new_tokens, job.top_k, together, log)
     tensors: dict[str, torch.Tensor] = {}
     done = []
     nonfinite = [{"case": case.index, "kind": kind, **bad} for case, s, g in zip(cases, scored, generated)
@@ -62,6 +54,21 @@ def collect(job: Job, model: ModelSpec, dialect: Dialect, k: int, together: bool
     return Collected(cases=done, tensors=tensors, weights_hash=weights_hash(load_weights(model)),
                      prompts_hash=prompts_hash(cases), tokenizer_hash=tokenizer_hash(tokenizer),
                      nonfinite=tuple(nonfinite), requests=log.to_dict() if log is not None else None)
+
+
+def send_cases(dialect: Dialect, cases: Sequence[Case], k: int, max_new_tokens: int, top_k: int, together: bool,
+               log: SendLog | None) -> tuple[list[Scored], list[Generation]]:
+    """Each case's teacher-forced top-k (`k`) and greedy generation (`max_new_tokens`, per-step `top_k`), in
+    case order: with a log, one request per case as its schedule says (recorded there); else all in one
+    request (`together`) or one by one."""
+    if log is None:
+        return (dialect.score([case.sequence_ids for case in cases], k, together),
+                dialect.generate([case.prompt_ids for case in cases], max_new_tokens, top_k, together))
+    indices = [case.index for case in cases]
+    scored = send("score", indices, [_one(dialect.score, case.sequence_ids, k) for case in cases], log.schedule, log)
+    generated = send("generate", indices, [_one(dialect.generate, case.prompt_ids, max_new_tokens, top_k)
+                                           for case in cases], log.schedule, log)
+    return scored, generated
 
 
 def _one(ask: Callable[..., list[Any]], ids: Sequence[int], *args: Any) -> Callable[[], Any]:

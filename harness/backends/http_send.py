@@ -80,6 +80,14 @@ class SendSchedule:
             raise ConfigError(f"request schedule {name}: {params} must be numbers ({exc})") from exc
         return cls(name=name, **typed)
 
+    @classmethod
+    def from_workload(cls, workload: Mapping[str, Any]) -> SendSchedule:
+        """A workload's schedule (harness/specs/workload.py's `schedule` and `join_per_step`, the requests
+        joining per engine step: over HTTP, the wave size of a staggered schedule)."""
+        name = str(workload.get("schedule", ""))
+        wave = int(workload.get("join_per_step", 1) or 1)
+        return cls.parse({"name": name, "wave": wave} if name == STAGGERED else {"name": name})
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, **{k: getattr(self, k) for k in _PARAMS[self.name]}}
 
