@@ -134,6 +134,7 @@ def test_non_finite_and_null_logprobs_are_kept_as_answered_never_a_crash() -> No
     assert list(scored.nonfinite) == [{"row": 0, "token": 11, "value": "null"},
                                       {"row": 1, "token": 3, "value": "-Infinity"}]
     assert scored.ids[0].tolist() == [11, 4]  # the NaN first: never cut off by k
+    assert scored.ids[1].tolist() == [3, -1]  # so is an infinity
     # SGLang: a null logprob in a generated step's top logprobs (once dropped silently)
     sglang = [{"meta_info": {"output_token_logprobs": [[-0.1, 4, None]],
                              "output_top_logprobs": [[[None, 4, None], [-2.5, 9, None]]]}}]

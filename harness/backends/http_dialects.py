@@ -87,13 +87,15 @@ def parse_row(pairs: Sequence[tuple[int, Any]], row: int) -> tuple[dict[int, flo
 
 
 def _rank(item: tuple[int, float]) -> tuple[bool, float, int]:
-    """Sort key of a top-k entry: best first, ties by id; a NaN first (so it is never cut off)."""
+    """Sort key of a top-k entry: best first, ties by id; a non-finite one (NaN, an infinity) first, so k
+    never cuts it off and the checks see it."""
     token, lp = item
-    return (not math.isnan(lp), 0.0 if math.isnan(lp) else -lp, token)
+    finite = math.isfinite(lp)
+    return (finite, -lp if finite else 0.0, token)
 
 
 def topk_rows(rows: Sequence[dict[int, float]], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of {token id: logprob} -> ([R, k] ids, [R, k] logprobs), best first (ties by id, a NaN first);
+    """Rows of {token id: logprob} -> ([R, k] ids, [R, k] logprobs), best first (ties by id, non-finite first);
     a row with fewer than k entries is padded with id -1 and logprob -inf."""
     ids = torch.full((len(rows), k), -1, dtype=torch.long)
     lps = torch.full((len(rows), k), -math.inf, dtype=torch.float32)
