@@ -57,6 +57,9 @@ MANIFEST_BACKEND = "backend"           # {"name", "version", "capabilities": Cap
 MANIFEST_PROMPTS_HASH = "prompts_hash"  # sha256 of the teacher-forced token id sequences
 MANIFEST_WEIGHTS_HASH = "weights_hash"  # hash of the weights the engine loaded
 MANIFEST_TOKENIZER_HASH = "tokenizer_hash"  # hash of the tokenizer (vocabulary and merges)
+# non-finite logprobs an engine answered, as it spelled them ("null", "NaN", "Infinity"); their tensors hold
+# NaN / inf there: [{"case", "kind" (tensor kind), "row", "token", "value"}]
+MANIFEST_LOGPROB_VALUES = "nonfinite_logprobs"
 
 
 def tensor_key(kind: str, case: int) -> str:
@@ -143,6 +146,9 @@ class Job:
     gsm8k: dict[str, Any] | None = None
     speculative: dict[str, Any] = field(default_factory=dict)
     schedule: str = SCHEDULE_BATCHED
+    # how an HTTP run sends the cases' requests (harness/backends/http_send.py: "one-at-a-time", "all-at-once",
+    # "staggered", with parameters); None: all cases in one request (one at a time for the noise twin)
+    request_schedule: str | dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The job as JSON-ready data (what job.json holds): every field, the specs by their own to_dict."""

@@ -145,3 +145,22 @@ def test_nan_logprobs_at_a_divergence_fail(runs) -> None:
     assert result.verdict is Verdict.FAIL
     json.dumps([result.to_dict(), prompts], allow_nan=False)
     assert torch.isnan(lps[2, 0])
+
+
+@pytest.mark.parametrize("who", ["reference", "parallel"])
+def test_nonfinite_generation_logprobs_fail_naming_prompt_step_and_value(runs, who: str) -> None:
+    ref, noise, par = runs
+    lps = par.tensors["gen_topk_logprobs.2"].clone()
+    lps[4, 0] = float("nan")
+    token = int(par.tensors["gen_topk_ids.2"][4, 0])
+    bad = with_tensors(ref if who == "reference" else par, gen_topk_logprobs_2=lps)
+    pair = (bad, par) if who == "reference" else (ref, bad)
+    result, prompts = check_generation(*pair, GenerationSettings(), noise=noise, decode=decode)
+    assert result.verdict is Verdict.FAIL and prompts == []  # identical tokens, yet wrong output
+    assert result.reason == f"{who} gen_topk_logprobs of prompt 2: NaN at generation step 4 (token {token})"
+    # padding (an engine that returned fewer than k entries) is not a wrong value
+    short = par.tensors["gen_topk_logprobs.2"].clone()
+    ids = par.tensors["gen_topk_ids.2"].clone()
+    short[4, -1], ids[4, -1] = float("-inf"), -1
+    padded = with_tensors(par, gen_topk_logprobs_2=short, gen_topk_ids_2=ids)
+    assert check_generation(ref, padded, GenerationSettings(), noise=noise)[0].verdict is Verdict.PASS

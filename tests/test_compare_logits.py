@@ -117,7 +117,7 @@ def test_nonfinite_logits_fail_without_raising(runs, value: float, word: str) ->
     assert result.verdict is Verdict.FAIL
     position = ref.cases[0].decode_start + 2
     assert result.reason.startswith(f"decode: prompt 0: parallel logits contain {word} values "
-                                    f"(first at position {position}); max KL ")
+                                    f"(first at position {position}: {value} at token 7); max KL ")
     assert prompts[0]["problem"] and prompts[1]["problem"] is None
     json.dumps([result.to_dict(), prompts], allow_nan=False)
     # in the reference too

@@ -114,3 +114,36 @@ def test_stop_token_ids_travel_both_ways() -> None:
     assert vllm == sglang and vllm.stop_token_ids == (3, 9)
     with pytest.raises(BadRequest, match="stop token id 999 is out of range"):
         parse_completions({"prompt": [[1]], "stop_token_ids": [999]}, VOCAB, LIMITS)
+
+
+def test_non_finite_and_null_logprobs_are_kept_as_answered_never_a_crash() -> None:
+    # vLLM: a null logprob in prompt_logprobs and a NaN among the generated step's top logprobs
+    answer = {"choices": [{"index": 0, "prompt_logprobs": [
+        None, {"5": {"logprob": None, "rank": 1}, "6": {"logprob": -1.9, "rank": 2}}],
+        "logprobs": {"tokens": ["token_id:8"], "token_logprobs": [-0.1],
+                     "top_logprobs": [{"token_id:8": math.nan, "token_id:2": -3.0}]}}]}
+    scored = VllmDialect(_fake(answer)[1], "m").score([[10, 11]], k=2, together=True)[0]
+    assert scored.ids.tolist() == [[5, 6], [8, 2]]
+    assert math.isnan(scored.logprobs[0, 0]) and math.isnan(scored.logprobs[1, 0])
+    assert list(scored.nonfinite) == [{"row": 0, "token": 5, "value": "null"}, {"row": 1, "token": 8, "value": "NaN"}]
+    # OpenAI echo: a null top logprob (the request that crashed in _score) and an infinite one
+    echo = {"choices": [{"index": 0, "logprobs": {
+        "tokens": ["token_id:10", "token_id:11", "token_id:3"], "token_logprobs": [None, -0.5, -0.2],
+        "top_logprobs": [None, {"token_id:11": None, "token_id:4": -2.0}, {"token_id:3": -math.inf}]}}]}
+    scored = DIALECTS["openai"](_fake(echo)[1], "m").score([[10, 11]], k=2, together=True)[0]
+    assert list(scored.nonfinite) == [{"row": 0, "token": 11, "value": "null"},
+                                      {"row": 1, "token": 3, "value": "-Infinity"}]
+    assert scored.ids[0].tolist() == [11, 4]  # the NaN first: never cut off by k
+    assert scored.ids[1].tolist() == [3, -1]  # so is an infinity
+    # SGLang: a null logprob in a generated step's top logprobs (once dropped silently)
+    sglang = [{"meta_info": {"output_token_logprobs": [[-0.1, 4, None]],
+                             "output_top_logprobs": [[[None, 4, None], [-2.5, 9, None]]]}}]
+    gen = SglangDialect(_fake(sglang)[1], "m").generate([[1, 2]], n=1, k=2, together=True)[0]
+    assert gen.ids.tolist() == [[4, 9]] and list(gen.nonfinite) == [{"row": 0, "token": 4, "value": "null"}]
+
+
+def test_a_logprob_that_is_not_a_number_is_one_clear_error() -> None:
+    answer = {"choices": [{"index": 0, "logprobs": {"tokens": ["token_id:8"], "token_logprobs": [-0.1],
+                                                    "top_logprobs": [{"token_id:8": "high"}]}}]}
+    with pytest.raises(RunError, match="the server answered a logprob 'high', not a number"):
+        VllmDialect(_fake(answer)[1], "m").generate([[1]], n=1, k=1, together=True)

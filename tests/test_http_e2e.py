@@ -27,6 +27,10 @@ def _run(out: Path, cache: Path, *extra: str) -> dict:
     return cell
 
 
+def _cells(out: Path) -> list[dict]:
+    return read_json(out / "results.json")["cells"]
+
+
 def _verdicts(cell: dict) -> dict[str, str]:
     return {c["name"]: c["verdict"] for c in cell["checks"]}
 
@@ -37,6 +41,11 @@ def test_clean_dcp_cell_passes_over_http(tmp_path: Path, cache: Path) -> None:
     verdicts = _verdicts(cell)
     assert cell["exit"] == 0 and cell["status"] == "PASS" and cell["engine"] == "harness-serve"
     assert verdicts["logits_prefill"] == "PASS" and verdicts["generation"] == "PASS"
+    # the decode path over HTTP: the generations' top-k along the common greedy prefix, a verdict, not a SKIP
+    assert {c["model"]: _verdicts(c)["logits_decode"] for c in _cells(tmp_path / "clean")} == {
+        "tiny-gqa": "PASS", "tiny-bf16-big": "PASS"}
+    decode = next(c for c in cell["checks"] if c["name"] == "logits_decode")
+    assert decode["metrics"]["source"].startswith("greedy walk") and decode["metrics"]["decode_steps_compared"] > 0
     assert verdicts["localization"] == "SKIP"  # no hidden states
     run_dir = Path(cell["run_dir"])
     manifest = read_json(run_dir / "manifest.json")
@@ -55,6 +64,25 @@ def test_dcp_token_owner_fault_is_silent_corruption_over_http(tmp_path: Path, ca
     cell = _run(tmp_path / "fault", cache, "--fault", "dcp-token-owner")
     assert cell["exit"] == 1 and cell["status"] == "FAIL" and cell["silent_corruption"]
     assert _verdicts(cell)["generation"] == "FAIL" or _verdicts(cell)["logits_prefill"] == "FAIL"
+    # the bfloat16 model: its greedy generations diverge only at near ties and its prefill agrees, so only the
+    # decode steps' top-k see the fault (each decode token's K/V counted on every rank of its DCP group)
+    bf16 = next(c for c in _cells(tmp_path / "fault") if c["model"] == "tiny-bf16-big")
+    verdicts = _verdicts(bf16)
+    assert verdicts["generation"] == "PASS" == verdicts["logits_prefill"], bf16["checks"]
+    # measured here: FAIL (a reference token outside the parallel top-5 where the walk diverges); its KL lower
+    # bound, 30x the noise, is a WARN at least on any machine (tp4dcp4 below FAILs by KL alone)
+    assert verdicts["logits_decode"] in ("FAIL", "WARN"), bf16["checks"]
+
+
+@pytest.mark.slow
+def test_dcp_token_owner_fault_fails_the_decode_path_over_http_at_tp4dcp4(tmp_path: Path, cache: Path) -> None:
+    cell = _run(tmp_path / "fault4", cache, "--model", "tiny-bf16-big", "--topo", "tp4dcp4", "--fault",
+                "dcp-token-owner")
+    verdicts = _verdicts(cell)
+    assert cell["status"] == "FAIL" and verdicts["logits_decode"] == "FAIL", cell["checks"]
+    assert verdicts["generation"] == "PASS" == verdicts["logits_prefill"]
+    decode = next(c for c in cell["checks"] if c["name"] == "logits_decode")
+    assert decode["metrics"]["max_kl_lower_bound"] > decode["metrics"]["kl_bound"]["fail_limit"]  # beyond 50x noise
 
 
 @pytest.mark.slow

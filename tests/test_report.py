@@ -144,6 +144,8 @@ def test_missing_details_render_no_section() -> None:
     {"speculator": {"histogram": [0, 0], "reference_histogram": [float("nan")]}},
     {"gsm8k": {"flips": "no", "baseline": 3}},
     {"gsm8k": {"flips": [{"question": {"nested": [1, 2]}}]}},
+    {"requests": "x"},
+    {"requests": {"parallel": {"requests": [1, {"phase": None}], "schedule": 3}}},
     {"unknown": "ignored"},
 ])
 def test_malformed_details_never_crash(details: dict) -> None:

@@ -10,12 +10,15 @@ the run directory: top-k tensors and generations (contract names), the KV capaci
 (server.log) and, on any failure, an error manifest with the log tail. A server that exits at startup
 with a line the template `refuses` is a refusal (the cell is a SKIP quoting it), not an error.
 
-Capabilities are what HTTP gives: top-k logprobs of the prompt (prefill path) and of generation. No
-full logits, no decode path, no hidden states (so localization is a SKIP). A template with
+Capabilities are what HTTP gives: top-k logprobs of the prompt (prefill path) and of generation (each
+step a decode step: logits_decode walks them, harness/compare/decode_walk.py). No full logits, no
+teacher-forced decode path, no hidden states (so localization is a SKIP). A template with
 `layout_report_env` has a layout self-report: its server's probe writes each rank's heads and KV cache
 allocation into a folder beside the log (server.layout/, harness/backends/http_layout.py), which becomes
 layout.json's target entry.
 Noise: two reference runs that differ only in scheduling (cases sent together vs one at a time).
+A job's request_schedule sends one request per case as it says (harness/backends/http_send.py); a
+logprob answered as NaN, inf or null is kept and recorded as spelled (manifest nonfinite_logprobs).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from harness.backends.embedded import weights_key
 from harness.backends.http_collect import Collected, collect
 from harness.backends.http_dialects import DIALECTS, Dialect, Generation, parse_spec_counters, post_json
 from harness.backends.http_layout import probe_layout
+from harness.backends.http_send import SendSchedule
 from harness.backends.http_server import (
     Server,
     ServerError,
@@ -334,7 +338,8 @@ class HttpBackend:
         """The cases' top-k and generations, then GSM8K through the same server when the job asks."""
         model = job.model
         dialect = self._dialect(job, client)
-        collected = collect(job, model, dialect, self.spec.max_logprobs, job.schedule == c.SCHEDULE_BATCHED)
+        collected = collect(job, model, dialect, self.spec.max_logprobs, job.schedule == c.SCHEDULE_BATCHED,
+                            request_schedule(job))
         if not job.gsm8k:
             return collected
         from harness.backends.http_gsm8k import evaluate_server  # lm-eval only where GSM8K runs
@@ -385,6 +390,10 @@ class HttpBackend:
         }
         if counters is not None:
             manifest["speculative"] = counters
+        if collected.requests is not None:  # each request's order and times under the job's request schedule
+            manifest["requests"] = collected.requests
+        if collected.nonfinite:  # what the server answered where its tensors hold NaN / inf
+            manifest[c.MANIFEST_LOGPROB_VALUES] = list(collected.nonfinite)
         pool = PoolSettings(**job.pool)  # the budget as the server was given it (whole MiB)
         pool = replace(pool, budget_bytes=server_budget_bytes(pool))
         target = {"ranks": [], "pool": pool.to_dict(), **(reported or {}), "kv_capacity": kv["plain"],
@@ -396,6 +405,14 @@ class HttpBackend:
         write_run(Path(job.out_dir), manifest, layout, collected.cases, collected.tensors)
         if collected.gsm8k is not None:
             write_json(Path(job.out_dir) / c.GSM8K_FILE, collected.gsm8k)
+
+
+def request_schedule(job: Job) -> SendSchedule | None:
+    """The schedule the job's requests are sent by: its `request_schedule`, except in the noise twin (a
+    sequential job), whose requests go one at a time as always; None: today's sending."""
+    if job.request_schedule is None or job.schedule != c.SCHEDULE_BATCHED:
+        return None
+    return SendSchedule.parse(job.request_schedule)
 
 
 def probe_dir(log_path: Path) -> Path:

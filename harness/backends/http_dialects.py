@@ -28,12 +28,18 @@ SPEC_COUNTER = re.compile(r"^vllm:spec_decode_num_(drafts|draft_tokens|accepted_
 Post = Callable[[str, dict[str, Any]], Any]
 
 
+# a non-finite logprob as the server spelled it: {"row", "token", "value": "null" / "NaN" / "Infinity" / ...}
+Nonfinite = dict[str, Any]
+
+
 @dataclass(frozen=True)
 class Scored:
-    """Teacher-forced top-k of one sequence: ids [T, k] int64, logprobs [T, k] float32 (row t predicts t+1)."""
+    """Teacher-forced top-k of one sequence: ids [T, k] int64, logprobs [T, k] float32 (row t predicts t+1);
+    `nonfinite`: the logprobs the server answered as null (stored as NaN), NaN or infinite, as it spelled them."""
 
     ids: torch.Tensor
     logprobs: torch.Tensor
+    nonfinite: tuple[Nonfinite, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -45,15 +51,56 @@ class Generation:
     ids: torch.Tensor
     logprobs: torch.Tensor
     verify_steps: int | None = None
+    nonfinite: tuple[Nonfinite, ...] = ()
+
+
+def logprob(value: Any) -> float:
+    """A logprob as the server answered it: a number (NaN and infinities kept), null -> NaN, a numeric
+    string ("NaN", "-Infinity") -> its float; anything else is a RunError naming it."""
+    if value is None:
+        return math.nan
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise RunError(f"the server answered a logprob {value!r}, not a number")
+    try:
+        return float(value)
+    except ValueError as exc:
+        raise RunError(f"the server answered a logprob {value!r}, not a number") from exc
+
+
+def spelling(value: Any) -> str:
+    """How the server wrote a logprob in its JSON answer: 'null', 'NaN', 'Infinity', '-Infinity', '"nan"'."""
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return repr(value)
+    number = float(value)
+    return "NaN" if math.isnan(number) else ("Infinity" if number > 0 else "-Infinity")
+
+
+def parse_row(pairs: Sequence[tuple[int, Any]], row: int) -> tuple[dict[int, float], list[Nonfinite]]:
+    """(token id, logprob as answered) pairs of one position -> ({id: logprob}, the non-finite ones as
+    spelled, e.g. [{"row": 3, "token": 17, "value": "null"}])."""
+    values = {token: logprob(value) for token, value in pairs}
+    bad = [{"row": row, "token": token, "value": spelling(value)} for token, value in pairs
+           if not math.isfinite(values[token])]
+    return values, bad
+
+
+def _rank(item: tuple[int, float]) -> tuple[bool, float, int]:
+    """Sort key of a top-k entry: best first, ties by id; a non-finite one (NaN, an infinity) first, so k
+    never cuts it off and the checks see it."""
+    token, lp = item
+    finite = math.isfinite(lp)
+    return (finite, -lp if finite else 0.0, token)
 
 
 def topk_rows(rows: Sequence[dict[int, float]], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of {token id: logprob} -> ([R, k] ids, [R, k] logprobs), best first (ties by id);
+    """Rows of {token id: logprob} -> ([R, k] ids, [R, k] logprobs), best first (ties by id, non-finite first);
     a row with fewer than k entries is padded with id -1 and logprob -inf."""
     ids = torch.full((len(rows), k), -1, dtype=torch.long)
     lps = torch.full((len(rows), k), -math.inf, dtype=torch.float32)
     for r, row in enumerate(rows):
-        best = sorted(row.items(), key=lambda item: (-item[1], item[0]))[:k]
+        best = sorted(row.items(), key=_rank)[:k]
         for j, (token, lp) in enumerate(best):
             ids[r, j] = token
             lps[r, j] = lp
@@ -127,9 +174,13 @@ class Dialect:
         raise NotImplementedError
 
 
-def _generation(steps: list[tuple[int, dict[int, float]]], k: int) -> Generation:
-    ids, lps = topk_rows([row for _, row in steps], k)
-    return Generation(torch.tensor([t for t, _ in steps], dtype=torch.long), ids, lps)
+Step = tuple[int, dict[int, float], list[Nonfinite]]  # (token id, {id: logprob}, its non-finite logprobs)
+
+
+def _generation(steps: list[Step], k: int) -> Generation:
+    ids, lps = topk_rows([row for _, row, _ in steps], k)
+    return Generation(torch.tensor([t for t, _, _ in steps], dtype=torch.long), ids, lps,
+                      nonfinite=tuple(b for _, _, bad in steps for b in bad))
 
 
 def _choices(answer: dict[str, Any], n: int) -> list[dict[str, Any]]:
@@ -139,13 +190,21 @@ def _choices(answer: dict[str, Any], n: int) -> list[dict[str, Any]]:
     return choices
 
 
-def _openai_steps(logprobs: dict[str, Any] | None) -> list[tuple[int, dict[int, float] | None]]:
-    """(token id, {id: logprob} or None) per token of an OpenAI completions logprobs object."""
+def _openai_steps(logprobs: dict[str, Any] | None, first_row: int = 0) -> list[Step]:
+    """(token id, {id: logprob}, its non-finite logprobs) per token of an OpenAI completions logprobs
+    object; a token without top logprobs (null) has an empty row. Rows are numbered from `first_row`."""
     if not logprobs:
         raise RunError("/v1/completions answered without logprobs")
     tops = logprobs.get("top_logprobs") or []
-    return [(token_id(t), None if top is None else {token_id(key): float(v) for key, v in top.items()})
-            for t, top in zip(logprobs["tokens"], tops)]
+    steps: list[Step] = []
+    for i, (t, top) in enumerate(zip(logprobs["tokens"], tops)):
+        row, bad = parse_row([(token_id(key), v) for key, v in (top or {}).items()], first_row + i)
+        steps.append((token_id(t), row, bad))
+    return steps
+
+
+def _shift(bad: list[Nonfinite], row: int) -> list[Nonfinite]:
+    return [{**b, "row": row} for b in bad]
 
 
 class VllmDialect(Dialect):
@@ -164,16 +223,17 @@ class VllmDialect(Dialect):
             entries = choice.get("prompt_logprobs")
             if not entries or len(entries) != len(seq):
                 raise RunError(f"prompt_logprobs has {len(entries or [])} entries for a prompt of {len(seq)} tokens")
-            rows = [{int(t): float(v["logprob"]) for t, v in e.items()} for e in entries[1:]]
-            last = _openai_steps(choice.get("logprobs"))[0][1] or {}
-            out.append(Scored(*topk_rows([*rows, last], k)))
+            parsed = [parse_row([(int(t), v.get("logprob") if isinstance(v, dict) else v)
+                                 for t, v in (e or {}).items()], row) for row, e in enumerate(entries[1:])]
+            _, last, last_bad = _openai_steps(choice.get("logprobs"))[0]
+            bad = [b for _, row_bad in parsed for b in row_bad] + _shift(last_bad, len(parsed))
+            out.append(Scored(*topk_rows([*(row for row, _ in parsed), last], k), nonfinite=tuple(bad)))
         return out
 
     def _generate(self, prompts: list[Sequence[int]], n: int, k: int,
                   stop: tuple[int, ...] | None = None) -> list[Generation]:
         answer = self.post("/v1/completions", self._body(prompts, n, k, stop))
-        return [_generation([(t, top or {}) for t, top in _openai_steps(c.get("logprobs"))], k)
-                for c in _choices(answer, len(prompts))]
+        return [_generation(_openai_steps(c.get("logprobs")), k) for c in _choices(answer, len(prompts))]
 
 
 class OpenAIDialect(VllmDialect):
@@ -185,15 +245,17 @@ class OpenAIDialect(VllmDialect):
         answer = self.post("/v1/completions", {**self._body(sequences, 1, k), "echo": True})
         out = []
         for seq, choice in zip(sequences, _choices(answer, len(sequences))):
-            steps = _openai_steps(choice.get("logprobs"))
+            steps = _openai_steps(choice.get("logprobs"), first_row=-1)  # row r of the scores: echo token r + 1
             if len(steps) != len(seq) + 1:
                 raise RunError(f"echo answered {len(steps)} tokens for a prompt of {len(seq)} tokens + 1")
-            out.append(Scored(*topk_rows([top or {} for _, top in steps[1:]], k)))
+            out.append(Scored(*topk_rows([top for _, top, _ in steps[1:]], k),
+                              nonfinite=tuple(b for _, _, bad in steps[1:] for b in bad)))
         return out
 
 
-def _sglang_row(entries: list[list[Any]] | None) -> dict[int, float]:
-    return {int(token): float(lp) for lp, token, *_ in (entries or []) if lp is not None}
+def _sglang_row(entries: list[list[Any]] | None, row: int) -> tuple[dict[int, float], list[Nonfinite]]:
+    """SGLang's [logprob, token id, text] triples of one position (a null logprob kept, as NaN)."""
+    return parse_row([(int(token), lp) for lp, token, *_ in (entries or [])], row)
 
 
 class SglangDialect(Dialect):
@@ -220,8 +282,10 @@ class SglangDialect(Dialect):
             tops = meta.get("input_top_logprobs") or []
             if len(tops) != len(seq):
                 raise RunError(f"input_top_logprobs has {len(tops)} entries for a prompt of {len(seq)} tokens")
-            rows = [_sglang_row(t) for t in tops[1:]] + [_sglang_row(meta["output_top_logprobs"][0])]
-            out.append(Scored(*topk_rows(rows, k)))
+            rows = [_sglang_row(t, r) for r, t in enumerate(tops[1:])]
+            rows.append(_sglang_row(meta["output_top_logprobs"][0], len(rows)))
+            out.append(Scored(*topk_rows([row for row, _ in rows], k),
+                              nonfinite=tuple(b for _, bad in rows for b in bad)))
         return out
 
     def _generate(self, prompts: list[Sequence[int]], n: int, k: int,
@@ -230,7 +294,8 @@ class SglangDialect(Dialect):
         for answer in self._answers(self._body(prompts, n, k, stop), len(prompts)):
             meta = answer["meta_info"]
             tokens = [int(t) for _, t, *_ in meta["output_token_logprobs"]]
-            generation = _generation(list(zip(tokens, map(_sglang_row, meta["output_top_logprobs"]))), k)
+            rows = [_sglang_row(top, r) for r, top in enumerate(meta["output_top_logprobs"])]
+            generation = _generation([(t, row, bad) for t, (row, bad) in zip(tokens, rows)], k)
             steps = int(meta.get("spec_verify_ct") or 0)  # 0 / absent: no speculative decoding
             out.append(replace(generation, verify_steps=steps) if steps > 0 else generation)
         return out

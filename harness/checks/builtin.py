@@ -10,6 +10,7 @@ from harness import contract as c
 from harness.artifacts import RunArtifacts
 from harness.checkmetrics import PARITY_CHECKS
 from harness.checks.context import CellContext
+from harness.compare.decode_walk import check_decode_walk
 from harness.compare.generation import check_generation
 from harness.compare.layout_check import check_kv_capacity, check_layout_with_pool, kv_groups_differ
 from harness.compare.localize import localize, output_head
@@ -96,7 +97,17 @@ def logits_prefill(ctx: CellContext) -> list[CheckResult]:
 
 
 def logits_decode(ctx: CellContext) -> list[CheckResult]:
-    return _logits(ctx, "decode")
+    """The teacher-forced decode path where both runs have one; else (an HTTP engine) the decode steps of
+    the greedy generations, walked along their common prefix (harness/compare/decode_walk.py)."""
+    if ctx.both_have(c.DECODE_PATH):
+        return _logits(ctx, "decode")
+    lacking = ctx.missing((c.GENERATION,), ())
+    if lacking:  # one run has a decode path, the other only a generation, or neither
+        return [CheckResult("logits_decode", Verdict.SKIP, f"{lacking}, and not both give {c.DECODE_PATH}: "
+                            "logits_decode unavailable")]
+    result, prompts = check_decode_walk(ctx.ref, ctx.par, ctx.noise, ctx.settings.of(LogitsSettings), ctx.top_k)
+    ctx.prompt_rows["decode"] = prompts
+    return [result]
 
 
 def generation(ctx: CellContext) -> list[CheckResult]:
@@ -177,6 +188,10 @@ def gsm8k(ctx: CellContext) -> list[CheckResult]:
 
 def finish_details(ctx: CellContext) -> None:
     """Fold the per-path prompt rows into the report's `prompts` section."""
+    sent = {who: run.manifest["requests"] for who, run in (("parallel", ctx.par), ("reference", ctx.ref))
+            if isinstance(run.manifest.get("requests"), dict)}
+    if sent:  # an HTTP run sent by a request schedule: its order and times
+        ctx.details.requests = sent
     rows = ctx.prompt_rows
     if rows:
         ctx.details.prompts = [PromptDetails(**p) for p in prompt_details(

@@ -81,8 +81,9 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
               "teacher-forced prefill logits: KL, abs/logprob error, top-1/top-k agreement, near ties",
               settings=LogitsSettings, requires=(c.PROMPT_LOGPROBS,), requires_any=(c.FULL_LOGITS, c.TOPK_LOGPROBS)),
     CheckSpec("logits_decode", "logits", f"{_B}:logits_decode",
-              "teacher-forced one-token decode steps through the KV cache, as logits_prefill",
-              settings=LogitsSettings, requires=(c.DECODE_PATH,), requires_any=(c.FULL_LOGITS, c.TOPK_LOGPROBS)),
+              "teacher-forced one-token decode steps through the KV cache, as logits_prefill; from engines "
+              "without a decode path (HTTP), the generations' top-k along the common greedy prefix",
+              settings=LogitsSettings, requires_any=(c.DECODE_PATH, c.GENERATION)),
     CheckSpec("generation", "generation", f"{_B}:generation",
               "greedy tokens; a divergence is benign only at a near tie of the reference",
               settings=GenerationSettings, requires=(c.GENERATION,)),

@@ -15,6 +15,7 @@ import torch
 
 from harness.artifacts import Case, RunArtifacts
 from harness.compare.bounds import Bound, json_float
+from harness.compare.logprob_values import BadLogprobs, check_finite
 from harness.compare.settings import GenerationSettings
 from harness.contract import GEN_TOKENS, GEN_TOPK_IDS, GEN_TOPK_LOGPROBS
 from harness.errors import RunError
@@ -161,8 +162,14 @@ def check_generation(ref: RunArtifacts, par: RunArtifacts, settings: GenerationS
     bound = Bound(settings.near_tie, settings.near_tie_factor, gap_err)
     par_cases = {c.index: c for c in par.cases}
     try:
+        for case in ref.cases:  # NaN / inf / null logprobs: the engine's output is wrong, whatever the tokens
+            for who, run in (("reference", ref), ("parallel", par)):
+                check_finite(run, who, GEN_TOPK_LOGPROBS, case.index, run.tensor(GEN_TOPK_LOGPROBS, case.index),
+                             run.tensor(GEN_TOPK_IDS, case.index), unit="generation step", allow_padding=True)
         prompts = [_compare_case(c.index, ref, par, par_cases.get(c.index), bound.limit, settings, decode)
                    for c in ref.cases]
+    except BadLogprobs as exc:
+        return CheckResult("generation", Verdict.FAIL, str(exc)), []
     except RunError as exc:
         return CheckResult("generation", Verdict.ERROR, str(exc)), []
     diverged = [p for p in prompts if p["first_divergence"] is not None]

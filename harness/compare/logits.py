@@ -68,8 +68,10 @@ def nonfinite_problem(who: str, logits: torch.Tensor, offset: int = 0) -> str | 
         return None
     n_nan = int(torch.isnan(logits).sum())
     first_row = int(bad.reshape(bad.shape[0], -1).any(dim=-1).nonzero()[0, 0]) if bad.dim() > 1 else 0
+    row = logits.reshape(logits.shape[0], -1)[first_row] if bad.dim() > 1 else logits.reshape(-1)  # [V]
+    token = int((~torch.isfinite(row)).nonzero()[0, 0])
     return (f"{who} logits contain {n_nan} NaN and {int(bad.sum()) - n_nan} Inf values "
-            f"(first at position {offset + first_row})")
+            f"(first at position {offset + first_row}: {float(row[token])} at token {token})")
 
 
 @dataclass(frozen=True)

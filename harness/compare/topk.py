@@ -27,6 +27,7 @@ import torch
 from harness import contract as c
 from harness.artifacts import RunArtifacts
 from harness.compare.bounds import Bound, json_float
+from harness.compare.logprob_values import BadLogprobs, check_finite
 from harness.compare.settings import LogitsSettings
 from harness.errors import RunError
 from harness.verdict import CheckResult, Verdict, worst
@@ -95,9 +96,8 @@ def _case_metrics(path: str, ref: RunArtifacts, other: RunArtifacts, index: int,
     o_ids, o_lp = run_topk(other, path, index, k)
     if r_ids.shape != o_ids.shape:
         raise RunError(f"prompt {index}: {path} top-k shape {list(o_ids.shape)} != reference {list(r_ids.shape)}")
-    for who, lp in (("reference", r_lp), ("parallel", o_lp)):
-        if not bool(torch.isfinite(lp).all()):
-            raise RunError(f"prompt {index}: {who} {path} top-k logprobs are not finite")
+    for who, run, ids, lp in (("reference", ref, r_ids, r_lp), ("parallel", other, o_ids, o_lp)):
+        check_finite(run, who, TOPK_KINDS[path][1], index, lp, ids)
     return topk_metrics(r_ids, r_lp, o_ids, o_lp)
 
 
@@ -136,9 +136,19 @@ def check_topk(path: str, ref: RunArtifacts, par: RunArtifacts, noise: RunArtifa
         cases = [(case.index, case.decode_start if path == "decode" else 0,
                   _case_metrics(path, ref, par, case.index, k)) for case in ref.cases]
     except RunError as exc:
-        return CheckResult(name, Verdict.FAIL if "not finite" in str(exc) or "shape" in str(exc) else Verdict.ERROR,
-                           f"{path} (top-{k}): {exc}"), []
+        bad = isinstance(exc, BadLogprobs) or "shape" in str(exc)
+        return CheckResult(name, Verdict.FAIL if bad else Verdict.ERROR, f"{path} (top-{k}): {exc}"), []
     noise_kl, noise_err, note = _noise(path, ref, noise, k)
+    verdicts, parts, metrics, prompts = grade_topk(path, cases, noise_kl, noise_err, note, settings, k)
+    return CheckResult(name, worst(verdicts), f"{path} (top-{k}): " + "; ".join(parts), metrics), prompts
+
+
+def grade_topk(path: str, cases: list[tuple[int, int, TopkMetrics]], noise_kl: float | None,
+               noise_err: float | None, note: str | None, settings: LogitsSettings,
+               k: int) -> tuple[list[Verdict], list[str], dict[str, Any], list[dict[str, Any]]]:
+    """Verdicts, reason parts, metrics and per-prompt rows of per-prompt top-k metrics `cases` ((prompt
+    index, position of row 0, metrics)) against the noise-scaled bounds: KL lower bound and logprob
+    error graded by bounds.Bound, top-1 flips outside near ties FAIL, low top-k overlap WARNs."""
     kl = Bound(settings.kl_floor, settings.kl_factor, noise_kl, settings.fail_ratio)
     err = Bound(settings.abs_floor, settings.abs_factor, noise_err, settings.fail_ratio)
     tie = max(settings.top1_tie_floor, 2.0 * err.fail_limit)
@@ -173,7 +183,7 @@ def check_topk(path: str, ref: RunArtifacts, par: RunArtifacts, noise: RunArtifa
         "top1_agreement": top1, "topk_overlap": overlap, "top1_flips": flips, "benign_flips": flips - bad,
         "tie_bound": tie, "kl_bound": kl.to_dict(), "logprob_error_bound": err.to_dict(),
         "first_divergence": first, "noise_note": note}
-    return CheckResult(name, worst(verdicts), f"{path} (top-{k}): " + "; ".join(parts), metrics), prompts
+    return verdicts, parts, metrics, prompts
 
 
 def _prompt(index: int, offset: int, m: TopkMetrics, kl: Bound, err: Bound, tie: float) -> dict[str, Any]:

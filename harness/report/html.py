@@ -53,6 +53,7 @@ from harness.report.matrix import (
     provenance_items,
     suspect_text,
 )
+from harness.report.requests_view import RequestsView, requests_view
 from harness.report.svg import head_heatmap, layer_error_plot
 from harness.results import summary_counts
 from harness.verdict import CellResult, CheckResult, FailureClass, Verdict
@@ -154,6 +155,7 @@ class CellView:
     speculator: SpeculatorView | None
     gsm8k: Gsm8kView | None
     notes: tuple[str, ...]
+    requests: RequestsView | None = None
     prompt_columns: tuple[tuple[int, str, str], ...] = ()  # (index into Metrics.values, header, unit)
     layout_problems: int | None = None  # the layout check's problem count, next to the table's own count
     plots_omitted: bool = False
@@ -228,6 +230,7 @@ def cell_view(row: MatrixRow) -> CellView:
         head_map=_section(details, "head_errors", lambda d: head_heatmap(_object(d), heads), notes) if heavy else None,
         speculator=_section(details, "speculator", speculator_view, notes),
         gsm8k=_section(details, "gsm8k", gsm8k_view, notes),
+        requests=_section(details, "requests", requests_view, notes),
         notes=tuple(notes), prompt_columns=columns, layout_problems=_problem_count(cell, "layout"),
         plots_omitted=not heavy and ("layer_errors" in details or "head_errors" in details))
 
