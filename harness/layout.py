@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from harness.errors import ConfigError
 
-LAYOUT_SCHEMA_VERSION = 1
+LAYOUT_SCHEMA_VERSION = 2  # 2: the `hybrid` section of harness plan
 T = TypeVar("T")
 
 

@@ -41,6 +41,7 @@ from harness.paths import BASELINES_DIR
 from harness.refcache import ReferenceCache, ReferenceFailed
 from harness.report.provenance import collect_provenance, git_commit
 from harness.shard import Shard, shard_cells
+from harness.specs.hybrid_plan import plan_model
 from harness.specs.model import ModelSpec
 from harness.specs.suite import Suite
 from harness.specs.topology import Topology, parse_topology_name
@@ -112,6 +113,8 @@ def skip_reason(model: ModelSpec, topo: Topology, fault: str | None) -> str | No
     """Why a cell cannot run (model does not split, fault does not apply), or None."""
     try:
         plan_layout(model.attention_shape, topo.tp, topo.dcp)
+        if model.hybrid is not None or topo.ep > 1:
+            plan_model(model, topo)
     except ConfigError as exc:
         return f"{model.name} does not split at {topo.name}: {exc}"
     if topo.speculator != "none":

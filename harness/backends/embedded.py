@@ -69,6 +69,9 @@ class EmbeddedBackend:
                 "weights": weights_key(job.model), "code": self._code}
 
     def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
+        if model.hybrid is not None:
+            return (f"the embedded engine runs dense decoders only; {model.name} is hybrid (linear attention / MoE): "
+                    f"harness plan shows its layout")
         return None  # every layout the planner accepts (the runner checks that first)
 
     def noise_strategy(self) -> str:

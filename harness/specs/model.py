@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import ConfigError
+from harness.hybrid_layout import HybridShape
 from harness.layout import AttentionShape
 from harness.paths import MODELS_DIR
 from harness.specs.loader import build, did_you_mean, expect_int
@@ -42,6 +43,7 @@ class ModelSpec:
     max_seq_len: int = 2048
     chat_template: bool = False
     speculator_layers: int = 1
+    hybrid: HybridShape | None = None  # linear attention, gated attention, MoE (harness/hybrid_layout.py)
 
     def __post_init__(self) -> None:
         where = f"model {self.name!r}"
@@ -61,6 +63,9 @@ class ModelSpec:
             raise ConfigError(f"{where}: source={self.source} needs a path")
         if self.source == "package" and not self.package:
             raise ConfigError(f"{where}: source=package needs a package name")
+        if self.hybrid is not None and not isinstance(self.hybrid, HybridShape):
+            raise ConfigError(f"{where}: hybrid must be a mapping of {', '.join(HybridShape.__dataclass_fields__)}, "
+                              f"got {self.hybrid!r}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ConfigError(f"{where}: rope_theta={self.rope_theta} and norm_eps={self.norm_eps} must be > 0")
 
@@ -83,13 +88,18 @@ class ModelSpec:
         return replace(self, dtype=dtype)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "hybrid"}
+        if self.hybrid is not None:  # dense models keep their dict (and their cache keys) unchanged
+            out["hybrid"] = self.hybrid.to_dict()
+        return out
 
 
 def model_from_dict(where: str, data: dict[str, Any], name: str = "") -> ModelSpec:
     data = dict(data)
     if name and "name" not in data:
         data["name"] = name
+    if isinstance(data.get("hybrid"), dict):
+        data["hybrid"] = build(HybridShape, f"{where}: hybrid", data["hybrid"])
     return build(ModelSpec, where, data)
 
 

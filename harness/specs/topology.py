@@ -12,18 +12,21 @@ from harness.paths import TOPOLOGIES_DIR
 from harness.specs.loader import check_keys, did_you_mean, expect_int, load_yaml
 
 SPECULATORS: tuple[str, ...] = ("none", "draft", "mtp")
-_NAME_RE = re.compile(r"^tp(?P<tp>\d+)(?:dcp(?P<dcp>\d+))?(?:-(?P<spec>[a-z]+))?$")
-NAME_GRAMMAR = "tp<N>[dcp<M>][-draft|-mtp], e.g. tp1, tp4, tp4dcp4, tp8dcp2-mtp, tp4-draft"
+_NAME_RE = re.compile(r"^tp(?P<tp>\d+)(?:dcp(?P<dcp>\d+))?(?:ep(?P<ep>\d+))?(?:-(?P<spec>[a-z]+))?$")
+NAME_GRAMMAR = "tp<N>[dcp<M>][ep<E>][-draft|-mtp], e.g. tp1, tp4, tp4dcp4, tp8dcp2-mtp, tp4-draft, tp4dcp2ep4"
 
 
 @dataclass(frozen=True)
 class Topology:
-    """One parallel configuration. World size = tp; dcp splits each TP group's tokens."""
+    """One parallel configuration. World size = tp; dcp splits each TP group's tokens; ep splits the
+    experts of MoE layers over ep ranks inside the world (each expert's columns over tp // ep ranks,
+    harness/hybrid_layout.py)."""
 
     tp: int
     dcp: int = 1
     speculator: str = "none"
     name: str = ""
+    ep: int = 1
 
     def __post_init__(self) -> None:
         where = f"topology {self.name or '?'}"
@@ -32,6 +35,10 @@ class Topology:
         if self.tp % self.dcp:
             raise ConfigError(f"{where}: dcp={self.dcp} does not divide tp={self.tp}; "
                               f"valid dcp values: {divisors(self.tp)}")
+        expect_int(where, "ep", self.ep, minimum=1)
+        if self.tp % self.ep:
+            raise ConfigError(f"{where}: ep={self.ep} does not divide the world (tp={self.tp}); "
+                              f"valid ep values: {divisors(self.tp)}")
         if self.speculator not in SPECULATORS:
             raise ConfigError(f"{where}: speculator={self.speculator!r} is not one of "
                               f"{', '.join(SPECULATORS)}{did_you_mean(self.speculator, SPECULATORS)}")
@@ -44,22 +51,25 @@ class Topology:
 
     @property
     def canonical_name(self) -> str:
-        base = f"tp{self.tp}" + (f"dcp{self.dcp}" if self.dcp > 1 else "")
+        base = f"tp{self.tp}" + (f"dcp{self.dcp}" if self.dcp > 1 else "") + (f"ep{self.ep}" if self.ep > 1 else "")
         return base + ("" if self.speculator == "none" else f"-{self.speculator}")
 
     def without_speculator(self) -> "Topology":
-        return Topology(tp=self.tp, dcp=self.dcp)
+        return Topology(tp=self.tp, dcp=self.dcp, ep=self.ep)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "tp": self.tp, "dcp": self.dcp, "speculator": self.speculator,
-                "world_size": self.world_size}
+        out = {"name": self.name, "tp": self.tp, "dcp": self.dcp, "speculator": self.speculator,
+               "world_size": self.world_size}
+        if self.ep > 1:  # topologies without expert parallel keep their dict (and cache keys)
+            out["ep"] = self.ep
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "topology") -> Topology:
         """The topology `to_dict` wrote (its derived world_size, when present, must agree with tp)."""
-        check_keys(where, data, ("name", "tp", "dcp", "speculator", "world_size"), ("tp",))
+        check_keys(where, data, ("name", "tp", "dcp", "speculator", "world_size", "ep"), ("tp",))
         topo = cls(tp=data["tp"], dcp=data.get("dcp", 1), speculator=data.get("speculator", "none"),
-                   name=data.get("name", ""))
+                   name=data.get("name", ""), ep=data.get("ep", 1))
         if "world_size" in data and data["world_size"] != topo.world_size:
             raise ConfigError(f"{where}: world_size={data['world_size']!r} is not tp={topo.tp}")
         return topo
@@ -79,7 +89,7 @@ def parse_topology_name(name: str) -> Topology:
         raise ConfigError(f"bad topology name {name!r}: speculator suffix -{spec} is not -draft or -mtp"
                           f"{did_you_mean(spec, ('draft', 'mtp'))}")
     return Topology(tp=int(match.group("tp")), dcp=int(match.group("dcp") or 1), speculator=spec,
-                    name=name.strip())
+                    name=name.strip(), ep=int(match.group("ep") or 1))
 
 
 @dataclass(frozen=True)
@@ -124,12 +134,12 @@ class TopologyCatalog:
 def _topology_from_yaml(where: str, name: str, data: Any) -> Topology:
     if isinstance(data, str):
         return _renamed(parse_topology_name(data), name)
-    check_keys(f"{where}: topology {name}", data, ("tp", "dcp", "speculator"), ("tp",))
+    check_keys(f"{where}: topology {name}", data, ("tp", "dcp", "speculator", "ep"), ("tp",))
     return Topology(name=name, **data)
 
 
 def _renamed(topo: Topology, name: str) -> Topology:
-    return Topology(tp=topo.tp, dcp=topo.dcp, speculator=topo.speculator, name=name)
+    return Topology(tp=topo.tp, dcp=topo.dcp, speculator=topo.speculator, name=name, ep=topo.ep)
 
 
 def load_catalog(dirs: tuple[Path, ...] = (TOPOLOGIES_DIR,)) -> TopologyCatalog:
