@@ -251,6 +251,7 @@ class MoePlan:
     experts: int
     top_k: int
     ranks: tuple[MoeRank, ...]
+    shared_ffn: int = 0
 
     @property
     def expert_replicas(self) -> tuple[int, ...]:
@@ -259,6 +260,7 @@ class MoePlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"tp": self.tp, "ep": self.ep, "etp": self.etp, "experts": self.experts, "top_k": self.top_k,
+                "shared_ffn": self.shared_ffn,
                 "ranks": [r.to_dict() for r in self.ranks], "expert_replicas": list(self.expert_replicas)}
 
 
@@ -290,7 +292,8 @@ def plan_moe(h: HybridShape, tp: int, ep: int = 1) -> MoePlan:
             experts=experts_of(h.experts, ep_rank, ep),
             expert_ffn_shard=ffn_shard(h.moe_ffn, etp_rank, etp),
             shared_ffn_shard=ffn_shard(h.shared_ffn, rank, tp) if h.shared_ffn else (0, 0)))
-    return MoePlan(tp=tp, ep=ep, etp=etp, experts=h.experts, top_k=h.top_k, ranks=tuple(ranks))
+    return MoePlan(tp=tp, ep=ep, etp=etp, experts=h.experts, top_k=h.top_k, ranks=tuple(ranks),
+                   shared_ffn=h.shared_ffn)
 
 
 # ---- grouped cache capacity ---------------------------------------------------------------------

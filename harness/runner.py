@@ -327,8 +327,11 @@ class Runner:
         """Everything the checks of `cell` read."""
         suite = self.req.suite
         topo = cell.topology
+        hybrid = plan_model(cell.model, topo) if cell.model.hybrid is not None else None
         return CellContext(
-            ref=ref, par=par, noise=noise, plan=plan_layout(cell.model.attention_shape, topo.tp, topo.dcp),
+            ref=ref, par=par, noise=noise,
+            plan=hybrid.attention if hybrid else plan_layout(cell.model.attention_shape, topo.tp, topo.dcp),
+            hybrid_plan=hybrid,
             settings=CheckSettings.from_suite(suite, cell.model.dtype),
             par_caps=run_capabilities(par, self.backend.capabilities()),
             ref_caps=run_capabilities(ref, self.ref_backend.capabilities()),

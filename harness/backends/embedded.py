@@ -69,9 +69,9 @@ class EmbeddedBackend:
                 "weights": weights_key(job.model), "code": self._code}
 
     def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
-        if model.hybrid is not None:
-            return (f"the embedded engine runs dense decoders only; {model.name} is hybrid (linear attention / MoE): "
-                    f"harness plan shows its layout")
+        if model.hybrid is not None and topology.speculator != "none":
+            return (f"{model.name} is hybrid (linear attention): the embedded engine's speculative decoding needs a "
+                    f"rollback of the recurrent state, which it does not keep")
         return None  # every layout the planner accepts (the runner checks that first)
 
     def noise_strategy(self) -> str:

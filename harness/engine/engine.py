@@ -15,6 +15,7 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 
 from harness.engine.faults import FaultFlags
+from harness.engine.hybrid import HybridParts, build_hybrid, hybrid_layout_report
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.model import Batch, Capture, Decoder, Hyper
 from harness.engine.parallel import ParallelState
@@ -93,16 +94,20 @@ class Engine:
 
     def __init__(self, spec: ModelSpec, full_weights: dict[str, torch.Tensor], state: ParallelState,
                  flags: FaultFlags = FaultFlags(), pool: PoolSettings = PoolSettings(),
-                 dtype: str | None = None) -> None:
+                 dtype: str | None = None, ep: int = 1) -> None:
         self.spec = spec
         self.state = state
         self.flags = flags
         self.dtype = TORCH_DTYPES[dtype or spec.dtype]
+        self.pool = pool
+        self.hybrid: HybridParts | None = None
+        if spec.hybrid is not None:  # linear attention / MoE layers: harness/engine/hybrid.py
+            self._init_hybrid(full_weights, ep)
+            return
         self.plan: LayoutPlan = engine_plan(spec, state.tp, state.dcp, flags)
         self.rank_layout = self.plan.ranks[state.rank]
         self.heads = head_map(self.rank_layout, flags)
         self.capacity = pool_capacity(self.plan, pool.budget_bytes, pool.max_seq_len, pool.block_size)
-        self.pool = pool
         weights = shard_weights(full_weights, spec, self.rank_layout, self.dtype, state.device)
         self.cache = PagedKVCache(self.capacity, spec.layers, self.heads.n_kv, spec.head_dim, self.dtype,
                                   state.device)
@@ -110,13 +115,27 @@ class Engine:
                                state.collectives(), self.cache, flags)
         self._weights = weights
 
+    def _init_hybrid(self, full_weights: dict[str, torch.Tensor], ep: int) -> None:
+        state, pool = self.state, self.pool
+        parts = build_hybrid(self.spec, full_weights, state.tp, state.dcp, ep, state.rank, self.flags,
+                             pool.budget_bytes, pool.max_seq_len, pool.block_size,
+                             Hyper(self.spec.head_dim, self.spec.rope_theta, self.spec.norm_eps),
+                             state.collectives(), self.dtype, state.device)
+        self.hybrid = parts
+        self.plan, self.rank_layout, self.heads = parts.plan.attention, parts.rank_layout, parts.heads
+        self.capacity, self.cache, self.decoder = parts.capacity, parts.cache, parts.decoder
+        self._weights = parts.weights
+
     @property
     def max_batch(self) -> int:
         return self.capacity.slots
 
     def layout_report(self) -> dict[str, Any]:
-        return actual_layout(self.rank_layout, self.heads, self._weights, self.spec, self.cache.pool_bytes,
-                             self.capacity.blocks)
+        report = actual_layout(self.rank_layout, self.heads, self._weights, self.spec, self.cache.pool_bytes,
+                               self.capacity.blocks)
+        if self.hybrid is not None:
+            report["hybrid"] = hybrid_layout_report(self.hybrid, self.state.rank)
+        return report
 
     # -- building blocks ---------------------------------------------------------------------------
 

@@ -103,6 +103,13 @@ class FaultFlags:
     vocab_floor_offset: bool = False    # vocab-shard-offset: vocab shard offsets by floor(vocab / tp)
     ffn_floor_split: bool = False       # ffn-floor-split: ffn // tp MLP columns per rank
     rope_local_positions: bool = False  # dcp-rope-local-pos: keys rotated by their local store index
+    # hybrid models (harness/engine/hybrid.py)
+    linear_packed_contiguous: bool = False  # deltanet-packed-split: packed q|k|v rows split contiguously
+    linear_state_dcp_split: bool = False    # deltanet-state-dcp-split: state updated by own DCP tokens only
+    shared_expert_every_rank: bool = False  # moe-shared-every-rank: the whole shared expert on every rank
+    expert_offset_tp_rank: bool = False     # moe-expert-offset: expert ids offset by the tp rank, not the EP rank
+    router_local_renorm: bool = False       # moe-router-local-renorm: top-k weights renormalized per rank
+    cache_groups_own_budget: bool = False   # cache-groups-own-budget: each cache group from its own budget share
 
 
 # Perturbations of a correct engine (not faults: no bug, only another reduction order). The noise run
@@ -144,4 +151,10 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         vocab_floor_offset=name == "vocab-shard-offset",
         ffn_floor_split=name == "ffn-floor-split",
         rope_local_positions=name == "dcp-rope-local-pos",
+        linear_packed_contiguous=name == "deltanet-packed-split",
+        linear_state_dcp_split=name == "deltanet-state-dcp-split",
+        shared_expert_every_rank=name == "moe-shared-every-rank",
+        expert_offset_tp_rank=name == "moe-expert-offset",
+        router_local_renorm=name == "moe-router-local-renorm",
+        cache_groups_own_budget=name == "cache-groups-own-budget",
     )

@@ -66,6 +66,8 @@ class ModelSpec:
         if self.hybrid is not None and not isinstance(self.hybrid, HybridShape):
             raise ConfigError(f"{where}: hybrid must be a mapping of {', '.join(HybridShape.__dataclass_fields__)}, "
                               f"got {self.hybrid!r}")
+        if self.hybrid is not None and self.qkv_bias:
+            raise ConfigError(f"{where}: qkv_bias=true is not supported with hybrid (gated attention has no biases)")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ConfigError(f"{where}: rope_theta={self.rope_theta} and norm_eps={self.norm_eps} must be > 0")
 

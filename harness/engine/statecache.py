@@ -1,0 +1,82 @@
+"""The hybrid model's cache: the paged KV cache of its full-attention layers plus one recurrent-state
+slot per sequence for its linear-attention layers, both sized from one slot count (grouped capacity,
+harness/hybrid_layout.py). The state of a sequence is kept whole on every rank (never split by token
+under DCP)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from harness.engine.deltanet import LinearState
+from harness.engine.kvcache import PagedKVCache
+from harness.errors import RunError
+from harness.layout import PoolCapacity
+
+
+class HybridCache(PagedKVCache):
+    """KV pools k/v[full layer] as PagedKVCache, and state pools conv [slots, linear layers, C, K - 1],
+    recurrent [slots, linear layers, Hv, Dk, Dv]."""
+
+    def __init__(self, capacity: PoolCapacity, full_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, state_slots: int, linear_layers: int, conv_shape: tuple[int, int],
+                 recurrent_shape: tuple[int, int, int], state_dtype: torch.dtype) -> None:
+        super().__init__(capacity, full_layers, kv_heads, head_dim, dtype, device)
+        self.state_slots = state_slots
+        self.conv = torch.zeros((state_slots, linear_layers, *conv_shape), dtype=dtype, device=device)
+        self.recurrent = torch.zeros((state_slots, linear_layers, *recurrent_shape), dtype=state_dtype, device=device)
+        self._free_slots = list(range(state_slots - 1, -1, -1))
+        self.slot_of: dict[int, int] = {}
+        self.state_length: dict[int, int] = {}  # tokens folded into each sequence's state
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent))
+
+    def add_sequence(self, seq_id: int) -> None:
+        if not self._free_slots:
+            raise RunError(f"recurrent-state slots exhausted: all {self.state_slots} are in use "
+                           f"(sequence {seq_id} needs one)")
+        super().add_sequence(seq_id)
+        slot = self._free_slots.pop()
+        self.slot_of[seq_id] = slot
+        self.state_length[seq_id] = 0
+        self.conv[slot].zero_()
+        self.recurrent[slot].zero_()
+
+    def free_sequence(self, seq_id: int) -> None:
+        super().free_sequence(seq_id)
+        self._free_slots.append(self.slot_of.pop(seq_id))
+        del self.state_length[seq_id]
+
+    def fork(self, source: int, n: int) -> list[int]:
+        ids = super().fork(source, n)
+        src = self.slot_of[source]
+        for seq_id in ids:
+            dst = self.slot_of[seq_id]
+            self.conv[dst].copy_(self.conv[src])
+            self.recurrent[dst].copy_(self.recurrent[src])
+            self.state_length[seq_id] = self.state_length[source]
+        return ids
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        if length < self.state_length[seq_id]:
+            raise RunError(f"sequence {seq_id}: a recurrent state of {self.state_length[seq_id]} tokens cannot be "
+                           f"rolled back to {length}")
+        super().truncate(seq_id, length)
+
+    def state(self, seq_id: int, layer: int) -> LinearState:
+        """Views of sequence `seq_id`'s state in linear layer `layer` (index among the linear layers)."""
+        slot = self.slot_of[seq_id]
+        return LinearState(self.conv[slot, layer], self.recurrent[slot, layer])
+
+    def store_state(self, seq_id: int, layer: int, state: LinearState) -> None:
+        slot = self.slot_of[seq_id]
+        self.conv[slot, layer].copy_(state.conv)
+        self.recurrent[slot, layer].copy_(state.recurrent)
+
+    def advance(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
+        """Record that `lengths[b]` more tokens of seq_ids[b] went into its state."""
+        for seq_id, n in zip(seq_ids, lengths):
+            self.state_length[seq_id] += n
