@@ -1,12 +1,13 @@
 """Layout invariants of a hybrid model: the full-attention layers as layout_check does, plus what each
 rank reports under "hybrid" in layout.json against harness/hybrid_layout.py:
 
-  {"linear": {v_heads, k_heads, out_v_heads, conv_rows [[lo, hi), ...], weight_checksum},
+  {"linear": {v_heads, k_heads, out_v_heads, conv_rows [[lo, hi), ...], weight_checksum,
+              state_digests (sha256 of the recurrent state the last finished sequences left)},
    "moe": {experts, expert_ffn_shard, expert_columns, shared_columns, router_checksum} | null,
    "cache_groups": {slots, attention_blocks, attention_blocks_per_seq, state_slots, state_bytes, attention_bytes}}
 
-Invariants: linear heads and packed q|k|v rows per component as planned; identical linear weights (so
-identical recurrent state) across each DCP group; each V head's output added by exactly one rank; experts
+Invariants: linear heads and packed q|k|v rows per component as planned; identical linear weights and
+identical recurrent states across each DCP group; each V head's output added by exactly one rank; experts
 placed as planned, each expert's columns held once, the router replicated; the shared expert counted once
 (its columns over all ranks sum to its width); every cache group sized from one slot count.
 """
@@ -43,6 +44,10 @@ def _linear_problems(plan: HybridPlan, by_rank: Mapping[int, Mapping[str, Any]])
         if len(set(sums.values())) > 1:
             out.append(f"linear-attention weights (and so the recurrent state) differ inside DCP group "
                        f"{id_ranges(members)}: " + ", ".join(f"rank {m} {s[:12]}" for m, s in sums.items()))
+        states = {m: tuple(by_rank[m]["linear"].get("state_digests", ())) for m in members if m in by_rank}
+        if len(set(states.values())) > 1:
+            out.append(f"recurrent states of the last finished sequences differ inside DCP group {id_ranges(members)}: "
+                       "the state must be kept whole (every token) on every rank of the group")
     adders: dict[int, list[int]] = defaultdict(list)
     for r, got in sorted(by_rank.items()):
         for v in got["linear"]["out_v_heads"]:

@@ -80,6 +80,28 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "under DCP the keys are rotated (RoPE) by their index in the rank's local KV store (t // dcp) "
           "instead of their global position t, while the queries use global positions: relative "
           "positions are wrong for every key but the first", needs_dcp=True),
+    # -- hybrid models: Gated DeltaNet, MoE with expert parallel, grouped caches (harness/engine/hybrid.py) --
+    Fault("deltanet-packed-split", "layout, logits",
+          "the packed q|k|v in_proj and conv1d rows of a linear-attention layer split as one contiguous "
+          "slice per rank instead of per component, so ranks mix q, k and v channels of other heads "
+          "(Megatron-LM #1989); inert where one rank holds every linear head", needs_tp=True),
+    Fault("deltanet-state-dcp-split", "logits",
+          "under DCP each rank folds only the tokens it owns (t % dcp) into the linear-attention recurrent "
+          "state, as if the state were split by token like the KV cache (vLLM #36480): the state of each "
+          "rank misses the other ranks' tokens", needs_dcp=True),
+    Fault("moe-shared-every-rank", "layout, logits",
+          "the shared expert computed whole on every rank and added before the TP all-reduce, so it is "
+          "counted tp times (vLLM #37856: garbled output with EP and TP)", needs_tp=True),
+    Fault("moe-expert-offset", "layout, logits",
+          "each rank's expert ids offset by its tp rank instead of its EP rank, so with 1 < ep < tp ranks "
+          "route tokens to experts whose weights they do not hold; inert where ep is 1 or tp"),
+    Fault("moe-router-local-renorm", "logits",
+          "the top-k routing weights renormalized per EP rank over the experts that rank holds, not over "
+          "all k chosen experts: tokens split across EP ranks get weights that sum past 1; inert at ep=1"),
+    Fault("cache-groups-own-budget", "layout",
+          "each cache group (attention KV pages, recurrent-state slots) sized from its own share of the "
+          "budget, so the groups hold different numbers of sequences instead of one slot count (pypto "
+          "grouped cache capacity)"),
 )}
 
 

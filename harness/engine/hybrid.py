@@ -185,8 +185,10 @@ class HybridDecoder(Decoder):
     """The dense decoder's embedding, attention path, all-reduce and logits, with a hybrid layer loop."""
 
     def __init__(self, weights: LocalWeights, layers: list[HybridLayer], heads: HeadMap, linear: LinearHeads,
-                 top_k: int, hyper: Hyper, comm: Collectives, cache: HybridCache, flags: FaultFlags) -> None:
+                 top_k: int, hyper: Hyper, comm: Collectives, cache: HybridCache, flags: FaultFlags,
+                 tp: int, tp_rank: int) -> None:
         super().__init__(weights, heads, hyper, comm, cache, flags)
+        self.tp, self.tp_rank = tp, tp_rank
         self.layers = layers
         self.linear_heads = linear
         self.top_k = top_k
@@ -222,9 +224,10 @@ class HybridDecoder(Decoder):
                     attn = attn * torch.sigmoid(hn @ layer.q_gate.T).view(B, S, n_q, hd)
                 x = x + self._row_parallel(attn.flatten(2), w.o, attn_out=True)
             else:
-                attn = x.new_zeros(B, S, n_q, hd)  # the per-head capture holds full-attention heads only
                 assert layer.linear is not None
-                x = x + self._row_parallel(self._linear(layer, hn, batch, updates), layer.linear.out, attn_out=True)
+                mixed = self._row_parallel(self._linear(layer, hn, batch, updates), layer.linear.out, attn_out=True)
+                attn = self._mixer_capture(mixed)
+                x = x + mixed
             if capture is not None:
                 capture.attn.append(attn)
             x = x + self._ffn(layer, rms_norm(x, layer.mlp_norm, self.hyper.norm_eps))
@@ -236,6 +239,17 @@ class HybridDecoder(Decoder):
         self._sites = None
         self.state_cache.advance(batch.seq_ids, batch.valid.sum(dim=1).tolist())
         return x
+
+    def _mixer_capture(self, mixed: torch.Tensor) -> torch.Tensor:
+        """What a linear layer records in the per-head capture [B, S, n_q, hd]: when heads x head_dim is
+        the hidden size, this rank's slice of the layer's (all-reduced) output, so the gathered capture is
+        the whole output, compared like attention heads; zeros otherwise."""
+        B, S, H = mixed.shape
+        n_q, hd = self.heads.n_q, self.hyper.head_dim
+        if n_q * hd * self.tp != H:
+            return mixed.new_zeros(B, S, n_q, hd)
+        me = self.tp_rank
+        return mixed[..., me * n_q * hd:(me + 1) * n_q * hd].reshape(B, S, n_q, hd)  # [B, S, n_q * hd] -> heads
 
     def _state_mask(self, batch: Batch) -> torch.Tensor:
         """[B, S]: the tokens folded into the recurrent state: every valid token on every rank (the state
@@ -324,7 +338,7 @@ def build_hybrid(spec: ModelSpec, full: dict[str, torch.Tensor], tp: int, dcp: i
     cache = HybridCache(capacity, plan.attention.shape.layers, heads.n_kv, spec.head_dim, dtype, device,
                         state_slots, plan.linear.layers, (channels, h.conv_kernel - 1),
                         (len(lin.v_heads), h.linear_k_dim, h.linear_v_dim), state_dtype(dtype))
-    decoder = HybridDecoder(weights, layers, heads, linear_heads, h.top_k, hyper, comm, cache, flags)
+    decoder = HybridDecoder(weights, layers, heads, linear_heads, h.top_k, hyper, comm, cache, flags, tp, rank)
     return HybridParts(plan, rank_layout, heads, capacity, grouped, weights, layers, cache, decoder,
                        linear_rows(h, lin, flags))
 
@@ -355,6 +369,7 @@ def hybrid_layout_report(parts: HybridParts, rank: int) -> dict[str, Any]:
     return {"linear": {"v_heads": list(lin.v_heads), "k_heads": list(lin.k_heads),
                        "out_v_heads": list(lin.out_v_heads),
                        "conv_rows": [list(r) for r in parts.loaded_rows],
+                       "state_digests": list(parts.cache.final_digests),
                        "weight_checksum": _checksum([t for w in linears for t in (w.qkv, w.conv, w.z, w.b, w.a)])},
             "moe": moe,
             "cache_groups": {"slots": parts.grouped.slots, "attention_blocks": parts.capacity.blocks,

@@ -5,6 +5,7 @@ under DCP)."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Sequence
 
 import torch
@@ -13,6 +14,8 @@ from harness.engine.deltanet import LinearState
 from harness.engine.kvcache import PagedKVCache
 from harness.errors import RunError
 from harness.layout import PoolCapacity
+
+KEPT_DIGESTS = 8
 
 
 class HybridCache(PagedKVCache):
@@ -29,6 +32,7 @@ class HybridCache(PagedKVCache):
         self._free_slots = list(range(state_slots - 1, -1, -1))
         self.slot_of: dict[int, int] = {}
         self.state_length: dict[int, int] = {}  # tokens folded into each sequence's state
+        self.final_digests: list[str] = []  # sha256 of the last closed sequences' recurrent states
 
     @property
     def state_bytes(self) -> int:
@@ -47,7 +51,11 @@ class HybridCache(PagedKVCache):
 
     def free_sequence(self, seq_id: int) -> None:
         super().free_sequence(seq_id)
-        self._free_slots.append(self.slot_of.pop(seq_id))
+        slot = self.slot_of.pop(seq_id)
+        if self.state_length[seq_id]:  # the whole state a finished sequence leaves: equal across a DCP group
+            digest = hashlib.sha256(self.recurrent[slot].detach().cpu().contiguous().numpy().tobytes())
+            self.final_digests = (self.final_digests + [digest.hexdigest()[:16]])[-KEPT_DIGESTS:]
+        self._free_slots.append(slot)
         del self.state_length[seq_id]
 
     def fork(self, source: int, n: int) -> list[int]:
