@@ -60,21 +60,21 @@ def test_causal_conv_equals_conv1d_and_carries_its_state() -> None:
     x = torch.randn(S, C, generator=gen, dtype=torch.float64)
     w = torch.randn(C, K, generator=gen, dtype=torch.float64)
     zero = torch.zeros(C, K - 1, dtype=torch.float64)
-    got, _ = causal_conv(x, w, zero)
+    got, _, _ = causal_conv(x, w, zero)
     # [S, C] -> [1, C, S], left-padded by K - 1, depthwise
     want = F.silu(F.conv1d(F.pad(x.T[None], (K - 1, 0)), w[:, None, :], groups=C)[0].T)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     # split into a 4-token prefill and 3 decode steps: the same outputs
-    first, state = causal_conv(x[:4], w, zero)
+    first, state, _ = causal_conv(x[:4], w, zero)
     rest = []
     for t in range(4, S):
-        y, state = causal_conv(x[t:t + 1], w, state)
+        y, state, _ = causal_conv(x[t:t + 1], w, state)
         rest.append(y)
     torch.testing.assert_close(torch.cat([first, *rest]), want, rtol=1e-12, atol=1e-12)
     # right padding after `length` tokens does not enter the state
-    _, padded_state = causal_conv(torch.cat([x[:4], torch.randn(2, C, generator=gen, dtype=torch.float64)]), w,
+    _, padded_state, _ = causal_conv(torch.cat([x[:4], torch.randn(2, C, generator=gen, dtype=torch.float64)]), w,
                                   zero, length=4)
-    _, exact_state = causal_conv(x[:4], w, zero)
+    _, exact_state, _ = causal_conv(x[:4], w, zero)
     torch.testing.assert_close(padded_state, exact_state)
 
 
@@ -88,11 +88,16 @@ def test_layer_prefill_equals_token_by_token_decode() -> None:
     heads = LinearHeads(n_k=nk, n_v=nv, k_dim=dk, v_dim=dv, v_to_local_k=(0, 0, 1, 1))
     h = r(S, H)
     start = empty_state(heads, C, K, torch.device("cpu"), torch.float64)
-    whole, end = linear_attention(h, w, heads, start, 1e-6, length=S)  # [S, nv * dv] before the out projection
-    state, steps = start, []
+    # [S, nv * dv]: the output before the out projection
+    whole, end, snapshots = linear_attention(h, w, heads, start, 1e-6, length=S, keep_steps=True)
+    assert snapshots is not None
+    state, outs = start, []
     for t in range(S):
-        y, state = linear_attention(h[t:t + 1], w, heads, state, 1e-6, length=1)
-        steps.append(y)
-    torch.testing.assert_close(torch.cat(steps), whole, rtol=1e-10, atol=1e-10)
+        y, state, _ = linear_attention(h[t:t + 1], w, heads, state, 1e-6, length=1)
+        after = snapshots.after(t + 1, K)  # the snapshot after t + 1 tokens is the token-by-token state
+        torch.testing.assert_close(after.recurrent, state.recurrent, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(after.conv, state.conv)
+        outs.append(y)
+    torch.testing.assert_close(torch.cat(outs), whole, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(state.recurrent, end.recurrent, rtol=1e-10, atol=1e-10)
     assert state.recurrent.dtype == torch.float64  # a float64 model keeps a float64 state

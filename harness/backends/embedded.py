@@ -69,9 +69,6 @@ class EmbeddedBackend:
                 "weights": weights_key(job.model), "code": self._code}
 
     def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
-        if model.hybrid is not None and topology.speculator != "none":
-            return (f"{model.name} is hybrid (linear attention): the embedded engine's speculative decoding needs a "
-                    f"rollback of the recurrent state, which it does not keep")
         return None  # every layout the planner accepts (the runner checks that first)
 
     def noise_strategy(self) -> str:

@@ -53,30 +53,49 @@ class LinearState:
     recurrent: torch.Tensor
 
 
+@dataclass
+class LinearSteps:
+    """The state after each token of one chunk, for a rollback: conv inputs [C, K - 1 + S] (the state
+    after j tokens is columns j .. j + K - 2) and recurrent [S + 1, Hv, Dk, Dv] (entry j: after j tokens)."""
+
+    conv_inputs: torch.Tensor
+    recurrent: torch.Tensor
+
+    def after(self, j: int, kernel: int) -> LinearState:
+        return LinearState(self.conv_inputs[:, j:j + kernel - 1], self.recurrent[j])
+
+
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
-                length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                length: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Depthwise causal conv1d of x [S, C] with weight [C, K], continuing from state [C, K - 1] (the
     previous K - 1 inputs, oldest first). Returns (silu(conv) [S, C], new state [C, K - 1]: the last
-    K - 1 inputs among the first `length` tokens (default all; right padding after them is ignored))."""
+    K - 1 inputs among the first `length` tokens (default all; right padding after them is ignored),
+    and the inputs [C, K - 1 + S] the state after each token is a window of)."""
     kernel, n = weight.shape[1], x.shape[0] if length is None else length
     padded = torch.cat((state, x.T), dim=1)  # [C, K - 1 + S]
     windows = padded.unfold(1, kernel, 1)  # [C, S, K]
     y = (windows * weight[:, None, :]).sum(-1).T  # [S, C]
-    return F.silu(y), padded[:, n:n + kernel - 1]
+    return F.silu(y), padded[:, n:n + kernel - 1], padded
 
 
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               state: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               state: torch.Tensor, mask: torch.Tensor | None = None,
+               steps: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta recurrence over S tokens for Hv heads: q, k [S, Hv, Dk] (K heads already expanded
     to V heads), v [S, Hv, Dv], g, beta [S, Hv], state [Hv, Dk, Dv]. `mask` [S] (False = token skipped:
-    the state is left as it is). Returns (o [S, Hv, Dv], new state)."""
+    the state is left as it is). Returns (o [S, Hv, Dv], new state); `steps` gets the state before the
+    first token and after each one."""
     outs = []
+    if steps is not None:
+        steps.append(state)
     for t in range(q.shape[0]):
         decayed = state * torch.exp(g[t])[:, None, None]
         kv_mem = torch.einsum("hk,hkv->hv", k[t], decayed)  # [Hv, Dv]
         delta = (v[t] - kv_mem) * beta[t][:, None]
         new = decayed + k[t][:, :, None] * delta[:, None, :]
         state = new if mask is None else torch.where(mask[t], new, state)
+        if steps is not None:
+            steps.append(state)
         outs.append(torch.einsum("hk,hkv->hv", q[t], state))
     return torch.stack(outs), state
 
@@ -89,14 +108,16 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 
 def linear_attention(h: torch.Tensor, w: LinearWeights, heads: LinearHeads, state: LinearState, eps: float,
-                     length: int, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, LinearState]:
+                     length: int, mask: torch.Tensor | None = None,
+                     keep_steps: bool = False) -> tuple[torch.Tensor, LinearState, LinearSteps | None]:
     """One sequence's new tokens h [S, H] (normed; the first `length` valid, the rest padding) through
     one layer; returns (the gated, normed output of this rank's V heads [S, Hv_local * Dv], before the
     row-parallel out projection `w.out` and the TP all-reduce; the new state).
-    `mask` [S]: the tokens that update the recurrent state (default: the first `length`)."""
+    `mask` [S]: the tokens that update the recurrent state (default: the first `length`). With
+    `keep_steps`, also the state after each token (a rollback's snapshots), else None."""
     S = h.shape[0]
     nk, nv, dk, dv = heads.n_k, heads.n_v, heads.k_dim, heads.v_dim
-    mixed, conv_state = causal_conv(h @ w.qkv.T, w.conv, state.conv, length)  # [S, C]
+    mixed, conv_state, conv_inputs = causal_conv(h @ w.qkv.T, w.conv, state.conv, length)  # [S, C]
     q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
     idx = torch.tensor(heads.v_to_local_k, device=h.device)
     calc = state_dtype(h.dtype)
@@ -108,10 +129,12 @@ def linear_attention(h: torch.Tensor, w: LinearWeights, heads: LinearHeads, stat
     g = -torch.exp(w.a_log.to(calc)) * F.softplus((h @ w.a.T).to(calc) + w.dt_bias.to(calc))  # [S, nv]
     if mask is None:
         mask = torch.arange(S, device=h.device) < length
-    o, rec = delta_rule(q, k, v, g, beta, state.recurrent, mask)
+    steps: list[torch.Tensor] | None = [] if keep_steps else None
+    o, rec = delta_rule(q, k, v, g, beta, state.recurrent, mask, steps)
     z = (h @ w.z.T).reshape(S, nv, dv)  # [S, nv * dv] -> [S, nv, dv]
     y = gated_rms_norm(o.to(h.dtype), z, w.norm, eps).reshape(S, nv * dv)  # [S, nv * dv]
-    return y, LinearState(conv_state, rec)
+    snapshots = LinearSteps(conv_inputs, torch.stack(steps)) if steps is not None else None
+    return y, LinearState(conv_state, rec), snapshots
 
 
 def empty_state(heads: LinearHeads, channels: int, kernel: int, device: torch.device,

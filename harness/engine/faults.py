@@ -102,6 +102,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "each cache group (attention KV pages, recurrent-state slots) sized from its own share of the "
           "budget, so the groups hold different numbers of sequences instead of one slot count (pypto "
           "grouped cache capacity)"),
+    Fault("mtp-dcp-hidden-owner", "acceptance",
+          "under DCP the MTP module fed the target hidden state of the latest position owned by DCP rank 0 "
+          "(q - q % dcp) instead of q, the same wrong state on every rank, as a draft built for dcp=1 would "
+          "(local-inference-lab vLLM #72): every cross-rank comparison agrees, greedy output stays lossless, "
+          "the proposals change", needs_dcp=True, needs_speculator="mtp"),
 )}
 
 
@@ -132,6 +137,7 @@ class FaultFlags:
     expert_offset_tp_rank: bool = False     # moe-expert-offset: expert ids offset by the tp rank, not the EP rank
     router_local_renorm: bool = False       # moe-router-local-renorm: top-k weights renormalized per rank
     cache_groups_own_budget: bool = False   # cache-groups-own-budget: each cache group from its own budget share
+    mtp_hidden_dcp_owner: bool = False      # mtp-dcp-hidden-owner: MTP reads DCP rank 0's latest position
 
 
 # Perturbations of a correct engine (not faults: no bug, only another reduction order). The noise run
@@ -179,4 +185,5 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         expert_offset_tp_rank=name == "moe-expert-offset",
         router_local_renorm=name == "moe-router-local-renorm",
         cache_groups_own_budget=name == "cache-groups-own-budget",
+        mtp_hidden_dcp_owner=name == "mtp-dcp-hidden-owner",
     )

@@ -34,7 +34,7 @@ from harness.engine.model import (
 from harness.engine.moe import MoeWeights, moe_activations
 from harness.engine.parallel import Collectives
 from harness.engine.parallelize import head_map, vocab_rows
-from harness.engine.statecache import HybridCache
+from harness.engine.statecache import SNAPSHOT_TOKENS, HybridCache
 from harness.hybrid_layout import (
     FULL,
     GroupedCapacity,
@@ -264,11 +264,14 @@ class HybridDecoder(Decoder):
         assert layer.linear is not None
         outs = []
         lengths = batch.valid.sum(dim=1).tolist()
+        keep = hn.shape[1] <= SNAPSHOT_TOKENS
         for b, seq_id in enumerate(batch.seq_ids):
             state = self.state_cache.state(seq_id, layer.linear_index)
-            y, new = linear_attention(hn[b], layer.linear, self.linear_heads, state, self.hyper.norm_eps,
-                                      int(lengths[b]), updates[b])
+            y, new, steps = linear_attention(hn[b], layer.linear, self.linear_heads, state, self.hyper.norm_eps,
+                                             int(lengths[b]), updates[b], keep_steps=keep)
             self.state_cache.store_state(seq_id, layer.linear_index, new)
+            if steps is not None:
+                self.state_cache.keep_snapshots(seq_id, layer.linear_index, steps)
             outs.append(y)
         return torch.stack(outs)  # [B, S, Hv_local * Dv]
 

@@ -10,12 +10,13 @@ from typing import Sequence
 
 import torch
 
-from harness.engine.deltanet import LinearState
+from harness.engine.deltanet import LinearState, LinearSteps
 from harness.engine.kvcache import PagedKVCache
 from harness.errors import RunError
 from harness.layout import PoolCapacity
 
 KEPT_DIGESTS = 8
+SNAPSHOT_TOKENS = 16  # chunks up to this long keep the state after each token (speculative verify steps)
 
 
 class HybridCache(PagedKVCache):
@@ -33,6 +34,10 @@ class HybridCache(PagedKVCache):
         self.slot_of: dict[int, int] = {}
         self.state_length: dict[int, int] = {}  # tokens folded into each sequence's state
         self.final_digests: list[str] = []  # sha256 of the last closed sequences' recurrent states
+        # per sequence: the state length before its latest chunk and, per linear layer, the states after
+        # each token of that chunk (a speculative rollback restores one of them)
+        self.snapshots: dict[int, tuple[int, dict[int, LinearSteps]]] = {}
+        self.kernel = conv_shape[1] + 1
 
     @property
     def state_bytes(self) -> int:
@@ -57,6 +62,7 @@ class HybridCache(PagedKVCache):
             self.final_digests = (self.final_digests + [digest.hexdigest()[:16]])[-KEPT_DIGESTS:]
         self._free_slots.append(slot)
         del self.state_length[seq_id]
+        self.snapshots.pop(seq_id, None)
 
     def fork(self, source: int, n: int) -> list[int]:
         ids = super().fork(source, n)
@@ -69,10 +75,25 @@ class HybridCache(PagedKVCache):
         return ids
 
     def truncate(self, seq_id: int, length: int) -> None:
-        if length < self.state_length[seq_id]:
-            raise RunError(f"sequence {seq_id}: a recurrent state of {self.state_length[seq_id]} tokens cannot be "
-                           f"rolled back to {length}")
+        """Drop K/V past `length` and restore the recurrent state after `length` tokens, from the snapshots
+        of the sequence's latest chunk (a rollback further back is an error)."""
+        have = self.state_length[seq_id]
+        if length < have:
+            start, layers = self.snapshots.get(seq_id, (have, {}))
+            if not layers or length < start:
+                raise RunError(f"sequence {seq_id}: a recurrent state of {have} tokens cannot be rolled back to "
+                               f"{length} (snapshots cover lengths {start}..{have})")
+            for layer, steps in layers.items():
+                self.store_state(seq_id, layer, steps.after(length - start, self.kernel))
+            self.state_length[seq_id] = length
         super().truncate(seq_id, length)
+
+    def keep_snapshots(self, seq_id: int, layer: int, steps: LinearSteps) -> None:
+        """The states after each token of the chunk just folded into `layer` (before advance())."""
+        start = self.state_length[seq_id]
+        if layer == 0 or seq_id not in self.snapshots:
+            self.snapshots[seq_id] = (start, {})
+        self.snapshots[seq_id][1][layer] = steps
 
     def state(self, seq_id: int, layer: int) -> LinearState:
         """Views of sequence `seq_id`'s state in linear layer `layer` (index among the linear layers)."""
