@@ -22,7 +22,11 @@ def hybrid_document(model: ModelSpec, topo: Topology, budget_bytes: int | None, 
                "cache_groups": [{"name": g.name, "blocks_per_seq": g.blocks_per_seq, "block_bytes": g.block_bytes}
                                 for g in groups],
                "capacity": None if budget_bytes is None else grouped_capacity(groups, budget_bytes).to_dict()}
-    return plan.attention.to_dict(), section
+    layout = plan.attention.to_dict()
+    if plan.moe is not None:  # the FFN is the MoE (section "moe"): no dense FFN columns
+        for rank in layout["ranks"]:
+            rank["ffn_shard"] = [0, 0]
+    return layout, section
 
 
 def render_hybrid(h: dict[str, Any]) -> list[str]:
