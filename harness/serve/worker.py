@@ -145,7 +145,8 @@ def serve(config: ServeConfig) -> None:
     spec = config.model
     tokenizer = load_tokenizer(spec)
     weights = load_weights(spec)
-    engine = Engine(spec, weights, state, fault_flags(config.fault, topo), PoolSettings(**config.pool), config.dtype)
+    engine = Engine(spec, weights, state, fault_flags(config.fault, topo), PoolSettings(**config.pool), config.dtype,
+                    ep=topo.ep)
     decoder = speculator = None
     if topo.speculator != "none":
         settings = SpeculativeSettings.from_mapping(config.speculative)
