@@ -62,7 +62,7 @@ def _layout(ctx: CellContext, entry: str, name: str) -> CheckResult:
     check_pool = ctx.settings.of(LayoutSettings).check_pool and ctx.par_caps.has(c.KV_POOL_SIZE)
     if entry == "target" and ctx.hybrid_plan is not None:
         return check_hybrid_layout(ctx.hybrid_plan, actual, name, check_pool,
-                                   ctx.settings.of(LayoutSettings).check_checksums)
+                                   ctx.settings.of(LayoutSettings).check_checksums, ctx.speculator_plan)
     return check_layout_with_pool(plan, actual, name, check_pool, ctx.settings.of(LayoutSettings).check_checksums)
 
 

@@ -21,6 +21,7 @@ from harness.compare.layout_check import check_layout
 from harness.errors import ConfigError
 from harness.fmt import id_ranges
 from harness.hybrid_layout import HybridPlan, grouped_capacity, hybrid_cache_groups
+from harness.layout import LayoutPlan
 from harness.verdict import CheckResult, Verdict
 
 
@@ -96,9 +97,9 @@ def _moe_problems(plan: HybridPlan, by_rank: Mapping[int, Mapping[str, Any]]) ->
     return out
 
 
-def _cache_problems(plan: HybridPlan, by_rank: Mapping[int, Mapping[str, Any]],
-                    pool: Mapping[str, Any]) -> list[str]:
-    groups = hybrid_cache_groups(plan.attention, plan.linear, None, int(pool["max_seq_len"]),
+def _cache_problems(plan: HybridPlan, by_rank: Mapping[int, Mapping[str, Any]], pool: Mapping[str, Any],
+                    speculator: LayoutPlan | None) -> list[str]:
+    groups = hybrid_cache_groups(plan.attention, plan.linear, speculator, int(pool["max_seq_len"]),
                                  int(pool["block_size"]))
     try:
         want = grouped_capacity(groups, int(pool["budget_bytes"]))
@@ -124,9 +125,10 @@ def _ranges(rows: Any) -> str:
 
 
 def check_hybrid_layout(plan: HybridPlan, actual: Mapping[str, Any], name: str = "layout",
-                        check_pool: bool = True, check_checksums: bool = True) -> CheckResult:
-    """The full-attention layout (layout_check.check_layout, its pool replaced by the grouped capacity)
-    and the hybrid invariants above."""
+                        check_pool: bool = True, check_checksums: bool = True,
+                        speculator: LayoutPlan | None = None) -> CheckResult:
+    """The full-attention layout (layout_check.check_layout, its pool replaced by the grouped capacity,
+    whose groups include the speculator's KV pages when it runs) and the hybrid invariants above."""
     base = check_layout(plan.attention, actual, None, name, check_checksums)
     if base.verdict is Verdict.ERROR:
         return base
@@ -137,7 +139,7 @@ def check_hybrid_layout(plan: HybridPlan, actual: Mapping[str, Any], name: str =
     try:
         problems = _linear_problems(plan, by_rank) + _moe_problems(plan, by_rank)
         if check_pool:
-            problems += _cache_problems(plan, by_rank, actual["pool"])
+            problems += _cache_problems(plan, by_rank, actual["pool"], speculator)
     except (KeyError, TypeError) as exc:
         return CheckResult(name, Verdict.ERROR, f"malformed 'hybrid' layout entry ({exc!r})")
     problems += base.metrics["problems"]

@@ -94,7 +94,7 @@ class Engine:
 
     def __init__(self, spec: ModelSpec, full_weights: dict[str, torch.Tensor], state: ParallelState,
                  flags: FaultFlags = FaultFlags(), pool: PoolSettings = PoolSettings(),
-                 dtype: str | None = None, ep: int = 1) -> None:
+                 dtype: str | None = None, ep: int = 1, speculator: str = "none") -> None:
         self.spec = spec
         self.state = state
         self.flags = flags
@@ -102,7 +102,7 @@ class Engine:
         self.pool = pool
         self.hybrid: HybridParts | None = None
         if spec.hybrid is not None:  # linear attention / MoE layers: harness/engine/hybrid.py
-            self._init_hybrid(full_weights, ep)
+            self._init_hybrid(full_weights, ep, speculator != "none")
             return
         self.plan: LayoutPlan = engine_plan(spec, state.tp, state.dcp, flags)
         self.rank_layout = self.plan.ranks[state.rank]
@@ -115,12 +115,12 @@ class Engine:
                                state.collectives(), self.cache, flags)
         self._weights = weights
 
-    def _init_hybrid(self, full_weights: dict[str, torch.Tensor], ep: int) -> None:
+    def _init_hybrid(self, full_weights: dict[str, torch.Tensor], ep: int, speculator: bool) -> None:
         state, pool = self.state, self.pool
         parts = build_hybrid(self.spec, full_weights, state.tp, state.dcp, ep, state.rank, self.flags,
                              pool.budget_bytes, pool.max_seq_len, pool.block_size,
                              Hyper(self.spec.head_dim, self.spec.rope_theta, self.spec.norm_eps),
-                             state.collectives(), self.dtype, state.device)
+                             state.collectives(), self.dtype, state.device, speculator)
         self.hybrid = parts
         self.plan, self.rank_layout, self.heads = parts.plan.attention, parts.rank_layout, parts.heads
         self.capacity, self.cache, self.decoder = parts.capacity, parts.cache, parts.decoder

@@ -46,8 +46,9 @@ from harness.hybrid_layout import (
     grouped_capacity,
     hybrid_cache_groups,
     plan_hybrid,
+    plan_hybrid_speculator,
 )
-from harness.layout import PoolCapacity, RankLayout, slot_pool, token_owner
+from harness.layout import LayoutPlan, PoolCapacity, RankLayout, slot_pool, token_owner
 from harness.specs.model import ModelSpec
 
 
@@ -309,30 +310,34 @@ def engine_hybrid_plan(spec: ModelSpec, tp: int, dcp: int, ep: int) -> HybridPla
     return plan_hybrid(spec.attention_shape, spec.hybrid, tp, dcp, ep)
 
 
-def cache_capacity(plan: HybridPlan, budget_bytes: int, max_seq_len: int, block_size: int,
-                   flags: FaultFlags) -> tuple[GroupedCapacity, PoolCapacity, int]:
-    """(the grouped capacity, the attention pool, the recurrent-state slots): one slot count for both,
-    or under the fault cache-groups-own-budget each group sized from its own share of the budget."""
-    groups = hybrid_cache_groups(plan.attention, plan.linear, None, max_seq_len, block_size)
+def cache_capacity(plan: HybridPlan, budget_bytes: int, max_seq_len: int, block_size: int, flags: FaultFlags,
+                   speculator: LayoutPlan | None = None) -> tuple[GroupedCapacity, PoolCapacity, int]:
+    """(the grouped capacity, the attention pool, the recurrent-state slots): one slot count for every
+    group (with a speculator, its KV pages are a group of the same budget: it gets as many slots), or
+    under the fault cache-groups-own-budget each group sized from its own share of the budget."""
+    groups = hybrid_cache_groups(plan.attention, plan.linear, speculator, max_seq_len, block_size)
     grouped = grouped_capacity(groups, budget_bytes)
     if not flags.cache_groups_own_budget:
         return grouped, slot_pool(plan.attention, grouped.slots, max_seq_len, block_size), grouped.slots
     share = budget_bytes // len(groups)
     attn = grouped_capacity(groups[:1], share)
-    state_slots = max(1, (budget_bytes - share) // groups[1].slot_bytes) if len(groups) > 1 else attn.slots
+    state_slots = max(1, share // groups[1].slot_bytes) if len(groups) > 1 else attn.slots
     return grouped, slot_pool(plan.attention, attn.slots, max_seq_len, block_size), state_slots
 
 
 def build_hybrid(spec: ModelSpec, full: dict[str, torch.Tensor], tp: int, dcp: int, ep: int, rank: int,
                  flags: FaultFlags, budget_bytes: int, max_seq_len: int, block_size: int, hyper: Hyper,
-                 comm: Collectives, dtype: torch.dtype, device: torch.device) -> HybridParts:
-    """Everything one rank of a hybrid model needs, from the planner's plan (faults: the flags)."""
+                 comm: Collectives, dtype: torch.dtype, device: torch.device,
+                 speculator: bool = False) -> HybridParts:
+    """Everything one rank of a hybrid model needs, from the planner's plan (faults: the flags);
+    `speculator`: a draft/MTP head shares the cache budget (its pages are one more cache group)."""
     assert spec.hybrid is not None
     h = spec.hybrid
     plan = engine_hybrid_plan(spec, tp, dcp, ep)
     rank_layout = plan.attention.ranks[rank]
     heads = head_map(rank_layout, flags)
-    grouped, capacity, state_slots = cache_capacity(plan, budget_bytes, max_seq_len, block_size, flags)
+    spec_plan = plan_hybrid_speculator(spec.attention_shape, spec.speculator_layers, tp) if speculator else None
+    grouped, capacity, state_slots = cache_capacity(plan, budget_bytes, max_seq_len, block_size, flags, spec_plan)
     weights, layers = shard_hybrid(full, spec, plan, rank, flags, dtype, device)
     lin = plan.linear.ranks[rank]
     channels = sum(hi - lo for lo, hi in lin.conv_rows)

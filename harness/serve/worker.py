@@ -146,7 +146,7 @@ def serve(config: ServeConfig) -> None:
     tokenizer = load_tokenizer(spec)
     weights = load_weights(spec)
     engine = Engine(spec, weights, state, fault_flags(config.fault, topo), PoolSettings(**config.pool), config.dtype,
-                    ep=topo.ep)
+                    ep=topo.ep, speculator=topo.speculator)
     decoder = speculator = None
     if topo.speculator != "none":
         settings = SpeculativeSettings.from_mapping(config.speculative)
