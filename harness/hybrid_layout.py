@@ -369,14 +369,6 @@ def _share(short: int, part: int, whole: int) -> str:
     return f"{-(-short * part // whole)} bytes"
 
 
-def split_budget_capacity(groups: tuple[CacheGroup, ...], budget_bytes: int) -> dict[str, int]:
-    """The buggy sizing (fault cache-groups-own-budget): each group takes an equal share of the budget
-    and rounds its own block count down, so the groups disagree on how many sequences they hold.
-    Returns blocks per group."""
-    share = budget_bytes // len(groups)
-    return {g.name: share // g.block_bytes for g in groups}
-
-
 def hybrid_cache_groups(attn: LayoutPlan, linear: LinearPlan, speculator: LayoutPlan | None, max_seq_len: int,
                         block_size: int) -> tuple[CacheGroup, ...]:
     """The cache groups of one rank: attention KV pages (full-attention layers, the rank's
