@@ -175,3 +175,10 @@ def test_hybrid_fault_is_silent_corruption_and_localized(tmp_path: Path, suite_f
     assert loc["layer"] == 0 and loc["summary"].startswith(summary), loc
     if "residual stream" in summary:  # the token mixer is fine: the MoE FFN is named
         assert "the FFN (MoE: router, routed experts or shared expert)" in loc["summary"]
+
+
+def test_a_hybrid_model_is_not_exported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """harness export writes Llama/Qwen2-style folders only: a hybrid model is one clear error (exit 2)."""
+    assert main(["export", "--model", "tiny-hybrid", "--out", str(tmp_path / "out")]) == 2
+    assert "is hybrid (linear attention / MoE): harness export writes" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

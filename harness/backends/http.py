@@ -215,6 +215,8 @@ class HttpBackend:
     def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
         if topology.dcp > 1 and not self.spec.supports_dcp:
             return f"engine {self.name} cannot run decode context parallelism (dcp={topology.dcp})"
+        if model.hybrid is not None and model.source == "synthetic":
+            return f"engine {self.name}: a synthetic hybrid model (linear attention / MoE) cannot be exported for it"
         if topology.ep > 1:
             return f"engine {self.name}: its template has no expert-parallel setting (ep={topology.ep})"
         if topology.speculator != "none" and topology.speculator not in self.spec.speculator_argv:
