@@ -32,7 +32,7 @@ def _topologies() -> list[str]:
     cat = load_catalog()
     out = [f"{name:<16} {t.canonical_name}" for name, t in cat.topologies.items()]
     out += [f"{name:<16} set: {', '.join(members)}" for name, members in cat.sets.items()]
-    out.append("(any tp<N>[dcp<M>][-draft|-mtp] name works without being listed)")
+    out.append("(any tp<N>[dcp<M>][ep<E>][-draft|-mtp] name works without being listed)")
     return out
 
 
