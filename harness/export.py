@@ -112,6 +112,9 @@ def check_out(out: Path) -> None:
 def export_model(spec: ModelSpec, out: Path) -> Path:
     """Write `spec` (weights and tokenizer) as a Hugging Face checkpoint folder at `out`: into a temporary
     folder beside it, renamed into place only when complete (a failed export leaves no folder behind)."""
+    if spec.hybrid is not None:
+        raise ConfigError(f"model {spec.name!r} is hybrid (linear attention / MoE): harness export writes "
+                          f"Llama/Qwen2-style checkpoints only; the embedded engine runs it directly")
     check_out(out)
     if spec.mla:  # the Llama config.json cannot describe a latent attention
         raise ConfigError(f"model {spec.name!r} is an MLA model (kv_lora_rank={spec.kv_lora_rank}): harness export "

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from harness.errors import ConfigError
 
-LAYOUT_SCHEMA_VERSION = 2
+LAYOUT_SCHEMA_VERSION = 3  # 2: the `hybrid` section of harness plan; 3: `mla`, `token_owners`, placements
 T = TypeVar("T")
 PLACEMENTS: tuple[str, ...] = ("interleave", "contiguous")
 

@@ -41,6 +41,7 @@ from harness.paths import BASELINES_DIR
 from harness.refcache import ReferenceCache, ReferenceFailed
 from harness.report.provenance import collect_provenance, git_commit
 from harness.shard import Shard, shard_cells
+from harness.specs.hybrid_plan import plan_model
 from harness.specs.model import ModelSpec
 from harness.specs.suite import Suite
 from harness.specs.topology import Topology, parse_topology_name
@@ -112,6 +113,8 @@ def skip_reason(model: ModelSpec, topo: Topology, fault: str | None) -> str | No
     """Why a cell cannot run (model does not split, fault does not apply), or None."""
     try:
         plan_layout(model.attention_shape, topo.tp, topo.dcp, placement=topo.placement, q_replicated=topo.q_replicated)
+        if model.hybrid is not None or topo.ep > 1:
+            plan_model(model, topo)
     except ConfigError as exc:
         return f"{model.name} does not split at {topo.name}: {exc}"
     if topo.speculator != "none":
@@ -324,9 +327,13 @@ class Runner:
         """Everything the checks of `cell` read."""
         suite = self.req.suite
         topo = cell.topology
+        hybrid = plan_model(cell.model, topo) if cell.model.hybrid is not None else None
         return CellContext(
-            ref=ref, par=par, noise=noise, plan=plan_layout(cell.model.attention_shape, topo.tp, topo.dcp,
-                                                      placement=topo.placement, q_replicated=topo.q_replicated),
+            ref=ref, par=par, noise=noise,
+            plan=hybrid.attention if hybrid else plan_layout(cell.model.attention_shape, topo.tp, topo.dcp,
+                                                             placement=topo.placement,
+                                                             q_replicated=topo.q_replicated),
+            hybrid_plan=hybrid,
             settings=CheckSettings.from_suite(suite, cell.model.dtype),
             par_caps=run_capabilities(par, self.backend.capabilities()),
             ref_caps=run_capabilities(ref, self.ref_backend.capabilities()),

@@ -80,7 +80,7 @@ def test_plan_table_dcp_capacity_and_speculator(capsys: pytest.CaptureFixture[st
 
 def test_plan_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
     doc = plan_json(capsys, "--model", "tiny-kv6", "--topo", "tp4")
-    assert doc["schema_version"] == LAYOUT_SCHEMA_VERSION == 2
+    assert doc["schema_version"] == LAYOUT_SCHEMA_VERSION == 3
     assert doc["model"] == "tiny-kv6"
     assert doc["topology"] == {"name": "tp4", "tp": 4, "dcp": 1, "speculator": "none", "world_size": 4}
     assert (doc["tp"], doc["dcp"], doc["kv_tp_size"], doc["kv_gcd"]) == (4, 1, 4, 2)
@@ -89,7 +89,7 @@ def test_plan_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
     assert doc["kv_bytes_per_token_total"] == 4 * 384
     assert doc["kv_duplication"] == 2
     assert doc["kv_replicas"] == [2] * 6
-    assert doc["capacity"] is None and doc["speculator"] is None
+    assert doc["capacity"] is None and doc["speculator"] is None and doc["hybrid"] is None
     assert len(doc["ranks"]) == 4
     for r, rank in enumerate(doc["ranks"]):
         assert RANK_KEYS <= set(rank)
@@ -157,6 +157,44 @@ def test_plan_budget_error_names_the_shortfall(capsys: pytest.CaptureFixture[str
         f"(32 blocks x 16 tokens x 512 bytes/token, max_seq_len=2048, dcp=4): short by {262144 - budget} bytes")
 
 
+def test_plan_hybrid_model_shows_linear_state_experts_and_cache_groups(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_cli(capsys, "plan", "--model", "tiny-hybrid", "--topo", "tp4dcp2ep4-mtp", "--budget-gib",
+                           "0.001", "--max-seq-len", "256")
+    assert rc == 0, err
+    assert "layers: LLLFLLLF (6 linear attention, 2 full attention with output gate)" in out
+    lines = out.splitlines()
+    lin = lines.index(next(line for line in lines if line.startswith("linear attention (V heads")))
+    # tiny-hybrid: 6 V heads, 2 K heads of 16 dims over kv_tp_size 2; a DCP group holds the same heads
+    assert [line.split() for line in lines[lin + 3:lin + 7]] == [
+        ["0", "0-2", "0", "0-2", "0-15", "32-47", "64-111", "960", "B", "3.00", "KiB"],
+        ["1", "0-2", "0", "-", "0-15", "32-47", "64-111", "960", "B", "3.00", "KiB"],
+        ["2", "3-5", "1", "3-5", "16-31", "48-63", "112-159", "960", "B", "3.00", "KiB"],
+        ["3", "3-5", "1", "-", "16-31", "48-63", "112-159", "960", "B", "3.00", "KiB"]]
+    moe = lines.index(next(line for line in lines if line.startswith("MoE: 8 experts, top-2, ep=4")))
+    assert [line.split()[4] for line in lines[moe + 3:moe + 7]] == ["0-1", "2-3", "4-5", "6-7"]
+    # one slot: attention 8 pages x 4 KiB (2 full layers), recurrent 1 x 6 layers x (960 + 3072) bytes,
+    # MTP 16 pages x 2 KiB: 32768 + 24192 + 32768 = 89728 bytes; int(0.001 GiB) // 89728 = 11 slots
+    assert ("cache groups per rank (one slot = one sequence of 256 tokens, 16-token pages): attention 8 x 4.00 KiB; "
+            "recurrent 1 x 23.62 KiB; mtp 16 x 2.00 KiB") in out
+    assert "grouped capacity per rank: 11 slots" in out
+    assert "attention 88 blocks, recurrent 11 blocks, mtp 176 blocks" in out
+    doc = plan_json(capsys, "--model", "tiny-hybrid", "--topo", "tp4ep2", "--budget-gib", "0.001")
+    hyb = doc["hybrid"]
+    assert doc["topology"]["ep"] == 2 and hyb["moe"]["etp"] == 2
+    assert [r["experts"] for r in hyb["moe"]["ranks"]] == [[0, 1, 2, 3]] * 2 + [[4, 5, 6, 7]] * 2
+    assert [g["name"] for g in hyb["capacity"]["groups"]] == ["attention", "recurrent"]
+    assert doc["capacity"] is None and doc["kv_bytes_per_token_per_rank"] == 2 * 2 * 1 * 16 * 4
+
+
+def test_plan_hybrid_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run_cli(capsys, "plan", "--model", "tiny-gqa", "--topo", "tp4ep2")
+    assert rc == 2 and "ep=2 needs a MoE model; tiny-gqa is dense" in err
+    rc, _, err = run_cli(capsys, "plan", "--model", "tiny-hybrid", "--topo", "tp4", "--budget-gib", "0.00001",
+                         "--max-seq-len", "256")
+    assert rc == 2 and "across 2 cache groups" in err
+    assert "attention: 16 blocks x 4096 bytes" in err and "recurrent: 1 blocks" in err
+
+
 def test_plan_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["plan", "--topo", "tp4"], ["plan", "--model", "tiny-gqa", "--topo", "tp4", "--format", "xml"],
                  ["nosuchcommand"]):
@@ -183,7 +221,7 @@ def test_list_sections(capsys: pytest.CaptureFixture[str], what: str) -> None:
         assert "dcp-nightly" in first_words
         line = next(line for line in out.splitlines() if line.split()[0] == "dcp-nightly")
         assert line.split(None, 1)[1] == "set: tp4dcp2, tp4dcp4, tp8dcp2, tp8dcp4, tp4dcp4i4, tp4dcp2c"
-        assert "tp<N>[dcp<M>[i<K>|c][q]][-draft|-mtp]" in out
+        assert "tp<N>[dcp<M>[i<K>|c][q]][ep<E>][-draft|-mtp]" in out
 
 
 def test_list_all(capsys: pytest.CaptureFixture[str]) -> None:
@@ -203,7 +241,7 @@ def test_python_m_harness_plan(tmp_path: Path) -> None:
     proc = run_process("plan", "--model", "tiny-gqa", "--topo", "tp4dcp4", "--format", "json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    assert doc["schema_version"] == 2 and doc["kv_duplication"] == 1
+    assert doc["schema_version"] == LAYOUT_SCHEMA_VERSION and doc["kv_duplication"] == 1
     assert [r["kv_heads"] for r in doc["ranks"]] == [[0, 1]] * 4
     assert [r["q_to_kv"] for r in doc["ranks"]] == [[0, 0], [0, 0], [1, 1], [1, 1]]
 

@@ -49,6 +49,7 @@ def test_spec_suite_passes_with_acceptance_details(tmp_path: Path, cache_dir: Pa
     ("draft-dcp-kv-heads", "tp2dcp2-draft", {"speculator_layout"}),
     ("draft-stale-kv", "tp2dcp2-draft", {"acceptance", "acceptance_baseline"}),
     ("mtp-wrong-hidden", "tp2dcp2-mtp", {"acceptance"}),
+    ("mtp-dcp-hidden-owner", "tp2dcp2-mtp", {"acceptance"}),  # the same wrong state on every DCP rank
     # a verify bug the tp1 reference shares: only the stored baseline sees it
     ("spec-verify-last-draft", "tp2dcp2-mtp", {"acceptance_baseline"}),
 ])

@@ -6,6 +6,7 @@ import pytest
 
 from harness.errors import ConfigError
 from harness.layout import (
+    LAYOUT_SCHEMA_VERSION,
     ROUND_ROBIN,
     AttentionShape,
     Placement,
@@ -160,7 +161,7 @@ def test_plan_shows_each_ranks_heads_latent_bytes_and_q_weights(capsys: pytest.C
     assert "duplication x1 over 4 ranks" in out
     assert main(["plan", "--model", "tiny-mla", "--topo", "tp4dcp2c", "--tokens", "10", "--format", "json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["schema_version"] == 2 and doc["placement"]["kind"] == "contiguous"
+    assert doc["schema_version"] == LAYOUT_SCHEMA_VERSION and doc["placement"]["kind"] == "contiguous"
     assert doc["token_owners"]["owners"] == [0, 0, 0, 0, 0, 1, 1, 1, 1, 1]
     assert doc["mla"]["latent_duplication"] == 2 and doc["mla"]["ranks"][1]["q_weight_heads"] == [2, 3]
     assert main(["plan", "--model", "tiny-gqa", "--topo", "tp4dcp4q"]) == 2  # one clear error

@@ -44,7 +44,7 @@ def test_topology_without_speculator_and_default_name() -> None:
 
 @pytest.mark.parametrize("name", ["", "tp", "dp4", "tp4dcp", "TP4", "tp4_dcp2", "tp-4", "tp4dcp2mtp", "tp4 dcp2"])
 def test_bad_topology_names_name_the_grammar(name: str) -> None:
-    grammar = r"tp<N>\[dcp<M>\[i<K>\|c\]\[q\]\]\[-draft\|-mtp\]"
+    grammar = r"tp<N>\[dcp<M>\[i<K>\|c\]\[q\]\]\[ep<E>\]\[-draft\|-mtp\]"
     with pytest.raises(ConfigError, match=r"bad topology name .*expected " + grammar):
         parse_topology_name(name)
 
@@ -63,6 +63,32 @@ def test_bad_speculator_suffix_suggests() -> None:
     ("tp6dcp4-mtp", r"dcp=4 does not divide tp=6; valid dcp values: \[1, 2, 3, 6\]"),
 ])
 def test_invalid_topology_numbers(name: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_topology_name(name)
+
+
+@pytest.mark.parametrize("name,tp,dcp,ep,speculator,canonical", [
+    ("tp4ep4", 4, 1, 4, "none", "tp4ep4"),
+    ("tp4dcp2ep4", 4, 2, 4, "none", "tp4dcp2ep4"),
+    ("tp4ep2-mtp", 4, 1, 2, "mtp", "tp4ep2-mtp"),
+    ("tp2ep1", 2, 1, 1, "none", "tp2"),
+])
+def test_expert_parallel_topology_names(name: str, tp: int, dcp: int, ep: int, speculator: str,
+                                        canonical: str) -> None:
+    topo = parse_topology_name(name)
+    assert (topo.tp, topo.dcp, topo.ep, topo.speculator, topo.world_size) == (tp, dcp, ep, speculator, tp)
+    assert topo.canonical_name == canonical
+    assert Topology.from_dict(topo.to_dict()) == topo
+    assert ("ep" in topo.to_dict()) == (ep > 1)  # topologies without EP keep their dict
+    assert topo.without_speculator().ep == ep
+
+
+@pytest.mark.parametrize("name,message", [
+    ("tp4ep3", r"ep=3 does not divide the world \(tp=4\); valid ep values: \[1, 2, 4\]"),
+    ("tp4ep0", "ep=0 must be >= 1"),
+    ("tp2dcp2ep4-mtp", r"ep=4 does not divide the world \(tp=2\)"),
+])
+def test_invalid_expert_parallel(name: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_topology_name(name)
 

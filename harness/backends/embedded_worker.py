@@ -93,7 +93,8 @@ def run_job(job: Job, topk_only: int | None = None) -> None:
     tokenizer = load_tokenizer(spec)
     weights = load_weights(spec)
     engine = Engine(spec, weights, state, fault_flags(job.fault, topo), PoolSettings(**job.pool), job.dtype,
-                    topo.placement, topo.q_replicated)
+                    ep=topo.ep, speculator=topo.speculator, placement=topo.placement,
+                    q_replicated=topo.q_replicated)
     t_load = time.time()
     _inject_failure(state.rank)
     cases = build_cases(job.prompts, tokenizer, job.seed, job.max_new_tokens, job.decode_prefix_tokens)

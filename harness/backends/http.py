@@ -224,6 +224,10 @@ class HttpBackend:
         if topology.dcp_suffix:  # the template passes tp and dcp only: another placement would run round-robin
             return (f"engine {self.name}'s template has no option for the DCP token placement "
                     f"({topology.placement.label}) or Q replication of {topology.name}")
+        if model.hybrid is not None and model.source == "synthetic":
+            return f"engine {self.name}: a synthetic hybrid model (linear attention / MoE) cannot be exported for it"
+        if topology.ep > 1:
+            return f"engine {self.name}: its template has no expert-parallel setting (ep={topology.ep})"
         if topology.speculator != "none" and topology.speculator not in self.spec.speculator_argv:
             return f"engine {self.name} has no -{topology.speculator} speculator in its template"
         if not self.spec.url and model.dtype not in self.spec.dtypes:  # an attached server runs what it runs

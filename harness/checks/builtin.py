@@ -12,6 +12,7 @@ from harness.checkmetrics import PARITY_CHECKS
 from harness.checks.context import CellContext
 from harness.compare.decode_walk import check_decode_walk
 from harness.compare.generation import check_generation
+from harness.compare.hybrid_layout_check import check_hybrid_layout
 from harness.compare.layout_check import check_kv_capacity, check_layout_with_pool, kv_groups_differ
 from harness.compare.localize import localize, output_head
 from harness.compare.logits import check_logits
@@ -60,6 +61,9 @@ def _layout(ctx: CellContext, entry: str, name: str) -> CheckResult:
     if not isinstance(actual, dict) or plan is None:
         return CheckResult(name, Verdict.ERROR, f"layout.json has no {entry!r} entry")
     check_pool = ctx.settings.of(LayoutSettings).check_pool and ctx.par_caps.has(c.KV_POOL_SIZE)
+    if entry == "target" and ctx.hybrid_plan is not None:
+        return check_hybrid_layout(ctx.hybrid_plan, actual, name, check_pool,
+                                   ctx.settings.of(LayoutSettings).check_checksums, ctx.speculator_plan)
     return check_layout_with_pool(plan, actual, name, check_pool, ctx.settings.of(LayoutSettings).check_checksums)
 
 

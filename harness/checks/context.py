@@ -12,6 +12,7 @@ from harness.checks.settings import CheckSettings
 from harness.contract import Capabilities
 from harness.details import CellDetails
 from harness.gsm8k.settings import GSM8KSettings
+from harness.hybrid_layout import HybridPlan
 from harness.layout import LayoutPlan
 from harness.paths import BASELINES_DIR
 from harness.verdict import CheckResult, Localization
@@ -46,6 +47,7 @@ class CellContext:
     ref_caps: Capabilities
     info: CellInfo = field(default_factory=CellInfo)
     speculator_plan: LayoutPlan | None = None
+    hybrid_plan: HybridPlan | None = None  # hybrid models: linear attention, MoE, cache groups
     decode: Decoder | None = None
     gsm8k: GSM8KSettings | None = None
     enabled: Callable[[str], bool] = lambda section: True

@@ -10,7 +10,7 @@ from harness.specs.checkpoint import load_model
 from harness.specs.loader import load_yaml
 from harness.specs.model import shipped_models
 from harness.specs.suite import shipped_suites
-from harness.specs.topology import load_catalog
+from harness.specs.topology import GRAMMAR, load_catalog
 
 
 def add_parser(sub: Any) -> None:
@@ -32,7 +32,7 @@ def _topologies() -> list[str]:
     cat = load_catalog()
     out = [f"{name:<16} {t.canonical_name}" for name, t in cat.topologies.items()]
     out += [f"{name:<16} set: {', '.join(members)}" for name, members in cat.sets.items()]
-    out.append("(any tp<N>[dcp<M>[i<K>|c][q]][-draft|-mtp] name works without being listed)")
+    out.append(f"(any {GRAMMAR} name works without being listed)")
     return out
 
 

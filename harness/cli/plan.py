@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from harness.cli.checks import positive_float, positive_int
+from harness.cli.plan_hybrid import hybrid_document, render_hybrid
 from harness.errors import ConfigError
 from harness.fmt import human_bytes, id_ranges, table
 from harness.layout import LAYOUT_SCHEMA_VERSION, plan_layout, plan_speculator, pool_capacity, token_owner
@@ -40,16 +41,20 @@ def plan_document(model: ModelSpec, topo_name: str, budget_gib: float | None, ma
     topo = topos[0]
     plan = plan_layout(model.attention_shape, topo.tp, topo.dcp, placement=topo.placement,
                        q_replicated=topo.q_replicated)
+    seq = max_seq_len or model.max_seq_len
+    layout, hybrid = plan.to_dict(), None
+    if model.hybrid is not None or topo.ep > 1:
+        layout, hybrid = hybrid_document(model, topo, None if budget_gib is None else int(budget_gib * GIB), seq,
+                                         block_size)
     doc: dict[str, Any] = {"schema_version": LAYOUT_SCHEMA_VERSION, "model": model.name,
-                           "topology": topo.to_dict(), **plan.to_dict(), "capacity": None, "speculator": None,
-                           "mla": None}
+                           "topology": topo.to_dict(), **layout, "capacity": None, "speculator": None,
+                           "hybrid": hybrid, "mla": None}
     doc["token_owners"] = {"tokens": tokens, "prompt_len": tokens,
                            "owners": [token_owner(t, topo.dcp, topo.placement, tokens) for t in range(tokens)]}
     if model.mla:
         doc["mla"] = plan_mla(model.attention_shape, model.mla_shape, topo.tp, topo.dcp, topo.placement,
                               topo.q_replicated).to_dict()
-    seq = max_seq_len or model.max_seq_len
-    if budget_gib is not None:
+    if budget_gib is not None and hybrid is None:  # a hybrid model's capacity is its grouped capacity
         doc["capacity"] = {"max_seq_len": seq,
                            **pool_capacity(plan, int(budget_gib * GIB), seq, block_size).to_dict()}
     if topo.speculator != "none":
@@ -93,6 +98,8 @@ def render_table(doc: dict[str, Any]) -> str:
         out.append(f"speculator ({spec['kind']}, plain TP layout, dcp=1): KV heads per rank "
                    + ", ".join(f"r{r['rank']}:{id_ranges(r['kv_heads'])}" for r in spec["ranks"])
                    + f"; {spec['kv_bytes_per_token_per_rank']} bytes/token per rank")
+    if doc["hybrid"]:
+        out += render_hybrid(doc["hybrid"])
     return "\n".join(out)
 
 

@@ -25,6 +25,7 @@ from harness.artifacts import Case, RunArtifacts
 from harness.compare.bounds import Bound, json_float
 from harness.compare.collectives import collective_errors, describe, first_broken
 from harness.compare.collectives import details as collective_details
+from harness.compare.hybrid_localize import FULL, hybrid_layer_kind, hybrid_localization
 from harness.compare.settings import CollectiveSettings, LocalizationSettings
 from harness.contract import ATTN, HIDDEN
 from harness.errors import RunError
@@ -190,6 +191,9 @@ def localize(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None, p
     layer = first - 1
     bad = ([h for h, e in enumerate(heads[layer].tolist()) if not e <= head_limit[layer]]
            if heads is not None and layer < heads.shape[0] else [])
+    kind = hybrid_layer_kind(par, layer)
+    if kind is not None and not (kind == FULL and bad):  # a hybrid model: the layer's kind and sublayer
+        return hybrid_localization(layer, kind, bool(bad), err), details
     if not bad:
         return Localization(layer=layer, heads=(), ranks=(), kv_heads=(), summary=(
             f"layer {layer}: residual stream diverges ({err}) while its attention heads stay within "

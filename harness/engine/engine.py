@@ -15,6 +15,7 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 
 from harness.engine.faults import FaultFlags
+from harness.engine.hybrid import HybridParts, build_hybrid, hybrid_layout_report
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.mla import MLAParts, build_mla, mla_report
 from harness.engine.model import Batch, Capture, Decoder, Hyper
@@ -94,18 +95,27 @@ class Engine:
 
     def __init__(self, spec: ModelSpec, full_weights: dict[str, torch.Tensor], state: ParallelState,
                  flags: FaultFlags = FaultFlags(), pool: PoolSettings = PoolSettings(),
-                 dtype: str | None = None, placement: Placement = ROUND_ROBIN, q_replicated: bool = False) -> None:
+                 dtype: str | None = None, ep: int = 1, speculator: str = "none",
+                 placement: Placement = ROUND_ROBIN, q_replicated: bool = False) -> None:
         self.spec = spec
         self.state = state
         self.flags = flags
         self.dtype = TORCH_DTYPES[dtype or spec.dtype]
+        self.pool = pool
+        self.hybrid: HybridParts | None = None
+        self._mla: MLAParts | None = None
+        self._owner_probe: dict[str, Any] | None = None  # the first decode-path sequence's stored positions
+        if spec.hybrid is not None:  # linear attention / MoE layers: harness/engine/hybrid.py
+            if placement != ROUND_ROBIN or q_replicated:
+                raise ConfigError(f"model {spec.name} is a hybrid model: its attention layers run round-robin "
+                                  f"DCP with Q split by TP only (got placement {placement.label}"
+                                  f"{', Q replicated' if q_replicated else ''})")
+            self._init_hybrid(full_weights, ep, speculator != "none")
+            return
         self.plan: LayoutPlan = engine_plan(spec, state.tp, state.dcp, flags, placement, q_replicated)
         self.rank_layout = self.plan.ranks[state.rank]
         self.heads = head_map(self.rank_layout, flags)
         self.capacity = pool_capacity(self.plan, pool.budget_bytes, pool.max_seq_len, pool.block_size)
-        self.pool = pool
-        self._mla: MLAParts | None = None
-        self._owner_probe: dict[str, Any] | None = None  # the first decode-path sequence's stored positions
         if spec.mla:
             self._mla = build_mla(spec, full_weights, self.rank_layout, self.heads, state.collectives(), flags,
                                   self.capacity, self.dtype, state.device, state.tp, placement, q_replicated)
@@ -118,6 +128,17 @@ class Engine:
                                    state.collectives(), self.cache, flags, placement)
         self._weights = weights
 
+    def _init_hybrid(self, full_weights: dict[str, torch.Tensor], ep: int, speculator: bool) -> None:
+        state, pool = self.state, self.pool
+        parts = build_hybrid(self.spec, full_weights, state.tp, state.dcp, ep, state.rank, self.flags,
+                             pool.budget_bytes, pool.max_seq_len, pool.block_size,
+                             Hyper(self.spec.head_dim, self.spec.rope_theta, self.spec.norm_eps),
+                             state.collectives(), self.dtype, state.device, speculator)
+        self.hybrid = parts
+        self.plan, self.rank_layout, self.heads = parts.plan.attention, parts.rank_layout, parts.heads
+        self.capacity, self.cache, self.decoder = parts.capacity, parts.cache, parts.decoder
+        self._weights = parts.weights
+
     @property
     def max_batch(self) -> int:
         return self.capacity.slots
@@ -129,6 +150,8 @@ class Engine:
                                self.capacity.blocks, sums)
         if self._owner_probe is not None:
             report["stored_positions"] = self._owner_probe
+        if self.hybrid is not None:
+            report["hybrid"] = hybrid_layout_report(self.hybrid, self.state.rank)
         return {**report, **mla}
 
     # -- building blocks ---------------------------------------------------------------------------

@@ -5,6 +5,7 @@ SKIP saying so rather than a PASS that claims the fault was checked."""
 from __future__ import annotations
 
 from harness.engine.faults import FAULTS, FaultFlags, fault_flags
+from harness.engine.hybrid_scope import hybrid_inert_reason
 from harness.engine.parallelize import engine_plan, head_map
 from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
@@ -37,6 +38,9 @@ def inert_reason(name: str | None, spec: ModelSpec, topology: Topology) -> str |
     if name is None:
         return None
     flags = fault_flags(name, topology)
+    hybrid = hybrid_inert_reason(name, spec, topology, flags)
+    if hybrid is not None:
+        return hybrid
     if name in FAULTS and FAULTS[name].needs_mla and not spec.mla:
         return f"fault {name} is inert on {spec.name}: it acts on MLA attention, and the model has none"
     if flags.reduce_dtype is not None and flags.reduce_dtype == spec.dtype:

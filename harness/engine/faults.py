@@ -83,6 +83,33 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "under DCP the keys are rotated (RoPE) by their index in the rank's local KV store (t // dcp) "
           "instead of their global position t, while the queries use global positions: relative "
           "positions are wrong for every key but the first", needs_dcp=True),
+    # -- hybrid models: Gated DeltaNet, MoE with expert parallel, grouped caches (harness/engine/hybrid.py) --
+    Fault("deltanet-packed-split", "layout, logits",
+          "the packed q|k|v in_proj and conv1d rows of a linear-attention layer split as one contiguous "
+          "slice per rank instead of per component, so ranks mix q, k and v channels of other heads "
+          "(Megatron-LM #1989); inert where one rank holds every linear head", needs_tp=True),
+    Fault("deltanet-state-dcp-split", "logits",
+          "under DCP each rank folds only the tokens it owns (t % dcp) into the linear-attention recurrent "
+          "state, as if the state were split by token like the KV cache (vLLM #36480): the state of each "
+          "rank misses the other ranks' tokens", needs_dcp=True),
+    Fault("moe-shared-every-rank", "layout, logits",
+          "the shared expert computed whole on every rank and added before the TP all-reduce, so it is "
+          "counted tp times (vLLM #37856: garbled output with EP and TP)", needs_tp=True),
+    Fault("moe-expert-offset", "layout, logits",
+          "each rank's expert ids offset by its tp rank instead of its EP rank, so with 1 < ep < tp ranks "
+          "route tokens to experts whose weights they do not hold; inert where ep is 1 or tp"),
+    Fault("moe-router-local-renorm", "logits",
+          "the top-k routing weights renormalized per EP rank over the experts that rank holds, not over "
+          "all k chosen experts: tokens split across EP ranks get weights that sum past 1; inert at ep=1"),
+    Fault("cache-groups-own-budget", "layout",
+          "each cache group (attention KV pages, recurrent-state slots) sized from its own share of the "
+          "budget, so the groups hold different numbers of sequences instead of one slot count (pypto "
+          "grouped cache capacity)"),
+    Fault("mtp-dcp-hidden-owner", "acceptance",
+          "under DCP the MTP module fed the target hidden state of the latest position owned by DCP rank 0 "
+          "(q - q % dcp) instead of q, the same wrong state on every rank, as a draft built for dcp=1 would "
+          "(local-inference-lab vLLM #72): every cross-rank comparison agrees, greedy output stays lossless, "
+          "the proposals change", needs_dcp=True, needs_speculator="mtp"),
     # -- MLA and the DCP token placements (harness/engine/mla.py, layout.token_owner) --
     Fault("mla-rope-local-slot", "logits",
           "under DCP the MLA latent's decoupled RoPE key rotated by the token's slot in its owner's local "
@@ -130,6 +157,14 @@ class FaultFlags:
     vocab_floor_offset: bool = False    # vocab-shard-offset: vocab shard offsets by floor(vocab / tp)
     ffn_floor_split: bool = False       # ffn-floor-split: ffn // tp MLP columns per rank
     rope_local_positions: bool = False  # dcp-rope-local-pos: keys rotated by their local store index
+    # hybrid models (harness/engine/hybrid.py)
+    linear_packed_contiguous: bool = False  # deltanet-packed-split: packed q|k|v rows split contiguously
+    linear_state_dcp_split: bool = False    # deltanet-state-dcp-split: state updated by own DCP tokens only
+    shared_expert_every_rank: bool = False  # moe-shared-every-rank: the whole shared expert on every rank
+    expert_offset_tp_rank: bool = False     # moe-expert-offset: expert ids offset by the tp rank, not the EP rank
+    router_local_renorm: bool = False       # moe-router-local-renorm: top-k weights renormalized per rank
+    cache_groups_own_budget: bool = False   # cache-groups-own-budget: each cache group from its own budget share
+    mtp_hidden_dcp_owner: bool = False      # mtp-dcp-hidden-owner: MTP reads DCP rank 0's latest position
     interleave_per_token: bool = False  # dcp-interleave-per-token: K/V stored by t % dcp, read by chunks of K
     contiguous_global_len: bool = False  # dcp-contiguous-global-len: blocks sized by the batch's tokens
     lse_base2: bool = False             # dcp-lse-base2: partial LSEs in base 2 to a natural-log merge
@@ -185,6 +220,13 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         vocab_floor_offset=name == "vocab-shard-offset",
         ffn_floor_split=name == "ffn-floor-split",
         rope_local_positions=name == "dcp-rope-local-pos",
+        linear_packed_contiguous=name == "deltanet-packed-split",
+        linear_state_dcp_split=name == "deltanet-state-dcp-split",
+        shared_expert_every_rank=name == "moe-shared-every-rank",
+        expert_offset_tp_rank=name == "moe-expert-offset",
+        router_local_renorm=name == "moe-router-local-renorm",
+        cache_groups_own_budget=name == "cache-groups-own-budget",
+        mtp_hidden_dcp_owner=name == "mtp-dcp-hidden-owner",
         interleave_per_token=name == "dcp-interleave-per-token",
         contiguous_global_len=name == "dcp-contiguous-global-len",
         lse_base2=name == "dcp-lse-base2",

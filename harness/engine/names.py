@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 
+from harness.engine.hybrid_names import hybrid_shapes
 from harness.specs.model import ModelSpec
 
 Shape = tuple[int, ...]
@@ -107,6 +108,8 @@ def layer_shapes(spec: ModelSpec) -> dict[str, Shape]:
 
 def expected_shapes(spec: ModelSpec) -> dict[str, Shape]:
     """Every canonical tensor name the spec calls for -> its shape."""
+    if spec.hybrid is not None:
+        return hybrid_shapes(spec, spec.hybrid)
     shapes: dict[str, Shape] = {"embed.weight": (spec.vocab, spec.hidden)}
     per_layer = layer_shapes(spec)
     for i in range(spec.layers):

@@ -111,6 +111,8 @@ class SpeculativeDecoder:
         self.k = k
         self.stale_kv = speculator.flags.speculator_stale_kv
         self.hidden_shift = speculator.flags.mtp_hidden_shift
+        # mtp-dcp-hidden-owner: under DCP the hidden state of the latest position DCP rank 0 owns
+        self.owner_dcp = target.state.dcp if speculator.flags.mtp_hidden_dcp_owner else 1
         # drafts the verify step may accept: k (spec-verify-last-draft: k - 1, an off-by-one)
         self.verifiable = k - 1 if speculator.flags.verify_skip_last else k
 
@@ -167,7 +169,7 @@ class SpeculativeDecoder:
         if self.spec.uses_hidden:
             for j in range(a + 1):
                 s.hidden[n - 1 + j] = hidden[j]  # target hidden at positions n-1 .. n-1+a
-            oldest = s.spec_valid - 1 - self.hidden_shift
+            oldest = s.spec_valid - 1 - self.hidden_shift - (self.owner_dcp - 1)
             s.hidden = {p: h for p, h in s.hidden.items() if p >= oldest}
         s.tokens += new
         s.accepted.append(a)
@@ -192,14 +194,15 @@ class SpeculativeDecoder:
         return drafts
 
     def _catchup_hidden(self, seqs: Sequence[SeqState], chunks: list[list[int]]) -> torch.Tensor:
-        """[B, S, H]: for the token at position p, the target hidden state at p - 1 (p - 1 - shift under
-        mtp-wrong-hidden, clamped at 0); zeros in padding."""
+        """[B, S, H]: for the token at position p, the target hidden state at q = p - 1 (p - 1 - shift under
+        mtp-wrong-hidden, clamped at 0; q - q % dcp under mtp-dcp-hidden-owner); zeros in padding."""
         width = max(len(c) for c in chunks)
         ref = next(iter(seqs[0].hidden.values()))
         out = ref.new_zeros((len(seqs), width, ref.shape[-1]))
         for b, (s, c) in enumerate(zip(seqs, chunks)):
             for i in range(len(c)):
-                out[b, i] = s.hidden[max(0, s.spec_valid + i - 1 - self.hidden_shift)]
+                q = max(0, s.spec_valid + i - 1 - self.hidden_shift)
+                out[b, i] = s.hidden[q - q % self.owner_dcp]
         return out
 
     # -- whole generations -------------------------------------------------------------------------------------

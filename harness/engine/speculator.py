@@ -40,7 +40,7 @@ from harness.engine.kvcache import PagedKVCache
 from harness.engine.model import Decoder, HeadMap, Hyper, LocalWeights, rms_norm
 from harness.engine.parallel import ParallelState
 from harness.engine.parallelize import actual_layout, head_map, shard_weights
-from harness.engine.weights import seeded_generator
+from harness.engine.weights import seeded_generator, synthetic_weights
 from harness.errors import ConfigError
 from harness.layout import LayoutPlan, plan_layout, plan_speculator, slot_pool
 from harness.specs.loader import build
@@ -86,8 +86,9 @@ class SpeculativeSettings:
 
 
 def speculator_spec(spec: ModelSpec) -> ModelSpec:
-    """The speculator's architecture: the target's with `speculator_layers` layers."""
-    return dataclasses.replace(spec, layers=spec.speculator_layers)
+    """The speculator's architecture: the target's with `speculator_layers` layers (a hybrid target's
+    speculator: dense full-attention layers with the target's heads and FFN width)."""
+    return dataclasses.replace(spec, layers=spec.speculator_layers, hybrid=None)
 
 
 def _noise(seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -104,12 +105,27 @@ def _shared(spec: ModelSpec, target: Mapping[str, torch.Tensor]) -> dict[str, to
     return out
 
 
+HYBRID_MTP_OUT_SCALE = 0.1
+
+
+def hybrid_mtp_layers(spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """A hybrid target's speculator layers: seeded dense layers (its own layers are linear attention and
+    MoE) whose output projections (o, down) are scaled by HYBRID_MTP_OUT_SCALE, so the speculator stays
+    close to the path the target's residual stream carries from the token embedding to the logits and
+    agrees with the target on some tokens (a fully random layer agrees on none)."""
+    dense = synthetic_weights(speculator_spec(spec))
+    return {name: t * HYBRID_MTP_OUT_SCALE if name.endswith((".o.weight", ".down.weight")) else t
+            for name, t in dense.items() if name.startswith("layers.")}
+
+
 def _layers(spec: ModelSpec, target: Mapping[str, torch.Tensor], noise: float) -> dict[str, torch.Tensor]:
     """Copies of the target's first speculator_layers layers; with noise, each tensor t gets
     t + noise * rms(t) * N(0, 1), seeded by (spec.seed, name)."""
     if spec.speculator_layers > spec.layers:
         raise ConfigError(f"model {spec.name!r}: speculator_layers={spec.speculator_layers} exceeds "
                           f"layers={spec.layers}")
+    if spec.hybrid is not None:  # the target's layers are linear attention / MoE: seeded dense layers instead
+        target = hybrid_mtp_layers(spec)
     out = {}
     for name, t in target.items():
         if not name.startswith("layers.") or int(name.split(".")[1]) >= spec.speculator_layers:

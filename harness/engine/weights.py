@@ -15,6 +15,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from harness.engine.hybrid_names import synthetic_std
 from harness.engine.names import Shape, canonical_from_gguf, canonical_from_hf, expected_shapes
 from harness.errors import ConfigError
 from harness.gguf_file import architecture, dequantize, open_gguf, unpermute_rows
@@ -128,7 +129,7 @@ def _synthetic_std(spec: ModelSpec, name: str) -> float:
         return SYNTHETIC_LOGIT_STD / spec.hidden ** 0.5  # logits = rmsnormed hidden (rms ~1) @ lm_head.T
     if name.endswith(".bias"):
         return SYNTHETIC_BIAS_STD
-    return spec.init_std
+    return synthetic_std(name) or spec.init_std
 
 
 def _synthetic_tensor(spec: ModelSpec, name: str, shape: Shape) -> torch.Tensor:

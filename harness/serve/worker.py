@@ -146,7 +146,8 @@ def serve(config: ServeConfig) -> None:
     tokenizer = load_tokenizer(spec)
     weights = load_weights(spec)
     engine = Engine(spec, weights, state, fault_flags(config.fault, topo), PoolSettings(**config.pool), config.dtype,
-                    topo.placement, topo.q_replicated)
+                    ep=topo.ep, speculator=topo.speculator, placement=topo.placement,
+                    q_replicated=topo.q_replicated)
     decoder = speculator = None
     if topo.speculator != "none":
         settings = SpeculativeSettings.from_mapping(config.speculative)

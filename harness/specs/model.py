@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import ConfigError
+from harness.hybrid_layout import HybridShape
 from harness.layout import AttentionShape
 from harness.mla_layout import MLAShape
 from harness.paths import MODELS_DIR
@@ -43,6 +44,7 @@ class ModelSpec:
     max_seq_len: int = 2048
     chat_template: bool = False
     speculator_layers: int = 1
+    hybrid: HybridShape | None = None  # linear attention, gated attention, MoE (harness/hybrid_layout.py)
     # MLA (multi-head latent attention, DeepSeek-V2 style; kv_lora_rank > 0): head_dim is then the
     # value head width, kv_heads is 1 (the shared latent), q_lora_rank 0 means q_proj reads the hidden state
     kv_lora_rank: int = 0
@@ -72,6 +74,11 @@ class ModelSpec:
             raise ConfigError(f"{where}: source={self.source} needs a path")
         if self.source == "package" and not self.package:
             raise ConfigError(f"{where}: source=package needs a package name")
+        if self.hybrid is not None and not isinstance(self.hybrid, HybridShape):
+            raise ConfigError(f"{where}: hybrid must be a mapping of {', '.join(HybridShape.__dataclass_fields__)}, "
+                              f"got {self.hybrid!r}")
+        if self.hybrid is not None and self.qkv_bias:
+            raise ConfigError(f"{where}: qkv_bias=true is not supported with hybrid (gated attention has no biases)")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ConfigError(f"{where}: rope_theta={self.rope_theta} and norm_eps={self.norm_eps} must be > 0")
 
@@ -115,13 +122,18 @@ class ModelSpec:
         return replace(self, dtype=dtype)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "hybrid"}
+        if self.hybrid is not None:  # dense models keep their dict (and their cache keys) unchanged
+            out["hybrid"] = self.hybrid.to_dict()
+        return out
 
 
 def model_from_dict(where: str, data: dict[str, Any], name: str = "") -> ModelSpec:
     data = dict(data)
     if name and "name" not in data:
         data["name"] = name
+    if isinstance(data.get("hybrid"), dict):
+        data["hybrid"] = build(HybridShape, f"{where}: hybrid", data["hybrid"])
     return build(ModelSpec, where, data)
 
 

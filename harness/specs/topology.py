@@ -14,16 +14,20 @@ from harness.specs.loader import check_keys, did_you_mean, expect_int, load_yaml
 
 SPECULATORS: tuple[str, ...] = ("none", "draft", "mtp")
 _NAME_RE = re.compile(r"^tp(?P<tp>\d+)(?:dcp(?P<dcp>\d+)(?:i(?P<interleave>\d+)|(?P<contiguous>c))?(?P<q>q)?)?"
-                      r"(?:-(?P<spec>[a-z]+))?$")
-NAME_GRAMMAR = ("tp<N>[dcp<M>[i<K>|c][q]][-draft|-mtp], e.g. tp1, tp4, tp4dcp4, tp4dcp4i16 (DCP tokens interleaved "
-                "in chunks of 16), tp4dcp4c (contiguous blocks per sequence), tp4dcp4q (Q replicated in the DCP "
-                "group), tp8dcp2-mtp, tp4-draft")
+                      r"(?:ep(?P<ep>\d+))?(?:-(?P<spec>[a-z]+))?$")
+GRAMMAR = "tp<N>[dcp<M>[i<K>|c][q]][ep<E>][-draft|-mtp]"
+NAME_GRAMMAR = (f"{GRAMMAR}, e.g. tp1, tp4, tp4dcp4, tp4dcp4i16 (DCP tokens "
+                "interleaved in chunks of 16), tp4dcp4c (contiguous blocks per sequence), tp4dcp4q (Q replicated "
+                "in the DCP group), tp4dcp2ep4 (experts over 4 ranks), tp8dcp2-mtp, tp4-draft")
 PLACEMENT_KEYS: tuple[str, ...] = ("interleave", "contiguous", "q_replicated")
+OPTION_KEYS: tuple[str, ...] = (*PLACEMENT_KEYS, "ep")  # written only when they differ from their defaults
 
 
 @dataclass(frozen=True)
 class Topology:
-    """One parallel configuration. World size = tp; dcp splits each TP group's tokens."""
+    """One parallel configuration. World size = tp; dcp splits each TP group's tokens; ep splits the
+    experts of MoE layers over ep ranks inside the world (each expert's columns over tp // ep ranks,
+    harness/hybrid_layout.py)."""
 
     tp: int
     dcp: int = 1
@@ -32,6 +36,7 @@ class Topology:
     interleave: int = 1         # DCP tokens dealt in chunks of this many (1: round-robin)
     contiguous: bool = False    # DCP tokens in contiguous blocks per sequence (layout.Placement)
     q_replicated: bool = False  # MLA: q_b_proj / w_kc of the whole DCP group on every rank, no Q gather
+    ep: int = 1                 # expert parallel ranks (MoE experts split over ep ranks of the world)
 
     def __post_init__(self) -> None:
         where = f"topology {self.name or '?'}"
@@ -41,6 +46,10 @@ class Topology:
         if self.tp % self.dcp:
             raise ConfigError(f"{where}: dcp={self.dcp} does not divide tp={self.tp}; "
                               f"valid dcp values: {divisors(self.tp)}")
+        expect_int(where, "ep", self.ep, minimum=1)
+        if self.tp % self.ep:
+            raise ConfigError(f"{where}: ep={self.ep} does not divide the world (tp={self.tp}); "
+                              f"valid ep values: {divisors(self.tp)}")
         for key in ("contiguous", "q_replicated"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{where}: {key}={getattr(self, key)!r} must be true or false")
@@ -74,27 +83,29 @@ class Topology:
 
     @property
     def canonical_name(self) -> str:
-        base = f"tp{self.tp}" + (f"dcp{self.dcp}{self.dcp_suffix}" if self.dcp > 1 else "")
+        base = (f"tp{self.tp}" + (f"dcp{self.dcp}{self.dcp_suffix}" if self.dcp > 1 else "")
+                + (f"ep{self.ep}" if self.ep > 1 else ""))
         return base + ("" if self.speculator == "none" else f"-{self.speculator}")
 
     def without_speculator(self) -> "Topology":
-        return Topology(tp=self.tp, dcp=self.dcp, **self._dcp_options())
+        return Topology(tp=self.tp, dcp=self.dcp, **self._options())
 
-    def _dcp_options(self) -> dict[str, Any]:
-        """The placement and Q-mode fields that differ from their defaults."""
-        return {k: v for k, v in (("interleave", self.interleave), ("contiguous", self.contiguous),
-                                  ("q_replicated", self.q_replicated)) if v != Topology.__dataclass_fields__[k].default}
+    def _options(self) -> dict[str, Any]:
+        """The placement, Q-mode and expert-parallel fields that differ from their defaults (topologies
+        without them keep their dict, and so their cache keys)."""
+        return {k: getattr(self, k) for k in OPTION_KEYS
+                if getattr(self, k) != Topology.__dataclass_fields__[k].default}
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "tp": self.tp, "dcp": self.dcp, "speculator": self.speculator,
-                "world_size": self.world_size, **self._dcp_options()}
+                "world_size": self.world_size, **self._options()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "topology") -> Topology:
         """The topology `to_dict` wrote (its derived world_size, when present, must agree with tp)."""
-        check_keys(where, data, ("name", "tp", "dcp", "speculator", "world_size", *PLACEMENT_KEYS), ("tp",))
+        check_keys(where, data, ("name", "tp", "dcp", "speculator", "world_size", *OPTION_KEYS), ("tp",))
         topo = cls(tp=data["tp"], dcp=data.get("dcp", 1), speculator=data.get("speculator", "none"),
-                   name=data.get("name", ""), **{k: data[k] for k in PLACEMENT_KEYS if k in data})
+                   name=data.get("name", ""), **{k: data[k] for k in OPTION_KEYS if k in data})
         if "world_size" in data and data["world_size"] != topo.world_size:
             raise ConfigError(f"{where}: world_size={data['world_size']!r} is not tp={topo.tp}")
         return topo
@@ -115,7 +126,8 @@ def parse_topology_name(name: str) -> Topology:
                           f"{did_you_mean(spec, ('draft', 'mtp'))}")
     return Topology(tp=int(match.group("tp")), dcp=int(match.group("dcp") or 1), speculator=spec,
                     name=name.strip(), interleave=int(match.group("interleave") or 1),
-                    contiguous=bool(match.group("contiguous")), q_replicated=bool(match.group("q")))
+                    contiguous=bool(match.group("contiguous")), q_replicated=bool(match.group("q")),
+                    ep=int(match.group("ep") or 1))
 
 
 @dataclass(frozen=True)
@@ -160,12 +172,12 @@ class TopologyCatalog:
 def _topology_from_yaml(where: str, name: str, data: Any) -> Topology:
     if isinstance(data, str):
         return _renamed(parse_topology_name(data), name)
-    check_keys(f"{where}: topology {name}", data, ("tp", "dcp", "speculator", *PLACEMENT_KEYS), ("tp",))
+    check_keys(f"{where}: topology {name}", data, ("tp", "dcp", "speculator", *OPTION_KEYS), ("tp",))
     return Topology(name=name, **data)
 
 
 def _renamed(topo: Topology, name: str) -> Topology:
-    return Topology(tp=topo.tp, dcp=topo.dcp, speculator=topo.speculator, name=name, **topo._dcp_options())
+    return Topology(tp=topo.tp, dcp=topo.dcp, speculator=topo.speculator, name=name, **topo._options())
 
 
 def load_catalog(dirs: tuple[Path, ...] = (TOPOLOGIES_DIR,)) -> TopologyCatalog:

@@ -1,0 +1,73 @@
+"""The hybrid part of `harness plan`: linear-attention state, gated attention, experts and cache groups."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness.fmt import human_bytes, id_ranges, table
+from harness.hybrid_layout import grouped_capacity, hybrid_cache_groups, plan_hybrid_speculator
+from harness.specs.hybrid_plan import plan_model
+from harness.specs.model import ModelSpec
+from harness.specs.topology import Topology
+
+
+def hybrid_document(model: ModelSpec, topo: Topology, budget_bytes: int | None, max_seq_len: int,
+                    block_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the layout fields of the full-attention layers, the `hybrid` section) of a hybrid model's plan."""
+    plan = plan_model(model, topo)
+    spec = plan_hybrid_speculator(model.attention_shape, model.speculator_layers, topo.tp) \
+        if topo.speculator != "none" else None
+    groups = hybrid_cache_groups(plan.attention, plan.linear, spec, max_seq_len, block_size)
+    section = {**plan.to_dict(), "max_seq_len": max_seq_len, "block_size": block_size,
+               "cache_groups": [{"name": g.name, "blocks_per_seq": g.blocks_per_seq, "block_bytes": g.block_bytes}
+                                for g in groups],
+               "capacity": None if budget_bytes is None else grouped_capacity(groups, budget_bytes).to_dict()}
+    layout = plan.attention.to_dict()
+    if plan.moe is not None:  # the FFN is the MoE (section "moe"): no dense FFN columns
+        for rank in layout["ranks"]:
+            rank["ffn_shard"] = [0, 0]
+    return layout, section
+
+
+def render_hybrid(h: dict[str, Any]) -> list[str]:
+    """The table lines of a hybrid section."""
+    kinds = h["layer_kinds"]
+    lin = h["linear"]
+    out = [f"layers: {''.join('L' if k == 'linear' else 'F' for k in kinds)} ({lin['layers']} linear attention, "
+           f"{h['full_layers']} full attention{' with output gate' if h['output_gate'] else ''}); "
+           f"KV bytes above are the full-attention layers'",
+           f"linear attention (V heads over kv_tp_size={lin['kv_tp_size']}, gcd={lin['v_gcd']}, "
+           f"ranks holding each V head: {lin['v_replicas']}; state kept whole under DCP):",
+           table(["rank", "v_heads", "k_heads", "out_v_heads", "q_rows", "k_rows", "v_rows", "conv_state",
+                  "recurrent_state"],
+                 [[str(r["rank"]), id_ranges(r["v_heads"]), id_ranges(r["k_heads"]),
+                   id_ranges(r["out_v_heads"]) or "-"] + [f"{lo}-{hi - 1}" for lo, hi in r["conv_rows"]]
+                  + [human_bytes(r["conv_state_bytes"]), human_bytes(r["recurrent_state_bytes"])]
+                  for r in lin["ranks"]]),
+           "linear state per sequence per rank (all linear layers): "
+           f"{human_bytes(lin['state_bytes_per_seq_per_rank'])}",
+           "gated attention Q projection rows per rank (q and gate per head): "
+           + ", ".join(f"r{r}:{rows[0][0]}-{rows[-1][1] - 1}" for r, rows in enumerate(h["q_proj_rows"]))]
+    moe = h["moe"]
+    if moe:
+        out += [f"MoE: {moe['experts']} experts, top-{moe['top_k']}, ep={moe['ep']} (EP rank = rank // etp), "
+                f"etp={moe['etp']} (expert columns split over etp ranks)",
+                table(["rank", "ep_rank", "etp_rank", "ep_group", "experts", "expert_ffn", "shared_ffn"],
+                      [[str(r["rank"]), str(r["ep_rank"]), str(r["etp_rank"]), id_ranges(r["ep_members"]),
+                        id_ranges(r["experts"]), _span(r["expert_ffn_shard"]), _span(r["shared_ffn_shard"])]
+                       for r in moe["ranks"]])]
+    out.append(f"cache groups per rank (one slot = one sequence of {h['max_seq_len']} tokens, "
+               f"{h['block_size']}-token pages): "
+               + "; ".join(f"{g['name']} {g['blocks_per_seq']} x {human_bytes(g['block_bytes'])}"
+                           for g in h["cache_groups"]))
+    cap = h["capacity"]
+    if cap:
+        out.append(f"grouped capacity per rank: {cap['slots']} slots ({human_bytes(cap['pool_bytes'])} of "
+                   f"{human_bytes(cap['budget_bytes'])}): "
+                   + ", ".join(f"{g['name']} {g['blocks']} blocks" for g in cap["groups"]))
+    return out
+
+
+def _span(bounds: list[int]) -> str:
+    lo, hi = bounds
+    return f"{lo}-{hi - 1}" if hi > lo else "-"

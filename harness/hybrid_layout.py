@@ -1,0 +1,435 @@
+"""The hybrid-model planner: linear-attention (Gated DeltaNet) layers, gated attention, MoE with expert
+parallel, and grouped cache capacity. Head and column math comes from harness/layout.py.
+
+Rules (docs/architecture.md, Layout math; docs/suites-models.md, the hybrid model):
+- Layer i is full (gated) attention when (i + 1) % full_attention_interval == 0, else linear attention.
+- Linear-attention layers use the KV-parallel split of the full-attention layers: their V heads are
+  split over kv_tp_size = tp // dcp ranks with kv_tp_rank = tp_rank // dcp, and V heads not divisible by
+  kv_tp_size are duplicated by the GCD rule (g = gcd(v_heads, kv_tp_size); groups of kv_tp_size / g ranks
+  hold the same v_heads / g heads). The ranks of one DCP group compute the same linear heads and keep
+  their conv and recurrent state whole: the state is never split by token, so it is identical across
+  the group.
+- V head v reads K head v // (v_heads / k_heads) (global ids); a rank holds the K heads its V heads read.
+- The packed in_proj / conv1d rows are [q (k_heads x Dk) | k (k_heads x Dk) | v (v_heads x Dv)]; a rank
+  takes its rows per component (its K heads' q and k rows, its V heads' v rows), never one contiguous
+  slice of the packed rows.
+- A duplicated V head's output projection is added by one rank only (the lowest rank holding it), so
+  the TP all-reduce counts it once.
+- Gated attention: the Q projection also yields an output gate per head ([heads, 2 * head_dim] rows:
+  q then gate), split with Q, so each rank holds q_heads x head_dim x 2 rows.
+- MoE: ep divides tp; etp = tp // ep. Rank r is EP rank r // etp and expert-TP rank r % etp; the EP
+  group of rank r is the ep ranks with its etp rank (r % etp, r % etp + etp, ...), the expert-TP group
+  the etp consecutive ranks of its EP rank. EP rank e holds experts [e * n / ep, (e + 1) * n / ep),
+  each expert's FFN columns split over the etp ranks by layout.ffn_shard. ep = 1 is plain TP MoE.
+  The shared expert is one dense FFN split by tp over every rank (counted once in the all-reduce).
+- Grouped cache capacity: every cache group (attention KV pages, recurrent-state slots, the MTP head's
+  pages) is sized from one slot count: slots = budget // (sum over groups of blocks_per_seq x
+  block_bytes); each group holds slots x its blocks_per_seq blocks. A budget that cannot hold one slot
+  is one error naming each group's share of the shortfall.
+
+All functions are pure; invalid configurations raise one ConfigError naming the numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from harness.errors import ConfigError
+from harness.layout import (
+    AttentionShape,
+    LayoutPlan,
+    dcp_members_of,
+    ffn_shard,
+    kv_heads_of,
+    kv_of_q,
+    plan_layout,
+    plan_speculator,
+)
+
+LINEAR, FULL = "linear", "full"
+
+
+@dataclass(frozen=True)
+class HybridShape:
+    """The hybrid part of a model spec (the `hybrid:` mapping of a model YAML)."""
+
+    linear_k_heads: int
+    linear_v_heads: int
+    linear_k_dim: int
+    linear_v_dim: int
+    full_attention_interval: int = 4
+    conv_kernel: int = 4
+    attn_output_gate: bool = True
+    experts: int = 0
+    top_k: int = 0
+    moe_ffn: int = 0
+    shared_ffn: int = 0
+    state_dtype_bytes: int = 4  # conv and recurrent state are kept in float32
+
+    def __post_init__(self) -> None:
+        for name in ("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim",
+                     "full_attention_interval", "conv_kernel", "state_dtype_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"hybrid: {name} must be a positive integer, got {value!r}")
+        for name in ("experts", "top_k", "moe_ffn", "shared_ffn"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"hybrid: {name} must be a non-negative integer, got {value!r}")
+        if self.linear_v_heads % self.linear_k_heads:
+            raise ConfigError(f"hybrid: linear_v_heads={self.linear_v_heads} is not divisible by "
+                              f"linear_k_heads={self.linear_k_heads}")
+        if self.experts and not (1 <= self.top_k <= self.experts and self.moe_ffn):
+            raise ConfigError(f"hybrid: experts={self.experts} needs 1 <= top_k <= experts and moe_ffn > 0, "
+                              f"got top_k={self.top_k}, moe_ffn={self.moe_ffn}")
+        if not self.experts and (self.top_k or self.moe_ffn or self.shared_ffn):
+            raise ConfigError(f"hybrid: top_k={self.top_k}, moe_ffn={self.moe_ffn}, shared_ffn={self.shared_ffn} "
+                              f"need experts > 0")
+
+    @property
+    def v_per_k(self) -> int:
+        return self.linear_v_heads // self.linear_k_heads
+
+    @property
+    def conv_channels(self) -> int:
+        """Rows of the packed q|k|v block of in_proj (and channels of the conv1d)."""
+        return 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+def layer_kinds(layers: int, interval: int) -> tuple[str, ...]:
+    """`full` for every interval-th layer (1-based), `linear` for the others."""
+    return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers))
+
+
+# ---- linear attention ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinearRank:
+    """One rank's linear-attention shard (global ids), the same in every linear layer."""
+
+    rank: int
+    kv_tp_rank: int
+    dcp_members: tuple[int, ...]
+    v_heads: tuple[int, ...]
+    k_heads: tuple[int, ...]
+    v_to_local_k: tuple[int, ...]
+    out_v_heads: tuple[int, ...]  # V heads whose output projection this rank adds (each head once)
+    conv_rows: tuple[tuple[int, int], ...]  # [lo, hi) rows of the packed q|k|v block, per component
+    conv_state_bytes: int  # per layer per sequence
+    recurrent_state_bytes: int  # per layer per sequence: v_heads x Dk x Dv
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "kv_tp_rank": self.kv_tp_rank, "dcp_members": list(self.dcp_members),
+                "v_heads": list(self.v_heads), "k_heads": list(self.k_heads),
+                "v_to_local_k": list(self.v_to_local_k), "out_v_heads": list(self.out_v_heads),
+                "conv_rows": [list(r) for r in self.conv_rows], "conv_state_bytes": self.conv_state_bytes,
+                "recurrent_state_bytes": self.recurrent_state_bytes}
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    tp: int
+    dcp: int
+    kv_tp_size: int
+    v_gcd: int
+    layers: int
+    ranks: tuple[LinearRank, ...]
+    v_replicas: tuple[int, ...]
+
+    @property
+    def state_bytes_per_seq_per_rank(self) -> int:
+        """Conv + recurrent state of every linear layer for one sequence on one rank."""
+        r = self.ranks[0]
+        return self.layers * (r.conv_state_bytes + r.recurrent_state_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tp": self.tp, "dcp": self.dcp, "kv_tp_size": self.kv_tp_size, "v_gcd": self.v_gcd,
+                "layers": self.layers, "ranks": [r.to_dict() for r in self.ranks],
+                "v_replicas": list(self.v_replicas),
+                "state_bytes_per_seq_per_rank": self.state_bytes_per_seq_per_rank}
+
+
+def _v_shape(h: HybridShape) -> AttentionShape:
+    """V heads seen as the 'Q heads' and K heads as the 'KV heads' of layout.py's rules."""
+    return AttentionShape(heads=h.linear_v_heads, kv_heads=h.linear_k_heads, head_dim=h.linear_v_dim,
+                          layers=1, dtype_bytes=h.state_dtype_bytes)
+
+
+def linear_v_heads_of(h: HybridShape, kv_tp_rank: int, kv_tp_size: int) -> tuple[int, ...]:
+    """V heads of KV-parallel rank `kv_tp_rank`: contiguous shares, GCD-duplicated when uneven."""
+    as_kv = AttentionShape(heads=h.linear_v_heads, kv_heads=h.linear_v_heads, head_dim=h.linear_v_dim,
+                           layers=1, dtype_bytes=h.state_dtype_bytes)
+    return kv_heads_of(as_kv, kv_tp_rank, kv_tp_size)
+
+
+def component_rows(h: HybridShape, k_heads: tuple[int, ...], v_heads: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """[lo, hi) rows of the packed q|k|v block held for these heads: q rows, k rows, v rows (heads are
+    contiguous, so one range per component)."""
+    kd, vd, nk = h.linear_k_dim, h.linear_v_dim, h.linear_k_heads
+    k_lo, k_hi = k_heads[0], k_heads[-1] + 1
+    v_lo, v_hi = v_heads[0], v_heads[-1] + 1
+    return ((k_lo * kd, k_hi * kd), (nk * kd + k_lo * kd, nk * kd + k_hi * kd),
+            (2 * nk * kd + v_lo * vd, 2 * nk * kd + v_hi * vd))
+
+
+def contiguous_rows(h: HybridShape, rank_rows: int, index: int) -> tuple[int, int]:
+    """The buggy split (fault deltanet-packed-split): rank `index` takes the `index`-th contiguous slice
+    of `rank_rows` rows of the packed q|k|v block, as a plain column-parallel linear would."""
+    return (index * rank_rows, min((index + 1) * rank_rows, h.conv_channels))
+
+
+def plan_linear(h: HybridShape, layers: int, tp: int, dcp: int = 1) -> LinearPlan:
+    """The linear-attention shard of every rank (tp ranks, decode context parallel dcp)."""
+    if tp < 1 or dcp < 1 or tp % dcp:
+        raise ConfigError(f"linear attention: dcp={dcp} does not divide tp={tp}")
+    kv_tp_size = tp // dcp
+    vshape = _v_shape(h)
+    ranks = []
+    first_holder: dict[int, int] = {}
+    for rank in range(tp):
+        kv_tp_rank = rank // dcp
+        v_heads = linear_v_heads_of(h, kv_tp_rank, kv_tp_size)
+        k_heads = tuple(dict.fromkeys(kv_of_q(vshape, v) for v in v_heads))
+        for v in v_heads:
+            first_holder.setdefault(v, rank)
+        rows = component_rows(h, k_heads, v_heads)
+        channels = sum(hi - lo for lo, hi in rows)
+        ranks.append(LinearRank(
+            rank=rank, kv_tp_rank=kv_tp_rank, dcp_members=dcp_members_of(rank, dcp), v_heads=v_heads,
+            k_heads=k_heads, v_to_local_k=tuple(k_heads.index(kv_of_q(vshape, v)) for v in v_heads),
+            out_v_heads=(), conv_rows=rows,
+            conv_state_bytes=channels * (h.conv_kernel - 1) * h.state_dtype_bytes,
+            recurrent_state_bytes=len(v_heads) * h.linear_k_dim * h.linear_v_dim * h.state_dtype_bytes))
+    ranks = [replace(r, out_v_heads=tuple(v for v in r.v_heads if first_holder[v] == r.rank)) for r in ranks]
+    replicas = tuple(sum(v in r.v_heads for r in ranks) for v in range(h.linear_v_heads))
+    return LinearPlan(tp=tp, dcp=dcp, kv_tp_size=kv_tp_size, v_gcd=math.gcd(h.linear_v_heads, kv_tp_size),
+                      layers=layers, ranks=tuple(ranks), v_replicas=replicas)
+
+
+# ---- gated attention ----------------------------------------------------------------------------
+
+
+def q_proj_rows(head_dim: int, q_heads: tuple[int, ...], output_gate: bool) -> tuple[tuple[int, int], ...]:
+    """[lo, hi) rows of the Q projection held for these global Q heads; with an output gate every head
+    has 2 x head_dim rows (q then gate), so the gate is split with Q."""
+    per_head = head_dim * (2 if output_gate else 1)
+    return tuple((q * per_head, (q + 1) * per_head) for q in q_heads)
+
+
+# ---- MoE ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoeRank:
+    rank: int
+    ep_rank: int
+    etp_rank: int
+    ep_members: tuple[int, ...]
+    etp_members: tuple[int, ...]
+    experts: tuple[int, ...]
+    expert_ffn_shard: tuple[int, int]
+    shared_ffn_shard: tuple[int, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "ep_rank": self.ep_rank, "etp_rank": self.etp_rank,
+                "ep_members": list(self.ep_members), "etp_members": list(self.etp_members),
+                "experts": list(self.experts), "expert_ffn_shard": list(self.expert_ffn_shard),
+                "shared_ffn_shard": list(self.shared_ffn_shard)}
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    tp: int
+    ep: int
+    etp: int
+    experts: int
+    top_k: int
+    ranks: tuple[MoeRank, ...]
+    shared_ffn: int = 0
+
+    @property
+    def expert_replicas(self) -> tuple[int, ...]:
+        """How many ranks hold (a column shard of) each expert: etp."""
+        return tuple(sum(e in r.experts for r in self.ranks) for e in range(self.experts))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tp": self.tp, "ep": self.ep, "etp": self.etp, "experts": self.experts, "top_k": self.top_k,
+                "shared_ffn": self.shared_ffn,
+                "ranks": [r.to_dict() for r in self.ranks], "expert_replicas": list(self.expert_replicas)}
+
+
+def experts_of(experts: int, ep_rank: int, ep: int) -> tuple[int, ...]:
+    per = experts // ep
+    return tuple(range(ep_rank * per, (ep_rank + 1) * per))
+
+
+def plan_moe(h: HybridShape, tp: int, ep: int = 1) -> MoePlan:
+    """Expert placement over ep ranks inside the tp world, expert columns over etp = tp // ep."""
+    if not h.experts:
+        raise ConfigError(f"ep={ep}: the model has no experts (hybrid.experts=0)")
+    if tp < 1 or ep < 1 or tp % ep:
+        raise ConfigError(f"ep={ep} does not divide the world tp={tp}")
+    if h.experts % ep:
+        raise ConfigError(f"experts={h.experts} is not divisible by ep={ep}")
+    etp = tp // ep
+    if h.moe_ffn < etp:
+        raise ConfigError(f"moe_ffn={h.moe_ffn} is smaller than etp={etp}: some rank would hold no expert columns")
+    if h.shared_ffn and h.shared_ffn < tp:
+        raise ConfigError(f"shared_ffn={h.shared_ffn} is smaller than tp={tp}")
+    ranks = []
+    for rank in range(tp):
+        ep_rank, etp_rank = rank // etp, rank % etp
+        ranks.append(MoeRank(
+            rank=rank, ep_rank=ep_rank, etp_rank=etp_rank,
+            ep_members=tuple(range(etp_rank, tp, etp)),
+            etp_members=tuple(range(ep_rank * etp, (ep_rank + 1) * etp)),
+            experts=experts_of(h.experts, ep_rank, ep),
+            expert_ffn_shard=ffn_shard(h.moe_ffn, etp_rank, etp),
+            shared_ffn_shard=ffn_shard(h.shared_ffn, rank, tp) if h.shared_ffn else (0, 0)))
+    return MoePlan(tp=tp, ep=ep, etp=etp, experts=h.experts, top_k=h.top_k, ranks=tuple(ranks),
+                   shared_ffn=h.shared_ffn)
+
+
+# ---- grouped cache capacity ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """One cache group of a rank: `blocks_per_seq` blocks of `block_bytes` per sequence slot."""
+
+    name: str
+    blocks_per_seq: int
+    block_bytes: int
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.blocks_per_seq * self.block_bytes
+
+
+@dataclass(frozen=True)
+class GroupedCapacity:
+    budget_bytes: int
+    slots: int
+    groups: tuple[CacheGroup, ...]
+
+    def blocks(self, name: str) -> int:
+        return self.slots * self.group(name).blocks_per_seq
+
+    def group(self, name: str) -> CacheGroup:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise ConfigError(f"no cache group {name!r}; groups: {', '.join(g.name for g in self.groups)}")
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(g.slot_bytes for g in self.groups)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"budget_bytes": self.budget_bytes, "slots": self.slots, "slot_bytes": self.slot_bytes,
+                "pool_bytes": self.pool_bytes,
+                "groups": [{"name": g.name, "blocks_per_seq": g.blocks_per_seq, "block_bytes": g.block_bytes,
+                            "blocks": self.blocks(g.name), "bytes": self.blocks(g.name) * g.block_bytes}
+                           for g in self.groups]}
+
+
+def grouped_capacity(groups: tuple[CacheGroup, ...], budget_bytes: int) -> GroupedCapacity:
+    """One capacity in whole slots shared by every group; raises naming each group's shortfall."""
+    if not groups:
+        raise ConfigError("grouped cache capacity needs at least one cache group")
+    for g in groups:
+        if g.blocks_per_seq < 1 or g.block_bytes < 1:
+            raise ConfigError(f"cache group {g.name}: blocks_per_seq={g.blocks_per_seq} and "
+                              f"block_bytes={g.block_bytes} must be positive")
+    if budget_bytes < 0:
+        raise ConfigError(f"cache budget={budget_bytes} bytes must be non-negative")
+    slot = sum(g.slot_bytes for g in groups)
+    slots = budget_bytes // slot
+    if slots < 1:
+        short = slot - budget_bytes
+        parts = "; ".join(f"{g.name}: {g.blocks_per_seq} blocks x {g.block_bytes} bytes = {g.slot_bytes} bytes, "
+                          f"short by {_share(short, g.slot_bytes, slot)}" for g in groups)
+        raise ConfigError(f"cache budget of {budget_bytes} bytes per rank cannot hold one sequence slot of "
+                          f"{slot} bytes across {len(groups)} cache groups (short by {short} bytes: {parts})")
+    return GroupedCapacity(budget_bytes=budget_bytes, slots=slots, groups=groups)
+
+
+def _share(short: int, part: int, whole: int) -> str:
+    """A group's part of the shortfall, in proportion to its slot bytes (rounded up)."""
+    return f"{-(-short * part // whole)} bytes"
+
+
+def hybrid_cache_groups(attn: LayoutPlan, linear: LinearPlan, speculator: LayoutPlan | None, max_seq_len: int,
+                        block_size: int) -> tuple[CacheGroup, ...]:
+    """The cache groups of one rank: attention KV pages (full-attention layers, the rank's
+    ceil(max_seq_len / dcp) tokens), one recurrent-state block per sequence (all linear layers, kept
+    whole under DCP) and, with an MTP head, its KV pages (plain TP layout, every token)."""
+    if block_size < 1 or max_seq_len < 1:
+        raise ConfigError(f"block_size={block_size} and max_seq_len={max_seq_len} must be positive")
+    groups = []
+    if attn.shape.layers:
+        tokens = -(-max_seq_len // attn.dcp)
+        groups.append(CacheGroup("attention", -(-tokens // block_size),
+                                 block_size * attn.kv_bytes_per_token_per_rank))
+    if linear.layers:
+        groups.append(CacheGroup("recurrent", 1, linear.state_bytes_per_seq_per_rank))
+    if speculator is not None:
+        groups.append(CacheGroup("mtp", -(-max_seq_len // block_size),
+                                 block_size * speculator.kv_bytes_per_token_per_rank))
+    return tuple(groups)
+
+
+# ---- the whole plan -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HybridPlan:
+    kinds: tuple[str, ...]
+    attention: LayoutPlan  # the full-attention layers (shape.layers = their count)
+    linear: LinearPlan
+    moe: MoePlan | None
+    output_gate: bool
+    q_proj_rows: tuple[tuple[tuple[int, int], ...], ...]  # per rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layer_kinds": list(self.kinds), "full_layers": self.attention.shape.layers,
+                "output_gate": self.output_gate,
+                "q_proj_rows": [[list(r) for r in rows] for rows in self.q_proj_rows],
+                "linear": self.linear.to_dict(), "moe": self.moe.to_dict() if self.moe else None}
+
+
+def full_attention_shape(shape: AttentionShape, h: HybridShape) -> AttentionShape:
+    """The model's attention shape restricted to its full-attention layers (they alone hold KV pages)."""
+    return replace(shape, layers=layer_kinds(shape.layers, h.full_attention_interval).count(FULL))
+
+
+def plan_hybrid(shape: AttentionShape, h: HybridShape, tp: int, dcp: int = 1, ep: int = 1) -> HybridPlan:
+    """Every per-rank shard of a hybrid model over (tp, dcp, ep)."""
+    kinds = layer_kinds(shape.layers, h.full_attention_interval)
+    attn_shape = full_attention_shape(shape, h)
+    if not attn_shape.layers:
+        raise ConfigError(f"hybrid: layers={shape.layers} with full_attention_interval={h.full_attention_interval} "
+                          f"has no full-attention layer")
+    attention = plan_layout(attn_shape, tp, dcp)
+    if ep > 1 and not h.experts:
+        raise ConfigError(f"ep={ep} needs a MoE model; hybrid.experts=0")
+    moe = plan_moe(h, tp, ep) if h.experts else None
+    return HybridPlan(kinds=kinds, attention=attention, linear=plan_linear(h, kinds.count(LINEAR), tp, dcp),
+                      moe=moe, output_gate=h.attn_output_gate,
+                      q_proj_rows=tuple(q_proj_rows(shape.head_dim, r.q_heads, h.attn_output_gate)
+                                        for r in attention.ranks))
+
+
+def plan_hybrid_speculator(shape: AttentionShape, speculator_layers: int, tp: int) -> LayoutPlan:
+    """The MTP head: full (gated) attention layers on the plain TP layout (dcp = 1)."""
+    return plan_speculator(replace(shape, layers=speculator_layers), tp)
