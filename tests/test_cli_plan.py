@@ -189,6 +189,8 @@ def test_plan_hybrid_model_shows_linear_state_experts_and_cache_groups(capsys: p
 def test_plan_hybrid_errors(capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = run_cli(capsys, "plan", "--model", "tiny-gqa", "--topo", "tp4ep2")
     assert rc == 2 and "ep=2 needs a MoE model; tiny-gqa is dense" in err
+    rc, _, err = run_cli(capsys, "plan", "--model", "tiny-hybrid", "--topo", "tp4dcp2c")
+    assert rc == 2 and "tiny-hybrid is a hybrid model" in err and "got placement contiguous" in err
     rc, _, err = run_cli(capsys, "plan", "--model", "tiny-hybrid", "--topo", "tp4", "--budget-gib", "0.00001",
                          "--max-seq-len", "256")
     assert rc == 2 and "across 2 cache groups" in err

@@ -23,6 +23,7 @@ from harness.engine.parallel import ParallelState
 from harness.engine.parallelize import actual_layout, engine_plan, head_map, shard_weights
 from harness.errors import ConfigError
 from harness.layout import ROUND_ROBIN, LayoutPlan, Placement, pool_capacity
+from harness.specs.hybrid_plan import check_hybrid_dcp
 from harness.specs.model import ModelSpec
 
 MIN_SHARED_PREFIX_BLOCKS = 1  # generate() computes a common prompt prefix once when it spans this many KV blocks
@@ -106,10 +107,7 @@ class Engine:
         self._mla: MLAParts | None = None
         self._owner_probe: dict[str, Any] | None = None  # the first decode-path sequence's stored positions
         if spec.hybrid is not None:  # linear attention / MoE layers: harness/engine/hybrid.py
-            if placement != ROUND_ROBIN or q_replicated:
-                raise ConfigError(f"model {spec.name} is a hybrid model: its attention layers run round-robin "
-                                  f"DCP with Q split by TP only (got placement {placement.label}"
-                                  f"{', Q replicated' if q_replicated else ''})")
+            check_hybrid_dcp(spec, placement, q_replicated)
             self._init_hybrid(full_weights, ep, speculator != "none")
             return
         self.plan: LayoutPlan = engine_plan(spec, state.tp, state.dcp, flags, placement, q_replicated)
