@@ -189,8 +189,10 @@ class Runner:
         job = self.job(model, topo, perturbation or fault, seed, Path("."), dtype)
         if repeat:  # the scheduling-noise twin: the same cases sent one at a time (GSM8K is not noise)
             job = replace(job, schedule=SCHEDULE_SEQUENTIAL, gsm8k=None)
-        label = (f"{'noise' if perturbation else 'reference'} {model.name} {topo.name} {dtype} seed {seed}"
+        noise = perturbation or repeat or dtype != model.dtype  # the noise run, by any strategy
+        label = (f"{'noise' if noise else 'reference'} {model.name} {topo.name} {dtype} seed {seed}"
                  + (f" ({self.ref_backend.name})" if self.ref_backend.name != DEFAULT_ENGINE else "")
+                 + (", cases sent one at a time" if repeat else "")
                  + (f" with shared fault {fault}" if fault else ""))
         name = (f"{model.name}-{topo.name}-{dtype}{'-r' if repeat else ''}"
                 f"{'-' + (perturbation or fault) if perturbation or fault else ''}")

@@ -8,7 +8,9 @@ against vLLM's own tp1; tp2dcp2 is a SKIP quoting vLLM's own refusal (the templa
 n-gram speculative cell is lossless; the fault run FAILs as silent corruption, is a fault run named by
 its variable, with a reference of its own and a reproduce command that sets it; the stopped servers
 leave no vllm_dist_* shared memory behind. The layout probe's per-worker report (tests/vllm_plugin) makes
-`layout` PASS at tp2 and tp4 and FAIL on the fault, naming rank 1 and the KV heads it holds."""
+`layout` PASS at tp2 and tp4 (the KV cache sized from the harness's budget) and FAIL on the fault, naming rank 1
+and the KV heads it holds; its forward hooks' hidden states and attention outputs localize the fault to layer 0,
+heads 4-7 on rank 1."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import pytest
 
 from harness.cli import main
 from harness.jsonio import read_json
+from harness.results import results_cells
 from harness.specs.engine import load_engine
 
 VLLM_PYTHON = Path(load_engine("vllm").interpreter())
@@ -89,7 +92,7 @@ def _run(root: Path, name: str, topos: str, fault: str | None) -> dict[str, Any]
         before = _vllm_shm()
         code = main(["run", *SPEC, "--topo", topos, "--out", str(out), "--cache-dir", str(root / "vllm-cache")])
         after = _vllm_shm()
-    cells = {c["topology"]: c for c in read_json(out / "results.json")["cells"]}
+    cells = {c["topology"]: c for c in results_cells(out)}
     return {"exit": code, "cells": cells, "shm_before": sorted(before), "shm_after": sorted(after)}
 
 
@@ -127,7 +130,22 @@ def test_vllm_layout_probe_passes_layout(clean: dict, topo: str) -> None:
     assert target["source"] == "probe" and [r["rank"] for r in target["ranks"]] == list(range(tp))
     per_token = 2 * 2 * (4 // tp) * 64 * 4  # K and V, 2 layers, the rank's KV heads, 64 dims, float32
     assert all(r["kv_pool_blocks"] > 0 and r["kv_bytes_per_token"] == per_token for r in target["ranks"])
+    assert target["pool"]["budget_bytes"] == 8 << 20  # the spec suite's kv_budget_mib reached vLLM
     assert (Path(cell["run_dir"]) / "server.layout" / f"rank{tp - 1}.json").is_file()
+
+
+def test_vllm_probe_captures_hidden_states_and_attention_outputs(clean: dict) -> None:
+    """The probe's hooks wrote each case's residual stream [L+1, P, H] and per-head attention output
+    [L, P, heads, head_dim] at the probe positions: the clean cell has per-layer errors, all tiny, and no
+    localization (negative control)."""
+    from safetensors import safe_open
+
+    cell = clean["cells"]["tp2"]
+    cases = read_json(Path(cell["run_dir"]) / "cases.json")
+    with safe_open(str(Path(cell["run_dir"]) / "tensors.safetensors"), "pt") as f:
+        assert list(f.get_slice("hidden.0").get_shape()) == [3, len(cases[0]["probe_positions"]), 512]
+        assert list(f.get_slice("attn.0").get_shape()) == [2, len(cases[0]["probe_positions"]), 8, 64]
+    assert cell["localization"] is None and max(cell["details"]["layer_errors"]["error"]) < 1e-5
 
 
 def test_vllm_cpu_refuses_dcp_as_a_skip_with_its_own_line(clean: dict) -> None:
@@ -159,6 +177,15 @@ def test_vllm_plugin_fault_is_silent_corruption(fault: dict, clean: dict) -> Non
     cell = fault["cell"]
     assert fault["exit"] == 1 and cell["status"] == "FAIL" and cell["silent_corruption"], cell["checks"]
     assert "loads another rank's K/V shard" in (Path(cell["run_dir"]) / "server.log").read_text()
+
+
+def test_vllm_plugin_fault_is_localized_to_layer_heads_and_rank(fault: dict) -> None:
+    """Positive control of the probe's hidden states: the first diverging layer is 0, its diverging heads are
+    rank 1's Q heads 4-7, which read KV heads 0-1 (rank 0's shard) instead of 2-3."""
+    loc = fault["cell"]["localization"]
+    assert loc is not None and loc["layer"] == 0 and loc["heads"] == [4, 5, 6, 7] and loc["ranks"] == [1], loc
+    assert loc["summary"].startswith("layer 0 attention: heads 4-7 on rank 1 diverge; heads 4-7 read the wrong KV "
+                                     "heads (e.g. head 4 reads 0, planned 2)"), loc
 
 
 def test_vllm_plugin_fault_fails_layout_naming_ranks_and_heads(fault: dict) -> None:

@@ -11,10 +11,12 @@ the run directory: top-k tensors and generations (contract names), the KV capaci
 with a line the template `refuses` is a refusal (the cell is a SKIP quoting it), not an error.
 
 Capabilities are what HTTP gives: top-k logprobs of the prompt (prefill path) and of generation. No
-full logits, no decode path, no hidden states (so localization is a SKIP). A template with
-`layout_report_env` has a layout self-report: its server's probe writes each rank's heads and KV cache
-allocation into a folder beside the log (server.layout/, harness/backends/http_layout.py), which becomes
-layout.json's target entry.
+full logits, no decode path; no hidden states (so localization is a SKIP) unless the probe captures them. A
+template with `layout_report_env` has a layout self-report: its server's probe writes each rank's heads and KV
+cache allocation into a folder beside the log (server.layout/, harness/backends/http_layout.py), which becomes
+layout.json's target entry; with `probe_captures` the same probe also writes each layer's hidden state and
+per-head attention output at the cases' probe positions (harness/backends/http_capture.py), so localization
+runs.
 Noise: two reference runs that differ only in scheduling (cases sent together vs one at a time).
 """
 
@@ -28,6 +30,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,7 @@ from harness import contract as c
 from harness.artifacts import write_run
 from harness.backends.base import stamp_manifest
 from harness.backends.embedded import weights_key
+from harness.backends.http_capture import read_captures, write_probe_cases
 from harness.backends.http_collect import Collected, collect
 from harness.backends.http_dialects import DIALECTS, Dialect, Generation, parse_spec_counters, post_json
 from harness.backends.http_layout import probe_layout
@@ -59,6 +63,7 @@ from harness.engine.engine import PoolSettings
 from harness.engine.faults import FAULTS
 from harness.engine.tokenizer import load_tokenizer
 from harness.errors import ConfigError, RunError
+from harness.fmt import id_ranges
 from harness.jsonio import write_json
 from harness.specs.engine import load_engine
 from harness.specs.model import ModelSpec
@@ -103,14 +108,24 @@ def hf_folder(model: ModelSpec) -> Path:
     return folder
 
 
-def cpu_bind(ranks: int, cores: int | None = None) -> str:
-    """This machine's cores split into `ranks` contiguous ranges, "0-3|4-7" (one core each: "0|1"); with
-    more ranks than cores, ranks share them round-robin."""
-    total = cores or os.cpu_count() or 1
-    if ranks >= total:
-        return "|".join(str(r % total) for r in range(ranks))
-    bounds = [total * r // ranks for r in range(ranks + 1)]
-    return "|".join(f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}" for lo, hi in zip(bounds, bounds[1:]))
+def allowed_cpus() -> list[int]:
+    """The CPU ids this process may run on (its affinity: a container's or taskset's cpuset), in order."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity call on this platform
+        return list(range(os.cpu_count() or 1))
+
+
+def cpu_bind(ranks: int, cores: int | Sequence[int] | None = None) -> str:
+    """The CPUs this process may run on (`cores`: their ids, or a count of ids from 0; default its affinity)
+    split into `ranks` contiguous runs, "0-3|4-7" (one CPU each: "0|1"; affinity {2, 3, 6, 7}: "2-3|6-7"); with
+    more ranks than CPUs, ranks share them round-robin."""
+    cpus = allowed_cpus() if cores is None else list(range(cores)) if isinstance(cores, int) else sorted(cores)
+    cpus = cpus or [0]
+    if ranks >= len(cpus):
+        return "|".join(str(cpus[r % len(cpus)]) for r in range(ranks))
+    bounds = [len(cpus) * r // ranks for r in range(ranks + 1)]
+    return "|".join(id_ranges(cpus[lo:hi]) for lo, hi in zip(bounds, bounds[1:]))
 
 
 def server_budget_bytes(pool: PoolSettings) -> int:
@@ -196,6 +211,7 @@ class HttpBackend:
             provides.add(c.ACCEPTANCE_AGGREGATE)
         if self.spec.layout_report_env:  # its server's layout probe reports what each rank holds
             provides.add(c.LAYOUT_REPORT)
+        provides.update(self.spec.probe_captures)  # and, where it says so, hidden states / attention outputs
         return Capabilities(provides=frozenset(provides), top_k=self.spec.max_logprobs)
 
     def engine_env(self) -> dict[str, str]:
@@ -280,8 +296,10 @@ class HttpBackend:
         logs = [run_dir / SERVER_LOG] + ([run_dir / SPEC_SERVER_LOG] if speculative else [])
         try:
             ready, collected, kv, base_url = self._serve(plain, logs[0], deadline, self._collect_all)
-            reported = (probe_layout(probe_dir(logs[0]), job.topology.tp) if self.spec.layout_report_env
-                        and not self.spec.url else None)
+            probed = self.spec.layout_report_env and not self.spec.url
+            reported = probe_layout(probe_dir(logs[0]), job.topology.tp) if probed else None
+            if probed and self.spec.probe_captures:
+                collected.tensors.update(read_captures(probe_dir(logs[0]), job.topology.tp, collected.cases))
             counters = kv_spec = None
             if speculative:
                 _, (tokens, counters), kv_spec, _ = self._serve(job, logs[1], deadline, self._collect_speculative)
@@ -309,6 +327,9 @@ class HttpBackend:
             folder = probe_dir(log_path)
             shutil.rmtree(folder, ignore_errors=True)
             env[self.spec.layout_report_env] = str(folder.resolve())
+            if self.spec.probe_captures:  # the sequences and positions whose hidden states the probe keeps
+                write_probe_cases(folder, build_cases(job.prompts, load_tokenizer(job.model), job.seed,
+                                                      job.max_new_tokens, job.decode_prefix_tokens))
         log_path.with_suffix(".argv.json").write_text(json.dumps(argv, indent=1) + "\n")
         with running_server(argv, env, log_path, f"http://{HOST}:{port}") as server:
             return self._ask(job, server, deadline, ask)

@@ -58,8 +58,9 @@ def add_parser(sub: Any) -> None:
                    help=f"seconds before a launch is killed (default: ${TIMEOUT_ENV} or {LAUNCH_TIMEOUT_S:.0f})")
     p.add_argument("--collective-timeout", type=positive_float, default=COLLECTIVE_TIMEOUT_S,
                    help="seconds before a collective fails")
-    p.add_argument("--cache-dir", type=Path, default=None, help="reference-run cache (default: $HARNESS_CACHE_DIR, "
-                   "else the user's $XDG_CACHE_HOME or ~/.cache /llm-parallel-harness, mode 0700)")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="reference-run cache, and HTTP engines' HF exports and converted checkpoints (default: "
+                   "$HARNESS_CACHE_DIR, else the user's $XDG_CACHE_HOME or ~/.cache /llm-parallel-harness, mode 0700)")
     p.add_argument("--engine", default="embedded",
                    help="backend of the parallel runs: NAME or NAME:OPTION (harness list engines), or an engine "
                    "template file PATH.yaml[:OPTION] (default: embedded)")
@@ -194,8 +195,9 @@ def reproduce_args(args: argparse.Namespace, budget_mib: int, max_seq_len: int) 
 def run(args: argparse.Namespace) -> int:
     from harness.cli.signals import exit_status, interrupt_on_signals
     from harness.errors import Interrupted
+    from harness.paths import cache_dir_given
 
-    with interrupt_on_signals():
+    with interrupt_on_signals(), cache_dir_given(args.cache_dir):  # --cache-dir holds exports too
         try:
             return _run(args)
         except Interrupted as exc:  # before the matrix ran (the run itself reports what finished)

@@ -44,6 +44,8 @@ PLACEHOLDERS: tuple[str, ...] = ("python", "model_path", "model_name", "tp", "dc
                                  "fault", "spec_k", "cpu_bind")
 SPECULATOR_KINDS: tuple[str, ...] = ("draft", "mtp")
 KV_GROUPS: tuple[str, ...] = ("tokens", "blocks", "bytes")
+# what a server's probe may capture (the contract's capability names: contract.HIDDEN_STATES, ATTENTION_OUTPUTS)
+PROBE_CAPTURES: tuple[str, ...] = ("hidden_states", "attention_outputs")
 
 
 def _placeholders(text: str, where: str) -> None:
@@ -97,6 +99,9 @@ class EngineSpec:
     # the variable through which the server's layout probe is told where to write its per-rank report
     # (rank<R>.json): the run then has a layout report and the `layout` check compares it with the planner
     layout_report_env: str = ""
+    # what that probe also captures at the cases' probe positions (written into the same folder, read by
+    # harness/backends/http_capture.py): hidden_states (residual stream per layer), attention_outputs (per head)
+    probe_captures: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         where = f"engine {self.name!r}"
@@ -108,7 +113,8 @@ class EngineSpec:
                               f"{', '.join(MODEL_FORMATS)}{did_you_mean(self.model_format, MODEL_FORMATS)}")
         if bool(self.argv) == bool(self.url):
             raise ConfigError(f"{where}: give either argv (start a server) or url (attach to a running one)")
-        for key in ("argv", "dcp_argv", "fault_argv", "dtypes", "version_packages", "engine_env", "engine_faults"):
+        for key in ("argv", "dcp_argv", "fault_argv", "dtypes", "version_packages", "engine_env", "engine_faults",
+                    "probe_captures"):
             object.__setattr__(self, key, _strings(where, key, getattr(self, key)))
         spec_argv = dict(self.speculator_argv)
         for kind, argv in spec_argv.items():
@@ -154,6 +160,13 @@ class EngineSpec:
             raise ConfigError(f"{where}: engine_faults {', '.join(unclaimed)} match no engine_env pattern")
         if self.layout_report_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.layout_report_env):
             raise ConfigError(f"{where}: layout_report_env={self.layout_report_env!r} is not a variable name")
+        bad = [v for v in self.probe_captures if v not in PROBE_CAPTURES]
+        if bad:
+            raise ConfigError(f"{where}: probe_captures {', '.join(map(repr, bad))}"
+                              f"{did_you_mean(bad[0], PROBE_CAPTURES)}; valid: {', '.join(PROBE_CAPTURES)}")
+        if self.probe_captures and not self.layout_report_env:
+            raise ConfigError(f"{where}: probe_captures needs layout_report_env (the variable that tells the probe "
+                              f"where to write)")
 
     def engine_env_values(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
         """The engine's variables (engine_env patterns) set in `environ` (the harness's environment), sorted;
