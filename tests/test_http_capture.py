@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from harness.errors import RunError
 from harness.layout import plan_layout
 from harness.specs.checkpoint import load_model
 from harness.specs.engine import PROBE_CAPTURES
+from harness.specs.topology import parse_topology_name
 
 DATA = Path(__file__).parent / "data" / "vllm"
 MODEL = load_model("tiny-hd64")  # 8 Q heads, 4 KV heads, head_dim 64, 2 layers, hidden 512
@@ -101,3 +103,63 @@ def test_a_missing_or_failed_capture_is_a_run_error_naming_case_and_rank(tmp_pat
               str(folder / CAPTURE_DIR / "rank1.case0.safetensors"))
     with pytest.raises(RunError, match=r"holds positions \[4, 15\].*expected \[4, 15, 27, 39\]"):
         read_captures(folder, 2, [CASE])
+
+
+PLUGINS = Path(__file__).parent / "vllm_plugin"
+
+
+@pytest.fixture
+def probe_modules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engines' probe packages (tests/vllm_plugin) importable here: their engine-neutral half needs only torch."""
+    monkeypatch.syspath_prepend(str(PLUGINS))
+
+
+def test_the_probe_keeps_values_as_the_hooks_saw_them_and_writes_a_case_once_complete(tmp_path: Path,
+                                                                                       probe_modules: None) -> None:
+    """Rows are copied out when a hook fires (a fused add-norm later overwrites the tensor in place); a case is
+    written only when all its probe positions were seen, possibly over two chunks of one request."""
+    from harness_probe_capture import CAPTURE_DIR as PROBE_CAPTURE_DIR
+    from harness_probe_capture import CASES_FILE as PROBE_CASES_FILE
+    from harness_probe_capture import Capture
+
+    assert (PROBE_CASES_FILE, PROBE_CAPTURE_DIR) == (CASES_FILE, CAPTURE_DIR)  # the harness and probe agree
+    write_probe_cases(tmp_path, [CASE])
+    capture = Capture(folder=tmp_path, rank=lambda: 1, layers=1)
+
+    def step(positions: list[int], base: float) -> None:
+        tokens = torch.arange(6, dtype=torch.float32)[:, None] + base  # [N=6, H=1]
+        capture.begin([0, 5], [("req", 0, positions[0]), ("req", 0, positions[1])])
+        capture.on_hidden(0, tokens.expand(6, 4).clone())
+        out = tokens.expand(6, 4).clone()
+        capture.on_layer(0, (out, torch.ones(6, 4)))
+        out.zero_()  # the next layer's fused add-norm overwrites the output in place
+        capture.on_attention(0, tokens.expand(6, 4).clone(), heads=2)
+        capture.end()
+
+    step([4, 15], 0.0)
+    assert not (tmp_path / CAPTURE_DIR).exists()  # positions 27 and 39 not seen yet
+    step([27, 39], 100.0)
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / CAPTURE_DIR / "rank1.case0.safetensors"))
+    assert saved["positions"].tolist() == [4, 15, 27, 39]
+    assert saved["hidden"].shape == (2, 4, 4) and saved["attn"].shape == (1, 4, 2, 2)
+    assert saved["hidden"][1, :, 0].tolist() == [1.0, 6.0, 101.0, 106.0]  # hidden + residual, before the overwrite
+
+
+def test_the_sglang_template_runs_the_probe_through_sglangs_forward_hooks(monkeypatch: pytest.MonkeyPatch,
+                                                                         probe_modules: None) -> None:
+    """engines/sglang.yaml passes harness_sglang_probe.FORWARD_HOOKS as --forward-hooks (SGLang's hook spec) and
+    names the probe's folder variable, so its runs declare hidden states and attention outputs."""
+    import harness_sglang_probe
+
+    from harness.backends.http import HttpBackend
+
+    monkeypatch.setenv("HARNESS_SGLANG_PYTHON", sys.executable)
+    backend = HttpBackend("sglang")
+    job = c.Job(model=MODEL, topology=parse_topology_name("tp2"), prompts=["hi"], out_dir="run")
+    argv, _ = backend.command(job, "/model", 30000)
+    assert json.loads(argv[argv.index("--forward-hooks") + 1]) == harness_sglang_probe.FORWARD_HOOKS
+    assert backend.spec.probe_env() == harness_sglang_probe.PROBE_ENV
+    assert {c.HIDDEN_STATES, c.ATTENTION_OUTPUTS} <= backend.capabilities().provides
+    assert c.LAYOUT_REPORT not in backend.capabilities().provides  # no layout probe on SGLang

