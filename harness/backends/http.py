@@ -231,7 +231,8 @@ class HttpBackend:
             provides.add(c.ACCEPTANCE_AGGREGATE)
         if self.spec.layout_report_env:  # its server's layout probe reports what each rank holds
             provides.add(c.LAYOUT_REPORT)
-        provides.update(self.spec.probe_captures)  # and, where it says so, hidden states / attention outputs
+        if not self.spec.url:  # a server the harness starts: its probe captures what the template says
+            provides.update(self.spec.probe_captures)
         return Capabilities(provides=frozenset(provides), top_k=self.spec.max_logprobs)
 
     def engine_env(self) -> dict[str, str]:
