@@ -216,8 +216,8 @@ class LoadedRun:
 def load_run_rows(run_dir: Path, build_label: str | None = None) -> LoadedRun:
     """Read run_dir's results.json into the rows `add_run` records; a bad folder is one ConfigError."""
     cells, provenance, run_id = read_results(run_dir)
-    label = build_label if build_label is not None else str(
-        provenance.get("build_label") or os.environ.get(BUILD_LABEL_ENV, ""))
+    label = build_label if build_label is not None else str(  # an engine build label names the build too
+        provenance.get("build_label") or os.environ.get(BUILD_LABEL_ENV, "") or provenance.get("engine_build") or "")
     created = _created(run_dir)
     rows = rows_of(cells, run_id, created, provenance, label)
     suites = sorted({c.suite for c in cells}) or [str(provenance.get("suite", ""))]

@@ -2,6 +2,8 @@
 
 import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from harness.errors import ConfigError
@@ -26,6 +28,25 @@ def default_cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     home = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"  # XDG: a relative value is ignored
     return private_dir(home / CACHE_NAME)
+
+
+@contextmanager
+def cache_dir_given(folder: Path | None) -> Iterator[None]:
+    """While it lasts, `folder` (a --cache-dir) is the cache of everything default_cache_dir() places (the
+    reference cache, HTTP engines' HF exports, converted GGUF checkpoints), in this process and the ones it
+    starts: HARNESS_CACHE_DIR is set to it, and put back as it was after. None: the cache stays as it is."""
+    if folder is None:
+        yield
+        return
+    before = os.environ.get("HARNESS_CACHE_DIR")
+    os.environ["HARNESS_CACHE_DIR"] = str(Path(folder).resolve())
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("HARNESS_CACHE_DIR", None)
+        else:
+            os.environ["HARNESS_CACHE_DIR"] = before
 
 
 def private_dir(path: Path) -> Path:

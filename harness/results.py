@@ -31,7 +31,9 @@ Schema, version RESULTS_SCHEMA_VERSION = 1 (a reader refuses any other version):
                       "metrics": {"max_kl": 3.2, ...},
                       "performance_only": false}],  # a check of speed, not of outputs
           "command": "harness run ...",         # reproduces this cell alone
-          "run_dir": "...", "reference_dir": "...", "wall_s": 12.3,
+          "run_dir": "runs/tiny-gqa/tp4dcp4/...",  # relative to this file's folder (absolute once read:
+          "reference_dir": "../cache/runs/...",     #   read_results), so a moved results folder still finds
+          "wall_s": 12.3,                           #   its runs
           "error_log": "",                      # log tail of a broken run (ERROR cells)
           "details": {...}                      # drill-down data for the HTML report; its keys
         }                                       #   are described in harness/report/details.py
@@ -45,6 +47,7 @@ detail holds one, are written as Python's json writes them (NaN, Infinity, -Infi
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
@@ -83,19 +86,41 @@ def exit_code(cells: list[CellResult]) -> int:
     return ExitCode.OK
 
 
-def results_document(cells: list[CellResult], provenance: dict[str, Any], run_id: str) -> dict[str, Any]:
-    """The results.json document (see the module docstring)."""
+PATH_KEYS: tuple[str, ...] = ("run_dir", "reference_dir")  # cell paths, stored relative to the results folder
+
+
+def _relative(path: str, base: Path) -> str:
+    return os.path.relpath(path, base.absolute()) if path and os.path.isabs(path) else path
+
+
+def _absolute(path: str, base: Path) -> str:
+    return os.path.normpath(base.absolute() / path) if path and not os.path.isabs(path) else path
+
+
+def _absolute_paths(cell: Any, base: Path) -> Any:
+    """A stored cell with its relative run / reference folders made absolute against `base` (the file's folder)."""
+    if not isinstance(cell, dict):
+        return cell
+    return {**cell, **{k: _absolute(cell[k], base) for k in PATH_KEYS if isinstance(cell.get(k), str)}}
+
+
+def results_document(cells: list[CellResult], provenance: dict[str, Any], run_id: str,
+                     base: Path | None = None) -> dict[str, Any]:
+    """The results.json document (see the module docstring); with `base` (its folder) the cells' run and
+    reference folders are written relative to it."""
+    dicts = [c.to_dict() for c in cells]
+    if base is not None:
+        dicts = [{**d, **{k: _relative(d[k], base) for k in PATH_KEYS if isinstance(d.get(k), str)}} for d in dicts]
     return {"schema_version": RESULTS_SCHEMA_VERSION, "run_id": run_id,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "provenance": provenance, "summary": summary_counts(cells),
-            "cells": [c.to_dict() for c in cells]}
+            "provenance": provenance, "summary": summary_counts(cells), "cells": dicts}
 
 
 def write_results(out_dir: Path, cells: list[CellResult], provenance: dict[str, Any], run_id: str) -> Path:
     """Write out_dir/results.json atomically and return its path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / RESULTS_FILE
-    write_json(path, results_document(cells, provenance, run_id))
+    write_json(path, results_document(cells, provenance, run_id, out_dir))
     return path
 
 
@@ -115,9 +140,16 @@ def read_results(run_dir: Path) -> tuple[list[CellResult], dict[str, Any], str]:
     raw_cells = doc.get("cells")
     if not isinstance(raw_cells, list):
         raise ResultsError(f"corrupt {path}: 'cells' is not a list")
-    cells = [_cell_from_dict(path, i, c) for i, c in enumerate(raw_cells)]
+    cells = [_cell_from_dict(path, i, _absolute_paths(c, path.parent)) for i, c in enumerate(raw_cells)]
     provenance = doc.get("provenance")
     return cells, dict(provenance) if isinstance(provenance, dict) else {}, str(doc.get("run_id", path.parent.name))
+
+
+def results_cells(folder: Path) -> list[dict[str, Any]]:
+    """The cells of folder/results.json (or of the file itself) as stored, their run and reference folders made
+    absolute (for a tool that reads the JSON without CellResult)."""
+    path = folder if folder.is_file() else folder / RESULTS_FILE
+    return [_absolute_paths(c, path.parent) for c in read_json(path).get("cells") or []]
 
 
 def _cell_from_dict(path: Path, index: int, data: Any) -> CellResult:

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from harness.artifacts import RunArtifacts, run_capabilities
-from harness.backends.base import backend_record, engine_env, engine_fault
+from harness.backends.base import backend_record, engine_build, engine_env, engine_fault
+from harness.backends.build import with_build
 from harness.backends.embedded import EmbeddedBackend
 from harness.backends.registry import DEFAULT_ENGINE, get_backend
 from harness.checks.context import CellContext, CellInfo
@@ -83,6 +84,7 @@ class RunRequest:
     reference_engine: str | None = None        # backend of the reference runs (default: engine)
     reproduce: tuple[str, ...] = ()            # argv (after "harness run") that every cell command repeats
     model_refs: tuple[tuple[str, str], ...] = ()  # model name -> how to name it again (path when given by path)
+    engine_build: str | None = None            # the parallel engine's build label (--engine-build)
 
     @property
     def ref_engine(self) -> str:
@@ -167,8 +169,10 @@ class Runner:
         self._commit = git_commit()
         self._failed_refs: dict[tuple[str, int, str], ReferenceFailed] = {}
         self._tokenizers: dict[str, Tokenizer] = {}
-        self.backend = get_backend(req.engine)  # the parallel runs
-        self.ref_backend = get_backend(req.ref_engine)  # the reference and its noise twin
+        self.backend = with_build(get_backend(req.engine), req.engine_build)  # the parallel runs
+        # the reference and its noise twin: the same build when they run on the same engine
+        self.ref_backend = with_build(get_backend(req.ref_engine),
+                                      req.engine_build if req.ref_engine == req.engine else None)
         self.cache = ReferenceCache(req.cache_dir, self.ref_backend, req.timeout_s, progress)
         self.finished: list[CellResult] = []  # the cells done so far (what an interrupted run reports)
 
@@ -192,8 +196,10 @@ class Runner:
         job = self.job(model, topo, perturbation or fault, seed, Path("."), dtype)
         if repeat:  # the scheduling-noise twin: the same cases sent one at a time (GSM8K is not noise)
             job = replace(job, schedule=SCHEDULE_SEQUENTIAL, gsm8k=None)
-        label = (f"{'noise' if perturbation else 'reference'} {model.name} {topo.name} {dtype} seed {seed}"
+        noise = perturbation or repeat or dtype != model.dtype  # the noise run, by any strategy
+        label = (f"{'noise' if noise else 'reference'} {model.name} {topo.name} {dtype} seed {seed}"
                  + (f" ({self.ref_backend.name})" if self.ref_backend.name != DEFAULT_ENGINE else "")
+                 + (", cases sent one at a time" if repeat else "")
                  + (f" with shared fault {fault}" if fault else ""))
         name = (f"{model.name}-{topo.name}-{dtype}{'-r' if repeat else ''}"
                 f"{'-' + (perturbation or fault) if perturbation or fault else ''}")
@@ -269,7 +275,8 @@ class Runner:
     def run_cell(self, cell: CellPlan) -> CellResult:
         base = dict(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
                     fault=self._fault(cell), seed=cell.seed, command=self.command(cell), engine=self.backend.name,
-                    reference_engine=self.ref_backend.name, engine_env=engine_env(self.backend))
+                    reference_engine=self.ref_backend.name, engine_env=engine_env(self.backend),
+                    engine_build=engine_build(self.backend))
         if cell.skip_reason:
             return CellResult(**base, checks=(CheckResult("cell", Verdict.SKIP, cell.skip_reason),), clean_exit=True)
         try:
@@ -357,9 +364,10 @@ class Runner:
 
     def _on_nodes(self, job: Job, nodes: NodeLaunch) -> LaunchResult:
         """The parallel run of a cell that spans the nodes: only the embedded engines launch over nodes."""
-        if not isinstance(self.backend, EmbeddedBackend):
+        backend = getattr(self.backend, "inner", self.backend)  # a build-labelled backend: the one it labels
+        if not isinstance(backend, EmbeddedBackend):
             raise ConfigError(f"engine {self.backend.name!r} cannot run over several nodes from the harness")
-        return self.backend.run_on_nodes(job, self.req.timeout_s, nodes)
+        return backend.run_on_nodes(job, self.req.timeout_s, nodes)
 
     def follow(self) -> int:
         """Node R > 0: lend this node's ranks to every cell that spans the nodes, in plan order.
@@ -395,7 +403,7 @@ class Runner:
                 result = CellResult(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
                                     fault=self._fault(cell), seed=cell.seed, command=self.command(cell),
                                     engine=self.backend.name, reference_engine=self.ref_backend.name,
-                                    engine_env=engine_env(self.backend),
+                                    engine_env=engine_env(self.backend), engine_build=engine_build(self.backend),
                                     checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False)
             reason = next((c.reason for c in result.checks if c.verdict is result.status), "")
             took = "the reference run" if result.run_dir and result.run_dir == result.reference_dir else \
@@ -426,6 +434,7 @@ class Runner:
                 "suite": self.req.suite.name, "suite_version": self.req.suite.version,
                 "reference": self.reference_topology.name, "engine": self.backend.name,
                 "engine_version": self.backend.version(), "reference_engine": self.ref_backend.name,
+                **({"engine_build": engine_build(self.backend)} if engine_build(self.backend) else {}),
                 "backends": {"parallel": backend_record(self.backend), "reference": backend_record(self.ref_backend)},
                 **({"shard": str(self.req.shard)} if self.req.shard else {}),
                 **({"nnodes": self.req.nodes.nnodes} if self.req.nodes else {})}

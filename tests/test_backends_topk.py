@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
+from harness.results import results_cells
 
 TOPK_SUITE = """
 name: topk
@@ -39,7 +40,7 @@ def suite_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _run(tmp_path: Path, suite: Path, cache: Path, *args: str) -> tuple[int, dict]:
     rc = main(["run", "--suite", str(suite), "--engine", "embedded-topk", "--out", str(tmp_path),
                "--cache-dir", str(cache), *args])
-    (cell,) = json.loads((tmp_path / "results.json").read_text())["cells"]
+    (cell,) = results_cells(tmp_path)
     return rc, cell
 
 

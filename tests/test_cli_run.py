@@ -13,6 +13,7 @@ import pytest
 
 from harness.backends.embedded_worker import INJECT_ENV
 from harness.cli import main
+from harness.results import results_cells
 from tests.conftest import TEST_LAUNCH_TIMEOUT_S, TEST_LAUNCHES_PER_TEST
 
 SMALL_SUITE = """
@@ -42,7 +43,7 @@ def suite_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _results(out: Path) -> dict:
-    return json.loads((out / "results.json").read_text())
+    return {**json.loads((out / "results.json").read_text()), "cells": results_cells(out)}  # paths made absolute
 
 
 def test_main_command_passes_and_writes_every_report_file(tmp_path: Path, cache_dir: Path) -> None:

@@ -14,6 +14,7 @@ from harness.backends.registry import BUILTIN, HTTP_BACKEND, available, get_back
 from harness.cli import main
 from harness.errors import ConfigError
 from harness.jsonio import read_json
+from harness.results import results_cells
 from harness.specs.engine import ENGINES_DIR, load_engine
 
 DESCRIPTION = "my engine: harness serve under another name"
@@ -87,7 +88,7 @@ def test_a_cell_runs_through_a_template_given_by_its_path(tmp_path: Path) -> Non
     code = main(["run", "--suite", "tp", "--model", "tiny-gqa", "--topo", "tp2", "--engine", str(path),
                  "--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--kv-budget-mib", "8",
                  "--max-seq-len", "128"])
-    cell = read_json(out / "results.json")["cells"][0]
+    cell = results_cells(out)[0]
     assert code == 0 and cell["status"] == "PASS" and cell["engine"] == "my-engine", cell["status"]
     manifest = read_json(Path(cell["run_dir"]) / "manifest.json")
     assert manifest["backend"]["name"] == "my-engine"

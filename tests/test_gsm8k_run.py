@@ -6,7 +6,6 @@ only cost datasets time to index it)."""
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from harness.checks.gsm8k import gsm8k_checks
 from harness.checks.settings import load_suite
 from harness.cli import main
 from harness.gsm8k.settings import gsm8k_settings
+from harness.results import results_cells
 from harness.verdict import Verdict
 from tests.conftest import GSM8K_FIXTURE, small_gsm8k_suite
 
@@ -44,7 +44,7 @@ def cache_dir(shared_cache: Path) -> Path:
 
 
 def _cell(out: Path) -> dict:
-    (cell,) = json.loads((out / "results.json").read_text())["cells"]
+    (cell,) = results_cells(out)
     return cell
 
 

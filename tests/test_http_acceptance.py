@@ -13,6 +13,7 @@ import pytest
 
 from harness.cli import main
 from harness.jsonio import read_json
+from harness.results import results_cells
 
 pytestmark = pytest.mark.xdist_group("http-acceptance")  # the module's reference runs once
 
@@ -25,7 +26,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _run(out: Path, cache: Path, *extra: str, engine: str = "harness-serve") -> dict:
     code = main(["run", "--suite", "spec", "--topo", "tp2-draft", "--engine", engine, "--out", str(out),
                  "--cache-dir", str(cache), *extra])
-    cell = read_json(out / "results.json")["cells"][0]
+    cell = results_cells(out)[0]
     cell["exit"] = code
     cell["verdicts"] = {c["name"]: c["verdict"] for c in cell["checks"]}
     return cell

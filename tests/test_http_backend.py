@@ -18,6 +18,7 @@ from harness.backends.registry import get_backend
 from harness.contract import Backend, Job
 from harness.errors import ConfigError
 from harness.jsonio import read_json
+from harness.results import results_cells
 from harness.specs.checkpoint import load_model
 from harness.specs.engine import load_engine
 from harness.specs.topology import parse_topology_name
@@ -253,7 +254,7 @@ def test_an_engine_side_fault_is_a_control_with_its_own_reference(tmp_path: Path
     def run(out: str) -> dict:
         main(["run", "--suite", "tp", "--model", "tiny-gqa", "--topo", "tp2", "--engine", str(path), "--out",
               str(tmp_path / out), "--cache-dir", str(cache), "--kv-budget-mib", "8", "--max-seq-len", "128"])
-        return read_json(tmp_path / out / "results.json")["cells"][0]
+        return results_cells(tmp_path / out)[0]
 
     monkeypatch.delenv("HARNESS_STAND_IN_FAULT", raising=False)
     clean = run("clean")

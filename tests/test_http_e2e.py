@@ -10,6 +10,7 @@ import pytest
 
 from harness.cli import main
 from harness.jsonio import read_json
+from harness.results import results_cells
 
 pytestmark = pytest.mark.xdist_group("http-e2e")  # the module's reference runs once
 
@@ -22,7 +23,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _run(out: Path, cache: Path, *extra: str) -> dict:
     code = main(["run", "--suite", "dcp", "--topo", "tp2dcp2", "--engine", "harness-serve", "--out", str(out),
                  "--cache-dir", str(cache), "--kv-budget-mib", "8", "--max-seq-len", "128", *extra])
-    cell = read_json(out / "results.json")["cells"][0]
+    cell = results_cells(out)[0]
     cell["exit"] = code
     return cell
 
@@ -105,7 +106,7 @@ def test_speculator_pool_over_allocation_fails_the_layout_check_over_http(tmp_pa
     code = main(["run", "--suite", "spec", "--topo", "tp2dcp2-draft", "--engine", "harness-serve", "--out", str(out),
                  "--cache-dir", str(cache), "--kv-budget-mib", "8", "--max-seq-len", "128",
                  "--fault", "draft-dcp-kv-heads"])
-    (cell,) = read_json(out / "results.json")["cells"]
+    (cell,) = results_cells(out)
     verdicts = _verdicts(cell)
     assert code == 1 and cell["status"] == "FAIL", cell["checks"]
     assert {n for n, v in verdicts.items() if v == "FAIL"} == {"layout"} and verdicts["lossless"] == "PASS"

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
+from harness.results import results_cells
 from tests.conftest import GSM8K_FIXTURE, small_gsm8k_suite
 
 N_QUESTIONS = 2
@@ -35,7 +36,7 @@ def _run(out: Path, suite_file: Path, cache_dir: Path, *extra: str) -> tuple[int
     code = main(["run", "--suite", str(suite_file), "--engine", "harness-serve", "--out", str(out),
                  "--cache-dir", str(cache_dir), "--baselines-dir", str(out / "baselines"),
                  "--gsm8k-path", str(GSM8K_FIXTURE), *extra])
-    (cell,) = json.loads((out / "results.json").read_text())["cells"]
+    (cell,) = results_cells(out)
     return code, cell
 
 

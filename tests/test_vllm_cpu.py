@@ -8,13 +8,16 @@ against vLLM's own tp1; tp2dcp2 is a SKIP quoting vLLM's own refusal (the templa
 n-gram speculative cell is lossless; the fault run FAILs as silent corruption, is a fault run named by
 its variable, with a reference of its own and a reproduce command that sets it; the stopped servers
 leave no vllm_dist_* shared memory behind. The layout probe's per-worker report (tests/vllm_plugin) makes
-`layout` PASS at tp2 and tp4 and FAIL on the fault, naming rank 1 and the KV heads it holds."""
+`layout` PASS at tp2 and tp4 (the KV cache sized from the harness's budget) and FAIL on the fault, naming rank 1
+and the KV heads it holds; its forward hooks' hidden states and attention outputs localize the fault to layer 0,
+heads 4-7 on rank 1."""
 
 from __future__ import annotations
 
 import fcntl
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,6 +25,7 @@ import pytest
 
 from harness.cli import main
 from harness.jsonio import read_json
+from harness.results import results_cells
 from harness.specs.engine import load_engine
 
 VLLM_PYTHON = Path(load_engine("vllm").interpreter())
@@ -52,10 +56,16 @@ GQA_DCP = ("Decode context parallelism for GQA/MQA requires `--tensor-parallel-s
            "`--decode-context-parallel-size 1`.")
 
 
-def _vllm_shm() -> set[str]:
-    """vLLM's shared-memory files (tp x 4 MiB per server: its CPU message queues) in /dev/shm."""
+def _vllm_shm(*folders: Path) -> list[str]:
+    """The shared-memory files (tp x 4 MiB per server: vLLM's CPU message queues) left in /dev/shm by the vLLM
+    servers whose logs lie under `folders`: each server names its id (distributed_init_method=file:///tmp/
+    vllm_dist_<id>), its files are /dev/shm/vllm_dist_<id>-*. Other processes' servers (a parallel run on the same
+    machine) are not counted."""
+    ids = {m for folder in folders for log in folder.rglob("server*.log")
+           for m in re.findall(r"vllm_dist_([0-9a-f]+)", log.read_text(errors="replace"))}
     shm = Path("/dev/shm")
-    return {p.name for p in shm.glob("vllm_dist_*")} if shm.is_dir() else set()
+    names = [p.name for p in shm.glob("vllm_dist_*")] if shm.is_dir() else []
+    return sorted(n for n in names if n[len("vllm_dist_"):].split("-")[0] in ids)
 
 
 def _session_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -79,18 +89,16 @@ def _shared(root: Path, name: str, compute: Callable[[], dict[str, Any]]) -> dic
 
 def _run(root: Path, name: str, topos: str, fault: str | None) -> dict[str, Any]:
     """One harness run of the spec suite at `topos` (the module's cache shared), with the plugin's fault or
-    without, and vLLM's shared-memory files before and after it."""
+    without, and the shared-memory files its vLLM servers left behind."""
     out = root / name
     with pytest.MonkeyPatch.context() as env:
         if fault:
             env.setenv(FAULT, fault)
         else:
             env.delenv(FAULT, raising=False)
-        before = _vllm_shm()
         code = main(["run", *SPEC, "--topo", topos, "--out", str(out), "--cache-dir", str(root / "vllm-cache")])
-        after = _vllm_shm()
-    cells = {c["topology"]: c for c in read_json(out / "results.json")["cells"]}
-    return {"exit": code, "cells": cells, "shm_before": sorted(before), "shm_after": sorted(after)}
+    cells = {c["topology"]: c for c in results_cells(out)}
+    return {"exit": code, "cells": cells, "shm_left": _vllm_shm(out, root / "vllm-cache")}
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +135,22 @@ def test_vllm_layout_probe_passes_layout(clean: dict, topo: str) -> None:
     assert target["source"] == "probe" and [r["rank"] for r in target["ranks"]] == list(range(tp))
     per_token = 2 * 2 * (4 // tp) * 64 * 4  # K and V, 2 layers, the rank's KV heads, 64 dims, float32
     assert all(r["kv_pool_blocks"] > 0 and r["kv_bytes_per_token"] == per_token for r in target["ranks"])
+    assert target["pool"]["budget_bytes"] == 8 << 20  # the spec suite's kv_budget_mib reached vLLM
     assert (Path(cell["run_dir"]) / "server.layout" / f"rank{tp - 1}.json").is_file()
+
+
+def test_vllm_probe_captures_hidden_states_and_attention_outputs(clean: dict) -> None:
+    """The probe's hooks wrote each case's residual stream [L+1, P, H] and per-head attention output
+    [L, P, heads, head_dim] at the probe positions: the clean cell has per-layer errors, all tiny, and no
+    localization (negative control)."""
+    from safetensors import safe_open
+
+    cell = clean["cells"]["tp2"]
+    cases = read_json(Path(cell["run_dir"]) / "cases.json")
+    with safe_open(str(Path(cell["run_dir"]) / "tensors.safetensors"), "pt") as f:
+        assert list(f.get_slice("hidden.0").get_shape()) == [3, len(cases[0]["probe_positions"]), 256]
+        assert list(f.get_slice("attn.0").get_shape()) == [2, len(cases[0]["probe_positions"]), 8, 64]
+    assert cell["localization"] is None and max(cell["details"]["layer_errors"]["error"]) < 1e-5
 
 
 def test_vllm_cpu_refuses_dcp_as_a_skip_with_its_own_line(clean: dict) -> None:
@@ -161,6 +184,15 @@ def test_vllm_plugin_fault_is_silent_corruption(fault: dict, clean: dict) -> Non
     assert "loads another rank's K/V shard" in (Path(cell["run_dir"]) / "server.log").read_text()
 
 
+def test_vllm_plugin_fault_is_localized_to_layer_heads_and_rank(fault: dict) -> None:
+    """Positive control of the probe's hidden states: the first diverging layer is 0, its diverging heads are
+    rank 1's Q heads 4-7, which read KV heads 0-1 (rank 0's shard) instead of 2-3."""
+    loc = fault["cell"]["localization"]
+    assert loc is not None and loc["layer"] == 0 and loc["heads"] == [4, 5, 6, 7] and loc["ranks"] == [1], loc
+    assert loc["summary"].startswith("layer 0 attention: heads 4-7 on rank 1 diverge; heads 4-7 read the wrong KV "
+                                     "heads (e.g. head 4 reads 0, planned 2)"), loc
+
+
 def test_vllm_plugin_fault_fails_layout_naming_ranks_and_heads(fault: dict) -> None:
     """TP rank 1 loaded rank 0's K/V shard: the probe finds shard 0's rows in rank 1's QKV projection."""
     layout = next(c for c in fault["cell"]["checks"] if c["name"] == "layout")
@@ -185,4 +217,4 @@ def test_an_engine_side_fault_is_recorded_keyed_and_reproduced(fault: dict, clea
 def test_stopped_vllm_servers_leave_no_shared_memory(clean: dict, fault: dict) -> None:
     """The leader is stopped first and waited for, then the group: vLLM unlinks its vllm_dist_* files."""
     for run in (clean, fault):
-        assert set(run["shm_after"]) - set(run["shm_before"]) == set()
+        assert run["shm_left"] == []

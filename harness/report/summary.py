@@ -1,6 +1,7 @@
 """summary.md: the Markdown summary for CI step pages (headline, counts, matrix, corruption list).
 
-It holds no links; user text is escaped so that it cannot break the table or inject HTML.
+It holds no links; user text is escaped with Markdown's own backslash escapes (not HTML entities, which
+read as `&lt;` wherever the file is shown as text) so that it cannot break the table, format or inject HTML.
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ from harness.results import summary_counts
 from harness.verdict import CellResult, FailureClass, Verdict
 
 SUMMARY_FILE = "summary.md"
-_MD_SPECIAL = {"\\": "\\\\", "|": "\\|", "`": "\\`", "*": "\\*", "[": "\\[", "]": "\\]",
-               "<": "&lt;", ">": "&gt;", "&": "&amp;"}
+_MD_SPECIAL = {ch: "\\" + ch for ch in "\\|`*[]<>&"}
 
 
 def md_escape(text: str) -> str:
-    """Text safe inside a Markdown table cell: one line, no markup, '://' defanged."""
+    """Text safe inside a Markdown table cell: one line, no markup, '://' defanged (an escaped colon: no autolink)."""
     out = "".join(_MD_SPECIAL.get(ch, ch) for ch in " ".join(str(text).split()))
-    return out.replace("://", ":&#47;&#47;")
+    return out.replace("://", "\\://")
 
 
 def _table(matrix: Matrix) -> list[str]:

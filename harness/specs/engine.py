@@ -44,6 +44,8 @@ PLACEHOLDERS: tuple[str, ...] = ("python", "model_path", "model_name", "tp", "dc
                                  "fault", "spec_k", "cpu_bind")
 SPECULATOR_KINDS: tuple[str, ...] = ("draft", "mtp")
 KV_GROUPS: tuple[str, ...] = ("tokens", "blocks", "bytes")
+# what a server's probe may capture (the contract's capability names: contract.HIDDEN_STATES, ATTENTION_OUTPUTS)
+PROBE_CAPTURES: tuple[str, ...] = ("hidden_states", "attention_outputs")
 
 
 def _placeholders(text: str, where: str) -> None:
@@ -97,6 +99,15 @@ class EngineSpec:
     # the variable through which the server's layout probe is told where to write its per-rank report
     # (rank<R>.json): the run then has a layout report and the `layout` check compares it with the planner
     layout_report_env: str = ""
+    # the variable through which a server's probe is told its folder when it writes no layout report
+    probe_dir_env: str = ""
+    # what that probe (layout_report_env's or probe_dir_env's) captures at the cases' probe positions (written into
+    # its folder, read by harness/backends/http_capture.py): hidden_states (residual stream per layer),
+    # attention_outputs (per head)
+    probe_captures: tuple[str, ...] = ()
+    # the template's own build command (placeholder {python} only): its first output line is the engine's build
+    # label, for a build whose version string does not change (harness run --engine-build overrides it)
+    build_argv: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         where = f"engine {self.name!r}"
@@ -108,7 +119,8 @@ class EngineSpec:
                               f"{', '.join(MODEL_FORMATS)}{did_you_mean(self.model_format, MODEL_FORMATS)}")
         if bool(self.argv) == bool(self.url):
             raise ConfigError(f"{where}: give either argv (start a server) or url (attach to a running one)")
-        for key in ("argv", "dcp_argv", "fault_argv", "dtypes", "version_packages", "engine_env", "engine_faults"):
+        for key in ("argv", "dcp_argv", "fault_argv", "dtypes", "version_packages", "engine_env", "engine_faults",
+                    "probe_captures", "build_argv"):
             object.__setattr__(self, key, _strings(where, key, getattr(self, key)))
         spec_argv = dict(self.speculator_argv)
         for kind, argv in spec_argv.items():
@@ -152,14 +164,31 @@ class EngineSpec:
         unclaimed = [v for v in self.engine_faults if not any(fnmatch.fnmatchcase(v, p) for p in self.engine_env)]
         if unclaimed:
             raise ConfigError(f"{where}: engine_faults {', '.join(unclaimed)} match no engine_env pattern")
-        if self.layout_report_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.layout_report_env):
-            raise ConfigError(f"{where}: layout_report_env={self.layout_report_env!r} is not a variable name")
+        for key in ("layout_report_env", "probe_dir_env"):
+            value = getattr(self, key)
+            if value and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+                raise ConfigError(f"{where}: {key}={value!r} is not a variable name")
+        bad = [v for v in self.probe_captures if v not in PROBE_CAPTURES]
+        if bad:
+            raise ConfigError(f"{where}: probe_captures {', '.join(map(repr, bad))}"
+                              f"{did_you_mean(bad[0], PROBE_CAPTURES)}; valid: {', '.join(PROBE_CAPTURES)}")
+        other = sorted({n for a in self.build_argv for _, n, _, _ in string.Formatter().parse(a) if n} - {"python"})
+        if other:
+            raise ConfigError(f"{where}: build_argv may use only the {{python}} placeholder, not "
+                              f"{', '.join('{' + n + '}' for n in other)}")
+        if self.probe_captures and not self.probe_env():
+            raise ConfigError(f"{where}: probe_captures needs layout_report_env or probe_dir_env (the variable that "
+                              f"tells the probe where to write)")
+
+    def probe_env(self) -> str:
+        """The variable that tells the server's probe its folder ('' when the template has no probe)."""
+        return self.layout_report_env or self.probe_dir_env
 
     def engine_env_values(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
         """The engine's variables (engine_env patterns) set in `environ` (the harness's environment), sorted;
         the layout probe's folder variable is the harness's own setting, left out."""
         environ = os.environ if environ is None else environ
-        return {k: environ[k] for k in sorted(environ) if k != self.layout_report_env
+        return {k: environ[k] for k in sorted(environ) if k not in (self.layout_report_env, self.probe_dir_env)
                 and any(fnmatch.fnmatchcase(k, p) for p in self.engine_env)}
 
     def engine_fault(self, environ: Mapping[str, str] | None = None) -> str | None:

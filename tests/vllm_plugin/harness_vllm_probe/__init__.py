@@ -12,6 +12,8 @@ In each worker, after vLLM allocated its KV cache (Worker.initialize_from_config
   - a checksum of each held KV head's K and V weights (over all layers);
   - the KV cache as vLLM allocated it: blocks, block size, bytes per token (from the KV cache spec's page
     size), the bytes of the KV tensors bound to the attention layers, and the budget vLLM sized it from.
+When the folder also holds the harness's capture-cases.json, forward hooks capture each layer's hidden state
+and per-head attention output at the cases' probe positions (capture.py).
 The harness process never imports vLLM: it only reads these files.
 """
 
@@ -187,6 +189,9 @@ def register() -> None:
     from vllm.model_executor.layers.linear import QKVParallelLinear
     from vllm.v1.worker.gpu_worker import Worker
 
+    from harness_vllm_probe import capture
+
+    capture.register(folder)
     for attr in ("weight_loader", "weight_loader_v2"):
         current = getattr(QKVParallelLinear, attr)
         if not getattr(current, "__harness_probe__", False):

@@ -1,0 +1,70 @@
+"""The build of an engine, beside its version: an engine team's own build (a fork, a patched wheel, a local
+checkout) often keeps the version string of the release it started from, so two builds would share one
+reference-cache key and one history line. A build label tells them apart: `harness run --engine-build LABEL`,
+or the one an engine template's `build_argv` prints (its own version command, e.g. the checkout's commit).
+
+The label is part of the backend's identity (so of the reference-cache key), recorded in each run's manifest
+(backend.build), each cell (engine_build) and the provenance, shown in the report and repeated by the
+reproduce command (--engine-build).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from harness.backends.base import engine_build, stamp_manifest
+from harness.contract import Backend, Job, LaunchResult
+from harness.errors import ConfigError
+
+MAX_LABEL = 200
+__all__ = ["LabelledBackend", "check_label", "engine_build", "with_build"]
+
+
+def check_label(label: str, where: str = "--engine-build") -> str:
+    """A build label: one line of printable text (it lands in file names' neighbours, commands, reports)."""
+    text = label.strip()
+    if not text or len(text) > MAX_LABEL or not text.isprintable():
+        raise ConfigError(f"{where}={label!r} is not a build label: give one line of printable text, 1 to "
+                          f"{MAX_LABEL} characters (e.g. a commit of the engine's checkout)")
+    return text
+
+
+class LabelledBackend:
+    """`backend` run as the build `label`: the same runs, keyed, recorded and reported with the label."""
+
+    def __init__(self, backend: Backend, label: str) -> None:
+        self.inner = backend
+        self.label = label
+        self.name = backend.name
+
+    def __getattr__(self, attr: str) -> Any:  # engine_env, engine_fault, spec, ...: the wrapped backend's
+        return getattr(self.inner, attr)
+
+    def engine_build(self) -> str:
+        return self.label
+
+    def version(self) -> str:
+        return self.inner.version()
+
+    def capabilities(self) -> Any:
+        return self.inner.capabilities()
+
+    def identity(self, job: Job) -> dict[str, Any]:
+        return {**self.inner.identity(job), "engine_build": self.label}
+
+    def skip_reason(self, model: Any, topology: Any) -> str | None:
+        return self.inner.skip_reason(model, topology)
+
+    def noise_strategy(self) -> str:
+        return self.inner.noise_strategy()
+
+    def run(self, job: Job, timeout_s: float) -> LaunchResult:
+        result = self.inner.run(job, timeout_s)
+        stamp_manifest(Path(job.out_dir), self)  # its backend entry names the build
+        return result
+
+
+def with_build(backend: Backend, label: str | None) -> Backend:
+    """`backend` labelled as build `label` (None: as it is, with whatever build it names itself)."""
+    return backend if not label else LabelledBackend(backend, check_label(label))  # type: ignore[return-value]
