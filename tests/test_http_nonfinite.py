@@ -22,6 +22,7 @@ import pytest
 from harness.backends.http_server import Server
 from harness.cli import main
 from harness.jsonio import read_json
+from harness.results import results_cells
 from tests.test_serve import serving
 
 pytestmark = pytest.mark.xdist_group("http-nonfinite")  # one server, one cached reference
@@ -97,7 +98,7 @@ def _cell(out: Path, cache: Path, url: str, mode: str) -> tuple[int, dict[str, A
     code = main(["run", "--suite", "tp", "--model", "tiny-gqa", "--topo", "tp2", "--engine", f"openai:{url}",
                  "--reference-engine", "harness-serve", "--out", str(out), "--cache-dir", str(cache),
                  "--kv-budget-mib", "8", "--max-seq-len", "128"])
-    (cell,) = read_json(out / "results.json")["cells"]
+    (cell,) = results_cells(out)
     return code, cell
 
 

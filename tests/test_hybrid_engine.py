@@ -20,6 +20,7 @@ from harness.engine.parallel import ParallelState
 from harness.engine.weights import load_weights
 from harness.errors import RunError
 from harness.hybrid_layout import plan_moe
+from harness.results import results_cells
 from harness.specs.checkpoint import load_model
 
 SUITE = """
@@ -55,7 +56,7 @@ def tiny() -> tuple[object, dict[str, torch.Tensor]]:
 
 
 def _cells(out: Path) -> list[dict]:
-    return json.loads((out / "results.json").read_text())["cells"]
+    return results_cells(out)
 
 
 def test_recurrent_state_rolls_back_to_the_kept_tokens(tiny: tuple) -> None:

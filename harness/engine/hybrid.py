@@ -201,7 +201,7 @@ class HybridDecoder(Decoder):
         folds them into each sequence's recurrent state (linear layers)."""
         slots, stored_mask = self._reserve(batch)
         write_rows = self.cache.rows(slots)
-        rows, key_pos, key_valid = self._key_index(batch.seq_ids)
+        rows, key_pos, key_valid = self._key_index(batch)
         flat = rows.flatten()  # [B, L] -> [B * L]
         visible = key_valid[:, None, :] & (key_pos[:, None, :] <= batch.positions[:, :, None])  # [B, S, L]
         x = self.embed(batch.ids) if embeds is None else embeds  # [B, S, H]
