@@ -92,7 +92,7 @@ class Localization:
 
 @dataclass(frozen=True)
 class CellResult:
-    """One cell of the matrix: (suite, model, topology, fault, seed) and its checks.
+    """One cell of the matrix: (suite, model, topology, fault, seed, workload) and its checks.
 
     `details` holds per-cell drill-down data for the report (per-prompt metrics, per-layer errors,
     per-head heat map, first diverging token, layout tables); it is JSON-serialisable.
@@ -115,6 +115,7 @@ class CellResult:
     engine: str = ""             # the backend of the parallel run (harness list engines)
     reference_engine: str = ""   # the backend of the reference run
     engine_env: dict[str, str] = field(default_factory=dict)  # the engine's own variables it ran with (engine_env)
+    workload: str = "prompts"    # what the cell sent (harness/specs/workload.py; "prompts": the suite's prompts)
 
     @property
     def status(self) -> Verdict:
@@ -143,7 +144,8 @@ class CellResult:
                 "checks": [c.to_dict() for c in self.checks], "command": self.command,
                 "run_dir": self.run_dir, "reference_dir": self.reference_dir, "wall_s": self.wall_s,
                 "error_log": self.error_log, "details": self.details, "engine": self.engine,
-                "reference_engine": self.reference_engine, "engine_env": dict(self.engine_env)}
+                "reference_engine": self.reference_engine, "engine_env": dict(self.engine_env),
+                "workload": self.workload}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CellResult":
@@ -156,4 +158,5 @@ class CellResult:
                    wall_s=float(data.get("wall_s", 0.0)), error_log=data.get("error_log", ""),
                    details=dict(data.get("details") or {}), engine=str(data.get("engine", "")),
                    reference_engine=str(data.get("reference_engine", "")),
-                   engine_env={str(k): str(v) for k, v in (data.get("engine_env") or {}).items()})
+                   engine_env={str(k): str(v) for k, v in (data.get("engine_env") or {}).items()},
+                   workload=str(data.get("workload") or "prompts"))

@@ -27,18 +27,20 @@ from harness import contract as c
 from harness.compare.settings import (
     AcceptanceSettings,
     CollectiveSettings,
+    ConsistencySettings,
     GenerationSettings,
     LayoutSettings,
     LocalizationSettings,
     LogitsSettings,
     LosslessSettings,
+    ScheduleSettings,
 )
 from harness.errors import ConfigError
 from harness.plugins import load_target, registered
 
 ENTRY_POINT_GROUP = "harness.checks"
 
-CELL_KINDS: tuple[str, ...] = ("all", "speculative", "gsm8k")
+CELL_KINDS: tuple[str, ...] = ("all", "speculative", "gsm8k", "route", "workloads")
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,9 @@ class CheckSpec:
     settings: type | None = None           # the frozen dataclass its section parses into (None: only `enabled`)
     requires: tuple[str, ...] = ()         # capabilities needed, all of them
     requires_any: tuple[str, ...] = ()     # capabilities of which one suffices (e.g. full logits or top-k)
-    cells: str = "all"                     # "all", "speculative" (-draft/-mtp cells), "gsm8k" (suites with gsm8k)
+    cells: str = "all"                     # "all", "speculative" (-draft/-mtp cells), "gsm8k" (suites with gsm8k),
+    #                                        "route" (cells whose workload's route is this check: Workload.route),
+    #                                        "workloads" (cells of a run with workloads, Job.workloads)
     performance_only: bool = False         # measures speed, not outputs: its FAIL is a performance regression
 
     def __post_init__(self) -> None:
@@ -67,6 +71,7 @@ class CheckSpec:
 
 
 _B = "harness.checks.builtin"
+_W = "harness.checks.workload_checks"
 BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("inputs", "inputs", f"{_B}:inputs",
               "reference and parallel runs used the same prompt token ids, weights and tokenizer"),
@@ -105,6 +110,19 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("gsm8k", "gsm8k", f"{_B}:gsm8k",
               "gsm8k_paired (McNemar, answer agreement) and gsm8k_baseline (hypothesis test) per cell",
               requires=(c.GSM8K,), cells="gsm8k"),
+    *(CheckSpec(name, "schedule", f"{_W}:{name}",
+                f"the run against itself, {what}: greedy tokens equal but at near ties, logprobs within noise "
+                f"(the {route} workload)", settings=ScheduleSettings, requires=(c.GENERATION, c.SCHEDULE_TWIN),
+                cells="route")
+      for name, what, route in (
+          ("batch_invariance", "staggered into a running batch vs one batch", "concurrent"),
+          ("prefix_cache", "from cached prefix blocks vs computed", "prefix-cache"),
+          ("chunked_prefill", "prefilled in chunks vs whole", "chunked-prefill"),
+          ("preemption", "preempted and recomputed vs uninterrupted", "preemption"))),
+    CheckSpec("decode_consistency", "decode_consistency", f"{_W}:decode_consistency",
+              "each generated step's decode-time top-k against a re-prefill of prompt + generated tokens of the "
+              "same run (no reference needed)", settings=ConsistencySettings, requires=(c.GENERATION, c.REPREFILL),
+              cells="workloads"),
 )
 
 def _specs_of(entry: str, obj: Any) -> list[CheckSpec]:

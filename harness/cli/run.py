@@ -26,8 +26,9 @@ from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, free_bytes
 from harness.paths import BASELINES_DIR, REPORTS_DIR
 from harness.shard import parse_shard
 from harness.specs.checkpoint import load_model
-from harness.specs.suite import with_profile
+from harness.specs.suite import Suite, with_profile
 from harness.specs.topology import load_catalog
+from harness.specs.workload import check_workload_names
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a run is asked for
     from harness.runner import RunRequest
@@ -43,6 +44,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", default=None, help="override the suite's models (name, .yaml, checkpoint, .gguf)")
     p.add_argument("--fault", default=None, help="inject a known bug into the parallel runs (harness list faults)")
     p.add_argument("--seed", type=seed_int, action="append", default=None, help="seed (repeatable; default: suite's)")
+    p.add_argument("--workload", action="append", default=None, metavar="NAME[,NAME...]",
+                   help="workloads to run (repeatable; harness list workloads; default: the suite's workloads)")
     p.add_argument("--out", type=Path, default=None, help="report folder (default: reports/<run-id>)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--kv-budget-mib", type=positive_int, default=None,
@@ -123,6 +126,7 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     if budget_mib <= 0 or max_seq_len <= 0:
         raise ConfigError(f"--kv-budget-mib={budget_mib} and --max-seq-len={max_seq_len} must be > 0")
     SpeculativeSettings.from_mapping(suite.speculative, f"suite {suite.name}: speculative")  # fail before launching
+    workloads = selected_workloads(suite, args.workload, max_seq_len)
     gsm8k = gsm8k_settings(suite.gsm8k, f"suite {suite.name}: gsm8k") if suite.gsm8k else None
     gsm8k_data = None
     if gsm8k is not None:  # resolved here so a bad path is one error before any rank starts
@@ -151,7 +155,20 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
         cache_dir=cache_dir, device=args.device, timeout_s=launch_timeout(args.timeout),
         collective_timeout_s=args.collective_timeout, gsm8k=gsm8k, gsm8k_data=gsm8k_data,
         baselines_dir=args.baselines_dir, shard=parse_shard(args.shard) if args.shard else None,
-        nodes=nodes, pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)))
+        nodes=nodes, pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)), workloads=workloads)
+
+
+def selected_workloads(suite: Suite, given: list[str] | None, max_seq_len: int) -> tuple[str, ...]:
+    """--workload names (comma lists, repeatable) validated, else the suite's; each workload's longest
+    sequence must fit a KV slot (max_seq_len)."""
+    names = (check_workload_names("--workload", [n.strip() for g in given for n in g.split(",") if n.strip()])
+             if given else suite.workloads)
+    for w in suite.resolved_workloads(names):
+        longest = max(w.prompt_lengths(), default=0) + w.new_tokens
+        if longest > max_seq_len:
+            raise ConfigError(f"workload {w.name}: a sequence of {longest} tokens exceeds max_seq_len={max_seq_len}; "
+                              f"raise --max-seq-len (or the suite's max_seq_len / lower its long_context)")
+    return names
 
 
 def _ref(ref: str) -> str:

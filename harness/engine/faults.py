@@ -80,7 +80,30 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "under DCP the keys are rotated (RoPE) by their index in the rank's local KV store (t // dcp) "
           "instead of their global position t, while the queries use global positions: relative "
           "positions are wrong for every key but the first", needs_dcp=True),
+    # -- serving routes: prefix cache, chunked prefill, preemption, long block tables, short sequences --
+    Fault("dcp-prefix-hit-length", "generation, prefix_cache",
+          "a prefix-cache hit of n KV blocks resumes the prefill at n x block_size tokens instead of "
+          "n x block_size x dcp (the DCP virtual block), so every DCP rank stores the tokens in between a "
+          "second time and the LSE merge counts them twice; only on prefix-cache hits, inert at dcp 1",
+          needs_dcp=True),
+    Fault("dcp-chunk-restart", "generation, chunked_prefill",
+          "in chunked prefill the positions of every chunk after the first restart at 0 on DCP ranks > 0 "
+          "(a chunk offset taken from the rank's local store): those ranks rotate their Q heads and keys "
+          "by the wrong positions and store the wrong tokens; only prompts longer than the chunk budget",
+          needs_dcp=True),
+    Fault("preempt-resume-position", "preemption",
+          "a preempted sequence recomputed with its generated tokens one position too far (a gap after "
+          "the prompt): every later step attends with shifted relative positions; only preempted sequences"),
+    Fault("block-table-wrap", "logits, generation",
+          "the block table kept with room for 4 blocks per sequence: a rank's blocks past the 4th are read "
+          "from the first ones (the keys of other positions); only sequences storing more than "
+          "4 x block_size tokens on a rank"),
+    Fault("dcp-empty-shard-nan", "logits_decode, generation",
+          "a DCP rank that holds no token of a sequence returns NaN partial outputs (a kernel dividing by "
+          "an empty softmax sum) instead of 0 with LSE -inf, and the merge spreads the NaN; only sequences "
+          "shorter than dcp (vLLM PR #47541)", needs_dcp=True),
 )}
+BLOCK_TABLE_WIDTH = 4  # block-table-wrap: blocks per sequence the faulty table holds
 
 
 @dataclass(frozen=True)
@@ -103,6 +126,11 @@ class FaultFlags:
     vocab_floor_offset: bool = False    # vocab-shard-offset: vocab shard offsets by floor(vocab / tp)
     ffn_floor_split: bool = False       # ffn-floor-split: ffn // tp MLP columns per rank
     rope_local_positions: bool = False  # dcp-rope-local-pos: keys rotated by their local store index
+    prefix_hit_local: bool = False      # dcp-prefix-hit-length: a hit resumes at n x block_size tokens
+    chunk_restart: bool = False         # dcp-chunk-restart: later chunks' positions restart at 0 on dcp ranks > 0
+    resume_gap: int = 0                 # preempt-resume-position: recomputed new tokens shifted this far
+    block_table_width: int = 0          # block-table-wrap: block-table entries per sequence (0: unbounded)
+    empty_shard_nan: bool = False       # dcp-empty-shard-nan: an empty DCP shard returns NaN
 
 
 # Perturbations of a correct engine (not faults: no bug, only another reduction order). The noise run
@@ -144,4 +172,9 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         vocab_floor_offset=name == "vocab-shard-offset",
         ffn_floor_split=name == "ffn-floor-split",
         rope_local_positions=name == "dcp-rope-local-pos",
+        prefix_hit_local=name == "dcp-prefix-hit-length",
+        chunk_restart=name == "dcp-chunk-restart",
+        resume_gap=1 if name == "preempt-resume-position" else 0,
+        block_table_width=BLOCK_TABLE_WIDTH if name == "block-table-wrap" else 0,
+        empty_shard_nan=name == "dcp-empty-shard-nan",
     )

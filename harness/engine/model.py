@@ -394,7 +394,8 @@ class Decoder:
         pos = torch.tensor([st.positions + [0] * (length - st.stored) for st in states],
                            dtype=torch.long).view(len(states), length)  # [B, L]
         j = torch.arange(length)  # storage index
-        rows = table[:, j // bs] * bs + j % bs  # [B, L]
+        entry = j // bs if not self.flags.block_table_width else (j // bs) % self.flags.block_table_width
+        rows = table[:, entry] * bs + j % bs  # [B, L]; entry wraps under the block-table-wrap fault
         valid = j[None, :] < stored[:, None]  # [B, L]
         dev = self.cache.k[0].device
         return rows.to(dev), pos.to(dev), valid.to(dev)
@@ -427,6 +428,8 @@ class Decoder:
             return fused_attention(q, k_all, v_all, visible, hm.group_q_to_local_kv, kind)
         group_q = self.comm.gather_dcp(q, dim=2)  # [B, S, dcp * Hq_local, hd], member order
         out, lse = attention_with_lse(group_q, k_all, v_all, visible, hm.group_q_to_local_kv, kind, bias)
+        if self.flags.empty_shard_nan:  # the dcp-empty-shard-nan fault: a sequence this rank holds no token of
+            out = out.masked_fill(~visible.flatten(1).any(dim=-1)[:, None, None, None], float("nan"))
         # one gather for both, in float32 so a half-precision model's LSE keeps its precision:
         # [B, S, Hg, hd] + [B, S, Hg, 1] -> [dcp, B, S, Hg, hd + 1]
         #   -> this rank's own heads [dcp, B, S, Hq_local, hd + 1]
