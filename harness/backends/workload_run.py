@@ -15,8 +15,8 @@ import torch
 from harness import contract as c_
 from harness.artifacts import Case
 from harness.cases import WorkloadCases
-from harness.engine.engine import DecodePath, Engine
-from harness.engine.scheduler import ServeSettings, ServingLoop
+from harness.engine.engine import DecodePath, Engine, length_buckets
+from harness.engine.scheduler import Lane, ServeSettings, ServingLoop
 
 
 def topk_of(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,29 +26,15 @@ def topk_of(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return top.indices.to(torch.long), top.values.to(torch.float32)
 
 
-LONG_SEQUENCE = 128  # teacher-forced paths of a workload run: sequences longer than this run in their own batch
-
-
-def length_buckets(lengths: Sequence[int], limit: int = LONG_SEQUENCE) -> list[list[int]]:
-    """Indices of `lengths` in two batches, those up to `limit` tokens and the longer ones, so the short
-    prompts are not padded to the long ones' length (one more decode loop, far less padded compute)."""
-    short = [i for i, n in enumerate(lengths) if n <= limit]
-    long = [i for i, n in enumerate(lengths) if n > limit]
-    return [b for b in (short, long) if b]
-
-
 def teacher_forced(engine: Engine, cases: Sequence[Case]) -> tuple[list[torch.Tensor], list[DecodePath]]:
-    """engine.prefill_logits and engine.decode_path of every case, batched by length_buckets."""
+    """engine.prefill_logits of every case batched by length_buckets, and engine.decode_path in one batch."""
     prefill: list[torch.Tensor | None] = [None] * len(cases)
-    decode: list[DecodePath | None] = [None] * len(cases)
     for bucket in length_buckets([len(c.sequence_ids) for c in cases]):
-        seqs = [list(cases[i].sequence_ids) for i in bucket]
-        pre = engine.prefill_logits(seqs)
-        dec = engine.decode_path(seqs, [cases[i].decode_start for i in bucket],
-                                 [cases[i].probe_positions for i in bucket])
-        for j, i in enumerate(bucket):
-            prefill[i], decode[i] = pre[j], dec[j]
-    return [p for p in prefill if p is not None], [d for d in decode if d is not None]
+        for i, logits in zip(bucket, engine.prefill_logits([list(cases[i].sequence_ids) for i in bucket])):
+            prefill[i] = logits
+    decode = engine.decode_path([list(c.sequence_ids) for c in cases], [c.decode_start for c in cases],
+                                [c.probe_positions for c in cases])  # one batch: one decode step per token
+    return [p for p in prefill if p is not None], decode
 
 
 @dataclass
@@ -64,32 +50,34 @@ class WorkloadGeneration:
 
 
 def run_workloads(engine: Engine, groups: Sequence[WorkloadCases], top_k: int) -> WorkloadGeneration:
+    """One serving loop over every lane at once: the twin (every case, plain settings) and each workload
+    with an engine route of its own; the engine batches all their rows per step, as a server would."""
     key = c_.tensor_key
     cases = [case for g in groups for case in g.cases]
     new = {case.index: len(case.sequence_ids) - len(case.prompt_ids) for case in cases}
-    twin_loop = ServingLoop(engine)
-    twin = twin_loop.generate([list(case.prompt_ids) for case in cases], [new[case.index] for case in cases], top_k)
+    routed = [g for g in groups if ServeSettings.from_mapping(g.workload.engine_settings()) != ServeSettings()]
+    lanes = [Lane([list(c.prompt_ids) for c in cases], [new[c.index] for c in cases])]
+    lanes += [Lane([list(c.prompt_ids) for c in g.cases], [new[c.index] for c in g.cases],
+                   ServeSettings.from_mapping(g.workload.engine_settings())) for g in routed]
+    (twin, twin_stats), *served = ServingLoop(engine).run(lanes, top_k)
     out = WorkloadGeneration()
+    position = {case.index: j for j, case in enumerate(cases)}
     for j, case in enumerate(cases):
         out.tensors[key(c_.TWIN_TOKENS, case.index)] = torch.tensor(twin.tokens[j], dtype=torch.long)
         out.tensors[key(c_.TWIN_TOPK_IDS, case.index)] = twin.topk_ids[j].clone()  # safetensors: no shared memory
         out.tensors[key(c_.TWIN_TOPK_LOGPROBS, case.index)] = twin.topk_logprobs[j].clone()
-    position = {case.index: j for j, case in enumerate(cases)}
     for g in groups:
-        settings = ServeSettings.from_mapping(g.workload.engine_settings())
-        if settings == ServeSettings():
+        if g not in routed:
             for case in g.cases:
                 j = position[case.index]
                 out.tokens[case.index] = twin.tokens[j]
                 out.topk_ids[case.index], out.topk_logprobs[case.index] = twin.topk_ids[j], twin.topk_logprobs[j]
-            out.stats[g.workload.name] = {"twin": True, **twin_loop.stats.to_dict()}
-            continue
-        loop = ServingLoop(engine, settings)
-        gen = loop.generate([list(case.prompt_ids) for case in g.cases], [new[case.index] for case in g.cases], top_k)
+            out.stats[g.workload.name] = {"twin": True, **twin_stats.to_dict()}
+    for g, (gen, stats) in zip(routed, served):
         for j, case in enumerate(g.cases):
             out.tokens[case.index] = gen.tokens[j]
             out.topk_ids[case.index], out.topk_logprobs[case.index] = gen.topk_ids[j], gen.topk_logprobs[j]
-        out.stats[g.workload.name] = {"twin": False, **loop.stats.to_dict()}
+        out.stats[g.workload.name] = {"twin": False, **stats.to_dict()}
     _reprefill(engine, cases, out, top_k)
     return out
 

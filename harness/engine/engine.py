@@ -77,6 +77,17 @@ def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
     return n
 
 
+LONG_SEQUENCE = 128  # a prefill batch mixing sequences longer than this with shorter ones runs as two batches
+
+
+def length_buckets(lengths: Sequence[int], limit: int = LONG_SEQUENCE) -> list[list[int]]:
+    """Indices of `lengths` in up to two batches, those up to `limit` tokens and the longer ones, so short
+    sequences are not padded to a long one's length (one more forward, far less padded compute)."""
+    short = [i for i, n in enumerate(lengths) if n <= limit]
+    long = [i for i, n in enumerate(lengths) if n > limit]
+    return [b for b in (short, long) if b]
+
+
 def build_batch(seq_ids: Sequence[int], chunks: Sequence[Sequence[int]], starts: Sequence[int],
                 device: torch.device) -> Batch:
     """Right-padded batch of new tokens `chunks[b]` placed at positions starts[b]...; [B, S] tensors."""
@@ -193,7 +204,8 @@ class Engine:
     def _decode_batch(self, seqs: list[Sequence[int]], starts: list[int],
                       probes: list[Sequence[int]]) -> list[DecodePath]:
         ids = self.cache.open(len(seqs))
-        self._forward(ids, [s[:d] for s, d in zip(seqs, starts)], [0] * len(seqs))
+        for bucket in length_buckets(starts):  # the prefix before decode starts: short and long apart
+            self._forward([ids[b] for b in bucket], [seqs[b][:starts[b]] for b in bucket], [0] * len(bucket))
         logits: list[list[torch.Tensor]] = [[] for _ in seqs]
         hidden: list[list[torch.Tensor]] = [[] for _ in seqs]
         attn: list[list[torch.Tensor]] = [[] for _ in seqs]

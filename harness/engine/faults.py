@@ -95,15 +95,15 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "a preempted sequence recomputed with its generated tokens one position too far (a gap after "
           "the prompt): every later step attends with shifted relative positions; only preempted sequences"),
     Fault("block-table-wrap", "logits, generation",
-          "the block table kept with room for 4 blocks per sequence: a rank's blocks past the 4th are read "
+          "the block table kept with room for 2 blocks per sequence: a rank's blocks past the 2nd are read "
           "from the first ones (the keys of other positions); only sequences storing more than "
-          "4 x block_size tokens on a rank"),
+          "2 x block_size tokens on a rank"),
     Fault("dcp-empty-shard-nan", "logits_decode, generation",
           "a DCP rank that holds no token of a sequence returns NaN partial outputs (a kernel dividing by "
           "an empty softmax sum) instead of 0 with LSE -inf, and the merge spreads the NaN; only sequences "
           "shorter than dcp (vLLM PR #47541)", needs_dcp=True),
 )}
-BLOCK_TABLE_WIDTH = 4  # block-table-wrap: blocks per sequence the faulty table holds
+BLOCK_TABLE_WIDTH = 2  # block-table-wrap: blocks per sequence the faulty table holds
 
 
 @dataclass(frozen=True)

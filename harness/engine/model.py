@@ -249,8 +249,8 @@ def split_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
                         kv_index: tuple[int, ...], parts: int) -> torch.Tensor:
     """The noise perturbation of attention: keys dealt round-robin into `parts` sets (as DCP deals
     tokens to ranks), attended separately and LSE-merged; mathematically equal to local_attention."""
-    cols = torch.arange(mask.shape[-1], device=mask.device) % parts  # [L]
-    outs, lses = zip(*(local_attention(q, k, v, mask & (cols == p), kv_index) for p in range(parts)))
+    sets = [torch.arange(p, mask.shape[-1], parts, device=mask.device) for p in range(parts)]  # [L / parts] each
+    outs, lses = zip(*(local_attention(q, k[:, keys], v[:, keys], mask[:, :, keys], kv_index) for keys in sets))
     return merge_partials(torch.stack(outs), torch.stack(lses))  # [B, S, Hq, hd]
 
 

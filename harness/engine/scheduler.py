@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from harness.engine.engine import Engine, Generation
+from harness.engine.engine import Engine, Generation, length_buckets
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.model import Batch
 from harness.errors import ConfigError
@@ -146,79 +146,108 @@ class PrefixCache:
         self.blocks.clear()
 
 
+@dataclass(frozen=True)
+class Lane:
+    """One stream of requests the loop serves: its prompts, their new tokens and its ServeSettings."""
+
+    prompts: Sequence[Sequence[int]]
+    new_tokens: Sequence[int]
+    settings: ServeSettings = ServeSettings()
+
+
+class _LaneState:
+    """A lane while it runs: waiting and running requests, its KV pool share, its prefix cache, its stats."""
+
+    def __init__(self, lane: Lane, prefix: PrefixCache | None) -> None:
+        self.lane, self.settings = lane, lane.settings
+        join = self.settings.join_per_step if self.settings.schedule == STAGGERED else 0
+        self.waiting = [_Request(i, list(p), arrival=(i // join if join else 0)) for i, p in enumerate(lane.prompts)]
+        self.running: list[_Request] = []
+        self.prefix = prefix
+        self.stats = ServeStats()
+        self.tk_ids: list[list[torch.Tensor]] = [[] for _ in lane.prompts]
+        self.tk_lp: list[list[torch.Tensor]] = [[] for _ in lane.prompts]
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def room(self, extra: int) -> bool:
+        limit = self.settings.kv_tokens
+        return not limit or sum(r.stored for r in self.running) + extra <= limit
+
+
 class ServingLoop:
-    """Generation of a list of prompts under ServeSettings on one engine (every rank alike)."""
+    """Greedy generation of one or more lanes of requests on one engine (every rank alike): each engine
+    step is one forward over the rows of every lane (decodes, prefill chunks), as a server batches the
+    traffic of all its clients; each lane keeps its own schedule, chunk budget, KV pool and prefix cache."""
 
     def __init__(self, engine: Engine, settings: ServeSettings = ServeSettings()) -> None:
         self.engine = engine
-        self.settings = settings
-        self.stats = ServeStats()
+        self.settings = settings  # the lane of generate()
+        self.stats = ServeStats()  # generate()'s lane's stats
         comm = engine.decoder.comm
         self.dcp, self.dcp_rank = comm.dcp, comm.dcp_rank
-        self.prefix = PrefixCache(engine.cache, self.dcp, self.dcp_rank) if settings.prefix_cache else None
 
     # -- admission and the pool -------------------------------------------------------------------
 
-    def _room(self, running: list[_Request], extra: int) -> bool:
-        limit = self.settings.kv_tokens
-        return not limit or sum(r.stored for r in running) + extra <= limit
-
-    def _admit(self, waiting: list[_Request], running: list[_Request], step: int) -> None:
-        s = self.settings
-        width = max(1, self.engine.max_batch - (1 if self.prefix else 0))
-        while waiting and len(running) < width:
-            req = waiting[0]
-            if req.arrival > step or (s.schedule == ONE_AT_A_TIME and running):
+    def _admit(self, lane: _LaneState, step: int, width: int) -> None:
+        while lane.waiting and width > 0:
+            req = lane.waiting[0]
+            if req.arrival > step or (lane.settings.schedule == ONE_AT_A_TIME and lane.running):
                 return
-            if running and not self._room(running, len(req.prompt) + len(req.new) + 1):
+            if lane.running and not lane.room(len(req.prompt) + len(req.new) + 1):
                 return
-            waiting.pop(0)
-            self._open(req)
-            running.append(req)
+            lane.waiting.pop(0)
+            self._open(lane, req)
+            lane.running.append(req)
+            width -= 1
 
-    def _open(self, req: _Request) -> None:
+    def _open(self, lane: _LaneState, req: _Request) -> None:
         cache = self.engine.cache
         req.seq_id = cache.open(1)[0]
         req.pending = req.prompt + req.new
         req.fed, req.rows = 0, 0
-        if self.prefix is None:
+        if lane.prefix is None:
             return
-        self.stats.prefix_lookups += 1
-        blocks = self.prefix.lookup(req.pending)
+        lane.stats.prefix_lookups += 1
+        blocks = lane.prefix.lookup(req.pending)
         if blocks:
-            cache.share(req.seq_id, blocks, self.prefix.owned(len(blocks)))
-            hit = len(blocks) * self.prefix.virtual
+            cache.share(req.seq_id, blocks, lane.prefix.owned(len(blocks)))
+            hit = len(blocks) * lane.prefix.virtual
             # the dcp-prefix-hit-length fault: the hit measured in local blocks (block_size tokens each)
-            req.fed = len(blocks) * self.prefix.block if self.engine.flags.prefix_hit_local else hit
-            self.stats.prefix_hits += 1
-            self.stats.prefix_hit_tokens += hit
+            req.fed = len(blocks) * lane.prefix.block if self.engine.flags.prefix_hit_local else hit
+            lane.stats.prefix_hits += 1
+            lane.stats.prefix_hit_tokens += hit
 
-    def _preempt(self, running: list[_Request], waiting: list[_Request], growth: int) -> None:
-        """Preempt the newest sequences (recompute later) until the step's new tokens fit the pool."""
-        while len(running) > 1 and not self._room(running, growth):
-            victim = running.pop()
+    def _preempt(self, lane: _LaneState) -> None:
+        """Preempt the newest sequences (recompute later) until the step's new tokens fit the lane's pool."""
+        growth = sum(self._step_tokens(r) for r in lane.running)
+        while len(lane.running) > 1 and not lane.room(growth):
+            victim = lane.running.pop()
             growth -= self._step_tokens(victim)
             self.engine.cache.close([victim.seq_id])
             victim.seq_id = None
             victim.shift = self.engine.flags.resume_gap  # the preempt-resume-position fault
-            waiting.insert(0, victim)
-            self.stats.preemptions += 1
+            lane.waiting.insert(0, victim)
+            lane.stats.preemptions += 1
 
-    def _step_tokens(self, req: _Request) -> int:
+    @staticmethod
+    def _step_tokens(req: _Request) -> int:
         return len(req.pending) - req.fed if req.prefilling else 1
 
     # -- one step ---------------------------------------------------------------------------------
 
-    def _rows(self, running: list[_Request]) -> list[tuple[_Request, list[int], list[int]]]:
+    def _rows(self, lane: _LaneState) -> list[tuple[_Request, list[int], list[int]]]:
         """(request, token ids, positions) fed this step: decodes first, then prefill chunks in the budget."""
-        budget = self.settings.chunk_tokens or None
+        budget = lane.settings.chunk_tokens or None
         rows: list[tuple[_Request, list[int], list[int]]] = []
-        for req in running:
+        for req in lane.running:
             if not req.prefilling:
                 i = len(req.prompt) + len(req.new) - 1
                 rows.append((req, [req.new[-1]], [req.position(i)]))
         left = None if budget is None else max(0, budget - len(rows))
-        for req in running:
+        for req in lane.running:
             if not req.prefilling or left == 0:
                 continue
             n = len(req.pending) - req.fed if left is None else min(left, len(req.pending) - req.fed)
@@ -231,13 +260,21 @@ class ServingLoop:
         return rows
 
     def _forward(self, rows: list[tuple[_Request, list[int], list[int]]]) -> torch.Tensor:
-        """One mixed forward of every row; float32 logits [B, V] at each row's last token."""
+        """The step's forward of every row (short and long rows as two batches, engine.length_buckets);
+        float32 logits [B, V] at each row's last token."""
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        for bucket in length_buckets([len(ids) for _, ids, _ in rows]):
+            for i, logits in zip(bucket, self._batch_forward([rows[i] for i in bucket])):
+                out[i] = logits
+        return torch.stack([t for t in out if t is not None])  # [B, V]
+
+    def _batch_forward(self, rows: list[tuple[_Request, list[int], list[int]]]) -> torch.Tensor:
+        """One forward of `rows`; float32 logits [B, V] at each row's last token."""
         dev = self.engine.state.device
         width = max(len(ids) for _, ids, _ in rows)
         ids = torch.tensor([ids + [0] * (width - len(ids)) for _, ids, _ in rows], dtype=torch.long)  # [B, S]
-        last_pos = [pos[-1] for _, _, pos in rows]
-        positions = torch.tensor([pos + [p + 1 + k for k in range(width - len(pos))]
-                                  for (_, _, pos), p in zip(rows, last_pos)], dtype=torch.long)  # [B, S]
+        positions = torch.tensor([pos + [pos[-1] + 1 + k for k in range(width - len(pos))] for _, _, pos in rows],
+                                 dtype=torch.long)  # [B, S]; padding continues the row's positions
         lengths = torch.tensor([len(t) for _, t, _ in rows])  # [B]
         valid = torch.arange(width)[None, :] < lengths[:, None]  # [B, S]
         batch = Batch(tuple(int(r.seq_id or 0) for r, _, _ in rows), ids.to(dev), positions.to(dev), valid.to(dev))
@@ -246,58 +283,72 @@ class ServingLoop:
         picked = hidden[torch.arange(len(rows), device=hidden.device), last]  # [B, H]
         return self.engine.decoder.logits(picked[:, None])[:, 0].float()  # [B, V]
 
+    def _advance(self, lane: _LaneState, rows: list[tuple[_Request, list[int], list[int]]], logits: torch.Tensor,
+                 top_k: int) -> None:
+        """Book one step's rows of `lane` (their logits [n, V]): prefill progress, new tokens, finished sequences."""
+        done_rows = []
+        for j, (req, ids, _) in enumerate(rows):
+            if req.prefilling:
+                req.fed += len(ids)
+                req.rows += 1
+                lane.stats.prefill_chunks += 1
+                lane.stats.chunked_prompts += req.rows == 2
+                if req.prefilling:
+                    continue
+                if lane.prefix is not None and req.seq_id is not None:
+                    lane.prefix.insert(req.prompt, self.engine.cache.seqs[req.seq_id].blocks)
+            done_rows.append((j, req))
+        if done_rows:
+            lp = torch.log_softmax(logits[[j for j, _ in done_rows]].double(), dim=-1)  # [n, V]
+            top = torch.topk(lp, k=min(top_k, lp.shape[-1]), dim=-1)
+            for (_, req), ids_row, lp_row in zip(done_rows, top.indices.cpu(), top.values.float().cpu()):
+                req.new.append(int(ids_row[0]))
+                lane.tk_ids[req.index].append(ids_row)
+                lane.tk_lp[req.index].append(lp_row)
+        new_tokens = lane.lane.new_tokens
+        for req in [r for r in lane.running if len(r.new) >= new_tokens[r.index] and not r.prefilling]:
+            lane.running.remove(req)
+            self.engine.cache.close([req.seq_id])
+
     # -- the run ----------------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]], new_tokens: Sequence[int], top_k: int = 5) -> Generation:
-        """Greedy generation of new_tokens[i] tokens for prompts[i]; top-k (ids, logprobs) per step."""
-        self.engine.check_lengths([len(p) + n for p, n in zip(prompts, new_tokens)])
-        join = self.settings.join_per_step if self.settings.schedule == STAGGERED else 0
-        waiting = [_Request(i, list(p), arrival=(i // join if join else 0)) for i, p in enumerate(prompts)]
-        running: list[_Request] = []
-        tk_ids: list[list[torch.Tensor]] = [[] for _ in prompts]
-        tk_lp: list[list[torch.Tensor]] = [[] for _ in prompts]
+    def run(self, lanes: Sequence[Lane], top_k: int = 5) -> list[tuple[Generation, ServeStats]]:
+        """Every lane served together, one forward per engine step; per lane its generation and stats."""
+        self.engine.check_lengths([len(p) + n for lane in lanes for p, n in zip(lane.prompts, lane.new_tokens)])
+        states = [_LaneState(lane, PrefixCache(self.engine.cache, self.dcp, self.dcp_rank)
+                             if lane.settings.prefix_cache else None) for lane in lanes]
+        pins = sum(1 for st in states if st.prefix is not None)
         step = 0
-        while waiting or running:
-            self._admit(waiting, running, step)
-            if not running:  # staggered arrivals still to come
-                step += 1
-                continue
-            self._preempt(running, waiting, sum(self._step_tokens(r) for r in running))
-            rows = self._rows(running)
-            logits = self._forward(rows)
-            self.stats.steps += 1
-            self.stats.max_running = max(self.stats.max_running, len(running))
-            done_rows = []
-            for j, (req, ids, _) in enumerate(rows):
-                if req.prefilling:
-                    req.fed += len(ids)
-                    req.rows += 1
-                    self.stats.prefill_chunks += 1
-                    self.stats.chunked_prompts += req.rows == 2
-                    if req.prefilling:
-                        continue
-                    if self.prefix is not None and req.seq_id is not None:
-                        self.prefix.insert(req.prompt, self.engine.cache.seqs[req.seq_id].blocks)
-                done_rows.append((j, req))
-            if done_rows:
-                lp = torch.log_softmax(logits[[j for j, _ in done_rows]].double(), dim=-1)  # [n, V]
-                top = torch.topk(lp, k=min(top_k, lp.shape[-1]), dim=-1)
-                for (_, req), ids_row, lp_row in zip(done_rows, top.indices.cpu(), top.values.float().cpu()):
-                    req.new.append(int(ids_row[0]))
-                    tk_ids[req.index].append(ids_row)
-                    tk_lp[req.index].append(lp_row)
-            finished = [r for r in running if len(r.new) >= new_tokens[r.index] and not r.prefilling]
-            for req in finished:
-                running.remove(req)
-                self.engine.cache.close([req.seq_id])
+        while any(st.busy for st in states):
+            for st in states:
+                width = max(1, self.engine.max_batch - pins) - sum(len(o.running) for o in states)
+                self._admit(st, step, width)
+                self._preempt(st)
+            per_lane = [self._rows(st) for st in states]
+            rows = [row for lane_rows in per_lane for row in lane_rows]
+            if rows:
+                logits = self._forward(rows)
+                first = 0
+                for st, lane_rows in zip(states, per_lane):
+                    if lane_rows:
+                        st.stats.steps += 1
+                        st.stats.max_running = max(st.stats.max_running, len(st.running))
+                    self._advance(st, lane_rows, logits[first:first + len(lane_rows)], top_k)
+                    first += len(lane_rows)
             step += 1
-        if self.prefix is not None:
-            self.prefix.release()
-        return _generation(prompts, tk_ids, tk_lp, self.stats.max_running, min(top_k, self.engine.spec.vocab))
+        k = min(top_k, self.engine.spec.vocab)
+        for st in states:
+            if st.prefix is not None:
+                st.prefix.release()
+        return [(_generation(st.tk_ids, st.tk_lp, st.stats.max_running, k), st.stats) for st in states]
+
+    def generate(self, prompts: Sequence[Sequence[int]], new_tokens: Sequence[int], top_k: int = 5) -> Generation:
+        """Greedy generation of new_tokens[i] tokens for prompts[i] under this loop's settings (one lane)."""
+        gen, self.stats = self.run([Lane(prompts, new_tokens, self.settings)], top_k)[0]
+        return gen
 
 
-def _generation(prompts: Sequence[Sequence[int]], tk_ids: list[list[torch.Tensor]], tk_lp: list[list[torch.Tensor]],
-                width: int, k: int) -> Generation:
+def _generation(tk_ids: list[list[torch.Tensor]], tk_lp: list[list[torch.Tensor]], width: int, k: int) -> Generation:
     tokens = [[int(t[0]) for t in ids] for ids in tk_ids]
     return Generation(tokens, [torch.stack(t) if t else torch.empty((0, k), dtype=torch.long) for t in tk_ids],
                       [torch.stack(t) if t else torch.empty((0, k)) for t in tk_lp], width)
