@@ -97,7 +97,7 @@ def _workloads() -> list[str]:
     out = [f"{w.name:<16} sends {w.sends()}; {w.description}" for w in WORKLOADS.values()]
     users = {name: load_suite(name).workloads for name in shipped_suites()}
     out += [f"(suite {name}: {', '.join(names)})" for name, names in users.items() if len(names) > 1]
-    out.append("(harness run --workload NAME[,NAME] picks some; long_context is the suite's, 160 tokens by default)")
+    out.append("(harness run --workload NAME[,NAME] picks some; long_context is the suite's, 136 tokens by default)")
     return out
 
 

@@ -212,13 +212,14 @@ class Engine:
         sites: list[list[torch.Tensor]] = [[] for _ in seqs]
         for step in range(max(len(s) - d for s, d in zip(seqs, starts))):
             active = [b for b, (s, d) in enumerate(zip(seqs, starts)) if d + step < len(s)]
-            cap = Capture()
             pos = [starts[b] + step for b in active]
+            # capture (hidden states, attention, collective errors) only in steps with a probe position
+            cap = Capture() if any(p in probes[b] for b, p in zip(active, pos)) else None
             step_logits = self._forward([ids[b] for b in active], [[seqs[b][p]] for b, p in zip(active, pos)],
                                         pos, cap)
             for j, (b, p) in enumerate(zip(active, pos)):
                 logits[b].append(step_logits[j, 0].cpu())
-                if p in probes[b]:
+                if cap is not None and p in probes[b]:
                     hidden[b].append(torch.stack([h[j, 0] for h in cap.hidden]).float().cpu())  # [L+1, H]
                     attn[b].append(torch.stack([a[j, 0] for a in cap.attn]))  # [L, n_q, hd]
                     sites[b].append(torch.stack([c[j, 0] for c in cap.collectives]))  # [L, sites]

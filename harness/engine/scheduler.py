@@ -89,8 +89,9 @@ class _Request:
         return i + (self.shift if i >= len(self.prompt) else 0)
 
     @property
-    def stored(self) -> int:
-        return self.fed if self.prefilling else len(self.prompt) + len(self.new)
+    def footprint(self) -> int:
+        """Tokens the sequence holds in the KV pool once its prefill is done."""
+        return len(self.prompt) + len(self.new)
 
 
 class PrefixCache:
@@ -173,8 +174,9 @@ class _LaneState:
         return bool(self.waiting or self.running)
 
     def room(self, extra: int) -> bool:
+        """Whether the running sequences' footprints plus `extra` tokens fit the lane's KV pool."""
         limit = self.settings.kv_tokens
-        return not limit or sum(r.stored for r in self.running) + extra <= limit
+        return not limit or sum(r.footprint for r in self.running) + extra <= limit
 
 
 class ServingLoop:
@@ -196,7 +198,7 @@ class ServingLoop:
             req = lane.waiting[0]
             if req.arrival > step or (lane.settings.schedule == ONE_AT_A_TIME and lane.running):
                 return
-            if lane.running and not lane.room(len(req.prompt) + len(req.new) + 1):
+            if lane.running and not lane.room(req.footprint + 1):
                 return
             lane.waiting.pop(0)
             self._open(lane, req)
@@ -221,20 +223,16 @@ class ServingLoop:
             lane.stats.prefix_hit_tokens += hit
 
     def _preempt(self, lane: _LaneState) -> None:
-        """Preempt the newest sequences (recompute later) until the step's new tokens fit the lane's pool."""
-        growth = sum(self._step_tokens(r) for r in lane.running)
+        """Preempt the newest sequences (recompute later) until this step's decoded tokens fit the lane's pool."""
+        growth = sum(1 for r in lane.running if not r.prefilling)
         while len(lane.running) > 1 and not lane.room(growth):
             victim = lane.running.pop()
-            growth -= self._step_tokens(victim)
+            growth -= 0 if victim.prefilling else 1
             self.engine.cache.close([victim.seq_id])
             victim.seq_id = None
             victim.shift = self.engine.flags.resume_gap  # the preempt-resume-position fault
             lane.waiting.insert(0, victim)
             lane.stats.preemptions += 1
-
-    @staticmethod
-    def _step_tokens(req: _Request) -> int:
-        return len(req.pending) - req.fed if req.prefilling else 1
 
     # -- one step ---------------------------------------------------------------------------------
 

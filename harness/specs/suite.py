@@ -37,7 +37,7 @@ class Suite:
     speculative: Mapping[str, Any] = field(default_factory=dict)
     profiles: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     workloads: tuple[str, ...] = (SUITE_PROMPTS,)  # the workload axis (harness/specs/workload.py: WORKLOADS)
-    long_context: int = 160                       # tokens of the workloads' long prompt
+    long_context: int = 136                       # tokens of the workloads' long prompt
 
     def __post_init__(self) -> None:
         where = f"suite {self.name!r}"

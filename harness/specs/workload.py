@@ -112,28 +112,30 @@ class Workload:
         return cls(**rest)
 
 
-# prompt lengths straddling the KV block size (16), dcp - 1 for dcp 2..4, dcp x block size for dcp 2..4,
-# 128, and one long prompt (the suite's long_context: 160 tokens by default, > 1024 nightly)
-_STRADDLE: tuple[int, ...] = (1, 2, 3, 15, 16, 17, 32, 48, 63, 64, 65, 127, 128, 129, LONG)
+# prompt lengths one past the KV block size (16), dcp - 1 for dcp 2..4, one past dcp x block size (64 at dcp 4)
+# and 128, and one long prompt (the suite's long_context, 136 by default); the full sweep also sits on each boundary
+_STRADDLE: tuple[int, ...] = (1, 3, 17, 65, 129, LONG)
+_STRADDLE_FULL: tuple[int, ...] = (1, 2, 3, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 127, 128, 129, LONG)
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload(SUITE_PROMPTS, "the suite's own prompts in one batch"),
-    Workload("lengths", "prompt lengths straddling the KV block size, dcp - 1, dcp x block size and 128, plus "
-             "one long prompt (long_context); generations cross block boundaries",
-             lengths=_STRADDLE),
+    Workload("lengths", "prompt lengths one past the KV block size, dcp - 1, one past dcp x block size and 128, "
+             "plus one long prompt (long_context); generations cross block boundaries", lengths=_STRADDLE),
+    Workload("lengths-full", "the lengths sweep on and around every boundary: block size, dcp - 1 and dcp x block "
+             "size for dcp 2..4, 128, and the long prompt (the nightly profiles)", lengths=_STRADDLE_FULL),
     Workload("concurrent", "mixed-length prompts arriving one per engine step, so each joins a running batch "
              "(continuous batching); batch_invariance compares them with the same prompts in one batch",
-             schedule=STAGGERED, lengths=(5, 17, 40, 9, 70, 24), new_tokens=8, route="batch_invariance"),
-    Workload("prefix-cache", "prompts sharing a 136-token prefix, sent after the first one's prefill cached it "
-             "(block-hash hits), and the first prompt again", schedule=STAGGERED,
-             lengths=(3, 12, 7, 20), shared_prefix=136, repeat_first=True, prefix_cache=True, new_tokens=8,
-             route="prefix_cache"),
-    Workload("chunked-prefill", "a long prompt prefilled in chunks of a 64-token budget per step, next to "
-             "short prompts decoding in the same steps", lengths=(LONG, 6, 20), chunk_tokens=64, new_tokens=8,
+             schedule=STAGGERED, lengths=(5, 17, 40, 9), new_tokens=8, route="batch_invariance"),
+    Workload("prefix-cache", "prompts sharing a 72-token prefix, sent after the first one's prefill cached it "
+             "(block-hash hits: whole blocks of block_size x dcp tokens), and the first prompt again",
+             schedule=STAGGERED, lengths=(3, 12, 7), shared_prefix=72, repeat_first=True, prefix_cache=True,
+             new_tokens=8, route="prefix_cache"),
+    Workload("chunked-prefill", "a long prompt (long_context) prefilled in chunks of a 48-token budget per step, "
+             "next to a short prompt decoding in the same steps", lengths=(LONG, 6), chunk_tokens=48, new_tokens=8,
              route="chunked_prefill"),
-    Workload("preemption", "more concurrent sequences than a 160-token KV pool holds: the engine preempts the "
-             "newest and recomputes it later", lengths=(40, 33, 50, 24), kv_tokens=160, new_tokens=10,
-             route="preemption"),
+    Workload("preemption", "more concurrent sequences than a 160-token KV pool holds once they grow: the engine "
+             "preempts the newest and recomputes it (prompt + its tokens so far) when there is room",
+             lengths=(40, 33, 50, 24), kv_tokens=160, new_tokens=10, route="preemption"),
 )}
 
 
