@@ -13,6 +13,7 @@ import torch
 
 from harness.artifacts import Case, RunArtifacts
 from harness.cases import build_workload_cases, workload_manifest
+from harness.cli import main
 from harness.compare.schedule import check_consistency, check_schedule
 from harness.compare.settings import ConsistencySettings, ScheduleSettings
 from harness.contract import (
@@ -166,3 +167,16 @@ def test_decode_consistency_fails_a_decode_path_that_leaves_the_prefill() -> Non
     result = check_consistency(off, same, None, ConsistencySettings())
     assert result.verdict is Verdict.FAIL and "logprob difference" in result.reason, result.reason
     assert replace(result).metrics["steps_compared"] == 2
+
+
+def test_list_workloads_shows_what_each_sends(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["list", "workloads"]) == 0
+    out = capsys.readouterr().out
+    for name in ("lengths", "concurrent", "prefix-cache", "chunked-prefill", "preemption"):
+        assert any(line.startswith(name + " ") and " sends " in line for line in out.splitlines()), name
+    assert "staggered (1 joining per step)" in out and "a KV pool of 160 tokens (preemption)" in out
+
+
+def test_an_unknown_workload_is_one_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--suite", "dcp", "--workload", "prefix-cahce"]) == 2
+    assert "unknown workload 'prefix-cahce'" in capsys.readouterr().err
