@@ -249,7 +249,8 @@ def split_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
                         kv_index: tuple[int, ...], parts: int) -> torch.Tensor:
     """The noise perturbation of attention: keys dealt round-robin into `parts` sets (as DCP deals
     tokens to ranks), attended separately and LSE-merged; mathematically equal to local_attention."""
-    sets = [torch.arange(p, mask.shape[-1], parts, device=mask.device) for p in range(parts)]  # [L / parts] each
+    keys_all = torch.arange(mask.shape[-1], device=mask.device)  # [L]
+    sets = [keys_all[p::parts] for p in range(parts)]  # [~L / parts] each, empty when L <= p
     outs, lses = zip(*(local_attention(q, k[:, keys], v[:, keys], mask[:, :, keys], kv_index) for keys in sets))
     return merge_partials(torch.stack(outs), torch.stack(lses))  # [B, S, Hq, hd]
 
