@@ -84,12 +84,14 @@ ACCEPT_TRACES = "accept_traces"        # spec_accepted.{i} per verify step
 ACCEPTANCE_AGGREGATE = "acceptance_aggregate"  # only a mean acceptance length (manifest)
 GENERATION = "generation"              # greedy generation with top-k logprobs
 GSM8K = "gsm8k"                        # lm-eval GSM8K records
+WORKLOADS = "workloads"                # runs Job.workloads (their cases, schedules and routes)
 SCHEDULE_TWIN = "schedule_twin"        # twin_* of workload runs: the same prompts in one plain batch
 REPREFILL = "reprefill"                # reprefill_topk_* of workload runs
 
 ALL_CAPABILITIES: tuple[str, ...] = (
     FULL_LOGITS, TOPK_LOGPROBS, PROMPT_LOGPROBS, DECODE_PATH, HIDDEN_STATES, ATTENTION_OUTPUTS, COLLECTIVE_ERRORS,
-    LAYOUT_REPORT, KV_POOL_SIZE, ACCEPT_TRACES, ACCEPTANCE_AGGREGATE, GENERATION, GSM8K, SCHEDULE_TWIN, REPREFILL,
+    LAYOUT_REPORT, KV_POOL_SIZE, ACCEPT_TRACES, ACCEPTANCE_AGGREGATE, GENERATION, GSM8K, WORKLOADS, SCHEDULE_TWIN,
+    REPREFILL,
 )
 # Every artifact of the contract in full (the embedded engine's; what a run that records no backend is read
 # as): full logits carry every top-k, so no *_topk_* tensors; accept traces, not only their mean.

@@ -24,6 +24,7 @@ from harness.contract import (
     NOISE_PRECISION_TWIN,
     NOISE_REDUCTION_ORDER,
     SCHEDULE_SEQUENTIAL,
+    WORKLOADS,
     Backend,
     Job,
     LaunchResult,
@@ -187,7 +188,10 @@ class Runner:
 
     @property
     def workloads(self) -> tuple[Workload, ...]:
-        """The workloads every cell runs (one launch holds them all), resolved."""
+        """The workloads every cell runs (one launch holds them all), resolved; only the suite's prompts
+        when an engine of the run does not run workloads (contract.WORKLOADS)."""
+        if not all(b.capabilities().has(WORKLOADS) for b in (self.backend, self.ref_backend)):
+            return self.req.suite.resolved_workloads((SUITE_PROMPTS,))
         return self.req.suite.resolved_workloads(self.req.workloads or None)
 
     @property
