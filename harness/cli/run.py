@@ -20,6 +20,7 @@ from harness.cli.checks import (
     require_writable_dir,
     seed_int,
 )
+from harness.contract import WORKLOADS
 from harness.errors import ConfigError, DiskFull, RunError
 from harness.launcher.nodes import check_engine, parse_nodes
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, free_bytes
@@ -126,7 +127,6 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     if budget_mib <= 0 or max_seq_len <= 0:
         raise ConfigError(f"--kv-budget-mib={budget_mib} and --max-seq-len={max_seq_len} must be > 0")
     SpeculativeSettings.from_mapping(suite.speculative, f"suite {suite.name}: speculative")  # fail before launching
-    workloads = selected_workloads(suite, args.workload, max_seq_len)
     gsm8k = gsm8k_settings(suite.gsm8k, f"suite {suite.name}: gsm8k") if suite.gsm8k else None
     gsm8k_data = None
     if gsm8k is not None:  # resolved here so a bad path is one error before any rank starts
@@ -139,9 +139,11 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     require_device(args.device, [t.tp for t in topologies])
     require_launch_settings(dict(os.environ))
     from harness.backends.registry import get_backend
-    get_backend(args.engine)  # an unknown engine or a bad option: one error before anything runs
+    engines = [get_backend(args.engine)]  # an unknown engine or a bad option: one error before anything runs
     if args.reference_engine:
-        get_backend(args.reference_engine)
+        engines.append(get_backend(args.reference_engine))
+    runs_workloads = all(e.capabilities().has(WORKLOADS) for e in engines)
+    workloads = selected_workloads(suite, args.workload, max_seq_len if runs_workloads else None)
     nodes = parse_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint,
                         len(suite.seeds if not args.seed else args.seed) * len(models) * len(topologies),
                         launch_timeout(args.timeout))
@@ -158,12 +160,12 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
         nodes=nodes, pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)), workloads=workloads)
 
 
-def selected_workloads(suite: Suite, given: list[str] | None, max_seq_len: int) -> tuple[str, ...]:
+def selected_workloads(suite: Suite, given: list[str] | None, max_seq_len: int | None) -> tuple[str, ...]:
     """--workload names (comma lists, repeatable) validated, else the suite's; each workload's longest
-    sequence must fit a KV slot (max_seq_len)."""
+    sequence must fit a KV slot (max_seq_len; None: the engines run no workloads, only the suite's prompts)."""
     names = (check_workload_names("--workload", [n.strip() for g in given for n in g.split(",") if n.strip()])
              if given else suite.workloads)
-    for w in suite.resolved_workloads(names):
+    for w in suite.resolved_workloads(names) if max_seq_len is not None else ():
         longest = max(w.prompt_lengths(), default=0) + w.new_tokens
         if longest > max_seq_len:
             raise ConfigError(f"workload {w.name}: a sequence of {longest} tokens exceeds max_seq_len={max_seq_len}; "
