@@ -40,7 +40,7 @@ from harness.plugins import load_target, registered
 
 ENTRY_POINT_GROUP = "harness.checks"
 
-CELL_KINDS: tuple[str, ...] = ("all", "speculative", "gsm8k", "route", "workloads")
+CELL_KINDS: tuple[str, ...] = ("all", "speculative", "gsm8k", "route", "workloads", "teacher_forced")
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,10 @@ class CheckSpec:
     requires_any: tuple[str, ...] = ()     # capabilities of which one suffices (e.g. full logits or top-k)
     cells: str = "all"                     # "all", "speculative" (-draft/-mtp cells), "gsm8k" (suites with gsm8k),
     #                                        "route" (cells whose workload's route is this check: Workload.route),
-    #                                        "workloads" (cells of a run with workloads, Job.workloads)
+    #                                        "workloads" (cells of a run with workloads, Job.workloads),
+    #                                        "teacher_forced" (cells whose workload takes no serving route of
+    #                                        its own: the suite's prompts, lengths; a route workload's cell
+    #                                        judges its generation route)
     performance_only: bool = False         # measures speed, not outputs: its FAIL is a performance regression
 
     def __post_init__(self) -> None:
@@ -84,21 +87,23 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
               requires=(c.LAYOUT_REPORT,), cells="speculative"),
     CheckSpec("logits_prefill", "logits", f"{_B}:logits_prefill",
               "teacher-forced prefill logits: KL, abs/logprob error, top-1/top-k agreement, near ties",
-              settings=LogitsSettings, requires=(c.PROMPT_LOGPROBS,), requires_any=(c.FULL_LOGITS, c.TOPK_LOGPROBS)),
+              settings=LogitsSettings, requires=(c.PROMPT_LOGPROBS,), requires_any=(c.FULL_LOGITS, c.TOPK_LOGPROBS),
+              cells="teacher_forced"),
     CheckSpec("logits_decode", "logits", f"{_B}:logits_decode",
               "teacher-forced one-token decode steps through the KV cache, as logits_prefill",
-              settings=LogitsSettings, requires=(c.DECODE_PATH,), requires_any=(c.FULL_LOGITS, c.TOPK_LOGPROBS)),
+              settings=LogitsSettings, requires=(c.DECODE_PATH,), requires_any=(c.FULL_LOGITS, c.TOPK_LOGPROBS),
+              cells="teacher_forced"),
     CheckSpec("generation", "generation", f"{_B}:generation",
               "greedy tokens; a divergence is benign only at a near tie of the reference",
               settings=GenerationSettings, requires=(c.GENERATION,)),
     CheckSpec("collectives", "collectives", f"{_B}:collectives",
               "each all-reduce, DCP Q gather and LSE merge against an exact recompute from its own inputs, "
               "bounded by the model dtype's rounding (catches a collective done in a lower precision)",
-              settings=CollectiveSettings, requires=(c.COLLECTIVE_ERRORS,)),
+              settings=CollectiveSettings, requires=(c.COLLECTIVE_ERRORS,), cells="teacher_forced"),
     CheckSpec("localization", "localization", f"{_B}:localization",
               "when a parity or collectives check fails: the first diverging layer or collective, its heads, "
               "their ranks and KV heads",
-              settings=LocalizationSettings, requires=(c.HIDDEN_STATES,)),
+              settings=LocalizationSettings, requires=(c.HIDDEN_STATES,), cells="teacher_forced"),
     CheckSpec("lossless", "lossless", f"{_B}:lossless",
               "speculative greedy output equals plain greedy output of the same run",
               settings=LosslessSettings, requires=(c.GENERATION,), cells="speculative"),
