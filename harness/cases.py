@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
 
 import numpy as np
 
 from harness.artifacts import Case
 from harness.engine.tokenizer import Tokenizer
+from harness.specs.workload import Workload, WorkloadPlan
 
 PRINTABLE = np.array(list(" etaoinshrdlucmfwypvbgkjqxz.,ETAOINSHRDLU0123456789"))
 N_PROBES = 4
@@ -62,3 +64,65 @@ def prompts_hash(cases: Sequence[Case]) -> str:
     """sha256 of the teacher-forced token id sequences (the manifest's prompts_hash, compared by the
     inputs check; every backend computes it here so equal inputs hash equally)."""
     return hashlib.sha256(json.dumps([list(case.sequence_ids) for case in cases]).encode()).hexdigest()
+
+
+PREFIX_STREAM = 1_000_003  # continuation_ids index of a workload's shared prefix (no prompt index reaches it)
+PROMPT_STREAM = 2_000_003  # ... and offset of its own prompt tokens (distinct from the continuations)
+DECODE_TAIL = 2            # a workload case's decode path starts this many tokens before its prompt's end
+
+
+@dataclass(frozen=True)
+class WorkloadCases:
+    """The cases of one workload within a run: their indices run on from the previous workload's."""
+
+    workload: Workload
+    cases: tuple[Case, ...]
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        return tuple(c.index for c in self.cases)
+
+
+def _length_cases(w: Workload, tokenizer: Tokenizer, seed: int, first: int, salt: int) -> list[Case]:
+    """Seeded prompts of exactly w.prompt_lengths() tokens (shared prefix first), each followed by a
+    continuation of w.new_tokens tokens; the decode path starts DECODE_TAIL tokens before the prompt's end."""
+    prefix = continuation_ids(tokenizer, seed, PREFIX_STREAM + salt, w.shared_prefix) if w.shared_prefix else []
+    own = [prefix + continuation_ids(tokenizer, seed, PROMPT_STREAM + salt * 1000 + j, n)
+           for j, n in enumerate(w.lengths)]
+    prompts = own + (own[:1] if w.repeat_first and own else [])
+    cases = []
+    for j, ids in enumerate(prompts):
+        index = first + j
+        sequence = ids + continuation_ids(tokenizer, seed, index, w.new_tokens)
+        start = max(1, len(ids) - DECODE_TAIL)
+        cases.append(Case(index=index, prompt=tokenizer.decode(ids), prompt_ids=tuple(ids),
+                          sequence_ids=tuple(sequence), decode_start=start,
+                          probe_positions=probe_positions(start, len(sequence))))
+    return cases
+
+
+def build_workload_cases(plan: WorkloadPlan, prompts: Sequence[str], tokenizer: Tokenizer, seed: int,
+                         decode_prefix_tokens: int) -> list[WorkloadCases]:
+    """Every case of a run with workloads, per workload in plan order, indices consecutive: the suite's
+    prompts workload as build_cases makes them, the others as seeded prompts of exact token lengths."""
+    out: list[WorkloadCases] = []
+    first = 0
+    for salt, w in enumerate(plan.workloads):
+        if w.suite_prompts:
+            cases = [replace(c, index=first + c.index)
+                     for c in build_cases(prompts, tokenizer, seed, w.new_tokens, decode_prefix_tokens)]
+        else:
+            cases = _length_cases(w, tokenizer, seed, first, salt)
+        out.append(WorkloadCases(w, tuple(cases)))
+        first += len(cases)
+    return out
+
+
+def workload_manifest(groups: Sequence[WorkloadCases]) -> list[dict[str, Any]]:
+    """The manifest's `workloads` entry: each workload, its engine settings and its cases with their
+    token counts (tokens = prompt + continuation)."""
+    return [{"name": g.workload.name, "schedule": g.workload.schedule, "join_per_step": g.workload.join_per_step,
+             "route": g.workload.route, "settings": g.workload.engine_settings(),
+             "cases": [{"index": c.index, "prompt_tokens": len(c.prompt_ids),
+                        "continuation_tokens": len(c.sequence_ids) - len(c.prompt_ids),
+                        "tokens": len(c.sequence_ids)} for c in g.cases]} for g in groups]

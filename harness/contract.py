@@ -39,6 +39,13 @@ GEN_TOPK_LOGPROBS = "gen_topk_logprobs"    # [N, k] float32
 SPEC_TOKENS = "spec_tokens"                # [N] int64 greedy generation with the speculator
 SPEC_ACCEPTED = "spec_accepted"            # [S] int64 accepted draft tokens per verify step
 SPEC_DRAFTS = "spec_drafts"                # [S, k] int64, optional: the proposals of each verify step
+# workload runs (Job.workloads): the same prompts generated once more in one plain batch (no prefix cache,
+# no chunks, no preemption: the schedule twin), and each generation re-prefilled (prompt + new tokens)
+TWIN_TOKENS = "twin_tokens"                # [N] int64 greedy generation of the plain batch
+TWIN_TOPK_IDS = "twin_topk_ids"            # [N, k] int64
+TWIN_TOPK_LOGPROBS = "twin_topk_logprobs"  # [N, k] float32
+REPREFILL_TOPK_IDS = "reprefill_topk_ids"  # [N, k] int64: top-k of the prefill path at each generated step
+REPREFILL_TOPK_LOGPROBS = "reprefill_topk_logprobs"  # [N, k] float32
 # the last dim of COLLECTIVES
 COLLECTIVE_SITES: tuple[str, ...] = ("dcp-q-gather", "dcp-lse-merge", "attn-allreduce", "mlp-allreduce")
 
@@ -80,10 +87,14 @@ ACCEPT_TRACES = "accept_traces"        # spec_accepted.{i} per verify step
 ACCEPTANCE_AGGREGATE = "acceptance_aggregate"  # only a mean acceptance length (manifest)
 GENERATION = "generation"              # greedy generation with top-k logprobs
 GSM8K = "gsm8k"                        # lm-eval GSM8K records
+WORKLOADS = "workloads"                # runs Job.workloads (their cases, schedules and routes)
+SCHEDULE_TWIN = "schedule_twin"        # twin_* of workload runs: the same prompts in one plain batch
+REPREFILL = "reprefill"                # reprefill_topk_* of workload runs
 
 ALL_CAPABILITIES: tuple[str, ...] = (
     FULL_LOGITS, TOPK_LOGPROBS, PROMPT_LOGPROBS, DECODE_PATH, HIDDEN_STATES, ATTENTION_OUTPUTS, COLLECTIVE_ERRORS,
-    LAYOUT_REPORT, KV_POOL_SIZE, ACCEPT_TRACES, ACCEPTANCE_AGGREGATE, GENERATION, GSM8K,
+    LAYOUT_REPORT, KV_POOL_SIZE, ACCEPT_TRACES, ACCEPTANCE_AGGREGATE, GENERATION, GSM8K, WORKLOADS, SCHEDULE_TWIN,
+    REPREFILL,
 )
 # Every artifact of the contract in full (the embedded engine's; what a run that records no backend is read
 # as): full logits carry every top-k, so no *_topk_* tensors; accept traces, not only their mean.
@@ -149,6 +160,9 @@ class Job:
     # how an HTTP run sends the cases' requests (harness/backends/http_send.py: "one-at-a-time", "all-at-once",
     # "staggered", with parameters); None: all cases in one request (one at a time for the noise twin)
     request_schedule: str | dict[str, Any] | None = None
+    # the workloads whose cases the run holds, in case order (harness/specs/workload.py: Workload.to_dict,
+    # resolved); each names how its requests are sent ("schedule", "join_per_step"). []: the suite's prompts only
+    workloads: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """The job as JSON-ready data (what job.json holds): every field, the specs by their own to_dict."""

@@ -2,7 +2,8 @@
 
 One row per (run, cell, check): verdict, reason, key metric, noise multiples, and the run's
 identity (run id, when it was created, git commit, engine and engine version, build label).
-A cell is (suite, model, topology, seed). A trend is keyed by (cell, fault, check): a run with an
+A cell is (suite, model, topology, seed); a workload other than the suite's prompts is part of its
+topology column ("tp4dcp4/lengths", cell_topology). A trend is keyed by (cell, fault, check): a run with an
 injected fault (`--fault`) is a positive control, so its rows form their own trend (a control, whose
 FAIL means "still detected") and never count as a flip of the clean cell.
 
@@ -33,6 +34,7 @@ from typing import Any, Iterable, Sequence
 from harness.checkmetrics import key_metric, noise_multiples
 from harness.errors import ConfigError
 from harness.results import read_results
+from harness.specs.workload import SUITE_PROMPTS
 from harness.verdict import CellResult
 
 HISTORY_ENV = "HARNESS_HISTORY"
@@ -183,7 +185,7 @@ def rows_of(cells: Sequence[CellResult], run_id: str, created: str, provenance: 
             key = key_metric(check)
             multiples = noise_multiples(check)
             rows.append(Row(run_id=run_id, created=created, suite=cell.suite, model=cell.model,
-                            topology=cell.topology, seed=cell.seed, fault=cell.fault,
+                            topology=cell_topology(cell), seed=cell.seed, fault=cell.fault,
                             cell_status=cell.status.value, check=check.name, verdict=check.verdict.value,
                             reason=check.reason, key_metric=key[0] if key else None,
                             key_value=key[1] if key else None, noise_multiples=multiples,
@@ -445,8 +447,13 @@ def cell_histories(rows: Sequence[Row], last: int = STRIP_RUNS) -> dict[TrendKey
     return out
 
 
+def cell_topology(cell: CellResult) -> str:
+    """The cell's topology column: its topology, with "/WORKLOAD" for a workload other than the suite's prompts."""
+    return cell.topology if cell.workload == SUITE_PROMPTS else f"{cell.topology}/{cell.workload}"
+
+
 def trend_key(cell: CellResult) -> TrendKey:
-    return (cell.suite, cell.model, cell.topology, cell.seed, cell.fault)
+    return (cell.suite, cell.model, cell_topology(cell), cell.seed, cell.fault)
 
 
 def histories_for(path: Path, cells: Sequence[CellResult], record: Path | None = None,

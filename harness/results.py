@@ -15,10 +15,11 @@ Schema, version RESULTS_SCHEMA_VERSION = 1 (a reader refuses any other version):
       "summary": {"cells": 5, "pass": 2, "warn": 0, "fail": 1, "error": 1, "skip": 1,
                   "silent_corruption": 1,       # cells counted by their status, and failing cells by class:
                   "output": 1, "performance": 0, "infrastructure": 1},
-      "cells": [                                # one per (suite, model, topology, fault, seed)
+      "cells": [                                # one per (suite, model, topology, fault, seed, workload)
         {
           "suite": "dcp", "model": "tiny-gqa", "topology": "tp4dcp4",
           "fault": "dcp-tp-kv-layout" | null, "seed": 0,
+          "workload": "prompts",                # what the cell sent (harness list workloads)
           "status": "PASS" | "WARN" | "FAIL" | "ERROR" | "SKIP",   # the worst check verdict
           "silent_corruption": true,            # output corruption while every process exited cleanly
           "failure_class": "output" | "performance" | "infrastructure" | null,  # what the failure means:

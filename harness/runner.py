@@ -25,6 +25,7 @@ from harness.contract import (
     NOISE_PRECISION_TWIN,
     NOISE_REDUCTION_ORDER,
     SCHEDULE_SEQUENTIAL,
+    WORKLOADS,
     Backend,
     Job,
     LaunchResult,
@@ -46,8 +47,10 @@ from harness.specs.hybrid_plan import plan_model
 from harness.specs.model import ModelSpec
 from harness.specs.suite import Suite
 from harness.specs.topology import Topology, parse_topology_name
+from harness.specs.workload import SUITE_PROMPTS, Workload
 from harness.validate import load_run, validate_artifacts
 from harness.verdict import CellResult, CheckResult, ExitCode, Verdict
+from harness.workload_views import workload_views
 
 # The noise run: what a correct run may differ from the reference by. Like with like: the reference
 # topology in the model's own dtype, with another reduction order (split partial sums, keys merged
@@ -85,6 +88,7 @@ class RunRequest:
     reproduce: tuple[str, ...] = ()            # argv (after "harness run") that every cell command repeats
     model_refs: tuple[tuple[str, str], ...] = ()  # model name -> how to name it again (path when given by path)
     engine_build: str | None = None            # the parallel engine's build label (--engine-build)
+    workloads: tuple[str, ...] = ()            # the workloads to run (--workload; empty: the suite's list)
 
     @property
     def ref_engine(self) -> str:
@@ -186,7 +190,24 @@ class Runner:
                    out_dir=str(out_dir), fault=fault, dtype=dtype, seed=seed, max_new_tokens=s.max_new_tokens,
                    decode_prefix_tokens=s.decode_prefix_tokens, pool=dict(req.pool), device=req.device,
                    collective_timeout_s=req.collective_timeout_s, git_commit=self._commit, gsm8k=gsm8k,
-                   speculative=dict(s.speculative) if topo.speculator != "none" else {})
+                   speculative=dict(s.speculative) if topo.speculator != "none" else {},
+                   workloads=[w.to_dict() for w in self.workloads] if self.workload_names != (SUITE_PROMPTS,) else [])
+
+    @property
+    def workloads(self) -> tuple[Workload, ...]:
+        """The workloads every cell runs (one launch holds them all), resolved; only the suite's prompts
+        when an engine of the run does not run workloads (contract.WORKLOADS)."""
+        if not all(b.capabilities().has(WORKLOADS) for b in (self.backend, self.ref_backend)):
+            return self.req.suite.resolved_workloads((SUITE_PROMPTS,))
+        return self.req.suite.resolved_workloads(self.req.workloads or None)
+
+    @property
+    def workload_names(self) -> tuple[str, ...]:
+        return tuple(w.name for w in self.workloads)
+
+    def per_workload(self, cell: CellPlan, result: CellResult) -> list[CellResult]:
+        """A launch's result (a SKIP or ERROR before any check ran) as one cell per workload."""
+        return [replace(result, workload=w, command=self.command(cell, w)) for w in self.workload_names]
 
     def _cached(self, model: ModelSpec, seed: int, dtype: str, topo: Topology, repeat: bool = False,
                 perturbation: str | None = None, fault: str | None = None) -> RunArtifacts:
@@ -253,7 +274,7 @@ class Runner:
             self._tokenizers[model.name] = load_tokenizer(model)
         return self._tokenizers[model.name].decode
 
-    def command(self, cell: CellPlan) -> str:
+    def command(self, cell: CellPlan, workload: str = "") -> str:
         """The command that re-runs exactly this cell: the request's suite, profile, pool, engines
         (RunRequest.reproduce) and the cell's topology, model (by path when given by path), seed and fault."""
         refs = dict(self.req.model_refs)
@@ -263,6 +284,8 @@ class Runner:
                  "--model", refs.get(cell.model.name, cell.model.name), "--seed", str(cell.seed)]
         if cell.fault:
             parts += ["--fault", cell.fault]
+        if workload:
+            parts += ["--workload", workload]
         if self.req.device != "cpu" and "--device" not in shared:
             parts += ["--device", self.req.device]
         return " ".join([*env, shlex.join(parts)])
@@ -272,7 +295,8 @@ class Runner:
         ("HARNESS_VLLM_FAULT=kv-shard", template engine_faults): either makes the cell a positive control."""
         return cell.fault or engine_fault(self.backend)
 
-    def run_cell(self, cell: CellPlan) -> CellResult:
+    def run_cell(self, cell: CellPlan) -> CellResult | list[CellResult]:
+        """The cell's launch and its checks: one result per workload, or one SKIP / ERROR for all of them."""
         base = dict(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
                     fault=self._fault(cell), seed=cell.seed, command=self.command(cell), engine=self.backend.name,
                     reference_engine=self.ref_backend.name, engine_env=engine_env(self.backend),
@@ -313,12 +337,17 @@ class Runner:
         return self._checked(cell, base, ref, par, noise, run_dir, result.wall_s)
 
     def _checked(self, cell: CellPlan, base: dict[str, Any], ref: RunArtifacts, par: RunArtifacts,
-                 noise: RunArtifacts | None, run_dir: Path, wall_s: float) -> CellResult:
-        """The cell's checks of `par` (read from `run_dir`) against the reference, as its result."""
-        ctx = self.context(cell, ref, par, noise)
-        return CellResult(**base, checks=tuple(run_checks(ctx)), clean_exit=True, localization=ctx.localization,
-                          run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=wall_s,
-                          details=ctx.details.to_dict())
+                 noise: RunArtifacts | None, run_dir: Path, wall_s: float) -> list[CellResult]:
+        """The cell's checks of `par` (read from `run_dir`) against the reference: one result per workload,
+        each over that workload's cases (harness/workload_views.py)."""
+        out = []
+        for name, (r, p, n) in workload_views(self.workloads, ref, par, noise).items():
+            ctx = self.context(cell, r, p, n, name)
+            out.append(CellResult(**{**base, "workload": name, "command": self.command(cell, name)},
+                                  checks=tuple(run_checks(ctx)), clean_exit=True, localization=ctx.localization,
+                                  run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=wall_s,
+                                  details=ctx.details.to_dict()))
+        return out
 
     def _reference_job(self, cell: CellPlan, job: Job) -> bool:
         """Whether `job` is the cell's reference job again (the reference topology, speculator and fault,
@@ -330,7 +359,8 @@ class Runner:
         ref_job = self.job(cell.model, topo, shared, cell.seed, Path("."), cell.model.dtype)
         return self.cache.key(replace(job, dtype=job.dtype or cell.model.dtype)) == self.cache.key(ref_job)
 
-    def context(self, cell: CellPlan, ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None) -> CellContext:
+    def context(self, cell: CellPlan, ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None,
+                workload: str = SUITE_PROMPTS) -> CellContext:
         """Everything the checks of `cell` read."""
         suite = self.req.suite
         topo = cell.topology
@@ -346,7 +376,8 @@ class Runner:
             ref_caps=run_capabilities(ref, self.ref_backend.capabilities()),
             info=CellInfo(suite=suite.name, model=cell.model.name, topology=topo.name, speculator=topo.speculator,
                           engine=self.backend.name, reference_engine=self.ref_backend.name,
-                          report_dir=str(self.req.out_dir), baselines_dir=self.req.baselines_dir),
+                          report_dir=str(self.req.out_dir), baselines_dir=self.req.baselines_dir, workload=workload,
+                          workloads_run=self.workload_names != (SUITE_PROMPTS,)),
             speculator_plan=(plan_speculator(cell.model.speculator_shape, topo.tp) if topo.speculator != "none"
                              else None),
             decode=self._decoder(cell.model), gsm8k=self.req.gsm8k, enabled=suite.check_enabled)
@@ -396,29 +427,35 @@ class Runner:
         for i, cell in enumerate(cells, 1):
             self.progress(f"[{i}/{len(cells)}] {cell.slug} ...")
             try:
-                result = self.run_cell(cell)
+                got = self.run_cell(cell)
             except Exception as exc:  # one broken cell (a harness bug included) never loses the others' results
                 if not isinstance(exc, HarnessError):
                     exc = RunError(f"internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-                result = CellResult(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
-                                    fault=self._fault(cell), seed=cell.seed, command=self.command(cell),
-                                    engine=self.backend.name, reference_engine=self.ref_backend.name,
-                                    engine_env=engine_env(self.backend), engine_build=engine_build(self.backend),
-                                    checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False)
-            reason = next((c.reason for c in result.checks if c.verdict is result.status), "")
-            took = "the reference run" if result.run_dir and result.run_dir == result.reference_dir else \
-                f"{result.wall_s:.1f} s"
-            self.progress(f"[{i}/{len(cells)}] {cell.slug}: {result.status.value} ({took})"
-                          + (f" - {reason}" if result.status is not Verdict.PASS else ""))
-            full = self._disk_full(reason) if result.status is Verdict.ERROR else None
-            if full is not None:  # every later cell would fail alike: stop, keep the cells done
-                folder, free = full
-                shutil.rmtree(self.req.out_dir / "runs" / cell.slug, ignore_errors=True)  # incomplete; frees room
-                results.append(replace(result, run_dir="", checks=(CheckResult(
-                    "run", Verdict.ERROR, f"no space left on device in {folder} ({free} bytes free): {reason}"),)))
-                raise DiskFull(folder, free, cell.slug)
-            results.append(result)
+                got = CellResult(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
+                                 fault=self._fault(cell), seed=cell.seed, command=self.command(cell),
+                                 engine=self.backend.name, reference_engine=self.ref_backend.name,
+                                 engine_env=engine_env(self.backend), engine_build=engine_build(self.backend),
+                                 checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False)
+            for result in (got if isinstance(got, list) else self.per_workload(cell, got)):
+                self._record(i, len(cells), cell, result, results)
         return results
+
+    def _record(self, i: int, n: int, cell: CellPlan, result: CellResult, results: list[CellResult]) -> None:
+        """Report one cell's result (a line of progress) and keep it; a full disk stops the run."""
+        reason = next((c.reason for c in result.checks if c.verdict is result.status), "")
+        took = "the reference run" if result.run_dir and result.run_dir == result.reference_dir else \
+            f"{result.wall_s:.1f} s"
+        label = cell.slug + (f" {result.workload}" if len(self.workload_names) > 1 else "")
+        self.progress(f"[{i}/{n}] {label}: {result.status.value} ({took})"
+                      + (f" - {reason}" if result.status is not Verdict.PASS else ""))
+        full = self._disk_full(reason) if result.status is Verdict.ERROR else None
+        if full is not None:  # every later cell would fail alike: stop, keep the cells done
+            folder, free = full
+            shutil.rmtree(self.req.out_dir / "runs" / cell.slug, ignore_errors=True)  # incomplete; frees room
+            results.append(replace(result, run_dir="", checks=(CheckResult(
+                "run", Verdict.ERROR, f"no space left on device in {folder} ({free} bytes free): {reason}"),)))
+            raise DiskFull(folder, free, cell.slug)
+        results.append(result)
 
     def _disk_full(self, reason: str) -> tuple[Path, int] | None:
         """(folder, free bytes) when the out or cache folder's disk is full: a cell error that says so, or

@@ -92,7 +92,7 @@ class Localization:
 
 @dataclass(frozen=True)
 class CellResult:
-    """One cell of the matrix: (suite, model, topology, fault, seed) and its checks.
+    """One cell of the matrix: (suite, model, topology, fault, seed, workload) and its checks.
 
     `details` holds per-cell drill-down data for the report (per-prompt metrics, per-layer errors,
     per-head heat map, first diverging token, layout tables); it is JSON-serialisable.
@@ -116,6 +116,7 @@ class CellResult:
     reference_engine: str = ""   # the backend of the reference run
     engine_env: dict[str, str] = field(default_factory=dict)  # the engine's own variables it ran with (engine_env)
     engine_build: str = ""       # the engine build label (--engine-build, or its template's build_argv)
+    workload: str = "prompts"    # what the cell sent (harness/specs/workload.py; "prompts": the suite's prompts)
 
     @property
     def status(self) -> Verdict:
@@ -145,7 +146,7 @@ class CellResult:
                 "run_dir": self.run_dir, "reference_dir": self.reference_dir, "wall_s": self.wall_s,
                 "error_log": self.error_log, "details": self.details, "engine": self.engine,
                 "reference_engine": self.reference_engine, "engine_env": dict(self.engine_env),
-                "engine_build": self.engine_build}
+                "engine_build": self.engine_build, "workload": self.workload}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CellResult":
@@ -159,4 +160,5 @@ class CellResult:
                    details=dict(data.get("details") or {}), engine=str(data.get("engine", "")),
                    reference_engine=str(data.get("reference_engine", "")),
                    engine_env={str(k): str(v) for k, v in (data.get("engine_env") or {}).items()},
-                   engine_build=str(data.get("engine_build") or ""))
+                   engine_build=str(data.get("engine_build") or ""),
+                   workload=str(data.get("workload") or "prompts"))

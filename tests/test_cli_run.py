@@ -55,11 +55,14 @@ def test_main_command_passes_and_writes_every_report_file(tmp_path: Path, cache_
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"report: {out / 'index.html'}" in proc.stdout
     doc = _results(out)
-    assert sorted(cell["model"] for cell in doc["cells"]) == ["tiny-bf16-big", "tiny-gqa"]  # float32 GQA, bf16 MHA
+    assert sorted({cell["model"] for cell in doc["cells"]}) == ["tiny-bf16-big", "tiny-gqa"]  # float32 GQA, bf16 MHA
+    for model in ("tiny-bf16-big", "tiny-gqa"):  # one cell per workload of the suite
+        assert [c["workload"] for c in doc["cells"] if c["model"] == model] == [
+            "prompts", "lengths", "prefix-cache"]
     for cell in doc["cells"]:
         assert (cell["topology"], cell["status"], cell["silent_corruption"]) == ("tp4dcp4", "PASS", False)
-        assert {c["name"] for c in cell["checks"]} >= {"inputs", "layout", "logits_prefill", "logits_decode",
-                                                       "generation"}
+        teacher_forced = {"logits_prefill", "logits_decode"} if cell["workload"] in ("prompts", "lengths") else set()
+        assert {c["name"] for c in cell["checks"]} >= {"inputs", "layout", "generation", *teacher_forced}
     for name in ("index.html", "junit.xml", "summary.md"):
         assert (out / name).stat().st_size > 0
 

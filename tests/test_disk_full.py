@@ -58,7 +58,7 @@ def tiny_disk(tmp_path: Path) -> Iterator[Path]:
 
 def _argv(tmp_path: Path, out: Path, topo: str) -> list[str]:
     return ["run", "--suite", "dcp", "--model", "tiny-gqa", "--topo", topo, "--out", str(out),
-            "--cache-dir", str(tmp_path / "cache")]
+            "--workload", "prompts", "--cache-dir", str(tmp_path / "cache")]
 
 
 def test_too_little_free_space_is_refused_before_the_run(tmp_path: Path, tiny_disk: Path,

@@ -18,7 +18,7 @@ from harness.errors import ConfigError
 from harness.history import connect, parse_since, query, trends
 from harness.report.history_strip import ERROR_COLOUR
 
-CELL = ["--suite", "dcp", "--topo", "tp2dcp2", "--model", "tiny-gqa"]
+CELL = ["--suite", "dcp", "--topo", "tp2dcp2", "--model", "tiny-gqa", "--workload", "prompts"]
 FAULT = ["--fault", "dcp-lse-merge"]
 
 
@@ -132,7 +132,8 @@ def test_shard_merge_is_the_same_build(runs: dict[str, Path], tmp_path: Path, sh
                                        capsys: pytest.CaptureFixture[str]) -> None:
     """Two shards recorded, then their merge recorded, then the unsharded run: one build, each result once."""
     db = tmp_path / "shards.db"
-    matrix = ["--suite", "dcp", "--topo", "tp2dcp2,tp2", "--model", "tiny-gqa", "--cache-dir", str(shared_cache)]
+    matrix = ["--suite", "dcp", "--topo", "tp2dcp2,tp2", "--model", "tiny-gqa", "--workload", "prompts",
+              "--cache-dir", str(shared_cache)]
     for k in (1, 2):
         assert main(["run", *matrix, "--shard", f"{k}/2", "--out", str(tmp_path / f"s{k}"), "--history", str(db)]) == 0
     assert main(["report", str(tmp_path / "s1"), str(tmp_path / "s2"), "--out", str(tmp_path / "merged")]) == 0

@@ -164,7 +164,7 @@ def test_no_process_of_the_harness_outlives_it(tmp_path: Path) -> None:
     log = tmp_path / "harness.log"
     with open(log, "wb") as out:  # a file, not a pipe: waiting for the process is not waiting for a pipe's EOF
         proc = subprocess.Popen([sys.executable, "-m", "harness", "run", "--suite", "dcp", "--topo", "tp2dcp2",
-                                 "--model", "tiny-gqa", "--out", str(tmp_path / "r"),
+                                 "--model", "tiny-gqa", "--workload", "prompts", "--out", str(tmp_path / "r"),
                                  "--cache-dir", str(tmp_path / "c")], env=env, stdout=out, stderr=subprocess.STDOUT)
         assert proc.wait(timeout=600) == 0, log.read_text()[-2000:]
     assert processes_naming(marker) == []

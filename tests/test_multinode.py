@@ -15,7 +15,7 @@ from harness.cli import main
 from harness.errors import ConfigError
 from harness.launcher.nodes import parse_nodes
 
-CELL = ["--suite", "dcp", "--topo", "tp4dcp2", "--model", "tiny-gqa"]
+CELL = ["--suite", "dcp", "--topo", "tp4dcp2", "--model", "tiny-gqa", "--workload", "prompts"]
 
 
 def _free_port() -> int:

@@ -159,7 +159,8 @@ def test_default_cache_dir_is_private_and_per_user(tmp_path: Path, monkeypatch: 
 
 def test_two_processes_at_once_share_one_cache(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    argv = ["--suite", "dcp", "--topo", "tp2dcp2", "--model", "tiny-gqa", "--cache-dir", str(cache)]
+    argv = ["--suite", "dcp", "--topo", "tp2dcp2", "--model", "tiny-gqa", "--workload", "prompts",
+            "--cache-dir", str(cache)]
     procs = [subprocess.Popen([sys.executable, "-m", "harness", "run", *argv, "--out", str(tmp_path / f"out{i}")],
                               cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]

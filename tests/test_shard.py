@@ -72,7 +72,8 @@ def _comparable(results: Path) -> dict[tuple[Any, ...], Any]:
 
 def test_two_shards_merged_equal_the_single_run(tmp_path: Path, shared_cache: Path) -> None:
     cache = str(shared_cache)
-    base = ["run", "--suite", "dcp", "--topo", "tp2,tp2dcp2", "--model", "tiny-gqa", "--cache-dir", cache]
+    base = ["run", "--suite", "dcp", "--topo", "tp2,tp2dcp2", "--model", "tiny-gqa", "--workload", "prompts",
+            "--cache-dir", cache]
     assert main([*base, "--out", str(tmp_path / "single")]) == 0
     assert main([*base, "--shard", "1/2", "--out", str(tmp_path / "s1")]) == 0
     assert main([*base, "--shard", "2/2", "--out", str(tmp_path / "s2")]) == 0

@@ -14,7 +14,7 @@ import pytest
 from harness.cli import main
 from harness.report.history_strip import ERROR_COLOUR
 
-MATRIX = ["--suite", "dcp", "--topo", "tp2dcp2,tp2", "--model", "tiny-gqa"]
+MATRIX = ["--suite", "dcp", "--topo", "tp2dcp2,tp2", "--model", "tiny-gqa", "--workload", "prompts"]
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,11 @@ import torch
 from harness import __version__
 from harness import contract as c_
 from harness.artifacts import Case, write_run
-from harness.cases import build_cases, prompts_hash
+from harness.backends.workload_run import run_workloads, teacher_forced
+from harness.cases import build_cases, build_workload_cases, prompts_hash, workload_manifest
 from harness.contract import Job
 from harness.engine import ENGINE_VERSION
-from harness.engine.engine import Engine, PoolSettings
+from harness.engine.engine import Engine, Generation, PoolSettings
 from harness.engine.faults import fault_flags
 from harness.engine.parallel import ParallelState
 from harness.engine.speculative import run_speculative_cases, spec_manifest, spec_tensors
@@ -34,6 +35,7 @@ from harness.engine.speculator import SpeculativeSettings, speculator_for
 from harness.engine.tokenizer import Tokenizer, load_tokenizer, tokenizer_hash
 from harness.engine.weights import load_weights, weights_hash
 from harness.jsonio import write_json
+from harness.specs.workload import WorkloadPlan
 
 INJECT_ENV = "HARNESS_INJECT_RANK_FAILURE"  # "crash|hang|kill|stop:R": test hook for the launcher's error path
 
@@ -97,11 +99,20 @@ def run_job(job: Job, topk_only: int | None = None) -> None:
                     q_replicated=topo.q_replicated)
     t_load = time.time()
     _inject_failure(state.rank)
-    cases = build_cases(job.prompts, tokenizer, job.seed, job.max_new_tokens, job.decode_prefix_tokens)
+    groups = (build_workload_cases(WorkloadPlan.from_list(job.workloads), job.prompts, tokenizer, job.seed,
+                                   job.decode_prefix_tokens) if job.workloads else [])
+    cases = ([case for g in groups for case in g.cases] if groups else
+             build_cases(job.prompts, tokenizer, job.seed, job.max_new_tokens, job.decode_prefix_tokens))
     sequences = [list(c.sequence_ids) for c in cases]
-    prefill = engine.prefill_logits(sequences)
-    decode = engine.decode_path(sequences, [c.decode_start for c in cases], [c.probe_positions for c in cases])
-    gen = engine.generate([list(c.prompt_ids) for c in cases], job.max_new_tokens, job.top_k)
+    if groups:
+        prefill, decode = teacher_forced(engine, cases)
+    else:
+        prefill = engine.prefill_logits(sequences)
+        decode = engine.decode_path(sequences, [c.decode_start for c in cases], [c.probe_positions for c in cases])
+    served = run_workloads(engine, groups, job.top_k) if groups else None
+    gen = (Generation([served.tokens[c.index] for c in cases], [served.topk_ids[c.index] for c in cases],
+                      [served.topk_logprobs[c.index] for c in cases]) if served is not None
+           else engine.generate([list(c.prompt_ids) for c in cases], job.max_new_tokens, job.top_k))
     spec_result, spec_entry = None, None
     spec_settings = SpeculativeSettings.from_mapping(job.speculative)
     if topo.speculator != "none":
@@ -135,6 +146,10 @@ def run_job(job: Job, topk_only: int | None = None) -> None:
             "wall_s": {"init": t_init - t0, "load": t_load - t_init, "run": t_run - t_load,
                        "total": time.time() - t0},
         }
+        if served is not None:
+            tensors.update(served.tensors)  # twin_*.{i}, reprefill_topk_*.{i}
+            manifest["workloads"] = [{**entry, "stats": served.stats[entry["name"]]}
+                                     for entry in workload_manifest(groups)]
         if spec_result is not None:
             tensors.update(spec_tensors(spec_result, [c.index for c in cases]))  # spec_tokens.{i}, spec_accepted.{i}
             manifest["speculative"] = spec_manifest(spec_result, spec_settings)

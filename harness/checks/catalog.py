@@ -27,18 +27,20 @@ from harness import contract as c
 from harness.compare.settings import (
     AcceptanceSettings,
     CollectiveSettings,
+    ConsistencySettings,
     GenerationSettings,
     LayoutSettings,
     LocalizationSettings,
     LogitsSettings,
     LosslessSettings,
+    ScheduleSettings,
 )
 from harness.errors import ConfigError
 from harness.plugins import load_target, registered
 
 ENTRY_POINT_GROUP = "harness.checks"
 
-CELL_KINDS: tuple[str, ...] = ("all", "speculative", "gsm8k")
+CELL_KINDS: tuple[str, ...] = ("all", "speculative", "gsm8k", "route", "workloads", "teacher_forced")
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,12 @@ class CheckSpec:
     settings: type | None = None           # the frozen dataclass its section parses into (None: only `enabled`)
     requires: tuple[str, ...] = ()         # capabilities needed, all of them
     requires_any: tuple[str, ...] = ()     # capabilities of which one suffices (e.g. full logits or top-k)
-    cells: str = "all"                     # "all", "speculative" (-draft/-mtp cells), "gsm8k" (suites with gsm8k)
+    cells: str = "all"                     # "all", "speculative" (-draft/-mtp cells), "gsm8k" (suites with gsm8k),
+    #                                        "route" (cells whose workload's route is this check: Workload.route),
+    #                                        "workloads" (cells of a run with workloads, Job.workloads),
+    #                                        "teacher_forced" (cells whose workload takes no serving route of
+    #                                        its own: the suite's prompts, lengths; a route workload's cell
+    #                                        judges its generation route)
     performance_only: bool = False         # measures speed, not outputs: its FAIL is a performance regression
 
     def __post_init__(self) -> None:
@@ -67,6 +74,7 @@ class CheckSpec:
 
 
 _B = "harness.checks.builtin"
+_W = "harness.checks.workload_checks"
 BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("inputs", "inputs", f"{_B}:inputs",
               "reference and parallel runs used the same prompt token ids, weights and tokenizer"),
@@ -79,22 +87,23 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
               requires=(c.LAYOUT_REPORT,), cells="speculative"),
     CheckSpec("logits_prefill", "logits", f"{_B}:logits_prefill",
               "teacher-forced prefill logits: KL, abs/logprob error, top-1/top-k agreement, near ties",
-              settings=LogitsSettings, requires=(c.PROMPT_LOGPROBS,), requires_any=(c.FULL_LOGITS, c.TOPK_LOGPROBS)),
+              settings=LogitsSettings, requires=(c.PROMPT_LOGPROBS,), requires_any=(c.FULL_LOGITS, c.TOPK_LOGPROBS),
+              cells="teacher_forced"),
     CheckSpec("logits_decode", "logits", f"{_B}:logits_decode",
               "teacher-forced one-token decode steps through the KV cache, as logits_prefill; from engines "
               "without a decode path (HTTP), the generations' top-k along the common greedy prefix",
-              settings=LogitsSettings, requires_any=(c.DECODE_PATH, c.GENERATION)),
+              settings=LogitsSettings, requires_any=(c.DECODE_PATH, c.GENERATION), cells="teacher_forced"),
     CheckSpec("generation", "generation", f"{_B}:generation",
               "greedy tokens; a divergence is benign only at a near tie of the reference",
               settings=GenerationSettings, requires=(c.GENERATION,)),
     CheckSpec("collectives", "collectives", f"{_B}:collectives",
               "each all-reduce, DCP Q gather and LSE merge against an exact recompute from its own inputs, "
               "bounded by the model dtype's rounding (catches a collective done in a lower precision)",
-              settings=CollectiveSettings, requires=(c.COLLECTIVE_ERRORS,)),
+              settings=CollectiveSettings, requires=(c.COLLECTIVE_ERRORS,), cells="teacher_forced"),
     CheckSpec("localization", "localization", f"{_B}:localization",
               "when a parity or collectives check fails: the first diverging layer or collective, its heads, "
               "their ranks and KV heads",
-              settings=LocalizationSettings, requires=(c.HIDDEN_STATES,)),
+              settings=LocalizationSettings, requires=(c.HIDDEN_STATES,), cells="teacher_forced"),
     CheckSpec("lossless", "lossless", f"{_B}:lossless",
               "speculative greedy output equals plain greedy output of the same run",
               settings=LosslessSettings, requires=(c.GENERATION,), cells="speculative"),
@@ -106,6 +115,19 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("gsm8k", "gsm8k", f"{_B}:gsm8k",
               "gsm8k_paired (McNemar, answer agreement) and gsm8k_baseline (hypothesis test) per cell",
               requires=(c.GSM8K,), cells="gsm8k"),
+    *(CheckSpec(name, "schedule", f"{_W}:{name}",
+                f"the run against itself, {what}: greedy tokens equal but at near ties, logprobs within noise "
+                f"(the {route} workload)", settings=ScheduleSettings, requires=(c.GENERATION, c.SCHEDULE_TWIN),
+                cells="route")
+      for name, what, route in (
+          ("batch_invariance", "staggered into a running batch vs one batch", "concurrent"),
+          ("prefix_cache", "from cached prefix blocks vs computed", "prefix-cache"),
+          ("chunked_prefill", "prefilled in chunks vs whole", "chunked-prefill"),
+          ("preemption", "preempted and recomputed vs uninterrupted", "preemption"))),
+    CheckSpec("decode_consistency", "decode_consistency", f"{_W}:decode_consistency",
+              "each generated step's decode-time top-k against a re-prefill of prompt + generated tokens of the "
+              "same run (no reference needed)", settings=ConsistencySettings, requires=(c.GENERATION, c.REPREFILL),
+              cells="workloads"),
 )
 
 def _specs_of(entry: str, obj: Any) -> list[CheckSpec]:

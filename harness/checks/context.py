@@ -32,6 +32,8 @@ class CellInfo:
     reference_engine: str = "embedded"
     report_dir: str = ""
     baselines_dir: Path = BASELINES_DIR
+    workload: str = "prompts"
+    workloads_run: bool = False  # the run ran workloads (Job.workloads): it holds their twin and re-prefill
 
 
 @dataclass

@@ -12,6 +12,7 @@ from harness.checks.builtin import finish_details
 from harness.checks.catalog import CheckSpec, registered_checks
 from harness.checks.context import CellContext
 from harness.plugins import load_target
+from harness.specs.workload import WORKLOADS
 from harness.verdict import CheckResult, Verdict
 
 CheckFn = Callable[[CellContext], list[CheckResult]]
@@ -28,6 +29,12 @@ def belongs(spec: CheckSpec, ctx: CellContext) -> bool:
         return ctx.info.speculator != "none"
     if spec.cells == "gsm8k":
         return ctx.gsm8k is not None
+    if spec.cells == "route":
+        return ctx.info.workload in WORKLOADS and WORKLOADS[ctx.info.workload].route == spec.name
+    if spec.cells == "workloads":
+        return bool(ctx.info.workloads_run)
+    if spec.cells == "teacher_forced":
+        return ctx.info.workload not in WORKLOADS or not WORKLOADS[ctx.info.workload].route
     return True
 
 

@@ -1,4 +1,4 @@
-"""`harness list [suites|topologies|models|faults|engines|checks]`."""
+"""`harness list [suites|topologies|models|faults|engines|checks|workloads]`."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from harness.specs.loader import load_yaml
 from harness.specs.model import shipped_models
 from harness.specs.suite import shipped_suites
 from harness.specs.topology import GRAMMAR, load_catalog
+from harness.specs.workload import WORKLOADS
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("list", help="list shipped suites, topologies, models, faults, engines or checks")
+    p = sub.add_parser("list", help="list shipped suites, topologies, models, faults, engines, checks or workloads")
     p.add_argument("what", nargs="?", default="all", choices=("all", *SECTIONS))
     p.set_defaults(func=run)
 
@@ -92,9 +93,17 @@ def _checks() -> list[str]:
     return out
 
 
+def _workloads() -> list[str]:
+    out = [f"{w.name:<16} sends {w.sends()}; {w.description}" for w in WORKLOADS.values()]
+    users = {name: load_suite(name).workloads for name in shipped_suites()}
+    out += [f"(suite {name}: {', '.join(names)})" for name, names in users.items() if len(names) > 1]
+    out.append("(harness run --workload NAME[,NAME] picks some; long_context is the suite's, 136 tokens by default)")
+    return out
+
+
 SECTIONS: dict[str, Callable[[], list[str]]] = {
     "suites": _suites, "topologies": _topologies, "models": _models, "faults": _faults, "engines": _engines,
-    "checks": _checks}
+    "checks": _checks, "workloads": _workloads}
 
 
 def run(args: argparse.Namespace) -> int:

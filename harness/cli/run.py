@@ -20,14 +20,16 @@ from harness.cli.checks import (
     require_writable_dir,
     seed_int,
 )
+from harness.contract import WORKLOADS
 from harness.errors import ConfigError, DiskFull, RunError
 from harness.launcher.nodes import check_engine, parse_nodes
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, free_bytes
 from harness.paths import BASELINES_DIR, REPORTS_DIR
 from harness.shard import parse_shard
 from harness.specs.checkpoint import load_model
-from harness.specs.suite import with_profile
+from harness.specs.suite import Suite, with_profile
 from harness.specs.topology import load_catalog
+from harness.specs.workload import check_workload_names
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a run is asked for
     from harness.runner import RunRequest
@@ -43,6 +45,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", default=None, help="override the suite's models (name, .yaml, checkpoint, .gguf)")
     p.add_argument("--fault", default=None, help="inject a known bug into the parallel runs (harness list faults)")
     p.add_argument("--seed", type=seed_int, action="append", default=None, help="seed (repeatable; default: suite's)")
+    p.add_argument("--workload", action="append", default=None, metavar="NAME[,NAME...]",
+                   help="workloads to run (repeatable; harness list workloads; default: the suite's workloads)")
     p.add_argument("--out", type=Path, default=None, help="report folder (default: reports/<run-id>)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--kv-budget-mib", type=positive_int, default=None,
@@ -144,11 +148,13 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     from harness.backends.registry import get_backend
     # an unknown engine, a bad option, a build label that is none or a template build command that fails:
     # one error before anything runs
-    backend = get_backend(args.engine)
-    if args.engine_build is None:
-        engine_build(backend)
+    engines = [get_backend(args.engine)]
     if args.reference_engine:
-        engine_build(get_backend(args.reference_engine))
+        engines.append(get_backend(args.reference_engine))
+    for backend in engines if args.engine_build is None else engines[1:]:
+        engine_build(backend)
+    runs_workloads = all(e.capabilities().has(WORKLOADS) for e in engines)
+    workloads = selected_workloads(suite, args.workload, max_seq_len if runs_workloads else None)
     nodes = parse_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint,
                         len(suite.seeds if not args.seed else args.seed) * len(models) * len(topologies),
                         launch_timeout(args.timeout))
@@ -163,7 +169,20 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
         collective_timeout_s=args.collective_timeout, gsm8k=gsm8k, gsm8k_data=gsm8k_data,
         baselines_dir=args.baselines_dir, shard=parse_shard(args.shard) if args.shard else None,
         engine_build=check_label(args.engine_build) if args.engine_build is not None else None,
-        nodes=nodes, pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)))
+        nodes=nodes, pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)), workloads=workloads)
+
+
+def selected_workloads(suite: Suite, given: list[str] | None, max_seq_len: int | None) -> tuple[str, ...]:
+    """--workload names (comma lists, repeatable) validated, else the suite's; each workload's longest
+    sequence must fit a KV slot (max_seq_len; None: the engines run no workloads, only the suite's prompts)."""
+    names = (check_workload_names("--workload", [n.strip() for g in given for n in g.split(",") if n.strip()])
+             if given else suite.workloads)
+    for w in suite.resolved_workloads(names) if max_seq_len is not None else ():
+        longest = max(w.prompt_lengths(), default=0) + w.new_tokens
+        if longest > max_seq_len:
+            raise ConfigError(f"workload {w.name}: a sequence of {longest} tokens exceeds max_seq_len={max_seq_len}; "
+                              f"raise --max-seq-len (or the suite's max_seq_len / lower its long_context)")
+    return names
 
 
 def _ref(ref: str) -> str:

@@ -189,6 +189,38 @@ DTYPE_DEFAULTS: dict[str, dict[str, dict[str, float]]] = {
 }
 
 
+@dataclass(frozen=True)
+class ScheduleSettings:
+    """A run against itself under another schedule (batch_invariance, prefix_cache, chunked_prefill,
+    preemption; suite `checks.schedule`): greedy tokens equal except at near ties of the plain batch, and
+    along the common tokens the top-1 logprob within max(logprob_floor, logprob_factor x the noise: the
+    same difference in the reference run and between the reference and the noise run)."""
+
+    near_tie: float = 1e-3         # logprob gap of the plain batch below which a divergence is benign
+    near_tie_factor: float = 5.0   # x the noise's top-2 gap error (bound = max of the two)
+    logprob_floor: float = 1e-4    # smallest bound on the top-1 logprob difference
+    logprob_factor: float = 20.0   # x the measured noise of that difference
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self)
+
+
+@dataclass(frozen=True)
+class ConsistencySettings:
+    """decode_consistency (suite `checks.decode_consistency`): each generated step's decode-time top-k
+    against a re-prefill of prompt + generated tokens of the same run: the same top-1 token except at
+    near ties of the re-prefill, its logprob within max(logprob_floor, logprob_factor x the same
+    difference in the reference and noise runs)."""
+
+    near_tie: float = 1e-3
+    near_tie_factor: float = 5.0
+    logprob_floor: float = 1e-4
+    logprob_factor: float = 20.0
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self)
+
+
 def parse_section(cls: type[T], where: str, raw: Mapping[str, Any] | None, dtype: str) -> T:
     """Build `cls` from the dtype defaults (DTYPE_DEFAULTS), the flat keys, then the `dtype`
     sub-mapping; every dtype section is validated (unknown keys rejected with "did you mean") even

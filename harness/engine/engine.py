@@ -80,6 +80,17 @@ def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
     return n
 
 
+LONG_SEQUENCE = 128  # a prefill batch mixing sequences longer than this with shorter ones runs as two batches
+
+
+def length_buckets(lengths: Sequence[int], limit: int = LONG_SEQUENCE) -> list[list[int]]:
+    """Indices of `lengths` in up to two batches, those up to `limit` tokens and the longer ones, so short
+    sequences are not padded to a long one's length (one more forward, far less padded compute)."""
+    short = [i for i, n in enumerate(lengths) if n <= limit]
+    long = [i for i, n in enumerate(lengths) if n > limit]
+    return [b for b in (short, long) if b]
+
+
 def build_batch(seq_ids: Sequence[int], chunks: Sequence[Sequence[int]], starts: Sequence[int],
                 device: torch.device) -> Batch:
     """Right-padded batch of new tokens `chunks[b]` placed at positions starts[b]...; [B, S] tensors."""
@@ -227,20 +238,22 @@ class Engine:
     def _decode_batch(self, seqs: list[Sequence[int]], starts: list[int],
                       probes: list[Sequence[int]]) -> list[DecodePath]:
         ids = self.cache.open(len(seqs))
-        self._forward(ids, [s[:d] for s, d in zip(seqs, starts)], [0] * len(seqs))
+        for bucket in length_buckets(starts):  # the prefix before decode starts: short and long apart
+            self._forward([ids[b] for b in bucket], [seqs[b][:starts[b]] for b in bucket], [0] * len(bucket))
         logits: list[list[torch.Tensor]] = [[] for _ in seqs]
         hidden: list[list[torch.Tensor]] = [[] for _ in seqs]
         attn: list[list[torch.Tensor]] = [[] for _ in seqs]
         sites: list[list[torch.Tensor]] = [[] for _ in seqs]
         for step in range(max(len(s) - d for s, d in zip(seqs, starts))):
             active = [b for b, (s, d) in enumerate(zip(seqs, starts)) if d + step < len(s)]
-            cap = Capture()
             pos = [starts[b] + step for b in active]
+            # capture (hidden states, attention, collective errors) only in steps with a probe position
+            cap = Capture() if any(p in probes[b] for b, p in zip(active, pos)) else None
             step_logits = self._forward([ids[b] for b in active], [[seqs[b][p]] for b, p in zip(active, pos)],
                                         pos, cap)
             for j, (b, p) in enumerate(zip(active, pos)):
                 logits[b].append(step_logits[j, 0].cpu())
-                if p in probes[b]:
+                if cap is not None and p in probes[b]:
                     hidden[b].append(torch.stack([h[j, 0] for h in cap.hidden]).float().cpu())  # [L+1, H]
                     attn[b].append(torch.stack([a[j, 0] for a in cap.attn]))  # [L, n_q, hd]
                     sites[b].append(torch.stack([c[j, 0] for c in cap.collectives]))  # [L, sites]

@@ -134,7 +134,30 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "Q-replicated DCP loading only the rank's own slice of q_b_proj / w_kc for every head of its DCP "
           "group, so the other heads' queries are computed with the wrong weights", needs_dcp=True,
           needs_q_replicated=True, needs_mla=True),
+    # -- serving routes: prefix cache, chunked prefill, preemption, long block tables, short sequences --
+    Fault("dcp-prefix-hit-length", "generation, prefix_cache",
+          "a prefix-cache hit of n KV blocks resumes the prefill at n x block_size tokens instead of "
+          "n x block_size x dcp (the DCP virtual block), so every DCP rank stores the tokens in between a "
+          "second time and the LSE merge counts them twice; only on prefix-cache hits, inert at dcp 1",
+          needs_dcp=True),
+    Fault("dcp-chunk-restart", "generation, chunked_prefill",
+          "in chunked prefill the positions of every chunk after the first restart at 0 on DCP ranks > 0 "
+          "(a chunk offset taken from the rank's local store): those ranks rotate their Q heads and keys "
+          "by the wrong positions and store the wrong tokens; only prompts longer than the chunk budget",
+          needs_dcp=True),
+    Fault("preempt-resume-position", "preemption",
+          "a preempted sequence recomputed with its generated tokens one position too far (a gap after "
+          "the prompt): every later step attends with shifted relative positions; only preempted sequences"),
+    Fault("block-table-wrap", "logits, generation",
+          "the block table kept with room for 2 blocks per sequence: a rank's blocks past the 2nd are read "
+          "from the first ones (the keys of other positions); only sequences storing more than "
+          "2 x block_size tokens on a rank"),
+    Fault("dcp-empty-shard-nan", "logits_decode, generation",
+          "a DCP rank that holds no token of a sequence returns NaN partial outputs (a kernel dividing by "
+          "an empty softmax sum) instead of 0 with LSE -inf, and the merge spreads the NaN; only sequences "
+          "shorter than dcp (vLLM PR #47541)", needs_dcp=True),
 )}
+BLOCK_TABLE_WIDTH = 2  # block-table-wrap: blocks per sequence the faulty table holds
 
 
 @dataclass(frozen=True)
@@ -171,6 +194,11 @@ class FaultFlags:
     empty_lse_zero: bool = False        # dcp-empty-shard-lse0: a shard with no key merged with LSE 0
     latent_rope_local_slot: bool = False  # mla-rope-local-slot: the latent's RoPE key by its local slot
     q_own_slice: bool = False           # q-replicated-own-slice: the group's Q weights = own slice repeated
+    prefix_hit_local: bool = False      # dcp-prefix-hit-length: a hit resumes at n x block_size tokens
+    chunk_restart: bool = False         # dcp-chunk-restart: later chunks' positions restart at 0 on dcp ranks > 0
+    resume_gap: int = 0                 # preempt-resume-position: recomputed new tokens shifted this far
+    block_table_width: int = 0          # block-table-wrap: block-table entries per sequence (0: unbounded)
+    empty_shard_nan: bool = False       # dcp-empty-shard-nan: an empty DCP shard returns NaN
 
 
 # Perturbations of a correct engine (not faults: no bug, only another reduction order). The noise run
@@ -233,4 +261,9 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         empty_lse_zero=name == "dcp-empty-shard-lse0",
         latent_rope_local_slot=name == "mla-rope-local-slot",
         q_own_slice=name == "q-replicated-own-slice",
+        prefix_hit_local=name == "dcp-prefix-hit-length",
+        chunk_restart=name == "dcp-chunk-restart",
+        resume_gap=1 if name == "preempt-resume-position" else 0,
+        block_table_width=BLOCK_TABLE_WIDTH if name == "block-table-wrap" else 0,
+        empty_shard_nan=name == "dcp-empty-shard-nan",
     )

@@ -42,6 +42,7 @@ class PagedKVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)] if values else []
         self._free = list(range(capacity.blocks - 1, -1, -1))
+        self._refs: dict[int, int] = {}  # block -> holders (sequences and prefix-cache pins) beyond the first
         self.seqs: dict[int, SequenceState] = {}
         self._next_id = 0
 
@@ -89,7 +90,41 @@ class PagedKVCache:
 
     def free_sequence(self, seq_id: int) -> None:
         state = self.seqs.pop(seq_id)
-        self._free.extend(reversed(state.blocks))
+        for block in reversed(state.blocks):
+            self._release(block)
+
+    def _release(self, block: int) -> None:
+        """Drop one holder of `block`; the last one returns it to the free list."""
+        extra = self._refs.get(block, 0)
+        if extra:
+            self._refs[block] = extra - 1
+        else:
+            self._refs.pop(block, None)
+            self._free.append(block)
+
+    def pin(self, blocks: Sequence[int]) -> None:
+        """Hold `blocks` beyond their sequences (the prefix cache's copy of them)."""
+        for block in blocks:
+            self._refs[block] = self._refs.get(block, 0) + 1
+
+    def unpin(self, blocks: Sequence[int]) -> None:
+        for block in blocks:
+            self._release(block)
+
+    def share(self, seq_id: int, blocks: Sequence[int], positions: list[int]) -> None:
+        """Start empty sequence `seq_id` on whole blocks another sequence wrote (a prefix-cache hit):
+        `positions` are the positions those blocks store, in storage order (len = blocks x block_size)."""
+        state = self.seqs[seq_id]
+        if state.blocks or len(positions) != len(blocks) * self.block_size:
+            raise RunError(f"sequence {seq_id}: a shared prefix needs an empty sequence and whole blocks "
+                           f"({len(positions)} positions for {len(blocks)} blocks of {self.block_size})")
+        self.pin(blocks)
+        state.blocks.extend(blocks)
+        state.positions.extend(positions)
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
 
     def reset(self) -> None:
         for seq_id in list(self.seqs):
@@ -156,4 +191,4 @@ class PagedKVCache:
         state.positions = keep
         needed = -(-len(keep) // self.block_size)
         while len(state.blocks) > needed:
-            self._free.append(state.blocks.pop())
+            self._release(state.blocks.pop())

@@ -261,8 +261,9 @@ def split_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
                         kv_index: tuple[int, ...], parts: int) -> torch.Tensor:
     """The noise perturbation of attention: keys dealt round-robin into `parts` sets (as DCP deals
     tokens to ranks), attended separately and LSE-merged; mathematically equal to local_attention."""
-    cols = torch.arange(mask.shape[-1], device=mask.device) % parts  # [L]
-    outs, lses = zip(*(local_attention(q, k, v, mask & (cols == p), kv_index) for p in range(parts)))
+    keys_all = torch.arange(mask.shape[-1], device=mask.device)  # [L]
+    sets = [keys_all[p::parts] for p in range(parts)]  # [~L / parts] each, empty when L <= p
+    outs, lses = zip(*(local_attention(q, k[:, keys], v[:, keys], mask[:, :, keys], kv_index) for keys in sets))
     return merge_partials(torch.stack(outs), torch.stack(lses))  # [B, S, Hq, hd]
 
 
@@ -436,7 +437,8 @@ class Decoder:
         pos = torch.tensor([p + [0] * (length - len(p)) for p in local],
                            dtype=torch.long).view(len(states), length)  # [B, L]
         j = torch.arange(length)  # storage index
-        rows = table[:, j // bs] * bs + j % bs  # [B, L]
+        entry = j // bs if not self.flags.block_table_width else (j // bs) % self.flags.block_table_width
+        rows = table[:, entry] * bs + j % bs  # [B, L]; entry wraps under the block-table-wrap fault
         valid = j[None, :] < stored[:, None]  # [B, L]
         dev = self.cache.k[0].device
         return rows.to(dev), pos.to(dev), valid.to(dev)
@@ -470,6 +472,8 @@ class Decoder:
         group_q = self.comm.gather_dcp(q, dim=2)  # [B, S, dcp * Hq_local, hd], member order
         out, lse = attention_with_lse(group_q, k_all, v_all, visible, hm.group_q_to_local_kv, kind, bias)
         lse = partial_lse(lse, self.flags)
+        if self.flags.empty_shard_nan:  # the dcp-empty-shard-nan fault: a sequence this rank holds no token of
+            out = out.masked_fill(~visible.flatten(1).any(dim=-1)[:, None, None, None], float("nan"))
         # one gather for both, in float32 so a half-precision model's LSE keeps its precision:
         # [B, S, Hg, hd] + [B, S, Hg, 1] -> [dcp, B, S, Hg, hd + 1]
         #   -> this rank's own heads [dcp, B, S, Hq_local, hd + 1]

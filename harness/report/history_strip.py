@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from markupsafe import Markup, escape
 
+from harness.specs.workload import SUITE_PROMPTS
 from harness.verdict import CellResult
 
 if TYPE_CHECKING:  # harness.history reads results through harness.report: no import cycle at run time
@@ -82,5 +83,7 @@ def history_view(hist: "CellHistory") -> HistoryView:
 
 
 def cell_id(cell: CellResult) -> "TrendKey":
-    """The history key of a report cell: the cell and its injected fault (a control has its own trend)."""
-    return (cell.suite, cell.model, cell.topology, cell.seed, cell.fault)
+    """The history key of a report cell: the cell and its injected fault (a control has its own trend); a
+    workload other than the suite's prompts is part of the topology column, as history.cell_topology stores it."""
+    topology = cell.topology if cell.workload == SUITE_PROMPTS else f"{cell.topology}/{cell.workload}"
+    return (cell.suite, cell.model, topology, cell.seed, cell.fault)

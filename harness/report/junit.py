@@ -14,6 +14,7 @@ from pathlib import Path
 from harness.jsonio import write_bytes_atomic
 from harness.report.logs import clean_log, xml_safe
 from harness.report.matrix import class_label, localization_text, metrics_text
+from harness.specs.workload import SUITE_PROMPTS
 from harness.verdict import CellResult, CheckResult, Verdict
 
 JUNIT_FILE = "junit.xml"
@@ -25,7 +26,8 @@ def _classnames(cells: list[CellResult]) -> list[str]:
         seeds[(c.suite, c.model, c.topology, c.fault)].add(c.seed)
     names = []
     for c in cells:
-        parts = [c.suite, c.model, c.topology, *([c.fault] if c.fault else [])]
+        parts = [c.suite, c.model, c.topology, *([c.fault] if c.fault else []),
+                 *([c.workload] if c.workload != SUITE_PROMPTS else [])]
         if len(seeds[(c.suite, c.model, c.topology, c.fault)]) > 1:
             parts.append(f"seed{c.seed}")
         names.append(".".join(parts))

@@ -14,6 +14,7 @@ from typing import Any
 
 from harness.checkmetrics import PARITY_CHECKS, find_key_metric, noise_multiples
 from harness.fmt import id_ranges, multiple, number
+from harness.specs.workload import SUITE_PROMPTS
 from harness.verdict import CellResult, CheckResult, FailureClass, Localization, Verdict
 
 _SHORT: dict[str, str] = {"max_kl": "KL", "kl_max": "KL", "kl": "KL", "first_divergence": "div@",
@@ -170,18 +171,23 @@ def suspect_text(cell: CellResult) -> str:
     return f"{'not localized; ' if first.name in PARITY_CHECKS else ''}{first.name}: {first.reason}"
 
 
-def _cell_key(cell: CellResult) -> tuple[str, str, str, str | None]:
-    return (cell.suite, cell.model, cell.topology, cell.fault)
+def _cell_key(cell: CellResult) -> tuple[str, str, str, str | None, str]:
+    return (cell.suite, cell.model, cell.topology, cell.fault, cell.workload)
+
+
+def _workload_part(cell: CellResult) -> str:
+    """The label's workload part: empty for the suite's own prompts."""
+    return "" if cell.workload == SUITE_PROMPTS else cell.workload
 
 
 def cell_labels(cells: list[CellResult]) -> list[str]:
-    """'suite/model/topology[/fault]' per cell, with ' seed N' where a cell ran with several seeds."""
-    seeds: dict[tuple[str, str, str, str | None], set[int]] = defaultdict(set)
+    """'suite/model/topology[/fault][/workload]' per cell, with ' seed N' where a cell ran with several seeds."""
+    seeds: dict[tuple[str, str, str, str | None, str], set[int]] = defaultdict(set)
     for c in cells:
         seeds[_cell_key(c)].add(c.seed)
     labels = []
     for c in cells:
-        label = "/".join(p for p in (c.suite, c.model, c.topology, c.fault) if p)
+        label = "/".join(p for p in (c.suite, c.model, c.topology, c.fault, _workload_part(c)) if p)
         labels.append(f"{label} seed {c.seed}" if len(seeds[_cell_key(c)]) > 1 else label)
     return labels
 
@@ -203,12 +209,13 @@ def build_matrix(cells: list[CellResult]) -> Matrix:
     """Rows in the cells' order; check columns in order of first appearance."""
     names = list(dict.fromkeys(ch.name for c in cells for ch in c.checks))
     show = {"suite": len({c.suite for c in cells}) > 1, "model": True, "topology": True,
-            "fault": any(c.fault for c in cells), "seed": len({c.seed for c in cells}) > 1}
+            "fault": any(c.fault for c in cells), "workload": len({c.workload for c in cells}) > 1,
+            "seed": len({c.seed for c in cells}) > 1}
     headers = tuple(h for h, on in show.items() if on)
     rows = []
     for i, (cell, label) in enumerate(zip(cells, cell_labels(cells))):
         values = {"suite": cell.suite, "model": cell.model, "topology": cell.topology,
-                  "fault": cell.fault or "-", "seed": str(cell.seed)}
+                  "fault": cell.fault or "-", "workload": cell.workload, "seed": str(cell.seed)}
         by_name = {ch.name: ch for ch in cell.checks}
         rows.append(MatrixRow(index=i, cell=cell, label=label, keys=tuple(values[h] for h in headers),
                               checks=tuple(_matrix_cell(by_name.get(n), i) for n in names)))

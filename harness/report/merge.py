@@ -15,11 +15,11 @@ from typing import Any
 from harness.results import read_results
 from harness.verdict import CellResult
 
-CellKey = tuple[str, str, str, str | None, int]
+CellKey = tuple[str, str, str, str | None, int, str]
 
 
 def cell_key(cell: CellResult) -> CellKey:
-    return (cell.suite, cell.model, cell.topology, cell.fault, cell.seed)
+    return (cell.suite, cell.model, cell.topology, cell.fault, cell.seed, cell.workload)
 
 
 def merge_cells(groups: list[list[CellResult]]) -> list[CellResult]:

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 from harness.errors import ConfigError
 from harness.paths import SUITES_DIR
 from harness.specs.loader import build, did_you_mean, expect_int, load_yaml
+from harness.specs.workload import SUITE_PROMPTS, Workload, check_workload_names, workload
 
 ENABLED_KEY = "enabled"  # every `checks:` section's switch: `checks: {SECTION: {enabled: false}}`
 
@@ -35,9 +36,13 @@ class Suite:
     gsm8k: Mapping[str, Any] = field(default_factory=dict)
     speculative: Mapping[str, Any] = field(default_factory=dict)
     profiles: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    workloads: tuple[str, ...] = (SUITE_PROMPTS,)  # the workload axis (harness/specs/workload.py: WORKLOADS)
+    long_context: int = 136                       # tokens of the workloads' long prompt
 
     def __post_init__(self) -> None:
         where = f"suite {self.name!r}"
+        object.__setattr__(self, "workloads", check_workload_names(where, self.workloads))
+        expect_int(where, "long_context", self.long_context, minimum=1)
         expect_int(where, "version", self.version, minimum=1)
         expect_int(where, "max_new_tokens", self.max_new_tokens, minimum=1)
         expect_int(where, "decode_prefix_tokens", self.decode_prefix_tokens, minimum=1)
@@ -80,13 +85,18 @@ class Suite:
         """False when the suite switches section `check` off (`enabled: false`)."""
         return bool((self.checks.get(check) or {}).get(ENABLED_KEY, True))
 
+    def resolved_workloads(self, names: tuple[str, ...] | None = None) -> tuple[Workload, ...]:
+        """Workloads `names` (default: the suite's list), long_context and max_new_tokens filled in."""
+        return tuple(workload(n).resolved(self.long_context, self.max_new_tokens) for n in names or self.workloads)
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "models": list(self.models),
                 "topologies": list(self.topologies), "reference": self.reference, "seeds": list(self.seeds),
                 "max_new_tokens": self.max_new_tokens, "checks": dict(self.checks)}
 
 
-PROFILE_KEYS: tuple[str, ...] = ("gsm8k", "max_new_tokens", "max_seq_len", "kv_budget_mib", "seeds", "topologies")
+PROFILE_KEYS: tuple[str, ...] = ("gsm8k", "max_new_tokens", "max_seq_len", "kv_budget_mib", "seeds", "topologies",
+                                 "workloads", "long_context")
 
 
 def with_profile(suite: Suite, profile: str | None) -> Suite:

@@ -1,0 +1,65 @@
+"""The checks a workload cell runs against itself (harness/compare/schedule.py): the route checks, each
+for the workload whose route it names (Workload.route), and decode_consistency for every workload."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness.checks.context import CellContext
+from harness.compare.schedule import check_consistency, check_schedule
+from harness.compare.settings import ConsistencySettings, ScheduleSettings
+from harness.verdict import CheckResult, Verdict
+
+# per route check: what it compares, and the engine stat that shows the route was taken
+ROUTES: dict[str, tuple[str, str]] = {
+    "batch_invariance": ("staggered into a running batch vs one batch", "max_running"),
+    "prefix_cache": ("from cached prefix blocks vs computed", "prefix_hits"),
+    "chunked_prefill": ("prefilled in chunks vs whole", "chunked_prompts"),
+    "preemption": ("preempted and recomputed vs uninterrupted", "preemptions"),
+}
+
+
+def workload_entry(ctx: CellContext) -> dict[str, Any] | None:
+    """The run manifest's entry of the cell's workload (harness/cases.py: workload_manifest), or None."""
+    entries = ctx.par.manifest.get("workloads")
+    if not isinstance(entries, list):
+        return None
+    return next((e for e in entries if isinstance(e, dict) and e.get("name") == ctx.info.workload), None)
+
+
+def _route(ctx: CellContext, name: str) -> list[CheckResult]:
+    what, stat = ROUTES[name]
+    entry = workload_entry(ctx)
+    if entry is None:
+        return [CheckResult(name, Verdict.SKIP, f"workload {ctx.info.workload} sends no {name} route")]
+    if entry.get("route") != name:
+        return [CheckResult(name, Verdict.SKIP, f"workload {ctx.info.workload} takes no {name} route")]
+    stats = entry.get("stats") or {}
+    taken = stats.get(stat, 0) > (1 if stat == "max_running" else 0)
+    if not taken:
+        return [CheckResult(name, Verdict.SKIP, f"the engine took no {name} route on workload "
+                            f"{ctx.info.workload} ({stat} = {stats.get(stat)})")]
+    extra = {"route": {k: stats[k] for k in (stat, "steps") if k in stats}}
+    return [check_schedule(name, ctx.par, ctx.ref, ctx.noise, ctx.settings.of(ScheduleSettings), what, extra)]
+
+
+def batch_invariance(ctx: CellContext) -> list[CheckResult]:
+    return _route(ctx, "batch_invariance")
+
+
+def prefix_cache(ctx: CellContext) -> list[CheckResult]:
+    return _route(ctx, "prefix_cache")
+
+
+def chunked_prefill(ctx: CellContext) -> list[CheckResult]:
+    return _route(ctx, "chunked_prefill")
+
+
+def preemption(ctx: CellContext) -> list[CheckResult]:
+    return _route(ctx, "preemption")
+
+
+def decode_consistency(ctx: CellContext) -> list[CheckResult]:
+    if workload_entry(ctx) is None:
+        return [CheckResult("decode_consistency", Verdict.SKIP, "the run holds no workload re-prefill")]
+    return [check_consistency(ctx.par, ctx.ref, ctx.noise, ctx.settings.of(ConsistencySettings))]

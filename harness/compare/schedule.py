@@ -1,0 +1,203 @@
+"""A run against itself: checks that need no second topology.
+
+- Route checks (batch_invariance, prefix_cache, chunked_prefill, preemption): each workload case is
+  generated twice in one run, as its workload schedules it (gen_*) and in one plain batch (twin_*). A
+  correct engine gives the same greedy tokens either way except where the plain batch's top-2 gap is a
+  near tie, and along the common tokens (up to and including a divergence, where the contexts are still
+  equal) the same top-1 logprob up to rounding.
+- decode_consistency: every generated step's decode-time top-k (gen_*) against a re-prefill of prompt +
+  generated tokens of the same run (reprefill_*): the same context, so the same top-1 token except at
+  near ties and the generated token's logprob equal up to rounding.
+Noise: the same differences measured in the reference run and between the reference and its noise run
+(bounds.Bound: max(floor, factor x noise)). NaN anywhere is a FAIL.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from harness.artifacts import RunArtifacts
+from harness.compare.bounds import Bound, json_float
+from harness.compare.generation import first_divergence, top2_gaps
+from harness.compare.settings import ConsistencySettings, ScheduleSettings
+from harness.contract import (
+    GEN_TOKENS,
+    GEN_TOPK_IDS,
+    GEN_TOPK_LOGPROBS,
+    REPREFILL_TOPK_IDS,
+    REPREFILL_TOPK_LOGPROBS,
+    TWIN_TOKENS,
+    TWIN_TOPK_IDS,
+    TWIN_TOPK_LOGPROBS,
+    tensor_key,
+)
+from harness.errors import RunError
+from harness.verdict import CheckResult, Verdict
+
+GEN = (GEN_TOKENS, GEN_TOPK_IDS, GEN_TOPK_LOGPROBS)
+TWIN = (TWIN_TOKENS, TWIN_TOPK_IDS, TWIN_TOPK_LOGPROBS)
+
+
+@dataclass(frozen=True)
+class Steps:
+    """One generation of one case: tokens [N], top-k ids [N, k] and logprobs [N, k] (float64)."""
+
+    tokens: list[int]
+    ids: torch.Tensor
+    lps: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Two generations of one case compared: first divergence (step or None), whether it is a near tie of
+    the baseline (gap: its top-1 minus the other token's logprob, inf when outside its top-k), the max
+    logprob difference and the max top-2 gap difference over the steps with equal contexts."""
+
+    index: int
+    steps: int
+    divergence: int | None
+    gap: float
+    lp_diff: float
+    gap_diff: float
+
+
+def steps_of(run: RunArtifacts, index: int, kinds: tuple[str, str, str]) -> Steps:
+    tokens_kind, ids_kind, lps_kind = kinds
+    return Steps([int(t) for t in run.tensor(tokens_kind, index).tolist()], run.tensor(ids_kind, index),
+                 run.tensor(lps_kind, index).to(torch.float64))
+
+
+def _max(values: torch.Tensor) -> float:
+    """Max of a float tensor, NaN if any is NaN, 0 when empty."""
+    if values.numel() == 0:
+        return 0.0
+    if bool(torch.isnan(values).any()):
+        return math.nan
+    return float(values.max())
+
+
+def _gap_to(base: Steps, step: int, token: int) -> float:
+    """base's top-1 logprob minus its logprob of `token` at `step` (inf when outside its top-k)."""
+    hits = (base.ids[step] == token).nonzero()
+    return float(base.lps[step, 0] - base.lps[step, int(hits[0, 0])]) if hits.numel() else math.inf
+
+
+def compare_schedules(index: int, base: Steps, other: Steps) -> Pair:
+    """`other` (as scheduled) against `base` (the plain batch): contexts equal up to the first divergence."""
+    div = first_divergence(base.tokens, other.tokens)
+    n = min(len(base.tokens), len(other.tokens), base.lps.shape[0], other.lps.shape[0])
+    n = n if div is None else min(n, div + 1)
+    lp = (base.lps[:n, 0] - other.lps[:n, 0]).abs()  # [n]
+    gaps = (top2_gaps(base.lps[:n]) - top2_gaps(other.lps[:n])).abs()  # [n]
+    gaps = gaps[torch.isfinite(top2_gaps(base.lps[:n])) | torch.isnan(gaps)]
+    gap = math.inf
+    if div is not None and div < n and div < len(other.tokens):
+        gap = _gap_to(base, div, other.tokens[div])
+    return Pair(index, n, div, gap, _max(lp), _max(gaps))
+
+
+def compare_consistency(index: int, decode: Steps, prefill: Steps) -> Pair:
+    """Decode-time steps against the re-prefill of the same tokens: every step has the same context."""
+    n = min(len(decode.tokens), prefill.lps.shape[0], decode.lps.shape[0])
+    top = [int(t) for t in prefill.ids[:n, 0].tolist()]
+    div = first_divergence(top, decode.tokens[:n])
+    lp_vals = [abs(float(decode.lps[t, 0]) - float(prefill.lps[t, 0]) + _gap_to(prefill, t, decode.tokens[t]))
+               for t in range(n)]  # |decode's logprob of its token - re-prefill's logprob of that token|
+    lp = torch.tensor(lp_vals, dtype=torch.float64)
+    gaps = (top2_gaps(decode.lps[:n]) - top2_gaps(prefill.lps[:n])).abs()  # [n]
+    gaps = gaps[torch.isfinite(top2_gaps(prefill.lps[:n])) | torch.isnan(gaps)]
+    gap = _gap_to(prefill, div, decode.tokens[div]) if div is not None else math.inf
+    return Pair(index, n, div, gap, _max(lp), _max(gaps))
+
+
+def schedule_pairs(run: RunArtifacts) -> list[Pair]:
+    return [compare_schedules(c.index, steps_of(run, c.index, TWIN), steps_of(run, c.index, GEN)) for c in run.cases]
+
+
+def consistency_pairs(run: RunArtifacts) -> list[Pair]:
+    return [_consistency_case(run, c.index) for c in run.cases]
+
+
+def _consistency_case(run: RunArtifacts, index: int) -> Pair:
+    decode = steps_of(run, index, GEN)
+    ids, lps = run.tensor(REPREFILL_TOPK_IDS, index), run.tensor(REPREFILL_TOPK_LOGPROBS, index).to(torch.float64)
+    prefill = Steps([int(t) for t in ids[:, 0].tolist()], ids, lps)
+    return compare_consistency(index, decode, prefill)
+
+
+def has_tensors(run: RunArtifacts, kinds: Sequence[str]) -> bool:
+    return bool(run.cases) and all(tensor_key(k, c.index) in run.tensors for c in run.cases for k in kinds)
+
+
+def _noise(pairs: list[list[Pair]]) -> tuple[float | None, float | None]:
+    """(logprob noise, top-2 gap noise): the max over the noise measurements' pairs, None without any."""
+    flat = [p for group in pairs for p in group]
+    if not flat:
+        return None, None
+    return max(p.lp_diff for p in flat), max(p.gap_diff for p in flat)
+
+
+def grade(name: str, pairs: list[Pair], noise: list[list[Pair]], settings: ScheduleSettings | ConsistencySettings,
+          what: str, extra: dict[str, Any] | None = None) -> CheckResult:
+    """The verdict over every case's Pair: FAIL on a divergence outside the near-tie bound or a logprob
+    difference over its bound (NaN included)."""
+    lp_noise, gap_noise = _noise(noise)
+    tie = Bound(settings.near_tie, settings.near_tie_factor, gap_noise)
+    bound = Bound(settings.logprob_floor, settings.logprob_factor, lp_noise)
+    bad_div = [p for p in pairs if p.divergence is not None and not p.gap <= tie.limit]
+    worst = max(pairs, key=lambda p: math.inf if math.isnan(p.lp_diff) else p.lp_diff)
+    lp_bad = bound.grade(worst.lp_diff) is Verdict.FAIL
+    steps = sum(p.steps for p in pairs)
+    benign = [p for p in pairs if p.divergence is not None and p.gap <= tie.limit]
+    metrics = {"prompts": len(pairs), "steps_compared": steps, "divergences": len(bad_div),
+               "benign_divergences": len(benign), "max_logprob_diff": json_float(worst.lp_diff),
+               "logprob_bound": bound.to_dict(), "near_tie_bound": tie.to_dict(),
+               "first_divergence": ({"prompt": bad_div[0].index, "step": bad_div[0].divergence} if bad_div else None),
+               **(extra or {})}
+    if bad_div:
+        p = bad_div[0]
+        gap = "outside its top-k" if math.isinf(p.gap) else f"gap {p.gap:.1e} > near-tie {tie.limit:.1e}"
+        return CheckResult(name, Verdict.FAIL, f"prompt {p.index} {what} diverges at generation step {p.divergence} "
+                           f"({gap}); {len(bad_div)}/{len(pairs)} prompts diverge outside near ties", metrics)
+    if lp_bad:
+        label = f"prompt {worst.index} {what}: logprob difference"
+        return CheckResult(name, Verdict.FAIL, bound.compare(label, worst.lp_diff) + f" over {worst.steps} steps",
+                           metrics)
+    ties = f"; {len(benign)} diverge at near ties" if benign else ""
+    return CheckResult(name, Verdict.PASS, f"{len(pairs)} prompts, {steps} steps {what}: "
+                       + bound.compare("max logprob difference", worst.lp_diff) + ties, metrics)
+
+
+def check_schedule(name: str, run: RunArtifacts, ref: RunArtifacts, noise: RunArtifacts | None,
+                   settings: ScheduleSettings, what: str, extra: dict[str, Any] | None = None) -> CheckResult:
+    """`run`'s scheduled generation against its plain batch; noise from the reference run's own pair and
+    the reference against the noise run (both as scheduled)."""
+    if not has_tensors(run, (*GEN, *TWIN)):
+        return CheckResult(name, Verdict.SKIP, "the run holds no plain-batch twin (twin_*) of its workload")
+    try:
+        pairs = schedule_pairs(run)
+        measured = [schedule_pairs(ref)] if has_tensors(ref, (*GEN, *TWIN)) else []
+        if noise is not None and has_tensors(noise, GEN):
+            measured.append([compare_schedules(c.index, steps_of(ref, c.index, GEN), steps_of(noise, c.index, GEN))
+                             for c in ref.cases])
+    except RunError as exc:
+        return CheckResult(name, Verdict.ERROR, str(exc))
+    return grade(name, pairs, measured, settings, what, extra)
+
+
+def check_consistency(run: RunArtifacts, ref: RunArtifacts, noise: RunArtifacts | None,
+                      settings: ConsistencySettings) -> CheckResult:
+    """decode_consistency of `run`; noise: the same comparison in the reference and the noise run."""
+    name, kinds = "decode_consistency", (*GEN, REPREFILL_TOPK_IDS, REPREFILL_TOPK_LOGPROBS)
+    if not has_tensors(run, kinds):
+        return CheckResult(name, Verdict.SKIP, "the run holds no re-prefill (reprefill_topk_*) of its generations")
+    try:
+        pairs = consistency_pairs(run)
+        measured = [consistency_pairs(r) for r in (ref, noise) if r is not None and has_tensors(r, kinds)]
+    except RunError as exc:
+        return CheckResult(name, Verdict.ERROR, str(exc))
+    return grade(name, pairs, measured, settings, "decode vs re-prefill")

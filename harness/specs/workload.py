@@ -1,0 +1,174 @@
+"""Workloads: what a cell sends to the engine and how, as plain data (a matrix axis next to topologies).
+
+A workload names its prompts (the suite's own prompts, or seeded prompts of exact token lengths, some
+sharing a prefix), how many tokens each generates, how its requests are scheduled (`SCHEDULES`) and
+which serving route of the engine it exercises (prefix cache, chunked prefill, preemption under a small
+KV pool). The embedded engine runs every route itself (harness/engine/scheduler.py); an HTTP backend
+reads `schedule` / `join_per_step` from the job and sends the requests accordingly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
+
+from harness.errors import ConfigError
+from harness.specs.loader import did_you_mean
+
+# how a workload's requests reach the engine (Workload.schedule; helper backends read the same strings)
+ONE_AT_A_TIME = "one-at-a-time"  # each request alone, the next after the previous finished
+ALL_AT_ONCE = "all-at-once"      # every request at once (the engine batches them)
+STAGGERED = "staggered"          # `join_per_step` requests join the running batch per engine step
+SCHEDULES: tuple[str, ...] = (ONE_AT_A_TIME, ALL_AT_ONCE, STAGGERED)
+
+SUITE_PROMPTS = "prompts"  # the workload of the suite's own `prompts:` list
+LONG = -1                  # a prompt length standing for the suite's long_context (Suite.long_context)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One workload. `lengths` are prompt lengths in tokens (LONG: the suite's long_context); with
+    `shared_prefix` every prompt starts with the same that many tokens; `repeat_first` sends the first
+    prompt again at the end (a whole-prompt cache hit). Engine routes: `prefix_cache` (reuse cached KV
+    blocks by block hash), `chunk_tokens` (a token budget per engine step: longer prompts prefill in
+    chunks), `kv_tokens` (a KV pool that holds this many tokens: the engine preempts and recomputes).
+    `new_tokens` 0 means the suite's max_new_tokens; `route` names the self-check the workload feeds."""
+
+    name: str
+    description: str
+    schedule: str = ALL_AT_ONCE
+    join_per_step: int = 1
+    lengths: tuple[int, ...] = ()
+    new_tokens: int = 0
+    shared_prefix: int = 0
+    repeat_first: bool = False
+    prefix_cache: bool = False
+    chunk_tokens: int = 0
+    kv_tokens: int = 0
+    route: str = ""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"workload {self.name!r}: schedule {self.schedule!r} is not one of "
+                              f"{', '.join(SCHEDULES)}{did_you_mean(self.schedule, SCHEDULES)}")
+        if self.join_per_step < 1:
+            raise ConfigError(f"workload {self.name!r}: join_per_step={self.join_per_step} must be >= 1")
+        bad = [n for n in self.lengths if n != LONG and n < 1]
+        if bad:
+            raise ConfigError(f"workload {self.name!r}: prompt lengths {bad} must be >= 1 token")
+
+    @property
+    def suite_prompts(self) -> bool:
+        return not self.lengths
+
+    def resolved(self, long_context: int, max_new_tokens: int) -> Workload:
+        """The workload with LONG replaced by `long_context` and new_tokens defaulted."""
+        lengths = tuple(long_context if n == LONG else n for n in self.lengths)
+        return replace(self, lengths=lengths, new_tokens=self.new_tokens or max_new_tokens)
+
+    def prompt_lengths(self) -> tuple[int, ...]:
+        """Every prompt's length in tokens, in send order (shared prefix included, repeat last)."""
+        own = tuple(self.shared_prefix + n for n in self.lengths)
+        return own + (own[:1] if self.repeat_first and own else ())
+
+    def engine_settings(self) -> dict[str, Any]:
+        """The engine settings this workload runs under (recorded in the manifest)."""
+        return {"schedule": self.schedule, "join_per_step": self.join_per_step, "prefix_cache": self.prefix_cache,
+                "chunk_tokens": self.chunk_tokens, "kv_tokens": self.kv_tokens}
+
+    def sends(self, suite_prompts: int = 0) -> str:
+        """What the workload sends, in words (harness list workloads)."""
+        if self.suite_prompts:
+            what = f"the suite's {suite_prompts or ''} prompts".replace("  ", " ")
+        else:
+            lengths = ", ".join("long_context" if n == LONG else str(n) for n in self.lengths)
+            what = f"{len(self.prompt_lengths())} prompts of {lengths} tokens"
+            if self.shared_prefix:
+                what += f" after a shared {self.shared_prefix}-token prefix"
+            if self.repeat_first:
+                what += ", the first sent twice"
+        new = f"{self.new_tokens} new tokens" if self.new_tokens else "max_new_tokens new tokens"
+        how = self.schedule + (f" ({self.join_per_step} joining per step)" if self.schedule == STAGGERED else "")
+        routes = [r for r, on in (("prefix cache", self.prefix_cache),
+                                  (f"chunked prefill of {self.chunk_tokens} tokens per step", self.chunk_tokens),
+                                  (f"a KV pool of {self.kv_tokens} tokens (preemption)", self.kv_tokens)) if on]
+        return f"{what}, {new}, {how}" + (f"; {', '.join(routes)}" if routes else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description, "schedule": self.schedule,
+                "join_per_step": self.join_per_step, "lengths": list(self.lengths), "new_tokens": self.new_tokens,
+                "shared_prefix": self.shared_prefix, "repeat_first": self.repeat_first,
+                "prefix_cache": self.prefix_cache, "chunk_tokens": self.chunk_tokens, "kv_tokens": self.kv_tokens,
+                "route": self.route}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Workload:
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"workload entry: unknown keys {unknown}; valid: {', '.join(sorted(known))}")
+        rest = dict(data)
+        rest["lengths"] = tuple(rest.get("lengths", ()))
+        return cls(**rest)
+
+
+# prompt lengths one past the KV block size (16), dcp - 1 for dcp 2..4, one past dcp x block size (64 at dcp 4)
+# and 128, and one long prompt (the suite's long_context, 136 by default); the full sweep also sits on each boundary
+_STRADDLE: tuple[int, ...] = (1, 3, 17, 65, 129, LONG)
+_STRADDLE_FULL: tuple[int, ...] = (1, 2, 3, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 127, 128, 129, LONG)
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (
+    Workload(SUITE_PROMPTS, "the suite's own prompts in one batch"),
+    Workload("lengths", "prompt lengths one past the KV block size, dcp - 1, one past dcp x block size and 128, "
+             "plus one long prompt (long_context); generations cross block boundaries", lengths=_STRADDLE),
+    Workload("lengths-full", "the lengths sweep on and around every boundary: block size, dcp - 1 and dcp x block "
+             "size for dcp 2..4, 128, and the long prompt (the nightly profiles)", lengths=_STRADDLE_FULL),
+    Workload("concurrent", "mixed-length prompts arriving one per engine step, so each joins a running batch "
+             "(continuous batching); batch_invariance compares them with the same prompts in one batch",
+             schedule=STAGGERED, lengths=(5, 17, 40, 9), new_tokens=8, route="batch_invariance"),
+    Workload("prefix-cache", "prompts sharing a 72-token prefix, sent after the first one's prefill cached it "
+             "(block-hash hits: whole blocks of block_size x dcp tokens), and the first prompt again",
+             schedule=STAGGERED, lengths=(3, 12, 7), shared_prefix=72, repeat_first=True, prefix_cache=True,
+             new_tokens=8, route="prefix_cache"),
+    Workload("chunked-prefill", "a long prompt (long_context) prefilled in chunks of a 48-token budget per step, "
+             "next to a short prompt decoding in the same steps", lengths=(LONG, 6), chunk_tokens=48, new_tokens=8,
+             route="chunked_prefill"),
+    Workload("preemption", "more concurrent sequences than a 160-token KV pool holds once they grow: the engine "
+             "preempts the newest and recomputes it (prompt + its tokens so far) when there is room",
+             lengths=(40, 33, 50, 24), kv_tokens=160, new_tokens=10, route="preemption"),
+)}
+
+
+def workload(name: str) -> Workload:
+    """A shipped workload by name; an unknown name is a ConfigError naming the valid ones."""
+    if name not in WORKLOADS:
+        raise ConfigError(f"unknown workload {name!r}{did_you_mean(name, tuple(WORKLOADS))}; "
+                          f"valid: {', '.join(WORKLOADS)}")
+    return WORKLOADS[name]
+
+
+def check_workload_names(where: str, names: Sequence[Any]) -> tuple[str, ...]:
+    """`names` validated as a non-empty list of shipped workload names, without repeats."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, (list, tuple)) or not names:
+        raise ConfigError(f"{where}: workloads must be a non-empty list of names; valid: {', '.join(WORKLOADS)}")
+    for name in names:
+        if not isinstance(name, str):
+            raise ConfigError(f"{where}: workload names must be strings, got {name!r}")
+        workload(name)
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{where}: workloads {list(names)} name one twice")
+    return tuple(names)
+
+
+@dataclass(frozen=True)
+class WorkloadPlan:
+    """The workloads of one job, resolved (LONG and new_tokens filled in), in case order."""
+
+    workloads: tuple[Workload, ...] = field(default_factory=tuple)
+
+    def to_list(self) -> list[dict[str, Any]]:
+        return [w.to_dict() for w in self.workloads]
+
+    @classmethod
+    def from_list(cls, items: Sequence[Mapping[str, Any]]) -> WorkloadPlan:
+        return cls(tuple(Workload.from_dict(item) for item in items))
