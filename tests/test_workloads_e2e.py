@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
+from harness.results import results_cells
 
 SUITE = """
 name: wl
@@ -42,7 +43,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _run(out: Path, suite: Path, cache: Path, *extra: str) -> tuple[int, dict]:
     code = main(["run", "--suite", str(suite), "--out", str(out), "--cache-dir", str(cache), *extra])
-    return code, json.loads((out / "results.json").read_text())
+    return code, {"cells": results_cells(out)}
 
 
 def test_every_workload_is_a_clean_cell_with_its_command_and_token_counts(tmp_path: Path, suite_file: Path,
@@ -72,6 +73,21 @@ def test_every_workload_is_a_clean_cell_with_its_command_and_token_counts(tmp_pa
     assert entries["chunked-prefill"]["stats"]["chunked_prompts"] == 1
     job = json.loads((Path(cells["lengths"]["run_dir"]) / "job.json").read_text())
     assert [w["schedule"] for w in job["workloads"]][:3] == ["all-at-once", "all-at-once", "staggered"]
+
+
+def test_prefix_cache_hits_follow_the_token_placement(tmp_path: Path, suite_file: Path, cache_dir: Path) -> None:
+    """Interleaved in chunks of 4 every rank still stores whole local blocks of a cached prefix: hits, and
+    the same tokens; contiguous, a token's owner depends on its sequence's first forward, so the engine
+    takes no hit (the route check says so) and stays right."""
+    code, doc = _run(tmp_path / "r", suite_file, cache_dir, "--topo", "tp2dcp2i4,tp2dcp2c",
+                     "--workload", "prefix-cache")
+    cells = {c["topology"]: {ch["name"]: ch for ch in c["checks"]} for c in doc["cells"]}
+    assert code == 0, {t: [(n, ch["reason"]) for n, ch in c.items() if ch["verdict"] != "PASS"]
+                       for t, c in cells.items()}
+    assert cells["tp2dcp2i4"]["prefix_cache"]["verdict"] == "PASS"
+    assert cells["tp2dcp2c"]["prefix_cache"]["verdict"] == "SKIP"
+    assert "took no prefix_cache route" in cells["tp2dcp2c"]["prefix_cache"]["reason"]
+    assert cells["tp2dcp2c"]["generation"]["verdict"] == "PASS"
 
 
 @pytest.mark.parametrize(("fault", "workloads", "failing", "checks"), [

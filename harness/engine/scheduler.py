@@ -21,7 +21,7 @@ from harness.engine.engine import Engine, Generation, length_buckets
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.model import Batch
 from harness.errors import ConfigError
-from harness.layout import local_token_count, token_owner
+from harness.layout import ROUND_ROBIN, Placement, local_token_count, token_owner
 from harness.specs.workload import ALL_AT_ONCE, ONE_AT_A_TIME, SCHEDULES, STAGGERED
 
 
@@ -99,18 +99,24 @@ class PrefixCache:
     tokens, of which every DCP rank stores exactly block_size (one whole local block), so a hit attaches
     each rank's own blocks with the positions it owns (DCP token ownership kept; GCD-duplicated KV heads
     are part of every local block). A virtual block whose tokens do not fill whole local blocks on every
-    rank (another token placement) is never cached."""
+    rank under the engine's token placement (an interleave size past block_size) is never cached, nor is
+    any block under the contiguous placement, where a token's owner depends on its sequence's first
+    forward and not on its position alone."""
 
-    def __init__(self, cache: PagedKVCache, dcp: int, dcp_rank: int) -> None:
+    def __init__(self, cache: PagedKVCache, dcp: int, dcp_rank: int, placement: Placement = ROUND_ROBIN) -> None:
         self.cache = cache
         self.dcp, self.me = dcp, dcp_rank
+        self.placement = placement
         self.block = cache.block_size
         self.virtual = cache.block_size * dcp
         self.blocks: dict[str, int] = {}  # chain hash of virtual blocks 0..j -> this rank's local block j
 
     def _whole(self, n_virtual: int) -> bool:
         span = n_virtual * self.virtual
-        return all(local_token_count(span, r, self.dcp) == n_virtual * self.block for r in range(self.dcp))
+        if self.placement.kind == "contiguous" and self.dcp > 1:
+            return False
+        return all(local_token_count(span, r, self.dcp, self.placement) == n_virtual * self.block
+                   for r in range(self.dcp))
 
     def keys(self, tokens: Sequence[int], n: int) -> list[str]:
         out, digest = [], hashlib.sha256()
@@ -131,7 +137,7 @@ class PrefixCache:
 
     def owned(self, n_virtual: int) -> list[int]:
         """Positions this rank stores among the first n_virtual virtual blocks, in storage order."""
-        return [p for p in range(n_virtual * self.virtual) if token_owner(p, self.dcp) == self.me]
+        return [p for p in range(n_virtual * self.virtual) if token_owner(p, self.dcp, self.placement) == self.me]
 
     def insert(self, tokens: Sequence[int], seq_blocks: Sequence[int]) -> None:
         """Cache the whole virtual blocks of prompt `tokens`, whose local blocks are `seq_blocks`."""
@@ -313,7 +319,8 @@ class ServingLoop:
     def run(self, lanes: Sequence[Lane], top_k: int = 5) -> list[tuple[Generation, ServeStats]]:
         """Every lane served together, one forward per engine step; per lane its generation and stats."""
         self.engine.check_lengths([len(p) + n for lane in lanes for p, n in zip(lane.prompts, lane.new_tokens)])
-        states = [_LaneState(lane, PrefixCache(self.engine.cache, self.dcp, self.dcp_rank)
+        placement = self.engine.decoder.placement
+        states = [_LaneState(lane, PrefixCache(self.engine.cache, self.dcp, self.dcp_rank, placement)
                              if lane.settings.prefix_cache else None) for lane in lanes]
         pins = sum(1 for st in states if st.prefix is not None)
         step = 0
