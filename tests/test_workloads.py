@@ -116,6 +116,21 @@ def test_prefix_hits_reuse_whole_virtual_blocks(engine: Engine) -> None:
     assert loop.stats.prefix_hits == 2 and loop.stats.prefix_hit_tokens == 2 * 32  # 40 tokens: 2 blocks of 16
 
 
+def test_a_hybrid_model_takes_no_prefix_hit_and_keeps_its_tokens() -> None:
+    """A hit skips the prefix's forward, which a linear layer's recurrent state needs: no hit, same tokens
+    (the prefix-cache cells of the hybrid suite diverged at step 1 when the attention blocks were hit)."""
+    spec = load_model("tiny-hybrid")
+    engine = Engine(spec, load_weights(spec), ParallelState.single(), pool=PoolSettings(max_seq_len=256))
+    gen = torch.Generator().manual_seed(1)
+    head = torch.randint(1, spec.vocab, (40,), generator=gen).tolist()
+    prompts = [head + torch.randint(1, spec.vocab, (n,), generator=gen).tolist() for n in (3, 12, 7)]
+    new = [6] * len(prompts)
+    settings = ServeSettings(schedule="staggered", prefix_cache=True)
+    (plain, _), (routed, stats) = ServingLoop(engine).run([Lane(prompts, new), Lane(prompts, new, settings)])
+    assert routed.tokens == plain.tokens
+    assert stats.prefix_hits == 0
+
+
 def test_a_wrong_resume_position_changes_preempted_output() -> None:
     """preempt-resume-position (positive control): only the preempted sequence's output moves."""
     prompts, new = _prompts([40, 33, 50, 24]), [10] * 4

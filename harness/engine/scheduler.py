@@ -320,8 +320,11 @@ class ServingLoop:
         """Every lane served together, one forward per engine step; per lane its generation and stats."""
         self.engine.check_lengths([len(p) + n for lane in lanes for p, n in zip(lane.prompts, lane.new_tokens)])
         placement = self.engine.decoder.placement
+        # a hit skips the prefix's forward, so every cache group must hold the prefix: a recurrent state
+        # (linear attention) keeps only each sequence's latest state, so a hybrid model takes no hits
+        cacheable = self.engine.hybrid is None
         states = [_LaneState(lane, PrefixCache(self.engine.cache, self.dcp, self.dcp_rank, placement)
-                             if lane.settings.prefix_cache else None) for lane in lanes]
+                             if lane.settings.prefix_cache and cacheable else None) for lane in lanes]
         pins = sum(1 for st in states if st.prefix is not None)
         step = 0
         while any(st.busy for st in states):
