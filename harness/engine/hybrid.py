@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from harness.contract import COLLECTIVE_SITES
 from harness.engine.deltanet import LinearHeads, LinearWeights, linear_attention, state_dtype
 from harness.engine.faults import FaultFlags
 from harness.engine.model import (
@@ -232,11 +231,7 @@ class HybridDecoder(Decoder):
             if capture is not None:
                 capture.attn.append(attn)
             x = x + self._ffn(layer, rms_norm(x, layer.mlp_norm, self.hyper.norm_eps))
-            if capture is not None:
-                capture.hidden.append(x)
-                zero = torch.zeros(x.shape[:2], dtype=torch.float64, device=x.device)
-                sites = self._sites or {}
-                capture.collectives.append(torch.stack([sites.get(n, zero) for n in COLLECTIVE_SITES], dim=-1))
+            self._capture_layer(capture, x)
         self._sites = None
         self.state_cache.advance(batch.seq_ids, batch.valid.sum(dim=1).tolist())
         return x

@@ -334,13 +334,18 @@ class Decoder:
             h = rms_norm(x, layer.mlp_norm, self.hyper.norm_eps)
             gate, up = (h @ self._fused[i].gate_up.T).split(layer.gate.shape[0], dim=-1)  # [B, S, 2F] -> 2 x [B, S, F]
             x = x + self._row_parallel(F.silu(gate) * up, layer.down)
-            if capture is not None:
-                capture.hidden.append(x)
-                zero = torch.zeros(x.shape[:2], dtype=torch.float64, device=x.device)
-                sites = self._sites or {}
-                capture.collectives.append(torch.stack([sites.get(n, zero) for n in COLLECTIVE_SITES], dim=-1))
+            self._capture_layer(capture, x)
         self._sites = None
         return x
+
+    def _capture_layer(self, capture: Capture | None, x: torch.Tensor) -> None:
+        """Record a layer's output residual stream [B, S, H] and its collectives' errors [B, S, sites]."""
+        if capture is None:
+            return
+        capture.hidden.append(x)
+        zero = torch.zeros(x.shape[:2], dtype=torch.float64, device=x.device)
+        sites = self._sites or {}
+        capture.collectives.append(torch.stack([sites.get(n, zero) for n in COLLECTIVE_SITES], dim=-1))
 
     def _probe_site(self, name: str, got: torch.Tensor, exact: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         """Record collective site `name`'s error [B, S] in unit roundoffs u of got's dtype (contract.COLLECTIVES).
