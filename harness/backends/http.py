@@ -19,6 +19,8 @@ layout.json's target entry; with `probe_captures` the same probe also writes eac
 per-head attention output at the cases' probe positions (harness/backends/http_capture.py), so localization
 runs.
 Noise: two reference runs that differ only in scheduling (cases sent together vs one at a time).
+A job with workloads sends each workload's cases by its schedule, with a one-request twin and a re-prefill
+of every generation (harness/backends/http_workloads.py).
 A job's request_schedule sends one request per case as it says (harness/backends/http_send.py); a
 logprob answered as NaN, inf or null is kept and recorded as spelled (manifest nonfinite_logprobs).
 """
