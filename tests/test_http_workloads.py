@@ -97,3 +97,16 @@ def test_a_block_table_fault_behind_the_server_fails_the_long_workload(tmp_path:
     assert _verdicts(lengths)["generation"] == "FAIL" and _verdicts(lengths)["logits_decode"] == "FAIL"
     assert _verdicts(cells["prompts"])["generation"] == "PASS"  # the suite's short prompts generate alike
     assert _verdicts(cells["prefix-cache"])["generation"] == "FAIL"  # a 72-token shared prefix: past 2 blocks
+
+
+@pytest.mark.slow
+def test_a_decode_only_fault_fails_decode_consistency_without_a_reference(tmp_path: Path, cache: Path,
+                                                                         clean: tuple[int, Any]) -> None:
+    code, cells = _run(tmp_path, cache, "--fault", "dcp-token-owner")
+    assert code == 1
+    # each decode token's K/V stored on every rank of its DCP group: the prefill path is intact, so the
+    # decode steps leave the re-prefill of the same tokens in the same run
+    for name in ("prompts", "lengths"):
+        verdicts = _verdicts(cells[name])
+        assert verdicts["logits_prefill"] == "PASS" and verdicts["decode_consistency"] == "FAIL", cells[name]["checks"]
+        assert "decode vs re-prefill" in _check(cells[name], "decode_consistency")["reason"]
