@@ -82,6 +82,9 @@ def test_the_run_records_each_workload_and_its_staggered_waves(clean: tuple[int,
     times = [t["sent_s"] for t in sorted(sent, key=lambda t: t["sent_order"])]
     # each wave leaves at least delay_s after the previous one was sent (the sender sleeps that long)
     assert all(b - a >= schedule["delay_s"] for a, b in zip(times, times[1:])), times
+    drill_down = cells["prefix-cache"]["details"]["requests"]  # the report shows each workload's own record
+    assert drill_down["parallel"]["schedule"]["name"] == "staggered"
+    assert cells["lengths"]["details"]["requests"]["parallel"]["schedule"]["name"] == "all-at-once"
     together = entries["lengths"]["requests"]  # all at once: the server had several of them at a time
     assert together["schedule"]["name"] == "all-at-once" and together["max_in_flight_seen"]["generate"] > 1
 
