@@ -12,9 +12,11 @@ from typing import Any
 
 import pytest
 
+from harness.checks.workload_checks import unknown_route
 from harness.cli import main
 from harness.jsonio import read_json
 from harness.results import results_cells
+from harness.verdict import CheckResult, Verdict
 
 pytestmark = pytest.mark.xdist_group("http-workloads")  # the module's reference runs once
 WORKLOADS = "prompts,lengths,prefix-cache"
@@ -113,3 +115,14 @@ def test_a_decode_only_fault_fails_decode_consistency_without_a_reference(tmp_pa
         verdicts = _verdicts(cells[name])
         assert verdicts["logits_prefill"] == "PASS" and verdicts["decode_consistency"] == "FAIL", cells[name]["checks"]
         assert "decode vs re-prefill" in _check(cells[name], "decode_consistency")["reason"]
+
+
+def test_a_route_check_without_engine_stats_fails_a_difference_and_skips_an_agreement() -> None:
+    stats = {"source": "client", "max_in_flight_seen": 3}
+    agree = CheckResult("batch_invariance", Verdict.PASS, "4 prompts agree", {"steps_compared": 32})
+    skipped = unknown_route("batch_invariance", "max_running", stats, agree)
+    assert skipped.verdict is Verdict.SKIP and skipped.metrics == {"steps_compared": 32}
+    assert "reports no max_running" in skipped.reason and "up to 3 requests open" in skipped.reason
+    differ = CheckResult("batch_invariance", Verdict.FAIL, "prompt 2 diverges at generation step 1")
+    failed = unknown_route("batch_invariance", "max_running", stats, differ)
+    assert failed.verdict is Verdict.FAIL and failed.reason.startswith("prompt 2 diverges")

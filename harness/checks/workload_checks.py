@@ -36,7 +36,7 @@ def _route(ctx: CellContext, name: str) -> list[CheckResult]:
         return [CheckResult(name, Verdict.SKIP, f"workload {ctx.info.workload} takes no {name} route")]
     stats = entry.get("stats") or {}
     if stat not in stats:  # an engine behind HTTP: what it did inside (batches, hits, chunks) is not reported
-        return [_unknown_route(name, stat, stats, check_schedule(name, ctx.par, ctx.ref, ctx.noise,
+        return [unknown_route(name, stat, stats, check_schedule(name, ctx.par, ctx.ref, ctx.noise,
                                                                  ctx.settings.of(ScheduleSettings), what))]
     taken = stats.get(stat, 0) > (1 if stat == "max_running" else 0)
     if not taken:
@@ -46,7 +46,7 @@ def _route(ctx: CellContext, name: str) -> list[CheckResult]:
     return [check_schedule(name, ctx.par, ctx.ref, ctx.noise, ctx.settings.of(ScheduleSettings), what, extra)]
 
 
-def _unknown_route(name: str, stat: str, stats: dict[str, Any], result: CheckResult) -> CheckResult:
+def unknown_route(name: str, stat: str, stats: dict[str, Any], result: CheckResult) -> CheckResult:
     """The comparison of a run whose engine reports no route stats: a difference between the two schedules
     is a FAIL whatever route the engine took; agreement is a SKIP, since whether the route was taken (and so
     whether the agreement says anything about it) is unknown."""
