@@ -66,7 +66,7 @@ def test_engine_build_is_recorded_keyed_shown_and_reproduced(tmp_path: Path) -> 
     def run(out: str, *extra: str) -> dict:
         assert main(["run", "--suite", "tp", "--model", "tiny-gqa", "--topo", "tp2", "--engine", str(path), "--out",
                      str(tmp_path / out), "--cache-dir", str(cache), "--kv-budget-mib", "8", "--max-seq-len", "128",
-                     *extra]) == 0
+                     "--workload", "prompts", *extra]) == 0
         return results_cells(tmp_path / out)[0]
 
     plain = run("plain")

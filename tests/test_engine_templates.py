@@ -87,7 +87,7 @@ def test_a_cell_runs_through_a_template_given_by_its_path(tmp_path: Path) -> Non
     out = tmp_path / "out"
     code = main(["run", "--suite", "tp", "--model", "tiny-gqa", "--topo", "tp2", "--engine", str(path),
                  "--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--kv-budget-mib", "8",
-                 "--max-seq-len", "128"])
+                 "--max-seq-len", "128", "--workload", "prompts"])
     cell = results_cells(out)[0]
     assert code == 0 and cell["status"] == "PASS" and cell["engine"] == "my-engine", cell["status"]
     manifest = read_json(Path(cell["run_dir"]) / "manifest.json")

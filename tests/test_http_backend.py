@@ -253,7 +253,8 @@ def test_an_engine_side_fault_is_a_control_with_its_own_reference(tmp_path: Path
 
     def run(out: str) -> dict:
         main(["run", "--suite", "tp", "--model", "tiny-gqa", "--topo", "tp2", "--engine", str(path), "--out",
-              str(tmp_path / out), "--cache-dir", str(cache), "--kv-budget-mib", "8", "--max-seq-len", "128"])
+              str(tmp_path / out), "--cache-dir", str(cache), "--kv-budget-mib", "8", "--max-seq-len", "128",
+              "--workload", "prompts"])
         return results_cells(tmp_path / out)[0]
 
     monkeypatch.delenv("HARNESS_STAND_IN_FAULT", raising=False)

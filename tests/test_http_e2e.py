@@ -22,7 +22,8 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _run(out: Path, cache: Path, *extra: str) -> dict:
     code = main(["run", "--suite", "dcp", "--topo", "tp2dcp2", "--engine", "harness-serve", "--out", str(out),
-                 "--cache-dir", str(cache), "--kv-budget-mib", "8", "--max-seq-len", "128", *extra])
+                 "--cache-dir", str(cache), "--kv-budget-mib", "8", "--max-seq-len", "128", "--workload", "prompts",
+                 *extra])
     cell = results_cells(out)[0]
     cell["exit"] = code
     return cell

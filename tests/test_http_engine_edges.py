@@ -69,7 +69,8 @@ def test_cache_dir_holds_the_http_exports_and_the_noise_twin_is_labelled(tmp_pat
     default, cache = tmp_path / "default-cache", tmp_path / "cache"
     monkeypatch.setenv("HARNESS_CACHE_DIR", str(default))
     assert main(["run", "--suite", "tp", "--model", "tiny-gqa", "--topo", "tp2", "--engine", str(path), "--out",
-                 str(tmp_path / "out"), "--cache-dir", str(cache), "--kv-budget-mib", "8", "--max-seq-len", "128"]) == 0
+                 str(tmp_path / "out"), "--cache-dir", str(cache), "--kv-budget-mib", "8", "--max-seq-len", "128",
+                 "--workload", "prompts"]) == 0
     assert [p.name.startswith("tiny-gqa-") for p in (cache / "exports").iterdir()] == [True]
     assert not (default / "exports").exists()
     assert os.environ["HARNESS_CACHE_DIR"] == str(default)  # put back after the run

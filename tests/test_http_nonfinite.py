@@ -97,7 +97,7 @@ def _cell(out: Path, cache: Path, url: str, mode: str) -> tuple[int, dict[str, A
     MODES["mode"] = mode
     code = main(["run", "--suite", "tp", "--model", "tiny-gqa", "--topo", "tp2", "--engine", f"openai:{url}",
                  "--reference-engine", "harness-serve", "--out", str(out), "--cache-dir", str(cache),
-                 "--kv-budget-mib", "8", "--max-seq-len", "128"])
+                 "--kv-budget-mib", "8", "--max-seq-len", "128", "--workload", "prompts"])
     (cell,) = results_cells(out)
     return code, cell
 

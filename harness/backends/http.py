@@ -19,6 +19,8 @@ layout.json's target entry; with `probe_captures` the same probe also writes eac
 per-head attention output at the cases' probe positions (harness/backends/http_capture.py), so localization
 runs.
 Noise: two reference runs that differ only in scheduling (cases sent together vs one at a time).
+A job with workloads sends each workload's cases by its schedule, with a one-request twin and a re-prefill
+of every generation (harness/backends/http_workloads.py).
 A job's request_schedule sends one request per case as it says (harness/backends/http_send.py); a
 logprob answered as NaN, inf or null is kept and recorded as spelled (manifest nonfinite_logprobs).
 """
@@ -62,7 +64,7 @@ from harness.backends.http_server import (
     running_server,
     wait_ready,
 )
-from harness.cases import build_cases
+from harness.backends.http_workloads import case_groups, collect_workloads
 from harness.contract import Capabilities, Job, LaunchResult
 from harness.engine.engine import PoolSettings
 from harness.engine.faults import FAULTS
@@ -228,7 +230,9 @@ class HttpBackend:
         return check_label(lines[0], f"engine {self.name}: build_argv output")
 
     def capabilities(self) -> Capabilities:
-        provides = {c.TOPK_LOGPROBS, c.PROMPT_LOGPROBS, c.GENERATION, c.GSM8K}
+        # workloads: each sent by its schedule, with its one-batch twin and a re-prefill (http_workloads)
+        provides = {c.TOPK_LOGPROBS, c.PROMPT_LOGPROBS, c.GENERATION, c.GSM8K, c.WORKLOADS, c.SCHEDULE_TWIN,
+                    c.REPREFILL}
         if self.spec.kv_capacity_pattern:
             provides.add(c.KV_POOL_SIZE)
         if self.spec.speculator_argv:
@@ -364,8 +368,8 @@ class HttpBackend:
             shutil.rmtree(folder, ignore_errors=True)
             env[self.spec.probe_env()] = str(folder.resolve())
             if self.spec.probe_captures:  # the sequences and positions whose hidden states the probe keeps
-                write_probe_cases(folder, build_cases(job.prompts, load_tokenizer(job.model), job.seed,
-                                                      job.max_new_tokens, job.decode_prefix_tokens))
+                write_probe_cases(folder, [case for cases, _ in case_groups(job, load_tokenizer(job.model))
+                                           for case in cases])
         log_path.with_suffix(".argv.json").write_text(json.dumps(argv, indent=1) + "\n")
         with running_server(argv, env, log_path, f"http://{HOST}:{port}") as server:
             return self._ask(job, server, deadline, ask)
@@ -386,8 +390,11 @@ class HttpBackend:
         """The cases' top-k and generations, then GSM8K through the same server when the job asks."""
         model = job.model
         dialect = self._dialect(job, client)
-        collected = collect(job, model, dialect, self.spec.max_logprobs, job.schedule == c.SCHEDULE_BATCHED,
-                            request_schedule(job))
+        together = job.schedule == c.SCHEDULE_BATCHED
+        if job.workloads:  # each workload's cases as it schedules them, its twin and re-prefill
+            collected = collect_workloads(job, dialect, self.spec.max_logprobs, together)
+        else:
+            collected = collect(job, model, dialect, self.spec.max_logprobs, together, request_schedule(job))
         if not job.gsm8k:
             return collected
         from harness.backends.http_gsm8k import evaluate_server  # lm-eval only where GSM8K runs
@@ -399,11 +406,11 @@ class HttpBackend:
 
     def _collect_speculative(self, job: Job, client: httpx.Client) -> tuple[list[torch.Tensor], dict[str, Any]]:
         """Greedy generations with the speculator, and its counters' growth over them."""
-        tokenizer = load_tokenizer(job.model)
-        cases = build_cases(job.prompts, tokenizer, job.seed, job.max_new_tokens, job.decode_prefix_tokens)
         before = spec_counters(client)
-        generated = self._dialect(job, client).generate([case.prompt_ids for case in cases], job.max_new_tokens,
-                                                        1, job.schedule == c.SCHEDULE_BATCHED)
+        dialect = self._dialect(job, client)
+        generated = [g for cases, new_tokens in case_groups(job, load_tokenizer(job.model))
+                     for g in dialect.generate([case.prompt_ids for case in cases], new_tokens, 1,
+                                               job.schedule == c.SCHEDULE_BATCHED)]
         counters = request_counts(generated) or counters_delta(before, spec_counters(client)) or {"source": "none"}
         summary = {"kind": job.topology.speculator, "k": int(job.speculative.get("k", DEFAULT_SPEC_K)), **counters}
         return [g.tokens for g in generated], summary
@@ -440,6 +447,8 @@ class HttpBackend:
             manifest["speculative"] = counters
         if collected.requests is not None:  # each request's order and times under the job's request schedule
             manifest["requests"] = collected.requests
+        if collected.workloads is not None:  # each workload's cases, what the client saw and its request record
+            manifest["workloads"] = collected.workloads
         if collected.nonfinite:  # what the server answered where its tensors hold NaN / inf
             manifest[c.MANIFEST_LOGPROB_VALUES] = list(collected.nonfinite)
         pool = PoolSettings(**job.pool)  # the budget as the server was given it (whole MiB)

@@ -30,6 +30,7 @@ class Collected:
     gsm8k: dict[str, Any] | None = None  # GSM8KResult.to_dict() when the job asks for GSM8K
     nonfinite: tuple[dict[str, Any], ...] = ()  # the non-finite logprobs answered (contract.MANIFEST_LOGPROB_VALUES)
     requests: dict[str, Any] | None = None  # SendLog.to_dict() when a request schedule sent the cases
+    workloads: list[dict[str, Any]] | None = None  # the manifest's `workloads` entry of a run with workloads
 
 
 def collect(job: Job, model: ModelSpec, dialect: Dialect, k: int, together: bool,

@@ -190,11 +190,22 @@ def gsm8k(ctx: CellContext) -> list[CheckResult]:
     return checks
 
 
+def _sent(manifest: dict[str, Any], workload: str) -> dict[str, Any] | None:
+    """The request record of an HTTP run: the run's `requests`, else its workload's entry's (a run with
+    workloads sends each workload by its own schedule); None when the run records none."""
+    if isinstance(manifest.get("requests"), dict):
+        return manifest["requests"]  # type: ignore[no-any-return]
+    entries = manifest.get("workloads")
+    entry = next((e for e in entries if isinstance(e, dict) and e.get("name") == workload), None) \
+        if isinstance(entries, list) else None
+    return entry["requests"] if entry is not None and isinstance(entry.get("requests"), dict) else None
+
+
 def finish_details(ctx: CellContext) -> None:
     """Fold the per-path prompt rows into the report's `prompts` section."""
-    sent = {who: run.manifest["requests"] for who, run in (("parallel", ctx.par), ("reference", ctx.ref))
-            if isinstance(run.manifest.get("requests"), dict)}
-    if sent:  # an HTTP run sent by a request schedule: its order and times
+    sent = {who: record for who, run in (("parallel", ctx.par), ("reference", ctx.ref))
+            if (record := _sent(run.manifest, ctx.info.workload)) is not None}
+    if sent:  # an HTTP run sent by a request schedule (or its workload's): its order and times
         ctx.details.requests = sent
     rows = ctx.prompt_rows
     if rows:
