@@ -178,11 +178,15 @@ class ReferenceCache:
             except RunError as exc:  # a damaged cache entry is launched again, never trusted
                 self.progress(f"  {label}: cache entry unreadable ({exc}); running again")
                 cached = None
-            if cached is not None and cached.ok and not validate_artifacts(cached):
+            problems = validate_artifacts(cached) if cached is not None and cached.ok else []
+            if cached is not None and cached.ok and not problems:
                 if not quiet:
                     self.progress(f"  {label}: cached ({run_dir})")
                 os.utime(run_dir)
                 return cached
+            if cached is not None:
+                why = problems[0] if problems else "the cached run did not finish"
+                self.progress(f"  {label}: cached entry {run_dir.name} is unusable ({why}); launching again")
         shutil.rmtree(run_dir, ignore_errors=True)
         return None
 

@@ -230,7 +230,7 @@ def test_list_all(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run_cli(capsys, "list")
     assert rc == 0
     headers = [line for line in out.splitlines() if line.startswith("# ")]
-    assert headers == ["# suites", "# topologies", "# models", "# faults", "# engines", "# checks"]
+    assert headers == ["# suites", "# topologies", "# models", "# faults", "# engines", "# checks", "# workloads"]
 
 
 def run_process(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:

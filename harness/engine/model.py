@@ -419,9 +419,11 @@ class Decoder:
     def _local_positions(self, batch: Batch) -> list[list[int]]:
         """Per sequence, the positions this rank reads as its stored tokens, in storage order: under DCP
         the placement's share of the sequence so far (layout.local_positions, as an engine's local
-        sequence lengths come from the placement rule), the cache's own record otherwise."""
+        sequence lengths come from the placement rule), the cache's own record otherwise. A store that
+        keeps more than its share (the dcp-token-owner and dcp-store-padding faults) reads what it
+        stored, as such an engine does: the extra rows are counted by the merge, not misread."""
         states = [self.cache.seqs[s] for s in batch.seq_ids]
-        if self.comm.dcp == 1:
+        if self.comm.dcp == 1 or self.flags.store_on_all_dcp_ranks or self.flags.store_padding:
             return [st.positions for st in states]
         ends = (batch.positions.masked_fill(~batch.valid, -1).amax(dim=1) + 1).tolist()  # [B]
         return [local_positions(max(end, st.positions[-1] + 1 if st.positions else 0), self.comm.dcp_rank,
