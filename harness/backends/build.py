@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.backends.base import engine_build, stamp_manifest
-from harness.contract import Backend, Job, LaunchResult
+from harness.contract import Backend, Capabilities, Job, LaunchResult
 from harness.errors import ConfigError
 
 MAX_LABEL = 200
@@ -47,7 +47,7 @@ class LabelledBackend:
     def version(self) -> str:
         return self.inner.version()
 
-    def capabilities(self) -> Any:
+    def capabilities(self) -> Capabilities:
         return self.inner.capabilities()
 
     def identity(self, job: Job) -> dict[str, Any]:
