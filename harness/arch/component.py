@@ -1,0 +1,46 @@
+"""The component protocol: what one architecture feature owns (docs/architecture.md, Architecture components).
+
+A component plans what each rank holds of its feature (through the partition math of harness/layout.py,
+mla_layout.py and hybrid_layout.py, never its own), names the rank-report fields its layout check reads,
+says where a fault is inert on it and why, and names the engine module (a string: planning stays
+torch-free) that runs it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Mapping
+
+from harness.errors import ConfigError
+from harness.specs.model import ModelSpec
+from harness.specs.topology import Topology
+
+
+class PlanError(ConfigError):
+    """A component's plan does not fit a topology; `component` names the component (the runner words a
+    speculator that does not split apart from a model that does not)."""
+
+    def __init__(self, message: str, component: str) -> None:
+        super().__init__(message)
+        self.component = component
+
+
+class Component(ABC):
+    """One architecture feature of a model."""
+
+    name: ClassVar[str]
+    engine_module: ClassVar[str]  # the torch module of the embedded engine that runs this feature
+    report_fields: ClassVar[tuple[str, ...]]  # rank-report fields its layout check compares with its plan
+    takes_ep: ClassVar[bool] = False  # it splits over the expert-parallel ranks (topology ep > 1)
+    prefix_cacheable: ClassVar[bool] = True  # a sequence's cached state of a prompt prefix can serve another
+
+    def export_refusal(self, spec: ModelSpec) -> str | None:
+        """Why `harness export` cannot write this feature as a Hugging Face folder, or None."""
+        return None
+
+    def served_refusal(self, spec: ModelSpec, engine: str) -> str | None:
+        """Why an HTTP engine given a Hugging Face export cannot run this feature, or None."""
+        return None
+
+    @abstractmethod
+    def plan(self, spec: ModelSpec, topo: Topology, done: Mapping[str, Any]) -> dict[str, Any]:
+        """This component's fields of the ModelPlan (plan.py), given those of the components before it."""
