@@ -366,7 +366,8 @@ class Runner:
         topo = cell.topology
         plan = plan_model(model_of(cell.model), topo)
         return CellContext(
-            ref=ref, par=par, noise=noise, plan=plan.attention, hybrid_plan=plan.hybrid,
+            ref=ref, par=par, noise=noise, plan=plan.attention, hybrid_plan=plan.hybrid_plan,
+            layout_check=plan.model.attention.layout_check,
             settings=CheckSettings.from_suite(suite, cell.model.dtype),
             par_caps=run_capabilities(par, self.backend.capabilities()),
             ref_caps=run_capabilities(ref, self.ref_backend.capabilities()),

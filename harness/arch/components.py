@@ -7,18 +7,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
-from harness.arch.component import Component
+from harness.arch.component import Component, FaultEffects, FaultSite
 from harness.errors import ConfigError
 from harness.hybrid_layout import (
     LINEAR,
     HybridShape,
+    experts_of,
     full_attention_shape,
     layer_kinds,
+    loaded_rows,
     plan_linear,
     plan_moe,
     q_proj_rows,
 )
-from harness.layout import ROUND_ROBIN, Placement, plan_layout, plan_speculator, validate, validate_q_mode
+from harness.layout import (
+    ROUND_ROBIN,
+    LayoutPlan,
+    Placement,
+    group_kv_slots,
+    plan_layout,
+    plan_speculator,
+    validate,
+    validate_q_mode,
+)
 from harness.mla_layout import plan_mla
 from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
@@ -27,6 +38,39 @@ from harness.specs.topology import Topology
 ATTENTION_FIELDS: tuple[str, ...] = ("q_heads", "kv_heads", "dcp_group", "dcp_rank", "dcp_members", "kv_tp_rank",
                                      "q_to_kv", "ffn_shard", "vocab_shard", "group_q_heads", "group_q_to_kv",
                                      "kv_pool_bytes", "kv_pool_blocks", "kv_weight_checksums")
+
+
+# faults whose whole effect is in the layout plan (which KV head each Q head reads, which FFN columns and
+# vocab rows each rank holds): decidable from the layout alone
+LAYOUT_FAULTS: frozenset[str] = frozenset({"gcd-naive-gqa", "dcp-tp-kv-layout", "vocab-shard-offset",
+                                           "ffn-floor-split"})
+# the layout faults in splits the hybrid planner makes itself (KV layout under DCP, FFN and vocab offsets)
+DENSE_PLAN_FAULTS: frozenset[str] = frozenset({"dcp-tp-kv-layout", "ffn-floor-split", "vocab-shard-offset"})
+
+
+def faulty_layout(spec: ModelSpec, tp: int, dcp: int, flags: FaultEffects, placement: Placement = ROUND_ROBIN,
+                  q_replicated: bool = False) -> LayoutPlan:
+    """The attention layout an engine with `flags` uses (the correct one unless a fault replaces a split)."""
+    return plan_layout(spec.attention_shape, tp, dcp, kv_dcp=flags.kv_layout_dcp, ffn_floor=flags.ffn_floor_split,
+                       vocab_floor_offset=flags.vocab_floor_offset, placement=placement, q_replicated=q_replicated)
+
+
+def _held(plan: LayoutPlan, naive: bool) -> list[tuple[tuple[int, ...], tuple[int, int], tuple[int, int]]]:
+    """Per rank: the global KV head each Q head of its DCP group reads, its FFN columns and vocab rows."""
+    return [(tuple(r.kv_heads[j] for j in group_kv_slots(r, naive)), r.ffn_shard, r.vocab_shard) for r in plan.ranks]
+
+
+def layout_inert(site: FaultSite) -> str | None:
+    """A layout fault is inert where every rank reads and holds what the correct layout gives it."""
+    if site.fault not in LAYOUT_FAULTS:
+        return None
+    spec, topo = site.spec, site.topology
+    if _held(faulty_layout(spec, topo.tp, topo.dcp, site.flags), site.flags.naive_gqa) != _held(
+            plan_layout(spec.attention_shape, topo.tp, topo.dcp), False):
+        return None
+    return site.inert(f"every Q head reads the same KV head and every rank holds the same FFN columns and vocab "
+                      f"rows as in the correct layout (heads={spec.heads}, kv_heads={spec.kv_heads}, ffn={spec.ffn}, "
+                      f"vocab={spec.vocab}, tp={topo.tp})")
 
 
 @dataclass(frozen=True)
@@ -49,6 +93,9 @@ class Attention(Component):
         return {"attention": plan_layout(spec.attention_shape, topo.tp, topo.dcp, placement=topo.placement,
                                          q_replicated=topo.q_replicated)}
 
+    def inert_reason(self, site: FaultSite) -> str | None:
+        return layout_inert(site)
+
 
 class LatentAttention(Component):
     """Multi-head latent attention (DeepSeek-V2 style): one latent row per token shared by every head
@@ -58,10 +105,14 @@ class LatentAttention(Component):
     engine_module: ClassVar[str] = "harness.engine.mla"
     report_fields: ClassVar[tuple[str, ...]] = ATTENTION_FIELDS + ("q_mode", "q_weight_heads", "q_weight_checksums",
                                                                    "latent_dim", "kv_bytes_per_token")
+    faults: ClassVar[frozenset[str]] = frozenset({"mla-rope-local-slot", "q-replicated-own-slice"})
 
     def plan(self, spec: ModelSpec, topo: Topology, done: Mapping[str, Any]) -> dict[str, Any]:
         mla = plan_mla(spec.attention_shape, spec.mla_shape, topo.tp, topo.dcp, topo.placement, topo.q_replicated)
-        return {"attention": mla.base, "mla": mla}
+        return {"attention": mla.base, "latent": mla}
+
+    def inert_reason(self, site: FaultSite) -> str | None:
+        return layout_inert(site)
 
     def export_refusal(self, spec: ModelSpec) -> str | None:  # a Llama config.json cannot describe a latent
         return (f"model {spec.name!r} is an MLA model (kv_lora_rank={spec.kv_lora_rank}): harness export "
@@ -86,6 +137,7 @@ class GatedAttention(Component):
     name: ClassVar[str] = "gated_attention"
     engine_module: ClassVar[str] = "harness.engine.hybrid"
     report_fields: ClassVar[tuple[str, ...]] = ATTENTION_FIELDS
+    layout_check: ClassVar[str] = "hybrid"  # attention, linear attention, MoE and cache groups together
 
     def __init__(self, shape: HybridShape) -> None:
         self.shape = shape
@@ -105,6 +157,11 @@ class GatedAttention(Component):
                           output_gate=h.attn_output_gate, q_proj_rows=rows)
         return {"attention": attention, "gated": gated}
 
+    def inert_reason(self, site: FaultSite) -> str | None:
+        if site.fault in DENSE_PLAN_FAULTS:
+            return site.inert("the hybrid planner makes this split without the fault's rule", at_topology=False)
+        return layout_inert(site)
+
     def export_refusal(self, spec: ModelSpec) -> str | None:
         return (f"model {spec.name!r} is hybrid (linear attention / MoE): harness export writes "
                 f"Llama/Qwen2-style checkpoints only; the embedded engine runs it directly")
@@ -122,12 +179,28 @@ class MoE(Component):
     engine_module: ClassVar[str] = "harness.engine.moe"
     report_fields: ClassVar[tuple[str, ...]] = ("hybrid.moe",)
     takes_ep: ClassVar[bool] = True
+    faults: ClassVar[frozenset[str]] = frozenset({"moe-shared-every-rank", "moe-expert-offset",
+                                                  "moe-router-local-renorm"})
 
     def __init__(self, shape: HybridShape) -> None:
         self.shape = shape
 
     def plan(self, spec: ModelSpec, topo: Topology, done: Mapping[str, Any]) -> dict[str, Any]:
         return {"moe": plan_moe(self.shape, topo.tp, topo.ep)}
+
+    def inert_reason(self, site: FaultSite) -> str | None:
+        h, topo, moe = self.shape, site.topology, site.parts["moe"]
+        if site.fault == "moe-shared-every-rank" and (not h.shared_ffn or topo.tp == 1):
+            return site.inert("one rank or no shared expert")
+        if site.fault == "moe-expert-offset":  # the fault offsets expert ids by the tp rank, not the EP rank
+            per = h.experts // moe.ep
+            wrong = [tuple((r.rank * per + j) % h.experts for j in range(per)) for r in moe.ranks]
+            if all(w == experts_of(h.experts, r.ep_rank, moe.ep) for w, r in zip(wrong, moe.ranks)):
+                return site.inert(f"the tp rank offsets the expert ids as the EP rank does (ep={moe.ep}, "
+                                  f"tp={topo.tp})")
+        if site.fault == "moe-router-local-renorm" and topo.ep == 1:
+            return site.inert("every rank holds every expert (ep=1)")
+        return None
 
 
 class GatedDeltaNet(Component):
@@ -138,6 +211,8 @@ class GatedDeltaNet(Component):
     engine_module: ClassVar[str] = "harness.engine.deltanet"
     report_fields: ClassVar[tuple[str, ...]] = ("hybrid.linear", "hybrid.cache_groups")
     prefix_cacheable: ClassVar[bool] = False  # the recurrent state of a position is not kept: no prefix hits
+    faults: ClassVar[frozenset[str]] = frozenset({"deltanet-packed-split", "deltanet-state-dcp-split",
+                                                  "cache-groups-own-budget"})
 
     def __init__(self, shape: HybridShape) -> None:
         self.shape = shape
@@ -145,6 +220,14 @@ class GatedDeltaNet(Component):
     def plan(self, spec: ModelSpec, topo: Topology, done: Mapping[str, Any]) -> dict[str, Any]:
         kinds = layer_kinds(spec.layers, self.shape.full_attention_interval)
         return {"linear": plan_linear(self.shape, kinds.count(LINEAR), topo.tp, topo.dcp)}
+
+    def inert_reason(self, site: FaultSite) -> str | None:
+        contiguous = site.flags.linear_packed_contiguous
+        if site.fault == "deltanet-packed-split" and all(
+                loaded_rows(self.shape, r, contiguous) == r.conv_rows for r in site.parts["linear"].ranks):
+            return site.inert("every rank's contiguous slice of the packed rows is its per-component rows (one "
+                              "group of linear heads)")
+        return None
 
 
 class Speculator(Component):

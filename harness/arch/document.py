@@ -14,7 +14,7 @@ def plan_sections(plan: ModelPlan, budget_bytes: int | None, max_seq_len: int, b
     `mla` (None where the model or topology has no such part). A hybrid model's capacity is its grouped
     capacity, in its `hybrid` section."""
     layout = plan.attention.to_dict()
-    hybrid = plan.hybrid
+    hybrid = plan.hybrid_plan
     capacity = None
     section = None
     if hybrid is not None:
@@ -31,4 +31,4 @@ def plan_sections(plan: ModelPlan, budget_bytes: int | None, max_seq_len: int, b
             rank["ffn_shard"] = [0, 0]
     speculator = None if plan.speculator is None else {"kind": plan.topology.speculator, **plan.speculator.to_dict()}
     return {**layout, "capacity": capacity, "speculator": speculator, "hybrid": section,
-            "mla": None if plan.mla is None else plan.mla.to_dict()}
+            "mla": None if plan.latent is None else plan.latent.to_dict()}

@@ -24,14 +24,14 @@ class ModelPlan:
     model: Model
     topology: Topology
     attention: LayoutPlan
-    mla: MLAPlan | None = None
+    latent: MLAPlan | None = None
     gated: GatedPlan | None = None
     linear: LinearPlan | None = None
     moe: MoePlan | None = None
     speculator: LayoutPlan | None = None
 
     @property
-    def hybrid(self) -> HybridPlan | None:
+    def hybrid_plan(self) -> HybridPlan | None:
         """The linear attention, gated attention and MoE parts together (the hybrid layout check's and
         the hybrid engine's view), or None for a model without linear attention."""
         if self.linear is None or self.gated is None:
