@@ -29,6 +29,7 @@ from harness.rankreport import (
     read_ranks,
     read_speculator,
 )
+from harness.report.details import _LAYOUT_FIRST
 from tests.report_fixtures import cell
 
 DATA = Path(__file__).parent / "data"
@@ -128,3 +129,9 @@ def test_an_entry_without_ranks_or_with_a_non_object_rank_is_named() -> None:
             read_ranks(entry, "layout.json speculator")
     with pytest.raises(LayoutSchemaError, match=r"layout.json target ranks\[0\]: a rank report is list"):
         read_ranks({"ranks": [[0, 1]]}, "layout.json target")
+
+
+def test_the_report_drill_down_names_rank_report_fields() -> None:
+    """The drill-down's leading layout columns are fields of the schema (a renamed field cannot silently
+    drop its column); q_to_local_kv is the planner's, shown when a plan has it."""
+    assert set(_LAYOUT_FIRST) - {f.name for f in fields(RankReport)} == {"q_to_local_kv"}
