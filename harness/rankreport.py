@@ -170,7 +170,9 @@ class RankReport:
               else f"{where} ranks[{index}]" if index is not None else where)
         if not isinstance(data, Mapping):
             raise LayoutSchemaError(f"{at}: a rank report is {type(data).__name__}, not an object")
-        flat = {k: v for k, v in data.items() if k != "mla"}  # "mla" is no JSON key: its fields sit inline
+        if "mla" in data:  # no JSON key: the MLA record's fields sit inline
+            raise LayoutSchemaError(f"{at}: unknown field 'mla' (the MLA fields {', '.join(_MLA_KEYS)} sit inline)")
+        flat = dict(data)
         inline = {k: flat.pop(k) for k in _MLA_KEYS if k in flat}
         report = _from_json(cls, flat, at, "")
         return replace(report, mla=_from_json(MLAReport, inline, at, "")) if inline else report

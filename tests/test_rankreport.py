@@ -111,6 +111,7 @@ def _broken(change: Any) -> str:
      "layout.json target rank 3: field 'kv_weight_checksums' is list, expected an object"),
     (lambda d: d.update(q_head=[2, 3]), "layout.json target rank 3: unknown field 'q_head'"),
     (lambda d: d.pop("latent_dim"), "layout.json target rank 3: field 'latent_dim' is missing"),
+    (lambda d: d.update(mla={"q_mode": "split"}), "layout.json target rank 3: unknown field 'mla'"),
     (lambda d: d["hybrid"]["linear"].pop("weight_checksum"),
      "layout.json target rank 3: field 'hybrid.linear.weight_checksum' is missing"),
     (lambda d: d["hybrid"]["moe"].update(experts=None),
