@@ -17,6 +17,7 @@ from harness.cli.checks import (
     require_device,
     require_free_space,
     require_launch_settings,
+    require_no_results,
     require_writable_dir,
     seed_int,
 )
@@ -47,7 +48,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=seed_int, action="append", default=None, help="seed (repeatable; default: suite's)")
     p.add_argument("--workload", action="append", default=None, metavar="NAME[,NAME...]",
                    help="workloads to run (repeatable; harness list workloads; default: the suite's workloads)")
-    p.add_argument("--out", type=Path, default=None, help="report folder (default: reports/<run-id>)")
+    p.add_argument("--out", type=Path, default=None, help="report folder, new or without a results.json: an earlier "
+                   "run's folder is refused, never written over (default: reports/<run-id>)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--kv-budget-mib", type=positive_int, default=None,
                    help="KV pool budget per rank, MiB (default: suite's)")
@@ -140,6 +142,7 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     out_dir = Path(args.out or REPORTS_DIR / run_id(suite.name))
     cache_dir = args.cache_dir or default_cache_dir()
     require_writable_dir(out_dir, "--out")
+    require_no_results(out_dir, "--out")
     require_writable_dir(cache_dir, "--cache-dir")
     require_device(args.device, [t.tp for t in topologies])
     require_launch_settings(dict(os.environ))
