@@ -150,6 +150,13 @@ def history_path(given: Path | str | None) -> Path | None:
     return Path(env) if env else None
 
 
+def check_store(path: Path) -> None:
+    """Before a run records into `path`: an existing file must open as a history store (one ConfigError now,
+    not after the whole run); a new one is created on recording."""
+    if path.exists():
+        connect(path, create=False).close()
+
+
 def connect(path: Path, create: bool = True) -> sqlite3.Connection:
     """Open (and with `create`, initialise) the store; a file that is not one is one ConfigError."""
     if not create and not path.is_file():

@@ -23,6 +23,7 @@ from harness.cli.checks import (
 )
 from harness.contract import WORKLOADS
 from harness.errors import ConfigError, DiskFull, RunError
+from harness.history import check_store, history_path
 from harness.launcher.nodes import check_engine, parse_nodes
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, free_bytes
 from harness.paths import BASELINES_DIR, REPORTS_DIR
@@ -144,6 +145,10 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     require_writable_dir(out_dir, "--out")
     require_no_results(out_dir, "--out")
     require_writable_dir(cache_dir, "--cache-dir")
+    history = history_path(args.history)
+    if history is not None:  # a store that cannot record is one error now, not after the run
+        require_writable_dir(history.parent, "--history")
+        check_store(history)
     require_device(args.device, [t.tp for t in topologies])
     require_launch_settings(dict(os.environ))
     from harness.backends.base import engine_build
