@@ -31,9 +31,10 @@ from harness.shard import parse_shard
 from harness.specs.checkpoint import load_model
 from harness.specs.suite import Suite, with_profile
 from harness.specs.topology import load_catalog
-from harness.specs.workload import check_workload_names
+from harness.specs.workload import SUITE_PROMPTS, check_workload_names
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a run is asked for
+    from harness.engine.tokenizer import Tokenizer
     from harness.runner import RunRequest
 
 MIB = 1024 ** 2
@@ -126,10 +127,11 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     topo_expr = ",".join(suite.topologies) if args.topo is None else args.topo  # --topo "" is an error, not all
     topologies = catalog.resolve(topo_expr, all_names=suite.topologies)
     models = (load_model(args.model),) if args.model else tuple(load_model(m) for m in suite.models)
+    tokenizers = {}
     for model in models:
         CheckSettings.from_suite(suite, model.dtype)  # a tolerance typo fails here, not after the runs
         validate_checkpoint(model)  # missing/corrupt checkpoint: one error before any rank starts
-        load_tokenizer(model)
+        tokenizers[model.name] = load_tokenizer(model)
     budget_mib = suite.kv_budget_mib if args.kv_budget_mib is None else args.kv_budget_mib
     max_seq_len = suite.max_seq_len if args.max_seq_len is None else args.max_seq_len
     if budget_mib <= 0 or max_seq_len <= 0:
@@ -161,8 +163,9 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
         engines.append(get_backend(args.reference_engine))
     for backend in engines if args.engine_build is None else engines[1:]:
         engine_build(backend)
-    runs_workloads = all(e.capabilities().has(WORKLOADS) for e in engines)
-    workloads = selected_workloads(suite, args.workload, max_seq_len if runs_workloads else None)
+    workloads = selected_workloads(suite, args.workload)
+    runs_workloads = all(e.capabilities().has(WORKLOADS) for e in engines)  # else only the suite's prompts
+    check_sequence_lengths(suite, workloads if runs_workloads else (SUITE_PROMPTS,), tokenizers, max_seq_len)
     nodes = parse_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint,
                         len(suite.seeds if not args.seed else args.seed) * len(models) * len(topologies),
                         launch_timeout(args.timeout))
@@ -180,17 +183,31 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
         nodes=nodes, pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)), workloads=workloads)
 
 
-def selected_workloads(suite: Suite, given: list[str] | None, max_seq_len: int | None) -> tuple[str, ...]:
-    """--workload names (comma lists, repeatable) validated, else the suite's; each workload's longest
-    sequence must fit a KV slot (max_seq_len; None: the engines run no workloads, only the suite's prompts)."""
-    names = (check_workload_names("--workload", [n.strip() for g in given for n in g.split(",") if n.strip()])
-             if given else suite.workloads)
-    for w in suite.resolved_workloads(names) if max_seq_len is not None else ():
-        longest = max(w.prompt_lengths(), default=0) + w.new_tokens
-        if longest > max_seq_len:
-            raise ConfigError(f"workload {w.name}: a sequence of {longest} tokens exceeds max_seq_len={max_seq_len}; "
-                              f"raise --max-seq-len (or the suite's max_seq_len / lower its long_context)")
-    return names
+def selected_workloads(suite: Suite, given: list[str] | None) -> tuple[str, ...]:
+    """--workload names (comma lists, repeatable) validated, else the suite's."""
+    return (check_workload_names("--workload", [n.strip() for g in given for n in g.split(",") if n.strip()])
+            if given else suite.workloads)
+
+
+def check_sequence_lengths(suite: Suite, workloads: tuple[str, ...], tokenizers: dict[str, "Tokenizer"],
+                           max_seq_len: int) -> None:
+    """The longest sequence of the run (a prompt's own tokens, shared prefix included, + the tokens it
+    generates), over every model's tokenizer and every workload it runs, must fit a KV slot (max_seq_len)."""
+    from harness.cases import build_workload_cases
+    from harness.specs.workload import WorkloadPlan
+
+    plan = WorkloadPlan(suite.resolved_workloads(workloads))
+    longest = (0, "", "", 0)  # (tokens, workload, model, generated)
+    for model, tokenizer in tokenizers.items():
+        for group in build_workload_cases(plan, suite.prompts, tokenizer, 0, suite.decode_prefix_tokens):
+            tokens = max((len(c.sequence_ids) for c in group.cases), default=0)
+            longest = max(longest, (tokens, group.workload.name, model, group.workload.new_tokens))
+    tokens, name, model, generated = longest
+    if tokens > max_seq_len:
+        raise ConfigError(f"the longest sequence of this run is {tokens} tokens (workload {name}, model {model}: "
+                          f"a {tokens - generated}-token prompt + {generated} generated), over "
+                          f"max_seq_len={max_seq_len}; raise --max-seq-len (or the suite's max_seq_len, or "
+                          f"lower its long_context)")
 
 
 def _ref(ref: str) -> str:
