@@ -9,7 +9,7 @@ Schema, version RESULTS_SCHEMA_VERSION = 1 (a reader refuses any other version):
       "provenance": {                           # how the numbers were produced
         "harness_version": "0.1.0", "git_commit": "abc123...", "torch_version": "2.x",
         "python": "3.11.7", "device": "cpu", "dtypes": ["float32"], "seeds": [0],
-        "command": "harness run --suite dcp --topo tp4dcp4", "hostname": "ci-7",
+        "command": "harness run --suite dcp --topo tp4dcp4", "hostname": "ci-7",  # shell-quoted (shlex)
         "sources": [...]                        # only after `harness report A B`: each input's
       },                                        #   {dir, run_id, provenance}
       "summary": {"cells": 5, "pass": 2, "warn": 0, "fail": 1, "error": 1, "skip": 1,

@@ -466,7 +466,7 @@ class Runner:
         return None
 
     def provenance(self, argv: list[str]) -> dict[str, Any]:
-        return {**collect_provenance(" ".join(["harness", *argv]), self.req.device,
+        return {**collect_provenance(shlex.join(["harness", *argv]), self.req.device,
                                      sorted({m.dtype for m in self.req.models}), list(self.req.seeds)),
                 "suite": self.req.suite.name, "suite_version": self.req.suite.version,
                 "reference": self.reference_topology.name, "engine": self.backend.name,

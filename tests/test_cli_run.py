@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -223,9 +224,10 @@ def test_killed_rank_is_an_error_cell_and_other_cells_complete(tmp_path: Path, s
 def test_a_second_run_into_the_same_out_keeps_the_first_runs_results(tmp_path: Path, suite_file: Path,
                                                                      cache_dir: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "out"
+    out = tmp_path / "out; echo $(id) 'it's"  # the provenance command is shell-quoted, as each cell's command is
     argv = ["run", "--suite", str(suite_file), "--topo", "tp2", "--out", str(out), "--cache-dir", str(cache_dir)]
     assert main(argv) == 0
+    assert shlex.split(read_results(out)[1]["command"]) == ["harness", *argv]
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     capsys.readouterr()
     assert main(argv) == 2
