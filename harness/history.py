@@ -184,10 +184,10 @@ def _created(run_dir: Path) -> str:
 
 def rows_of(cells: Sequence[CellResult], run_id: str, created: str, provenance: dict[str, Any],
             build_label: str) -> list[Row]:
-    """The rows one run contributes: one per cell x check."""
+    """The rows one run contributes: one per cell x check (a cell its run never reached has no verdict: none)."""
     commit, engine_version = str(provenance.get("git_commit", "unknown")), str(provenance.get("engine_version", ""))
     rows = []
-    for cell in cells:
+    for cell in (c for c in cells if not c.not_run):
         for check in cell.checks:
             key = key_metric(check)
             multiples = noise_multiples(check)

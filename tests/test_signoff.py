@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from harness.cli import main
 from harness.report.history_strip import ERROR_COLOUR
+from harness.results import read_results, write_results
+from harness.verdict import NOT_RUN_CHECK, CheckResult, Verdict
 
 MATRIX = ["--suite", "dcp", "--topo", "tp2dcp2,tp2", "--model", "tiny-gqa", "--workload", "prompts"]
 
@@ -145,6 +148,18 @@ def test_candidate_and_baseline_of_other_cells_are_refused(builds: dict[str, Pat
                  "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "dcp/tiny-gqa/tp2/seed0" in err and "the baseline did not run" in err and not out.exists()
+
+
+def test_a_cell_the_candidate_never_reached_blocks_as_not_run(builds: dict[str, Path], tmp_path: Path) -> None:
+    """An interrupted candidate lists the cells it never reached (harness run does): each blocks as not run."""
+    cells, provenance, _ = read_results(builds["unchanged"])
+    never = CheckResult(NOT_RUN_CHECK, Verdict.ERROR, "not run: interrupted by SIGTERM before this cell finished")
+    stopped = [cells[0], replace(cells[1], checks=(never,), localization=None, details={})]
+    write_results(tmp_path / "cand", stopped, provenance, "stopped")
+    code, md, doc = _signoff({"cand": tmp_path / "cand", "base": builds["baseline"]}, "cand", "base", tmp_path / "so")
+    assert code == 1 and doc["counts"]["not_run"] == 1 and doc["counts"]["new_error"] == 0
+    assert f"| {doc['cells'][1]['cell']} | PASS | ERROR | not run |" in md
+    assert "interrupted by SIGTERM" in doc["cells"][1]["reason"]
 
 
 def test_merged_candidate_with_corrupted_workload_cells_is_blocked(shared_cache: Path, tmp_path: Path,

@@ -35,7 +35,7 @@ from harness.specs.workload import SUITE_PROMPTS, check_workload_names
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a run is asked for
     from harness.engine.tokenizer import Tokenizer
-    from harness.runner import RunRequest
+    from harness.runner import Runner, RunRequest
 
 MIB = 1024 ** 2
 
@@ -285,23 +285,23 @@ def _run(args: argparse.Namespace) -> int:
     except Interrupted as exc:  # every launch is stopped by now; keep what finished, drop half-written cache
         for staging in partial_dirs(req.cache_dir, os.getpid()):
             shutil.rmtree(staging, ignore_errors=True)
-        cells = list(runner.finished)
-        provenance = {**runner.provenance(args.argv),
-                      "interrupted": {"signal": exc.name, "cells_finished": len(cells), "cells_planned": len(planned)}}
-        paths = render_all(req.out_dir, cells, provenance, req.out_dir.name)
-        print(f"harness: {exc} after {len(cells)} of {len(planned)} cells; report of those: {paths['html']}",
-              file=sys.stderr, flush=True)
+        cells, stopped = stopped_cells(runner, f"interrupted by {exc.name} before this cell finished", signal=exc.name)
+        paths = render_all(req.out_dir, cells, {**runner.provenance(args.argv), "interrupted": stopped},
+                           req.out_dir.name)
+        print(f"harness: {exc} after {stopped['cells_finished']} of {stopped['cells_planned']} cells; report of "
+              f"those (the cells not run listed as such): {paths['html']}", file=sys.stderr, flush=True)
         return exit_status(exc)
     except DiskFull as exc:  # the cells done keep their verdicts: on screen, and in the report if it fits
         for staging in partial_dirs(req.cache_dir, os.getpid()):
             shutil.rmtree(staging, ignore_errors=True)
-        cells = list(runner.finished)
+        cells, stopped = stopped_cells(runner, "the disk filled up before this cell finished",
+                                       reason="no space left on device")
         print(print_matrix(cells))
-        written = write_reports(req.out_dir, cells, runner.provenance(args.argv))
+        written = write_reports(req.out_dir, cells, {**runner.provenance(args.argv), "interrupted": stopped})
         where = f"report of those: {written['html']}" if isinstance(written, dict) else \
             f"no report written ({written.strerror})"
-        raise RunError(f"{exc}; the {len(cells)} cell(s) done of {len(planned)} keep their verdicts (above); "
-                       f"{where}") from None
+        raise RunError(f"{exc}; the {stopped['cells_finished']} cell(s) done of {stopped['cells_planned']} keep "
+                       f"their verdicts (above; the others are listed as not run); {where}") from None
     written = write_reports(req.out_dir, cells, runner.provenance(args.argv))
     if not isinstance(written, dict):
         print(print_matrix(cells))
@@ -312,6 +312,14 @@ def _run(args: argparse.Namespace) -> int:
     print(print_matrix(cells))
     print(f"report: {paths['html']} ({time.time() - start:.1f} s)")
     return exit_code(cells)
+
+
+def stopped_cells(runner: "Runner", why: str, **by: str) -> tuple[list[Any], dict[str, Any]]:
+    """A stopped run's cells (those finished, then every other planned one listed as not run with `why`) and
+    its provenance "interrupted" entry (`by`: the signal or the reason; how many cells finished of how many)."""
+    done = list(runner.finished)
+    missing = runner.not_run(why)
+    return done + missing, {**by, "cells_finished": len(done), "cells_planned": len(done) + len(missing)}
 
 
 def write_reports(out_dir: Path, cells: list[Any], provenance: dict[str, Any]) -> "dict[str, Path] | OSError":
