@@ -98,7 +98,9 @@ def _key_value(value: Any) -> str | None:
 KEY_LEGEND: dict[str, str] = {
     "KL": "largest KL divergence of the next-token distribution, parallel vs reference; 'Nx': N times the "
           "noise floor (the noise run's KL; above about 10x fails)",
-    "div@": "div@N pP: generation first diverges at token N of prompt P",
+    "div@": "div@N pP: generation first diverges at token N of prompt P; 'near tie' where the check passes: there the "
+            "top two tokens are within the near-tie bound (their logit gap is within what rounding moves), so the "
+            "divergence is benign",
     "acc": "mean accepted draft length per step",
     "agree": "fraction of GSM8K answers equal to the reference's",
     "max|d|": "largest absolute logit difference ('Nx': N times the noise run's)",
@@ -127,7 +129,8 @@ def key_number(check: CheckResult) -> str:
     if key is None:
         return ""
     short, text = key
-    return f"{short}{'' if short.endswith('@') else ' '}{text}"
+    why = " near tie" if short == "div@" and check.verdict in (Verdict.PASS, Verdict.WARN) else ""  # why it passes
+    return f"{short}{'' if short.endswith('@') else ' '}{text}{why}"
 
 
 def key_legend(cells: list[CellResult]) -> list[tuple[str, str]]:
