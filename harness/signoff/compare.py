@@ -216,12 +216,9 @@ def _first_skip(cell: CellResult) -> str:
 def classify(old: CellResult | None, new: CellResult) -> tuple[str, bool, str]:
     """(change, blocking, reason) of one cell. A failing candidate cell is in the category of its failure
     class (new output corruption, new performance-only, new ERROR) unless the baseline cell failed
-    with the same class (still failing); a candidate cell its run never reached is not run; a baseline cell
-    its run never reached counts as absent."""
+    with the same class (still failing); a candidate cell its run never reached is not run."""
     if new.not_run:
         return NOT_RUN, True, f"not run for the candidate: {new.checks[0].reason}"
-    if old is not None and old.not_run:
-        old = None
     reason = _first_problem(new) + (" (silent corruption)" if new.silent_corruption else "")
     if new.status in FAILING:
         assert new.failure_class is not None
@@ -322,6 +319,8 @@ def compare_builds(candidate: Build, baseline: Build) -> Signoff:
     for cid, new in candidate.cells.items():
         base = counterpart(cid, baseline.cells)
         old = baseline.cells[base] if base is not None else None
+        if old is not None and old.not_run:  # the baseline's run never reached it: no verdict to compare with
+            old = None
         change, blocking, reason = classify(old, new)
         changes.append(CellChange(cid, old.status if old else None, new.status, change, blocking, reason,
                                   new.failure_class, new.silent_corruption))
