@@ -18,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from harness.jsonio import read_json
 from harness.limits import COLLECTIVE_TIMEOUT_S
+from harness.rankreport import RANK_REPORT_SCHEMA
 from harness.specs.model import ModelSpec, model_from_dict
 from harness.specs.topology import Topology
 
@@ -58,6 +59,11 @@ GSM8K_FILE = "gsm8k.json"
 JOB_FILE = "job.json"
 LAUNCHER_LOG = "launcher.log"
 RUN_FILES: tuple[str, ...] = (MANIFEST_FILE, TENSORS_FILE, LAYOUT_FILE, CASES_FILE, GSM8K_FILE, LAUNCHER_LOG)
+
+# --- layout.json: {"schema_version", "target": ENTRY, "speculator": ENTRY | null, "<entry>_reason"?}, an ENTRY
+# {"ranks": [RankReport.to_json()], "pool", ...} (harness/rankreport.py is the schema of a rank's report)
+LAYOUT_SCHEMA_KEY = "schema_version"    # the rank report schema the file was written in; absent: 1
+LAYOUT_SCHEMA = RANK_REPORT_SCHEMA
 
 # --- manifest fields the harness reads across backends ---------------------------------------------
 MANIFEST_BACKEND = "backend"           # {"name", "version", "capabilities": Capabilities.to_dict()}

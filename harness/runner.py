@@ -44,6 +44,7 @@ from harness.launcher.nodes import NodeLaunch, Nodes
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, RUN_DIR_MIN_BYTES, free_bytes
 from harness.paths import BASELINES_DIR
 from harness.refcache import ReferenceCache, ReferenceFailed
+from harness.report.merge import cell_key
 from harness.report.provenance import collect_provenance, git_commit
 from harness.shard import Shard, shard_cells
 from harness.specs.model import ModelSpec
@@ -51,7 +52,7 @@ from harness.specs.suite import Suite
 from harness.specs.topology import Topology, parse_topology_name
 from harness.specs.workload import SUITE_PROMPTS, Workload
 from harness.validate import load_run, validate_artifacts
-from harness.verdict import CellResult, CheckResult, ExitCode, Verdict
+from harness.verdict import NOT_RUN_CHECK, CellResult, CheckResult, ExitCode, Verdict
 from harness.workload_views import workload_views
 
 # The noise run: what a correct run may differ from the reference by. Like with like: the reference
@@ -295,12 +296,29 @@ class Runner:
         ("HARNESS_VLLM_FAULT=kv-shard", template engine_faults): either makes the cell a positive control."""
         return cell.fault or engine_fault(self.backend)
 
-    def run_cell(self, cell: CellPlan) -> CellResult | list[CellResult]:
-        """The cell's launch and its checks: one result per workload, or one SKIP / ERROR for all of them."""
-        base = dict(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
+    def _identity(self, cell: CellPlan) -> dict[str, Any]:
+        """The CellResult fields every result of `cell` shares (who ran it, and how to run it again)."""
+        return dict(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
                     fault=self._fault(cell), seed=cell.seed, command=self.command(cell), engine=self.backend.name,
                     reference_engine=self.ref_backend.name, engine_env=engine_env(self.backend),
                     engine_build=engine_build(self.backend))
+
+    def not_run(self, why: str) -> list[CellResult]:
+        """Every planned cell (x workload) the run did not finish, each listed with `why` (an ERROR: no verdict)."""
+        done = {cell_key(c) for c in self.finished}
+        out = []
+        for cell in self.planned():
+            for w in self.workload_names:
+                result = CellResult(**{**self._identity(cell), "workload": w, "command": self.command(cell, w)},
+                                    checks=(CheckResult(NOT_RUN_CHECK, Verdict.ERROR, f"not run: {why}"),),
+                                    clean_exit=True)
+                if cell_key(result) not in done:
+                    out.append(result)
+        return out
+
+    def run_cell(self, cell: CellPlan) -> CellResult | list[CellResult]:
+        """The cell's launch and its checks: one result per workload, or one SKIP / ERROR for all of them."""
+        base = self._identity(cell)
         if cell.skip_reason:
             return CellResult(**base, checks=(CheckResult("cell", Verdict.SKIP, cell.skip_reason),), clean_exit=True)
         try:
@@ -427,11 +445,8 @@ class Runner:
             except Exception as exc:  # one broken cell (a harness bug included) never loses the others' results
                 if not isinstance(exc, HarnessError):
                     exc = RunError(f"internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-                got = CellResult(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
-                                 fault=self._fault(cell), seed=cell.seed, command=self.command(cell),
-                                 engine=self.backend.name, reference_engine=self.ref_backend.name,
-                                 engine_env=engine_env(self.backend), engine_build=engine_build(self.backend),
-                                 checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False)
+                got = CellResult(**self._identity(cell), checks=(CheckResult("run", Verdict.ERROR, str(exc)),),
+                                 clean_exit=False)
             for result in (got if isinstance(got, list) else self.per_workload(cell, got)):
                 self._record(i, len(cells), cell, result, results)
         return results
@@ -462,7 +477,7 @@ class Runner:
         return None
 
     def provenance(self, argv: list[str]) -> dict[str, Any]:
-        return {**collect_provenance(" ".join(["harness", *argv]), self.req.device,
+        return {**collect_provenance(shlex.join(["harness", *argv]), self.req.device,
                                      sorted({m.dtype for m in self.req.models}), list(self.req.seeds)),
                 "suite": self.req.suite.name, "suite_version": self.req.suite.version,
                 "reference": self.reference_topology.name, "engine": self.backend.name,

@@ -90,9 +90,11 @@ def test_grouped_cache_holds_one_slot_count_and_refuses_more(tiny: tuple) -> Non
     engine = Engine(spec, weights, ParallelState.single(), pool=PoolSettings(budget_bytes=2 ** 20, max_seq_len=64))
     assert isinstance(engine.parts, HybridParts)
     cap = engine.parts.grouped
-    report = engine.layout_report()["hybrid"]["cache_groups"]
-    assert report["state_slots"] == cap.slots == engine.max_batch
-    assert report["attention_blocks"] == cap.slots * report["attention_blocks_per_seq"]
+    hybrid = engine.layout_report().hybrid
+    assert hybrid is not None
+    report = hybrid.cache_groups
+    assert report.state_slots == cap.slots == engine.max_batch
+    assert report.attention_blocks == cap.slots * report.attention_blocks_per_seq
     engine.open_sequences(cap.slots)
     with pytest.raises(RunError, match=f"recurrent-state slots exhausted: all {cap.slots} are in use"):
         engine.open_sequences(1)

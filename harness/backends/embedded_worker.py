@@ -35,6 +35,7 @@ from harness.engine.speculator import SpeculativeSettings, speculator_for
 from harness.engine.tokenizer import Tokenizer, load_tokenizer, tokenizer_hash
 from harness.engine.weights import load_weights, weights_hash
 from harness.jsonio import write_json
+from harness.rankreport import entry_json
 from harness.specs.workload import WorkloadPlan
 
 INJECT_ENV = "HARNESS_INJECT_RANK_FAILURE"  # "crash|hang|kill|stop:R": test hook for the launcher's error path
@@ -132,7 +133,7 @@ def run_job(job: Job, topk_only: int | None = None) -> None:
                             c_.tensor_key(c_.GEN_TOPK_IDS, c.index): ids,
                             c_.tensor_key(c_.GEN_TOPK_LOGPROBS, c.index): lps})
             done.append(replace(c, generated_ids=tuple(toks), generated_text=tokenizer.decode(toks)))
-        layout = {"target": {"ranks": layouts, "pool": engine.pool.to_dict()}, "speculator": spec_entry}
+        layout = {"target": entry_json(layouts, engine.pool.to_dict()), "speculator": spec_entry}
         manifest = {
             "status": "ok", "error": None, "topology": topo.to_dict(), "model": spec.to_dict(),
             "fault": job.fault, "seed": job.seed, "dtype": job.dtype or spec.dtype,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from harness.errors import ConfigError
 from harness.limits import REPORTS_MIN_BYTES, RUN_DIR_MIN_BYTES, free_bytes
+from harness.results import RESULTS_FILE
 
 
 def positive_float(text: str) -> float:
@@ -63,6 +64,14 @@ def require_writable_dir(path: Path, flag: str) -> None:
     except OSError as exc:
         raise ConfigError(f"{flag} {path} is not writable ({exc.strerror or exc} in {probe_in}); "
                           f"give a folder you can write to") from None
+
+
+def require_no_results(folder: Path, flag: str) -> None:
+    """Results are never written over: a folder that holds a results.json (an earlier run's, a merge's) is refused."""
+    existing = folder / RESULTS_FILE
+    if existing.exists():
+        raise ConfigError(f"{flag} {folder} already holds results ({existing}); results are never written over: "
+                          f"give a new folder, or move that one away first")
 
 
 def require_free_space(folder: Path, flag: str, cells: int) -> None:

@@ -5,7 +5,7 @@ hybrid layers (hybrid.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -18,6 +18,7 @@ from harness.engine.model import Decoder, HeadMap, Hyper, LocalWeights
 from harness.engine.parallel import ParallelState
 from harness.engine.parallelize import engine_plan, head_map, shard_weights
 from harness.layout import LayoutPlan, PoolCapacity, RankLayout, pool_capacity
+from harness.rankreport import HybridReport, MLAReport
 from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
 
@@ -46,9 +47,25 @@ class RankBuild:
 
 
 @dataclass(frozen=True)
+class ModuleReport:
+    """What an attention component's engine module adds to the rank report (parallelize.rank_report): a
+    replacement of the K/V weight checksums and of the bytes per stored token, its MLA or hybrid record."""
+
+    checksums: dict[str, str] | None = None
+    kv_bytes_per_token: int | None = None
+    mla_record: MLAReport | None = None
+    hybrid_record: HybridReport | None = None
+
+
+def _latent_report(parts: MLAParts, spec: ModelSpec) -> ModuleReport:
+    record, sums, per_token = mla_report(parts, spec)
+    return ModuleReport(sums, per_token, mla_record=record)
+
+
+@dataclass(frozen=True)
 class RankParts:
-    """One rank's built model; `report` gives the entries of its layout self-report beyond the attention's
-    (a `kv_weight_checksums` among them replaces the GQA K/V checksums); `own` the engine module's parts."""
+    """One rank's built model; `report` gives what its engine module adds to the rank report, `own` the
+    engine module's parts."""
 
     plan: LayoutPlan
     rank_layout: RankLayout
@@ -57,7 +74,7 @@ class RankParts:
     cache: PagedKVCache
     decoder: Decoder
     weights: LocalWeights
-    report: Callable[[], dict[str, Any]]
+    report: Callable[[], ModuleReport]
     own: MLAParts | HybridParts | None = None  # what the component's engine module built beyond these
 
 
@@ -74,7 +91,7 @@ def build_dense(b: RankBuild) -> RankParts:
     weights = shard_weights(b.full_weights, b.spec, rank_layout, b.dtype, b.state.device)
     cache = PagedKVCache(capacity, b.spec.layers, heads.n_kv, b.spec.head_dim, b.dtype, b.state.device)
     decoder = Decoder(weights, heads, b.hyper, b.state.collectives(), cache, b.flags, b.topology.placement)
-    return RankParts(plan, rank_layout, heads, capacity, cache, decoder, weights, dict)
+    return RankParts(plan, rank_layout, heads, capacity, cache, decoder, weights, ModuleReport)
 
 
 def build_latent(b: RankBuild) -> RankParts:
@@ -83,7 +100,7 @@ def build_latent(b: RankBuild) -> RankParts:
     parts = build_mla(b.spec, b.full_weights, rank_layout, heads, b.state.collectives(), b.flags, capacity, b.dtype,
                       b.state.device, b.plan.latent, b.topology.placement)
     return RankParts(plan, rank_layout, heads, capacity, parts.cache, parts.decoder, parts.weights,
-                     lambda: mla_report(parts, b.spec), parts)
+                     lambda: _latent_report(parts, b.spec), parts)
 
 
 def build_hybrid_rank(b: RankBuild) -> RankParts:
@@ -93,7 +110,8 @@ def build_hybrid_rank(b: RankBuild) -> RankParts:
                          b.budget_bytes, b.max_seq_len, b.block_size, b.hyper, state.collectives(), b.dtype,
                          state.device, b.plan.speculator)
     return RankParts(parts.plan.attention, parts.rank_layout, parts.heads, parts.capacity, parts.cache,
-                     parts.decoder, parts.weights, lambda: {"hybrid": hybrid_layout_report(parts, state.rank)}, parts)
+                     parts.decoder, parts.weights,
+                     lambda: ModuleReport(hybrid_record=hybrid_layout_report(parts, state.rank)), parts)
 
 
 # the builder of each engine module an attention component names

@@ -10,7 +10,7 @@ Every rank calls the same methods in the same order (lockstep); all ranks return
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 
@@ -20,9 +20,10 @@ from harness.engine.decoders import RankBuild, build_rank
 from harness.engine.faults import FaultFlags
 from harness.engine.model import Batch, Capture
 from harness.engine.parallel import ParallelState
-from harness.engine.parallelize import actual_layout
+from harness.engine.parallelize import rank_report
 from harness.errors import ConfigError
 from harness.layout import ROUND_ROBIN, Placement
+from harness.rankreport import RankReport, StoredPositions
 from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
 
@@ -114,7 +115,7 @@ class Engine:
         self.flags = flags
         self.dtype = TORCH_DTYPES[dtype or spec.dtype]
         self.pool = pool
-        self._owner_probe: dict[str, Any] | None = None  # the first decode-path sequence's stored positions
+        self._owner_probe: StoredPositions | None = None  # the first decode-path sequence's stored positions
         self.model = model_of(spec)  # its components: the attention's engine module builds the decoder (decoders.py)
         topology = Topology(tp=state.tp, dcp=state.dcp, speculator=speculator, q_replicated=q_replicated, ep=ep,
                             interleave=placement.size, contiguous=placement.kind == "contiguous")
@@ -129,14 +130,12 @@ class Engine:
     def max_batch(self) -> int:
         return self.capacity.slots
 
-    def layout_report(self) -> dict[str, Any]:
-        extra = self._report()  # the entries of the model's other components (MLA, linear attention, MoE)
-        sums = extra.pop("kv_weight_checksums", None)
-        report = actual_layout(self.rank_layout, self.heads, self._weights, self.spec, self.cache.pool_bytes,
-                               self.capacity.blocks, sums)
-        if self._owner_probe is not None:
-            report["stored_positions"] = self._owner_probe
-        return {**report, **extra}
+    def layout_report(self) -> RankReport:
+        """What this rank holds (layout.json's rank report), with its MLA or hybrid record."""
+        extra = self._report()  # what the attention component's engine module adds (decoders.py)
+        return rank_report(self.rank_layout, self.heads, self._weights, self.spec, self.cache.pool_bytes,
+                           self.capacity.blocks, extra.checksums, extra.kv_bytes_per_token, self._owner_probe,
+                           extra.mla_record, extra.hybrid_record)
 
     # -- building blocks ---------------------------------------------------------------------------
 
@@ -234,8 +233,7 @@ class Engine:
                     sites[b].append(torch.stack([c[j, 0] for c in cap.collectives]))  # [L, sites]
         if self._owner_probe is None:  # what this rank stored of the first sequence, for the layout check
             first = self.cache.seqs[ids[0]]
-            self._owner_probe = {"length": len(seqs[0]), "prompt_len": first.prompt_len,
-                                 "positions": list(first.positions)}
+            self._owner_probe = StoredPositions(len(seqs[0]), first.prompt_len, tuple(first.positions))
         self.cache.close(ids)
         return [DecodePath(logits=torch.stack(lg), hidden=torch.stack(hd, dim=1),
                            attn=self._gather_heads(torch.stack(at, dim=1)),

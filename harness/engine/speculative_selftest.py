@@ -40,8 +40,9 @@ def run(config: dict[str, Any]) -> dict[str, Any] | None:
     prompts = [list(p) for p in config["prompts"]]
     target = Engine(spec, weights, state, pool=pool)
     plain = target.generate(prompts, config["max_new_tokens"]).tokens
-    out: dict[str, Any] = {"topology": {"tp": tp, "dcp": dcp}, "plain": plain,
-                           "target_layout": state.gather_objects(target.layout_report()), "cases": []}
+    target_layout = [r.to_json() for r in state.gather_objects(target.layout_report())]
+    out: dict[str, Any] = {"topology": {"tp": tp, "dcp": dcp}, "plain": plain, "target_layout": target_layout,
+                           "cases": []}
     for kind, fault in config["cases"]:
         flags = fault_flags(fault, Topology(tp=tp, dcp=dcp, speculator=kind))
         case_target = target if fault is None else Engine(spec, weights, state, flags, pool)

@@ -40,10 +40,11 @@ from harness.engine.faults import FaultFlags
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.model import Decoder, HeadMap, Hyper, LocalWeights, rms_norm
 from harness.engine.parallel import ParallelState
-from harness.engine.parallelize import actual_layout, head_map, shard_weights
+from harness.engine.parallelize import head_map, rank_report, shard_weights
 from harness.engine.weights import seeded_generator, synthetic_weights
 from harness.errors import ConfigError
 from harness.layout import LayoutPlan, plan_layout, plan_speculator, slot_pool
+from harness.rankreport import RankReport, SpeculatorReport, entry_json
 from harness.specs.loader import build
 from harness.specs.model import ModelSpec
 
@@ -257,19 +258,18 @@ class Speculator:
 
     # -- layout report -----------------------------------------------------------------------------------
 
-    def layout_report(self) -> dict[str, Any]:
-        """This rank's actual speculator layout (same keys as the target's; see parallelize.actual_layout)."""
-        return actual_layout(self.rank_layout, self.heads, self._weights, self.spec, self.cache.pool_bytes,
-                             self.capacity.blocks)
+    def layout_report(self) -> RankReport:
+        """This rank's actual speculator layout (a plain TP layout; parallelize.rank_report)."""
+        return rank_report(self.rank_layout, self.heads, self._weights, self.spec, self.cache.pool_bytes,
+                           self.capacity.blocks)
 
-    def layout_entry(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    def layout_entry(self, ranks: Sequence[RankReport]) -> dict[str, Any]:
         """layout.json's "speculator" entry from every rank's layout_report(), in rank order. Its "pool"
         carries the budget the planner grants (slots x plain-TP slot size), which the speculator_layout
         check re-sizes with plan_speculator; a pool sized from another plan shows as a mismatch."""
-        return {"kind": self.kind, "layers": self.spec.layers, "slots": self.granted.slots,
-                "ranks": ranks, "pool": {"budget_bytes": self.granted.budget_bytes,
-                                         "max_seq_len": self.pool.max_seq_len,
-                                         "block_size": self.pool.block_size}}
+        return entry_json(ranks, {"budget_bytes": self.granted.budget_bytes, "max_seq_len": self.pool.max_seq_len,
+                                  "block_size": self.pool.block_size},
+                          SpeculatorReport(kind=self.kind, layers=self.spec.layers, slots=self.granted.slots))
 
 
 def speculator_for(engine: Engine, kind: str, target_weights: Mapping[str, torch.Tensor],

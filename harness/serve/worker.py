@@ -23,6 +23,7 @@ from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights, weights_hash
 from harness.errors import ConfigError, HarnessError, RunError
 from harness.limits import COLLECTIVE_TIMEOUT_S
+from harness.rankreport import entry_json
 from harness.serve.dialects import Limits, Vocabulary
 from harness.serve.executor import execute
 from harness.serve.listen import ListenError, address, bind_socket
@@ -161,7 +162,7 @@ def serve(config: ServeConfig) -> None:
         print(kv_capacity_line(engine, speculator), flush=True)
         name = config.served_model_name or spec.name
         info = {"engine": "harness-serve", "model": spec.to_dict(), "topology": topo.to_dict(), "fault": config.fault,
-                "weights_hash": weights_hash(weights), "layout": {"ranks": layouts, "pool": pool.to_dict()},
+                "weights_hash": weights_hash(weights), "layout": entry_json(layouts, pool.to_dict()),
                 "threads_per_rank": threads, "collectives": state.collectives_path}
         limits = Limits(vocab=spec.vocab, max_model_len=pool.max_seq_len, max_logprobs=config.max_logprobs)
         vocab = Vocabulary(encode=tokenizer.encode, decode=tokenizer.decode)
