@@ -23,7 +23,10 @@ from harness.arch.model import model_of
 from harness.arch.plan import plan_model
 from harness.arch.scope import OWNED_FAULTS
 from harness.cli.plan import plan_document
+from harness.engine.engine import Engine, PoolSettings
 from harness.engine.faults import FAULTS
+from harness.engine.parallel import ParallelState
+from harness.engine.weights import load_weights
 from harness.errors import ConfigError
 from harness.hybrid_layout import plan_hybrid
 from harness.layout import plan_layout, plan_speculator
@@ -143,3 +146,15 @@ def test_the_faults_components_own_are_faults() -> None:
     """A component's fault set names faults of the registry (a typo would leave a fault never inert)."""
     owned = OWNED_FAULTS | LAYOUT_FAULTS | DENSE_PLAN_FAULTS
     assert owned <= set(FAULTS), owned - set(FAULTS)
+
+
+@pytest.mark.parametrize("name", ["tiny-gqa", "tiny-mla", "tiny-hybrid"])
+def test_each_component_s_report_fields_are_in_the_rank_report(name: str) -> None:
+    """The rank-report fields a component's layout check reads are those the engine writes for it."""
+    spec = load_model(name)
+    engine = Engine(spec, load_weights(spec), ParallelState.single(), pool=PoolSettings(max_seq_len=64))
+    written = engine.layout_report().to_json()
+    for component in model_of(spec).components:
+        for field in component.report_fields:
+            head, _, rest = field.partition(".")
+            assert head in written and (not rest or rest in written[head]), (component.name, field)
