@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -158,3 +161,17 @@ def test_each_component_s_report_fields_are_in_the_rank_report(name: str) -> Non
         for field in component.report_fields:
             head, _, rest = field.partition(".")
             assert head in written and (not rest or rest in written[head]), (component.name, field)
+
+
+@pytest.mark.parametrize(("model", "topo", "error"), [
+    ("tiny-hybrid", "tp4dcp2c", "model tiny-hybrid is a hybrid model: its attention layers run round-robin DCP"),
+    ("tiny-gqa", "tp4ep2", "ep=2 needs a MoE model; tiny-gqa is dense (no hybrid.experts)")])
+def test_harness_serve_refuses_a_model_plan_does_not_split(model: str, topo: str, error: str) -> None:
+    """`harness serve` plans the whole model before any rank starts: one line, exit 2 (a split that
+    only a component refuses too)."""
+    proc = subprocess.run([sys.executable, "-m", "harness", "serve", "--model", model, "--topo", topo, "--port", "0"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                                                            "HF_DATASETS_OFFLINE": "1"})
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"harness: error: {error}")
