@@ -75,5 +75,5 @@ class Component(ABC):
         return None
 
     @abstractmethod
-    def plan(self, spec: ModelSpec, topo: Topology, done: Mapping[str, Any]) -> dict[str, Any]:
-        """This component's fields of the ModelPlan (plan.py), given those of the components before it."""
+    def plan(self, spec: ModelSpec, topo: Topology) -> dict[str, Any]:
+        """This component's fields of the ModelPlan (plan.py)."""

@@ -5,7 +5,7 @@ partition math of harness/layout.py, mla_layout.py and hybrid_layout.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 from harness.arch.component import Component, FaultEffects, FaultSite
 from harness.errors import ConfigError
@@ -89,7 +89,7 @@ class Attention(Component):
     engine_module: ClassVar[str] = "harness.engine.model"
     report_fields: ClassVar[tuple[str, ...]] = ATTENTION_FIELDS
 
-    def plan(self, spec: ModelSpec, topo: Topology, done: Mapping[str, Any]) -> dict[str, Any]:
+    def plan(self, spec: ModelSpec, topo: Topology) -> dict[str, Any]:
         return {"attention": plan_layout(spec.attention_shape, topo.tp, topo.dcp, placement=topo.placement,
                                          q_replicated=topo.q_replicated)}
 
@@ -107,7 +107,7 @@ class LatentAttention(Component):
                                                                    "latent_dim", "kv_bytes_per_token")
     faults: ClassVar[frozenset[str]] = frozenset({"mla-rope-local-slot", "q-replicated-own-slice"})
 
-    def plan(self, spec: ModelSpec, topo: Topology, done: Mapping[str, Any]) -> dict[str, Any]:
+    def plan(self, spec: ModelSpec, topo: Topology) -> dict[str, Any]:
         mla = plan_mla(spec.attention_shape, spec.mla_shape, topo.tp, topo.dcp, topo.placement, topo.q_replicated)
         return {"attention": mla.base, "latent": mla}
 
@@ -142,7 +142,7 @@ class GatedAttention(Component):
     def __init__(self, shape: HybridShape) -> None:
         self.shape = shape
 
-    def plan(self, spec: ModelSpec, topo: Topology, done: Mapping[str, Any]) -> dict[str, Any]:
+    def plan(self, spec: ModelSpec, topo: Topology) -> dict[str, Any]:
         validate(spec.attention_shape, topo.tp, topo.dcp)
         validate_q_mode(spec.attention_shape, topo.dcp, topo.q_replicated)
         check_hybrid_dcp(spec, topo.placement, topo.q_replicated)
@@ -185,7 +185,7 @@ class MoE(Component):
     def __init__(self, shape: HybridShape) -> None:
         self.shape = shape
 
-    def plan(self, spec: ModelSpec, topo: Topology, done: Mapping[str, Any]) -> dict[str, Any]:
+    def plan(self, spec: ModelSpec, topo: Topology) -> dict[str, Any]:
         return {"moe": plan_moe(self.shape, topo.tp, topo.ep)}
 
     def inert_reason(self, site: FaultSite) -> str | None:
@@ -217,7 +217,7 @@ class GatedDeltaNet(Component):
     def __init__(self, shape: HybridShape) -> None:
         self.shape = shape
 
-    def plan(self, spec: ModelSpec, topo: Topology, done: Mapping[str, Any]) -> dict[str, Any]:
+    def plan(self, spec: ModelSpec, topo: Topology) -> dict[str, Any]:
         kinds = layer_kinds(spec.layers, self.shape.full_attention_interval)
         return {"linear": plan_linear(self.shape, kinds.count(LINEAR), topo.tp, topo.dcp)}
 
@@ -242,5 +242,5 @@ class Speculator(Component):
     def __init__(self, copies_target: bool = True) -> None:
         self.copies_target = copies_target
 
-    def plan(self, spec: ModelSpec, topo: Topology, done: Mapping[str, Any]) -> dict[str, Any]:
+    def plan(self, spec: ModelSpec, topo: Topology) -> dict[str, Any]:
         return {"speculator": plan_speculator(spec.speculator_shape, topo.tp)}

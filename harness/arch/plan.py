@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.arch.component import Component, PlanError
-from harness.arch.components import GatedPlan
+from harness.arch.components import GatedPlan, MoE
 from harness.arch.model import Model
 from harness.errors import ConfigError
 from harness.hybrid_layout import HybridPlan, LinearPlan, MoePlan
@@ -46,16 +46,17 @@ def plan_model(model: Model, topology: Topology) -> ModelPlan:
     does not split, and for ep > 1 without a component that takes expert parallel."""
     parts: dict[str, Any] = {}
     for component in model.components:
-        parts.update(_planned(component, model, topology, parts))
+        parts.update(_planned(component, model, topology))
     if topology.ep > 1 and not model.takes_ep:
-        raise PlanError(f"ep={topology.ep} needs a MoE model; {model.spec.name} is dense (no hybrid.experts)", "moe")
+        raise PlanError(f"ep={topology.ep} needs a MoE model; {model.spec.name} is dense (no hybrid.experts)",
+                        MoE.name)
     if topology.speculator != "none":
-        parts.update(_planned(model.speculator, model, topology, parts))
+        parts.update(_planned(model.speculator, model, topology))
     return ModelPlan(model=model, topology=topology, **parts)
 
 
-def _planned(component: Component, model: Model, topology: Topology, parts: dict[str, Any]) -> dict[str, Any]:
+def _planned(component: Component, model: Model, topology: Topology) -> dict[str, Any]:
     try:
-        return component.plan(model.spec, topology, parts)
+        return component.plan(model.spec, topology)
     except ConfigError as exc:
         raise PlanError(str(exc), component.name) from exc
