@@ -15,9 +15,9 @@ import yaml
 
 from harness.backends.http import HttpBackend
 from harness.contract import Job
-from harness.engine.engine import PoolSettings
 from harness.specs.checkpoint import load_model
 from harness.specs.engine import load_engine
+from harness.specs.pool import PoolSettings
 from harness.specs.topology import parse_topology_name
 
 ROOT = Path(__file__).resolve().parents[1]

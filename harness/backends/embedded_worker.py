@@ -27,7 +27,7 @@ from harness.backends.workload_run import run_workloads, teacher_forced
 from harness.cases import build_cases, build_workload_cases, prompts_hash, workload_manifest
 from harness.contract import Job
 from harness.engine import ENGINE_VERSION
-from harness.engine.engine import Engine, Generation, PoolSettings
+from harness.engine.engine import Engine, Generation
 from harness.engine.faults import fault_flags
 from harness.engine.parallel import ParallelState
 from harness.engine.speculative import run_speculative_cases, spec_manifest, spec_tensors
@@ -35,6 +35,7 @@ from harness.engine.speculator import SpeculativeSettings, speculator_for
 from harness.engine.tokenizer import Tokenizer, load_tokenizer, tokenizer_hash
 from harness.engine.weights import load_weights, weights_hash
 from harness.jsonio import write_json
+from harness.specs.pool import PoolSettings
 from harness.specs.workload import WorkloadPlan
 
 INJECT_ENV = "HARNESS_INJECT_RANK_FAILURE"  # "crash|hang|kill|stop:R": test hook for the launcher's error path

@@ -66,7 +66,6 @@ from harness.backends.http_server import (
 )
 from harness.backends.http_workloads import case_groups, collect_workloads
 from harness.contract import Capabilities, Job, LaunchResult
-from harness.engine.engine import PoolSettings
 from harness.engine.faults import FAULTS
 from harness.engine.tokenizer import load_tokenizer
 from harness.errors import ConfigError, RunError
@@ -74,6 +73,7 @@ from harness.fmt import id_ranges
 from harness.jsonio import write_json
 from harness.specs.engine import load_engine
 from harness.specs.model import ModelSpec
+from harness.specs.pool import PoolSettings
 from harness.specs.topology import Topology
 
 HOST = "127.0.0.1"

@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from harness.engine.engine import TORCH_DTYPES, Engine, PoolSettings, build_batch
+from harness.engine.engine import TORCH_DTYPES, Engine, build_batch
 from harness.engine.faults import FaultFlags
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.model import Decoder, HeadMap, Hyper, LocalWeights, rms_norm
@@ -45,6 +45,7 @@ from harness.errors import ConfigError
 from harness.layout import LayoutPlan, plan_layout, plan_speculator, slot_pool
 from harness.specs.loader import build
 from harness.specs.model import ModelSpec
+from harness.specs.pool import PoolSettings
 
 SPECULATOR_KINDS: tuple[str, ...] = ("draft", "mtp")
 NOISE_SALT = 0x5EED_D2AF  # keeps the draft's noise independent of the synthetic init's draws

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from harness.engine.engine import Engine, PoolSettings
+from harness.engine.engine import Engine
 from harness.engine.faults import fault_flags
 from harness.engine.parallel import ParallelState
 from harness.engine.speculative import SpeculativeDecoder
@@ -28,6 +28,7 @@ from harness.serve.executor import execute
 from harness.serve.listen import ListenError, address, bind_socket
 from harness.serve.lockstep import Lockstep
 from harness.specs.model import ModelSpec, model_from_dict
+from harness.specs.pool import PoolSettings
 from harness.specs.topology import Topology
 from harness.verdict import ExitCode
 
