@@ -199,7 +199,9 @@ class LaunchResult:
 @runtime_checkable
 class Backend(Protocol):
     """An engine the harness can drive. Implementations live in harness/backends/ or in a separate
-    package registered under the `harness.backends` entry point group."""
+    package registered under the `harness.backends` entry point group, and subclass this protocol: the
+    optional parts (engine_build, engine_env, engine_fault) have defaults here that say the backend has
+    no such feature, so a backend defines only what it has."""
 
     name: str
 
@@ -227,6 +229,21 @@ class Backend(Protocol):
     def run(self, job: Job, timeout_s: float) -> LaunchResult:
         """Run `job`, writing the run directory at job.out_dir; always leaves a manifest.json."""
         ...
+
+    # -- optional: the defaults say the backend has no such feature ------------------------------------
+
+    def engine_build(self) -> str:
+        """The build label of the engine it runs (harness/backends/build.py); '' when it names none."""
+        return ""
+
+    def engine_env(self) -> dict[str, str]:
+        """The engine's own environment variables its runs use (an HTTP template's engine_env); {} when none."""
+        return {}
+
+    def engine_fault(self) -> str | None:
+        """"VAR=VALUE" of the engine-side fault variables set for its runs (template engine_faults); None
+        when it injects none."""
+        return None
 
 
 def recorded_capabilities(manifest: dict[str, Any]) -> Capabilities | None:

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from harness.artifacts import RunArtifacts, run_capabilities
-from harness.backends.base import backend_record, engine_build, engine_env, engine_fault
-from harness.backends.build import with_build
+from harness.backends.base import backend_record
+from harness.backends.build import LabelledBackend, with_build
 from harness.backends.embedded import EmbeddedBackend
 from harness.backends.registry import DEFAULT_ENGINE, get_backend
 from harness.checks.context import CellContext, CellInfo
@@ -279,7 +279,8 @@ class Runner:
         (RunRequest.reproduce) and the cell's topology, model (by path when given by path), seed and fault."""
         refs = dict(self.req.model_refs)
         shared = list(self.req.reproduce) or ["--suite", self.req.suite.name]
-        env = [f"{k}={shlex.quote(v)}" for k, v in {**engine_env(self.ref_backend), **engine_env(self.backend)}.items()]
+        engine_env = {**self.ref_backend.engine_env(), **self.backend.engine_env()}
+        env = [f"{k}={shlex.quote(v)}" for k, v in engine_env.items()]
         parts = ["harness", "run", *shared, "--topo", cell.topology.name,
                  "--model", refs.get(cell.model.name, cell.model.name), "--seed", str(cell.seed)]
         if cell.fault:
@@ -293,14 +294,14 @@ class Runner:
     def _fault(self, cell: CellPlan) -> str | None:
         """The cell's fault: the harness's (--fault), else the engine-side one its environment sets
         ("HARNESS_VLLM_FAULT=kv-shard", template engine_faults): either makes the cell a positive control."""
-        return cell.fault or engine_fault(self.backend)
+        return cell.fault or self.backend.engine_fault()
 
     def run_cell(self, cell: CellPlan) -> CellResult | list[CellResult]:
         """The cell's launch and its checks: one result per workload, or one SKIP / ERROR for all of them."""
         base = dict(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
                     fault=self._fault(cell), seed=cell.seed, command=self.command(cell), engine=self.backend.name,
-                    reference_engine=self.ref_backend.name, engine_env=engine_env(self.backend),
-                    engine_build=engine_build(self.backend))
+                    reference_engine=self.ref_backend.name, engine_env=self.backend.engine_env(),
+                    engine_build=self.backend.engine_build())
         if cell.skip_reason:
             return CellResult(**base, checks=(CheckResult("cell", Verdict.SKIP, cell.skip_reason),), clean_exit=True)
         try:
@@ -395,7 +396,7 @@ class Runner:
 
     def _on_nodes(self, job: Job, nodes: NodeLaunch) -> LaunchResult:
         """The parallel run of a cell that spans the nodes: only the embedded engines launch over nodes."""
-        backend = getattr(self.backend, "inner", self.backend)  # a build-labelled backend: the one it labels
+        backend = self.backend.inner if isinstance(self.backend, LabelledBackend) else self.backend
         if not isinstance(backend, EmbeddedBackend):
             raise ConfigError(f"engine {self.backend.name!r} cannot run over several nodes from the harness")
         return backend.run_on_nodes(job, self.req.timeout_s, nodes)
@@ -434,7 +435,7 @@ class Runner:
                 got = CellResult(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
                                  fault=self._fault(cell), seed=cell.seed, command=self.command(cell),
                                  engine=self.backend.name, reference_engine=self.ref_backend.name,
-                                 engine_env=engine_env(self.backend), engine_build=engine_build(self.backend),
+                                 engine_env=self.backend.engine_env(), engine_build=self.backend.engine_build(),
                                  checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False)
             for result in (got if isinstance(got, list) else self.per_workload(cell, got)):
                 self._record(i, len(cells), cell, result, results)
@@ -471,7 +472,7 @@ class Runner:
                 "suite": self.req.suite.name, "suite_version": self.req.suite.version,
                 "reference": self.reference_topology.name, "engine": self.backend.name,
                 "engine_version": self.backend.version(), "reference_engine": self.ref_backend.name,
-                **({"engine_build": engine_build(self.backend)} if engine_build(self.backend) else {}),
+                **({"engine_build": self.backend.engine_build()} if self.backend.engine_build() else {}),
                 "backends": {"parallel": backend_record(self.backend), "reference": backend_record(self.ref_backend)},
                 **({"shard": str(self.req.shard)} if self.req.shard else {}),
                 **({"nnodes": self.req.nodes.nnodes} if self.req.nodes else {})}

@@ -65,7 +65,7 @@ from harness.backends.http_server import (
     wait_ready,
 )
 from harness.backends.http_workloads import case_groups, collect_workloads
-from harness.contract import Capabilities, Job, LaunchResult
+from harness.contract import Backend, Capabilities, Job, LaunchResult
 from harness.engine.faults import FAULTS
 from harness.engine.tokenizer import load_tokenizer
 from harness.errors import ConfigError, RunError
@@ -165,7 +165,7 @@ def refusal(patterns: tuple[str, ...], logs: list[Path]) -> str | None:
     return None
 
 
-class HttpBackend:
+class HttpBackend(Backend):
     """An engine template driven over HTTP: `template` is a shipped name (engines/NAME.yaml) or the path of
     a template file (the registry's target for every template). `option` is the URL for templates that
     attach (openai)."""

@@ -18,7 +18,7 @@ from typing import Any
 
 from harness import __version__
 from harness import contract as c
-from harness.contract import Capabilities, Job, LaunchResult
+from harness.contract import Backend, Capabilities, Job, LaunchResult
 from harness.errors import ConfigError, RunError
 from harness.jsonio import read_json, write_json
 from harness.specs.model import ModelSpec
@@ -31,7 +31,7 @@ def _job_content(job: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in job.items() if k not in VOLATILE_JOB_KEYS}
 
 
-class ReplayBackend:
+class ReplayBackend(Backend):
     """Stored run directories under one folder, matched to jobs."""
 
     name = "replay"

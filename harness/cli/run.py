@@ -143,7 +143,6 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     require_writable_dir(cache_dir, "--cache-dir")
     require_device(args.device, [t.tp for t in topologies])
     require_launch_settings(dict(os.environ))
-    from harness.backends.base import engine_build
     from harness.backends.build import check_label
     from harness.backends.registry import get_backend
     # an unknown engine, a bad option, a build label that is none or a template build command that fails:
@@ -152,7 +151,7 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     if args.reference_engine:
         engines.append(get_backend(args.reference_engine))
     for backend in engines if args.engine_build is None else engines[1:]:
-        engine_build(backend)
+        backend.engine_build()
     runs_workloads = all(e.capabilities().has(WORKLOADS) for e in engines)
     workloads = selected_workloads(suite, args.workload, max_seq_len if runs_workloads else None)
     nodes = parse_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint,
