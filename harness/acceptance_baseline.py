@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING, Any, Mapping
 from harness.acceptance import total_variation
 from harness.baseline_store import BaselineSet, measured_by, provenance_of, read_entries, unrecordable, write_file
 from harness.compare.settings import AcceptanceSettings
-from harness.contract import JOB_FILE, MANIFEST_PROMPTS_HASH, MANIFEST_WEIGHTS_HASH
+from harness.contract import JOB_FILE, MANIFEST_PROMPTS_HASH, MANIFEST_WEIGHTS_HASH, Job
 from harness.errors import ConfigError, RunError
-from harness.jsonio import read_json
 from harness.paths import BASELINES_DIR
 from harness.specs.loader import check_keys, expect_int
+from harness.specs.speculative import SpeculativeSettings
 from harness.verdict import CellResult, CheckResult, Verdict
 
 if TYPE_CHECKING:  # torch only where runs are read: `harness report` / `plan` / `baseline` stay light
@@ -87,8 +87,10 @@ class AcceptanceKey:
         settings = data.get("settings") or {}
         if not isinstance(settings, Mapping):
             raise ConfigError(f"{where}: settings must be a mapping, got {settings!r}")
+        k = expect_int(where, "k", data["k"], minimum=1)
         return cls(model=str(data["model"]), engine=str(data["engine"]), speculator=str(data["speculator"]),
-                   k=expect_int(where, "k", data["k"], minimum=1), settings=tuple(sorted(settings.items())),
+                   k=k, settings=other_settings(SpeculativeSettings.from_mapping({**settings, "k": k},
+                                                                                 f"{where}: settings")),
                    dtype=str(data["dtype"]), weights_hash=str(data["weights_hash"]),
                    prompts_hash=str(data["prompts_hash"]),
                    max_new_tokens=expect_int(where, "max_new_tokens", data["max_new_tokens"], minimum=1))
@@ -174,6 +176,12 @@ def write_acceptance(baselines: AcceptanceBaselines, path: Path) -> None:
                "(harness/compare/settings.py).\n", baselines.to_dict())
 
 
+def other_settings(settings: SpeculativeSettings) -> tuple[tuple[str, Any], ...]:
+    """The key's settings: every speculator setting but k (its own key field), sorted, defaults included
+    (a stored key that names fewer reads with the defaults filled in)."""
+    return tuple(sorted((name, value) for name, value in settings.to_dict().items() if name != "k"))
+
+
 def key_of_run(run: RunArtifacts, model: str, engine: str) -> AcceptanceKey:
     """The baseline key of a -draft / -mtp run directory (its manifest and job.json)."""
     spec = run.manifest.get("speculative")
@@ -182,13 +190,16 @@ def key_of_run(run: RunArtifacts, model: str, engine: str) -> AcceptanceKey:
     job_path = run.path / JOB_FILE
     if not job_path.is_file():
         raise RunError(f"{run.path}: no {JOB_FILE} (the speculator settings and max_new_tokens)")
-    job = read_json(job_path)
-    settings = {n: v for n, v in dict(job.get("speculative") or {}).items() if n != "k"}
+    try:
+        job = Job.load(job_path)
+    except ConfigError as exc:
+        raise RunError(f"{job_path}: {exc}") from exc
     return AcceptanceKey(model=model, engine=engine, speculator=str(spec["kind"]), k=int(spec["k"]),
-                         settings=tuple(sorted(settings.items())), dtype=str(run.manifest.get("dtype")),
+                         settings=other_settings(job.speculative or SpeculativeSettings()),
+                         dtype=str(run.manifest.get("dtype")),
                          weights_hash=str(run.manifest.get(MANIFEST_WEIGHTS_HASH)),
                          prompts_hash=str(run.manifest.get(MANIFEST_PROMPTS_HASH)),
-                         max_new_tokens=int(job["max_new_tokens"]))
+                         max_new_tokens=job.max_new_tokens)
 
 
 def gate_acceptance(baselines: AcceptanceBaselines, key: AcceptanceKey, mean: float, hist: list[int] | None,

@@ -27,6 +27,7 @@ from harness.contract import (
     SCHEDULE_SEQUENTIAL,
     WORKLOADS,
     Backend,
+    GSM8KJob,
     Job,
     LaunchResult,
 )
@@ -45,6 +46,8 @@ from harness.report.provenance import collect_provenance, git_commit
 from harness.shard import Shard, shard_cells
 from harness.specs.hybrid_plan import plan_model
 from harness.specs.model import ModelSpec
+from harness.specs.pool import PoolSettings
+from harness.specs.speculative import SpeculativeSettings
 from harness.specs.suite import Suite
 from harness.specs.topology import Topology, parse_topology_name
 from harness.specs.workload import SUITE_PROMPTS, Workload
@@ -184,14 +187,16 @@ class Runner:
             dtype: str | None = None) -> Job:
         s, req = self.req.suite, self.req
         noise = fault in PERTURBATIONS or dtype not in (None, model.dtype)  # the noise run skips GSM8K
-        gsm8k = ({"settings": req.gsm8k.to_dict(), "data_path": req.gsm8k_data}
+        gsm8k = (GSM8KJob(req.gsm8k.to_dict(), req.gsm8k_data)
                  if req.gsm8k is not None and not noise else None)
-        return Job(model=seeded(model, seed), topology=topo, prompts=list(s.prompts),
+        return Job(model=seeded(model, seed), topology=topo, prompts=tuple(s.prompts),
                    out_dir=str(out_dir), fault=fault, dtype=dtype, seed=seed, max_new_tokens=s.max_new_tokens,
-                   decode_prefix_tokens=s.decode_prefix_tokens, pool=dict(req.pool), device=req.device,
-                   collective_timeout_s=req.collective_timeout_s, git_commit=self._commit, gsm8k=gsm8k,
-                   speculative=dict(s.speculative) if topo.speculator != "none" else {},
-                   workloads=[w.to_dict() for w in self.workloads] if self.workload_names != (SUITE_PROMPTS,) else [])
+                   decode_prefix_tokens=s.decode_prefix_tokens, pool=PoolSettings.from_dict(dict(req.pool)),
+                   device=req.device, collective_timeout_s=req.collective_timeout_s, git_commit=self._commit,
+                   gsm8k=gsm8k,
+                   speculative=(SpeculativeSettings.from_mapping(s.speculative) if topo.speculator != "none"
+                                else None),
+                   workloads=self.workloads if self.workload_names != (SUITE_PROMPTS,) else ())
 
     @property
     def workloads(self) -> tuple[Workload, ...]:

@@ -73,10 +73,10 @@ class ReplayBackend(Backend):
             if manifest.get("status") != "ok":
                 continue
             if (run / c.JOB_FILE).is_file():
-                try:
-                    if _job_content(read_json(run / c.JOB_FILE)) == want:
+                try:  # parsed and written again: a job.json of an earlier harness compares as the job it means
+                    if _job_content(Job.load(run / c.JOB_FILE).to_dict()) == want:
                         return run
-                except RunError:
+                except (RunError, ConfigError):
                     pass
                 continue
             topo, model = manifest.get("topology") or {}, manifest.get("model") or {}

@@ -110,13 +110,13 @@ def run_id(suite: str) -> str:
 def build_request(args: argparse.Namespace) -> "RunRequest":
     """Resolve and validate everything a run needs; every bad input is one ConfigError, before launching."""
     from harness.checks.settings import CheckSettings
-    from harness.engine.speculator import SpeculativeSettings
     from harness.engine.tokenizer import load_tokenizer
     from harness.engine.weights import validate_checkpoint
     from harness.gsm8k.data import resolve_source
     from harness.gsm8k.settings import gsm8k_settings
     from harness.paths import default_cache_dir
     from harness.runner import RunRequest
+    from harness.specs.speculative import SpeculativeSettings
 
     suite = with_profile(load_suite(args.suite), args.profile)
     catalog = load_catalog()
