@@ -23,6 +23,7 @@ from harness.limits import COLLECTIVE_TIMEOUT_S
 from harness.specs.loader import check_keys
 from harness.specs.model import ModelSpec, model_from_dict
 from harness.specs.pool import PoolSettings
+from harness.specs.send_schedule import SendSchedule
 from harness.specs.speculative import SpeculativeSettings
 from harness.specs.topology import Topology
 from harness.specs.workload import Workload
@@ -185,10 +186,9 @@ class Job:
     # how the topology's speculator speculates; None when the topology has none
     speculative: SpeculativeSettings | None = None
     schedule: str = SCHEDULE_BATCHED
-    # how an HTTP run sends the cases' requests (harness/backends/http_send.py: "one-at-a-time", "all-at-once",
-    # "staggered", with parameters; SendSchedule.parse reads it in the HTTP backend's layer); None: all cases in
-    # one request (one at a time for the noise twin)
-    request_schedule: str | Mapping[str, Any] | None = None
+    # how an HTTP run sends the cases' requests (harness/backends/http_send.py: one-at-a-time, all-at-once,
+    # staggered, with parameters); None: all cases in one request (one at a time for the noise twin)
+    request_schedule: SendSchedule | None = None
     # the workloads whose cases the run holds, in case order, resolved; each names how its requests are
     # sent ("schedule", "join_per_step"). (): the suite's prompts only
     workloads: tuple[Workload, ...] = ()
@@ -209,7 +209,8 @@ class Job:
                 "collective_timeout_s": self.collective_timeout_s, "git_commit": self.git_commit,
                 "gsm8k": self.gsm8k.to_dict() if self.gsm8k is not None else None,
                 "speculative": self.speculative.to_dict() if self.speculative is not None else {},
-                "schedule": self.schedule, "request_schedule": copy.deepcopy(self.request_schedule),
+                "schedule": self.schedule,
+                "request_schedule": self.request_schedule.to_dict() if self.request_schedule is not None else None,
                 "workloads": [w.to_dict() for w in self.workloads]}
 
     @classmethod
@@ -219,7 +220,8 @@ class Job:
         names = tuple(f.name for f in fields(cls))
         check_keys("job", data, names, required=("model", "topology", "prompts", "out_dir"))
         rest = {k: v for k, v in data.items() if k not in ("model", "topology", "pool", "gsm8k", "speculative",
-                                                           "workloads", "prompts")}
+                                                           "workloads", "prompts", "request_schedule")}
+        sends = data.get("request_schedule")
         return cls(model=model_from_dict("job", data["model"]),
                    topology=Topology.from_dict(data["topology"], where="job topology"),
                    prompts=tuple(str(p) for p in data["prompts"]),
@@ -227,7 +229,8 @@ class Job:
                    gsm8k=GSM8KJob.from_dict(data["gsm8k"]) if data.get("gsm8k") else None,
                    speculative=(SpeculativeSettings.from_mapping(data["speculative"], "job speculative")
                                 if data.get("speculative") else None),
-                   workloads=tuple(Workload.from_dict(w) for w in data.get("workloads") or ()), **rest)
+                   workloads=tuple(Workload.from_dict(w) for w in data.get("workloads") or ()),
+                   request_schedule=SendSchedule.parse(sends) if sends is not None else None, **rest)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())

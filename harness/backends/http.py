@@ -474,7 +474,7 @@ def request_schedule(job: Job) -> SendSchedule | None:
     sequential job), whose requests go one at a time as always; None: today's sending."""
     if job.request_schedule is None or job.schedule != c.SCHEDULE_BATCHED:
         return None
-    return SendSchedule.parse(job.request_schedule)
+    return job.request_schedule
 
 
 def probe_dir(log_path: Path) -> Path:
