@@ -26,6 +26,7 @@ from harness.layout import ROUND_ROBIN, LayoutPlan, Placement, pool_capacity
 from harness.rankreport import RankReport, StoredPositions
 from harness.specs.hybrid_plan import check_hybrid_dcp
 from harness.specs.model import ModelSpec
+from harness.specs.pool import PoolSettings
 
 MIN_SHARED_PREFIX_BLOCKS = 1  # generate() computes a common prompt prefix once when it spans this many KV blocks
 StopCheck = Callable[[int, list[int]], bool]  # (prompt index, its new tokens so far) -> stop now?
@@ -33,16 +34,6 @@ Abandoned = Callable[[], Collection[int]]  # asked once per step: prompt indices
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                         "float16": torch.float16, "float64": torch.float64}
-
-
-@dataclass(frozen=True)
-class PoolSettings:
-    budget_bytes: int = 256 * 1024 ** 2
-    max_seq_len: int = 1024
-    block_size: int = 16
-
-    def to_dict(self) -> dict[str, int]:
-        return {"budget_bytes": self.budget_bytes, "max_seq_len": self.max_seq_len, "block_size": self.block_size}
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness.engine.engine import Engine, PoolSettings
+from harness.engine.engine import Engine
 from harness.engine.faults import fault_flags
 from harness.engine.parallel import ParallelState
 from harness.engine.speculative import run_speculative_cases
-from harness.engine.speculator import SpeculativeSettings, speculator_for
+from harness.engine.speculator import speculator_for
 from harness.engine.weights import load_weights
 from harness.limits import COLLECTIVE_TIMEOUT_S
 from harness.specs.model import model_from_dict
+from harness.specs.pool import PoolSettings
+from harness.specs.speculative import SpeculativeSettings
 from harness.specs.topology import Topology
 
 
