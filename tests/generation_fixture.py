@@ -22,7 +22,7 @@ from typing import Any
 from harness.engine.engine import Engine, PoolSettings
 from harness.engine.faults import FaultFlags
 from harness.engine.parallel import ParallelState
-from harness.engine.speculative import run_speculative_cases
+from harness.engine.scheduler import ServeSettings, ServingLoop, generate, run_speculative_cases
 from harness.engine.speculator import SpeculativeSettings, speculator_for
 from harness.engine.weights import load_weights
 from harness.launcher.launch import thread_env
@@ -68,9 +68,11 @@ def run_case(state: ParallelState, model: str, topology: str) -> dict[str, Any]:
     batches = prompts(spec.vocab)
     # mixed and shared_plain: default settings; shared: the prompts' common prefix computed once (prefix
     # cache: where it takes whole blocks of the prefix, prefix_hits > 0, it splits the prefill there)
-    out: dict[str, Any] = {"mixed": engine.generate(batches["mixed"], MAX_NEW).tokens,
-                           "shared_plain": engine.generate(batches["shared"], MAX_NEW, share_prefix=False).tokens,
-                           "shared": engine.generate(batches["shared"], MAX_NEW).tokens}
+    out: dict[str, Any] = {"mixed": generate(engine, batches["mixed"], MAX_NEW).tokens,
+                           "shared_plain": generate(engine, batches["shared"], MAX_NEW).tokens}
+    loop = ServingLoop(engine, ServeSettings(prefix_cache=True))
+    out["shared"] = loop.generate(batches["shared"], [MAX_NEW] * len(batches["shared"])).tokens
+    out["prefix_hits"] = loop.stats.prefix_hits
     if topo.speculator != "none":
         settings = SpeculativeSettings()
         speculator = speculator_for(engine, topo.speculator, weights, settings)
