@@ -51,7 +51,6 @@ class SeqState:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     accepted: list[int] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # the k proposals of each verify step
-    done: bool = False
 
     @property
     def generated(self) -> list[int]:
