@@ -13,6 +13,7 @@ import torch
 
 from harness.engine.engine import Engine, PoolSettings
 from harness.engine.generator import EngineGenerator
+from harness.engine.kvcache import PagedKVCache
 from harness.engine.model import (
     RopeCache,
     attention_with_lse,
@@ -24,6 +25,7 @@ from harness.engine.model import (
 )
 from harness.engine.parallel import ParallelState
 from harness.engine.scheduler import ServeSettings, generate, shared_prefix_length
+from harness.engine.speculative import SpeculativeDecoder
 from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights
 from harness.gsm8k.lm import cut_at_stop
@@ -152,6 +154,12 @@ def test_one_loop_reproduces_the_former_generations_on_every_model_and_topology(
     # where the split changes the numerics (bf16), the cached path still gives the former copy's tokens
     assert want["tiny-bf16-big tp2"]["shared"] != want["tiny-bf16-big tp2"]["shared_plain"]
     assert got["tiny-bf16-big tp2"]["shared"] == want["tiny-bf16-big tp2"]["shared"]
+
+
+def test_the_serving_loop_is_the_only_generation_loop() -> None:
+    """Plain, served, GSM8K, workload and speculative generation all step through scheduler.ServingLoop."""
+    assert "generate" not in vars(Engine) and "generate" not in vars(SpeculativeDecoder)
+    assert "fork" not in vars(PagedKVCache)  # the shared-prefix copy became the prefix cache
 
 
 def test_mask_free_and_causal_kernel_calls_equal_the_masked_one() -> None:
