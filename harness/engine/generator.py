@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from harness.engine.engine import Engine
-from harness.engine.scheduler import ServeSettings, generate
+from harness.engine.scheduler import ServeSettings, generate, shared_prefix_length
 from harness.engine.tokenizer import Tokenizer
 
 STOP_WINDOW_SLACK = 8  # tokens decoded beyond the longest stop string's length when checking for it
@@ -45,7 +45,9 @@ class EngineGenerator:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: set[int],
                  stop_strings: Sequence[str] = (), max_batch: int | None = None) -> list[list[int]]:
-        settings = ServeSettings(prefix_cache=self.prefix_cache, max_batch=max_batch or 0)
+        # the prefix cache (and the pool slot it keeps free) only where the prompts share a whole virtual block
+        shared = shared_prefix_length(prompts) >= self.engine.pool.block_size * self.engine.state.dcp
+        settings = ServeSettings(prefix_cache=self.prefix_cache and shared, max_batch=max_batch or 0)
         out = generate(self.engine, prompts, max_new_tokens, stop_token_ids=frozenset(stop_token_ids),
                        stop=stop_string_check(self.tokenizer, stop_strings), settings=settings)
         self.widest = max(self.widest, out.width)
