@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -59,7 +60,7 @@ def per_workload(engine: Engine, long: int) -> None:
         cases = list(group.cases)
         prompts = [list(c.prompt_ids) for c in cases]
         new = [len(c.sequence_ids) - len(c.prompt_ids) for c in cases]
-        loop = ServingLoop(engine, ServeSettings.from_mapping(w.engine_settings()))
+        loop = ServingLoop(engine, replace(ServeSettings.from_mapping(w.engine_settings()), split_long=True))  # as runs
         gen = cpu_s(lambda: loop.generate(prompts, new))
         seqs = [list(c.sequence_ids) for c in cases]
         tf = cpu_s(lambda: (engine.prefill_logits(seqs), engine.decode_path(seqs, [c.decode_start for c in cases],

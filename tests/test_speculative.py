@@ -15,13 +15,8 @@ from harness.engine.engine import Engine
 from harness.engine.faults import FAULTS, FaultFlags, fault_flags
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.parallel import ParallelState
-from harness.engine.speculative import (
-    SpecResult,
-    SpeculativeDecoder,
-    run_speculative_cases,
-    spec_manifest,
-    spec_tensors,
-)
+from harness.engine.scheduler import generate, run_speculative_cases, speculate
+from harness.engine.speculative import SpecResult, SpeculativeDecoder, spec_manifest, spec_tensors
 from harness.engine.speculator import (
     SpeculativeSettings,
     Speculator,
@@ -58,7 +53,7 @@ def setup() -> tuple[ModelSpec, dict[str, torch.Tensor], list[list[int]], Engine
     tok = load_tokenizer(spec)
     prompts = [tok.encode(p) for p in PROMPTS]
     target = Engine(spec, weights, ParallelState.single(), pool=POOL)
-    plain = target.generate(prompts, MAX_NEW).tokens
+    plain = generate(target, prompts, MAX_NEW).tokens
     return spec, weights, prompts, target, plain
 
 
@@ -120,11 +115,12 @@ def test_abandoned_prompts_stop_at_the_next_step(setup) -> None:
 
     def abandoned() -> set[int]:
         asked.append(1)
-        return {0} if len(asked) > 1 else set()  # after the first step
+        return {0} if len(asked) > 2 else set()  # asked before the prefill step and the first verify step
 
-    result = decoder.generate(prompts[:2], MAX_NEW, abandoned=abandoned)
+    result = speculate(decoder, prompts[:2], MAX_NEW, abandoned=abandoned)
     assert len(result.tokens[0]) <= 1 + 4 < len(plain[0]) and result.tokens[0] == plain[0][:len(result.tokens[0])]
     assert result.tokens[1] == plain[1] and len(result.accepted[0]) == 1
+    assert not target.cache.seqs  # both sequences closed, the abandoned one at once
 
 
 def test_result_artifacts(setup) -> None:

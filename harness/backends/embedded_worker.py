@@ -30,7 +30,8 @@ from harness.engine import ENGINE_VERSION
 from harness.engine.construct import build_engine
 from harness.engine.engine import Engine, Generation
 from harness.engine.parallel import ParallelState
-from harness.engine.speculative import run_speculative_cases, spec_manifest, spec_tensors
+from harness.engine.scheduler import generate, run_speculative_cases
+from harness.engine.speculative import spec_manifest, spec_tensors
 from harness.engine.tokenizer import Tokenizer, tokenizer_hash
 from harness.engine.weights import weights_hash
 from harness.jsonio import write_json
@@ -111,7 +112,7 @@ def run_job(job: Job, topk_only: int | None = None) -> None:
     served = run_workloads(engine, groups, job.top_k) if groups else None
     gen = (Generation([served.tokens[c.index] for c in cases], [served.topk_ids[c.index] for c in cases],
                       [served.topk_logprobs[c.index] for c in cases]) if served is not None
-           else engine.generate([list(c.prompt_ids) for c in cases], job.max_new_tokens, job.top_k))
+           else generate(engine, [list(c.prompt_ids) for c in cases], job.max_new_tokens, job.top_k))
     spec_result, spec_entry = None, None
     if speculator is not None:
         spec_result = run_speculative_cases(engine, speculator, [list(c.prompt_ids) for c in cases],

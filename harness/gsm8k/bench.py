@@ -149,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         plain_row: dict[str, Any] | None = None
         same_plain = float("nan")
         if args.compare_prefix_reuse:
-            generator.share_prefix = False
+            generator.prefix_cache = False
             plain_row, plain_result = measure(generator, args)
-            generator.share_prefix = True
+            generator.prefix_cache = True
             same_plain = agreement_rate([r.generation for r in engine_result.records],
                                         [r.generation for r in plain_result.records])
         hf_row: dict[str, Any] | None = None
