@@ -20,10 +20,12 @@ import torch
 
 
 def _rank_main(args: argparse.Namespace) -> None:
-    from harness.engine.engine import Engine, PoolSettings
+    from harness.engine.engine import Engine
     from harness.engine.parallel import ParallelState
+    from harness.engine.scheduler import generate
     from harness.engine.weights import load_weights
     from harness.specs.checkpoint import load_model
+    from harness.specs.pool import PoolSettings
 
     spec = load_model(args.model)
     state = ParallelState.from_launcher(args.tp, args.dcp, args.device, 600.0)
@@ -31,12 +33,12 @@ def _rank_main(args: argparse.Namespace) -> None:
                     pool=PoolSettings(budget_bytes=1 << 30, max_seq_len=args.prompt_len + args.new))
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, min(spec.vocab, 256), (args.batch, args.prompt_len), generator=g).tolist()
-    engine.generate(prompts[:1], 2)  # warm-up
+    generate(engine, prompts[:1], 2)  # warm-up
 
     def timed(new: int) -> float:
         state.barrier()
         t = time.perf_counter()
-        engine.generate(prompts, new)
+        generate(engine, prompts, new)
         return time.perf_counter() - t
 
     prefill = min(timed(1) for _ in range(args.repeats))

@@ -21,10 +21,12 @@ from typing import Any, Callable
 import torch
 
 from harness.engine.checkpoint import save_hf_checkpoint
-from harness.engine.engine import TORCH_DTYPES, Engine, PoolSettings
+from harness.engine.engine import TORCH_DTYPES, Engine
 from harness.engine.parallel import ParallelState
+from harness.engine.scheduler import generate
 from harness.engine.weights import load_weights
 from harness.specs.checkpoint import load_model
+from harness.specs.pool import PoolSettings
 
 PROMPT_LEN = 64
 NEW_TOKENS = 32
@@ -48,7 +50,7 @@ def _timed(fn: Callable[[], object]) -> float:
 def engine_timers(engine: Engine, batch: list[list[int]]) -> tuple[Callable[[], float], Callable[[], float]]:
     """(prefill seconds, generate seconds) timers of the engine on `batch`."""
     return (lambda: _timed(lambda: engine.prefill_logits(batch)),
-            lambda: _timed(lambda: engine.generate(batch, NEW_TOKENS)))
+            lambda: _timed(lambda: generate(engine, batch, NEW_TOKENS)))
 
 
 def hf_timers(model: Any, batch: list[list[int]], device: str) -> tuple[Callable[[], float], Callable[[], float]]:
@@ -59,12 +61,12 @@ def hf_timers(model: Any, batch: list[list[int]], device: str) -> tuple[Callable
         with torch.no_grad():
             return _timed(lambda: _sync(model(ids), device))
 
-    def generate() -> float:
+    def generate_s() -> float:
         with torch.no_grad():
             return _timed(lambda: _sync(model.generate(
                 ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
                 attention_mask=torch.ones_like(ids), pad_token_id=0), device))
-    return prefill, generate
+    return prefill, generate_s
 
 
 def interleaved(engine: Engine, model: Any, batch: list[list[int]], repeats: int,

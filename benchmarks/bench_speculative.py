@@ -18,12 +18,14 @@ from typing import Callable, TypeVar
 
 import torch
 
-from harness.engine.engine import Engine, PoolSettings
+from harness.engine.engine import Engine
 from harness.engine.parallel import ParallelState
-from harness.engine.speculative import run_speculative_cases
-from harness.engine.speculator import SpeculativeSettings, speculator_for
+from harness.engine.scheduler import generate, run_speculative_cases
+from harness.engine.speculator import speculator_for
 from harness.engine.weights import load_weights
 from harness.specs.checkpoint import load_model
+from harness.specs.pool import PoolSettings
+from harness.specs.speculative import SpeculativeSettings
 
 PROMPT_LEN = 32
 NEW_TOKENS = 64
@@ -64,8 +66,8 @@ def main() -> None:
     print(f"{'batch':>5} {'speculator':>10} {'k':>2} {'tok/s':>9} {'speedup':>8} {'mean acc len':>12} {'lossless':>8}")
     for batch in args.batches:
         ps = prompts(batch, spec.vocab)
-        target.generate(ps[:1], 4)  # warm-up
-        plain_s, plain = timed(lambda: target.generate(ps, NEW_TOKENS), args.repeats)
+        generate(target, ps[:1], 4)  # warm-up
+        plain_s, plain = timed(lambda: generate(target, ps, NEW_TOKENS), args.repeats)
         base = batch * NEW_TOKENS / plain_s
         print(f"{batch:>5} {'none':>10} {'-':>2} {base:>9.1f} {1.0:>8.2f} {'-':>12} {'-':>8}")
         for kind in ("draft", "mtp"):

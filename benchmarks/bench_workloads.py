@@ -19,17 +19,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from typing import Callable
 
 import torch
 
 from harness.cases import build_workload_cases
-from harness.engine.engine import Engine, PoolSettings
+from harness.engine.engine import Engine
 from harness.engine.parallel import ParallelState
 from harness.engine.scheduler import ServeSettings, ServingLoop
 from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights
 from harness.specs.checkpoint import load_model
+from harness.specs.pool import PoolSettings
 from harness.specs.workload import WORKLOADS, WorkloadPlan
 
 
@@ -58,7 +60,7 @@ def per_workload(engine: Engine, long: int) -> None:
         cases = list(group.cases)
         prompts = [list(c.prompt_ids) for c in cases]
         new = [len(c.sequence_ids) - len(c.prompt_ids) for c in cases]
-        loop = ServingLoop(engine, ServeSettings.from_mapping(w.engine_settings()))
+        loop = ServingLoop(engine, replace(ServeSettings.from_mapping(w.engine_settings()), split_long=True))  # as runs
         gen = cpu_s(lambda: loop.generate(prompts, new))
         seqs = [list(c.sequence_ids) for c in cases]
         tf = cpu_s(lambda: (engine.prefill_logits(seqs), engine.decode_path(seqs, [c.decode_start for c in cases],

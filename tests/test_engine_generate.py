@@ -1,14 +1,19 @@
 """Generation throughput features keep greedy output unchanged: continuous batching (finished slots
 refilled), stop strings checked during generation, the GQA fast path of the fused attention, the
-mask-free / causal kernel calls, cached RoPE tables, fused projections and shared-prefix KV reuse."""
+mask-free / causal kernel calls, cached RoPE tables, fused projections and shared-prefix KV reuse (the
+prefix cache). The one generation loop (the serving loop at default settings) gives the tokens the
+engine's former generation loops gave, on every shipped model and topology family."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
-from harness.engine.engine import Engine, PoolSettings, shared_prefix_length
+from harness.engine.engine import Engine
 from harness.engine.generator import EngineGenerator
+from harness.engine.kvcache import PagedKVCache
 from harness.engine.model import (
     RopeCache,
     attention_with_lse,
@@ -19,11 +24,16 @@ from harness.engine.model import (
     rope_tables,
 )
 from harness.engine.parallel import ParallelState
+from harness.engine.scheduler import ServeSettings, generate, shared_prefix_length
+from harness.engine.speculative import SpeculativeDecoder
 from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights
 from harness.gsm8k.lm import cut_at_stop
 from harness.specs.checkpoint import load_model
+from harness.specs.pool import PoolSettings
+from tests.generation_fixture import CASES, FIXTURE, record
 
+TWO = ServeSettings(max_batch=2)
 PROMPTS = ["Question: What is 2 + 3?\nAnswer:", "Hi", "A long prompt about ducks and eggs. " * 3, "Q: 7 * 6 = ?\nA:",
            "one two three"]
 
@@ -41,8 +51,8 @@ def _ids(generator: EngineGenerator) -> list[list[int]]:
 
 def test_continuous_batching_matches_one_prompt_at_a_time(generator: EngineGenerator) -> None:
     prompts = _ids(generator)
-    alone = [generator.engine.generate([p], 10) for p in prompts]
-    refilled = generator.engine.generate(prompts, 10, max_batch=2)  # 5 prompts through 2 slots
+    alone = [generate(generator.engine, [p], 10) for p in prompts]
+    refilled = generate(generator.engine, prompts, 10, settings=TWO)  # 5 prompts through 2 slots
     for i, single in enumerate(alone):
         assert refilled.tokens[i] == single.tokens[0]
         torch.testing.assert_close(refilled.topk_logprobs[i], single.topk_logprobs[0], rtol=1e-4, atol=1e-4)
@@ -51,8 +61,8 @@ def test_continuous_batching_matches_one_prompt_at_a_time(generator: EngineGener
 
 def test_stop_check_ends_only_that_sequence(generator: EngineGenerator) -> None:
     prompts = _ids(generator)
-    full = generator.engine.generate(prompts, 10).tokens
-    cut = generator.engine.generate(prompts, 10, stop=lambda i, toks: i == 1 and len(toks) == 3).tokens
+    full = generate(generator.engine, prompts, 10).tokens
+    cut = generate(generator.engine, prompts, 10, stop=lambda i, toks: i == 1 and len(toks) == 3).tokens
     assert cut[1] == full[1][:3]
     assert [c for i, c in enumerate(cut) if i != 1] == [f for i, f in enumerate(full) if i != 1]
 
@@ -61,14 +71,14 @@ def test_abandoned_prompts_stop_at_once_running_or_queued(generator: EngineGener
     """What `harness serve` does with a request whose client went away: asked before every step, the hook's
     prompts stop there (a running one keeps its tokens so far, a queued one never starts); others are unchanged."""
     prompts = _ids(generator)
-    full = generator.engine.generate(prompts, 10, max_batch=2).tokens
+    full = generate(generator.engine, prompts, 10, settings=TWO).tokens
     steps = []
 
     def abandoned() -> set[int]:
         steps.append(1)
         return {0, 4} if len(steps) > 3 else set()  # prompt 0 runs from the start; 4 waits for a slot
 
-    cut = generator.engine.generate(prompts, 10, max_batch=2, abandoned=abandoned)
+    cut = generate(generator.engine, prompts, 10, abandoned=abandoned, settings=TWO)
     assert cut.tokens[0] == full[0][:3] and cut.tokens[4] == [] and cut.topk_ids[4].shape[0] == 0
     assert cut.tokens[1:4] == full[1:4]
     assert not generator.engine.cache.seqs  # the dropped sequences' slots were given back
@@ -107,26 +117,50 @@ def test_shared_prefix_is_computed_once_and_keeps_generations(generator: EngineG
     shots = generator.tokenizer.encode("Question: 1 + 1?\nAnswer: 2\n\nQuestion: 2 + 2?\nAnswer: 4\n\n" * 2)
     prompts = [shots + generator.tokenizer.encode(q) for q in ("Question: 3 + 4?\nAnswer:", "Question: 9?",
                                                                "Question: ducks and eggs, how many?\nAnswer:")]
-    shared = shared_prefix_length(prompts)
-    assert shared >= len(shots) >= engine.pool.block_size
+    shared = shared_prefix_length(prompts) // engine.pool.block_size * engine.pool.block_size  # whole blocks
+    assert shared >= engine.pool.block_size
     fed: list[int] = []
     hidden = engine.decoder.hidden
     monkeypatch.setattr(engine.decoder, "hidden",
                         lambda batch, *a, **k: fed.append(int(batch.valid.sum())) or hidden(batch, *a, **k))
-    plain = engine.generate(prompts, 12, share_prefix=False, max_batch=2)
+    plain = generate(engine, prompts, 12, settings=TWO)
     plain_fed, fed[:] = sum(fed), []
-    reused = engine.generate(prompts, 12, max_batch=2)
+    reused = generate(engine, prompts, 12, settings=ServeSettings(prefix_cache=True, max_batch=2))
     assert plain_fed - sum(fed) == shared * (len(prompts) - 1)  # the prefix went through the model once
     assert reused.tokens == plain.tokens
     for a, b in zip(reused.topk_logprobs, plain.topk_logprobs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    assert not engine.cache.seqs  # the prefix's blocks were given back too
+    assert not engine.cache.seqs and engine.cache.free_blocks == engine.capacity.blocks  # the prefix's too
 
 
 def test_shared_prefix_leaves_each_prompt_a_token() -> None:
     assert shared_prefix_length([[1, 2, 3], [1, 2, 3, 4]]) == 2
     assert shared_prefix_length([[1, 2, 3]]) == 0
     assert shared_prefix_length([[5, 2], [1, 2]]) == 0
+
+
+def test_one_loop_reproduces_the_former_generations_on_every_model_and_topology() -> None:
+    """tests/data/generations.json holds the tokens of the former Engine.generate and speculative loop
+    (tests/generation_fixture.py): dense GQA, odd GQA, MQA, MLA, hybrid, bf16/fp16 models over tp1, tp2,
+    DCP (round-robin, interleaved, contiguous, Q replicated), EP, -draft and -mtp."""
+    want = json.loads(FIXTURE.read_text())["cases"]
+    assert list(want) == [f"{m} {t}" for m, t in CASES]
+    got = record()
+    for case, expected in want.items():
+        hits = got[case].pop("prefix_hits")
+        # the prefix cache splits the prefill where the former shared-prefix copy did (a 32-token prefix:
+        # whole KV blocks up to dcp 2), and not at all where it takes no blocks (hybrid, contiguous, dcp 4)
+        expected = {**expected, "shared": expected["shared"] if hits else expected["shared_plain"]}
+        assert got[case] == expected, case  # plain tokens; speculative tokens and per-step acceptance
+    # where the split changes the numerics (bf16), the cached path still gives the former copy's tokens
+    assert want["tiny-bf16-big tp2"]["shared"] != want["tiny-bf16-big tp2"]["shared_plain"]
+    assert got["tiny-bf16-big tp2"]["shared"] == want["tiny-bf16-big tp2"]["shared"]
+
+
+def test_the_serving_loop_is_the_only_generation_loop() -> None:
+    """Plain, served, GSM8K, workload and speculative generation all step through scheduler.ServingLoop."""
+    assert "generate" not in vars(Engine) and "generate" not in vars(SpeculativeDecoder)
+    assert "fork" not in vars(PagedKVCache)  # the shared-prefix copy became the prefix cache
 
 
 def test_mask_free_and_causal_kernel_calls_equal_the_masked_one() -> None:

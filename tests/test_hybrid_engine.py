@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness.cli import main
-from harness.engine.engine import Engine, PoolSettings
+from harness.engine.engine import Engine
 from harness.engine.faults import FaultFlags
 from harness.engine.hybrid import HybridParts, shard_moe
 from harness.engine.moe import moe_activations
@@ -22,6 +22,7 @@ from harness.errors import RunError
 from harness.hybrid_layout import plan_moe
 from harness.results import results_cells
 from harness.specs.checkpoint import load_model
+from harness.specs.pool import PoolSettings
 
 SUITE = """
 name: hybrid-small

@@ -11,17 +11,12 @@ from harness.acceptance import histogram, mean_accepted_length, total_variation
 from harness.compare.layout_check import check_layout_with_pool
 from harness.compare.settings import AcceptanceSettings, LosslessSettings
 from harness.compare.speculative import check_acceptance, check_lossless
-from harness.engine.engine import Engine, PoolSettings
+from harness.engine.engine import Engine
 from harness.engine.faults import FAULTS, FaultFlags, fault_flags
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.parallel import ParallelState
-from harness.engine.speculative import (
-    SpecResult,
-    SpeculativeDecoder,
-    run_speculative_cases,
-    spec_manifest,
-    spec_tensors,
-)
+from harness.engine.scheduler import generate, run_speculative_cases, speculate
+from harness.engine.speculative import SpecResult, SpeculativeDecoder, spec_manifest, spec_tensors
 from harness.engine.speculator import (
     SpeculativeSettings,
     Speculator,
@@ -35,6 +30,7 @@ from harness.errors import ConfigError, RunError
 from harness.layout import plan_layout, plan_speculator, pool_capacity, slot_pool
 from harness.specs.checkpoint import load_model
 from harness.specs.model import ModelSpec
+from harness.specs.pool import PoolSettings
 from harness.specs.topology import Topology, parse_topology_name
 from harness.verdict import Verdict
 
@@ -57,7 +53,7 @@ def setup() -> tuple[ModelSpec, dict[str, torch.Tensor], list[list[int]], Engine
     tok = load_tokenizer(spec)
     prompts = [tok.encode(p) for p in PROMPTS]
     target = Engine(spec, weights, ParallelState.single(), pool=POOL)
-    plain = target.generate(prompts, MAX_NEW).tokens
+    plain = generate(target, prompts, MAX_NEW).tokens
     return spec, weights, prompts, target, plain
 
 
@@ -119,11 +115,12 @@ def test_abandoned_prompts_stop_at_the_next_step(setup) -> None:
 
     def abandoned() -> set[int]:
         asked.append(1)
-        return {0} if len(asked) > 1 else set()  # after the first step
+        return {0} if len(asked) > 2 else set()  # asked before the prefill step and the first verify step
 
-    result = decoder.generate(prompts[:2], MAX_NEW, abandoned=abandoned)
+    result = speculate(decoder, prompts[:2], MAX_NEW, abandoned=abandoned)
     assert len(result.tokens[0]) <= 1 + 4 < len(plain[0]) and result.tokens[0] == plain[0][:len(result.tokens[0])]
     assert result.tokens[1] == plain[1] and len(result.accepted[0]) == 1
+    assert not target.cache.seqs  # both sequences closed, the abandoned one at once
 
 
 def test_result_artifacts(setup) -> None:

@@ -7,7 +7,7 @@ scheduled generation is then re-prefilled (prompt + new tokens, one forward) for
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -56,9 +56,9 @@ def run_workloads(engine: Engine, groups: Sequence[WorkloadCases], top_k: int) -
     cases = [case for g in groups for case in g.cases]
     new = {case.index: len(case.sequence_ids) - len(case.prompt_ids) for case in cases}
     routed = [g for g in groups if ServeSettings.from_mapping(g.workload.engine_settings()) != ServeSettings()]
-    lanes = [Lane([list(c.prompt_ids) for c in cases], [new[c.index] for c in cases])]
+    lanes = [Lane([list(c.prompt_ids) for c in cases], [new[c.index] for c in cases], ServeSettings(split_long=True))]
     lanes += [Lane([list(c.prompt_ids) for c in g.cases], [new[c.index] for c in g.cases],
-                   ServeSettings.from_mapping(g.workload.engine_settings())) for g in routed]
+                   replace(ServeSettings.from_mapping(g.workload.engine_settings()), split_long=True)) for g in routed]
     (twin, twin_stats), *served = ServingLoop(engine).run(lanes, top_k)
     out = WorkloadGeneration()
     position = {case.index: j for j, case in enumerate(cases)}

@@ -114,13 +114,13 @@ def run_id(suite: str) -> str:
 def build_request(args: argparse.Namespace) -> "RunRequest":
     """Resolve and validate everything a run needs; every bad input is one ConfigError, before launching."""
     from harness.checks.settings import CheckSettings
-    from harness.engine.speculator import SpeculativeSettings
     from harness.engine.tokenizer import load_tokenizer
     from harness.engine.weights import validate_checkpoint
     from harness.gsm8k.data import resolve_source
     from harness.gsm8k.settings import gsm8k_settings
     from harness.paths import default_cache_dir
     from harness.runner import RunRequest
+    from harness.specs.speculative import SpeculativeSettings
 
     suite = with_profile(load_suite(args.suite), args.profile)
     catalog = load_catalog()
@@ -153,7 +153,6 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
         check_store(history)
     require_device(args.device, [t.tp for t in topologies])
     require_launch_settings(dict(os.environ))
-    from harness.backends.base import engine_build
     from harness.backends.build import check_label
     from harness.backends.registry import get_backend
     # an unknown engine, a bad option, a build label that is none or a template build command that fails:
@@ -162,7 +161,7 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     if args.reference_engine:
         engines.append(get_backend(args.reference_engine))
     for backend in engines if args.engine_build is None else engines[1:]:
-        engine_build(backend)
+        backend.engine_build()
     workloads = selected_workloads(suite, args.workload)
     runs_workloads = all(e.capabilities().has(WORKLOADS) for e in engines)  # else only the suite's prompts
     check_sequence_lengths(suite, workloads if runs_workloads else (SUITE_PROMPTS,), tokenizers, max_seq_len)

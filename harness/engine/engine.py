@@ -1,16 +1,17 @@
-"""Engine: one rank's model, KV cache and the three things a run asks of it.
+"""Engine: one rank's model, KV cache and what a run asks of it.
 
 - teacher-forced logits on the prefill path (one forward over a whole sequence),
 - teacher-forced logits on the decode path (a short prefill, then one token at a time through the
   cache), with per-layer hidden states and per-head attention outputs captured at probe positions,
-- batched greedy generation with per-step top-k log-probabilities.
+- the sequence API (open, extend, truncate, close) and the decoder that greedy generation steps through:
+  harness/engine/scheduler.py is the one generation loop (plain, served, workloads, speculative).
 Every rank calls the same methods in the same order (lockstep); all ranks return the same results.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -25,35 +26,26 @@ from harness.errors import ConfigError
 from harness.layout import ROUND_ROBIN, Placement
 from harness.rankreport import RankReport, StoredPositions
 from harness.specs.model import ModelSpec
+from harness.specs.pool import PoolSettings
 from harness.specs.topology import Topology
-
-MIN_SHARED_PREFIX_BLOCKS = 1  # generate() computes a common prompt prefix once when it spans this many KV blocks
-StopCheck = Callable[[int, list[int]], bool]  # (prompt index, its new tokens so far) -> stop now?
-Abandoned = Callable[[], Collection[int]]  # asked once per step: prompt indices to drop now
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                         "float16": torch.float16, "float64": torch.float64}
 
 
 @dataclass(frozen=True)
-class PoolSettings:
-    budget_bytes: int = 256 * 1024 ** 2
-    max_seq_len: int = 1024
-    block_size: int = 16
-
-    def to_dict(self) -> dict[str, int]:
-        return {"budget_bytes": self.budget_bytes, "max_seq_len": self.max_seq_len, "block_size": self.block_size}
-
-
-@dataclass(frozen=True)
 class Generation:
     """Greedy generation of one batch: new tokens and top-k (ids, logprobs) per step, per sequence, and
-    how many sequences ran at once at most (`width`: max_batch as the KV pool allows it)."""
+    how many sequences could run at once at most (`width`: max_batch as the KV pool allows it). Of a
+    speculative generation: no top-k rows, and per sequence the accepted draft tokens (0..k) and the k
+    proposals of each verify step."""
 
     tokens: list[list[int]]
     topk_ids: list[torch.Tensor]
     topk_logprobs: list[torch.Tensor]
     width: int = 0
+    accepted: list[list[int]] = field(default_factory=list)
+    drafts: list[list[list[int]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -66,19 +58,6 @@ class DecodePath:
     hidden: torch.Tensor
     attn: torch.Tensor
     collectives: torch.Tensor
-
-
-def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
-    """Tokens every prompt starts with, leaving each prompt at least one token of its own (its last
-    position's logits pick the first new token)."""
-    if len(prompts) < 2:
-        return 0
-    limit = min(len(p) for p in prompts) - 1
-    first = prompts[0]
-    n = 0
-    while n < limit and all(p[n] == first[n] for p in prompts):
-        n += 1
-    return n
 
 
 LONG_SEQUENCE = 128  # a prefill batch mixing sequences longer than this with shorter ones runs as two batches
@@ -157,7 +136,7 @@ class Engine:
         step = max(1, self.max_batch)
         return [range(i, min(n, i + step)) for i in range(0, n, step)]
 
-    # -- sequence API: speculative decoding drives the target through these ----------------------------
+    # -- sequence API: speculative decoding drives the target through these -----------------------------
 
     def open_sequences(self, n: int) -> list[int]:
         """Register n new, empty sequences in the KV cache; returns their ids."""
@@ -247,81 +226,3 @@ class Engine:
     def _gather_heads(self, attn: torch.Tensor) -> torch.Tensor:
         """[L, P, n_q_local, hd] -> [L, P, heads, hd] in global head order (rank order = head order)."""
         return self.decoder.comm.gather_tp(attn, dim=2).float().cpu()
-
-    @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_k: int = 5,
-                 stop_token_ids: frozenset[int] = frozenset(), stop: StopCheck | None = None,
-                 max_batch: int | None = None, share_prefix: bool = True,
-                 abandoned: Abandoned | None = None) -> Generation:
-        """Greedy generation with continuous batching: up to `max_batch` (default: the pool's slots)
-        sequences run together, and a finished sequence's slot is refilled with the next prompt at once.
-        A sequence stops at a stop token, when stop(index, new_tokens) says so (e.g. a stop string in
-        its text; it must answer alike on every rank), or after max_new_tokens. `abandoned()`, asked
-        before every step (it must answer alike on every rank: `harness serve` broadcasts rank 0's
-        answer), names prompts nobody waits for any more: they stop at once, running or queued, with
-        the tokens they have.
-        With `share_prefix`, the prompts' common prefix (when it fills a KV block) is computed once and
-        its cached K/V copied into each new sequence, which then prefills only its own tokens."""
-        self.check_lengths([len(p) + max_new_tokens for p in prompts])
-        width = max(1, min(self.max_batch, max_batch or self.max_batch))
-        shared = shared_prefix_length(prompts) if share_prefix and self.max_batch > 1 else 0
-        if shared < MIN_SHARED_PREFIX_BLOCKS * self.pool.block_size:
-            shared = 0
-        prefix: list[int] = []
-        if shared:
-            width = min(width, self.max_batch - 1)  # the prefix holds one slot of the pool
-            prefix = self.cache.open(1)
-            self.decoder.hidden(self._batch(prefix, [prompts[0][:shared]], [0]))
-        new: list[list[int]] = [[] for _ in prompts]
-        tk_ids: list[list[torch.Tensor]] = [[] for _ in prompts]
-        tk_lp: list[list[torch.Tensor]] = [[] for _ in prompts]
-        queue = list(range(len(prompts)))[::-1]  # popped from the end: prompts in the order given
-        running: dict[int, int] = {}  # prompt index -> sequence id, in admission order
-        while queue or running:
-            gone = set(abandoned()) if abandoned is not None else set()
-            if gone:
-                queue = [b for b in queue if b not in gone]
-                self.cache.close([running.pop(b) for b in list(running) if b in gone])
-                if not (queue or running):
-                    break
-            decoding = list(running)
-            rows = [self._step_logits(decoding, running, prompts, new)] if decoding else []
-            admitted = [queue.pop() for _ in range(min(len(queue), width - len(running)))]
-            if admitted:
-                opened = self.cache.fork(prefix[0], len(admitted)) if prefix else self.cache.open(len(admitted))
-                running.update(zip(admitted, opened))
-                rows.append(self._prompt_logits([prompts[i] for i in admitted], [running[i] for i in admitted],
-                                                shared))
-            order = decoding + admitted
-            logprobs = torch.log_softmax(torch.cat(rows).double(), dim=-1)  # [B, V]
-            top = torch.topk(logprobs, k=min(top_k, logprobs.shape[-1]), dim=-1)
-            picked = top.indices[:, 0].tolist()
-            ids_cpu, lp_cpu = top.indices.cpu(), top.values.float().cpu()
-            finished = []
-            for j, b in enumerate(order):
-                new[b].append(picked[j])
-                tk_ids[b].append(ids_cpu[j])
-                tk_lp[b].append(lp_cpu[j])
-                if (len(new[b]) >= max_new_tokens or picked[j] in stop_token_ids
-                        or (stop is not None and stop(b, new[b]))):
-                    finished.append(b)
-            self.cache.close([running.pop(b) for b in finished])
-        self.cache.close(prefix)
-        k = min(top_k, self.spec.vocab)  # a prompt dropped before its first step has no rows
-        return Generation(new, [torch.stack(t) if t else torch.empty((0, k), dtype=torch.long) for t in tk_ids],
-                          [torch.stack(t) if t else torch.empty((0, k)) for t in tk_lp], width)
-
-    def _prompt_logits(self, prompts: list[Sequence[int]], seq_ids: list[int], cached: int = 0) -> torch.Tensor:
-        """Prefill new sequences whose first `cached` tokens are already in the cache; float32 logits
-        [B, V] of each prompt's last position only."""
-        hidden = self.decoder.hidden(self._batch(seq_ids, [p[cached:] for p in prompts],
-                                                 [cached] * len(prompts)))  # [B, S, H]
-        last = torch.tensor([len(p) - cached - 1 for p in prompts], device=hidden.device)
-        last_hidden = hidden[torch.arange(len(prompts), device=hidden.device), last]  # [B, H]
-        return self.decoder.logits(last_hidden[:, None])[:, 0].float()
-
-    def _step_logits(self, order: list[int], running: dict[int, int], prompts: Sequence[Sequence[int]],
-                     new: list[list[int]]) -> torch.Tensor:
-        """One decode step of running sequences (their latest token in); float32 logits [B, V]."""
-        pos = [len(prompts[b]) + len(new[b]) - 1 for b in order]
-        return self._forward([running[b] for b in order], [[new[b][-1]] for b in order], pos)[:, 0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from harness.engine.engine import Engine
+from harness.engine.scheduler import ServeSettings, generate, shared_prefix_length
 from harness.engine.tokenizer import Tokenizer
 
 STOP_WINDOW_SLACK = 8  # tokens decoded beyond the longest stop string's length when checking for it
@@ -36,7 +37,7 @@ class EngineGenerator:
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer) -> None:
         self.engine = engine
-        self.share_prefix = True  # compute the prompts' common prefix once (Engine.generate)
+        self.prefix_cache = True  # the prompts' common prefix computed once, into the loop's prefix cache
         self.tokenizer = tokenizer
         self.rank = engine.state.rank
         self.world_size = engine.state.world_size
@@ -44,8 +45,10 @@ class EngineGenerator:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: set[int],
                  stop_strings: Sequence[str] = (), max_batch: int | None = None) -> list[list[int]]:
-        out = self.engine.generate(prompts, max_new_tokens, stop_token_ids=frozenset(stop_token_ids),
-                                   stop=stop_string_check(self.tokenizer, stop_strings),
-                                   max_batch=max_batch, share_prefix=self.share_prefix)
+        # the prefix cache (and the pool slot it keeps free) only where the prompts share a whole virtual block
+        shared = shared_prefix_length(prompts) >= self.engine.pool.block_size * self.engine.state.dcp
+        settings = ServeSettings(prefix_cache=self.prefix_cache and shared, max_batch=max_batch or 0)
+        out = generate(self.engine, prompts, max_new_tokens, stop_token_ids=frozenset(stop_token_ids),
+                       stop=stop_string_check(self.tokenizer, stop_strings), settings=settings)
         self.widest = max(self.widest, out.width)
         return out.tokens

@@ -63,22 +63,6 @@ class PagedKVCache:
         for seq_id in seq_ids:
             self.free_sequence(seq_id)
 
-    def fork(self, source: int, n: int) -> list[int]:
-        """Open n new sequences holding a copy of `source`'s stored K/V (fresh blocks, same positions):
-        a shared prompt prefix computed once, then extended separately by each. Returns their ids."""
-        state = self.seqs[source]
-        ids = self.open(n)
-        if not state.blocks:
-            return ids
-        for seq_id in ids:
-            self.reserve(seq_id, state.positions)
-            self.seqs[seq_id].prompt_len = state.prompt_len
-        src = torch.tensor(state.blocks, device=self.k[0].device)  # [n_blocks]
-        dst = torch.tensor([b for s in ids for b in self.seqs[s].blocks], device=src.device)  # [n * n_blocks]
-        for pool in self.k + self.v:
-            pool[dst] = pool[src].repeat(n, 1, 1, 1)  # [n_blocks, ...] -> [n * n_blocks, ...]
-        return ids
-
     def positions(self, seq_id: int) -> list[int]:
         """Positions whose K/V this cache holds for `seq_id`, in storage order."""
         return list(self.seqs[seq_id].positions)

@@ -1,48 +1,81 @@
-"""The serving loop: greedy generation the way a server schedules it, one mixed forward per engine step.
+"""The engine's one generation loop: greedy generation the way a server schedules it, one mixed forward
+per engine step. Plain generation (`generate`: a run's generations, GSM8K, `harness serve`), the
+workloads' routes and speculative decoding (`speculate`) all step through ServingLoop.
 
-Per step the loop admits waiting requests (all at once, one at a time, or `join_per_step` per step as
-they arrive), gives every decoding sequence one token and the prefilling ones chunks of the rest of a
-token budget (chunked prefill), reuses cached KV blocks of a prompt prefix found by block hash (prefix
+Per step the loop asks each lane which requests nobody waits for any more (`abandoned`: they stop at once
+and free their blocks), admits waiting requests (all at once, one at a time, or `join_per_step` per step
+as they arrive; at most `max_batch`), gives every decoding sequence one token and the prefilling ones
+chunks of the rest of a token budget (chunked prefill), reuses cached KV blocks of a prompt prefix found
+by block hash (prefix cache; requests admitted together compute their common prefix once, into the
 cache), and preempts the newest sequence when the KV pool (`kv_tokens`) would overflow, recomputing it
-(prompt + its tokens so far) when there is room again. Every rank runs the same decisions (they depend
-only on token ids and counts), so the ranks stay in lockstep. The same loop with the plain settings
-(all at once, whole prompts, no cache, an ample pool) is the schedule twin the route checks compare with.
+(prompt + its tokens so far) when there is room again. A sequence stops after its new tokens, at a stop
+token, or when the lane's `stop(index, new_tokens)` says so. A speculative lane's step is one draft +
+verify step of its sequences (harness/engine/speculative.py) instead of one decode row each.
+Every rank runs the same decisions (they depend only on token ids and counts, and on hooks that answer
+alike on every rank), so the ranks stay in lockstep. The default settings (all at once, whole prompts,
+no cache, the pool's slots) are plain batched greedy generation with continuous batching: the schedule
+twin the route checks compare with.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 
-from harness.engine.engine import Engine, Generation, length_buckets
+from harness.engine.engine import Engine, Generation, build_batch, length_buckets
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.model import Batch
+from harness.engine.speculative import SeqState, SpecResult, SpeculativeDecoder
+from harness.engine.speculator import Speculator
 from harness.errors import ConfigError
 from harness.layout import ROUND_ROBIN, Placement, local_token_count, token_owner
 from harness.specs.workload import ALL_AT_ONCE, ONE_AT_A_TIME, SCHEDULES, STAGGERED
+
+StopCheck = Callable[[int, list[int]], bool]  # (prompt index, its new tokens so far) -> stop now?
+Abandoned = Callable[[], Collection[int]]  # asked once per step: prompt indices to drop now
+
+
+def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
+    """Tokens every prompt starts with, leaving each prompt at least one token of its own (its last
+    position's logits pick the first new token)."""
+    if len(prompts) < 2:
+        return 0
+    limit = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    n = 0
+    while n < limit and all(p[n] == first[n] for p in prompts):
+        n += 1
+    return n
 
 
 @dataclass(frozen=True)
 class ServeSettings:
     """How the loop schedules (recorded in the manifest per workload): `schedule` (SCHEDULES) with
     `join_per_step` arrivals per step when staggered; `prefix_cache`; `chunk_tokens` tokens per step in
-    all (0: whole prompts); `kv_tokens` tokens the KV pool holds for running sequences (0: the pool's own)."""
+    all (0: whole prompts); `kv_tokens` tokens the KV pool holds for running sequences (0: the pool's own);
+    `max_batch` sequences of the lane at once at most (0: as many as the pool's slots hold);
+    `split_long`: a step runs the lane's rows in one forward per length bucket (engine.length_buckets:
+    prompts past LONG_SEQUENCE tokens apart, decode rows with the short ones), as the workloads' lanes do;
+    without it, one forward of its decode rows and one of its prefill rows, padded to the longest."""
 
     schedule: str = ALL_AT_ONCE
     join_per_step: int = 1
     prefix_cache: bool = False
     chunk_tokens: int = 0
     kv_tokens: int = 0
+    max_batch: int = 0
+    split_long: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
-        if self.join_per_step < 1 or self.chunk_tokens < 0 or self.kv_tokens < 0:
+        if self.join_per_step < 1 or self.chunk_tokens < 0 or self.kv_tokens < 0 or self.max_batch < 0:
             raise ConfigError(f"join_per_step={self.join_per_step} must be >= 1, chunk_tokens="
-                              f"{self.chunk_tokens} and kv_tokens={self.kv_tokens} >= 0")
+                              f"{self.chunk_tokens}, kv_tokens={self.kv_tokens} and max_batch={self.max_batch} >= 0")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> ServeSettings:
@@ -79,6 +112,7 @@ class _Request:
     fed: int = 0                                      # tokens of `pending` in the cache
     shift: int = 0                                    # position offset of new tokens (preempt-resume-position)
     rows: int = 0                                     # prefill rows so far
+    spec: SeqState | None = None                      # a speculative lane's sequence (both caches)
 
     @property
     def prefilling(self) -> bool:
@@ -101,7 +135,8 @@ class PrefixCache:
     are part of every local block). A virtual block whose tokens do not fill whole local blocks on every
     rank under the engine's token placement (an interleave size past block_size) is never cached, nor is
     any block under the contiguous placement, where a token's owner depends on its sequence's first
-    forward and not on its position alone."""
+    forward and not on its position alone. It holds at most one pool slot's blocks (the slot the loop
+    keeps free for it); blocks past that are not cached."""
 
     def __init__(self, cache: PagedKVCache, dcp: int, dcp_rank: int, placement: Placement = ROUND_ROBIN) -> None:
         self.cache = cache
@@ -110,8 +145,10 @@ class PrefixCache:
         self.block = cache.block_size
         self.virtual = cache.block_size * dcp
         self.blocks: dict[str, int] = {}  # chain hash of virtual blocks 0..j -> this rank's local block j
+        self.limit = cache.capacity.blocks_per_slot
 
-    def _whole(self, n_virtual: int) -> bool:
+    def whole(self, n_virtual: int) -> bool:
+        """Whether the first n_virtual virtual blocks fill whole local blocks on every DCP rank."""
         span = n_virtual * self.virtual
         if self.placement.kind == "contiguous" and self.dcp > 1:
             return False
@@ -130,7 +167,7 @@ class PrefixCache:
         token to compute."""
         hit: list[int] = []
         for j, key in enumerate(self.keys(tokens, (len(tokens) - 1) // self.virtual)):
-            if key not in self.blocks or not self._whole(j + 1):
+            if key not in self.blocks or not self.whole(j + 1):
                 break
             hit.append(self.blocks[key])
         return hit
@@ -142,9 +179,9 @@ class PrefixCache:
     def insert(self, tokens: Sequence[int], seq_blocks: Sequence[int]) -> None:
         """Cache the whole virtual blocks of prompt `tokens`, whose local blocks are `seq_blocks`."""
         for j, key in enumerate(self.keys(tokens, len(tokens) // self.virtual)):
-            if not self._whole(j + 1) or j >= len(seq_blocks):
+            if not self.whole(j + 1) or j >= len(seq_blocks):
                 return
-            if key not in self.blocks:
+            if key not in self.blocks and len(self.blocks) < self.limit:
                 self.blocks[key] = seq_blocks[j]
                 self.cache.pin([seq_blocks[j]])
 
@@ -155,11 +192,29 @@ class PrefixCache:
 
 @dataclass(frozen=True)
 class Lane:
-    """One stream of requests the loop serves: its prompts, their new tokens and its ServeSettings."""
+    """One stream of requests the loop serves: its prompts, their new tokens (at most), its ServeSettings,
+    its stop tokens and stop check, the hook naming abandoned requests (asked once per engine step; it
+    must answer alike on every rank), and for a speculative lane its SpeculativeDecoder (whole prompts,
+    no prefix cache, no KV-pool limit, no stop check: a step commits several tokens at once)."""
 
     prompts: Sequence[Sequence[int]]
     new_tokens: Sequence[int]
     settings: ServeSettings = ServeSettings()
+    stop_token_ids: frozenset[int] = frozenset()
+    stop: StopCheck | None = None
+    abandoned: Abandoned | None = None
+    speculative: SpeculativeDecoder | None = None
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        if self.speculative is not None and (s.prefix_cache or s.chunk_tokens or s.kv_tokens or self.stop):
+            raise ConfigError(f"a speculative lane prefills whole prompts without a prefix cache, KV-pool limit "
+                              f"or stop check; got {s} with stop={self.stop!r}")
+
+    def finished(self, index: int, new: list[int]) -> bool:
+        """Whether prompt `index` stops after its new tokens `new` (its last one just committed)."""
+        return (len(new) >= self.new_tokens[index] or new[-1] in self.stop_token_ids
+                or (self.stop is not None and self.stop(index, new)))
 
 
 class _LaneState:
@@ -169,9 +224,11 @@ class _LaneState:
         self.lane, self.settings = lane, lane.settings
         join = self.settings.join_per_step if self.settings.schedule == STAGGERED else 0
         self.waiting = [_Request(i, list(p), arrival=(i // join if join else 0)) for i, p in enumerate(lane.prompts)]
+        self.requests = list(self.waiting)  # every request, in prompt order
         self.running: list[_Request] = []
         self.prefix = prefix
         self.stats = ServeStats()
+        self.width = 0  # the most sequences the lane could run at once (max_batch as the pool allows it)
         self.tk_ids: list[list[torch.Tensor]] = [[] for _ in lane.prompts]
         self.tk_lp: list[list[torch.Tensor]] = [[] for _ in lane.prompts]
 
@@ -187,8 +244,9 @@ class _LaneState:
 
 class ServingLoop:
     """Greedy generation of one or more lanes of requests on one engine (every rank alike): each engine
-    step is one forward over the rows of every lane (decodes, prefill chunks), as a server batches the
-    traffic of all its clients; each lane keeps its own schedule, chunk budget, KV pool and prefix cache."""
+    step is one forward over the rows of every plain lane (decodes, prefill chunks), as a server batches
+    the traffic of all its clients, and one draft + verify step of every speculative lane; each lane keeps
+    its own schedule, chunk budget, KV pool and prefix cache."""
 
     def __init__(self, engine: Engine, settings: ServeSettings = ServeSettings()) -> None:
         self.engine = engine
@@ -199,17 +257,55 @@ class ServingLoop:
 
     # -- admission and the pool -------------------------------------------------------------------
 
-    def _admit(self, lane: _LaneState, step: int, width: int) -> None:
+    def _drop(self, lane: _LaneState) -> None:
+        """Stop the requests the lane's `abandoned` hook names, waiting or running, and free their blocks."""
+        if lane.lane.abandoned is None:
+            return
+        gone = set(lane.lane.abandoned())
+        if not gone:
+            return
+        lane.waiting = [r for r in lane.waiting if r.index not in gone]
+        for req in [r for r in lane.running if r.index in gone]:
+            lane.running.remove(req)
+            self._close(lane, req)
+
+    def _close(self, lane: _LaneState, req: _Request) -> None:
+        decoder = lane.lane.speculative
+        if decoder is not None and req.spec is not None:
+            decoder.close([req.spec])
+        elif req.seq_id is not None:
+            self.engine.cache.close([req.seq_id])
+
+    def _admit(self, lane: _LaneState, step: int, width: int) -> list[_Request]:
+        """Move arrived requests that fit from waiting to running (not opened yet); returns them."""
+        admitted: list[_Request] = []
         while lane.waiting and width > 0:
             req = lane.waiting[0]
             if req.arrival > step or (lane.settings.schedule == ONE_AT_A_TIME and lane.running):
-                return
+                break
             if lane.running and not lane.room(req.footprint + 1):
-                return
+                break
             lane.waiting.pop(0)
-            self._open(lane, req)
             lane.running.append(req)
+            admitted.append(req)
             width -= 1
+        return admitted
+
+    def _warm(self, lane: _LaneState, group: list[_Request]) -> None:
+        """Requests admitted together compute their common prefix once: its whole virtual blocks (when
+        the prefix cache does not hold them yet) are prefilled as a sequence of their own and cached."""
+        if lane.prefix is None or len(group) < 2:
+            return
+        tokens = group[0].prompt + group[0].new
+        n = shared_prefix_length([r.prompt + r.new for r in group]) // lane.prefix.virtual
+        if n == 0 or not lane.prefix.whole(n) or len(lane.prefix.lookup(tokens[:n * lane.prefix.virtual + 1])) >= n:
+            return
+        cache = self.engine.cache
+        seq = cache.open(1)
+        span = tokens[:n * lane.prefix.virtual]
+        self.engine.decoder.hidden(build_batch(seq, [span], [0], self.engine.state.device))
+        lane.prefix.insert(span, cache.seqs[seq[0]].blocks)
+        cache.close(seq)
 
     def _open(self, lane: _LaneState, req: _Request) -> None:
         cache = self.engine.cache
@@ -263,12 +359,17 @@ class ServingLoop:
             left = None if left is None else left - n
         return rows
 
-    def _forward(self, rows: list[tuple[_Request, list[int], list[int]]]) -> torch.Tensor:
-        """The step's forward of every row (short and long rows as two batches, engine.length_buckets);
-        float32 logits [B, V] at each row's last token."""
+    def _forward(self, rows: list[tuple[_Request, list[int], list[int]]], split: list[bool]) -> torch.Tensor:
+        """The step's forward of every row: rows of split_long lanes by length bucket (engine.length_buckets),
+        the others' decode rows and prefill rows as two batches; float32 logits [B, V] at each row's last token."""
+        batches: dict[tuple[str, int], list[int]] = {}
+        for b, bucket in enumerate(length_buckets([len(ids) for _, ids, _ in rows])):
+            for i in bucket:
+                key = ("length", b) if split[i] else ("kind", int(rows[i][0].prefilling))
+                batches.setdefault(key, []).append(i)
         out: list[torch.Tensor | None] = [None] * len(rows)
-        for bucket in length_buckets([len(ids) for _, ids, _ in rows]):
-            for i, logits in zip(bucket, self._batch_forward([rows[i] for i in bucket])):
+        for batch in batches.values():
+            for i, logits in zip(batch, self._batch_forward([rows[i] for i in batch])):
                 out[i] = logits
         return torch.stack([t for t in out if t is not None])  # [B, V]
 
@@ -309,15 +410,38 @@ class ServingLoop:
                 req.new.append(int(ids_row[0]))
                 lane.tk_ids[req.index].append(ids_row)
                 lane.tk_lp[req.index].append(lp_row)
-        new_tokens = lane.lane.new_tokens
-        for req in [r for r in lane.running if len(r.new) >= new_tokens[r.index] and not r.prefilling]:
+        for req in [r for r in lane.running if not r.prefilling and lane.lane.finished(r.index, r.new)]:
             lane.running.remove(req)
             self.engine.cache.close([req.seq_id])
 
+    def _speculate(self, lane: _LaneState, decoder: SpeculativeDecoder, admitted: list[_Request]) -> None:
+        """A speculative lane's engine step: one draft + verify step of its running sequences, then the
+        prefill of the admitted ones (each commits its first token); finished sequences are closed."""
+        stepping = [r for r in lane.running if r.spec is not None]
+        if stepping:
+            decoder.step([r.spec for r in stepping if r.spec is not None])
+        if admitted:
+            for req, seq in zip(admitted, decoder.start([r.prompt for r in admitted])):
+                req.spec, req.seq_id = seq, seq.target_id
+        if stepping or admitted:
+            lane.stats.steps += 1
+            lane.stats.max_running = max(lane.stats.max_running, len(lane.running))
+        stop = lane.lane.stop_token_ids
+        for req in [r for r in lane.running if r.spec is not None]:
+            new = req.spec.generated
+            if len(new) >= lane.lane.new_tokens[req.index] or any(t in stop for t in new):
+                lane.running.remove(req)
+                decoder.close([req.spec])
+
     # -- the run ----------------------------------------------------------------------------------
 
+    @torch.no_grad()
     def run(self, lanes: Sequence[Lane], top_k: int = 5) -> list[tuple[Generation, ServeStats]]:
-        """Every lane served together, one forward per engine step; per lane its generation and stats."""
+        """Every lane served together, one forward per engine step (and one draft + verify step per
+        speculative lane); per lane its generation and stats."""
+        for lane in lanes:
+            if lane.speculative is not None:
+                _check_speculative(self.engine, lane)
         self.engine.check_lengths([len(p) + n for lane in lanes for p, n in zip(lane.prompts, lane.new_tokens)])
         placement = self.engine.decoder.placement
         # a hit skips the prefix's forward, so every cache group must hold the prefix: a recurrent state
@@ -326,16 +450,26 @@ class ServingLoop:
         states = [_LaneState(lane, PrefixCache(self.engine.cache, self.dcp, self.dcp_rank, placement)
                              if lane.settings.prefix_cache and cacheable else None) for lane in lanes]
         pins = sum(1 for st in states if st.prefix is not None)
+        slots = max(1, self.engine.max_batch - pins)
+        for st in states:
+            st.width = max(1, min(slots, st.settings.max_batch or slots))
         step = 0
         while any(st.busy for st in states):
+            admitted: list[list[_Request]] = []
             for st in states:
-                width = max(1, self.engine.max_batch - pins) - sum(len(o.running) for o in states)
-                self._admit(st, step, width)
-                self._preempt(st)
-            per_lane = [self._rows(st) for st in states]
+                self._drop(st)
+                width = min(slots - sum(len(o.running) for o in states), st.width - len(st.running))
+                admitted.append(self._admit(st, step, width))
+                if st.lane.speculative is None:
+                    self._warm(st, admitted[-1])
+                    for req in admitted[-1]:
+                        self._open(st, req)
+                    self._preempt(st)
+            per_lane = [self._rows(st) if st.lane.speculative is None else [] for st in states]
             rows = [row for lane_rows in per_lane for row in lane_rows]
+            split = [st.settings.split_long for st, lane_rows in zip(states, per_lane) for _ in lane_rows]
             if rows:
-                logits = self._forward(rows)
+                logits = self._forward(rows, split)
                 first = 0
                 for st, lane_rows in zip(states, per_lane):
                     if lane_rows:
@@ -343,12 +477,15 @@ class ServingLoop:
                         st.stats.max_running = max(st.stats.max_running, len(st.running))
                     self._advance(st, lane_rows, logits[first:first + len(lane_rows)], top_k)
                     first += len(lane_rows)
+            for st, new in zip(states, admitted):
+                if st.lane.speculative is not None:
+                    self._speculate(st, st.lane.speculative, new)
             step += 1
         k = min(top_k, self.engine.spec.vocab)
         for st in states:
             if st.prefix is not None:
                 st.prefix.release()
-        return [(_generation(st.tk_ids, st.tk_lp, st.stats.max_running, k), st.stats) for st in states]
+        return [(_generation(st, k), st.stats) for st in states]
 
     def generate(self, prompts: Sequence[Sequence[int]], new_tokens: Sequence[int], top_k: int = 5) -> Generation:
         """Greedy generation of new_tokens[i] tokens for prompts[i] under this loop's settings (one lane)."""
@@ -356,7 +493,66 @@ class ServingLoop:
         return gen
 
 
-def _generation(tk_ids: list[list[torch.Tensor]], tk_lp: list[list[torch.Tensor]], width: int, k: int) -> Generation:
-    tokens = [[int(t[0]) for t in ids] for ids in tk_ids]
-    return Generation(tokens, [torch.stack(t) if t else torch.empty((0, k), dtype=torch.long) for t in tk_ids],
-                      [torch.stack(t) if t else torch.empty((0, k)) for t in tk_lp], width)
+def _check_speculative(engine: Engine, lane: Lane) -> None:
+    """A verify step may store k + 1 tokens past the last committed one: the pool's slots must hold them."""
+    k = lane.speculative.k if lane.speculative is not None else 0
+    limit = max((len(p) + n for p, n in zip(lane.prompts, lane.new_tokens)), default=0) + k + 1
+    if lane.prompts and limit > engine.pool.max_seq_len:
+        raise ConfigError(f"speculative decoding needs max_seq_len >= {limit} (longest prompt + "
+                          f"max_new_tokens + k + 1), the KV pool has {engine.pool.max_seq_len}")
+
+
+def _trim(new: list[int], max_new: int, stop: frozenset[int]) -> list[int]:
+    """A speculative sequence's committed tokens cut at max_new and after its first stop token."""
+    new = new[:max_new]
+    for i, t in enumerate(new):
+        if t in stop:
+            return new[:i + 1]
+    return new
+
+
+def _generation(st: _LaneState, k: int) -> Generation:
+    if st.lane.speculative is None:
+        tokens = [[int(t[0]) for t in ids] for ids in st.tk_ids]
+        return Generation(tokens, [torch.stack(t) if t else torch.empty((0, k), dtype=torch.long) for t in st.tk_ids],
+                          [torch.stack(t) if t else torch.empty((0, k)) for t in st.tk_lp], st.width)
+    seqs = [r.spec for r in st.requests]
+    tokens = [_trim(s.generated, n, st.lane.stop_token_ids) if s is not None else []
+              for s, n in zip(seqs, st.lane.new_tokens)]
+    empty = [torch.empty((0, 0), dtype=torch.long) for _ in seqs]
+    return Generation(tokens, empty, [t.float() for t in empty], st.width,
+                      accepted=[list(s.accepted) if s is not None else [] for s in seqs],
+                      drafts=[[list(d) for d in s.drafts] if s is not None else [] for s in seqs])
+
+
+# -- the loop's entry points ------------------------------------------------------------------------------
+
+
+def generate(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_k: int = 5,
+             stop_token_ids: frozenset[int] = frozenset(), stop: StopCheck | None = None,
+             abandoned: Abandoned | None = None, settings: ServeSettings = ServeSettings()) -> Generation:
+    """Greedy generation of every prompt on `engine` (every rank alike): the serving loop with one lane,
+    by default all at once with continuous batching (a finished sequence's slot goes to the next prompt),
+    whole prompts, no prefix cache. A sequence stops at a stop token, when stop(index, new_tokens) says
+    so (it must answer alike on every rank), or after max_new_tokens; `abandoned()` names prompts nobody
+    waits for any more (they stop at once with the tokens they have)."""
+    lane = Lane(prompts, [max_new_tokens] * len(prompts), settings, stop_token_ids, stop, abandoned)
+    return ServingLoop(engine).run([lane], top_k)[0][0]
+
+
+def speculate(decoder: SpeculativeDecoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+              stop_token_ids: frozenset[int] = frozenset(), abandoned: Abandoned | None = None) -> SpecResult:
+    """Greedy speculative generation of every prompt: the serving loop with one speculative lane."""
+    t0 = time.time()
+    lane = Lane(prompts, [max_new_tokens] * len(prompts), stop_token_ids=stop_token_ids, abandoned=abandoned,
+                speculative=decoder)
+    gen = ServingLoop(decoder.target).run([lane])[0][0]
+    return SpecResult(kind=decoder.spec.kind, k=decoder.k, tokens=gen.tokens, accepted=gen.accepted,
+                      wall_s=time.time() - t0, drafts=gen.drafts)
+
+
+def run_speculative_cases(target: Engine, speculator: Speculator, prompts: Sequence[Sequence[int]], k: int,
+                          max_new_tokens: int, stop_token_ids: frozenset[int] = frozenset()) -> SpecResult:
+    """What a -draft / -mtp run's worker calls (every rank, in lockstep): greedy speculative generation of
+    each prompt with `speculator`, k draft tokens per step, on the same topology as `target`."""
+    return speculate(SpeculativeDecoder(target, speculator, k), prompts, max_new_tokens, stop_token_ids)

@@ -24,20 +24,19 @@ spec-verify-last-draft bounds the accept loop by k - 1 (in the reference too: it
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from harness.acceptance import histogram, mean_accepted_length
 from harness.contract import SPEC_ACCEPTED, SPEC_DRAFTS, SPEC_TOKENS
 from harness.engine.engine import Engine
-from harness.engine.speculator import SpeculativeSettings, Speculator
+from harness.engine.speculator import Speculator
 from harness.errors import ConfigError
+from harness.specs.speculative import SpeculativeSettings
 
-__all__ = ["SeqState", "SpecResult", "SpeculativeDecoder", "SpeculativeSettings", "run_speculative_cases",
-           "spec_manifest", "spec_tensors"]
+__all__ = ["SeqState", "SpecResult", "SpeculativeDecoder", "SpeculativeSettings", "spec_manifest", "spec_tensors"]
 
 
 @dataclass
@@ -53,7 +52,6 @@ class SeqState:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     accepted: list[int] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # the k proposals of each verify step
-    done: bool = False
 
     @property
     def generated(self) -> list[int]:
@@ -101,7 +99,8 @@ def _pick(logits: torch.Tensor) -> list[int]:
 
 
 class SpeculativeDecoder:
-    """Drives a target Engine and a Speculator of the same rank through greedy speculative decoding."""
+    """Drives a target Engine and a Speculator of the same rank through greedy speculative decoding: the
+    step of a speculative lane of the serving loop (harness/engine/scheduler.py: speculate)."""
 
     def __init__(self, target: Engine, speculator: Speculator, k: int) -> None:
         if k < 1:
@@ -204,64 +203,6 @@ class SpeculativeDecoder:
                 q = max(0, s.spec_valid + i - 1 - self.hidden_shift)
                 out[b, i] = s.hidden[q - q % self.owner_dcp]
         return out
-
-    # -- whole generations -------------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 stop_token_ids: frozenset[int] = frozenset(),
-                 abandoned: Callable[[], Collection[int]] | None = None) -> SpecResult:
-        """Greedy speculative generation, batched up to the target's slot count. `abandoned()`, asked before
-        every step (alike on every rank), names prompts to stop at once (as Engine.generate)."""
-        t0 = time.time()
-        limit = max(len(p) for p in prompts) + max_new_tokens + self.k + 1 if prompts else 0
-        if limit > self.target.pool.max_seq_len:
-            raise ConfigError(f"speculative decoding needs max_seq_len >= {limit} (longest prompt + "
-                              f"max_new_tokens + k + 1), the KV pool has {self.target.pool.max_seq_len}")
-        tokens: list[list[int]] = []
-        accepted: list[list[int]] = []
-        drafts: list[list[list[int]]] = []
-        step = max(1, self.target.max_batch)
-        for lo in range(0, len(prompts), step):
-            seqs = self.start(prompts[lo:lo + step])
-            for s in seqs:
-                _finish(s, max_new_tokens, stop_token_ids)
-            active = [(lo + j, s) for j, s in enumerate(seqs) if not s.done]
-            while active:
-                if abandoned is not None:
-                    gone = set(abandoned())
-                    active = [(i, s) for i, s in active if i not in gone]
-                    if not active:
-                        break
-                self.step([s for _, s in active])
-                for _, s in active:
-                    _finish(s, max_new_tokens, stop_token_ids)
-                active = [(i, s) for i, s in active if not s.done]
-            self.close(seqs)
-            tokens += [_trim(s.generated, max_new_tokens, stop_token_ids) for s in seqs]
-            accepted += [list(s.accepted) for s in seqs]
-            drafts += [[list(d) for d in s.drafts] for s in seqs]
-        return SpecResult(kind=self.spec.kind, k=self.k, tokens=tokens, accepted=accepted, wall_s=time.time() - t0,
-                          drafts=drafts)
-
-
-def _trim(new: list[int], max_new: int, stop: frozenset[int]) -> list[int]:
-    new = new[:max_new]
-    for i, t in enumerate(new):
-        if t in stop:
-            return new[:i + 1]
-    return new
-
-
-def _finish(s: SeqState, max_new: int, stop: frozenset[int]) -> None:
-    s.done = len(s.generated) >= max_new or any(t in stop for t in s.generated)
-
-
-def run_speculative_cases(target: Engine, speculator: Speculator, prompts: Sequence[Sequence[int]], k: int,
-                          max_new_tokens: int, stop_token_ids: frozenset[int] = frozenset()) -> SpecResult:
-    """What a -draft / -mtp run's worker calls (every rank, in lockstep): greedy speculative generation of
-    each prompt with `speculator`, k draft tokens per step, on the same topology as `target`."""
-    return SpeculativeDecoder(target, speculator, k).generate(prompts, max_new_tokens, stop_token_ids)
 
 
 def spec_tensors(result: SpecResult, indices: Sequence[int]) -> dict[str, torch.Tensor]:

@@ -64,16 +64,6 @@ class HybridCache(PagedKVCache):
         del self.state_length[seq_id]
         self.snapshots.pop(seq_id, None)
 
-    def fork(self, source: int, n: int) -> list[int]:
-        ids = super().fork(source, n)
-        src = self.slot_of[source]
-        for seq_id in ids:
-            dst = self.slot_of[seq_id]
-            self.conv[dst].copy_(self.conv[src])
-            self.recurrent[dst].copy_(self.recurrent[src])
-            self.state_length[seq_id] = self.state_length[source]
-        return ids
-
     def truncate(self, seq_id: int, length: int) -> None:
         """Drop K/V past `length` and restore the recurrent state after `length` tokens, from the snapshots
         of the sequence's latest chunk (a rollback further back is an error)."""

@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 import torch
 
 from harness.engine.engine import Engine
+from harness.engine.scheduler import generate, speculate
 from harness.engine.speculative import SpeculativeDecoder
 from harness.serve.protocol import Completion, CompletionResult, TokenLogprob, TopK
 
@@ -65,8 +66,8 @@ def _stop(c: Completion, eos_id: int | None) -> frozenset[int]:
 
 
 def _plain(engine: Engine, group: list[Completion], stop: frozenset[int], gone: Abandoned) -> list[Generated]:
-    gen = engine.generate([c.prompt for c in group], group[0].max_tokens, max(c.top_k for c in group) or 1, stop,
-                          abandoned=gone)
+    gen = generate(engine, [c.prompt for c in group], group[0].max_tokens, max(c.top_k for c in group) or 1, stop,
+                   abandoned=gone)
     out = []
     for c, toks, ids, lps in zip(group, gen.tokens, gen.topk_ids, gen.topk_logprobs):
         steps = [TokenLogprob(token=t, logprob=float(lp[0]), rank=1,
@@ -81,7 +82,7 @@ def _speculative(engine: Engine, decoder: SpeculativeDecoder, group: list[Comple
     """Tokens from speculative decoding; their logprobs from a teacher-forced pass over prompt + tokens
     (exact for greedy decoding: the same distributions the target verified). Abandoned completions get
     no logprobs."""
-    result = decoder.generate([c.prompt for c in group], group[0].max_tokens, stop, abandoned=gone)
+    result = speculate(decoder, [c.prompt for c in group], group[0].max_tokens, stop, abandoned=gone)
     dropped = gone()
     kept = [j for j in range(len(group)) if j not in dropped]
     rows = dict(zip(kept, teacher_forced(engine, [group[j].prompt + result.tokens[j] for j in kept])))
