@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from harness.arch.model import model_of
 from harness.engine.checkpoint import save_hf_checkpoint
 from harness.engine.tokenizer import BYTE_BOS, BYTE_EOS, TokenizersTokenizer, load_tokenizer
 from harness.engine.weights import load_weights
@@ -112,13 +113,10 @@ def check_out(out: Path) -> None:
 def export_model(spec: ModelSpec, out: Path) -> Path:
     """Write `spec` (weights and tokenizer) as a Hugging Face checkpoint folder at `out`: into a temporary
     folder beside it, renamed into place only when complete (a failed export leaves no folder behind)."""
-    if spec.hybrid is not None:
-        raise ConfigError(f"model {spec.name!r} is hybrid (linear attention / MoE): harness export writes "
-                          f"Llama/Qwen2-style checkpoints only; the embedded engine runs it directly")
+    refusal = model_of(spec).export_refusal()
+    if refusal is not None:
+        raise ConfigError(refusal)
     check_out(out)
-    if spec.mla:  # the Llama config.json cannot describe a latent attention
-        raise ConfigError(f"model {spec.name!r} is an MLA model (kv_lora_rank={spec.kv_lora_rank}): harness export "
-                          f"writes Llama/Qwen2 folders only")
     require_real_extra()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.{os.getpid()}.partial"  # this process's own staging folder

@@ -184,6 +184,15 @@ def contiguous_rows(h: HybridShape, rank_rows: int, index: int) -> tuple[int, in
     return (index * rank_rows, min((index + 1) * rank_rows, h.conv_channels))
 
 
+def loaded_rows(h: HybridShape, lin: LinearRank, contiguous: bool) -> tuple[tuple[int, int], ...]:
+    """The packed q|k|v rows a rank loads: per component as planned, or (`contiguous`, fault
+    deltanet-packed-split) one contiguous slice of the same size, at the index of its group of V heads."""
+    if not contiguous:
+        return lin.conv_rows
+    size = sum(hi - lo for lo, hi in lin.conv_rows)
+    return (contiguous_rows(h, size, lin.v_heads[0] // len(lin.v_heads)),)
+
+
 def plan_linear(h: HybridShape, layers: int, tp: int, dcp: int = 1) -> LinearPlan:
     """The linear-attention shard of every rank (tp ranks, decode context parallel dcp)."""
     if tp < 1 or dcp < 1 or tp % dcp:

@@ -139,6 +139,14 @@ class LayoutPlan:
         return tuple(dict.fromkeys(r.dcp_members for r in self.ranks))
 
     @property
+    def storage_note(self) -> str:
+        """How a token's KV is stored, where it is not K and V per head: MLA's shared latent row."""
+        if not self.shape.mla:
+            return ""
+        return (f"MLA latent row ({self.shape.kv_lora_rank} + {self.shape.qk_rope_dim} values) stored on "
+                f"{self.kv_duplication} rank(s) per token")
+
+    @property
     def kv_bytes_per_token_per_dcp_group(self) -> int:
         """Each token is stored once per DCP group (on its owner rank)."""
         return self.kv_bytes_per_token_per_rank
@@ -260,6 +268,12 @@ def naive_local_kv_index(n_q: int, n_kv: int) -> tuple[int, ...]:
     """The buggy mapping (fault gcd-naive-gqa): repeat_interleave over local counts, ignoring global ids."""
     per = max(1, n_q // n_kv)
     return tuple(min(i // per, n_kv - 1) for i in range(n_q))
+
+
+def group_kv_slots(rank: RankLayout, naive: bool = False) -> tuple[int, ...]:
+    """Which of `rank`'s held KV heads each Q head of its DCP group reads: the global-index mapping, or
+    (`naive`, fault gcd-naive-gqa) the local-count mapping."""
+    return naive_local_kv_index(len(rank.group_q_heads), len(rank.kv_heads)) if naive else rank.group_q_to_local_kv
 
 
 def kv_bytes_per_stored_token(shape: AttentionShape, n_kv_heads: int) -> int:

@@ -12,6 +12,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from harness.arch.component import PlanError
+from harness.arch.components import Speculator
+from harness.arch.model import model_of
+from harness.arch.plan import plan_model
 from harness.artifacts import RunArtifacts, run_capabilities
 from harness.backends.base import backend_record
 from harness.backends.build import LabelledBackend, with_build
@@ -38,14 +42,12 @@ from harness.errors import ConfigError, DiskFull, HarnessError, RunError
 from harness.gsm8k.settings import GSM8KSettings
 from harness.jsonio import read_json
 from harness.launcher.nodes import NodeLaunch, Nodes
-from harness.layout import plan_layout, plan_speculator
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, RUN_DIR_MIN_BYTES, free_bytes
 from harness.paths import BASELINES_DIR
 from harness.refcache import ReferenceCache, ReferenceFailed
 from harness.report.merge import cell_key
 from harness.report.provenance import collect_provenance, git_commit
 from harness.shard import Shard, shard_cells
-from harness.specs.hybrid_plan import plan_model
 from harness.specs.model import ModelSpec
 from harness.specs.pool import PoolSettings
 from harness.specs.speculative import SpeculativeSettings
@@ -121,19 +123,17 @@ def seeded(model: ModelSpec, seed: int) -> ModelSpec:
 
 def skip_reason(model: ModelSpec, topo: Topology, fault: str | None) -> str | None:
     """Why a cell cannot run (model does not split, fault does not apply), or None."""
+    speculator_error: PlanError | None = None
     try:
-        plan_layout(model.attention_shape, topo.tp, topo.dcp, placement=topo.placement, q_replicated=topo.q_replicated)
-        if model.hybrid is not None or topo.ep > 1:
-            plan_model(model, topo)
-    except ConfigError as exc:
-        return f"{model.name} does not split at {topo.name}: {exc}"
-    if topo.speculator != "none":
-        if model.speculator_layers > model.layers:
-            return f"{model.name}: speculator_layers={model.speculator_layers} exceeds layers={model.layers}"
-        try:
-            plan_speculator(model.speculator_shape, topo.tp)
-        except ConfigError as exc:
-            return f"{model.name}'s speculator does not split at {topo.name}: {exc}"
+        plan_model(model_of(model), topo)
+    except PlanError as exc:
+        if exc.component != Speculator.name:
+            return f"{model.name} does not split at {topo.name}: {exc}"
+        speculator_error = exc
+    if topo.speculator != "none" and model.speculator_layers > model.layers:
+        return f"{model.name}: speculator_layers={model.speculator_layers} exceeds layers={model.layers}"
+    if speculator_error is not None:
+        return f"{model.name}'s speculator does not split at {topo.name}: {speculator_error}"
     if fault:
         try:
             fault_flags(fault, topo)
@@ -388,13 +388,10 @@ class Runner:
         """Everything the checks of `cell` read."""
         suite = self.req.suite
         topo = cell.topology
-        hybrid = plan_model(cell.model, topo) if cell.model.hybrid is not None else None
+        plan = plan_model(model_of(cell.model), topo)
         return CellContext(
-            ref=ref, par=par, noise=noise,
-            plan=hybrid.attention if hybrid else plan_layout(cell.model.attention_shape, topo.tp, topo.dcp,
-                                                             placement=topo.placement,
-                                                             q_replicated=topo.q_replicated),
-            hybrid_plan=hybrid,
+            ref=ref, par=par, noise=noise, plan=plan.attention, hybrid_plan=plan.hybrid_plan,
+            layout_check=plan.model.attention.layout_check,
             settings=CheckSettings.from_suite(suite, cell.model.dtype),
             par_caps=run_capabilities(par, self.backend.capabilities()),
             ref_caps=run_capabilities(ref, self.ref_backend.capabilities()),
@@ -402,8 +399,7 @@ class Runner:
                           engine=self.backend.name, reference_engine=self.ref_backend.name,
                           report_dir=str(self.req.out_dir), baselines_dir=self.req.baselines_dir, workload=workload,
                           workloads_run=self.workload_names != (SUITE_PROMPTS,)),
-            speculator_plan=(plan_speculator(cell.model.speculator_shape, topo.tp) if topo.speculator != "none"
-                             else None),
+            speculator_plan=plan.speculator,
             decode=self._decoder(cell.model), gsm8k=self.req.gsm8k, enabled=suite.check_enabled)
 
     def planned(self) -> list[CellPlan]:

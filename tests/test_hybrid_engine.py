@@ -14,7 +14,7 @@ import torch
 from harness.cli import main
 from harness.engine.engine import Engine
 from harness.engine.faults import FaultFlags
-from harness.engine.hybrid import shard_moe
+from harness.engine.hybrid import HybridParts, shard_moe
 from harness.engine.moe import moe_activations
 from harness.engine.parallel import ParallelState
 from harness.engine.weights import load_weights
@@ -65,8 +65,8 @@ def test_recurrent_state_rolls_back_to_the_kept_tokens(tiny: tuple) -> None:
     the rounding of another chunking), far from the state after all 4."""
     spec, weights = tiny
     engine = Engine(spec, weights, ParallelState.single(), pool=PoolSettings(budget_bytes=2 ** 22, max_seq_len=64))
-    assert engine.hybrid is not None
-    cache = engine.hybrid.cache
+    assert isinstance(engine.parts, HybridParts)
+    cache = engine.parts.cache
     prompt = [5, 17, 42, 9, 100]
     a, b = engine.open_sequences(2)
     engine.extend([a, b], [prompt, prompt], [0, 0])
@@ -89,8 +89,8 @@ def test_recurrent_state_rolls_back_to_the_kept_tokens(tiny: tuple) -> None:
 def test_grouped_cache_holds_one_slot_count_and_refuses_more(tiny: tuple) -> None:
     spec, weights = tiny
     engine = Engine(spec, weights, ParallelState.single(), pool=PoolSettings(budget_bytes=2 ** 20, max_seq_len=64))
-    assert engine.hybrid is not None
-    cap = engine.hybrid.grouped
+    assert isinstance(engine.parts, HybridParts)
+    cap = engine.parts.grouped
     hybrid = engine.layout_report().hybrid
     assert hybrid is not None
     report = hybrid.cache_groups

@@ -46,6 +46,7 @@ import yaml
 
 from harness import __version__
 from harness import contract as c
+from harness.arch.model import model_of
 from harness.artifacts import write_run
 from harness.backends.base import stamp_manifest
 from harness.backends.build import check_label
@@ -261,13 +262,12 @@ class HttpBackend(Backend):
     def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
         if topology.dcp > 1 and not self.spec.supports_dcp:
             return f"engine {self.name} cannot run decode context parallelism (dcp={topology.dcp})"
-        if model.mla:  # an HTTP engine reads a Hugging Face folder, and harness export writes none for MLA
-            return f"engine {self.name} is given a Hugging Face export of the model, and MLA models have none"
+        refusal = model_of(model).served_refusal(self.name)  # it reads the Hugging Face folder harness export writes
+        if refusal is not None:
+            return refusal
         if topology.dcp_suffix:  # the template passes tp and dcp only: another placement would run round-robin
             return (f"engine {self.name}'s template has no option for the DCP token placement "
                     f"({topology.placement.label}) or Q replication of {topology.name}")
-        if model.hybrid is not None and model.source == "synthetic":
-            return f"engine {self.name}: a synthetic hybrid model (linear attention / MoE) cannot be exported for it"
         if topology.ep > 1:
             return f"engine {self.name}: its template has no expert-parallel setting (ep={topology.ep})"
         if topology.speculator != "none" and topology.speculator not in self.spec.speculator_argv:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 from harness import contract as c
 from harness.artifacts import RunArtifacts
@@ -30,6 +30,7 @@ from harness.compare.topk import check_topk
 from harness.details import HeadErrors, LayerErrors, LayoutDetails, PromptDetails, SpeculatorDetails
 from harness.errors import RunError
 from harness.fmt import id_ranges
+from harness.layout import LayoutPlan
 from harness.verdict import CheckResult, Verdict
 
 
@@ -61,10 +62,26 @@ def _layout(ctx: CellContext, entry: str, name: str) -> CheckResult:
     if not isinstance(actual, dict) or plan is None:
         return CheckResult(name, Verdict.ERROR, f"layout.json has no {entry!r} entry")
     check_pool = ctx.settings.of(LayoutSettings).check_pool and ctx.par_caps.has(c.KV_POOL_SIZE)
-    if entry == "target" and ctx.hybrid_plan is not None:
-        return check_hybrid_layout(ctx.hybrid_plan, actual, name, check_pool,
-                                   ctx.settings.of(LayoutSettings).check_checksums, ctx.speculator_plan)
+    check = LAYOUT_CHECKS[ctx.layout_check] if entry == "target" else _attention_layout
+    return check(ctx, plan, actual, name, check_pool)
+
+
+def _attention_layout(ctx: CellContext, plan: LayoutPlan, actual: dict[str, Any], name: str,
+                      check_pool: bool) -> CheckResult:
     return check_layout_with_pool(plan, actual, name, check_pool, ctx.settings.of(LayoutSettings).check_checksums)
+
+
+def _hybrid_layout(ctx: CellContext, plan: LayoutPlan, actual: dict[str, Any], name: str,
+                   check_pool: bool) -> CheckResult:
+    if ctx.hybrid_plan is None:
+        return CheckResult(name, Verdict.ERROR, "the cell's plan has no hybrid part to check its layout against")
+    return check_hybrid_layout(ctx.hybrid_plan, actual, name, check_pool,
+                               ctx.settings.of(LayoutSettings).check_checksums, ctx.speculator_plan)
+
+
+# the check of each layout_check an attention component names (harness/arch/components.py)
+LAYOUT_CHECKS: dict[str, Callable[[CellContext, LayoutPlan, dict[str, Any], str, bool], CheckResult]] = {
+    "attention": _attention_layout, "hybrid": _hybrid_layout}
 
 
 def layout(ctx: CellContext) -> list[CheckResult]:

@@ -50,6 +50,7 @@ class CellContext:
     info: CellInfo = field(default_factory=CellInfo)
     speculator_plan: LayoutPlan | None = None
     hybrid_plan: HybridPlan | None = None  # hybrid models: linear attention, MoE, cache groups
+    layout_check: str = "attention"  # the check of the target's layout its attention component names
     decode: Decoder | None = None
     gsm8k: GSM8KSettings | None = None
     enabled: Callable[[str], bool] = lambda section: True

@@ -6,12 +6,14 @@ import argparse
 import json
 from typing import Any
 
+from harness.arch.document import plan_sections
+from harness.arch.model import model_of
+from harness.arch.plan import plan_model
 from harness.cli.checks import positive_float, positive_int
-from harness.cli.plan_hybrid import hybrid_document, render_hybrid
+from harness.cli.plan_hybrid import render_hybrid
 from harness.errors import ConfigError
 from harness.fmt import human_bytes, id_ranges, table
-from harness.layout import LAYOUT_SCHEMA_VERSION, plan_layout, plan_speculator, pool_capacity, token_owner
-from harness.mla_layout import plan_mla
+from harness.layout import LAYOUT_SCHEMA_VERSION, token_owner
 from harness.specs.checkpoint import load_model
 from harness.specs.model import ModelSpec
 from harness.specs.topology import load_catalog
@@ -39,27 +41,13 @@ def plan_document(model: ModelSpec, topo_name: str, budget_gib: float | None, ma
     if len(topos) != 1:
         raise ConfigError(f"--topo {topo_name!r} names {len(topos)} topologies; plan takes exactly one")
     topo = topos[0]
-    plan = plan_layout(model.attention_shape, topo.tp, topo.dcp, placement=topo.placement,
-                       q_replicated=topo.q_replicated)
     seq = max_seq_len or model.max_seq_len
-    layout, hybrid = plan.to_dict(), None
-    if model.hybrid is not None or topo.ep > 1:
-        layout, hybrid = hybrid_document(model, topo, None if budget_gib is None else int(budget_gib * GIB), seq,
-                                         block_size)
+    sections = plan_sections(plan_model(model_of(model), topo), None if budget_gib is None else int(budget_gib * GIB),
+                             seq, block_size)
     doc: dict[str, Any] = {"schema_version": LAYOUT_SCHEMA_VERSION, "model": model.name,
-                           "topology": topo.to_dict(), **layout, "capacity": None, "speculator": None,
-                           "hybrid": hybrid, "mla": None}
+                           "topology": topo.to_dict(), **sections}
     doc["token_owners"] = {"tokens": tokens, "prompt_len": tokens,
                            "owners": [token_owner(t, topo.dcp, topo.placement, tokens) for t in range(tokens)]}
-    if model.mla:
-        doc["mla"] = plan_mla(model.attention_shape, model.mla_shape, topo.tp, topo.dcp, topo.placement,
-                              topo.q_replicated).to_dict()
-    if budget_gib is not None and hybrid is None:  # a hybrid model's capacity is its grouped capacity
-        doc["capacity"] = {"max_seq_len": seq,
-                           **pool_capacity(plan, int(budget_gib * GIB), seq, block_size).to_dict()}
-    if topo.speculator != "none":
-        spec_plan = plan_speculator(model.speculator_shape, topo.tp)
-        doc["speculator"] = {"kind": topo.speculator, **spec_plan.to_dict()}
     return doc
 
 

@@ -1,32 +1,11 @@
-"""The hybrid part of `harness plan`: linear-attention state, gated attention, experts and cache groups."""
+"""The table lines of the hybrid section of `harness plan`: linear-attention state, gated attention, experts
+and cache groups."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from harness.fmt import human_bytes, id_ranges, table
-from harness.hybrid_layout import grouped_capacity, hybrid_cache_groups, plan_hybrid_speculator
-from harness.specs.hybrid_plan import plan_model
-from harness.specs.model import ModelSpec
-from harness.specs.topology import Topology
-
-
-def hybrid_document(model: ModelSpec, topo: Topology, budget_bytes: int | None, max_seq_len: int,
-                    block_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the layout fields of the full-attention layers, the `hybrid` section) of a hybrid model's plan."""
-    plan = plan_model(model, topo)
-    spec = plan_hybrid_speculator(model.attention_shape, model.speculator_layers, topo.tp) \
-        if topo.speculator != "none" else None
-    groups = hybrid_cache_groups(plan.attention, plan.linear, spec, max_seq_len, block_size)
-    section = {**plan.to_dict(), "max_seq_len": max_seq_len, "block_size": block_size,
-               "cache_groups": [{"name": g.name, "blocks_per_seq": g.blocks_per_seq, "block_bytes": g.block_bytes}
-                                for g in groups],
-               "capacity": None if budget_bytes is None else grouped_capacity(groups, budget_bytes).to_dict()}
-    layout = plan.attention.to_dict()
-    if plan.moe is not None:  # the FFN is the MoE (section "moe"): no dense FFN columns
-        for rank in layout["ranks"]:
-            rank["ffn_shard"] = [0, 0]
-    return layout, section
 
 
 def render_hybrid(h: dict[str, Any]) -> list[str]:

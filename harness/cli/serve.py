@@ -11,9 +11,10 @@ import os
 import sys
 from typing import Any
 
+from harness.arch.model import model_of
+from harness.arch.plan import plan_model
 from harness.engine.faults import fault_flags
 from harness.errors import ConfigError
-from harness.layout import plan_layout
 from harness.serve.listen import check_listen
 from harness.specs.checkpoint import load_model
 from harness.specs.loader import did_you_mean
@@ -112,8 +113,7 @@ def run(args: argparse.Namespace) -> int:
     if len(topos) != 1:
         raise ConfigError(f"--topo {args.topo!r} names {len(topos)} topologies; serve takes exactly one")
     topo = topos[0]
-    plan_layout(model.attention_shape, topo.tp, topo.dcp, placement=topo.placement,
-                q_replicated=topo.q_replicated)  # an impossible layout is one clear error
+    plan_model(model_of(model), topo)  # an impossible layout (of any component) is one clear error
     refuse_unsupported(args.attention_backend, topo.dcp)
     fault_flags(args.fault, topo)
     if not 0 <= args.port < 65536:

@@ -172,8 +172,7 @@ def check_layout(plan: LayoutPlan, actual: Mapping[str, Any], pool_expected: Poo
             if pool_expected else "")
     reason = (f"{len(plan.ranks)} ranks as planned: {len(first.q_heads)} Q / {len(first.kv_heads)} KV heads "
               f"per rank, KV replicas {id_ranges(set(plan.kv_replicas))}, {len(plan.dcp_groups)} DCP group(s){pool}"
-              + (f"; MLA latent row ({plan.shape.kv_lora_rank} + {plan.shape.qk_rope_dim} values) stored on "
-                 f"{plan.kv_duplication} rank(s) per token" if plan.shape.mla else ""))
+              + (f"; {plan.storage_note}" if plan.storage_note else ""))
     return CheckResult(name, Verdict.PASS, reason, metrics)
 
 

@@ -15,19 +15,19 @@ from typing import Sequence
 
 import torch
 
+from harness.arch.model import model_of
+from harness.arch.plan import plan_model
+from harness.engine.decoders import RankBuild, build_rank
 from harness.engine.faults import FaultFlags
-from harness.engine.hybrid import HybridParts, build_hybrid, hybrid_layout_report
-from harness.engine.kvcache import PagedKVCache
-from harness.engine.mla import MLAParts, build_mla, mla_report
-from harness.engine.model import Batch, Capture, Decoder, Hyper
+from harness.engine.model import Batch, Capture
 from harness.engine.parallel import ParallelState
-from harness.engine.parallelize import engine_plan, head_map, rank_report, shard_weights
+from harness.engine.parallelize import rank_report
 from harness.errors import ConfigError
-from harness.layout import ROUND_ROBIN, LayoutPlan, Placement, pool_capacity
+from harness.layout import ROUND_ROBIN, Placement
 from harness.rankreport import RankReport, StoredPositions
-from harness.specs.hybrid_plan import check_hybrid_dcp
 from harness.specs.model import ModelSpec
 from harness.specs.pool import PoolSettings
+from harness.specs.topology import Topology
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                         "float16": torch.float16, "float64": torch.float64}
@@ -94,39 +94,16 @@ class Engine:
         self.flags = flags
         self.dtype = TORCH_DTYPES[dtype or spec.dtype]
         self.pool = pool
-        self.hybrid: HybridParts | None = None
-        self._mla: MLAParts | None = None
         self._owner_probe: StoredPositions | None = None  # the first decode-path sequence's stored positions
-        if spec.hybrid is not None:  # linear attention / MoE layers: harness/engine/hybrid.py
-            check_hybrid_dcp(spec, placement, q_replicated)
-            self._init_hybrid(full_weights, ep, speculator != "none")
-            return
-        self.plan: LayoutPlan = engine_plan(spec, state.tp, state.dcp, flags, placement, q_replicated)
-        self.rank_layout = self.plan.ranks[state.rank]
-        self.heads = head_map(self.rank_layout, flags)
-        self.capacity = pool_capacity(self.plan, pool.budget_bytes, pool.max_seq_len, pool.block_size)
-        if spec.mla:
-            self._mla = build_mla(spec, full_weights, self.rank_layout, self.heads, state.collectives(), flags,
-                                  self.capacity, self.dtype, state.device, state.tp, placement, q_replicated)
-            self.cache, self.decoder, weights = self._mla.cache, self._mla.decoder, self._mla.weights
-        else:
-            weights = shard_weights(full_weights, spec, self.rank_layout, self.dtype, state.device)
-            self.cache = PagedKVCache(self.capacity, spec.layers, self.heads.n_kv, spec.head_dim, self.dtype,
-                                      state.device)
-            self.decoder = Decoder(weights, self.heads, Hyper(spec.head_dim, spec.rope_theta, spec.norm_eps),
-                                   state.collectives(), self.cache, flags, placement)
-        self._weights = weights
-
-    def _init_hybrid(self, full_weights: dict[str, torch.Tensor], ep: int, speculator: bool) -> None:
-        state, pool = self.state, self.pool
-        parts = build_hybrid(self.spec, full_weights, state.tp, state.dcp, ep, state.rank, self.flags,
-                             pool.budget_bytes, pool.max_seq_len, pool.block_size,
-                             Hyper(self.spec.head_dim, self.spec.rope_theta, self.spec.norm_eps),
-                             state.collectives(), self.dtype, state.device, speculator)
-        self.hybrid = parts
-        self.plan, self.rank_layout, self.heads = parts.plan.attention, parts.rank_layout, parts.heads
+        self.model = model_of(spec)  # its components: the attention's engine module builds the decoder (decoders.py)
+        topology = Topology(tp=state.tp, dcp=state.dcp, speculator=speculator, q_replicated=q_replicated, ep=ep,
+                            interleave=placement.size, contiguous=placement.kind == "contiguous")
+        parts = build_rank(RankBuild(spec, plan_model(self.model, topology), full_weights, state, flags,
+                                     pool.budget_bytes, pool.max_seq_len, pool.block_size, self.dtype))
+        self.plan, self.rank_layout, self.heads = parts.plan, parts.rank_layout, parts.heads
         self.capacity, self.cache, self.decoder = parts.capacity, parts.cache, parts.decoder
-        self._weights = parts.weights
+        self._weights, self._report = parts.weights, parts.report
+        self.parts = parts.own  # the MLA or hybrid module's own parts (None for dense attention)
 
     @property
     def max_batch(self) -> int:
@@ -134,10 +111,10 @@ class Engine:
 
     def layout_report(self) -> RankReport:
         """What this rank holds (layout.json's rank report), with its MLA or hybrid record."""
-        mla, sums, per_token = mla_report(self._mla, self.spec) if self._mla is not None else (None, None, None)
-        hybrid = hybrid_layout_report(self.hybrid, self.state.rank) if self.hybrid is not None else None
+        extra = self._report()  # what the attention component's engine module adds (decoders.py)
         return rank_report(self.rank_layout, self.heads, self._weights, self.spec, self.cache.pool_bytes,
-                           self.capacity.blocks, sums, per_token, self._owner_probe, mla, hybrid)
+                           self.capacity.blocks, extra.checksums, extra.kv_bytes_per_token, self._owner_probe,
+                           extra.mla_record, extra.hybrid_record)
 
     # -- building blocks ---------------------------------------------------------------------------
 

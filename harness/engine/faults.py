@@ -21,7 +21,6 @@ class Fault:
     needs_speculator: str = ""  # "": none; "any": a draft or MTP speculator; "draft" / "mtp": that kind
     needs_placement: str = ""   # "": any; "interleave" (an i<K> topology, K > 1) / "contiguous" (c)
     needs_q_replicated: bool = False  # acts only on a Q-replicated topology (suffix q)
-    needs_mla: bool = False     # acts only on an MLA model (fault_scope: inert elsewhere)
     shared: bool = False        # the bug sits in code the reference topology runs too (e.g. verification):
     #                             the reference run gets it as well, so only a stored baseline can see it
 
@@ -113,8 +112,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     # -- MLA and the DCP token placements (harness/engine/mla.py, layout.token_owner) --
     Fault("mla-rope-local-slot", "logits",
           "under DCP the MLA latent's decoupled RoPE key rotated by the token's slot in its owner's local "
-          "latent cache instead of its global position (queries keep global positions)", needs_dcp=True,
-          needs_mla=True),
+          "latent cache instead of its global position (queries keep global positions)", needs_dcp=True),
     Fault("dcp-interleave-per-token", "layout, logits",
           "with an interleaved placement (chunks of K tokens) the K/V store deals tokens one by one (t % dcp) "
           "while the attention reads each rank's share by chunks ((t // K) % dcp, as its local sequence "
@@ -133,7 +131,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("q-replicated-own-slice", "layout, logits",
           "Q-replicated DCP loading only the rank's own slice of q_b_proj / w_kc for every head of its DCP "
           "group, so the other heads' queries are computed with the wrong weights", needs_dcp=True,
-          needs_q_replicated=True, needs_mla=True),
+          needs_q_replicated=True),
     # -- serving routes: prefix cache, chunked prefill, preemption, long block tables, short sequences --
     Fault("dcp-prefix-hit-length", "generation, prefix_cache",
           "a prefix-cache hit of n KV blocks resumes the prefill at n x block_size tokens instead of "

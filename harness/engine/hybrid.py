@@ -41,11 +41,9 @@ from harness.hybrid_layout import (
     HybridShape,
     LinearRank,
     MoeRank,
-    contiguous_rows,
     grouped_capacity,
     hybrid_cache_groups,
-    plan_hybrid,
-    plan_hybrid_speculator,
+    loaded_rows,
 )
 from harness.layout import LayoutPlan, PoolCapacity, RankLayout, slot_pool, token_owner
 from harness.rankreport import CacheGroupsReport, ExpertsReport, HybridReport, LinearReport
@@ -81,20 +79,9 @@ def _packed_rows(w: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.
     return torch.cat([w[lo:hi] for lo, hi in ranges])
 
 
-def linear_rows(h: HybridShape, lin: LinearRank, flags: FaultFlags) -> tuple[tuple[int, int], ...]:
-    """The packed q|k|v rows this rank loads: per component as planned, or (fault deltanet-packed-split)
-    one contiguous slice of the same size, at the index of the rank's group of V heads."""
-    if not flags.linear_packed_contiguous:
-        return lin.conv_rows
-    size = sum(hi - lo for lo, hi in lin.conv_rows)
-    return (contiguous_rows(h, size, lin.v_heads[0] // len(lin.v_heads)),)
-
-
-def shard_linear(full: dict[str, torch.Tensor], p: str, spec: ModelSpec, lin: LinearRank, flags: FaultFlags,
+def shard_linear(full: dict[str, torch.Tensor], p: str, h: HybridShape, lin: LinearRank, flags: FaultFlags,
                  cast: Any) -> LinearWeights:
-    assert spec.hybrid is not None
-    h = spec.hybrid
-    rows = linear_rows(h, lin, flags)
+    rows = loaded_rows(h, lin, flags.linear_packed_contiguous)
     vd = h.linear_v_dim
     own = torch.tensor([v in lin.out_v_heads for v in lin.v_heads], dtype=torch.bool).repeat_interleave(vd)
     out = _head_rows(full[p + "lin_out.weight"].T, lin.v_heads, vd).T  # [H, Hv_local * Dv]
@@ -131,12 +118,11 @@ def shard_moe(full: dict[str, torch.Tensor], p: str, moe: MoeRank, flags: FaultF
                       shared_up=shared_up, down=cast(torch.cat(downs, dim=1)), expert_ids=labels)
 
 
-def shard_hybrid(full: dict[str, torch.Tensor], spec: ModelSpec, plan: HybridPlan, rank: int, flags: FaultFlags,
-                 dtype: torch.dtype, device: torch.device) -> tuple[LocalWeights, list[HybridLayer]]:
+def shard_hybrid(full: dict[str, torch.Tensor], spec: ModelSpec, h: HybridShape, plan: HybridPlan, rank: int,
+                 flags: FaultFlags, dtype: torch.dtype, device: torch.device) -> tuple[LocalWeights, list[HybridLayer]]:
     """One rank's weights: the full layers as LocalWeights.layers (their gated Q split into q and gate
     rows), the linear layers, MoE and norms per layer in HybridLayer."""
-    assert spec.hybrid is not None
-    h, hd = spec.hybrid, spec.head_dim
+    hd = spec.head_dim
     attn: RankLayout = plan.attention.ranks[rank]
     cast = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
     empty = torch.zeros(0, spec.hidden, device=device, dtype=dtype)
@@ -164,7 +150,7 @@ def shard_hybrid(full: dict[str, torch.Tensor], spec: ModelSpec, plan: HybridPla
                 mlp_norm=layer.mlp_norm, gate=empty, up=empty, down=empty.T))
         else:
             layer.linear_index = sum(1 for x in layers if x.kind != FULL)
-            layer.linear = shard_linear(full, p, spec, plan.linear.ranks[rank], flags, cast)
+            layer.linear = shard_linear(full, p, h, plan.linear.ranks[rank], flags, cast)
         if plan.moe is not None:
             layer.moe = shard_moe(full, p, plan.moe.ranks[rank], flags, h.experts, plan.moe.ep, cast)
         else:
@@ -301,11 +287,6 @@ class HybridParts:
     loaded_rows: tuple[tuple[int, int], ...]  # the packed q|k|v rows of the linear layers as loaded
 
 
-def engine_hybrid_plan(spec: ModelSpec, tp: int, dcp: int, ep: int) -> HybridPlan:
-    assert spec.hybrid is not None
-    return plan_hybrid(spec.attention_shape, spec.hybrid, tp, dcp, ep)
-
-
 def cache_capacity(plan: HybridPlan, budget_bytes: int, max_seq_len: int, block_size: int, flags: FaultFlags,
                    speculator: LayoutPlan | None = None) -> tuple[GroupedCapacity, PoolCapacity, int]:
     """(the grouped capacity, the attention pool, the recurrent-state slots): one slot count for every
@@ -321,20 +302,17 @@ def cache_capacity(plan: HybridPlan, budget_bytes: int, max_seq_len: int, block_
     return grouped, slot_pool(plan.attention, attn.slots, max_seq_len, block_size), state_slots
 
 
-def build_hybrid(spec: ModelSpec, full: dict[str, torch.Tensor], tp: int, dcp: int, ep: int, rank: int,
+def build_hybrid(spec: ModelSpec, h: HybridShape, plan: HybridPlan, full: dict[str, torch.Tensor], rank: int,
                  flags: FaultFlags, budget_bytes: int, max_seq_len: int, block_size: int, hyper: Hyper,
                  comm: Collectives, dtype: torch.dtype, device: torch.device,
-                 speculator: bool = False) -> HybridParts:
+                 spec_plan: LayoutPlan | None = None) -> HybridParts:
     """Everything one rank of a hybrid model needs, from the planner's plan (faults: the flags);
-    `speculator`: a draft/MTP head shares the cache budget (its pages are one more cache group)."""
-    assert spec.hybrid is not None
-    h = spec.hybrid
-    plan = engine_hybrid_plan(spec, tp, dcp, ep)
+    `spec_plan`: a draft/MTP head's plan, sharing the cache budget (its pages are one more cache group)."""
+    tp = plan.attention.tp
     rank_layout = plan.attention.ranks[rank]
     heads = head_map(rank_layout, flags)
-    spec_plan = plan_hybrid_speculator(spec.attention_shape, spec.speculator_layers, tp) if speculator else None
     grouped, capacity, state_slots = cache_capacity(plan, budget_bytes, max_seq_len, block_size, flags, spec_plan)
-    weights, layers = shard_hybrid(full, spec, plan, rank, flags, dtype, device)
+    weights, layers = shard_hybrid(full, spec, h, plan, rank, flags, dtype, device)
     lin = plan.linear.ranks[rank]
     channels = sum(hi - lo for lo, hi in lin.conv_rows)
     linear_heads = LinearHeads(n_k=len(lin.k_heads), n_v=len(lin.v_heads), k_dim=h.linear_k_dim,
@@ -344,7 +322,7 @@ def build_hybrid(spec: ModelSpec, full: dict[str, torch.Tensor], tp: int, dcp: i
                         (len(lin.v_heads), h.linear_k_dim, h.linear_v_dim), state_dtype(dtype))
     decoder = HybridDecoder(weights, layers, heads, linear_heads, h.top_k, hyper, comm, cache, flags, tp, rank)
     return HybridParts(plan, rank_layout, heads, capacity, grouped, weights, layers, cache, decoder,
-                       linear_rows(h, lin, flags))
+                       loaded_rows(h, lin, flags.linear_packed_contiguous))
 
 
 def _checksum(tensors: list[torch.Tensor]) -> str:

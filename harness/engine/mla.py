@@ -40,7 +40,7 @@ from harness.engine.model import (
 from harness.engine.parallel import Collectives
 from harness.engine.parallelize import vocab_rows
 from harness.layout import ROUND_ROBIN, Placement, PoolCapacity, RankLayout, local_token_count, token_owner
-from harness.mla_layout import MLARank, plan_mla
+from harness.mla_layout import MLAPlan, MLARank
 from harness.rankreport import MLAReport
 from harness.specs.model import ModelSpec
 
@@ -235,15 +235,14 @@ class MLAParts:
 
 
 def build_mla(spec: ModelSpec, full: dict[str, torch.Tensor], rank: RankLayout, heads: HeadMap, comm: Collectives,
-              flags: FaultFlags, capacity: PoolCapacity, dtype: torch.dtype, device: torch.device, tp: int,
-              placement: Placement, q_replicated: bool) -> MLAParts:
+              flags: FaultFlags, capacity: PoolCapacity, dtype: torch.dtype, device: torch.device, mla_plan: MLAPlan,
+              placement: Placement) -> MLAParts:
     """One rank's MLA weights, latent cache and decoder, from the planner's MLA plan."""
-    mla_plan = plan_mla(spec.attention_shape, spec.mla_shape, tp, comm.dcp, placement, q_replicated)
     mla_rank = mla_plan.ranks[rank.rank]
     weights = shard_mla_weights(full, spec, rank, mla_rank, flags, dtype, device)
     cache = latent_cache(capacity, spec, dtype, device)
     decoder = MLADecoder(weights, heads, Hyper(spec.qk_rope_dim, spec.rope_theta, spec.norm_eps), comm, cache, flags,
-                         mla_dims(spec), q_replicated, placement)
+                         mla_dims(spec), mla_plan.q_replicated, placement)
     return MLAParts(weights, cache, decoder, mla_rank, "replicated" if mla_plan.q_replicated else "split")
 
 

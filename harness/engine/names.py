@@ -14,7 +14,9 @@ MLA models (kv_lora_rank > 0; qk = qk_nope_dim + qk_rope_dim, v = head_dim) repl
 from __future__ import annotations
 
 import re
+from typing import Callable
 
+from harness.arch.model import Model, model_of
 from harness.engine.hybrid_names import hybrid_shapes
 from harness.specs.model import ModelSpec
 
@@ -83,12 +85,15 @@ def mla_attention_shapes(spec: ModelSpec) -> dict[str, Shape]:
     return shapes
 
 
+def mla_layer_shapes(spec: ModelSpec) -> dict[str, Shape]:
+    """Per-layer canonical suffix -> shape of an MLA model."""
+    return {"attn_norm.weight": (spec.hidden,), **mla_attention_shapes(spec), "mlp_norm.weight": (spec.hidden,),
+            "gate.weight": (spec.ffn, spec.hidden), "up.weight": (spec.ffn, spec.hidden),
+            "down.weight": (spec.hidden, spec.ffn)}
+
+
 def layer_shapes(spec: ModelSpec) -> dict[str, Shape]:
-    """Per-layer canonical suffix -> shape."""
-    if spec.mla:
-        return {"attn_norm.weight": (spec.hidden,), **mla_attention_shapes(spec), "mlp_norm.weight": (spec.hidden,),
-                "gate.weight": (spec.ffn, spec.hidden), "up.weight": (spec.ffn, spec.hidden),
-                "down.weight": (spec.hidden, spec.ffn)}
+    """Per-layer canonical suffix -> shape of a dense/GQA model."""
     q_out, kv_out = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
     shapes: dict[str, Shape] = {
         "attn_norm.weight": (spec.hidden,),
@@ -107,17 +112,28 @@ def layer_shapes(spec: ModelSpec) -> dict[str, Shape]:
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, Shape]:
-    """Every canonical tensor name the spec calls for -> its shape."""
-    if spec.hybrid is not None:
-        return hybrid_shapes(spec, spec.hybrid)
+    """Every canonical tensor name the spec calls for -> its shape (by the engine module of its attention)."""
+    model = model_of(spec)
+    return MODEL_SHAPES[model.attention.engine_module](model)
+
+
+def stacked_shapes(spec: ModelSpec, per_layer: dict[str, Shape]) -> dict[str, Shape]:
+    """Embedding, `per_layer` in every layer, final norm and (untied) lm_head."""
     shapes: dict[str, Shape] = {"embed.weight": (spec.vocab, spec.hidden)}
-    per_layer = layer_shapes(spec)
     for i in range(spec.layers):
         shapes.update({f"layers.{i}.{suffix}": shape for suffix, shape in per_layer.items()})
     shapes["norm.weight"] = (spec.hidden,)
     if not spec.tied_embeddings:
         shapes["lm_head.weight"] = (spec.vocab, spec.hidden)
     return shapes
+
+
+# the weight shapes of each engine module an attention component names (harness/arch/components.py)
+MODEL_SHAPES: dict[str, Callable[[Model], dict[str, Shape]]] = {
+    "harness.engine.model": lambda m: stacked_shapes(m.spec, layer_shapes(m.spec)),
+    "harness.engine.mla": lambda m: stacked_shapes(m.spec, mla_layer_shapes(m.spec)),
+    "harness.engine.hybrid": lambda m: hybrid_shapes(m.spec, m.hybrid_shape()),
+}
 
 
 def _translate(name: str, top: dict[str, str], layer: dict[str, str], layer_prefix: str) -> str:

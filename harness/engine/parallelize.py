@@ -9,9 +9,10 @@ import hashlib
 
 import torch
 
+from harness.arch.components import faulty_layout
 from harness.engine.faults import FaultFlags
 from harness.engine.model import HeadMap, LayerWeights, LocalWeights
-from harness.layout import ROUND_ROBIN, LayoutPlan, Placement, RankLayout, naive_local_kv_index, plan_layout
+from harness.layout import ROUND_ROBIN, LayoutPlan, Placement, RankLayout, group_kv_slots
 from harness.rankreport import HybridReport, MLAReport, RankReport, StoredPositions
 from harness.specs.model import ModelSpec
 
@@ -19,15 +20,13 @@ from harness.specs.model import ModelSpec
 def engine_plan(spec: ModelSpec, tp: int, dcp: int, flags: FaultFlags,
                 placement: Placement = ROUND_ROBIN, q_replicated: bool = False) -> LayoutPlan:
     """The plan the engine actually uses (the correct one unless a fault replaces a split)."""
-    return plan_layout(spec.attention_shape, tp, dcp, kv_dcp=flags.kv_layout_dcp, ffn_floor=flags.ffn_floor_split,
-                       vocab_floor_offset=flags.vocab_floor_offset, placement=placement, q_replicated=q_replicated)
+    return faulty_layout(spec, tp, dcp, flags, placement, q_replicated)
 
 
 def head_map(rank: RankLayout, flags: FaultFlags) -> HeadMap:
     """Which local KV slot each of the DCP group's Q heads reads; global-index mapping unless naive."""
     n_q, n_kv = len(rank.q_heads), len(rank.kv_heads)
-    group_map = (naive_local_kv_index(len(rank.group_q_heads), n_kv) if flags.naive_gqa
-                 else rank.group_q_to_local_kv)
+    group_map = group_kv_slots(rank, flags.naive_gqa)
     own = rank.group_q_heads.index(rank.q_heads[0])
     return HeadMap(n_q=n_q, n_kv=n_kv, group_q_to_local_kv=tuple(group_map), own_slice=(own, own + n_q))
 

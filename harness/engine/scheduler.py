@@ -446,7 +446,7 @@ class ServingLoop:
         placement = self.engine.decoder.placement
         # a hit skips the prefix's forward, so every cache group must hold the prefix: a recurrent state
         # (linear attention) keeps only each sequence's latest state, so a hybrid model takes no hits
-        cacheable = self.engine.hybrid is None
+        cacheable = self.engine.model.prefix_cacheable
         states = [_LaneState(lane, PrefixCache(self.engine.cache, self.dcp, self.dcp_rank, placement)
                              if lane.settings.prefix_cache and cacheable else None) for lane in lanes]
         pins = sum(1 for st in states if st.prefix is not None)

@@ -33,6 +33,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from harness.arch.model import model_of
 from harness.engine.engine import TORCH_DTYPES, Engine, build_batch
 from harness.engine.faults import FaultFlags
 from harness.engine.kvcache import PagedKVCache
@@ -94,7 +95,7 @@ def _layers(spec: ModelSpec, target: Mapping[str, torch.Tensor], noise: float) -
     if spec.speculator_layers > spec.layers:
         raise ConfigError(f"model {spec.name!r}: speculator_layers={spec.speculator_layers} exceeds "
                           f"layers={spec.layers}")
-    if spec.hybrid is not None:  # the target's layers are linear attention / MoE: seeded dense layers instead
+    if not model_of(spec).speculator.copies_target:  # a hybrid target's layers: seeded dense layers instead
         target = hybrid_mtp_layers(spec)
     out = {}
     for name, t in target.items():

@@ -1,0 +1,62 @@
+"""plan_model: the typed plan of a whole model over one topology, assembled from its components' plans."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from harness.arch.component import Component, PlanError
+from harness.arch.components import GatedPlan, MoE
+from harness.arch.model import Model
+from harness.errors import ConfigError
+from harness.hybrid_layout import HybridPlan, LinearPlan, MoePlan
+from harness.layout import LayoutPlan
+from harness.mla_layout import MLAPlan
+from harness.specs.topology import Topology
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """What every rank holds of `model` on `topology`: `attention` is the KV-holding attention layers'
+    layout (a hybrid model's full-attention layers), the other parts belong to the components that have
+    them (None where the model has no such component or the topology no speculator)."""
+
+    model: Model
+    topology: Topology
+    attention: LayoutPlan
+    latent: MLAPlan | None = None
+    gated: GatedPlan | None = None
+    linear: LinearPlan | None = None
+    moe: MoePlan | None = None
+    speculator: LayoutPlan | None = None
+
+    @property
+    def hybrid_plan(self) -> HybridPlan | None:
+        """The linear attention, gated attention and MoE parts together (the hybrid layout check's and
+        the hybrid engine's view), or None for a model without linear attention."""
+        if self.linear is None or self.gated is None:
+            return None
+        return HybridPlan(kinds=self.gated.kinds, attention=self.attention, linear=self.linear, moe=self.moe,
+                          output_gate=self.gated.output_gate, q_proj_rows=self.gated.q_proj_rows)
+
+
+def plan_model(model: Model, topology: Topology) -> ModelPlan:
+    """Every component's plan of `model` over `topology`, in component order, then the speculator's when
+    the topology has one. Raises PlanError (a ConfigError naming the component) for the first part that
+    does not split, and for ep > 1 without a component that takes expert parallel."""
+    parts: dict[str, Any] = {}
+    for component in model.components:
+        parts.update(_planned(component, model, topology))
+    if topology.ep > 1 and not model.takes_ep:
+        raise PlanError(f"ep={topology.ep} needs a MoE model; {model.spec.name} is dense (no hybrid.experts)",
+                        MoE.name)
+    if topology.speculator != "none":
+        parts.update(_planned(model.speculator, model, topology))
+    return ModelPlan(model=model, topology=topology, **parts)
+
+
+def _planned(component: Component, model: Model, topology: Topology) -> dict[str, Any]:
+    try:
+        return component.plan(model.spec, topology)
+    except ConfigError as exc:
+        raise PlanError(str(exc), component.name) from exc

@@ -1,0 +1,124 @@
+"""One rank's decoder, weights and KV cache, built by the engine module its model's attention component
+names (harness/arch/components.py engine_module): dense/GQA attention (model.py), MLA (mla.py) or the
+hybrid layers (hybrid.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from harness.arch.plan import ModelPlan
+from harness.engine.faults import FaultFlags
+from harness.engine.hybrid import HybridParts, build_hybrid, hybrid_layout_report
+from harness.engine.kvcache import PagedKVCache
+from harness.engine.mla import MLAParts, build_mla, mla_report
+from harness.engine.model import Decoder, HeadMap, Hyper, LocalWeights
+from harness.engine.parallel import ParallelState
+from harness.engine.parallelize import engine_plan, head_map, shard_weights
+from harness.layout import LayoutPlan, PoolCapacity, RankLayout, pool_capacity
+from harness.rankreport import HybridReport, MLAReport
+from harness.specs.model import ModelSpec
+from harness.specs.topology import Topology
+
+
+@dataclass(frozen=True)
+class RankBuild:
+    """What the engine is asked to build from: the model's spec and plan, this rank, its faults, its pool."""
+
+    spec: ModelSpec
+    plan: ModelPlan
+    full_weights: dict[str, torch.Tensor]
+    state: ParallelState
+    flags: FaultFlags
+    budget_bytes: int
+    max_seq_len: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def topology(self) -> Topology:
+        return self.plan.topology
+
+    @property
+    def hyper(self) -> Hyper:
+        return Hyper(self.spec.head_dim, self.spec.rope_theta, self.spec.norm_eps)
+
+
+@dataclass(frozen=True)
+class ModuleReport:
+    """What an attention component's engine module adds to the rank report (parallelize.rank_report): a
+    replacement of the K/V weight checksums and of the bytes per stored token, its MLA or hybrid record."""
+
+    checksums: dict[str, str] | None = None
+    kv_bytes_per_token: int | None = None
+    mla_record: MLAReport | None = None
+    hybrid_record: HybridReport | None = None
+
+
+def _latent_report(parts: MLAParts, spec: ModelSpec) -> ModuleReport:
+    record, sums, per_token = mla_report(parts, spec)
+    return ModuleReport(sums, per_token, mla_record=record)
+
+
+@dataclass(frozen=True)
+class RankParts:
+    """One rank's built model; `report` gives what its engine module adds to the rank report, `own` the
+    engine module's parts."""
+
+    plan: LayoutPlan
+    rank_layout: RankLayout
+    heads: HeadMap
+    capacity: PoolCapacity
+    cache: PagedKVCache
+    decoder: Decoder
+    weights: LocalWeights
+    report: Callable[[], ModuleReport]
+    own: MLAParts | HybridParts | None = None  # what the component's engine module built beyond these
+
+
+def _attention_plan(b: RankBuild) -> tuple[LayoutPlan, RankLayout, HeadMap, PoolCapacity]:
+    t = b.topology
+    plan = engine_plan(b.spec, t.tp, t.dcp, b.flags, t.placement, t.q_replicated)
+    rank_layout = plan.ranks[b.state.rank]
+    capacity = pool_capacity(plan, b.budget_bytes, b.max_seq_len, b.block_size)
+    return plan, rank_layout, head_map(rank_layout, b.flags), capacity
+
+
+def build_dense(b: RankBuild) -> RankParts:
+    plan, rank_layout, heads, capacity = _attention_plan(b)
+    weights = shard_weights(b.full_weights, b.spec, rank_layout, b.dtype, b.state.device)
+    cache = PagedKVCache(capacity, b.spec.layers, heads.n_kv, b.spec.head_dim, b.dtype, b.state.device)
+    decoder = Decoder(weights, heads, b.hyper, b.state.collectives(), cache, b.flags, b.topology.placement)
+    return RankParts(plan, rank_layout, heads, capacity, cache, decoder, weights, ModuleReport)
+
+
+def build_latent(b: RankBuild) -> RankParts:
+    plan, rank_layout, heads, capacity = _attention_plan(b)
+    assert b.plan.latent is not None
+    parts = build_mla(b.spec, b.full_weights, rank_layout, heads, b.state.collectives(), b.flags, capacity, b.dtype,
+                      b.state.device, b.plan.latent, b.topology.placement)
+    return RankParts(plan, rank_layout, heads, capacity, parts.cache, parts.decoder, parts.weights,
+                     lambda: _latent_report(parts, b.spec), parts)
+
+
+def build_hybrid_rank(b: RankBuild) -> RankParts:
+    assert b.plan.hybrid_plan is not None
+    state = b.state
+    parts = build_hybrid(b.spec, b.plan.model.hybrid_shape(), b.plan.hybrid_plan, b.full_weights, state.rank, b.flags,
+                         b.budget_bytes, b.max_seq_len, b.block_size, b.hyper, state.collectives(), b.dtype,
+                         state.device, b.plan.speculator)
+    return RankParts(parts.plan.attention, parts.rank_layout, parts.heads, parts.capacity, parts.cache,
+                     parts.decoder, parts.weights,
+                     lambda: ModuleReport(hybrid_record=hybrid_layout_report(parts, state.rank)), parts)
+
+
+# the builder of each engine module an attention component names
+BUILDERS: dict[str, Callable[[RankBuild], RankParts]] = {
+    "harness.engine.model": build_dense, "harness.engine.mla": build_latent, "harness.engine.hybrid": build_hybrid_rank,
+}
+
+
+def build_rank(b: RankBuild) -> RankParts:
+    return BUILDERS[b.plan.model.attention.engine_module](b)
