@@ -28,12 +28,14 @@ logprob answered as NaN, inf or null is kept and recorded as spelled (manifest n
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import platform
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
@@ -82,7 +84,14 @@ SPEC_SERVER_LOG = "server-speculative.log"
 DEFAULT_SPEC_K = 3
 VERSION_TIMEOUT_S = 60.0
 # template keys that do not change what a run produces (version_packages: how its version, which is kept, is found)
-IDENTITY_EXCLUDES: tuple[str, ...] = ("ready_timeout_s", "request_timeout_s", "version_packages", "build_argv")
+IDENTITY_EXCLUDES: tuple[str, ...] = ("ready_timeout_s", "request_timeout_s", "version_packages", "build_argv",
+                                      "requires", "install")
+FIND_CODE = ("import importlib.util, sys\n"
+             "for name in sys.argv[1:]:\n"
+             "    try:\n        found = importlib.util.find_spec(name) is not None\n"
+             "    except ImportError:\n        found = False\n"
+             "    if not found:\n        print(name)\n")
+_MISSING: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {}  # (interpreter, modules) -> the missing ones
 VERSION_CODE = ("import importlib.metadata as m, sys\n"
                 "for name in sys.argv[1:]:\n"
                 "    try:\n        print(name, m.version(name)); break\n"
@@ -165,6 +174,32 @@ def refusal(patterns: tuple[str, ...], logs: list[Path]) -> str | None:
     return None
 
 
+def missing_modules(interpreter: str, modules: Sequence[str]) -> tuple[str, ...]:
+    """The `modules` that `interpreter` cannot import (found, not imported: nothing of the engine runs here), asked
+    once per process; this harness's own interpreter is asked in process."""
+    key = (interpreter, tuple(modules))
+    if not modules:
+        return ()
+    if key not in _MISSING:
+        if Path(interpreter).resolve() == Path(sys.executable).resolve():
+            _MISSING[key] = tuple(m for m in modules if not _findable(m))
+        else:
+            try:
+                out = subprocess.run([interpreter, "-c", FIND_CODE, *modules], capture_output=True, text=True,
+                                     timeout=VERSION_TIMEOUT_S, check=True)
+                _MISSING[key] = tuple(out.stdout.split())
+            except (OSError, subprocess.SubprocessError) as exc:
+                raise ConfigError(f"cannot ask {interpreter} for the modules {', '.join(modules)}: {exc}") from exc
+    return _MISSING[key]
+
+
+def _findable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package missing, or an import hook refusing it
+        return False
+
+
 class HttpBackend:
     """An engine template driven over HTTP: `template` is a shipped name (engines/NAME.yaml) or the path of
     a template file (the registry's target for every template). `option` is the URL for templates that
@@ -181,6 +216,10 @@ class HttpBackend:
         if spec.argv and not Path(spec.interpreter()).exists():
             raise ConfigError(f"engine {spec.name!r}: its python {spec.interpreter()} does not exist; install the "
                               f"engine's environment there or point ${spec.python_env_var()} at its interpreter")
+        missing = missing_modules(spec.interpreter(), spec.requires) if spec.argv else ()
+        if missing:
+            raise ConfigError(f"engine {spec.name!r} is unavailable: its python {spec.interpreter()} cannot import "
+                              f"{', '.join(missing)}" + (f"; {spec.install}" if spec.install else ""))
         self.spec = spec
         self.name = spec.name
         self._version: str | None = None

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.cli.checks import positive_float
+from harness.errors import ConfigError
 from harness.fmt import human_bytes, table
 
 DAY_S = 86400.0
@@ -92,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
     from harness.paths import default_cache_dir
 
     cache_dir: Path = args.cache_dir or default_cache_dir()
+    if cache_dir.exists() and not cache_dir.is_dir():
+        raise ConfigError(f"--cache-dir {cache_dir} is a file, not a cache folder; give the folder the runs used "
+                          f"(--cache-dir of harness run, default $HARNESS_CACHE_DIR or ~/.cache/llm-parallel-harness)")
     found, now = entries(cache_dir), time.time()
     total = sum(e.bytes for e in found)
     if args.action == "list":

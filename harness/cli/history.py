@@ -53,7 +53,11 @@ def run(args: argparse.Namespace) -> int:
         for run_id, n in record_runs(path, args.dirs, args.label):
             print(f"recorded {run_id}: {n} cell x check rows into {path}")
         return ExitCode.OK
-    return show(connect(path, create=False), args)
+    conn = connect(path, create=False)
+    try:
+        return show(conn, args)
+    finally:
+        conn.close()
 
 
 def _marks(t: Any) -> list[str]:
