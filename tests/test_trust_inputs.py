@@ -276,3 +276,53 @@ def test_shipped_specs_still_load() -> None:
     for name in shipped_engines():
         load_engine(name)
     load_catalog()
+
+
+# -- item 11: a failed reference launch leaves no *.partial folder in the cache -----------------------------------
+
+CRASHING_SERVER = "import sys; print('engine: ERROR out of cheese', flush=True); sys.exit(3)"
+
+
+def _crashing_engine(tmp_path: Path) -> str:
+    path = tmp_path / "crashing.yaml"
+    path.write_text(yaml.safe_dump({"dialect": "vllm", "model_format": "spec", "supports_dcp": False,
+                                    "argv": ["{python}", "-c", CRASHING_SERVER, "{port}"]}))
+    return str(path)
+
+
+def test_a_failed_reference_launch_leaves_no_partial_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from harness.results import results_cells
+    cache = tmp_path / "cache"
+    argv = ["run", "--suite", "dcp", "--model", "tiny-gqa", "--topo", "tp2", "--workload", "prompts",
+            "--engine", _crashing_engine(tmp_path), "--out", str(tmp_path / "out"), "--cache-dir", str(cache)]
+    assert main(argv) == ExitCode.ERROR
+    capsys.readouterr()
+    assert not list((cache / "runs").glob("*.partial")), list((cache / "runs").iterdir())
+    (cell,) = results_cells(tmp_path / "out")
+    assert cell["status"] == "ERROR" and "out of cheese" in cell["error_log"], cell  # the log tail is kept
+    assert cell["reference_dir"] == ""  # no folder that is not there
+
+
+def test_stale_partial_folders_of_dead_processes_go_at_the_next_lookup(tmp_path: Path) -> None:
+    from harness.backends.registry import get_backend
+    from harness.contract import Job
+    from harness.refcache import ReferenceCache, ReferenceFailed
+    from harness.specs.topology import parse_topology_name
+
+    runs = tmp_path / "cache" / "runs"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = runs / f"tiny-gqa-tp1-float32-0123456789abcdef.{dead.pid}.partial"
+    alive = runs / f"tiny-gqa-tp1-float32-fedcba9876543210.{os.getpid()}.partial"
+    for folder in (stale, alive):
+        folder.mkdir(parents=True)
+        (folder / "rank0.log").write_text("half a run")
+    said: list[str] = []
+    cache = ReferenceCache(tmp_path / "cache", get_backend(_crashing_engine(tmp_path)), 60, said.append)
+    job = Job(model=load_model("tiny-gqa"), topology=parse_topology_name("tp1"), prompts=["hi"], out_dir=".")
+    with pytest.raises(ReferenceFailed, match="exited with code 3") as failed:
+        cache.get(job, "tiny-gqa-tp1-float32", "reference")
+    assert "out of cheese" in "".join(failed.value.log_tails.values())
+    assert not stale.exists() and alive.exists()  # a live process's staging folder is its own
+    assert sorted(p.name for p in runs.iterdir()) == [alive.name]
+    assert any(stale.name in line and "process is gone" in line for line in said), said

@@ -60,10 +60,9 @@ from harness.backends.http_send import SendSchedule
 from harness.backends.http_server import (
     Server,
     ServerError,
-    free_port,
     log_line,
     log_tail,
-    running_server,
+    started_server,
     wait_ready,
 )
 from harness.backends.http_workloads import case_groups, collect_workloads
@@ -398,24 +397,29 @@ class HttpBackend:
                ask: Any) -> tuple[float, Any, dict[str, int] | None, str]:
         """Start (or attach to) the server for `job`, wait until ready, `ask(job, client)`, stop it.
         Returns (seconds to ready, ask's answer, the KV capacity it logged, its URL)."""
+        ready_timeout = max(1.0, min(self.spec.ready_timeout_s, deadline - time.time()))
         if self.spec.url:
-            return self._ask(job, Server(base_url=self.spec.url, log_path=log_path), deadline, ask)
-        port = free_port(HOST)
-        argv, env = self.command(job, self._model_path(job, log_path.parent), port)
-        if self.spec.probe_env():  # where the server's probe writes rank<R>.json and its captures
-            folder = probe_dir(log_path)
-            shutil.rmtree(folder, ignore_errors=True)
-            env[self.spec.probe_env()] = str(folder.resolve())
-            if self.spec.probe_captures:  # the sequences and positions whose hidden states the probe keeps
-                write_probe_cases(folder, [case for cases, _ in case_groups(job, load_tokenizer(job.model))
-                                           for case in cases])
-        log_path.with_suffix(".argv.json").write_text(json.dumps(argv, indent=1) + "\n")
-        with running_server(argv, env, log_path, f"http://{HOST}:{port}") as server:
-            return self._ask(job, server, deadline, ask)
+            server = Server(base_url=self.spec.url, log_path=log_path)
+            return self._ask(job, server, wait_ready(server, self.spec.health, ready_timeout), deadline, ask)
+        model_path = self._model_path(job, log_path.parent)
 
-    def _ask(self, job: Job, server: Server, deadline: float,
+        def command(port: int) -> tuple[list[str], dict[str, str]]:
+            argv, env = self.command(job, model_path, port)
+            if self.spec.probe_env():  # where the server's probe writes rank<R>.json and its captures
+                folder = probe_dir(log_path)
+                shutil.rmtree(folder, ignore_errors=True)
+                env[self.spec.probe_env()] = str(folder.resolve())
+                if self.spec.probe_captures:  # the sequences and positions whose hidden states the probe keeps
+                    write_probe_cases(folder, [case for cases, _ in case_groups(job, load_tokenizer(job.model))
+                                               for case in cases])
+            log_path.with_suffix(".argv.json").write_text(json.dumps(argv, indent=1) + "\n")
+            return argv, env
+
+        with started_server(command, log_path, HOST, self.spec.health, ready_timeout) as (server, ready):
+            return self._ask(job, server, ready, deadline, ask)
+
+    def _ask(self, job: Job, server: Server, ready: float, deadline: float,
              ask: Any) -> tuple[float, Any, dict[str, int] | None, str]:
-        ready = wait_ready(server, self.spec.health, max(1.0, min(self.spec.ready_timeout_s, deadline - time.time())))
         timeout = httpx.Timeout(max(1.0, min(self.spec.request_timeout_s, deadline - time.time())), connect=10.0)
         with httpx.Client(base_url=server.base_url, timeout=timeout) as client:
             answer = ask(job, client)

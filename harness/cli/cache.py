@@ -12,7 +12,6 @@ CACHE/locks/ holds one empty lock file per reference key (harness/refcache.py); 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -55,16 +54,8 @@ class Entry:
 
     def in_use(self) -> bool:
         """A partial entry whose writer is still alive."""
-        if not self.partial:
-            return False
-        try:
-            pid = int(self.path.name.rsplit(".", 2)[-2])
-            os.kill(pid, 0)
-        except (ValueError, IndexError, ProcessLookupError):
-            return False
-        except PermissionError:  # alive, someone else's
-            return True
-        return True
+        from harness.refcache import partial_alive
+        return self.partial and partial_alive(self.path)
 
 
 def _size(path: Path) -> int:
