@@ -30,7 +30,7 @@ import sqlite3
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from harness.checkmetrics import key_metric, noise_multiples
 from harness.errors import ConfigError
@@ -167,6 +167,7 @@ def connect(path: Path, create: bool = True) -> sqlite3.Connection:
     read_only = not create and _read_only(path)  # shown from a read-only disk: read as it is, never written
     try:
         conn = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True) if read_only else sqlite3.connect(path)
+        conn.text_factory = _text  # a damaged store's bytes are read as text, never a UnicodeDecodeError
         if not read_only:
             conn.executescript(_SCHEMA)
             conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
@@ -178,6 +179,20 @@ def connect(path: Path, create: bool = True) -> sqlite3.Connection:
     if version != str(SCHEMA_VERSION):
         raise ConfigError(f"history {path} has schema_version {version}; this harness reads {SCHEMA_VERSION}")
     return conn
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", "replace")
+
+
+@contextlib.contextmanager
+def reading_store(path: Path) -> Iterator[None]:
+    """Reading the store at `path`: a damaged one (sqlite's "database disk image is malformed", found only when
+    its pages are read) is one ConfigError naming it."""
+    try:
+        yield
+    except sqlite3.DatabaseError as exc:
+        raise ConfigError(_store_error(path, exc)) from exc
 
 
 def _store_error(path: Path, exc: sqlite3.Error) -> str:
@@ -495,10 +510,11 @@ def histories_for(path: Path, cells: Sequence[CellResult], record: Path | None =
     """The report's view of the store at `path` for `cells` (recording the run folder `record` first)."""
     conn = connect(path, create=record is not None)
     try:
-        if record is not None:
-            add_run(conn, record, build_label)
-        wanted = {trend_key(c) for c in cells}
-        rows = [r for suite in sorted({c.suite for c in cells}) for r in query(conn, suite) if r.key in wanted]
+        with reading_store(path):
+            if record is not None:
+                add_run(conn, record, build_label)
+            wanted = {trend_key(c) for c in cells}
+            rows = [r for suite in sorted({c.suite for c in cells}) for r in query(conn, suite) if r.key in wanted]
     finally:
         conn.close()
     rows.sort(key=lambda r: (r.created, r.run_id))

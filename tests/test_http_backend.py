@@ -295,3 +295,27 @@ def test_an_engine_side_fault_is_a_control_with_its_own_reference(tmp_path: Path
     for run_dir in (cell["run_dir"], cell["reference_dir"]):
         assert read_json(Path(run_dir) / "manifest.json")["engine_env"] == {"HARNESS_STAND_IN_FAULT": "kv shard"}
     assert "HARNESS_STAND_IN_FAULT=kv shard" in (tmp_path / "fault" / "index.html").read_text()
+
+
+DYING_SERVER = """
+import http.server, os, signal, sys
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def do_POST(self):
+        print("worker 0: CUDA error: an illegal memory access was encountered", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+port = int(sys.argv[2])
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def test_a_server_killed_mid_run_is_reported_as_its_death_with_its_log(tmp_path: Path) -> None:
+    """Not only the request's "Connection refused" / "Server disconnected": how the server ended and its log."""
+    path = tmp_path / "dying.yaml"
+    path.write_text(yaml.safe_dump({"dialect": "vllm", "model_format": "spec", "supports_dcp": False,
+                                    "argv": ["{python}", "-c", DYING_SERVER, "x", "{port}"]}))
+    result = HttpBackend(str(path)).run(_job(tmp_path), timeout_s=120)
+    assert not result.ok
+    assert "engine server died while serving (killed by SIGKILL" in result.error, result.error
+    assert "illegal memory access" in result.error and "illegal memory access" in result.log_tails["server"]

@@ -62,6 +62,7 @@ from harness.backends.http_server import (
     ServerError,
     log_line,
     log_tail,
+    server_death,
     started_server,
     wait_ready,
 )
@@ -422,7 +423,13 @@ class HttpBackend:
              ask: Any) -> tuple[float, Any, dict[str, int] | None, str]:
         timeout = httpx.Timeout(max(1.0, min(self.spec.request_timeout_s, deadline - time.time())), connect=10.0)
         with httpx.Client(base_url=server.base_url, timeout=timeout) as client:
-            answer = ask(job, client)
+            try:
+                answer = ask(job, client)
+            except RunError as exc:  # a server that died mid-run is reported as its death, with its log
+                death = server_death(server, exc)
+                if death is not None:
+                    raise death from exc
+                raise
         log_text = server.log_path.read_text(errors="replace") if server.proc is not None else ""
         return ready, answer, kv_capacity(self.spec.kv_capacity_pattern, log_text), server.base_url
 

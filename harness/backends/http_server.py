@@ -27,12 +27,14 @@ from harness.launcher import forkserver
 from harness.launcher.launch import WAIT_POLICY_VAR, Process, descendants, free_port, stop_process_tree, wait_policy
 
 __all__ = ["BIND_ATTEMPTS", "AddressTaken", "Server", "ServerError", "bind_failure", "clean_reason", "free_port",
-           "log_line", "log_tail", "root_cause", "running_server", "started_server", "stop_server", "wait_ready"]
+           "log_line", "log_tail", "root_cause", "running_server", "server_death", "started_server", "stop_server",
+           "wait_ready"]
 
 LOG_TAIL_LINES = 40
 CAUSE_CONTEXT_LINES = 30  # lines of the root cause's traceback kept as the error's context
 STOP_GRACE_S = 45.0  # a server's leader gets this long to stop its own processes before the group is killed
 POLL_S = 0.5
+DEATH_GRACE_S = 3.0  # a request that failed waits this long for the server's exit to show (a killed server)
 BIND_ATTEMPTS = 4  # launches of one server, each on a fresh free port, while its port is taken before it binds
 FIRST_POLL_S, FIRST_POLLS_FOR_S = 0.1, 5.0  # a warm harness-serve answers in about a second: look often at first
 
@@ -196,6 +198,27 @@ def _exited(server: Server, code: int, bind_line: str | None) -> None:
     if cause is None:
         raise ServerError(f"engine {where} (no error line in {server.log_path.name})", server.tail())
     raise ServerError(f"{cause[0]} ({where}; {server.log_path.name})", cause[1])
+
+
+def server_death(server: Server, exc: Exception, grace_s: float = DEATH_GRACE_S) -> ServerError | None:
+    """The ServerError of a server that died while it was serving (a request failed with `exc`: "Connection
+    refused", a dropped connection): how it ended (killed by a signal, its exit code), its root cause from the log
+    and its log tail; None when it still runs (the request's own error stands) or it is not the harness's."""
+    if server.proc is None:
+        return None
+    deadline = time.monotonic() + grace_s
+    while (code := server.exited()) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if code is None:
+        return None
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else \
+        f"exited with code {code}"
+    try:
+        cause = root_cause(server.log_path.read_text(errors="replace"))
+    except OSError:
+        cause = None
+    said = f"; its log: {cause[0]}" if cause else ""
+    return ServerError(f"engine server died while serving ({how}{said}); the request got: {exc}", server.tail())
 
 
 def _alive(pid: int) -> bool:

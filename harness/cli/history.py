@@ -47,7 +47,7 @@ def _store(args: argparse.Namespace) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.history import connect, record_runs
+    from harness.history import connect, reading_store, record_runs
     path = _store(args)
     if args.history_command == "add":
         for run_id, n in record_runs(path, args.dirs, args.label):
@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
         return ExitCode.OK
     conn = connect(path, create=False)
     try:
-        return show(conn, args)
+        with reading_store(path):
+            return show(conn, args)
     finally:
         conn.close()
 

@@ -49,7 +49,12 @@ PROBE_CAPTURES: tuple[str, ...] = ("hidden_states", "attention_outputs")
 
 
 def _placeholders(text: str, where: str) -> None:
-    for _, name, _, _ in string.Formatter().parse(text):
+    try:
+        fields = list(string.Formatter().parse(text))
+    except ValueError as exc:  # "Single '}' encountered": a brace that opens or closes no placeholder
+        raise ConfigError(f"{where}: {text!r} is not a valid template ({exc}); write a literal brace as {{{{ or }}}}, "
+                          f"placeholders as {{name}}") from None
+    for _, name, _, _ in fields:
         if name is not None and name not in PLACEHOLDERS:
             raise ConfigError(f"{where}: unknown placeholder {{{name}}}{did_you_mean(name, PLACEHOLDERS)}; "
                               f"valid: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}")
