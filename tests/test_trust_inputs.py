@@ -326,3 +326,36 @@ def test_stale_partial_folders_of_dead_processes_go_at_the_next_lookup(tmp_path:
     assert not stale.exists() and alive.exists()  # a live process's staging folder is its own
     assert sorted(p.name for p in runs.iterdir()) == [alive.name]
     assert any(stale.name in line and "process is gone" in line for line in said), said
+
+
+# -- found by the fuzzing (tests/test_fuzz_inputs.py), kept as plain cases ----------------------------------------
+
+def test_an_engine_template_with_a_stray_brace_is_one_config_error(tmp_path: Path) -> None:
+    engine = yaml.safe_load((PROJECT_ROOT / "engines" / "harness-serve.yaml").read_text())
+    engine["argv"] = [*engine["argv"], "max_logprobs}"]
+    (tmp_path / "engine.yaml").write_text(yaml.safe_dump(engine))
+    with pytest.raises(ConfigError, match="'max_logprobs}' is not a valid template"):
+        load_engine(str(tmp_path / "engine.yaml"))
+
+
+@pytest.mark.parametrize("dialect, answer", [("sglang", [{"text": ""}]), ("vllm", {"choices": [[1]]}),
+                                             ("openai", {"choices": [{"logprobs": {"tokens": 5}}]})])
+def test_a_malformed_server_answer_is_one_run_error(dialect: str, answer: object) -> None:
+    from harness.backends.http_dialects import DIALECTS
+    from harness.errors import RunError
+    client = DIALECTS[dialect](lambda path, body: answer, "m")
+    with pytest.raises(RunError, match=f"not a {dialect} dialect's answer"):
+        client.score([[10, 11, 12]], k=2, together=True)
+
+
+def test_a_damaged_history_database_is_one_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = tmp_path / "history.db"
+    assert main(["history", "add", str(RESULTS_DIR / "clean"), str(RESULTS_DIR / "error"), "--history",
+                 str(db)]) == ExitCode.OK
+    raw = bytearray(db.read_bytes())
+    raw[len(raw) // 2:] = b"\x80" * (len(raw) - len(raw) // 2)  # the second half of its pages: not UTF-8, no tree
+    db.write_bytes(bytes(raw))
+    capsys.readouterr()
+    assert main(["history", "show", "--history", str(db)]) == ExitCode.USAGE
+    line = _error_line(capsys)
+    assert str(db) in line, line
