@@ -20,10 +20,11 @@ import torch
 
 
 def _rank_main(args: argparse.Namespace) -> None:
-    from harness.engine.engine import Engine, PoolSettings
+    from harness.engine.engine import Engine
     from harness.engine.parallel import ParallelState
     from harness.engine.weights import load_weights
     from harness.specs.checkpoint import load_model
+    from harness.specs.pool import PoolSettings
 
     spec = load_model(args.model)
     state = ParallelState.from_launcher(args.tp, args.dcp, args.device, 600.0)

@@ -21,10 +21,11 @@ from typing import Any, Callable
 import torch
 
 from harness.engine.checkpoint import save_hf_checkpoint
-from harness.engine.engine import TORCH_DTYPES, Engine, PoolSettings
+from harness.engine.engine import TORCH_DTYPES, Engine
 from harness.engine.parallel import ParallelState
 from harness.engine.weights import load_weights
 from harness.specs.checkpoint import load_model
+from harness.specs.pool import PoolSettings
 
 PROMPT_LEN = 64
 NEW_TOKENS = 32

@@ -31,6 +31,7 @@ from harness.compare.topk import check_topk
 from harness.contract import Job
 from harness.jsonio import read_json
 from harness.specs.checkpoint import load_model
+from harness.specs.send_schedule import SendSchedule
 from harness.specs.suite import read_suite
 from harness.specs.topology import parse_topology_name
 
@@ -95,7 +96,8 @@ def schedules(work: Path, serve_topo: str, repeats: int) -> None:
             most: dict[str, Any] = {}
             for r in range(repeats):
                 job = Job(model=load_model("tiny-gqa"), topology=parse_topology_name(serve_topo), prompts=prompts,
-                          out_dir=str(work / "send" / f"{schedule}-{r}"), request_schedule=schedule)
+                          out_dir=str(work / "send" / f"{schedule}-{r}"),
+                          request_schedule=SendSchedule.parse(schedule))
                 start = time.perf_counter()
                 result = backend.run(job, 600.0)
                 walls.append(time.perf_counter() - start)

@@ -23,6 +23,7 @@ from harness.backends.embedded import WORKER_MODULE
 from harness.contract import Job
 from harness.launcher.launch import LAUNCHER_ENV, LAUNCHERS, launch
 from harness.specs.checkpoint import load_model
+from harness.specs.pool import PoolSettings
 from harness.specs.topology import parse_topology_name
 
 PROMPTS = ["The capital of France is", "def f(x):\n    return", "Q: 17 + 25 = ?\nA:"]
@@ -37,9 +38,9 @@ def machine_cpu() -> float:
 
 def one_launch(model: str, topo: str, launcher: str, out: Path) -> tuple[float, float]:
     """(wall s, CPU s) of one launch of the job with `launcher`."""
-    job = Job(model=load_model(model).to_dict(), topology=parse_topology_name(topo).to_dict(), prompts=PROMPTS,
+    job = Job(model=load_model(model), topology=parse_topology_name(topo), prompts=PROMPTS,
               out_dir=str(out), max_new_tokens=12, decode_prefix_tokens=3,
-              pool={"budget_bytes": 8 << 20, "max_seq_len": 256})
+              pool=PoolSettings(budget_bytes=8 << 20, max_seq_len=256))
     cpu, start = machine_cpu(), time.perf_counter()
     result = launch(job, 900.0, WORKER_MODULE, env={LAUNCHER_ENV: launcher})
     if not result.ok:

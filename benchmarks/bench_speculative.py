@@ -18,12 +18,14 @@ from typing import Callable, TypeVar
 
 import torch
 
-from harness.engine.engine import Engine, PoolSettings
+from harness.engine.engine import Engine
 from harness.engine.parallel import ParallelState
 from harness.engine.speculative import run_speculative_cases
-from harness.engine.speculator import SpeculativeSettings, speculator_for
+from harness.engine.speculator import speculator_for
 from harness.engine.weights import load_weights
 from harness.specs.checkpoint import load_model
+from harness.specs.pool import PoolSettings
+from harness.specs.speculative import SpeculativeSettings
 
 PROMPT_LEN = 32
 NEW_TOKENS = 64

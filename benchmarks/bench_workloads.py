@@ -24,12 +24,13 @@ from typing import Callable
 import torch
 
 from harness.cases import build_workload_cases
-from harness.engine.engine import Engine, PoolSettings
+from harness.engine.engine import Engine
 from harness.engine.parallel import ParallelState
 from harness.engine.scheduler import ServeSettings, ServingLoop
 from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights
 from harness.specs.checkpoint import load_model
+from harness.specs.pool import PoolSettings
 from harness.specs.workload import WORKLOADS, WorkloadPlan
 
 

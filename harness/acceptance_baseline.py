@@ -23,25 +23,25 @@ File baselines/acceptance.yaml (schema ACCEPTANCE_SCHEMA_VERSION):
       provenance: {harness_version, git_commit, device, date, run_id, suite, topology, command}
 
 Written only by `harness baseline update --from RUN_DIR` (from the cells' reference measurements),
-which shows the diff first. The tolerances are AcceptanceSettings' baseline_* fields.
+which shows the diff first. The file is read, diffed and written by the one baseline store, under its
+provenance rule (harness/baseline_store.py). The tolerances are AcceptanceSettings' baseline_* fields.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-import yaml
-
 from harness.acceptance import total_variation
+from harness.baseline_store import BaselineSet, measured_by, provenance_of, read_entries, unrecordable, write_file
 from harness.compare.settings import AcceptanceSettings
-from harness.contract import JOB_FILE, MANIFEST_PROMPTS_HASH, MANIFEST_WEIGHTS_HASH
+from harness.contract import JOB_FILE, MANIFEST_PROMPTS_HASH, MANIFEST_WEIGHTS_HASH, Job
 from harness.errors import ConfigError, RunError
-from harness.jsonio import read_json, write_text_atomic
 from harness.paths import BASELINES_DIR
-from harness.specs.loader import check_keys, expect_int, read_versioned_list
+from harness.specs.loader import check_keys, expect_int
+from harness.specs.speculative import SpeculativeSettings
 from harness.verdict import CellResult, CheckResult, Verdict
 
 if TYPE_CHECKING:  # torch only where runs are read: `harness report` / `plan` / `baseline` stay light
@@ -87,8 +87,10 @@ class AcceptanceKey:
         settings = data.get("settings") or {}
         if not isinstance(settings, Mapping):
             raise ConfigError(f"{where}: settings must be a mapping, got {settings!r}")
+        k = expect_int(where, "k", data["k"], minimum=1)
         return cls(model=str(data["model"]), engine=str(data["engine"]), speculator=str(data["speculator"]),
-                   k=expect_int(where, "k", data["k"], minimum=1), settings=tuple(sorted(settings.items())),
+                   k=k, settings=other_settings(SpeculativeSettings.from_mapping({**settings, "k": k},
+                                                                                 f"{where}: settings")),
                    dtype=str(data["dtype"]), weights_hash=str(data["weights_hash"]),
                    prompts_hash=str(data["prompts_hash"]),
                    max_new_tokens=expect_int(where, "max_new_tokens", data["max_new_tokens"], minimum=1))
@@ -114,6 +116,18 @@ class AcceptanceBaseline:
             raise ConfigError(f"acceptance baseline {self.key.label}: histogram {list(self.histogram)!r} must be "
                               f"{self.key.k + 1} non-negative integers (steps per accepted count 0..{self.key.k})")
 
+    @property
+    def label(self) -> str:
+        return self.key.label
+
+    @property
+    def sort_key(self) -> str:
+        return self.key.label
+
+    def summary(self) -> str:
+        hist = list(self.histogram) if self.histogram is not None else None
+        return f"mean accepted length {self.mean_accepted_length:.4f}, histogram {hist}"
+
     def to_dict(self) -> dict[str, Any]:
         return {**self.key.to_dict(), "mean_accepted_length": float(self.mean_accepted_length),
                 "histogram": list(self.histogram) if self.histogram is not None else None,
@@ -121,17 +135,8 @@ class AcceptanceBaseline:
 
 
 @dataclass(frozen=True)
-class AcceptanceBaselines:
-    entries: tuple[AcceptanceBaseline, ...] = ()
-
-    def get(self, key: AcceptanceKey) -> AcceptanceBaseline | None:
-        return next((e for e in self.entries if e.key == key), None)
-
-    def merged(self, updates: list[AcceptanceBaseline]) -> "AcceptanceBaselines":
-        """These baselines with `updates` replacing entries of the same key, sorted by key."""
-        by_key = {e.key: e for e in self.entries}
-        by_key.update({e.key: e for e in updates})
-        return replace(self, entries=tuple(by_key[k] for k in sorted(by_key, key=lambda k: k.label)))
+class AcceptanceBaselines(BaselineSet[AcceptanceBaseline]):
+    """All acceptance baselines (one file for every suite)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": ACCEPTANCE_SCHEMA_VERSION, "baselines": [e.to_dict() for e in self.entries]}
@@ -144,26 +149,19 @@ def acceptance_path(folder: Path = BASELINES_DIR) -> Path:
 def _entry(where: str, data: Any) -> AcceptanceBaseline:
     check_keys(where, data, _ENTRY_KEYS,
                required=(*(f for f in _KEY_FIELDS if f != "settings"), "mean_accepted_length"))
-    provenance = data.get("provenance") or {}
-    if not isinstance(provenance, Mapping):
-        raise ConfigError(f"{where}: provenance must be a mapping, got {provenance!r}")
     hist = data.get("histogram")
     if hist is not None and not isinstance(hist, list):
         raise ConfigError(f"{where}: histogram must be a list or null, got {hist!r}")
     return AcceptanceBaseline(AcceptanceKey.from_dict(where, data), data["mean_accepted_length"],
-                              tuple(hist) if hist is not None else None, dict(provenance))
+                              tuple(hist) if hist is not None else None, provenance_of(where, data))
 
 
 def read_acceptance(path: Path) -> AcceptanceBaselines:
     """Parse an acceptance baselines file; a missing file holds none."""
     if not path.is_file():
         return AcceptanceBaselines()
-    _, raw = read_versioned_list(path, ("schema_version", "baselines"), ACCEPTANCE_SCHEMA_VERSION)
-    entries = [_entry(f"{path} baselines[{i}]", e) for i, e in enumerate(raw)]
-    labels = [e.key.label for e in entries]
-    dupes = sorted({label for label in labels if labels.count(label) > 1})
-    if dupes:
-        raise ConfigError(f"{path}: duplicate acceptance baselines for {', '.join(dupes)}")
+    _, entries = read_entries(path, ("schema_version", "baselines"), ACCEPTANCE_SCHEMA_VERSION,
+                              "acceptance baselines", _entry)
     return AcceptanceBaselines(tuple(entries))
 
 
@@ -173,10 +171,15 @@ def load_acceptance(folder: Path = BASELINES_DIR) -> AcceptanceBaselines:
 
 def write_acceptance(baselines: AcceptanceBaselines, path: Path) -> None:
     """Write atomically (a crash never leaves half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    header = ("# Speculative-decoding acceptance baselines; written by `harness baseline update --from RUN_DIR`\n"
-              "# (edit with care). Tolerances: AcceptanceSettings.baseline_* (harness/compare/settings.py).\n")
-    write_text_atomic(path, header + yaml.safe_dump(baselines.to_dict(), sort_keys=False, allow_unicode=True))
+    write_file(path, "# Speculative-decoding acceptance baselines; written by `harness baseline update --from "
+               "RUN_DIR`\n# (edit with care). Tolerances: AcceptanceSettings.baseline_* "
+               "(harness/compare/settings.py).\n", baselines.to_dict())
+
+
+def other_settings(settings: SpeculativeSettings) -> tuple[tuple[str, Any], ...]:
+    """The key's settings: every speculator setting but k (its own key field), sorted, defaults included
+    (a stored key that names fewer reads with the defaults filled in)."""
+    return tuple(sorted((name, value) for name, value in settings.to_dict().items() if name != "k"))
 
 
 def key_of_run(run: RunArtifacts, model: str, engine: str) -> AcceptanceKey:
@@ -187,13 +190,16 @@ def key_of_run(run: RunArtifacts, model: str, engine: str) -> AcceptanceKey:
     job_path = run.path / JOB_FILE
     if not job_path.is_file():
         raise RunError(f"{run.path}: no {JOB_FILE} (the speculator settings and max_new_tokens)")
-    job = read_json(job_path)
-    settings = {n: v for n, v in dict(job.get("speculative") or {}).items() if n != "k"}
+    try:
+        job = Job.load(job_path)
+    except ConfigError as exc:
+        raise RunError(f"{job_path}: {exc}") from exc
     return AcceptanceKey(model=model, engine=engine, speculator=str(spec["kind"]), k=int(spec["k"]),
-                         settings=tuple(sorted(settings.items())), dtype=str(run.manifest.get("dtype")),
+                         settings=other_settings(job.speculative or SpeculativeSettings()),
+                         dtype=str(run.manifest.get("dtype")),
                          weights_hash=str(run.manifest.get(MANIFEST_WEIGHTS_HASH)),
                          prompts_hash=str(run.manifest.get(MANIFEST_PROMPTS_HASH)),
-                         max_new_tokens=int(job["max_new_tokens"]))
+                         max_new_tokens=job.max_new_tokens)
 
 
 def gate_acceptance(baselines: AcceptanceBaselines, key: AcceptanceKey, mean: float, hist: list[int] | None,
@@ -260,19 +266,17 @@ def entries_from_cells(cells: list[CellResult], provenance: Mapping[str, Any], r
         if not isinstance(spec, Mapping) or not spec.get("baseline_key"):
             continue
         check = next((c for c in cell.checks if c.name == "acceptance"), None)
-        why = ("fault injected: a positive control is not a baseline" if cell.fault
-               else "the run broke (ERROR)" if not cell.clean_exit or cell.status is Verdict.ERROR
-               else "its acceptance check did not pass"
-               if check is None or check.verdict not in (Verdict.PASS, Verdict.WARN)
-               else "no reference mean accepted length" if spec.get("reference_mean_acceptance") is None else None)
+        why = unrecordable(cell) or ("its acceptance check did not pass"
+                                     if check is None or check.verdict not in (Verdict.PASS, Verdict.WARN)
+                                     else "no reference mean accepted length"
+                                     if spec.get("reference_mean_acceptance") is None else None)
         if why is not None:
             skipped.append(f"skip acceptance of {cell.model} / {cell.topology} (seed {cell.seed}): {why}")
             continue
         key = AcceptanceKey.from_dict(f"cell {cell.model} / {cell.topology}", spec["baseline_key"])
         hist = spec.get("reference_histogram")
-        prov = {"harness_version": provenance.get("harness_version"), "git_commit": provenance.get("git_commit"),
-                "device": provenance.get("device"), "date": created, "run_id": run_id, "suite": cell.suite,
-                "reference_topology": provenance.get("reference"), "command": cell.command}
+        prov = measured_by(provenance, cell, run_id, created, suite=cell.suite,
+                           reference_topology=provenance.get("reference"))
         entry = AcceptanceBaseline(key, float(spec["reference_mean_acceptance"]),
                                    tuple(hist) if hist is not None else None, prov)
         old = found.get(key)
@@ -284,23 +288,3 @@ def entries_from_cells(cells: list[CellResult], provenance: Mapping[str, Any], r
         found.setdefault(key, entry)
     return list(found.values()), skipped
 
-
-def acceptance_diff(old: AcceptanceBaselines, updates: list[AcceptanceBaseline]) -> tuple[list[str], int]:
-    """Human-readable diff of applying `updates` (provenance aside) and the number of entries that change."""
-    lines: list[str] = []
-    changed = 0
-    for new in sorted(updates, key=lambda e: e.key.label):
-        cur = old.get(new.key)
-        hist = list(new.histogram) if new.histogram is not None else None
-        if cur is None:
-            changed += 1
-            lines.append(f"+ {new.key.label}: mean accepted length {new.mean_accepted_length:.4f}, "
-                         f"histogram {hist} [new]")
-        elif (cur.mean_accepted_length, cur.histogram) == (new.mean_accepted_length, new.histogram):
-            lines.append(f"= {new.key.label}: unchanged")
-        else:
-            changed += 1
-            lines.append(f"~ {new.key.label}: mean accepted length {cur.mean_accepted_length:.4f} -> "
-                         f"{new.mean_accepted_length:.4f}, histogram "
-                         f"{list(cur.histogram) if cur.histogram is not None else None} -> {hist}")
-    return lines, changed

@@ -6,7 +6,8 @@ Layout of a run directory (schema ARTIFACT_SCHEMA_VERSION):
                      capabilities} (who wrote the run), versions,
                      device, harness git commit, wall times, status ("ok" | "error"), error text,
                      rank log tails
-  layout.json        the layout each rank actually holds (parallelize.actual_layout), target and speculator
+  layout.json        the layout each rank actually holds, target and speculator: per rank a RankReport
+                     (harness/rankreport.py), its schema version under contract.LAYOUT_SCHEMA_KEY
   cases.json         per prompt: text, prompt ids, teacher-forced sequence, decode start,
                      probe positions, greedy generation (ids and text)
   tensors.safetensors  per prompt i (float32 unless noted):
@@ -45,6 +46,8 @@ from harness.contract import (
     CASES_FILE,
     FULL_ARTIFACTS,
     LAYOUT_FILE,
+    LAYOUT_SCHEMA,
+    LAYOUT_SCHEMA_KEY,
     MANIFEST_FILE,
     TENSORS_FILE,
     Capabilities,
@@ -110,7 +113,7 @@ def write_run(path: Path, manifest: dict[str, Any], layout: dict[str, Any], case
               tensors: dict[str, torch.Tensor]) -> None:
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path / TENSORS_FILE))
-    write_json(path / LAYOUT_FILE, layout)
+    write_json(path / LAYOUT_FILE, {LAYOUT_SCHEMA_KEY: LAYOUT_SCHEMA, **layout})
     write_json(path / CASES_FILE, [c.to_dict() for c in cases])
     write_json(path / MANIFEST_FILE, {"schema_version": ARTIFACT_SCHEMA_VERSION, **manifest})
 

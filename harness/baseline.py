@@ -14,24 +14,31 @@ File baselines/<suite>.yaml (schema BASELINE_SCHEMA_VERSION):
       stderr: 0.0339
       provenance: {harness_version, engine, git_commit, device, dtype, seed, date, run_id, command}
 
-Written only by `harness baseline update --from RUN_DIR`, which shows the diff first.
+Written only by `harness baseline update --from RUN_DIR`, which shows the diff first. The file is read,
+diffed and written by the one baseline store, under its provenance rule (harness/baseline_store.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
+from harness.baseline_store import (
+    BaselineSet,
+    measured_by,
+    provenance_of,
+    read_entries,
+    unrecordable,
+    update_command,
+    write_file,
+)
 from harness.errors import ConfigError
 from harness.gsm8k.records import STRICT
 from harness.gsm8k.settings import GSM8KSettings
 from harness.gsm8k.stats import baseline_gate
-from harness.jsonio import write_text_atomic
 from harness.paths import BASELINES_DIR
-from harness.specs.loader import check_keys, expect_int, read_versioned_list
+from harness.specs.loader import check_keys, expect_int
 from harness.verdict import CellResult, CheckResult, Verdict
 
 BASELINE_SCHEMA_VERSION = 1
@@ -70,6 +77,13 @@ class BaselineEntry:
     def label(self) -> str:
         return f"{self.model} / {self.task} / {self.topology} / n={self.n}"
 
+    @property
+    def sort_key(self) -> tuple[str, str, str, int]:
+        return self.key
+
+    def summary(self) -> str:
+        return f"score {self.score:.4f}, stderr {self.stderr:.4f} ({self.filter})"
+
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "task": self.task, "topology": self.topology, "n": self.n,
                 "filter": self.filter, "score": float(self.score), "stderr": float(self.stderr),
@@ -77,23 +91,13 @@ class BaselineEntry:
 
 
 @dataclass(frozen=True)
-class Baselines:
+class Baselines(BaselineSet[BaselineEntry]):
     """All baselines of one suite."""
 
-    suite: str
-    entries: tuple[BaselineEntry, ...] = ()
-
-    def get(self, key: tuple[str, str, str, int]) -> BaselineEntry | None:
-        return next((e for e in self.entries if e.key == key), None)
+    suite: str = ""
 
     def matching(self, model: str, task: str, topology: str) -> list[BaselineEntry]:
         return [e for e in self.entries if (e.model, e.task, e.topology) == (model, task, topology)]
-
-    def merged(self, updates: list[BaselineEntry]) -> "Baselines":
-        """These baselines with `updates` replacing entries of the same key, sorted by key."""
-        by_key = {e.key: e for e in self.entries}
-        by_key.update({e.key: e for e in updates})
-        return replace(self, entries=tuple(by_key[k] for k in sorted(by_key)))
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": BASELINE_SCHEMA_VERSION, "suite": self.suite,
@@ -116,24 +120,17 @@ def baselines_path(suite: str, folder: Path = BASELINES_DIR) -> Path:
 
 def _entry(where: str, data: Any) -> BaselineEntry:
     check_keys(where, data, _ENTRY_KEYS, required=("model", "task", "topology", "n", "score", "stderr"))
-    provenance = data.get("provenance") or {}
-    if not isinstance(provenance, Mapping):
-        raise ConfigError(f"{where}: provenance must be a mapping, got {provenance!r}")
     return BaselineEntry(model=str(data["model"]), task=str(data["task"]), topology=str(data["topology"]),
                          n=data["n"], score=data["score"], stderr=data["stderr"],
-                         filter=str(data.get("filter", STRICT)), provenance=dict(provenance))
+                         filter=str(data.get("filter", STRICT)), provenance=provenance_of(where, data))
 
 
 def read_baselines(path: Path, suite: str | None = None) -> Baselines:
     """Parse a baselines file; a missing file is an empty set for `suite` (default: the file's stem)."""
     if not path.is_file():
         return Baselines(suite=suite or path.stem)
-    data, raw = read_versioned_list(path, ("schema_version", "suite", "baselines"), BASELINE_SCHEMA_VERSION)
-    entries = [_entry(f"{path} baselines[{i}]", e) for i, e in enumerate(raw)]
-    keys = [e.key for e in entries]
-    dupes = sorted({e.label for e in entries if keys.count(e.key) > 1})
-    if dupes:
-        raise ConfigError(f"{path}: duplicate baselines for {', '.join(dupes)}")
+    data, entries = read_entries(path, ("schema_version", "suite", "baselines"), BASELINE_SCHEMA_VERSION,
+                                 "baselines", _entry)
     return Baselines(suite=str(data.get("suite", suite or path.stem)), entries=tuple(entries))
 
 
@@ -143,9 +140,8 @@ def load_baselines(suite: str, folder: Path = BASELINES_DIR) -> Baselines:
 
 def write_baselines(baselines: Baselines, path: Path) -> None:
     """Write atomically (a crash never leaves half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    header = "# GSM8K baselines; written by `harness baseline update --from RUN_DIR` (edit with care).\n"
-    write_text_atomic(path, header + yaml.safe_dump(baselines.to_dict(), sort_keys=False, allow_unicode=True))
+    write_file(path, "# GSM8K baselines; written by `harness baseline update --from RUN_DIR` (edit with care).\n",
+               baselines.to_dict())
 
 
 def entry_from_cell(cell: CellResult, provenance: Mapping[str, Any], run_id: str, created: str) -> BaselineEntry:
@@ -154,11 +150,10 @@ def entry_from_cell(cell: CellResult, provenance: Mapping[str, Any], run_id: str
     where = f"cell {cell.model} / {cell.topology}: details['gsm8k']"
     check_keys(where, gsm, tuple(gsm), required=("task", "n", "score", "stderr"))
     dtypes = provenance.get("dtypes")
-    prov = {"harness_version": provenance.get("harness_version"),
-            "engine": provenance.get("engine", f"embedded reference engine (torch {provenance.get('torch_version')})"),
-            "git_commit": provenance.get("git_commit"), "device": provenance.get("device"),
-            "dtype": ",".join(dtypes) if isinstance(dtypes, list) else provenance.get("dtype"),
-            "seed": cell.seed, "date": created, "run_id": run_id, "command": cell.command}
+    prov = measured_by(provenance, cell, run_id, created,
+                       engine=provenance.get("engine",
+                                             f"embedded reference engine (torch {provenance.get('torch_version')})"),
+                       dtype=",".join(dtypes) if isinstance(dtypes, list) else provenance.get("dtype"), seed=cell.seed)
     return BaselineEntry(model=cell.model, task=str(gsm["task"]), topology=cell.topology, n=gsm["n"],
                          score=float(gsm["score"]), stderr=float(gsm["stderr"]),
                          filter=str(gsm.get("filter", STRICT)), provenance=prov)
@@ -166,48 +161,12 @@ def entry_from_cell(cell: CellResult, provenance: Mapping[str, Any], run_id: str
 
 def skip_reason(cell: CellResult) -> str | None:
     """Why a cell must not become a baseline, or None when it may."""
-    if cell.fault:
-        return f"fault {cell.fault!r} injected: a positive control is not a baseline"
-    if not cell.clean_exit or cell.status is Verdict.ERROR:
-        return "the run broke (ERROR)"
+    reason = unrecordable(cell)
+    if reason is not None:
+        return reason
     if "gsm8k" not in cell.details:
         return "no GSM8K result"
     return None
-
-
-def diff_lines(old: Baselines, updates: list[BaselineEntry]) -> tuple[list[str], int]:
-    """Human-readable diff of applying `updates` to `old`, and the number of entries that change."""
-    lines: list[str] = []
-    changed = 0
-    for new in sorted(updates, key=lambda e: e.key):
-        cur = old.get(new.key)
-        if cur is None:
-            changed += 1
-            lines.append(f"+ {new.label}: score {new.score:.4f}, stderr {new.stderr:.4f} ({new.filter}) [new]")
-            continue
-        fields = _changed_fields(cur.to_dict(), new.to_dict())
-        if not fields:
-            lines.append(f"= {new.label}: unchanged")
-            continue
-        changed += 1
-        lines.append(f"~ {new.label}:")
-        lines += [f"    {name}: {a!r} -> {b!r}" for name, a, b in fields]
-    return lines, changed
-
-
-def _changed_fields(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
-    out: list[tuple[str, Any, Any]] = []
-    for name in list(old) + [k for k in new if k not in old]:
-        a, b = old.get(name), new.get(name)
-        if isinstance(a, Mapping) and isinstance(b, Mapping):
-            out += _changed_fields(a, b, f"{prefix}{name}.")
-        elif a != b:
-            out.append((f"{prefix}{name}", a, b))
-    return out
-
-
-def update_command(run_dir: str, suite: str) -> str:
-    return f"harness baseline update --from {run_dir} --suite {suite}"
 
 
 def gate_cell(baselines: Baselines, model: str, task: str, topology: str, measured: Measurement,

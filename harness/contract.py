@@ -11,15 +11,23 @@ are not met is a SKIP naming the missing capability, never an ERROR.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from harness.errors import ConfigError
 from harness.jsonio import read_json
 from harness.limits import COLLECTIVE_TIMEOUT_S
+from harness.rankreport import RANK_REPORT_SCHEMA
+from harness.specs.loader import check_keys
 from harness.specs.model import ModelSpec, model_from_dict
+from harness.specs.pool import PoolSettings
+from harness.specs.send_schedule import SendSchedule
+from harness.specs.speculative import SpeculativeSettings
 from harness.specs.topology import Topology
+from harness.specs.workload import Workload
 
 # --- tensor kinds in tensors.safetensors (one entry per case i: f"{kind}.{i}") ------------------
 PREFILL_LOGITS = "prefill_logits"          # [T, V] float32, teacher-forced prefill
@@ -58,6 +66,11 @@ GSM8K_FILE = "gsm8k.json"
 JOB_FILE = "job.json"
 LAUNCHER_LOG = "launcher.log"
 RUN_FILES: tuple[str, ...] = (MANIFEST_FILE, TENSORS_FILE, LAYOUT_FILE, CASES_FILE, GSM8K_FILE, LAUNCHER_LOG)
+
+# --- layout.json: {"schema_version", "target": ENTRY, "speculator": ENTRY | null, "<entry>_reason"?}, an ENTRY
+# {"ranks": [RankReport.to_json()], "pool", ...} (harness/rankreport.py is the schema of a rank's report)
+LAYOUT_SCHEMA_KEY = "schema_version"    # the rank report schema the file was written in; absent: 1
+LAYOUT_SCHEMA = RANK_REPORT_SCHEMA
 
 # --- manifest fields the harness reads across backends ---------------------------------------------
 MANIFEST_BACKEND = "backend"           # {"name", "version", "capabilities": Capabilities.to_dict()}
@@ -135,14 +148,35 @@ class Capabilities:
 
 
 @dataclass(frozen=True)
+class GSM8KJob:
+    """GSM8K in a run: the suite's GSM8K settings as `GSM8KSettings.to_dict` wrote them (the worker parses
+    them with harness.gsm8k.settings.gsm8k_settings: the gsm8k package lies above the contract) and the
+    local data file (None: lm-eval's dataset)."""
+
+    settings: Mapping[str, Any]
+    data_path: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"settings": copy.deepcopy(dict(self.settings)), "data_path": self.data_path}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> GSM8KJob:
+        check_keys("job gsm8k", data, ("settings", "data_path"), required=("settings",))
+        if not isinstance(data["settings"], Mapping):
+            raise ConfigError(f"job gsm8k: settings must be a mapping, got {data['settings']!r}")
+        path = data.get("data_path")
+        return cls(settings=dict(data["settings"]), data_path=str(path) if path is not None else None)
+
+
+@dataclass(frozen=True)
 class Job:
-    """Everything one run needs, written by the runner as job.json in the run directory. The model and
-    topology are the specs themselves; `to_dict` / `from_dict` serialize them only at the process boundary
-    (job.json, the reference cache's key)."""
+    """Everything one run needs, written by the runner as job.json in the run directory. Every field is
+    typed (the specs themselves); `to_dict` / `from_dict` (and to_json / from_json) are its one
+    serialization, used only at the process boundary (job.json, the reference cache's key, replay's match)."""
 
     model: ModelSpec
     topology: Topology
-    prompts: list[str]
+    prompts: tuple[str, ...]
     out_dir: str
     fault: str | None = None
     dtype: str | None = None
@@ -150,33 +184,66 @@ class Job:
     max_new_tokens: int = 16
     decode_prefix_tokens: int = 4
     top_k: int = 5
-    pool: dict[str, int] = field(default_factory=dict)
+    pool: PoolSettings = PoolSettings()
     device: str = "cpu"
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     git_commit: str = ""
-    gsm8k: dict[str, Any] | None = None
-    speculative: dict[str, Any] = field(default_factory=dict)
+    gsm8k: GSM8KJob | None = None
+    # how the topology's speculator speculates; None when the topology has none
+    speculative: SpeculativeSettings | None = None
     schedule: str = SCHEDULE_BATCHED
-    # how an HTTP run sends the cases' requests (harness/backends/http_send.py: "one-at-a-time", "all-at-once",
-    # "staggered", with parameters); None: all cases in one request (one at a time for the noise twin)
-    request_schedule: str | dict[str, Any] | None = None
-    # the workloads whose cases the run holds, in case order (harness/specs/workload.py: Workload.to_dict,
-    # resolved); each names how its requests are sent ("schedule", "join_per_step"). []: the suite's prompts only
-    workloads: list[dict[str, Any]] = field(default_factory=list)
+    # how an HTTP run sends the cases' requests (harness/backends/http_send.py: one-at-a-time, all-at-once,
+    # staggered, with parameters); None: all cases in one request (one at a time for the noise twin)
+    request_schedule: SendSchedule | None = None
+    # the workloads whose cases the run holds, in case order, resolved; each names how its requests are
+    # sent ("schedule", "join_per_step"). (): the suite's prompts only
+    workloads: tuple[Workload, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompts", tuple(self.prompts))
+        object.__setattr__(self, "workloads", tuple(self.workloads))
+        if self.schedule not in (SCHEDULE_BATCHED, SCHEDULE_SEQUENTIAL):
+            raise ConfigError(f"job schedule {self.schedule!r} is not one of {SCHEDULE_BATCHED}, "
+                              f"{SCHEDULE_SEQUENTIAL}")
 
     def to_dict(self) -> dict[str, Any]:
-        """The job as JSON-ready data (what job.json holds): every field, the specs by their own to_dict."""
-        data = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)}
-        data["model"], data["topology"] = self.model.to_dict(), self.topology.to_dict()
-        return data
+        """The job as JSON-ready data (what job.json holds): every field, each typed part by its own to_dict."""
+        return {"model": self.model.to_dict(), "topology": self.topology.to_dict(), "prompts": list(self.prompts),
+                "out_dir": self.out_dir, "fault": self.fault, "dtype": self.dtype, "seed": self.seed,
+                "max_new_tokens": self.max_new_tokens, "decode_prefix_tokens": self.decode_prefix_tokens,
+                "top_k": self.top_k, "pool": self.pool.to_dict(), "device": self.device,
+                "collective_timeout_s": self.collective_timeout_s, "git_commit": self.git_commit,
+                "gsm8k": self.gsm8k.to_dict() if self.gsm8k is not None else None,
+                "speculative": self.speculative.to_dict() if self.speculative is not None else {},
+                "schedule": self.schedule,
+                "request_schedule": self.request_schedule.to_dict() if self.request_schedule is not None else None,
+                "workloads": [w.to_dict() for w in self.workloads]}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Job:
-        """The job `to_dict` wrote, its model and topology parsed (and validated) back into specs."""
-        rest = dict(data)
-        model = model_from_dict("job", rest.pop("model"))
-        topology = Topology.from_dict(rest.pop("topology"), where="job topology")
-        return cls(model=model, topology=topology, **rest)
+        """The job `to_dict` wrote, every part parsed (and validated) back into its type. A job.json of an
+        earlier harness reads too (a pool with some keys: the rest take their defaults)."""
+        names = tuple(f.name for f in fields(cls))
+        check_keys("job", data, names, required=("model", "topology", "prompts", "out_dir"))
+        rest = {k: v for k, v in data.items() if k not in ("model", "topology", "pool", "gsm8k", "speculative",
+                                                           "workloads", "prompts", "request_schedule")}
+        sends = data.get("request_schedule")
+        return cls(model=model_from_dict("job", data["model"]),
+                   topology=Topology.from_dict(data["topology"], where="job topology"),
+                   prompts=tuple(str(p) for p in data["prompts"]),
+                   pool=PoolSettings.from_dict(data.get("pool") or {}, where="job pool"),
+                   gsm8k=GSM8KJob.from_dict(data["gsm8k"]) if data.get("gsm8k") else None,
+                   speculative=(SpeculativeSettings.from_mapping(data["speculative"], "job speculative")
+                                if data.get("speculative") else None),
+                   workloads=tuple(Workload.from_dict(w) for w in data.get("workloads") or ()),
+                   request_schedule=SendSchedule.parse(sends) if sends is not None else None, **rest)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> Job:
+        return cls.from_dict(json.loads(text))
 
     @classmethod
     def load(cls, path: Path) -> Job:
@@ -199,7 +266,9 @@ class LaunchResult:
 @runtime_checkable
 class Backend(Protocol):
     """An engine the harness can drive. Implementations live in harness/backends/ or in a separate
-    package registered under the `harness.backends` entry point group."""
+    package registered under the `harness.backends` entry point group, and subclass this protocol: the
+    optional parts (engine_build, engine_env, engine_fault) have defaults here that say the backend has
+    no such feature, so a backend defines only what it has."""
 
     name: str
 
@@ -227,6 +296,21 @@ class Backend(Protocol):
     def run(self, job: Job, timeout_s: float) -> LaunchResult:
         """Run `job`, writing the run directory at job.out_dir; always leaves a manifest.json."""
         ...
+
+    # -- optional: the defaults say the backend has no such feature ------------------------------------
+
+    def engine_build(self) -> str:
+        """The build label of the engine it runs (harness/backends/build.py); '' when it names none."""
+        return ""
+
+    def engine_env(self) -> dict[str, str]:
+        """The engine's own environment variables its runs use (an HTTP template's engine_env); {} when none."""
+        return {}
+
+    def engine_fault(self) -> str | None:
+        """"VAR=VALUE" of the engine-side fault variables set for its runs (template engine_faults); None
+        when it injects none."""
+        return None
 
 
 def recorded_capabilities(manifest: dict[str, Any]) -> Capabilities | None:

@@ -151,6 +151,13 @@ def history_path(given: Path | str | None) -> Path | None:
     return Path(env) if env else None
 
 
+def check_store(path: Path) -> None:
+    """Before a run records into `path`: an existing file must open as a history store (one ConfigError now,
+    not after the whole run); a new one is created on recording."""
+    if path.exists():
+        connect(path, create=False).close()
+
+
 def connect(path: Path, create: bool = True) -> sqlite3.Connection:
     """Open (and with `create`, initialise) the store; a file that is not one, a folder, or a path where no
     database can be created is one ConfigError."""
@@ -223,10 +230,10 @@ def _created(run_dir: Path) -> str:
 
 def rows_of(cells: Sequence[CellResult], run_id: str, created: str, provenance: dict[str, Any],
             build_label: str) -> list[Row]:
-    """The rows one run contributes: one per cell x check."""
+    """The rows one run contributes: one per cell x check (a cell its run never reached has no verdict: none)."""
     commit, engine_version = str(provenance.get("git_commit", "unknown")), str(provenance.get("engine_version", ""))
     rows = []
-    for cell in cells:
+    for cell in (c for c in cells if not c.not_run):
         for check in cell.checks:
             key = key_metric(check)
             multiples = noise_multiples(check)

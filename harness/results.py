@@ -9,9 +9,12 @@ Schema, version RESULTS_SCHEMA_VERSION = 1 (a reader refuses any other version):
       "provenance": {                           # how the numbers were produced
         "harness_version": "0.1.0", "git_commit": "abc123...", "torch_version": "2.x",
         "python": "3.11.7", "device": "cpu", "dtypes": ["float32"], "seeds": [0],
-        "command": "harness run --suite dcp --topo tp4dcp4", "hostname": "ci-7",
-        "sources": [...]                        # only after `harness report A B`: each input's
-      },                                        #   {dir, run_id, provenance}
+        "command": "harness run --suite dcp --topo tp4dcp4", "hostname": "ci-7",  # shell-quoted (shlex)
+        "sources": [...],                       # only after `harness report A B`: each input's
+                                                #   {dir, run_id, provenance}
+        "interrupted": {"signal": "SIGTERM" | "reason": "no space left on device",  # only for a run stopped
+                        "cells_finished": 4, "cells_planned": 6}  # early; the cells it never reached are
+      },                                        #   listed, each with the one check "not_run" (ERROR)
       "summary": {"cells": 5, "pass": 2, "warn": 0, "fail": 1, "error": 1, "skip": 1,
                   "silent_corruption": 1,       # cells counted by their status, and failing cells by class:
                   "output": 1, "performance": 0, "infrastructure": 1},

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from harness.artifacts import RunArtifacts, run_capabilities
-from harness.backends.base import backend_record, engine_build, engine_env, engine_fault
-from harness.backends.build import with_build
+from harness.backends.base import backend_record
+from harness.backends.build import LabelledBackend, with_build
 from harness.backends.embedded import EmbeddedBackend
 from harness.backends.registry import DEFAULT_ENGINE, get_backend
 from harness.checks.context import CellContext, CellInfo
@@ -27,6 +27,7 @@ from harness.contract import (
     SCHEDULE_SEQUENTIAL,
     WORKLOADS,
     Backend,
+    GSM8KJob,
     Job,
     LaunchResult,
 )
@@ -40,15 +41,18 @@ from harness.layout import plan_layout, plan_speculator
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, RUN_DIR_MIN_BYTES, free_bytes
 from harness.paths import BASELINES_DIR
 from harness.refcache import ReferenceCache, ReferenceFailed
+from harness.report.merge import cell_key
 from harness.report.provenance import collect_provenance, git_commit
 from harness.shard import Shard, shard_cells
 from harness.specs.hybrid_plan import plan_model
 from harness.specs.model import ModelSpec
+from harness.specs.pool import PoolSettings
+from harness.specs.speculative import SpeculativeSettings
 from harness.specs.suite import Suite
 from harness.specs.topology import Topology, parse_topology_name
 from harness.specs.workload import SUITE_PROMPTS, Workload
 from harness.validate import load_run, validate_artifacts
-from harness.verdict import CellResult, CheckResult, ExitCode, Verdict
+from harness.verdict import NOT_RUN_CHECK, CellResult, CheckResult, ExitCode, Verdict
 from harness.workload_views import workload_views
 
 # The noise run: what a correct run may differ from the reference by. Like with like: the reference
@@ -183,14 +187,16 @@ class Runner:
             dtype: str | None = None) -> Job:
         s, req = self.req.suite, self.req
         noise = fault in PERTURBATIONS or dtype not in (None, model.dtype)  # the noise run skips GSM8K
-        gsm8k = ({"settings": req.gsm8k.to_dict(), "data_path": req.gsm8k_data}
+        gsm8k = (GSM8KJob(req.gsm8k.to_dict(), req.gsm8k_data)
                  if req.gsm8k is not None and not noise else None)
-        return Job(model=seeded(model, seed), topology=topo, prompts=list(s.prompts),
+        return Job(model=seeded(model, seed), topology=topo, prompts=tuple(s.prompts),
                    out_dir=str(out_dir), fault=fault, dtype=dtype, seed=seed, max_new_tokens=s.max_new_tokens,
-                   decode_prefix_tokens=s.decode_prefix_tokens, pool=dict(req.pool), device=req.device,
-                   collective_timeout_s=req.collective_timeout_s, git_commit=self._commit, gsm8k=gsm8k,
-                   speculative=dict(s.speculative) if topo.speculator != "none" else {},
-                   workloads=[w.to_dict() for w in self.workloads] if self.workload_names != (SUITE_PROMPTS,) else [])
+                   decode_prefix_tokens=s.decode_prefix_tokens, pool=PoolSettings.from_dict(dict(req.pool)),
+                   device=req.device, collective_timeout_s=req.collective_timeout_s, git_commit=self._commit,
+                   gsm8k=gsm8k,
+                   speculative=(SpeculativeSettings.from_mapping(s.speculative) if topo.speculator != "none"
+                                else None),
+                   workloads=self.workloads if self.workload_names != (SUITE_PROMPTS,) else ())
 
     @property
     def workloads(self) -> tuple[Workload, ...]:
@@ -278,7 +284,8 @@ class Runner:
         (RunRequest.reproduce) and the cell's topology, model (by path when given by path), seed and fault."""
         refs = dict(self.req.model_refs)
         shared = list(self.req.reproduce) or ["--suite", self.req.suite.name]
-        env = [f"{k}={shlex.quote(v)}" for k, v in {**engine_env(self.ref_backend), **engine_env(self.backend)}.items()]
+        engine_env = {**self.ref_backend.engine_env(), **self.backend.engine_env()}
+        env = [f"{k}={shlex.quote(v)}" for k, v in engine_env.items()]
         parts = ["harness", "run", *shared, "--topo", cell.topology.name,
                  "--model", refs.get(cell.model.name, cell.model.name), "--seed", str(cell.seed)]
         if cell.fault:
@@ -292,14 +299,31 @@ class Runner:
     def _fault(self, cell: CellPlan) -> str | None:
         """The cell's fault: the harness's (--fault), else the engine-side one its environment sets
         ("HARNESS_VLLM_FAULT=kv-shard", template engine_faults): either makes the cell a positive control."""
-        return cell.fault or engine_fault(self.backend)
+        return cell.fault or self.backend.engine_fault()
+
+    def _identity(self, cell: CellPlan) -> dict[str, Any]:
+        """The CellResult fields every result of `cell` shares (who ran it, and how to run it again)."""
+        return dict(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
+                    fault=self._fault(cell), seed=cell.seed, command=self.command(cell), engine=self.backend.name,
+                    reference_engine=self.ref_backend.name, engine_env=self.backend.engine_env(),
+                    engine_build=self.backend.engine_build())
+
+    def not_run(self, why: str) -> list[CellResult]:
+        """Every planned cell (x workload) the run did not finish, each listed with `why` (an ERROR: no verdict)."""
+        done = {cell_key(c) for c in self.finished}
+        out = []
+        for cell in self.planned():
+            for w in self.workload_names:
+                result = CellResult(**{**self._identity(cell), "workload": w, "command": self.command(cell, w)},
+                                    checks=(CheckResult(NOT_RUN_CHECK, Verdict.ERROR, f"not run: {why}"),),
+                                    clean_exit=True)
+                if cell_key(result) not in done:
+                    out.append(result)
+        return out
 
     def run_cell(self, cell: CellPlan) -> CellResult | list[CellResult]:
         """The cell's launch and its checks: one result per workload, or one SKIP / ERROR for all of them."""
-        base = dict(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
-                    fault=self._fault(cell), seed=cell.seed, command=self.command(cell), engine=self.backend.name,
-                    reference_engine=self.ref_backend.name, engine_env=engine_env(self.backend),
-                    engine_build=engine_build(self.backend))
+        base = self._identity(cell)
         if cell.skip_reason:
             return CellResult(**base, checks=(CheckResult("cell", Verdict.SKIP, cell.skip_reason),), clean_exit=True)
         try:
@@ -395,7 +419,7 @@ class Runner:
 
     def _on_nodes(self, job: Job, nodes: NodeLaunch) -> LaunchResult:
         """The parallel run of a cell that spans the nodes: only the embedded engines launch over nodes."""
-        backend = getattr(self.backend, "inner", self.backend)  # a build-labelled backend: the one it labels
+        backend = self.backend.inner if isinstance(self.backend, LabelledBackend) else self.backend
         if not isinstance(backend, EmbeddedBackend):
             raise ConfigError(f"engine {self.backend.name!r} cannot run over several nodes from the harness")
         return backend.run_on_nodes(job, self.req.timeout_s, nodes)
@@ -431,11 +455,8 @@ class Runner:
             except Exception as exc:  # one broken cell (a harness bug included) never loses the others' results
                 if not isinstance(exc, HarnessError):
                     exc = RunError(f"internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-                got = CellResult(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
-                                 fault=self._fault(cell), seed=cell.seed, command=self.command(cell),
-                                 engine=self.backend.name, reference_engine=self.ref_backend.name,
-                                 engine_env=engine_env(self.backend), engine_build=engine_build(self.backend),
-                                 checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False)
+                got = CellResult(**self._identity(cell), checks=(CheckResult("run", Verdict.ERROR, str(exc)),),
+                                 clean_exit=False)
             for result in (got if isinstance(got, list) else self.per_workload(cell, got)):
                 self._record(i, len(cells), cell, result, results)
         return results
@@ -466,12 +487,12 @@ class Runner:
         return None
 
     def provenance(self, argv: list[str]) -> dict[str, Any]:
-        return {**collect_provenance(" ".join(["harness", *argv]), self.req.device,
+        return {**collect_provenance(shlex.join(["harness", *argv]), self.req.device,
                                      sorted({m.dtype for m in self.req.models}), list(self.req.seeds)),
                 "suite": self.req.suite.name, "suite_version": self.req.suite.version,
                 "reference": self.reference_topology.name, "engine": self.backend.name,
                 "engine_version": self.backend.version(), "reference_engine": self.ref_backend.name,
-                **({"engine_build": engine_build(self.backend)} if engine_build(self.backend) else {}),
+                **({"engine_build": self.backend.engine_build()} if self.backend.engine_build() else {}),
                 "backends": {"parallel": backend_record(self.backend), "reference": backend_record(self.ref_backend)},
                 **({"shard": str(self.req.shard)} if self.req.shard else {}),
                 **({"nnodes": self.req.nodes.nnodes} if self.req.nodes else {})}

@@ -14,6 +14,7 @@ from harness import contract as c
 from harness.artifacts import RunArtifacts, read_run, run_capabilities
 from harness.errors import RunError
 from harness.jsonio import read_json
+from harness.rankreport import LayoutSchemaError, read_ranks, read_speculator, schema_problem
 
 MANIFEST_FIELDS: dict[str, type | tuple[type, ...]] = {
     "schema_version": int, "status": str, "topology": dict, "model": dict, "seed": int, "dtype": str}
@@ -86,6 +87,28 @@ class _Tensors:
         return t
 
 
+def layout_problems(layout: Any, reported: bool) -> list[str]:
+    """layout.json's schema version, and with `reported` (the engine declares LAYOUT_REPORT) every rank
+    report of its target entry and of its speculator entry (when it has one) as RankReport reads them."""
+    wrong = schema_problem(layout, c.LAYOUT_SCHEMA_KEY)
+    if wrong or not reported:
+        return [wrong] if wrong else []
+    target = layout.get("target")
+    if not isinstance(target, dict) or not isinstance(target.get("ranks"), list):
+        return [f"{c.LAYOUT_FILE} lacks target.ranks (the engine declares {c.LAYOUT_REPORT})"]
+    out = []
+    for name in ("target", "speculator"):
+        if layout.get(name) is None:
+            continue
+        try:
+            read_ranks(layout[name], f"{c.LAYOUT_FILE} {name}")
+            if name == "speculator":
+                read_speculator(layout[name], f"{c.LAYOUT_FILE} {name}")
+        except LayoutSchemaError as exc:
+            out.append(str(exc))
+    return out
+
+
 def validate_artifacts(run: RunArtifacts) -> list[str]:
     """Problems of a read run directory; a run whose manifest says status 'error' is one problem."""
 
@@ -96,10 +119,7 @@ def validate_artifacts(run: RunArtifacts) -> list[str]:
         return [f"run status is 'error': {run.manifest.get('error') or 'no error text'}"]
     caps = run_capabilities(run)
     model, topo = run.manifest["model"], run.manifest["topology"]
-    if caps.has(c.LAYOUT_REPORT):
-        target = run.layout.get("target") if isinstance(run.layout, dict) else None
-        if not isinstance(target, dict) or not isinstance(target.get("ranks"), list):
-            problems.append(f"{c.LAYOUT_FILE} lacks target.ranks (the engine declares {c.LAYOUT_REPORT})")
+    problems += layout_problems(run.layout, caps.has(c.LAYOUT_REPORT))
     if c.GSM8K in caps.provides and (run.path / c.GSM8K_FILE).exists():
         try:
             if not isinstance(read_json(run.path / c.GSM8K_FILE), dict):

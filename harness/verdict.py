@@ -43,6 +43,9 @@ class FailureClass(str, Enum):
                 "infrastructure": "infrastructure"}[self.value]
 
 
+NOT_RUN_CHECK = "not_run"  # the one check of a cell its run never reached (interrupted, disk full): an ERROR
+
+
 def worst(verdicts: list[Verdict]) -> Verdict:
     """The cell status: the most severe verdict (FAIL over ERROR over WARN over PASS over SKIP)."""
     return max(verdicts, key=lambda v: v.severity) if verdicts else Verdict.SKIP
@@ -130,6 +133,11 @@ class CellResult:
         if failed:
             return FailureClass.PERFORMANCE if all(c.performance_only for c in failed) else FailureClass.OUTPUT
         return FailureClass.INFRASTRUCTURE if self.status is Verdict.ERROR else None
+
+    @property
+    def not_run(self) -> bool:
+        """A cell its run never reached (stopped by a signal or a full disk first): no verdict on it."""
+        return any(c.name == NOT_RUN_CHECK for c in self.checks)
 
     @property
     def silent_corruption(self) -> bool:

@@ -9,6 +9,7 @@
 set -u
 OUT=${1:-reports/gpu-check}
 mkdir -p "$OUT"
+rm -rf "$OUT/main" "$OUT/dcp-fault" "$OUT/spec" "$OUT/spec-fault"  # an earlier check's runs: --out never writes over results
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HARNESS_CACHE_DIR="$OUT/cache"
 
 if ! python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then

@@ -15,6 +15,7 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 out="${1:-reports/sglang-gpu-check}"
+rm -rf "$out/tp1-vs-embedded" "$out/tp2"  # an earlier check's runs: --out never writes over results
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
 if [ -z "${HARNESS_SGLANG_PYTHON:-}" ]; then

@@ -50,12 +50,13 @@ def launch_run(out_dir: Path, model: str, topo: str, fault: str | None = None, p
     from harness.contract import Job
     from harness.launcher.launch import launch
     from harness.specs.checkpoint import load_model
+    from harness.specs.pool import PoolSettings
     from harness.specs.topology import parse_topology_name
 
     topology = parse_topology_name(topo)
     job = Job(model=load_model(model), topology=topology, prompts=prompts or TEST_PROMPTS,
               out_dir=str(out_dir), fault=fault, dtype=dtype, max_new_tokens=12, decode_prefix_tokens=3,
-              pool={"budget_bytes": 8 << 20, "max_seq_len": 256}, collective_timeout_s=collective_timeout_s)
+              pool=PoolSettings(budget_bytes=8 << 20, max_seq_len=256), collective_timeout_s=collective_timeout_s)
     launch(job, timeout_s, WORKER_MODULE, env=env)
     return read_run(out_dir)
 

@@ -99,7 +99,7 @@ def test_update_records_the_reference_acceptance_once_per_key(tmp_path: Path,
     folder = tmp_path / "baselines"
     assert main(["baseline", "update", "--from", str(run), "--dir", str(folder), "--yes"]) == 0
     out = capsys.readouterr().out
-    assert "[new]" in out and "fault injected" in out and "acceptance check did not pass" in out
+    assert "[new]" in out and "fault 'draft-stale-kv' injected" in out and "acceptance check did not pass" in out
     (entry,) = load_acceptance(folder).entries
     assert entry.key == KEY and entry.mean_accepted_length == 1.9 and entry.histogram == (42, 12, 9, 13)
     assert entry.provenance["command"] == "harness run --suite spec --topo tp1-mtp"
@@ -107,6 +107,28 @@ def test_update_records_the_reference_acceptance_once_per_key(tmp_path: Path,
     assert "up to date" in capsys.readouterr().out
     write_results(run, [_cell("tp1-mtp", 1.9), _cell("tp4-mtp", 2.0)], {}, run_id="run")
     assert main(["baseline", "update", "--from", str(run), "--dir", str(folder), "--yes"]) == 2  # disagree
+
+
+def test_a_provenance_change_is_reported_and_written_as_for_gsm8k(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The store's one provenance rule: the same acceptance measured by another commit is no new key and
+    leaves the gate alone, but `harness baseline update` shows the provenance fields that change, as it
+    does for a GSM8K score, and writes them."""
+    folder = tmp_path / "baselines"
+    run = tmp_path / "run"
+    write_results(run, [_cell("tp1-mtp", 1.9)], {"git_commit": "abc", "reference": "tp1"}, run_id="run")
+    assert main(["baseline", "update", "--from", str(run), "--dir", str(folder), "--yes"]) == 0
+    capsys.readouterr()
+    write_results(run, [_cell("tp1-mtp", 1.9)], {"git_commit": "def", "reference": "tp1"}, run_id="run-2")
+    assert main(["baseline", "update", "--from", str(run), "--dir", str(folder)]) == 1  # a change: asks first
+    out = capsys.readouterr().out
+    assert f"~ {KEY.label}:" in out and "provenance.git_commit: 'abc' -> 'def'" in out
+    assert "provenance.run_id: 'run' -> 'run-2'" in out and "mean_accepted_length" not in out
+    assert main(["baseline", "update", "--from", str(run), "--dir", str(folder), "--yes"]) == 0
+    (entry,) = load_acceptance(folder).entries
+    assert entry.provenance["git_commit"] == "def" and entry.mean_accepted_length == 1.9
+    gate = gate_acceptance(load_acceptance(folder), KEY, 1.9, [42, 12, 9, 13], SETTINGS, COMMAND)
+    assert gate.verdict is Verdict.PASS and gate.metrics["baseline_provenance"]["git_commit"] == "def"
 
 
 def test_trace_localization_names_step_position_and_what_each_accepted() -> None:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.backends.base import backend_record
+from harness.backends.build import with_build
 from harness.backends.identity import code_hash, import_closure
 from harness.backends.registry import ENTRY_POINT_GROUP, available, get_backend
 from harness.contract import Backend, Job
@@ -45,6 +47,43 @@ def test_a_package_registers_a_backend_through_the_entry_point_group(tmp_path: P
     backend = get_backend("team-engine")
     assert backend.name == "team-engine" and isinstance(backend, Backend)
     sys.modules.pop("team_backend", None)
+
+
+_MINIMAL = ("from harness.contract import {base}Capabilities, LaunchResult\n"
+            "class {cls}{parent}:\n    name = '{name}'\n"
+            "    def __init__(self, option=None): pass\n"
+            "    def version(self): return '1'\n"
+            "    def capabilities(self): return Capabilities(provides=frozenset())\n"
+            "    def identity(self, job): return {{'engine': self.name}}\n"
+            "    def skip_reason(self, model, topology): return None\n"
+            "    def noise_strategy(self): return 'none'\n"
+            "    def run(self, job, timeout_s): return LaunchResult(False, None, 0.0, 'no', {{}})\n")
+
+
+def test_a_backend_that_lacks_an_optional_feature_inherits_the_default_that_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the required methods: build label '', no engine variables, no engine-side fault, and the
+    manifest's backend record names no build. A plugin that does not subclass the protocol is one error
+    that says so (it would lack those defaults)."""
+    (tmp_path / "bare_backend.py").write_text(
+        _MINIMAL.format(base="Backend, ", cls="BareBackend", parent="(Backend)", name="bare")
+        + _MINIMAL.format(base="", cls="LooseBackend", parent="", name="loose"))
+    dist = tmp_path / "bare_backend-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: bare-backend\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\nbare = bare_backend:BareBackend\n"
+                                           f"loose = bare_backend:LooseBackend\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        bare = get_backend("bare")
+        assert (bare.engine_build(), bare.engine_env(), bare.engine_fault()) == ("", {}, None)
+        assert "build" not in backend_record(bare)
+        labelled = with_build(bare, "fork-1")
+        assert (labelled.engine_build(), labelled.engine_env(), labelled.engine_fault()) == ("fork-1", {}, None)
+        with pytest.raises(ConfigError, match="'loose'.*subclass it.*engine_build, engine_env and engine_fault"):
+            get_backend("loose")
+    finally:
+        sys.modules.pop("bare_backend", None)
 
 
 def _copy_package(tmp_path: Path) -> Path:

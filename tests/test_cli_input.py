@@ -91,6 +91,28 @@ def test_bad_numbers_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixt
     _nothing_ran(tmp_path)
 
 
+def test_max_seq_len_counts_each_prompts_own_tokens(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The longest sequence of a run (a prompt's own tokens + what it generates, per workload) must fit a KV
+    slot: the suite's prompts are counted by their tokens, not as empty; the error names it and the limit."""
+    from harness.checks.settings import load_suite
+    from harness.engine.tokenizer import load_tokenizer
+    from harness.specs.checkpoint import load_model
+
+    suite, tokenizer = load_suite("dcp"), load_tokenizer(load_model("tiny-gqa"))
+    longest = max(len(tokenizer.encode(p)) for p in suite.prompts) + suite.max_new_tokens
+    assert longest > suite.max_new_tokens + 8
+    code = main(_run(tmp_path, "--model", "tiny-gqa", "--workload", "prompts", "--max-seq-len", str(longest - 1)))
+    assert code == 2
+    line = _error_line(capsys)
+    assert f"{longest} tokens" in line and f"max_seq_len={longest - 1}" in line and "workload prompts" in line, line
+    _nothing_ran(tmp_path)
+    # every workload of the run counts: the longest of them all is named (lengths: long_context + generation)
+    assert main(_run(tmp_path, "--model", "tiny-gqa", "--max-seq-len", "8")) == 2
+    line = _error_line(capsys)
+    assert f"{suite.long_context + suite.max_new_tokens} tokens" in line and "workload lengths" in line, line
+    _nothing_ran(tmp_path)
+
+
 @pytest.mark.parametrize("argv", [
     ["--budget-gib", "nan"], ["--budget-gib", "-1"], ["--block-size", "0"], ["--max-seq-len", "-4"],
 ])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 from harness.backends.embedded_worker import INJECT_ENV
 from harness.cli import main
-from harness.results import results_cells
+from harness.results import read_results, results_cells
 from tests.conftest import TEST_LAUNCH_TIMEOUT_S, TEST_LAUNCHES_PER_TEST
 
 SMALL_SUITE = """
@@ -218,6 +219,22 @@ def test_killed_rank_is_an_error_cell_and_other_cells_complete(tmp_path: Path, s
     assert cells["tp1"]["status"] == "PASS"
     assert cells["tp2"]["status"] == "ERROR" and cells["tp2"]["silent_corruption"] is False
     assert "injected failure: crash on rank 1" in cells["tp2"]["error_log"]
+
+
+def test_a_second_run_into_the_same_out_keeps_the_first_runs_results(tmp_path: Path, suite_file: Path,
+                                                                     cache_dir: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out; echo $(id) 'it's"  # the provenance command is shell-quoted, as each cell's command is
+    argv = ["run", "--suite", str(suite_file), "--topo", "tp2", "--out", str(out), "--cache-dir", str(cache_dir)]
+    assert main(argv) == 0
+    assert shlex.split(read_results(out)[1]["command"]) == ["harness", *argv]
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("harness: error: --out") and str(out / "results.json") in err[0]
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing replaced or added
+    assert [c.status.value for c in read_results(out)[0]] == ["PASS"]
 
 
 def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

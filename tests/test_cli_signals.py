@@ -30,6 +30,7 @@ kv_budget_mib: 4
 max_seq_len: 64
 prompts: ["The capital of France is"]
 checks: {layout: {}, logits: {}, generation: {}}
+workloads: [prompts, concurrent]
 """
 MARKER_ENV = "HARNESS_SIGNAL_TEST"
 WAIT_S = 240.0  # a launch under load takes seconds; the wait only bounds a broken test
@@ -105,13 +106,20 @@ def test_sigterm_mid_run_stops_every_rank_and_reports_finished_cells(tmp_path: P
     assert _no_children_left(h.marker) == []
     assert list(h.cache.rglob("*.partial")) == []
     lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and "interrupted by SIGTERM after 2 of 3 cells" in lines[0], err
+    # two workloads per launch: 4 cells of 6 finished; the two of the hung launch are listed as not run
+    assert len(lines) == 1 and "interrupted by SIGTERM after 4 of 6 cells" in lines[0], err
     doc = json.loads((h.out / "results.json").read_text())
-    assert doc["provenance"]["interrupted"] == {"signal": "SIGTERM", "cells_finished": 2, "cells_planned": 3}
-    assert [(c["topology"], c["status"]) for c in doc["cells"]] == [("tp2", "PASS"), ("tp2dcp2", "PASS")]
+    assert doc["provenance"]["interrupted"] == {"signal": "SIGTERM", "cells_finished": 4, "cells_planned": 6}
+    assert [(c["topology"], c["workload"], c["status"], c["checks"][0]["name"]) for c in doc["cells"]] == [
+        ("tp2", "prompts", "PASS", "inputs"), ("tp2", "concurrent", "PASS", "inputs"),
+        ("tp2dcp2", "prompts", "PASS", "inputs"), ("tp2dcp2", "concurrent", "PASS", "inputs"),
+        ("tp4", "prompts", "ERROR", "not_run"), ("tp4", "concurrent", "ERROR", "not_run")]
+    assert "interrupted by SIGTERM" in doc["cells"][-1]["checks"][0]["reason"]
     html = (h.out / "index.html").read_text()
-    assert "INTERRUPTED" in html and "interrupted by SIGTERM after 2 of 3 cells" in html
-    assert "INTERRUPTED" in (h.out / "summary.md").read_text()
+    assert "INTERRUPTED" in html and "interrupted by SIGTERM after 4 of 6 cells" in html
+    assert "2 cells not run" in html
+    summary = (h.out / "summary.md").read_text()
+    assert "INTERRUPTED" in summary and "not run" in summary
 
 
 def test_sigint_during_the_reference_run_leaves_no_partial_cache_entry(tmp_path: Path) -> None:
@@ -125,4 +133,5 @@ def test_sigint_during_the_reference_run_leaves_no_partial_cache_entry(tmp_path:
     assert _no_children_left(h.marker) == []
     assert list(h.cache.rglob("*.partial")) == []
     doc = json.loads((h.out / "results.json").read_text())
-    assert doc["cells"] == [] and doc["provenance"]["interrupted"]["signal"] == "SIGINT"
+    assert doc["provenance"]["interrupted"]["signal"] == "SIGINT"
+    assert len(doc["cells"]) == 6 and {c["checks"][0]["name"] for c in doc["cells"]} == {"not_run"}

@@ -144,7 +144,7 @@ def test_heads_off_plan_and_missing_ranks_and_malformed_entries() -> None:
     malformed = copy.deepcopy(actual)
     del malformed["ranks"][2]["q_to_kv"]
     bad = check_layout(plan, malformed, None)
-    assert bad.verdict is Verdict.ERROR and bad.reason == "layout ranks[2] lacks q_to_kv"
+    assert bad.verdict is Verdict.ERROR and bad.reason == "layout entry rank 2: field 'q_to_kv' is missing"
     assert check_layout(plan, {}, None).verdict is Verdict.ERROR
     assert check_layout_with_pool(plan, {"ranks": actual["ranks"]}).verdict is Verdict.ERROR
 

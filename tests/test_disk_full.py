@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -56,9 +57,9 @@ def tiny_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", str(mnt)], check=False)
 
 
-def _argv(tmp_path: Path, out: Path, topo: str) -> list[str]:
+def _argv(tmp_path: Path, out: Path, topo: str, workload: str = "prompts") -> list[str]:
     return ["run", "--suite", "dcp", "--model", "tiny-gqa", "--topo", topo, "--out", str(out),
-            "--workload", "prompts", "--cache-dir", str(tmp_path / "cache")]
+            "--workload", workload, "--cache-dir", str(tmp_path / "cache")]
 
 
 def test_too_little_free_space_is_refused_before_the_run(tmp_path: Path, tiny_disk: Path,
@@ -76,18 +77,24 @@ def test_too_little_free_space_is_refused_before_the_run(tmp_path: Path, tiny_di
 def test_disk_filling_during_the_run_keeps_the_verdicts(tmp_path: Path, tiny_disk: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     out = tiny_disk / "out"
-    code = main(_argv(tmp_path, out, "tp2,tp4"))  # passes the lower-bound check; the second cell fills the disk
+    # passes the lower-bound check; the second launch fills the disk; each launch holds two workload cells
+    code = main(_argv(tmp_path, out, "tp2,tp4", "prompts,concurrent"))
     captured = capsys.readouterr()
     lines = _error_lines(captured.err)
     assert code == ExitCode.ERROR, captured.err
     assert len(lines) == 1 and str(out) in lines[0] and "no space left on device" in lines[0], captured.err
+    done, planned = map(int, re.search(r"the (\d+) cell\(s\) done of (\d+)", lines[0]).groups())  # type: ignore
+    assert planned == 4 and 2 <= done < planned, lines[0]
     first = captured.out.splitlines()
     assert any("tp2" in line and "PASS" in line for line in first), captured.out  # the finished cell's verdict
     leftovers = [p for p in out.rglob("*") if p.name.endswith(".tmp")]
     assert leftovers == [], leftovers
     if (out / "results.json").exists():  # written: complete, the first cell keeps its verdict
         doc = json.loads((out / "results.json").read_text())
-        assert [c["status"] for c in doc["cells"]][:1] == ["PASS"], doc["cells"]
+        assert [c["status"] for c in doc["cells"]][:2] == ["PASS", "PASS"], doc["cells"]
+        # every planned cell is listed: those the full disk kept from running as not run
+        assert len(doc["cells"]) == planned
+        assert sum(c["checks"][0]["name"] == "not_run" for c in doc["cells"]) == planned - done
     if (out / "index.html").exists():
         assert (out / "index.html").read_text().rstrip().endswith("</html>")
     if (out / "junit.xml").exists():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.backends.base import backend_record, engine_build
+from harness.backends.base import backend_record
 from harness.backends.build import check_label, with_build
 from harness.backends.http import HttpBackend
 from harness.cli import main
@@ -41,12 +41,12 @@ def _job(tmp_path: Path) -> Job:
 def test_a_template_build_command_names_the_build_and_keys_it(tmp_path: Path) -> None:
     plain = HttpBackend(str(_template(tmp_path)))
     built = HttpBackend(str(_template(tmp_path, build_argv=["{python}", "-c", "print('fork-1234'); print('x')"])))
-    assert engine_build(plain) == "" and engine_build(built) == "fork-1234"
+    assert plain.engine_build() == "" and built.engine_build() == "fork-1234"
     assert built.identity(_job(tmp_path))["engine_build"] == "fork-1234"
     assert backend_record(built)["build"] == "fork-1234" and "build" not in backend_record(plain)
     # the label on the command line wins over the template's, and keys another build
     labelled = with_build(built, "team-7")
-    assert engine_build(labelled) == "team-7" and labelled.identity(_job(tmp_path)) != built.identity(_job(tmp_path))
+    assert labelled.engine_build() == "team-7" and labelled.identity(_job(tmp_path)) != built.identity(_job(tmp_path))
 
 
 def test_bad_build_labels_and_commands_are_one_clear_error(tmp_path: Path) -> None:

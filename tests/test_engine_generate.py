@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.engine.engine import Engine, PoolSettings, shared_prefix_length
+from harness.engine.engine import Engine, shared_prefix_length
 from harness.engine.generator import EngineGenerator
 from harness.engine.model import (
     RopeCache,
@@ -23,6 +23,7 @@ from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights
 from harness.gsm8k.lm import cut_at_stop
 from harness.specs.checkpoint import load_model
+from harness.specs.pool import PoolSettings
 
 PROMPTS = ["Question: What is 2 + 3?\nAnswer:", "Hi", "A long prompt about ducks and eggs. " * 3, "Q: 7 * 6 = ?\nA:",
            "one two three"]

@@ -16,7 +16,6 @@ pytest.importorskip("harness.engine.single")
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 
-from harness.engine.engine import PoolSettings  # noqa: E402
 from harness.engine.single import LocalGenerator  # noqa: E402
 from harness.errors import ConfigError  # noqa: E402
 from harness.gsm8k.data import ENV_VAR  # noqa: E402
@@ -24,6 +23,7 @@ from harness.gsm8k.lm import HarnessLM, cut_at_stop, cut_at_stop_token  # noqa: 
 from harness.gsm8k.records import FILTERS, INVALID  # noqa: E402
 from harness.gsm8k.tasks import evaluate_with  # noqa: E402
 from harness.specs.checkpoint import load_model  # noqa: E402
+from harness.specs.pool import PoolSettings  # noqa: E402
 from tests.ckpt_helpers import smollm2_gguf  # noqa: E402
 
 PROMPTS = ["Question: What is 2 + 3?\nAnswer:", "Q: 7 * 6 = ?\nA:", "Hi", "A long prompt about ducks and eggs. " * 4]

@@ -186,6 +186,24 @@ def test_show_filters_and_bad_input(runs: dict[str, Path], tmp_path: Path, capsy
     assert "cannot be opened as a harness history database" in capsys.readouterr().err
 
 
+def test_corrupt_history_is_refused_before_the_run(tmp_path: Path, shared_cache: Path,
+                                                   capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A --history (or $HARNESS_HISTORY) that is no history database is one error before any cell runs, not
+    after the reports are written (which would hide their verdicts behind exit 2)."""
+    junk = tmp_path / "junk.db"
+    junk.write_text("not sqlite at all " * 100)
+    out = tmp_path / "out"
+    assert main(["run", *CELL, "--out", str(out), "--cache-dir", str(shared_cache), "--history", str(junk)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and "cannot be opened as a harness history database" in err[0] and str(junk) in err[0]
+    assert "[1/" not in captured.out and not (out / "results.json").exists()
+    monkeypatch.setenv("HARNESS_HISTORY", str(junk))
+    assert main(["run", *CELL, "--out", str(out), "--cache-dir", str(shared_cache)]) == 2
+    assert "[1/" not in capsys.readouterr().out and not (out / "results.json").exists()
+
+
 def test_parse_since_ages() -> None:
     now = datetime(2025, 1, 10, tzinfo=timezone.utc)
     assert parse_since("7d", now) == "2025-01-03T00:00:00+00:00"

@@ -23,6 +23,7 @@ from harness.launcher.launch import free_port
 from harness.results import results_cells
 from harness.specs.checkpoint import load_model
 from harness.specs.engine import load_engine
+from harness.specs.pool import PoolSettings
 from harness.specs.topology import parse_topology_name
 
 PIDFILE_SERVER = ("import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); "
@@ -208,8 +209,8 @@ def test_registry_options_and_skips(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_command_fills_placeholders_and_fault_flags(tmp_path: Path) -> None:
     serve = HttpBackend("harness-serve")
     job = Job(model=load_model("tiny-gqa"), topology=parse_topology_name("tp2dcp2"),
-              prompts=["x"], out_dir=str(tmp_path), fault="dcp-lse-merge", pool={"budget_bytes": 8 << 20,
-                                                                                   "max_seq_len": 256})
+              prompts=["x"], out_dir=str(tmp_path), fault="dcp-lse-merge", pool=PoolSettings(budget_bytes=8 << 20,
+                                                                                               max_seq_len=256))
     argv, env = serve.command(job, "/m.yaml", 1234)
     assert argv[0] == sys.executable and argv[argv.index("--topo") + 1] == "tp2dcp2"
     assert argv[argv.index("--fault") + 1] == "dcp-lse-merge" and argv[argv.index("--port") + 1] == "1234"

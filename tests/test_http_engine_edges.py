@@ -15,9 +15,9 @@ import yaml
 
 from harness.backends.http import HttpBackend
 from harness.contract import Job
-from harness.engine.engine import PoolSettings
 from harness.specs.checkpoint import load_model
 from harness.specs.engine import load_engine
+from harness.specs.pool import PoolSettings
 from harness.specs.topology import parse_topology_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def test_the_vllm_template_is_given_the_kv_budget(monkeypatch: pytest.MonkeyPatc
     spec = load_engine("vllm")
     assert spec.gets_kv_budget() and "VLLM_CPU_KVCACHE_SPACE" not in spec.env  # that one would override it
     job = Job(model=load_model("tiny-hd64"), topology=parse_topology_name("tp2"), prompts=["hi"], out_dir="run",
-              pool=PoolSettings(budget_bytes=8 << 20, max_seq_len=256).to_dict())
+              pool=PoolSettings(budget_bytes=8 << 20, max_seq_len=256))
     argv, _ = HttpBackend("vllm").command(job, "/model", 8000)
     assert argv[argv.index("--kv-cache-memory-bytes") + 1] == "8M"
 

@@ -80,7 +80,8 @@ def runs(backend: HttpBackend, tmp_path_factory: pytest.TempPathFactory) -> dict
     for name, schedule in (("default", None), ("one", "one-at-a-time"), ("all", "all-at-once:max_in_flight=6"),
                            ("staggered", "staggered:wave=2,delay_s=0.05"), ("noise", "all-at-once")):
         job = Job(model=load_model("tiny-gqa"), topology=parse_topology_name("tp2"), prompts=PROMPTS,
-                  out_dir=str(out / name), request_schedule=schedule,
+                  out_dir=str(out / name),
+                  request_schedule=SendSchedule.parse(schedule) if schedule is not None else None,
                   schedule=SCHEDULE_SEQUENTIAL if name == "noise" else "batched")
         result = backend.run(job, 300.0)
         assert result.ok, result.error

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness.cli import main
-from harness.engine.engine import Engine, PoolSettings
+from harness.engine.engine import Engine
 from harness.engine.faults import FaultFlags
 from harness.engine.hybrid import shard_moe
 from harness.engine.moe import moe_activations
@@ -22,6 +22,7 @@ from harness.errors import RunError
 from harness.hybrid_layout import plan_moe
 from harness.results import results_cells
 from harness.specs.checkpoint import load_model
+from harness.specs.pool import PoolSettings
 
 SUITE = """
 name: hybrid-small
@@ -90,9 +91,11 @@ def test_grouped_cache_holds_one_slot_count_and_refuses_more(tiny: tuple) -> Non
     engine = Engine(spec, weights, ParallelState.single(), pool=PoolSettings(budget_bytes=2 ** 20, max_seq_len=64))
     assert engine.hybrid is not None
     cap = engine.hybrid.grouped
-    report = engine.layout_report()["hybrid"]["cache_groups"]
-    assert report["state_slots"] == cap.slots == engine.max_batch
-    assert report["attention_blocks"] == cap.slots * report["attention_blocks_per_seq"]
+    hybrid = engine.layout_report().hybrid
+    assert hybrid is not None
+    report = hybrid.cache_groups
+    assert report.state_slots == cap.slots == engine.max_batch
+    assert report.attention_blocks == cap.slots * report.attention_blocks_per_seq
     engine.open_sequences(cap.slots)
     with pytest.raises(RunError, match=f"recurrent-state slots exhausted: all {cap.slots} are in use"):
         engine.open_sequences(1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from harness.compare.layout_check import check_layout
+from harness.compare.layout_check import check_layout, reports_by_rank
 from harness.compare.placement_check import placement_problems, q_weight_problems
 from harness.layout import AttentionShape, LayoutPlan, Placement, local_positions, plan_layout
 from harness.verdict import Verdict
@@ -28,7 +28,8 @@ def report(plan: LayoutPlan, length: int = 14, prompt_len: int = 3) -> dict[str,
             "stored_positions": {"length": length, "prompt_len": prompt_len,
                                  "positions": local_positions(length, r.dcp_rank, plan.dcp, plan.placement,
                                                               prompt_len)},
-            "q_weight_heads": list(held), "q_weight_checksums": {str(h): f"head{h}" for h in held}})
+            "q_mode": "replicated" if plan.q_replicated else "split", "q_weight_heads": list(held),
+            "q_weight_checksums": {str(h): f"head{h}" for h in held}, "latent_dim": 40})
     return {"ranks": ranks}
 
 
@@ -49,7 +50,7 @@ def test_a_token_dealt_by_another_rule_is_named() -> None:
     by_token = plan_layout(MLA, 4, 4)  # what a per-token dealer stores
     for r, entry in enumerate(actual["ranks"]):
         entry["stored_positions"]["positions"] = local_positions(14, r, 4, by_token.placement, 3)
-    problems = placement_problems(plan, {e["rank"]: e for e in actual["ranks"]})
+    problems = placement_problems(plan, reports_by_rank(actual))
     assert problems[0] == ("rank 0 stores tokens 0,4,8,12 of a 14-token sequence, the interleave 4 placement "
                            "gives it 0-3")
     result = check_layout(plan, actual, None)
@@ -59,10 +60,9 @@ def test_a_token_dealt_by_another_rule_is_named() -> None:
 def test_a_token_stored_twice_or_never_is_named() -> None:
     plan = plan_layout(MLA, 4, 2)
     actual = report(plan)
-    by_rank = {e["rank"]: e for e in actual["ranks"]}
-    by_rank[1]["stored_positions"]["positions"] = [1, 2, 3, 5, 7, 9, 11, 13]  # token 2 also on rank 1
-    by_rank[2]["stored_positions"]["positions"] = [0, 2, 4, 6, 8, 10]  # token 12 on neither rank of group 1
-    problems = placement_problems(plan, by_rank)
+    actual["ranks"][1]["stored_positions"]["positions"] = [1, 2, 3, 5, 7, 9, 11, 13]  # token 2 also on rank 1
+    actual["ranks"][2]["stored_positions"]["positions"] = [0, 2, 4, 6, 8, 10]  # token 12 on neither rank of group 1
+    problems = placement_problems(plan, reports_by_rank(actual))
     assert "tokens 2 are stored on several ranks of DCP group 0 (token 2: ranks 0-1)" in problems
     assert "tokens 12 are stored on no rank of DCP group 1" in problems
 
@@ -70,10 +70,10 @@ def test_a_token_stored_twice_or_never_is_named() -> None:
 def test_q_weights_not_replicated_or_not_equal_are_named() -> None:
     plan = plan_layout(MLA, 4, 4, q_replicated=True)
     actual = report(plan)
-    by_rank = {e["rank"]: e for e in actual["ranks"]}
-    assert q_weight_problems(plan, by_rank) == []
-    by_rank[1]["q_weight_checksums"]["0"] = "other"  # rank 1's copy of head 0 is not the owner's
-    by_rank[3]["q_weight_heads"] = [6, 7]  # rank 3 holds only its own heads
+    assert q_weight_problems(plan, reports_by_rank(actual)) == []
+    actual["ranks"][1]["q_weight_checksums"]["0"] = "other"  # rank 1's copy of head 0 is not the owner's
+    actual["ranks"][3]["q_weight_heads"] = [6, 7]  # rank 3 holds only its own heads
+    by_rank = reports_by_rank(actual)
     problems = q_weight_problems(plan, by_rank)
     assert problems[0] == ("rank 3 holds Q weights (q_b_proj, w_kc) of heads 6-7, planned 0-7 "
                            "(Q replicated in the DCP group)")
@@ -89,5 +89,6 @@ def test_a_report_without_the_new_entries_is_left_alone() -> None:
     plan = plan_layout(MLA, 4, 4)
     actual = copy.deepcopy(report(plan))
     for entry in actual["ranks"]:
-        del entry["stored_positions"], entry["q_weight_heads"], entry["q_weight_checksums"]
+        del entry["stored_positions"], entry["q_mode"], entry["q_weight_heads"], entry["q_weight_checksums"]
+        del entry["latent_dim"]
     assert check_layout(plan, actual, None).verdict is Verdict.PASS

@@ -84,6 +84,26 @@ def test_validate_rejects_a_tampered_run_naming_the_artifact(stored: dict, tmp_p
     assert "gen_tokens.0 has dtype torch.float32, expected torch.int64" in out
 
 
+def test_validate_reads_the_layout_schema_version_and_every_rank_report(stored: dict, tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """layout.json records its rank report schema; a folder written before the key existed (same shape)
+    still validates, another version is refused, and a mistyped field is named with its rank."""
+    run = _copy_runs(stored, tmp_path / "runs")
+    layout = json.loads((run / "layout.json").read_text())
+    assert layout["schema_version"] == 1 and len(layout["target"]["ranks"]) == 2
+    old = {k: v for k, v in layout.items() if k != "schema_version"}
+    (run / "layout.json").write_text(json.dumps(old))
+    assert main(["validate", str(run)]) == 0
+    (run / "layout.json").write_text(json.dumps({**layout, "schema_version": 2}))
+    assert main(["validate", str(run)]) == 1
+    assert "layout.json has rank report schema 2; this harness reads schema 1" in capsys.readouterr().out
+    layout["target"]["ranks"][1]["kv_pool_blocks"] = "many"
+    (run / "layout.json").write_text(json.dumps(layout))
+    assert main(["validate", str(run)]) == 1
+    assert "layout.json target rank 1: field 'kv_pool_blocks' is 'many' (str), expected an integer" in \
+        capsys.readouterr().out
+
+
 def test_replayed_runs_give_the_same_verdicts(stored: dict, tmp_path: Path) -> None:
     rc, cell = _replay(stored, stored["out"] / "runs", tmp_path / "out")
     assert rc == 0 and cell["engine"] == "replay" and cell["reference_engine"] == "embedded"

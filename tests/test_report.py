@@ -17,7 +17,7 @@ from harness.report import exit_code, print_matrix, read_results, render_all, wr
 from harness.report.details import layout_view
 from harness.report.html import render_html
 from harness.report.junit import build_junit
-from harness.report.matrix import build_matrix, headline, key_number
+from harness.report.matrix import build_matrix, headline, key_legend, key_number
 from harness.report.merge import merge_cells
 from harness.report.summary import render_summary
 from harness.results import RESULTS_SCHEMA_VERSION, ResultsError, summary_counts
@@ -266,6 +266,11 @@ def test_key_number() -> None:
     assert key_number(CheckResult("x", Verdict.PASS, "", {"top1": 1.0, "max_kl": 2e-7})) == "KL 2.00e-07"
     assert key_number(CheckResult("x", Verdict.FAIL, "", {"first_divergence": 5})) == "div@5"
     assert key_number(CheckResult("x", Verdict.PASS, "", {"first_divergence": None})) == ""
+    # a divergence that passes says why: at a near tie (the top two tokens within the noise), benign
+    near_tie = CheckResult("generation", Verdict.PASS, "5/6 prompts identical; 1 diverge at near ties",
+                           {"first_divergence": {"prompt": 2, "position": 7}})
+    assert key_number(near_tie) == "div@7 p2 near tie"
+    assert "near tie" in dict(key_legend([replace(pass_cell(), checks=(near_tie,))]))["div@"]
     named = CheckResult("x", Verdict.PASS, "", {"headline": "top1", "max_kl": 1.0, "top1": 0.5})
     assert key_number(named) == "top1 0.5"
     assert key_number(CheckResult("x", Verdict.PASS, "", {})) == ""

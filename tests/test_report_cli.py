@@ -70,6 +70,20 @@ def test_single_dir_rerenders_in_place(tmp_path: Path, capsys: pytest.CaptureFix
     assert "SHIPPABLE WITH WARNINGS" in capsys.readouterr().out
 
 
+def test_report_never_writes_over_an_input_or_another_runs_results(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    first = _run_dir(tmp_path, "a", [pass_cell()])
+    second = _run_dir(tmp_path, "b", [fail_cell()])
+    before = (first / "results.json").read_bytes()
+    for argv in ([str(first), str(second), "--out", str(first)], [str(second), "--out", str(first)]):
+        assert main(["report", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("harness: error: --out") and str(first / "results.json") in err[0]
+        assert (first / "results.json").read_bytes() == before and not (first / "index.html").exists()
+    # re-rendering one folder in place (its own results) is what `harness report DIR` does
+    assert main(["report", str(first), "--out", str(first)]) == 0 and (first / "index.html").is_file()
+
+
 def test_default_output_of_a_merge_is_under_reports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first = _run_dir(tmp_path, "a", [pass_cell()])
     second = _run_dir(tmp_path, "b", [skip_cell()])

@@ -1,18 +1,22 @@
 """harness signoff end to end on CPU: a clean baseline, a candidate with an injected fault (BLOCKED,
 naming the cell, counted as new output corruption), an unchanged candidate (SIGN-OFF), a timed-out
-candidate (new ERROR, not new FAIL), a partial candidate (not run: missing coverage), a speculator
-fault (performance-only); a candidate that is its own baseline and bad input exit 2."""
+candidate (new ERROR, not new FAIL), a speculator fault (performance-only), a merged candidate whose
+workload cells each count; a candidate that is its own baseline, candidate and baseline of other cells and
+bad input exit 2."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from harness.cli import main
 from harness.report.history_strip import ERROR_COLOUR
+from harness.results import read_results, write_results
+from harness.verdict import NOT_RUN_CHECK, CheckResult, Verdict
 
 MATRIX = ["--suite", "dcp", "--topo", "tp2dcp2,tp2", "--model", "tiny-gqa", "--workload", "prompts"]
 
@@ -46,10 +50,10 @@ def test_faulted_candidate_is_blocked_naming_the_cell(builds: dict[str, Path], t
     assert code == 1
     assert printed.startswith("BLOCKED: 1 of 2 cells block the release: 1 new output corruption (1 silent), "
                               "0 new performance-only, 0 new ERROR, 0 not run (missing coverage)")
-    assert "blocking dcp/tiny-gqa/tp2dcp2/seed0 (new output corruption)" in printed
+    assert "blocking dcp/tiny-gqa/tp2dcp2/dcp-lse-merge/seed0 (new output corruption)" in printed
     html, md = (out / "signoff.html").read_text(), (out / "signoff.md").read_text()
-    assert md.startswith("# BLOCKED") and "**dcp/tiny-gqa/tp2dcp2/seed0** (new output corruption)" in md
-    assert html.index("BLOCKED") < html.index("Verdicts") and "dcp/tiny-gqa/tp2dcp2/seed0" in html
+    assert md.startswith("# BLOCKED") and "**dcp/tiny-gqa/tp2dcp2/dcp-lse-merge/seed0** (new output corruption)" in md
+    assert html.index("BLOCKED") < html.index("Verdicts") and "dcp/tiny-gqa/tp2dcp2/dcp-lse-merge/seed0" in html
     # candidate and baseline named at the top, each linked to its report (relative links, no URL)
     top = html[:html.index("Blocking cells")]
     assert "<th>candidate</th><td><b>faulted</b>" in top and "<th>baseline</th><td><b>baseline</b>" in top
@@ -71,11 +75,12 @@ def test_faulted_candidate_is_blocked_naming_the_cell(builds: dict[str, Path], t
     assert doc["counts"] == {"new_output_corruption": 1, "new_silent_corruption": 1, "new_performance_only": 0,
                              "new_error": 0, "still_failing": 0, "not_run": 0, "blocking": 1, "cells": 2}
     (cell,) = [c for c in doc["cells"] if c["blocking"]]
-    assert cell["cell"] == "dcp/tiny-gqa/tp2dcp2/seed0" and cell["failure_class"] == "output"
+    assert cell["cell"] == "dcp/tiny-gqa/tp2dcp2/dcp-lse-merge/seed0" and cell["failure_class"] == "output"
     assert cell["silent_corruption"] and cell["change"] == "new output corruption"
+    assert (cell["fault"], cell["workload"]) == ("dcp-lse-merge", "prompts")
     assert "://" not in html and "<script" not in html
     # the fault does not apply at tp2: that cell is listed as not checked, never silently green
-    assert "| dcp/tiny-gqa/tp2/seed0 | PASS | SKIP | not checked |" in md
+    assert "| dcp/tiny-gqa/tp2/dcp-lse-merge/seed0 | PASS | SKIP | not checked |" in md
     assert "needs a DCP topology" in md.split("## Skipped or unavailable checks")[1]
     # the parity metrics moved by orders of magnitude in noise multiples
     row = next(ln for ln in md.splitlines() if "| logits_decode | max_kl |" in ln)
@@ -127,14 +132,61 @@ def test_timeout_candidate_is_new_error_not_new_fail(builds: dict[str, Path], tm
     assert "| dcp/tiny-gqa/tp2dcp2/seed0 | FAIL | ERROR | new ERROR |" in md and doc["counts"]["new_error"] == 2
 
 
-def test_missing_coverage_is_counted_apart_from_corruption(builds: dict[str, Path], tmp_path: Path,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
-    code, md, doc = _signoff(builds, "partial", "baseline", tmp_path / "so")
+def test_candidate_and_baseline_of_other_cells_are_refused(builds: dict[str, Path], tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Missing coverage either way is one error naming the cells that differ, before any page is written."""
+    out = tmp_path / "so"
+    assert main(["signoff", "--candidate", str(builds["partial"]), "--baseline", str(builds["baseline"]),
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("harness: error:") == 1 and len(err.strip().splitlines()) == 1
+    assert "do not cover the same cells" in err and "dcp/tiny-gqa/tp2/seed0" in err
+    assert "not run for the candidate" in err
+    assert "tp2dcp2" not in err  # the faulted tp2dcp2 cell is the baseline's tp2dcp2 cell in a faulty build
+    assert not out.exists()
+    assert main(["signoff", "--candidate", str(builds["baseline"]), "--baseline", str(builds["partial"]),
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "dcp/tiny-gqa/tp2/seed0" in err and "the baseline did not run" in err and not out.exists()
+
+
+def test_a_cell_the_candidate_never_reached_blocks_as_not_run(builds: dict[str, Path], tmp_path: Path) -> None:
+    """An interrupted candidate lists the cells it never reached (harness run does): each blocks as not run."""
+    cells, provenance, _ = read_results(builds["unchanged"])
+    never = CheckResult(NOT_RUN_CHECK, Verdict.ERROR, "not run: interrupted by SIGTERM before this cell finished")
+    stopped = [cells[0], replace(cells[1], checks=(never,), localization=None, details={})]
+    write_results(tmp_path / "cand", stopped, provenance, "stopped")
+    code, md, doc = _signoff({"cand": tmp_path / "cand", "base": builds["baseline"]}, "cand", "base", tmp_path / "so")
+    assert code == 1 and doc["counts"]["not_run"] == 1 and doc["counts"]["new_error"] == 0
+    assert f"| {doc['cells'][1]['cell']} | PASS | ERROR | not run |" in md
+    assert "interrupted by SIGTERM" in doc["cells"][1]["reason"]
+
+
+def test_merged_candidate_with_corrupted_workload_cells_is_blocked(shared_cache: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A candidate of a clean run and a faulted one, each of three workload cells, against a clean baseline:
+    every cell is checked by its full identity (workload and fault included), so no cell hides another."""
+    matrix = ["run", "--suite", "dcp", "--topo", "tp4dcp4", "--model", "tiny-gqa", "--cache-dir", str(shared_cache)]
+    runs = {"A": ([], 0), "B": (["--fault", "dcp-empty-shard-nan"], 1), "C": ([], 0)}
+    for name, (extra, code) in runs.items():
+        assert main([*matrix, *extra, "--out", str(tmp_path / name)]) == code
+    capsys.readouterr()
+    code, md, doc = _signoff({n: tmp_path / n for n in runs}, "A", "C", tmp_path / "clean")
+    assert code == 0 and doc["counts"]["cells"] == 3
+    capsys.readouterr()
+    out = tmp_path / "so"
+    code = main(["signoff", "--candidate", str(tmp_path / "A"), str(tmp_path / "B"), "--baseline", str(tmp_path / "C"),
+                 "--out", str(out)])
+    printed = capsys.readouterr().out
     assert code == 1
-    assert md.splitlines()[2] == ("2 of 2 cells block the release: 1 new output corruption (1 silent), "
-                                  "0 new performance-only, 0 new ERROR, 1 not run (missing coverage)")
-    assert "| dcp/tiny-gqa/tp2/seed0 | PASS | - | not run |" in md
-    assert doc["counts"]["not_run"] == 1 and doc["counts"]["new_output_corruption"] == 1
+    assert printed.startswith("BLOCKED: 2 of 6 cells block the release: 2 new output corruption (2 silent)")
+    blocking = sorted(ln.split(" (")[0].strip() for ln in printed.splitlines() if ln.startswith("  blocking "))
+    assert blocking == ["blocking dcp/tiny-gqa/tp4dcp4/dcp-empty-shard-nan/lengths/seed0",
+                        "blocking dcp/tiny-gqa/tp4dcp4/dcp-empty-shard-nan/seed0"]
+    doc = json.loads((out / "signoff.json").read_text())
+    assert doc["counts"]["cells"] == 6 and doc["counts"]["new_silent_corruption"] == 2
+    assert sorted((c["workload"], c["fault"]) for c in doc["cells"] if c["blocking"]) == [
+        ("lengths", "dcp-empty-shard-nan"), ("prompts", "dcp-empty-shard-nan")]
 
 
 def test_speculator_fault_is_performance_only(tmp_path: Path, shared_cache: Path,

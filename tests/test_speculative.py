@@ -11,7 +11,7 @@ from harness.acceptance import histogram, mean_accepted_length, total_variation
 from harness.compare.layout_check import check_layout_with_pool
 from harness.compare.settings import AcceptanceSettings, LosslessSettings
 from harness.compare.speculative import check_acceptance, check_lossless
-from harness.engine.engine import Engine, PoolSettings
+from harness.engine.engine import Engine
 from harness.engine.faults import FAULTS, FaultFlags, fault_flags
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.parallel import ParallelState
@@ -35,6 +35,7 @@ from harness.errors import ConfigError, RunError
 from harness.layout import plan_layout, plan_speculator, pool_capacity, slot_pool
 from harness.specs.checkpoint import load_model
 from harness.specs.model import ModelSpec
+from harness.specs.pool import PoolSettings
 from harness.specs.topology import Topology, parse_topology_name
 from harness.verdict import Verdict
 

@@ -17,15 +17,17 @@ import pytest
 
 from harness.compare.layout_check import check_layout_with_pool
 from harness.compare.speculative import check_acceptance, check_lossless
-from harness.engine.engine import Engine, PoolSettings
+from harness.engine.engine import Engine
 from harness.engine.parallel import ParallelState
 from harness.engine.speculative import run_speculative_cases
-from harness.engine.speculator import SpeculativeSettings, speculator_for
+from harness.engine.speculator import speculator_for
 from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights
 from harness.launcher.launch import thread_env
 from harness.layout import plan_layout, plan_speculator, slot_pool
 from harness.specs.checkpoint import load_model
+from harness.specs.pool import PoolSettings
+from harness.specs.speculative import SpeculativeSettings
 from harness.verdict import Verdict
 from tests.conftest import TEST_LAUNCH_TIMEOUT_S
 

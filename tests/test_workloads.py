@@ -27,7 +27,7 @@ from harness.contract import (
     TWIN_TOPK_LOGPROBS,
     tensor_key,
 )
-from harness.engine.engine import Engine, PoolSettings
+from harness.engine.engine import Engine
 from harness.engine.faults import fault_flags
 from harness.engine.parallel import ParallelState
 from harness.engine.scheduler import Lane, ServeSettings, ServingLoop
@@ -35,6 +35,7 @@ from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights
 from harness.errors import ConfigError
 from harness.specs.checkpoint import load_model
+from harness.specs.pool import PoolSettings
 from harness.specs.suite import Suite
 from harness.specs.topology import Topology
 from harness.specs.workload import LONG, WORKLOADS, Workload, WorkloadPlan

@@ -13,12 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harness.backends.base import engine_build, stamp_manifest
+from harness.backends.base import stamp_manifest
 from harness.contract import Backend, Capabilities, Job, LaunchResult
 from harness.errors import ConfigError
 
 MAX_LABEL = 200
-__all__ = ["LabelledBackend", "check_label", "engine_build", "with_build"]
 
 
 def check_label(label: str, where: str = "--engine-build") -> str:
@@ -30,19 +29,23 @@ def check_label(label: str, where: str = "--engine-build") -> str:
     return text
 
 
-class LabelledBackend:
-    """`backend` run as the build `label`: the same runs, keyed, recorded and reported with the label."""
+class LabelledBackend(Backend):
+    """`backend` run as the build `label`: the same runs, keyed, recorded and reported with the label;
+    every other part of the protocol is the wrapped backend's."""
 
     def __init__(self, backend: Backend, label: str) -> None:
         self.inner = backend
         self.label = label
         self.name = backend.name
 
-    def __getattr__(self, attr: str) -> Any:  # engine_env, engine_fault, spec, ...: the wrapped backend's
-        return getattr(self.inner, attr)
-
     def engine_build(self) -> str:
         return self.label
+
+    def engine_env(self) -> dict[str, str]:
+        return self.inner.engine_env()
+
+    def engine_fault(self) -> str | None:
+        return self.inner.engine_fault()
 
     def version(self) -> str:
         return self.inner.version()
@@ -67,4 +70,4 @@ class LabelledBackend:
 
 def with_build(backend: Backend, label: str | None) -> Backend:
     """`backend` labelled as build `label` (None: as it is, with whatever build it names itself)."""
-    return backend if not label else LabelledBackend(backend, check_label(label))  # type: ignore[return-value]
+    return backend if not label else LabelledBackend(backend, check_label(label))

@@ -14,7 +14,7 @@ from typing import Any
 from harness import contract as c
 from harness.backends.base import stamp_manifest
 from harness.backends.identity import code_hash
-from harness.contract import Capabilities, Job, LaunchResult
+from harness.contract import Backend, Capabilities, Job, LaunchResult
 from harness.engine import ENGINE_VERSION
 from harness.errors import ConfigError
 from harness.launcher.launch import launch
@@ -43,7 +43,7 @@ def weights_key(model: ModelSpec) -> dict[str, Any]:
     return key
 
 
-class EmbeddedBackend:
+class EmbeddedBackend(Backend):
     """The pure-PyTorch reference engine, launched per job (the default engine)."""
 
     name = "embedded"

@@ -27,14 +27,15 @@ from harness.backends.workload_run import run_workloads, teacher_forced
 from harness.cases import build_cases, build_workload_cases, prompts_hash, workload_manifest
 from harness.contract import Job
 from harness.engine import ENGINE_VERSION
-from harness.engine.engine import Engine, Generation, PoolSettings
-from harness.engine.faults import fault_flags
+from harness.engine.construct import build_engine
+from harness.engine.engine import Engine, Generation
 from harness.engine.parallel import ParallelState
 from harness.engine.speculative import run_speculative_cases, spec_manifest, spec_tensors
-from harness.engine.speculator import SpeculativeSettings, speculator_for
-from harness.engine.tokenizer import Tokenizer, load_tokenizer, tokenizer_hash
-from harness.engine.weights import load_weights, weights_hash
+from harness.engine.tokenizer import Tokenizer, tokenizer_hash
+from harness.engine.weights import weights_hash
 from harness.jsonio import write_json
+from harness.rankreport import entry_json
+from harness.specs.speculative import SpeculativeSettings
 from harness.specs.workload import WorkloadPlan
 
 INJECT_ENV = "HARNESS_INJECT_RANK_FAILURE"  # "crash|hang|kill|stop:R": test hook for the launcher's error path
@@ -82,8 +83,8 @@ def _run_gsm8k(job: Job, engine: Engine, tokenizer: Tokenizer) -> dict[str, Any]
         return None
     from harness.gsm8k.engine_eval import evaluate_engine
     from harness.gsm8k.settings import gsm8k_settings
-    settings = gsm8k_settings(job.gsm8k["settings"])
-    return evaluate_engine(engine, tokenizer, settings, job.gsm8k.get("data_path")).to_dict()
+    settings = gsm8k_settings(job.gsm8k.settings)
+    return evaluate_engine(engine, tokenizer, settings, job.gsm8k.data_path).to_dict()
 
 
 def run_job(job: Job, topk_only: int | None = None) -> None:
@@ -92,14 +93,12 @@ def run_job(job: Job, topk_only: int | None = None) -> None:
     state = ParallelState.from_launcher(topo.tp, topo.dcp, job.device, job.collective_timeout_s)
     t_init = time.time()
     spec = job.model
-    tokenizer = load_tokenizer(spec)
-    weights = load_weights(spec)
-    engine = Engine(spec, weights, state, fault_flags(job.fault, topo), PoolSettings(**job.pool), job.dtype,
-                    ep=topo.ep, speculator=topo.speculator, placement=topo.placement,
-                    q_replicated=topo.q_replicated)
+    spec_settings = job.speculative or SpeculativeSettings()
+    built = build_engine(state, spec, topo, job.fault, job.pool, job.dtype, spec_settings)
+    engine, tokenizer, weights, speculator = built.engine, built.tokenizer, built.weights, built.speculator
     t_load = time.time()
     _inject_failure(state.rank)
-    groups = (build_workload_cases(WorkloadPlan.from_list(job.workloads), job.prompts, tokenizer, job.seed,
+    groups = (build_workload_cases(WorkloadPlan(job.workloads), job.prompts, tokenizer, job.seed,
                                    job.decode_prefix_tokens) if job.workloads else [])
     cases = ([case for g in groups for case in g.cases] if groups else
              build_cases(job.prompts, tokenizer, job.seed, job.max_new_tokens, job.decode_prefix_tokens))
@@ -114,9 +113,7 @@ def run_job(job: Job, topk_only: int | None = None) -> None:
                       [served.topk_logprobs[c.index] for c in cases]) if served is not None
            else engine.generate([list(c.prompt_ids) for c in cases], job.max_new_tokens, job.top_k))
     spec_result, spec_entry = None, None
-    spec_settings = SpeculativeSettings.from_mapping(job.speculative)
-    if topo.speculator != "none":
-        speculator = speculator_for(engine, topo.speculator, weights, spec_settings)
+    if speculator is not None:
         spec_result = run_speculative_cases(engine, speculator, [list(c.prompt_ids) for c in cases],
                                             spec_settings.k, job.max_new_tokens)
         spec_entry = speculator.layout_entry(state.gather_objects(speculator.layout_report()))
@@ -132,7 +129,7 @@ def run_job(job: Job, topk_only: int | None = None) -> None:
                             c_.tensor_key(c_.GEN_TOPK_IDS, c.index): ids,
                             c_.tensor_key(c_.GEN_TOPK_LOGPROBS, c.index): lps})
             done.append(replace(c, generated_ids=tuple(toks), generated_text=tokenizer.decode(toks)))
-        layout = {"target": {"ranks": layouts, "pool": engine.pool.to_dict()}, "speculator": spec_entry}
+        layout = {"target": entry_json(layouts, engine.pool.to_dict()), "speculator": spec_entry}
         manifest = {
             "status": "ok", "error": None, "topology": topo.to_dict(), "model": spec.to_dict(),
             "fault": job.fault, "seed": job.seed, "dtype": job.dtype or spec.dtype,

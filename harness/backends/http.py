@@ -67,8 +67,7 @@ from harness.backends.http_server import (
     wait_ready,
 )
 from harness.backends.http_workloads import case_groups, collect_workloads
-from harness.contract import Capabilities, Job, LaunchResult
-from harness.engine.engine import PoolSettings
+from harness.contract import Backend, Capabilities, Job, LaunchResult
 from harness.engine.faults import FAULTS
 from harness.engine.tokenizer import load_tokenizer
 from harness.errors import ConfigError, RunError
@@ -76,6 +75,7 @@ from harness.fmt import id_ranges
 from harness.jsonio import write_json
 from harness.specs.engine import load_engine
 from harness.specs.model import ModelSpec
+from harness.specs.pool import PoolSettings
 from harness.specs.topology import Topology
 
 HOST = "127.0.0.1"
@@ -200,7 +200,7 @@ def _findable(module: str) -> bool:
         return False
 
 
-class HttpBackend:
+class HttpBackend(Backend):
     """An engine template driven over HTTP: `template` is a shipped name (engines/NAME.yaml) or the path of
     a template file (the registry's target for every template). `option` is the URL for templates that
     attach (openai)."""
@@ -322,13 +322,13 @@ class HttpBackend:
     # -- a run ------------------------------------------------------------------------------------------
 
     def _values(self, job: Job, model: ModelSpec, model_path: str, port: int) -> dict[str, str]:
-        pool = PoolSettings(**job.pool)
+        pool = job.pool
         return {"python": self.spec.interpreter(), "model_path": model_path, "model_name": model.name,
                 "tp": str(job.topology.tp), "dcp": str(job.topology.dcp), "topology": job.topology.name,
                 "port": str(port), "host": HOST, "dtype": job.dtype or model.dtype, "seed": str(job.seed),
                 "max_logprobs": str(self.spec.max_logprobs), "max_model_len": str(pool.max_seq_len),
                 "kv_budget_mib": str(server_budget_bytes(pool) >> 20), "block_size": str(pool.block_size),
-                "fault": job.fault or "", "spec_k": str(job.speculative.get("k", DEFAULT_SPEC_K)),
+                "fault": job.fault or "", "spec_k": str(_spec_k(job)),
                 "cpu_bind": cpu_bind(job.topology.tp)}
 
     def command(self, job: Job, model_path: str, port: int) -> tuple[list[str], dict[str, str]]:
@@ -450,8 +450,8 @@ class HttpBackend:
         from harness.backends.http_gsm8k import evaluate_server  # lm-eval only where GSM8K runs
         from harness.gsm8k.settings import gsm8k_settings
 
-        result = evaluate_server(dialect, load_tokenizer(model), gsm8k_settings(job.gsm8k["settings"]),
-                                 job.gsm8k.get("data_path"), PoolSettings(**job.pool).max_seq_len)
+        result = evaluate_server(dialect, load_tokenizer(model), gsm8k_settings(job.gsm8k.settings),
+                                 job.gsm8k.data_path, job.pool.max_seq_len)
         return replace(collected, gsm8k=result.to_dict())
 
     def _collect_speculative(self, job: Job, client: httpx.Client) -> tuple[list[torch.Tensor], dict[str, Any]]:
@@ -462,7 +462,7 @@ class HttpBackend:
                      for g in dialect.generate([case.prompt_ids for case in cases], new_tokens, 1,
                                                job.schedule == c.SCHEDULE_BATCHED)]
         counters = request_counts(generated) or counters_delta(before, spec_counters(client)) or {"source": "none"}
-        summary = {"kind": job.topology.speculator, "k": int(job.speculative.get("k", DEFAULT_SPEC_K)), **counters}
+        summary = {"kind": job.topology.speculator, "k": _spec_k(job), **counters}
         return [g.tokens for g in generated], summary
 
     def _failed(self, job: Job, error: str, tail: str, wall: float, refused: str = "") -> LaunchResult:
@@ -501,7 +501,7 @@ class HttpBackend:
             manifest["workloads"] = collected.workloads
         if collected.nonfinite:  # what the server answered where its tensors hold NaN / inf
             manifest[c.MANIFEST_LOGPROB_VALUES] = list(collected.nonfinite)
-        pool = PoolSettings(**job.pool)  # the budget as the server was given it (whole MiB)
+        pool = job.pool  # the budget as the server was given it (whole MiB)
         pool = replace(pool, budget_bytes=server_budget_bytes(pool))
         target = {"ranks": [], "pool": pool.to_dict(), **(reported or {}), "kv_capacity": kv["plain"],
                   "kv_capacity_speculative": kv["speculative"], "kv_budget_given": self.spec.gets_kv_budget()}
@@ -514,12 +514,17 @@ class HttpBackend:
             write_json(Path(job.out_dir) / c.GSM8K_FILE, collected.gsm8k)
 
 
+def _spec_k(job: Job) -> int:
+    """Draft tokens per verify step the job's speculator proposes (DEFAULT_SPEC_K when it has none)."""
+    return job.speculative.k if job.speculative is not None else DEFAULT_SPEC_K
+
+
 def request_schedule(job: Job) -> SendSchedule | None:
     """The schedule the job's requests are sent by: its `request_schedule`, except in the noise twin (a
     sequential job), whose requests go one at a time as always; None: today's sending."""
     if job.request_schedule is None or job.schedule != c.SCHEDULE_BATCHED:
         return None
-    return SendSchedule.parse(job.request_schedule)
+    return job.request_schedule
 
 
 def probe_dir(log_path: Path) -> Path:

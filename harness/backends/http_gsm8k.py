@@ -15,7 +15,7 @@ from typing import Sequence
 
 from harness.backends.http_dialects import Dialect
 from harness.engine.tokenizer import Tokenizer
-from harness.gsm8k.engine_eval import evaluate_generator
+from harness.gsm8k.lm import evaluate_generator
 from harness.gsm8k.records import GSM8KResult
 from harness.gsm8k.settings import GSM8KSettings
 

@@ -1,7 +1,7 @@
 """The layout an HTTP engine's server reports about itself: the per-rank files its layout probe writes
 (a vLLM general plugin, tests/vllm_plugin/harness_vllm_probe, told where through the template's
-`layout_report_env`), turned into layout.json's "target" entry, the shape the embedded engine writes
-(harness/compare/layout_check.py). The harness never imports the engine: it reads JSON.
+`layout_report_env`), turned into layout.json's "target" entry: one RankReport per rank
+(harness/rankreport.py), the schema the embedded engine writes. The harness never imports the engine: it reads JSON.
 
 Per rank: its tensor-parallel and DCP ranks and DCP group, the global Q and KV head ids its attention
 layers hold (as loaded: the checkpoint shard the probe found in each QKV projection's rows; the layer's
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import RunError
+from harness.rankreport import ProbeLayer, RankReport, entry_json
 
 PROBE_SCHEMA = 1
 
@@ -62,9 +63,19 @@ def read_probe(folder: Path, tp: int) -> list[dict[str, Any]]:
     return reports
 
 
-def probe_layout(folder: Path, tp: int) -> dict[str, Any]:
-    """layout.json's "target" entry (ranks and pool) from the probe's reports of a tp-rank server."""
-    reports = read_probe(folder, tp)
+def _layer(layer: dict[str, Any]) -> ProbeLayer:
+    ids = lambda key: None if layer.get(key) is None else tuple(int(h) for h in layer[key])  # noqa: E731
+    return ProbeLayer(layer=str(layer["layer"]), q_heads=ids("q_heads"), k_heads=ids("k_heads"),
+                      v_heads=ids("v_heads"), claimed_q_heads=tuple(int(h) for h in layer["claimed_q_heads"]),
+                      claimed_kv_heads=tuple(int(h) for h in layer["claimed_kv_heads"]))
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def probe_ranks(reports: list[dict[str, Any]]) -> list[RankReport]:
+    """Each rank's RankReport from the probe's reports (read_probe) of one server, in rank order."""
     q_of = {int(r["tp_rank"]): _heads(r["layers"], "q_heads", "claimed_q_heads")[0] for r in reports}
     groups = sorted({tuple(int(m) for m in r["dcp_members"]) for r in reports})
     ranks = []
@@ -73,25 +84,27 @@ def probe_layout(folder: Path, tp: int) -> dict[str, Any]:
         q_heads, q_off = _heads(layers, "q_heads", "claimed_q_heads")
         kv_heads, kv_off = _heads(layers, "k_heads", "claimed_kv_heads")
         v_heads, v_off = _heads(layers, "v_heads", "claimed_kv_heads")
-        members = [int(m) for m in r["dcp_members"]]
+        members = tuple(int(m) for m in r["dcp_members"])
         group_q = [q for m in members for q in q_of.get(m, [])]
         kv = r["kv_cache"]
-        entry = {
-            "rank": rank, "q_heads": q_heads, "kv_heads": kv_heads, "v_heads": v_heads,
-            "dcp_group": groups.index(tuple(members)), "dcp_rank": int(r["dcp_rank"]), "dcp_members": members,
-            "kv_tp_rank": rank // max(1, int(r["dcp_size"])), "q_to_kv": _reads(len(q_heads), kv_heads),
-            "group_q_heads": group_q, "group_q_to_kv": _reads(len(group_q), kv_heads),
-            "kv_pool_bytes": int(kv["bound_bytes"] or kv["tensor_bytes"]), "kv_pool_blocks": int(kv["num_blocks"]),
-            "kv_block_size": kv["block_size"], "kv_bytes_per_token": kv["bytes_per_token"],
-            "kv_weight_checksums": {str(k): str(v) for k, v in r["kv_weight_checksums"].items()},
-            "layers": [{k: layer.get(k) for k in ("layer", "q_heads", "k_heads", "v_heads", "claimed_q_heads",
-                                                  "claimed_kv_heads")} for layer in layers],
-        }
-        if q_off or kv_off or v_off:
-            entry["layers_differing"] = sorted(set(q_off + kv_off + v_off))
-        ranks.append(entry)
+        ranks.append(RankReport(
+            rank=rank, q_heads=tuple(q_heads), kv_heads=tuple(kv_heads), v_heads=tuple(v_heads),
+            dcp_group=groups.index(members), dcp_rank=int(r["dcp_rank"]), dcp_members=members,
+            kv_tp_rank=rank // max(1, int(r["dcp_size"])), q_to_kv=tuple(_reads(len(q_heads), kv_heads)),
+            group_q_heads=tuple(group_q), group_q_to_kv=tuple(_reads(len(group_q), kv_heads)),
+            kv_pool_bytes=int(kv["bound_bytes"] or kv["tensor_bytes"]), kv_pool_blocks=int(kv["num_blocks"]),
+            kv_block_size=_optional_int(kv["block_size"]), kv_bytes_per_token=_optional_int(kv["bytes_per_token"]),
+            kv_weight_checksums={str(k): str(v) for k, v in r["kv_weight_checksums"].items()},
+            layers=tuple(_layer(layer) for layer in layers),
+            layers_differing=tuple(sorted(set(q_off + kv_off + v_off))) or None))
+    return sorted(ranks, key=lambda e: e.rank)
+
+
+def probe_layout(folder: Path, tp: int) -> dict[str, Any]:
+    """layout.json's "target" entry (ranks and pool) from the probe's reports of a tp-rank server."""
+    reports = read_probe(folder, tp)
     first = reports[0]["kv_cache"]
     budget = first.get("budget_bytes")
     pool = ({"budget_bytes": int(budget), "block_size": int(first["block_size"]),
              "max_seq_len": int(first["max_model_len"])} if budget is not None and first.get("block_size") else None)
-    return {"ranks": sorted(ranks, key=lambda e: e["rank"]), "pool": pool, "source": "probe"}
+    return {**entry_json(probe_ranks(reports), pool), "source": "probe"}

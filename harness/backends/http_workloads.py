@@ -49,7 +49,7 @@ class WorkloadAnswers:
 
 def workload_groups(job: Job, tokenizer: Tokenizer) -> list[WorkloadCases]:
     """The job's workloads and their cases, as every backend builds them."""
-    return build_workload_cases(WorkloadPlan.from_list(job.workloads), job.prompts, tokenizer, job.seed,
+    return build_workload_cases(WorkloadPlan(job.workloads), job.prompts, tokenizer, job.seed,
                                 job.decode_prefix_tokens)
 
 

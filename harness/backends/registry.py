@@ -105,5 +105,7 @@ def get_backend(engine: str = DEFAULT_ENGINE, folder: Path = ENGINES_DIR) -> Bac
         factory: Factory = load_target(info.target)
         backend = factory(option)
     if not isinstance(backend, Backend):
-        raise ConfigError(f"engine {name!r} ({info.target}) does not implement harness.contract.Backend")
+        raise ConfigError(f"engine {name!r} ({info.target}) does not implement harness.contract.Backend (subclass "
+                          f"it: it supplies the defaults of the optional methods engine_build, engine_env and "
+                          f"engine_fault)")
     return backend

@@ -18,7 +18,7 @@ from typing import Any
 
 from harness import __version__
 from harness import contract as c
-from harness.contract import Capabilities, Job, LaunchResult
+from harness.contract import Backend, Capabilities, Job, LaunchResult
 from harness.errors import ConfigError, RunError
 from harness.jsonio import read_json, write_json
 from harness.specs.model import ModelSpec
@@ -31,7 +31,7 @@ def _job_content(job: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in job.items() if k not in VOLATILE_JOB_KEYS}
 
 
-class ReplayBackend:
+class ReplayBackend(Backend):
     """Stored run directories under one folder, matched to jobs."""
 
     name = "replay"
@@ -73,10 +73,10 @@ class ReplayBackend:
             if manifest.get("status") != "ok":
                 continue
             if (run / c.JOB_FILE).is_file():
-                try:
-                    if _job_content(read_json(run / c.JOB_FILE)) == want:
+                try:  # parsed and written again: a job.json of an earlier harness compares as the job it means
+                    if _job_content(Job.load(run / c.JOB_FILE).to_dict()) == want:
                         return run
-                except RunError:
+                except (RunError, ConfigError):
                     pass
                 continue
             topo, model = manifest.get("topology") or {}, manifest.get("model") or {}

@@ -165,7 +165,7 @@ def acceptance(ctx: CellContext) -> list[CheckResult]:
     """Against the reference with the same speculator, and against the stored acceptance baseline
     (baselines/acceptance.yaml), which also sees bugs in code the reference runs too."""
     from harness.acceptance_baseline import baseline_check, key_of_run, load_acceptance
-    from harness.baseline import update_command
+    from harness.baseline_store import update_command
 
     result = acceptance_from_runs(ctx.ref, ctx.par, ctx.settings.of(AcceptanceSettings))
     command = update_command(ctx.info.report_dir or "RUN_DIR", ctx.info.suite)

@@ -5,12 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from harness.acceptance_baseline import (
-    AcceptanceBaseline,
     AcceptanceBaselines,
-    acceptance_diff,
     acceptance_path,
     load_acceptance,
     write_acceptance,
@@ -20,12 +18,12 @@ from harness.baseline import (
     BaselineEntry,
     Baselines,
     baselines_path,
-    diff_lines,
     entry_from_cell,
     load_baselines,
     skip_reason,
     write_baselines,
 )
+from harness.baseline_store import BaselineSet
 from harness.errors import ConfigError
 from harness.fmt import table
 from harness.jsonio import read_json
@@ -140,29 +138,21 @@ def _update(run_dir: Path, suite_arg: str | None, yes: bool, folder: Path) -> in
         return 1
     status = 0
     if entries:
-        status = _write_gsm8k(suite, entries, yes, folder)
+        status = _write(baselines_path(suite, folder), f"suite {suite}", load_baselines(suite, folder), entries, yes,
+                        write_baselines)
     if acc_entries and status == 0:
-        status = _write_acceptance(acc_entries, yes, folder)
+        status = _write(acceptance_path(folder), "speculative acceptance", load_acceptance(folder), acc_entries, yes,
+                        write_acceptance)
     return status
 
 
-def _write_gsm8k(suite: str, entries: list[BaselineEntry], yes: bool, folder: Path) -> int:
-    old = load_baselines(suite, folder)
-    path = baselines_path(suite, folder)
-    return _write(path, f"suite {suite}", diff_lines(old, entries), yes,
-                  lambda: write_baselines(old.merged(entries), path))
+S = TypeVar("S", bound=BaselineSet[Any])
 
 
-def _write_acceptance(entries: list[AcceptanceBaseline], yes: bool, folder: Path) -> int:
-    old = load_acceptance(folder)
-    path = acceptance_path(folder)
-    return _write(path, "speculative acceptance", acceptance_diff(old, entries), yes,
-                  lambda: write_acceptance(old.merged(entries), path))
-
-
-def _write(path: Path, what: str, diff: tuple[list[str], int], yes: bool, write: Callable[[], None]) -> int:
-    """Show the diff, ask (unless --yes), write."""
-    lines, changed = diff
+def _write(path: Path, what: str, old: S, updates: list[Any], yes: bool, write: Callable[[S, Path], None]) -> int:
+    """Show the diff of `updates` against the stored `old` (the store's provenance rule), ask (unless --yes),
+    write."""
+    lines, changed = old.diff(updates)
     print(f"{path} ({what}):")
     print("\n".join(lines))
     if changed == 0:
@@ -170,6 +160,6 @@ def _write(path: Path, what: str, diff: tuple[list[str], int], yes: bool, write:
         return 0
     if not _confirm(changed, path, yes):
         return 1
-    write()
+    write(old.merged(updates), path)
     print(f"wrote {changed} change(s) to {path}")
     return 0

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from harness.errors import ConfigError
 from harness.limits import REPORTS_MIN_BYTES, RUN_DIR_MIN_BYTES, free_bytes
+from harness.results import RESULTS_FILE
 
 
 def positive_float(text: str) -> float:
@@ -77,6 +78,14 @@ def writing_into(folder: Path, flag: str) -> Iterator[None]:
     except OSError as exc:
         raise ConfigError(f"{flag} {folder}: cannot write its files ({exc.strerror or exc}; "
                           f"{free_bytes(folder)} bytes free); free some space or give another {flag}") from None
+
+
+def require_no_results(folder: Path, flag: str) -> None:
+    """Results are never written over: a folder that holds a results.json (an earlier run's, a merge's) is refused."""
+    existing = folder / RESULTS_FILE
+    if existing.exists():
+        raise ConfigError(f"{flag} {folder} already holds results ({existing}); results are never written over: "
+                          f"give a new folder, or move that one away first")
 
 
 def require_free_space(folder: Path, flag: str, cells: int) -> None:

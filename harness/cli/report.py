@@ -1,7 +1,8 @@
 """`harness report DIR [DIR...] [--out OUT]`: re-render or merge run results without running anything.
 
 One folder is re-rendered in place (or into --out); several are merged (a cell found in several
-folders is taken from the folder given last) into --out, by default reports/<merged-run-id>/.
+folders is taken from the folder given last) into --out, by default reports/<merged-run-id>/. Results
+are never written over: an --out that holds another results.json (an input's included) is refused.
 Exit code as for `harness run`: 0 all pass, 1 any FAIL, 3 any ERROR and no FAIL; 2 when a
 results.json is missing, corrupt or of another schema version.
 """
@@ -12,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from harness.cli.checks import require_writable_dir, writing_into
+from harness.cli.checks import require_no_results, require_writable_dir, writing_into
 from harness.paths import REPORTS_DIR
 from harness.report import exit_code, merge, print_matrix, render_all
 
@@ -34,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
     only = dirs[0] if dirs[0].is_dir() else dirs[0].parent
     out = args.out or (only if len(dirs) == 1 else REPORTS_DIR / run_id)
     require_writable_dir(out, "--out")
+    if not (len(dirs) == 1 and out.resolve() == only.resolve()):  # re-rendering one folder in place is no overwrite
+        require_no_results(out, "--out")
     histories = None
     if args.history is not None:
         from harness.history import histories_for

@@ -17,11 +17,13 @@ from harness.cli.checks import (
     require_device,
     require_free_space,
     require_launch_settings,
+    require_no_results,
     require_writable_dir,
     seed_int,
 )
 from harness.contract import WORKLOADS
 from harness.errors import ConfigError, DiskFull, RunError
+from harness.history import check_store, history_path
 from harness.launcher.nodes import check_engine, parse_nodes
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, free_bytes
 from harness.paths import BASELINES_DIR, REPORTS_DIR
@@ -29,10 +31,11 @@ from harness.shard import parse_shard
 from harness.specs.checkpoint import load_model
 from harness.specs.suite import Suite, with_profile
 from harness.specs.topology import load_catalog
-from harness.specs.workload import check_workload_names
+from harness.specs.workload import SUITE_PROMPTS, check_workload_names
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a run is asked for
-    from harness.runner import RunRequest
+    from harness.engine.tokenizer import Tokenizer
+    from harness.runner import Runner, RunRequest
 
 MIB = 1024 ** 2
 
@@ -47,7 +50,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=seed_int, action="append", default=None, help="seed (repeatable; default: suite's)")
     p.add_argument("--workload", action="append", default=None, metavar="NAME[,NAME...]",
                    help="workloads to run (repeatable; harness list workloads; default: the suite's workloads)")
-    p.add_argument("--out", type=Path, default=None, help="report folder (default: reports/<run-id>)")
+    p.add_argument("--out", type=Path, default=None, help="report folder, new or without a results.json: an earlier "
+                   "run's folder is refused, never written over (default: reports/<run-id>)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--kv-budget-mib", type=positive_int, default=None,
                    help="KV pool budget per rank, MiB (default: suite's)")
@@ -110,23 +114,24 @@ def run_id(suite: str) -> str:
 def build_request(args: argparse.Namespace) -> "RunRequest":
     """Resolve and validate everything a run needs; every bad input is one ConfigError, before launching."""
     from harness.checks.settings import CheckSettings
-    from harness.engine.speculator import SpeculativeSettings
     from harness.engine.tokenizer import load_tokenizer
     from harness.engine.weights import validate_checkpoint
     from harness.gsm8k.data import resolve_source
     from harness.gsm8k.settings import gsm8k_settings
     from harness.paths import default_cache_dir
     from harness.runner import RunRequest
+    from harness.specs.speculative import SpeculativeSettings
 
     suite = with_profile(load_suite(args.suite), args.profile)
     catalog = load_catalog()
     topo_expr = ",".join(suite.topologies) if args.topo is None else args.topo  # --topo "" is an error, not all
     topologies = catalog.resolve(topo_expr, all_names=suite.topologies)
     models = (load_model(args.model),) if args.model else tuple(load_model(m) for m in suite.models)
+    tokenizers = {}
     for model in models:
         CheckSettings.from_suite(suite, model.dtype)  # a tolerance typo fails here, not after the runs
         validate_checkpoint(model)  # missing/corrupt checkpoint: one error before any rank starts
-        load_tokenizer(model)
+        tokenizers[model.name] = load_tokenizer(model)
     budget_mib = suite.kv_budget_mib if args.kv_budget_mib is None else args.kv_budget_mib
     max_seq_len = suite.max_seq_len if args.max_seq_len is None else args.max_seq_len
     if budget_mib <= 0 or max_seq_len <= 0:
@@ -140,10 +145,14 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     out_dir = Path(args.out or REPORTS_DIR / run_id(suite.name))
     cache_dir = args.cache_dir or default_cache_dir()
     require_writable_dir(out_dir, "--out")
+    require_no_results(out_dir, "--out")
     require_writable_dir(cache_dir, "--cache-dir")
+    history = history_path(args.history)
+    if history is not None:  # a store that cannot record is one error now, not after the run
+        require_writable_dir(history.parent, "--history")
+        check_store(history)
     require_device(args.device, [t.tp for t in topologies])
     require_launch_settings(dict(os.environ))
-    from harness.backends.base import engine_build
     from harness.backends.build import check_label
     from harness.backends.registry import get_backend
     # an unknown engine, a bad option, a build label that is none or a template build command that fails:
@@ -152,9 +161,10 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     if args.reference_engine:
         engines.append(get_backend(args.reference_engine))
     for backend in engines if args.engine_build is None else engines[1:]:
-        engine_build(backend)
-    runs_workloads = all(e.capabilities().has(WORKLOADS) for e in engines)
-    workloads = selected_workloads(suite, args.workload, max_seq_len if runs_workloads else None)
+        backend.engine_build()
+    workloads = selected_workloads(suite, args.workload)
+    runs_workloads = all(e.capabilities().has(WORKLOADS) for e in engines)  # else only the suite's prompts
+    check_sequence_lengths(suite, workloads if runs_workloads else (SUITE_PROMPTS,), tokenizers, max_seq_len)
     nodes = parse_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint,
                         len(suite.seeds if not args.seed else args.seed) * len(models) * len(topologies),
                         launch_timeout(args.timeout))
@@ -172,17 +182,31 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
         nodes=nodes, pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)), workloads=workloads)
 
 
-def selected_workloads(suite: Suite, given: list[str] | None, max_seq_len: int | None) -> tuple[str, ...]:
-    """--workload names (comma lists, repeatable) validated, else the suite's; each workload's longest
-    sequence must fit a KV slot (max_seq_len; None: the engines run no workloads, only the suite's prompts)."""
-    names = (check_workload_names("--workload", [n.strip() for g in given for n in g.split(",") if n.strip()])
-             if given else suite.workloads)
-    for w in suite.resolved_workloads(names) if max_seq_len is not None else ():
-        longest = max(w.prompt_lengths(), default=0) + w.new_tokens
-        if longest > max_seq_len:
-            raise ConfigError(f"workload {w.name}: a sequence of {longest} tokens exceeds max_seq_len={max_seq_len}; "
-                              f"raise --max-seq-len (or the suite's max_seq_len / lower its long_context)")
-    return names
+def selected_workloads(suite: Suite, given: list[str] | None) -> tuple[str, ...]:
+    """--workload names (comma lists, repeatable) validated, else the suite's."""
+    return (check_workload_names("--workload", [n.strip() for g in given for n in g.split(",") if n.strip()])
+            if given else suite.workloads)
+
+
+def check_sequence_lengths(suite: Suite, workloads: tuple[str, ...], tokenizers: dict[str, "Tokenizer"],
+                           max_seq_len: int) -> None:
+    """The longest sequence of the run (a prompt's own tokens, shared prefix included, + the tokens it
+    generates), over every model's tokenizer and every workload it runs, must fit a KV slot (max_seq_len)."""
+    from harness.cases import build_workload_cases
+    from harness.specs.workload import WorkloadPlan
+
+    plan = WorkloadPlan(suite.resolved_workloads(workloads))
+    longest = (0, "", "", 0)  # (tokens, workload, model, generated)
+    for model, tokenizer in tokenizers.items():
+        for group in build_workload_cases(plan, suite.prompts, tokenizer, 0, suite.decode_prefix_tokens):
+            tokens = max((len(c.sequence_ids) for c in group.cases), default=0)
+            longest = max(longest, (tokens, group.workload.name, model, group.workload.new_tokens))
+    tokens, name, model, generated = longest
+    if tokens > max_seq_len:
+        raise ConfigError(f"the longest sequence of this run is {tokens} tokens (workload {name}, model {model}: "
+                          f"a {tokens - generated}-token prompt + {generated} generated), over "
+                          f"max_seq_len={max_seq_len}; raise --max-seq-len (or the suite's max_seq_len, or "
+                          f"lower its long_context)")
 
 
 def _ref(ref: str) -> str:
@@ -260,23 +284,23 @@ def _run(args: argparse.Namespace) -> int:
     except Interrupted as exc:  # every launch is stopped by now; keep what finished, drop half-written cache
         for staging in partial_dirs(req.cache_dir, os.getpid()):
             shutil.rmtree(staging, ignore_errors=True)
-        cells = list(runner.finished)
-        provenance = {**runner.provenance(args.argv),
-                      "interrupted": {"signal": exc.name, "cells_finished": len(cells), "cells_planned": len(planned)}}
-        paths = render_all(req.out_dir, cells, provenance, req.out_dir.name)
-        print(f"harness: {exc} after {len(cells)} of {len(planned)} cells; report of those: {paths['html']}",
-              file=sys.stderr, flush=True)
+        cells, stopped = stopped_cells(runner, f"interrupted by {exc.name} before this cell finished", signal=exc.name)
+        paths = render_all(req.out_dir, cells, {**runner.provenance(args.argv), "interrupted": stopped},
+                           req.out_dir.name)
+        print(f"harness: {exc} after {stopped['cells_finished']} of {stopped['cells_planned']} cells; report of "
+              f"those (the cells not run listed as such): {paths['html']}", file=sys.stderr, flush=True)
         return exit_status(exc)
     except DiskFull as exc:  # the cells done keep their verdicts: on screen, and in the report if it fits
         for staging in partial_dirs(req.cache_dir, os.getpid()):
             shutil.rmtree(staging, ignore_errors=True)
-        cells = list(runner.finished)
+        cells, stopped = stopped_cells(runner, "the disk filled up before this cell finished",
+                                       reason="no space left on device")
         print(print_matrix(cells))
-        written = write_reports(req.out_dir, cells, runner.provenance(args.argv))
+        written = write_reports(req.out_dir, cells, {**runner.provenance(args.argv), "interrupted": stopped})
         where = f"report of those: {written['html']}" if isinstance(written, dict) else \
             f"no report written ({written.strerror})"
-        raise RunError(f"{exc}; the {len(cells)} cell(s) done of {len(planned)} keep their verdicts (above); "
-                       f"{where}") from None
+        raise RunError(f"{exc}; the {stopped['cells_finished']} cell(s) done of {stopped['cells_planned']} keep "
+                       f"their verdicts (above; the others are listed as not run); {where}") from None
     written = write_reports(req.out_dir, cells, runner.provenance(args.argv))
     if not isinstance(written, dict):
         print(print_matrix(cells))
@@ -287,6 +311,14 @@ def _run(args: argparse.Namespace) -> int:
     print(print_matrix(cells))
     print(f"report: {paths['html']} ({time.time() - start:.1f} s)")
     return exit_code(cells)
+
+
+def stopped_cells(runner: "Runner", why: str, **by: str) -> tuple[list[Any], dict[str, Any]]:
+    """A stopped run's cells (those finished, then every other planned one listed as not run with `why`) and
+    its provenance "interrupted" entry (`by`: the signal or the reason; how many cells finished of how many)."""
+    done = list(runner.finished)
+    missing = runner.not_run(why)
+    return done + missing, {**by, "cells_finished": len(done), "cells_planned": len(done) + len(missing)}
 
 
 def write_reports(out_dir: Path, cells: list[Any], provenance: dict[str, Any]) -> "dict[str, Path] | OSError":

@@ -17,6 +17,8 @@ from harness.layout import plan_layout
 from harness.serve.listen import check_listen
 from harness.specs.checkpoint import load_model
 from harness.specs.loader import did_you_mean
+from harness.specs.pool import PoolSettings
+from harness.specs.speculative import SpeculativeSettings
 from harness.specs.topology import load_catalog
 
 MIB = 1024 ** 2
@@ -119,9 +121,9 @@ def run(args: argparse.Namespace) -> int:
     check_listen(args.host, args.port)  # a taken port or a bad host: one line, exit 2, before any rank starts
     config = ServeConfig(model=model, topology=topo, host=args.host, port=args.port,
                          fault=args.fault, dtype=args.dtype, device=args.device,
-                         pool={"budget_bytes": args.kv_budget_mib * MIB, "max_seq_len": args.max_seq_len},
+                         pool=PoolSettings(budget_bytes=args.kv_budget_mib * MIB, max_seq_len=args.max_seq_len),
                          served_model_name=args.served_model_name, max_logprobs=args.max_logprobs,
-                         speculative={"k": args.spec_k} if args.spec_k else {})
+                         speculative=SpeculativeSettings(k=args.spec_k) if args.spec_k else SpeculativeSettings())
     from harness.launcher.launch import LAUNCHER_ENV, launcher_choice
 
     return start_ranks(config.to_json(), topo.tp, launcher_choice(args.device, False, os.environ.get(LAUNCHER_ENV)))

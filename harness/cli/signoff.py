@@ -5,9 +5,12 @@ the top (with the blocking cells), old vs new verdicts, metric deltas as multipl
 scores with the paired test and the minimum detectable drop, acceptance lengths, both builds'
 provenance and every skipped or unavailable check. The first line counts the blocking cells by
 category: new output corruption (silent or not), new performance-only, new ERROR (infrastructure:
-PASS->ERROR is not a new FAIL), still failing, not run (missing coverage). Writes signoff.html,
+PASS->ERROR is not a new FAIL), still failing, not run (a cell the candidate's run never reached). Every
+cell counts, by its full identity (suite, model, topology, fault, seed, workload); a faulted candidate cell
+is compared with the baseline's same cell without the fault. Writes signoff.html,
 signoff.md and signoff.json (the same verdict, counts and cells for CI; keys in harness/signoff/render.py).
-Exit 0 SIGN-OFF, 1 BLOCKED, 2 bad input (a candidate that is the same run as its baseline included).
+Exit 0 SIGN-OFF, 1 BLOCKED, 2 bad input: a candidate that is the same run as its baseline, or candidate and
+baseline that do not cover the same cells (the cells that differ are named), included.
 """
 
 from __future__ import annotations

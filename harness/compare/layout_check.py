@@ -1,16 +1,10 @@
 """Layout invariants: what each rank actually holds (layout.json) against the planner.
 
-`actual` is layout.json's "target" (or "speculator") entry:
-  {"ranks": [{rank, q_heads, kv_heads, dcp_group, dcp_rank, dcp_members, kv_tp_rank,
-              q_to_kv, group_q_heads, group_q_to_kv, kv_pool_bytes, kv_pool_blocks,
-              kv_weight_checksums: {"<kv head>": "<hex>"},
-              optional: ffn_shard [lo, hi) MLP columns, vocab_shard [lo, hi) token ids,
-                        kv_bytes_per_token (the KV cache's bytes per stored token, as the engine allocated),
-              stored_positions {length, prompt_len, positions}, q_weight_heads, q_weight_checksums
-              (harness/compare/placement_check.py)}],
-   "pool": {budget_bytes, block_size, max_seq_len}}
-Every problem found is collected; the verdict is FAIL when there is any, ERROR when the entry is
-malformed (missing keys), PASS otherwise.
+`actual` is layout.json's "target" (or "speculator") entry, {"ranks": [RankReport JSON], "pool":
+{budget_bytes, block_size, max_seq_len}}; its ranks are read into RankReports (harness/rankreport.py,
+the schema) before any check looks at them. Every problem found is collected; the verdict is FAIL when
+there is any, ERROR when the entry breaks the schema (the error names the rank and the field), PASS
+otherwise.
 """
 
 from __future__ import annotations
@@ -22,11 +16,10 @@ from harness.compare.placement_check import placement_problems, q_weight_problem
 from harness.errors import ConfigError
 from harness.fmt import id_ranges
 from harness.layout import LayoutPlan, PoolCapacity, RankLayout, kv_of_q, pool_capacity, slot_pool
+from harness.rankreport import LayoutSchemaError, RankReport, read_ranks
 from harness.verdict import CheckResult, Verdict
 
-RANK_KEYS: tuple[str, ...] = ("rank", "q_heads", "kv_heads", "dcp_group", "dcp_rank", "dcp_members",
-                              "kv_tp_rank", "q_to_kv", "group_q_heads", "group_q_to_kv",
-                              "kv_pool_bytes", "kv_pool_blocks", "kv_weight_checksums")
+ENTRY = "layout entry"  # how a schema error names the entry it is in
 
 
 def expected_pool(plan: LayoutPlan, actual: Mapping[str, Any]) -> PoolCapacity:
@@ -36,43 +29,33 @@ def expected_pool(plan: LayoutPlan, actual: Mapping[str, Any]) -> PoolCapacity:
     return pool_capacity(plan, int(pool["budget_bytes"]), int(pool["max_seq_len"]), int(pool["block_size"]))
 
 
-def _malformed(actual: Mapping[str, Any]) -> str | None:
-    ranks = actual.get("ranks") if isinstance(actual, Mapping) else None
-    if not isinstance(ranks, list) or not ranks:
-        return "layout entry has no 'ranks' list"
-    for i, entry in enumerate(ranks):
-        missing = [k for k in RANK_KEYS if not isinstance(entry, Mapping) or k not in entry]
-        if missing:
-            return f"layout ranks[{i}] lacks {', '.join(missing)}"
-    return None
-
-
-def _rank_problems(planned: RankLayout, got: Mapping[str, Any]) -> list[str]:
+def _rank_problems(planned: RankLayout, got: RankReport) -> list[str]:
     r = planned.rank
     out = []
-    for key, want in (("q_heads", planned.q_heads), ("kv_heads", planned.kv_heads),
-                      ("group_q_heads", planned.group_q_heads)):
-        if tuple(got[key]) != want:
-            out.append(f"rank {r} holds {key.replace('_', ' ')} {id_ranges(got[key])}, planned {id_ranges(want)}")
-    for key, want_value in (("dcp_group", planned.dcp_group), ("dcp_rank", planned.dcp_rank),
-                            ("kv_tp_rank", planned.kv_tp_rank)):
-        if got[key] != want_value:
-            out.append(f"rank {r} has {key} {got[key]}, planned {want_value}")
-    if tuple(got["dcp_members"]) != planned.dcp_members:
-        out.append(f"rank {r} has DCP members {id_ranges(got['dcp_members'])}, "
+    for label, held, want in (("q heads", got.q_heads, planned.q_heads), ("kv heads", got.kv_heads, planned.kv_heads),
+                              ("group q heads", got.group_q_heads, planned.group_q_heads)):
+        if held != want:
+            out.append(f"rank {r} holds {label} {id_ranges(held)}, planned {id_ranges(want)}")
+    for key, value, want_value in (("dcp_group", got.dcp_group, planned.dcp_group),
+                                   ("dcp_rank", got.dcp_rank, planned.dcp_rank),
+                                   ("kv_tp_rank", got.kv_tp_rank, planned.kv_tp_rank)):
+        if value != want_value:
+            out.append(f"rank {r} has {key} {value}, planned {want_value}")
+    if got.dcp_members != planned.dcp_members:
+        out.append(f"rank {r} has DCP members {id_ranges(got.dcp_members)}, "
                    f"planned {id_ranges(planned.dcp_members)}")
-    for key, label, want in (("vocab_shard", "vocab rows (token ids)", planned.vocab_shard),
-                             ("ffn_shard", "FFN columns", planned.ffn_shard)):
-        if key in got and tuple(got[key]) != want:  # [lo, hi): reported by engines that split them
-            lo, hi = got[key]
+    for label, shard, want in (("vocab rows (token ids)", got.vocab_shard, planned.vocab_shard),
+                               ("FFN columns", got.ffn_shard, planned.ffn_shard)):
+        if shard is not None and shard != want:  # [lo, hi): reported by engines that split them
+            lo, hi = shard
             out.append(f"rank {r} holds {label} {lo}-{hi - 1}, planned {want[0]}-{want[1] - 1}")
     return out
 
 
-def _mapping_problems(plan: LayoutPlan, got: Mapping[str, Any], heads_key: str, map_key: str,
+def _mapping_problems(plan: LayoutPlan, got: RankReport, heads: Sequence[int], reads: Sequence[int],
                       label: str) -> list[str]:
     """Each Q head must read kv_of_q (global index), and that KV head must be held by the rank."""
-    r, heads, reads, held = got["rank"], list(got[heads_key]), list(got[map_key]), set(got["kv_heads"])
+    r, held = got.rank, set(got.kv_heads)
     if len(heads) != len(reads):
         return [f"rank {r} maps {len(reads)} {label}s to KV heads but holds {len(heads)}"]
     wrong = [(q, kv) for q, kv in zip(heads, reads) if kv != kv_of_q(plan.shape, q)]
@@ -88,11 +71,11 @@ def _mapping_problems(plan: LayoutPlan, got: Mapping[str, Any], heads_key: str, 
     return out
 
 
-def _group_problems(plan: LayoutPlan, by_rank: Mapping[int, Mapping[str, Any]]) -> tuple[list[str], list[int]]:
+def _group_problems(plan: LayoutPlan, by_rank: Mapping[int, RankReport]) -> tuple[list[str], list[int]]:
     """KV head ids identical on every rank of each planned DCP group."""
     out, groups = [], []
     for members in plan.dcp_groups:
-        held = {m: tuple(by_rank[m]["kv_heads"]) for m in members if m in by_rank}
+        held = {m: by_rank[m].kv_heads for m in members if m in by_rank}
         if len(set(held.values())) > 1:
             group = plan.ranks[members[0]].dcp_group
             groups.append(group)
@@ -101,16 +84,16 @@ def _group_problems(plan: LayoutPlan, by_rank: Mapping[int, Mapping[str, Any]]) 
     return out, groups
 
 
-def _checksum_problems(by_rank: Mapping[int, Mapping[str, Any]]) -> list[str]:
+def _checksum_problems(by_rank: Mapping[int, RankReport]) -> list[str]:
     """One K/V weight checksum per KV head across every rank holding it."""
     out = []
     seen: dict[int, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
     for r, got in sorted(by_rank.items()):
-        sums = {str(k): v for k, v in got["kv_weight_checksums"].items()}
-        extra = sorted(set(sums) - {str(kv) for kv in got["kv_heads"]})
+        sums = got.kv_weight_checksums
+        extra = sorted(set(sums) - {str(kv) for kv in got.kv_heads})
         if extra:
             out.append(f"rank {r} reports K/V weight checksums of KV heads {','.join(extra)} it does not hold")
-        for kv in got["kv_heads"]:
+        for kv in got.kv_heads:
             if str(kv) not in sums:
                 out.append(f"rank {r} reports no K/V weight checksum for KV head {kv}")
             else:
@@ -122,31 +105,37 @@ def _checksum_problems(by_rank: Mapping[int, Mapping[str, Any]]) -> list[str]:
     return out
 
 
-def _replication_problems(plan: LayoutPlan, by_rank: Mapping[int, Mapping[str, Any]]) -> list[str]:
-    counts = [sum(kv in got["kv_heads"] for got in by_rank.values()) for kv in range(plan.shape.kv_heads)]
+def _replication_problems(plan: LayoutPlan, by_rank: Mapping[int, RankReport]) -> list[str]:
+    counts = [sum(kv in got.kv_heads for got in by_rank.values()) for kv in range(plan.shape.kv_heads)]
     return [f"KV head {kv} held by {n} rank(s), planned {want}"
             for kv, (n, want) in enumerate(zip(counts, plan.kv_replicas)) if n != want]
 
 
-def _pool_problems(pool: PoolCapacity, by_rank: Mapping[int, Mapping[str, Any]]) -> list[str]:
+def _pool_problems(pool: PoolCapacity, by_rank: Mapping[int, RankReport]) -> list[str]:
     out = []
-    for key, want in (("kv_pool_bytes", pool.pool_bytes), ("kv_pool_blocks", pool.blocks)):
+    for label, want, held in (("kv pool bytes", pool.pool_bytes, {r: g.kv_pool_bytes for r, g in by_rank.items()}),
+                              ("kv pool blocks", pool.blocks, {r: g.kv_pool_blocks for r, g in by_rank.items()})):
         off: dict[int, list[int]] = defaultdict(list)
-        for r, got in sorted(by_rank.items()):
-            if got[key] != want:
-                off[got[key]].append(r)
-        out += [f"ranks {id_ranges(rs)} have {key.replace('_', ' ')} {value}, planned {want}"
+        for r, value in sorted(held.items()):
+            if value != want:
+                off[value].append(r)
+        out += [f"ranks {id_ranges(rs)} have {label} {value}, planned {want}"
                 + (f" ({value / want:.2f}x)" if want else "") for value, rs in off.items()]
     return out
+
+
+def reports_by_rank(actual: Mapping[str, Any]) -> dict[int, RankReport]:
+    """The entry's rank reports by rank; LayoutSchemaError when the entry breaks the schema."""
+    return {r.rank: r for r in read_ranks(actual, ENTRY)}
 
 
 def check_layout(plan: LayoutPlan, actual: Mapping[str, Any], pool_expected: PoolCapacity | None,
                  name: str = "layout", check_checksums: bool = True) -> CheckResult:
     """Compare one model's actual per-rank layout with `plan`; `pool_expected` None skips the pool."""
-    malformed = _malformed(actual)
-    if malformed:
-        return CheckResult(name, Verdict.ERROR, malformed, {"problems": [malformed]})
-    by_rank = {int(e["rank"]): e for e in actual["ranks"]}
+    try:
+        by_rank = reports_by_rank(actual)
+    except LayoutSchemaError as exc:
+        return CheckResult(name, Verdict.ERROR, str(exc), {"problems": [str(exc)]})
     problems: list[str] = []
     planned_ranks = {r.rank for r in plan.ranks}
     if set(by_rank) != planned_ranks:
@@ -156,16 +145,16 @@ def check_layout(plan: LayoutPlan, actual: Mapping[str, Any], pool_expected: Poo
             problems += _rank_problems(planned, by_rank[planned.rank])
     stored = defaultdict(list)  # KV bytes per stored token, where the engine reports it (vLLM's probe)
     for r, got in sorted(by_rank.items()):
-        if got.get("kv_bytes_per_token") not in (None, plan.kv_bytes_per_token_per_rank):
-            stored[got["kv_bytes_per_token"]].append(r)
+        if got.kv_bytes_per_token not in (None, plan.kv_bytes_per_token_per_rank):
+            stored[got.kv_bytes_per_token].append(r)
     problems += [f"ranks {id_ranges(rs)} store {value} KV bytes per token, planned {plan.kv_bytes_per_token_per_rank}"
                  for value, rs in stored.items()]
     group_problems, groups = _group_problems(plan, by_rank)
     problems = group_problems + problems  # the most telling problem first
     for got in by_rank.values():
-        problems += _mapping_problems(plan, got, "q_heads", "q_to_kv", "Q head")
-        if (list(got["group_q_heads"]), list(got["group_q_to_kv"])) != (list(got["q_heads"]), list(got["q_to_kv"])):
-            problems += _mapping_problems(plan, got, "group_q_heads", "group_q_to_kv", "group Q head")
+        problems += _mapping_problems(plan, got, got.q_heads, got.q_to_kv, "Q head")
+        if (got.group_q_heads, got.group_q_to_kv) != (got.q_heads, got.q_to_kv):
+            problems += _mapping_problems(plan, got, got.group_q_heads, got.group_q_to_kv, "group Q head")
     if check_checksums:
         problems += _checksum_problems(by_rank)
     problems += _replication_problems(plan, by_rank)

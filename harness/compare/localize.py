@@ -31,6 +31,7 @@ from harness.contract import ATTN, HIDDEN
 from harness.errors import RunError
 from harness.fmt import id_ranges
 from harness.layout import LayoutPlan, kv_of_q
+from harness.rankreport import LayoutSchemaError, read_ranks
 from harness.verdict import Localization
 
 _TINY = 1e-30
@@ -104,10 +105,14 @@ def actual_reads(par: RunArtifacts, plan: LayoutPlan) -> dict[int, set[int]]:
     """Global Q head -> the KV heads the parallel run really read for it, on every rank that attends
     it (its DCP group's members); the planned KV head where the run recorded nothing."""
     reads: dict[int, set[int]] = {}
-    ranks = (par.layout.get("target") or {}).get("ranks") or []
+    target = par.layout.get("target")
+    try:
+        ranks = read_ranks(target, "layout.json target") if target and target.get("ranks") else ()
+    except LayoutSchemaError:  # the layout check says what is wrong with it; localize by the plan
+        ranks = ()
     for rank in ranks:
-        for q, kv in zip(rank.get("group_q_heads") or [], rank.get("group_q_to_kv") or []):
-            reads.setdefault(int(q), set()).add(int(kv))
+        for q, kv in zip(rank.group_q_heads, rank.group_q_to_kv):
+            reads.setdefault(q, set()).add(kv)
     return {q: reads.get(q) or {kv_of_q(plan.shape, q)} for q in range(plan.shape.heads)}
 
 

@@ -10,7 +10,7 @@ Every rank calls the same methods in the same order (lockstep); all ranks return
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 
@@ -20,11 +20,13 @@ from harness.engine.kvcache import PagedKVCache
 from harness.engine.mla import MLAParts, build_mla, mla_report
 from harness.engine.model import Batch, Capture, Decoder, Hyper
 from harness.engine.parallel import ParallelState
-from harness.engine.parallelize import actual_layout, engine_plan, head_map, shard_weights
+from harness.engine.parallelize import engine_plan, head_map, rank_report, shard_weights
 from harness.errors import ConfigError
 from harness.layout import ROUND_ROBIN, LayoutPlan, Placement, pool_capacity
+from harness.rankreport import RankReport, StoredPositions
 from harness.specs.hybrid_plan import check_hybrid_dcp
 from harness.specs.model import ModelSpec
+from harness.specs.pool import PoolSettings
 
 MIN_SHARED_PREFIX_BLOCKS = 1  # generate() computes a common prompt prefix once when it spans this many KV blocks
 StopCheck = Callable[[int, list[int]], bool]  # (prompt index, its new tokens so far) -> stop now?
@@ -32,16 +34,6 @@ Abandoned = Callable[[], Collection[int]]  # asked once per step: prompt indices
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                         "float16": torch.float16, "float64": torch.float64}
-
-
-@dataclass(frozen=True)
-class PoolSettings:
-    budget_bytes: int = 256 * 1024 ** 2
-    max_seq_len: int = 1024
-    block_size: int = 16
-
-    def to_dict(self) -> dict[str, int]:
-        return {"budget_bytes": self.budget_bytes, "max_seq_len": self.max_seq_len, "block_size": self.block_size}
 
 
 @dataclass(frozen=True)
@@ -116,7 +108,7 @@ class Engine:
         self.pool = pool
         self.hybrid: HybridParts | None = None
         self._mla: MLAParts | None = None
-        self._owner_probe: dict[str, Any] | None = None  # the first decode-path sequence's stored positions
+        self._owner_probe: StoredPositions | None = None  # the first decode-path sequence's stored positions
         if spec.hybrid is not None:  # linear attention / MoE layers: harness/engine/hybrid.py
             check_hybrid_dcp(spec, placement, q_replicated)
             self._init_hybrid(full_weights, ep, speculator != "none")
@@ -152,16 +144,12 @@ class Engine:
     def max_batch(self) -> int:
         return self.capacity.slots
 
-    def layout_report(self) -> dict[str, Any]:
-        mla = mla_report(self._mla, self.spec) if self._mla is not None else {}
-        sums = mla.pop("kv_weight_checksums", None)
-        report = actual_layout(self.rank_layout, self.heads, self._weights, self.spec, self.cache.pool_bytes,
-                               self.capacity.blocks, sums)
-        if self._owner_probe is not None:
-            report["stored_positions"] = self._owner_probe
-        if self.hybrid is not None:
-            report["hybrid"] = hybrid_layout_report(self.hybrid, self.state.rank)
-        return {**report, **mla}
+    def layout_report(self) -> RankReport:
+        """What this rank holds (layout.json's rank report), with its MLA or hybrid record."""
+        mla, sums, per_token = mla_report(self._mla, self.spec) if self._mla is not None else (None, None, None)
+        hybrid = hybrid_layout_report(self.hybrid, self.state.rank) if self.hybrid is not None else None
+        return rank_report(self.rank_layout, self.heads, self._weights, self.spec, self.cache.pool_bytes,
+                           self.capacity.blocks, sums, per_token, self._owner_probe, mla, hybrid)
 
     # -- building blocks ---------------------------------------------------------------------------
 
@@ -259,8 +247,7 @@ class Engine:
                     sites[b].append(torch.stack([c[j, 0] for c in cap.collectives]))  # [L, sites]
         if self._owner_probe is None:  # what this rank stored of the first sequence, for the layout check
             first = self.cache.seqs[ids[0]]
-            self._owner_probe = {"length": len(seqs[0]), "prompt_len": first.prompt_len,
-                                 "positions": list(first.positions)}
+            self._owner_probe = StoredPositions(len(seqs[0]), first.prompt_len, tuple(first.positions))
         self.cache.close(ids)
         return [DecodePath(logits=torch.stack(lg), hidden=torch.stack(hd, dim=1),
                            attn=self._gather_heads(torch.stack(at, dim=1)),

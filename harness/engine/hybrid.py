@@ -48,6 +48,7 @@ from harness.hybrid_layout import (
     plan_hybrid_speculator,
 )
 from harness.layout import LayoutPlan, PoolCapacity, RankLayout, slot_pool, token_owner
+from harness.rankreport import CacheGroupsReport, ExpertsReport, HybridReport, LinearReport
 from harness.specs.model import ModelSpec
 
 
@@ -353,7 +354,7 @@ def _checksum(tensors: list[torch.Tensor]) -> str:
     return digest.hexdigest()[:16]
 
 
-def hybrid_layout_report(parts: HybridParts, rank: int) -> dict[str, Any]:
+def hybrid_layout_report(parts: HybridParts, rank: int) -> HybridReport:
     """What this rank holds of the hybrid layers, for the layout check: the packed q|k|v rows it
     loaded, its V / K heads, the heads whose output it adds, a checksum of its linear weights (equal
     across a DCP group), its experts (ids as it routes them) and columns, its shared-expert columns,
@@ -361,21 +362,22 @@ def hybrid_layout_report(parts: HybridParts, rank: int) -> dict[str, Any]:
     lin = parts.plan.linear.ranks[rank]
     linears = [layer.linear for layer in parts.layers if layer.linear is not None]
     moe_layer = next((layer.moe for layer in parts.layers if layer.moe is not None), None)
-    moe: dict[str, Any] | None = None
+    moe: ExpertsReport | None = None
     if moe_layer is not None and parts.plan.moe is not None:
         planned = parts.plan.moe.ranks[rank]
-        moe = {"experts": list(moe_layer.expert_ids), "expert_ffn_shard": list(planned.expert_ffn_shard),
-               "expert_columns": int(moe_layer.gate.shape[1]),
-               "shared_columns": int(moe_layer.shared_gate.shape[0]) if moe_layer.shared_gate is not None else 0,
-               "router_checksum": _checksum([moe_layer.router])}
+        moe = ExpertsReport(
+            experts=tuple(moe_layer.expert_ids), expert_ffn_shard=planned.expert_ffn_shard,
+            expert_columns=int(moe_layer.gate.shape[1]),
+            shared_columns=int(moe_layer.shared_gate.shape[0]) if moe_layer.shared_gate is not None else 0,
+            router_checksum=_checksum([moe_layer.router]))
     cache = parts.cache
-    return {"linear": {"v_heads": list(lin.v_heads), "k_heads": list(lin.k_heads),
-                       "out_v_heads": list(lin.out_v_heads),
-                       "conv_rows": [list(r) for r in parts.loaded_rows],
-                       "state_digests": list(parts.cache.final_digests),
-                       "weight_checksum": _checksum([t for w in linears for t in (w.qkv, w.conv, w.z, w.b, w.a)])},
-            "moe": moe,
-            "cache_groups": {"slots": parts.grouped.slots, "attention_blocks": parts.capacity.blocks,
-                             "attention_blocks_per_seq": parts.capacity.blocks_per_slot,
-                             "state_slots": cache.state_slots, "state_bytes": cache.state_bytes,
-                             "attention_bytes": cache.pool_bytes}}
+    linear = LinearReport(
+        v_heads=tuple(lin.v_heads), k_heads=tuple(lin.k_heads), out_v_heads=tuple(lin.out_v_heads),
+        conv_rows=tuple((int(lo), int(hi)) for lo, hi in parts.loaded_rows),
+        state_digests=tuple(parts.cache.final_digests),
+        weight_checksum=_checksum([t for w in linears for t in (w.qkv, w.conv, w.z, w.b, w.a)]))
+    groups = CacheGroupsReport(slots=parts.grouped.slots, attention_blocks=parts.capacity.blocks,
+                               attention_blocks_per_seq=parts.capacity.blocks_per_slot,
+                               state_slots=cache.state_slots, state_bytes=cache.state_bytes,
+                               attention_bytes=cache.pool_bytes)
+    return HybridReport(linear=linear, moe=moe, cache_groups=groups)

@@ -41,6 +41,7 @@ from harness.engine.parallel import Collectives
 from harness.engine.parallelize import vocab_rows
 from harness.layout import ROUND_ROBIN, Placement, PoolCapacity, RankLayout, local_token_count, token_owner
 from harness.mla_layout import MLARank, plan_mla
+from harness.rankreport import MLAReport
 from harness.specs.model import ModelSpec
 
 
@@ -246,12 +247,12 @@ def build_mla(spec: ModelSpec, full: dict[str, torch.Tensor], rank: RankLayout, 
     return MLAParts(weights, cache, decoder, mla_rank, "replicated" if mla_plan.q_replicated else "split")
 
 
-def mla_report(parts: MLAParts, spec: ModelSpec) -> dict[str, Any]:
-    """The MLA entries of a rank's layout self-report: its Q mode, the heads whose Q weights it holds
-    with their checksums, the latent row width and bytes per stored token as allocated."""
+def mla_report(parts: MLAParts, spec: ModelSpec) -> tuple[MLAReport, dict[str, str], int]:
+    """The MLA parts of a rank's report: its MLA record (Q mode, the heads whose Q weights it holds with
+    their checksums, the latent row width as allocated), the latent projection's checksum (its "K/V
+    weight checksums") and the cache's bytes per stored token."""
     sums = mla_checksums(parts.weights, parts.rank, spec)
     pool = parts.cache.k[0]
-    return {"kv_weight_checksums": sums["kv_weight_checksums"], "q_mode": parts.q_mode,
-            "q_weight_heads": list(parts.rank.q_weight_heads),
-            "q_weight_checksums": sums["q_weight_checksums"], "latent_dim": int(pool.shape[-1]),
-            "kv_bytes_per_token": len(parts.cache.k) * int(pool.shape[-1]) * pool.element_size()}
+    record = MLAReport(q_mode=parts.q_mode, q_weight_heads=tuple(parts.rank.q_weight_heads),
+                       q_weight_checksums=sums["q_weight_checksums"], latent_dim=int(pool.shape[-1]))
+    return record, sums["kv_weight_checksums"], len(parts.cache.k) * int(pool.shape[-1]) * pool.element_size()

@@ -1,4 +1,4 @@
-"""Apply a layout plan to full weights: one rank's shard, its head map and its actual-layout report.
+"""Apply a layout plan to full weights: one rank's shard, its head map and its rank report.
 
 Head assignment comes only from the layout planner; faults change which plan or mapping is used.
 """
@@ -6,13 +6,13 @@ Head assignment comes only from the layout planner; faults change which plan or 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
 import torch
 
 from harness.engine.faults import FaultFlags
 from harness.engine.model import HeadMap, LayerWeights, LocalWeights
 from harness.layout import ROUND_ROBIN, LayoutPlan, Placement, RankLayout, naive_local_kv_index, plan_layout
+from harness.rankreport import HybridReport, MLAReport, RankReport, StoredPositions
 from harness.specs.model import ModelSpec
 
 
@@ -93,19 +93,20 @@ def kv_checksums(weights: LocalWeights, rank: RankLayout, head_dim: int) -> dict
     return out
 
 
-def actual_layout(rank: RankLayout, heads: HeadMap, weights: LocalWeights, spec: ModelSpec,
-                  pool_bytes: int, pool_blocks: int, checksums: dict[str, str] | None = None) -> dict[str, Any]:
-    """What this rank really holds and reads, for the layout check (global ids throughout);
-    `checksums` replaces the K/V weight checksums (an MLA rank's latent projection)."""
-    group_reads = [rank.kv_heads[j] for j in heads.group_q_to_local_kv]
+def rank_report(rank: RankLayout, heads: HeadMap, weights: LocalWeights, spec: ModelSpec, pool_bytes: int,
+                pool_blocks: int, checksums: dict[str, str] | None = None, kv_bytes_per_token: int | None = None,
+                stored: StoredPositions | None = None, mla: MLAReport | None = None,
+                hybrid: HybridReport | None = None) -> RankReport:
+    """What this rank really holds and reads, for the layout check (global ids throughout): the one place
+    the embedded engine builds its rank reports (target and speculator). `checksums` replaces the K/V
+    weight checksums (an MLA rank's latent projection); the rest are the architecture's records."""
+    group_reads = tuple(rank.kv_heads[j] for j in heads.group_q_to_local_kv)
     lo, hi = heads.own_slice
-    return {
-        "rank": rank.rank, "q_heads": list(rank.q_heads), "kv_heads": list(rank.kv_heads),
-        "dcp_group": rank.dcp_group, "dcp_rank": rank.dcp_rank, "dcp_members": list(rank.dcp_members),
-        "kv_tp_rank": rank.kv_tp_rank, "q_to_kv": group_reads[lo:hi],
-        "ffn_shard": list(rank.ffn_shard),
-        "vocab_shard": [weights.vocab_start, weights.vocab_start + weights.vocab_held],
-        "group_q_heads": list(rank.group_q_heads), "group_q_to_kv": group_reads,
-        "kv_pool_bytes": pool_bytes, "kv_pool_blocks": pool_blocks,
-        "kv_weight_checksums": kv_checksums(weights, rank, spec.head_dim) if checksums is None else checksums,
-    }
+    return RankReport(
+        rank=rank.rank, q_heads=rank.q_heads, kv_heads=rank.kv_heads, dcp_group=rank.dcp_group,
+        dcp_rank=rank.dcp_rank, dcp_members=rank.dcp_members, kv_tp_rank=rank.kv_tp_rank,
+        q_to_kv=group_reads[lo:hi], group_q_heads=rank.group_q_heads, group_q_to_kv=group_reads,
+        kv_pool_bytes=pool_bytes, kv_pool_blocks=pool_blocks,
+        kv_weight_checksums=kv_checksums(weights, rank, spec.head_dim) if checksums is None else checksums,
+        ffn_shard=rank.ffn_shard, vocab_shard=(weights.vocab_start, weights.vocab_start + weights.vocab_held),
+        kv_bytes_per_token=kv_bytes_per_token, stored_positions=stored, mla=mla, hybrid=hybrid)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from harness.engine.engine import Engine, PoolSettings
+from harness.engine.engine import Engine
 from harness.engine.generator import EngineGenerator
 from harness.engine.parallel import ParallelState
 from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights
 from harness.specs.model import ModelSpec
+from harness.specs.pool import PoolSettings
 
 
 def reference_logits(spec: ModelSpec, weights: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:

@@ -33,8 +33,9 @@ import torch
 from harness.acceptance import histogram, mean_accepted_length
 from harness.contract import SPEC_ACCEPTED, SPEC_DRAFTS, SPEC_TOKENS
 from harness.engine.engine import Engine
-from harness.engine.speculator import SpeculativeSettings, Speculator
+from harness.engine.speculator import Speculator
 from harness.errors import ConfigError
+from harness.specs.speculative import SpeculativeSettings
 
 __all__ = ["SeqState", "SpecResult", "SpeculativeDecoder", "SpeculativeSettings", "run_speculative_cases",
            "spec_manifest", "spec_tensors"]

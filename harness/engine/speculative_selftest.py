@@ -18,14 +18,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness.engine.engine import Engine, PoolSettings
+from harness.engine.engine import Engine
 from harness.engine.faults import fault_flags
 from harness.engine.parallel import ParallelState
 from harness.engine.speculative import run_speculative_cases
-from harness.engine.speculator import SpeculativeSettings, speculator_for
+from harness.engine.speculator import speculator_for
 from harness.engine.weights import load_weights
 from harness.limits import COLLECTIVE_TIMEOUT_S
 from harness.specs.model import model_from_dict
+from harness.specs.pool import PoolSettings
+from harness.specs.speculative import SpeculativeSettings
 from harness.specs.topology import Topology
 
 
@@ -40,8 +42,9 @@ def run(config: dict[str, Any]) -> dict[str, Any] | None:
     prompts = [list(p) for p in config["prompts"]]
     target = Engine(spec, weights, state, pool=pool)
     plain = target.generate(prompts, config["max_new_tokens"]).tokens
-    out: dict[str, Any] = {"topology": {"tp": tp, "dcp": dcp}, "plain": plain,
-                           "target_layout": state.gather_objects(target.layout_report()), "cases": []}
+    target_layout = [r.to_json() for r in state.gather_objects(target.layout_report())]
+    out: dict[str, Any] = {"topology": {"tp": tp, "dcp": dcp}, "plain": plain, "target_layout": target_layout,
+                           "cases": []}
     for kind, fault in config["cases"]:
         flags = fault_flags(fault, Topology(tp=tp, dcp=dcp, speculator=kind))
         case_target = target if fault is None else Engine(spec, weights, state, flags, pool)

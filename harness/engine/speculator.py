@@ -28,58 +28,28 @@ when the target runs with DCP. Its KV pool holds as many sequence slots as the t
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from harness.engine.engine import TORCH_DTYPES, Engine, PoolSettings, build_batch
+from harness.engine.engine import TORCH_DTYPES, Engine, build_batch
 from harness.engine.faults import FaultFlags
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.model import Decoder, HeadMap, Hyper, LocalWeights, rms_norm
 from harness.engine.parallel import ParallelState
-from harness.engine.parallelize import actual_layout, head_map, shard_weights
+from harness.engine.parallelize import head_map, rank_report, shard_weights
 from harness.engine.weights import seeded_generator, synthetic_weights
 from harness.errors import ConfigError
 from harness.layout import LayoutPlan, plan_layout, plan_speculator, slot_pool
-from harness.specs.loader import build
+from harness.rankreport import RankReport, SpeculatorReport, entry_json
 from harness.specs.model import ModelSpec
+from harness.specs.pool import PoolSettings
+from harness.specs.speculative import SpeculativeSettings
 
 SPECULATOR_KINDS: tuple[str, ...] = ("draft", "mtp")
 NOISE_SALT = 0x5EED_D2AF  # keeps the draft's noise independent of the synthetic init's draws
 MTP_EXTRA: tuple[str, ...] = ("eh_proj.weight", "hnorm.weight", "enorm.weight")
-
-
-@dataclass(frozen=True)
-class SpeculativeSettings:
-    """How a -draft / -mtp run speculates (a suite's `speculative:` mapping).
-
-    k: draft tokens proposed per verify step. draft_noise: relative std of the noise added to the
-    draft's layer weights (0 = exact copies of the target's first layers). mtp_hidden_mix: weight of
-    the target hidden state against the token embedding in the MTP input (0 ignores the hidden state).
-    """
-
-    k: int = 3
-    draft_noise: float = 0.1
-    mtp_hidden_mix: float = 0.1
-
-    def __post_init__(self) -> None:
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-            raise ConfigError(f"speculative: k must be a positive integer, got {self.k!r}")
-        for name in ("draft_noise", "mtp_hidden_mix"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 10:
-                raise ConfigError(f"speculative: {name} must be a number in [0, 10), got {value!r}")
-            object.__setattr__(self, name, float(value))
-
-    @classmethod
-    def from_mapping(cls, data: Mapping[str, Any] | None, where: str = "speculative") -> "SpeculativeSettings":
-        """From a suite's `speculative:` mapping; unknown keys are rejected with "did you mean"."""
-        return build(cls, where, dict(data or {}))
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 # ---- weights ---------------------------------------------------------------------------------------------
@@ -256,19 +226,18 @@ class Speculator:
 
     # -- layout report -----------------------------------------------------------------------------------
 
-    def layout_report(self) -> dict[str, Any]:
-        """This rank's actual speculator layout (same keys as the target's; see parallelize.actual_layout)."""
-        return actual_layout(self.rank_layout, self.heads, self._weights, self.spec, self.cache.pool_bytes,
-                             self.capacity.blocks)
+    def layout_report(self) -> RankReport:
+        """This rank's actual speculator layout (a plain TP layout; parallelize.rank_report)."""
+        return rank_report(self.rank_layout, self.heads, self._weights, self.spec, self.cache.pool_bytes,
+                           self.capacity.blocks)
 
-    def layout_entry(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    def layout_entry(self, ranks: Sequence[RankReport]) -> dict[str, Any]:
         """layout.json's "speculator" entry from every rank's layout_report(), in rank order. Its "pool"
         carries the budget the planner grants (slots x plain-TP slot size), which the speculator_layout
         check re-sizes with plan_speculator; a pool sized from another plan shows as a mismatch."""
-        return {"kind": self.kind, "layers": self.spec.layers, "slots": self.granted.slots,
-                "ranks": ranks, "pool": {"budget_bytes": self.granted.budget_bytes,
-                                         "max_seq_len": self.pool.max_seq_len,
-                                         "block_size": self.pool.block_size}}
+        return entry_json(ranks, {"budget_bytes": self.granted.budget_bytes, "max_seq_len": self.pool.max_seq_len,
+                                  "block_size": self.pool.block_size},
+                          SpeculatorReport(kind=self.kind, layers=self.spec.layers, slots=self.granted.slots))
 
 
 def speculator_for(engine: Engine, kind: str, target_weights: Mapping[str, torch.Tensor],

@@ -23,7 +23,6 @@ from typing import Any, Sequence
 import torch
 
 from harness.engine.checkpoint import save_hf_checkpoint
-from harness.engine.engine import PoolSettings
 from harness.engine.generator import StringStop, stop_string_check
 from harness.engine.single import LocalGenerator
 from harness.engine.tokenizer import Tokenizer
@@ -36,6 +35,7 @@ from harness.gsm8k.records import GSM8KResult
 from harness.gsm8k.stats import agreement_rate
 from harness.gsm8k.tasks import evaluate_with
 from harness.specs.checkpoint import load_model
+from harness.specs.pool import PoolSettings
 
 GIB = 1024 ** 3
 

@@ -8,6 +8,7 @@ on every rank and lm-eval never shards requests. Only rank 0 should write result
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from lm_eval.api.instance import Instance
@@ -17,6 +18,10 @@ from lm_eval.defaults import DEFAULT_MAX_GEN_TOKS
 
 from harness.engine.tokenizer import Tokenizer
 from harness.errors import ConfigError, RunError
+from harness.gsm8k.data import resolve_source
+from harness.gsm8k.records import GSM8KResult
+from harness.gsm8k.settings import GSM8KSettings
+from harness.gsm8k.tasks import evaluate_with
 
 
 class Generator(Protocol):
@@ -184,3 +189,14 @@ class HarnessLM(LM):
             texts.append(cut_at_stop(self.generator.tokenizer.decode(cut_at_stop_token(list(ids), stops)),
                                      first.until))
         return texts
+
+
+def evaluate_generator(generator: Generator, settings: GSM8KSettings, data_path: str | Path | None,
+                       max_length: int) -> GSM8KResult:
+    """GSM8K (the suite's settings) through any Generator (the engine in engine_eval.py, a server in
+    backends/http_gsm8k.py), per-question records included."""
+    lm = HarnessLM(generator, batch_size=settings.batch_size, max_gen_toks=settings.max_new_tokens,
+                   max_length=max_length)
+    return evaluate_with(lm, settings.task, resolve_source(data_path), limit=settings.limit,
+                         num_fewshot=settings.num_fewshot, apply_chat_template=settings.chat_template,
+                         fewshot_as_multiturn=settings.fewshot_as_multiturn)

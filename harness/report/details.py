@@ -4,12 +4,14 @@
 absent renders nothing. Keys read (anything else is ignored):
 
   layout        {"planned": {"ranks": [RANK, ...]}, "actual": {"ranks": [RANK, ...], "pool": {...}}}
-                RANK: {"rank", "q_heads", "kv_heads", "dcp_group", "dcp_rank", "kv_tp_rank", "q_to_kv",
-                keys containing "pool" or "bytes" (e.g. "kv_pool_bytes", "kv_pool_blocks"), keys
-                containing "checksum" (a hex string, or a list or {kv head: hex} of them; shown as
-                8-digit prefixes)}. Columns: the keys above that any rank has, plus any other key
-                whose actual value differs from the planned one. Ranks are matched by "rank" (else by
-                position). The scalars of actual.pool (or planned.pool) are listed under the table.
+                actual RANK: layout.json's rank report as the check read it (harness/rankreport.py, the
+                schema), planned RANK: the planner's (layout.RankLayout.to_dict). Shown as any JSON
+                object, so results of any age and malformed ones render: "rank", "q_heads", "kv_heads",
+                "dcp_group", "dcp_rank", "kv_tp_rank", "q_to_kv", keys containing "pool" or "bytes" (e.g.
+                "kv_pool_bytes", "kv_pool_blocks"), keys containing "checksum" (a hex string, or a list or
+                {kv head: hex} of them; shown as 8-digit prefixes). Columns: the keys above that any rank
+                has, plus any other key whose actual value differs from the planned one. Ranks are matched
+                by "rank" (else by position). The scalars of actual.pool (or planned.pool) are listed under the table.
   speculator_layout  like layout, for the draft/MTP model (plain TP layout).
   prompts       [{"index", "prompt", "prefill": {metric: value}, "decode": {metric: value},
                   "generation": {"ref_text", "par_text", "first_divergence": int | null,

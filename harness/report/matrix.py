@@ -98,7 +98,9 @@ def _key_value(value: Any) -> str | None:
 KEY_LEGEND: dict[str, str] = {
     "KL": "largest KL divergence of the next-token distribution, parallel vs reference; 'Nx': N times the "
           "noise floor (the noise run's KL; above about 10x fails)",
-    "div@": "div@N pP: generation first diverges at token N of prompt P",
+    "div@": "div@N pP: generation first diverges at token N of prompt P; 'near tie' where the check passes: there the "
+            "top two tokens are within the near-tie bound (their logit gap is within what rounding moves), so the "
+            "divergence is benign",
     "acc": "mean accepted draft length per step",
     "agree": "fraction of GSM8K answers equal to the reference's",
     "max|d|": "largest absolute logit difference ('Nx': N times the noise run's)",
@@ -127,7 +129,8 @@ def key_number(check: CheckResult) -> str:
     if key is None:
         return ""
     short, text = key
-    return f"{short}{'' if short.endswith('@') else ' '}{text}"
+    why = " near tie" if short == "div@" and check.verdict in (Verdict.PASS, Verdict.WARN) else ""  # why it passes
+    return f"{short}{'' if short.endswith('@') else ' '}{text}{why}"
 
 
 def key_legend(cells: list[CellResult]) -> list[tuple[str, str]]:
@@ -228,19 +231,27 @@ def plural(n: int, word: str) -> str:
 
 
 def interrupted_text(provenance: dict[str, Any]) -> str:
-    """One sentence when the run was stopped by a signal (provenance["interrupted"]), else ''."""
+    """One sentence when the run was stopped before its end (provenance["interrupted"]: by a signal, or for a
+    reason such as a full disk), else ''."""
     info = provenance.get("interrupted")
     if not isinstance(info, dict):
         return ""
     done, planned = info.get("cells_finished", "?"), info.get("cells_planned", "?")
-    return (f"Run interrupted by {info.get('signal', 'a signal')} after {done} of {planned} cells; "
-            f"only the finished cells are shown.")
+    how = f"interrupted by {info['signal']}" if info.get("signal") else f"stopped ({info.get('reason', 'early')})"
+    left = planned - done if isinstance(done, int) and isinstance(planned, int) else 0
+    return (f"Run {how} after {done} of {planned} cells" +
+            (f"; {plural(left, 'cell')} not run (listed as such)." if left > 0 else "."))
 
 
 def headline(cells: list[CellResult], interrupted: str = "") -> Headline:
     """The overall verdict of a set of cells, phrased for a release manager; an interrupted run
     (`interrupted`: interrupted_text()) is never shippable, and a run with injected faults (positive
-    controls) is no build verdict: its headline says whether each fault was flagged."""
+    controls) is no build verdict: its headline says whether each fault was flagged. Cells the run never
+    reached (not run) are left to `interrupted`: the verdict is that of the cells that ran."""
+    not_run = sum(1 for c in cells if c.not_run)
+    if not_run and not interrupted:
+        interrupted = f"{plural(not_run, 'cell')} not run (listed as such)."
+    cells = [c for c in cells if not c.not_run]
     controls = [c for c in cells if c.fault]
     builds = [c for c in cells if not c.fault]
     head = _headline(builds) if builds else _control_headline(controls)
@@ -251,7 +262,7 @@ def headline(cells: list[CellResult], interrupted: str = "") -> Headline:
         return head
     if head.verdict is Verdict.FAIL:
         return Headline(head.verdict, head.title, f"{interrupted} {head.text}")
-    return Headline(Verdict.ERROR, "INTERRUPTED", f"{interrupted} In those: {head.text}")
+    return Headline(Verdict.ERROR, "INTERRUPTED", f"{interrupted} In those that ran: {head.text}")
 
 
 def class_label(cell: CellResult) -> str:

@@ -1,6 +1,7 @@
 """Merging the results of several run folders into one set of cells (`harness report A B ...`).
 
-Cells are identified by (suite, model, topology, fault, seed). When the same cell appears in
+Cells are identified by (suite, model, topology, fault, seed, workload): cell_key, the one identity
+results.json, the report and the sign-off use. When the same cell appears in
 several folders, the one from the folder given LATER wins (a re-run of a cell replaces the earlier
 result) and keeps the position where the cell first appeared. The merged provenance keeps the
 fields every source agrees on and lists each source under "sources".
@@ -13,13 +14,22 @@ from pathlib import Path
 from typing import Any
 
 from harness.results import read_results
+from harness.specs.workload import SUITE_PROMPTS
 from harness.verdict import CellResult
 
-CellKey = tuple[str, str, str, str | None, int, str]
+CellKey = tuple[str, str, str, str | None, int, str]  # (suite, model, topology, fault, seed, workload)
 
 
 def cell_key(cell: CellResult) -> CellKey:
+    """A cell's identity: no two cells of one set of results share it."""
     return (cell.suite, cell.model, cell.topology, cell.fault, cell.seed, cell.workload)
+
+
+def key_label(key: CellKey) -> str:
+    """'suite/model/topology[/fault][/workload]/seedN' (the workload named unless it is the suite's prompts)."""
+    suite, model, topology, fault, seed, workload = key
+    parts = (suite, model, topology, fault, "" if workload == SUITE_PROMPTS else workload)
+    return "/".join(p for p in parts if p) + f"/seed{seed}"
 
 
 def merge_cells(groups: list[list[CellResult]]) -> list[CellResult]:

@@ -9,25 +9,27 @@ import signal
 import socket
 import sys
 import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-from harness.engine.engine import Engine, PoolSettings
-from harness.engine.faults import fault_flags
+from harness.engine.construct import build_engine
+from harness.engine.engine import Engine
 from harness.engine.parallel import ParallelState
 from harness.engine.speculative import SpeculativeDecoder
-from harness.engine.speculator import SpeculativeSettings, Speculator, speculator_for
-from harness.engine.tokenizer import load_tokenizer
-from harness.engine.weights import load_weights, weights_hash
+from harness.engine.speculator import Speculator
+from harness.engine.weights import weights_hash
 from harness.errors import ConfigError, HarnessError, RunError
 from harness.limits import COLLECTIVE_TIMEOUT_S
+from harness.rankreport import entry_json
 from harness.serve.dialects import Limits, Vocabulary
 from harness.serve.executor import execute
 from harness.serve.listen import ListenError, address, bind_socket
 from harness.serve.lockstep import Lockstep
 from harness.specs.model import ModelSpec, model_from_dict
+from harness.specs.pool import PoolSettings
+from harness.specs.speculative import SpeculativeSettings
 from harness.specs.topology import Topology
 from harness.verdict import ExitCode
 
@@ -58,16 +60,17 @@ class ServeConfig:
     port: int = 8000
     fault: str | None = None
     dtype: str | None = None
-    pool: dict[str, int] = field(default_factory=dict)
+    pool: PoolSettings = PoolSettings()
     device: str = "cpu"
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     served_model_name: str = ""
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
-    speculative: dict[str, Any] = field(default_factory=dict)
+    speculative: SpeculativeSettings = SpeculativeSettings()
 
     def to_json(self) -> str:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
-        data["model"], data["topology"] = self.model.to_dict(), self.topology.to_dict()
+        data.update(model=self.model.to_dict(), topology=self.topology.to_dict(), pool=self.pool.to_dict(),
+                    speculative=self.speculative.to_dict())
         return json.dumps(data)
 
     @classmethod
@@ -75,7 +78,9 @@ class ServeConfig:
         data = json.loads(text)
         model = model_from_dict("serve", data.pop("model"))
         topology = Topology.from_dict(data.pop("topology"), where="serve topology")
-        return cls(model=model, topology=topology, **data)
+        pool = PoolSettings.from_dict(data.pop("pool"), where="serve pool")
+        speculative = SpeculativeSettings.from_mapping(data.pop("speculative"), "serve speculative")
+        return cls(model=model, topology=topology, pool=pool, speculative=speculative, **data)
 
 
 def _serve_http(lockstep: Lockstep, sock: socket.socket, app: Any) -> None:
@@ -143,16 +148,10 @@ def serve(config: ServeConfig) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
     spec = config.model
-    tokenizer = load_tokenizer(spec)
-    weights = load_weights(spec)
-    engine = Engine(spec, weights, state, fault_flags(config.fault, topo), PoolSettings(**config.pool), config.dtype,
-                    ep=topo.ep, speculator=topo.speculator, placement=topo.placement,
-                    q_replicated=topo.q_replicated)
-    decoder = speculator = None
-    if topo.speculator != "none":
-        settings = SpeculativeSettings.from_mapping(config.speculative)
-        speculator = speculator_for(engine, topo.speculator, weights, settings)
-        decoder = SpeculativeDecoder(engine, speculator, settings.k)
+    settings = config.speculative
+    built = build_engine(state, spec, topo, config.fault, config.pool, config.dtype, settings)
+    engine, tokenizer, weights, speculator = built.engine, built.tokenizer, built.weights, built.speculator
+    decoder = SpeculativeDecoder(engine, speculator, settings.k) if speculator is not None else None
     lockstep = Lockstep(state, lambda batch, abandoned: execute(engine, batch, tokenizer.eos_id, decoder, abandoned))
     layouts = state.gather_objects(engine.layout_report())
     threads = state.gather_objects(torch.get_num_threads())  # every rank's intra-op threads, rank order
@@ -161,7 +160,7 @@ def serve(config: ServeConfig) -> None:
         print(kv_capacity_line(engine, speculator), flush=True)
         name = config.served_model_name or spec.name
         info = {"engine": "harness-serve", "model": spec.to_dict(), "topology": topo.to_dict(), "fault": config.fault,
-                "weights_hash": weights_hash(weights), "layout": {"ranks": layouts, "pool": pool.to_dict()},
+                "weights_hash": weights_hash(weights), "layout": entry_json(layouts, pool.to_dict()),
                 "threads_per_rank": threads, "collectives": state.collectives_path}
         limits = Limits(vocab=spec.vocab, max_model_len=pool.max_seq_len, max_logprobs=config.max_logprobs)
         vocab = Vocabulary(encode=tokenizer.encode, decode=tokenizer.decode)

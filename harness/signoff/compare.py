@@ -1,15 +1,19 @@
 """Sign-off: a candidate build's cells against the last signed-off build's (pure functions of results).
 
-A cell is (suite, model, topology, seed); an injected fault belongs to the build, not the cell.
-The candidate is BLOCKED when any of its cells FAILs or ERRORs, or a cell of the baseline was not
-run for it; otherwise it can be signed off. Skipped checks are listed, never silently green.
+A cell is what results.json and the report identify it by (report.merge.cell_key: suite, model, topology,
+fault, seed, workload), and every cell of the candidate is compared. An injected fault stands for a faulty
+build, so a candidate cell with a fault the baseline did not run is compared with the baseline's same cell
+without it (and a clean candidate cell with the baseline's one faulted variant). Candidate and baseline
+must cover the same cells: a cell on one side only is refused (exit 2, naming the cells), never a
+silent gap. The candidate is BLOCKED when any of its cells FAILs, ERRORs or was not run (its run
+stopped first); otherwise it can be signed off. Skipped checks are listed, never silently green.
 
 Each blocking cell is in one category (CATEGORIES), by the candidate cell's failure class:
 new output corruption (a FAIL of an output or layout check, silent or not), new performance-only
 regression (only performance checks FAIL), new ERROR (the run could not complete: PASS->ERROR and
 FAIL->ERROR are this, never a new FAIL), still failing (the same failure class as in the baseline),
-not run (a baseline cell absent from the candidate: missing coverage). A candidate that is the
-same run as its baseline is refused (same_run).
+not run (a cell the candidate's run never reached: interrupted or out of disk). A candidate that is
+the same run as its baseline is refused (same_run).
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ from typing import Any, Sequence
 from harness.checkmetrics import key_metric, noise_multiples
 from harness.errors import ConfigError
 from harness.gsm8k.stats import DEFAULT_ALPHA, DEFAULT_BETA, bernoulli_sigma, gate_numbers
-from harness.report.merge import merge
+from harness.report.merge import CellKey, cell_key, key_label, merge
 from harness.verdict import CellResult, CheckResult, FailureClass, Verdict
 
-CellId = tuple[str, str, str, int]
+CellId = CellKey
 FAILING = (Verdict.FAIL, Verdict.ERROR)
 PAIRED, GATE, ACCEPTANCE = "gsm8k_paired", "gsm8k_baseline", "acceptance"
 NEW_OUTPUT, NEW_PERFORMANCE, NEW_ERROR = "new output corruption", "new performance-only", "new ERROR"
@@ -64,8 +68,7 @@ class CellChange:
 
     @property
     def label(self) -> str:
-        suite, model, topo, seed = self.cell
-        return f"{suite}/{model}/{topo}/seed{seed}"
+        return key_label(self.cell)
 
 
 @dataclass(frozen=True)
@@ -137,18 +140,12 @@ class Signoff:
         return out
 
 
-def cell_id(cell: CellResult) -> CellId:
-    return (cell.suite, cell.model, cell.topology, cell.seed)
-
-
 def load_build(dirs: Sequence[Path], side: str) -> Build:
     """The cells of one build's run folders (merged like `harness report A B`)."""
     if not dirs:
         raise ConfigError(f"--{side} needs at least one run folder")
     cells, provenance, run_id = merge(list(dirs))
-    by_id: dict[CellId, CellResult] = {}
-    for cell in cells:
-        by_id[cell_id(cell)] = cell
+    by_id = {cell_key(cell): cell for cell in cells}  # merge keeps one cell per key
     sources = [(str(s.get("run_id", "")), s.get("provenance") or {}) for s in provenance.get("sources", [])
                if isinstance(s, dict)] or [(run_id, provenance)]
     runs = tuple(sorted((rid, str(p.get("git_commit", "")), str(p.get("command", ""))) for rid, p in sources))
@@ -168,6 +165,43 @@ def same_run(candidate: Build, baseline: Build) -> str:
     return ""
 
 
+def _without_fault(key: CellId) -> CellId:
+    suite, model, topology, _, seed, workload = key
+    return (suite, model, topology, None, seed, workload)
+
+
+def counterpart(key: CellId, baseline: dict[CellId, CellResult]) -> CellId | None:
+    """The baseline cell a candidate cell is compared with: the same cell; else, the fault standing for a
+    faulty build, the same cell without a fault, or the baseline's one faulted variant of it; else None."""
+    if key in baseline:
+        return key
+    plain = _without_fault(key)
+    if plain in baseline:
+        return plain
+    variants = [k for k in baseline if _without_fault(k) == plain]
+    return variants[0] if len(variants) == 1 else None
+
+
+def _listed(keys: Sequence[CellId], limit: int = 6) -> str:
+    more = f" (+{len(keys) - limit} more)" if len(keys) > limit else ""
+    return ", ".join(key_label(k) for k in keys[:limit]) + more
+
+
+def coverage_problem(candidate: Build, baseline: Build) -> str:
+    """Why the two builds cannot be compared cell by cell ('' when every cell of each has its counterpart)."""
+    pairs = {k: counterpart(k, baseline.cells) for k in candidate.cells}
+    extra = [k for k, p in pairs.items() if p is None]
+    paired = set(pairs.values())
+    missing = [k for k in baseline.cells if k not in paired]
+    if not extra and not missing:
+        return ""
+    parts = ([f"{len(missing)} cell(s) of the baseline not run for the candidate: {_listed(missing)}"] if missing
+             else []) + ([f"{len(extra)} cell(s) of the candidate the baseline did not run: {_listed(extra)}"]
+                         if extra else [])
+    return (f"candidate and baseline do not cover the same cells: {'; '.join(parts)}; sign off runs of the same "
+            f"matrix (suites, models, topologies, seeds, workloads)")
+
+
 def _first_problem(cell: CellResult) -> str:
     for check in cell.checks:
         if check.verdict in FAILING:
@@ -179,12 +213,12 @@ def _first_skip(cell: CellResult) -> str:
     return next((f"{c.name}: {c.reason}" for c in cell.checks if c.verdict is Verdict.SKIP), "")
 
 
-def classify(old: CellResult | None, new: CellResult | None) -> tuple[str, bool, str]:
+def classify(old: CellResult | None, new: CellResult) -> tuple[str, bool, str]:
     """(change, blocking, reason) of one cell. A failing candidate cell is in the category of its failure
     class (new output corruption, new performance-only, new ERROR) unless the baseline cell failed
-    with the same class (still failing); a cell of the baseline the candidate lacks is not run."""
-    if new is None:
-        return NOT_RUN, True, "in the baseline but not run for the candidate (missing coverage)"
+    with the same class (still failing); a candidate cell its run never reached is not run."""
+    if new.not_run:
+        return NOT_RUN, True, f"not run for the candidate: {new.checks[0].reason}"
     reason = _first_problem(new) + (" (silent corruption)" if new.silent_corruption else "")
     if new.status in FAILING:
         assert new.failure_class is not None
@@ -265,9 +299,9 @@ def acceptance_row(cid: CellId, old: CellResult | None, new: CellResult) -> Acce
                          verdict=new_check.verdict.value)
 
 
-def unchecked(cid: CellId, old: CellResult | None, new: CellResult | None) -> list[Unchecked]:
+def unchecked(cid: CellId, old: CellResult | None, new: CellResult) -> list[Unchecked]:
     """Checks the candidate skipped, and checks the baseline had that the candidate lacks."""
-    if new is None:
+    if new.not_run:
         return [Unchecked(cid, "(cell)", "not run for the candidate")]
     out = [Unchecked(cid, c.name, c.reason) for c in new.checks if c.verdict is Verdict.SKIP]
     new_names = {c.name for c in new.checks}
@@ -277,23 +311,27 @@ def unchecked(cid: CellId, old: CellResult | None, new: CellResult | None) -> li
 
 
 def compare_builds(candidate: Build, baseline: Build) -> Signoff:
-    ids = list(candidate.cells) + [c for c in baseline.cells if c not in candidate.cells]
+    """Every candidate cell against its baseline counterpart; ConfigError when the two cover other cells."""
+    why = coverage_problem(candidate, baseline)
+    if why:
+        raise ConfigError(why)
     changes, deltas, gsm8k, acceptance, skipped = [], [], [], [], []
-    for cid in ids:
-        old, new = baseline.cells.get(cid), candidate.cells.get(cid)
+    for cid, new in candidate.cells.items():
+        base = counterpart(cid, baseline.cells)
+        old = baseline.cells[base] if base is not None else None
+        if old is not None and old.not_run:  # the baseline's run never reached it: no verdict to compare with
+            old = None
         change, blocking, reason = classify(old, new)
-        changes.append(CellChange(cid, old.status if old else None, new.status if new else None,
-                                  change, blocking, reason, new.failure_class if new else None,
-                                  bool(new and new.silent_corruption)))
+        changes.append(CellChange(cid, old.status if old else None, new.status, change, blocking, reason,
+                                  new.failure_class, new.silent_corruption))
         deltas += metric_deltas(cid, old, new)
         skipped += unchecked(cid, old, new)
-        if new is not None:
-            row = gsm8k_row(cid, old, new)
-            if row is not None:
-                gsm8k.append(row)
-            acc = acceptance_row(cid, old, new)
-            if acc is not None:
-                acceptance.append(acc)
+        row = gsm8k_row(cid, old, new)
+        if row is not None:
+            gsm8k.append(row)
+        acc = acceptance_row(cid, old, new)
+        if acc is not None:
+            acceptance.append(acc)
     return Signoff(candidate, baseline, tuple(changes), tuple(sort_deltas(deltas)), tuple(gsm8k),
                    tuple(acceptance), tuple(skipped))
 

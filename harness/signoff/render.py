@@ -14,11 +14,12 @@ signoff.json (SIGNOFF_SCHEMA_VERSION 1):
                  "new_performance_only": 0,                  #   only performance checks FAIL (draft acceptance)
                  "new_error": 0,                             #   ERROR (infrastructure): PASS->ERROR, FAIL->ERROR
                  "still_failing": 0,                         #   failing with the same class as in the baseline
-                 "not_run": 6},                              #   a baseline cell absent from the candidate
+                 "not_run": 6},                              #   a cell the candidate's run never reached
       "candidate": {"run_id": "...", "dirs": ["..."], "git_commit": "...", "report": "../cand/index.html"},
       "baseline": {...same keys...},
-      "cells": [{"cell": "dcp/tiny-gqa/tp4dcp4/seed0", "suite": "dcp", "model": "tiny-gqa",
-                 "topology": "tp4dcp4", "seed": 0, "baseline": "PASS" | null, "candidate": "FAIL" | null,
+      "cells": [{"cell": "dcp/tiny-gqa/tp4dcp4/lengths/seed0",    # one per candidate cell (key_label)
+                 "suite": "dcp", "model": "tiny-gqa", "topology": "tp4dcp4", "fault": null, "seed": 0,
+                 "workload": "lengths", "baseline": "PASS" | null, "candidate": "FAIL",
                  "change": "new output corruption", "blocking": true,
                  "failure_class": "output" | "performance" | "infrastructure" | null,
                  "silent_corruption": true, "reason": "..."}]
@@ -39,6 +40,7 @@ from harness import __version__
 from harness.jsonio import write_json
 from harness.report.history_strip import ERROR_COLOUR
 from harness.report.matrix import format_number
+from harness.report.merge import key_label
 from harness.report.summary import md_escape
 from harness.signoff.compare import (
     CATEGORIES,
@@ -64,8 +66,7 @@ NOISE_SENTENCE = ("Parity metrics as multiples of their measured noise floor: th
 
 
 def cell_label(cid: CellId) -> str:
-    suite, model, topo, seed = cid
-    return f"{suite}/{model}/{topo}/seed{seed}"
+    return key_label(cid)
 
 
 def num(value: float | int | None) -> str:
@@ -218,8 +219,9 @@ def signoff_document(s: Signoff, out_dir: Path = Path(".")) -> dict[str, Any]:
 
     cells = []
     for c in s.changes:
-        suite, model, topo, seed = c.cell
-        cells.append({"cell": c.label, "suite": suite, "model": model, "topology": topo, "seed": seed,
+        suite, model, topo, fault, seed, workload = c.cell
+        cells.append({"cell": c.label, "suite": suite, "model": model, "topology": topo, "fault": fault,
+                      "seed": seed, "workload": workload,
                       "baseline": c.old.value if c.old else None, "candidate": c.new.value if c.new else None,
                       "change": c.change, "blocking": c.blocking,
                       "failure_class": c.failure_class.value if c.failure_class else None,
