@@ -22,6 +22,7 @@ from harness.specs.checkpoint import load_model
 from harness.specs.engine import load_engine
 from harness.specs.topology import load_catalog
 from harness.verdict import ExitCode
+from tests.conftest import mounted_tmpfs
 from tests.report_fixtures import RESULTS_DIR
 
 NOT_UTF8 = b'{"schema_version": 1, "run_id": "\xff\xfe", "cells": []}'
@@ -133,19 +134,8 @@ def test_history_add_to_an_unwritable_path_is_one_error(tmp_path: Path, capsys: 
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A small tmpfs (needs root and mount; skipped otherwise), unmounted after the test."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)], capture_output=True,
-                          text=True)
-    if proc.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "disk", "512k") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], check=False).returncode:
-            subprocess.run(["umount", "-l", str(mnt)], check=False)  # a file still open in it: detach it
 
 
 def test_history_add_on_a_read_only_file_system_is_one_error(tmpfs: Path, capsys: pytest.CaptureFixture[str]) -> None:

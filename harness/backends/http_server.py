@@ -203,10 +203,12 @@ def _exited(server: Server, code: int, bind_line: str | None) -> None:
 def server_death(server: Server, exc: Exception, grace_s: float = DEATH_GRACE_S) -> ServerError | None:
     """The ServerError of a server that died while it was serving (a request failed with `exc`: "Connection
     refused", a dropped connection): how it ended (killed by a signal, its exit code), its root cause from the log
-    and its log tail; None when it still runs (the request's own error stands) or it is not the harness's."""
+    and its log tail; None when it still runs (the request's own error stands) or it is not the harness's. Only a
+    lost connection waits up to `grace_s` for the exit to show."""
     if server.proc is None:
         return None
-    deadline = time.monotonic() + grace_s
+    lost = isinstance(exc.__cause__, httpx.TransportError) and not isinstance(exc.__cause__, httpx.TimeoutException)
+    deadline = time.monotonic() + (grace_s if lost else 0.0)
     while (code := server.exited()) is None and time.monotonic() < deadline:
         time.sleep(0.1)
     if code is None:
