@@ -22,6 +22,7 @@ Trend marks (per cell x fault x check, runs in creation order):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -29,7 +30,7 @@ import sqlite3
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from harness.checkmetrics import key_metric, noise_multiples
 from harness.errors import ConfigError
@@ -158,21 +159,66 @@ def check_store(path: Path) -> None:
 
 
 def connect(path: Path, create: bool = True) -> sqlite3.Connection:
-    """Open (and with `create`, initialise) the store; a file that is not one is one ConfigError."""
+    """Open (and with `create`, initialise) the store; a file that is not one, a folder, or a path where no
+    database can be created is one ConfigError."""
+    if path.is_dir():
+        raise ConfigError(f"history {path} is a folder, not a history database; give the database file's path "
+                          f"(e.g. {path / 'history.db'})")
     if not create and not path.is_file():
         raise ConfigError(f"history {path} does not exist (record a run with: harness history add RUN_DIR)")
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        conn = sqlite3.connect(str(path))
-        conn.executescript(_SCHEMA)
-        conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-        version = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0]
-        conn.commit()
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"history {path}: cannot create its folder {path.parent} ({exc.strerror or exc}); "
+                          f"give a path in a folder you can write to") from None
+    read_only = not create and _read_only(path)  # shown from a read-only disk: read as it is, never written
+    try:
+        conn = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True) if read_only else sqlite3.connect(path)
+        conn.text_factory = _text  # a damaged store's bytes are read as text, never a UnicodeDecodeError
+        if not read_only:
+            conn.executescript(_SCHEMA)
+            conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            conn.commit()
+        found = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        version = found[0] if found else None
     except sqlite3.DatabaseError as exc:
-        raise ConfigError(f"history {path} cannot be opened as a harness history database ({exc})") from exc
+        raise ConfigError(_store_error(path, exc)) from exc
     if version != str(SCHEMA_VERSION):
         raise ConfigError(f"history {path} has schema_version {version}; this harness reads {SCHEMA_VERSION}")
     return conn
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", "replace")
+
+
+@contextlib.contextmanager
+def reading_store(path: Path) -> Iterator[None]:
+    """Reading the store at `path`: a damaged one (sqlite's "database disk image is malformed", found only when
+    its pages are read) is one ConfigError naming it."""
+    try:
+        yield
+    except sqlite3.DatabaseError as exc:
+        raise ConfigError(_store_error(path, exc)) from exc
+
+
+def _store_error(path: Path, exc: sqlite3.Error) -> str:
+    """Why the store at `path` cannot be opened or written, as one line."""
+    if isinstance(exc, sqlite3.OperationalError) and not path.exists():
+        return f"history {path} cannot be created ({exc}); give a path in a folder you can write to"
+    if isinstance(exc, sqlite3.OperationalError) and (_read_only(path) or "readonly" in str(exc)):
+        where = " on a read-only file system" if _read_only(path) else ""
+        return (f"history {path} cannot be written{where} ({exc}); record into a database on a writable disk "
+                f"(its earlier runs stay readable: harness history show)")
+    return f"history {path} cannot be opened as a harness history database ({exc})"
+
+
+def _read_only(path: Path) -> bool:
+    """Whether the file system holding `path` (or its folder) is mounted read-only."""
+    try:
+        return bool(os.statvfs(path if path.exists() else path.parent).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _created(run_dir: Path) -> str:
@@ -243,12 +289,15 @@ def record_runs(path: Path, run_dirs: Sequence[Path], build_label: str | None = 
         try:
             with conn:
                 out = [_insert(conn, run) for run in loaded]
+        except sqlite3.Error as exc:  # a read-only or full disk, a locked store
+            raise ConfigError(_store_error(path, exc)) from exc
         finally:
             conn.close()
     except BaseException:
         if not existed:
             for leftover in (path, path.with_name(path.name + "-journal")):
-                leftover.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # none there, or a path under a file
+                    leftover.unlink()
         raise
     return out
 
@@ -468,10 +517,11 @@ def histories_for(path: Path, cells: Sequence[CellResult], record: Path | None =
     """The report's view of the store at `path` for `cells` (recording the run folder `record` first)."""
     conn = connect(path, create=record is not None)
     try:
-        if record is not None:
-            add_run(conn, record, build_label)
-        wanted = {trend_key(c) for c in cells}
-        rows = [r for suite in sorted({c.suite for c in cells}) for r in query(conn, suite) if r.key in wanted]
+        with reading_store(path):
+            if record is not None:
+                add_run(conn, record, build_label)
+            wanted = {trend_key(c) for c in cells}
+            rows = [r for suite in sorted({c.suite for c in cells}) for r in query(conn, suite) if r.key in wanted]
     finally:
         conn.close()
     rows.sort(key=lambda r: (r.created, r.run_id))

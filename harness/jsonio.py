@@ -43,9 +43,11 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def read_json(path: Path, error: type[HarnessError] = RunError) -> Any:
-    """Parse `path`; a missing or corrupt file raises `error` naming it."""
+    """Parse `path`; a missing, corrupt or non-UTF-8 file raises `error` naming it."""
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise error(f"{path} is not a text JSON file (byte {exc.start} is not UTF-8)") from None
     except FileNotFoundError as exc:
         raise error(f"missing {path}") from exc
     except OSError as exc:

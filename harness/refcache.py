@@ -12,6 +12,10 @@ into place, so only complete entries ever sit at their name. Reading: the checks
 first; an entry whose files do not match them (or that has none), cannot be read or breaks the
 contract is launched again, never trusted, and the progress line says why.
 
+A launch that fails leaves no staging folder: its log tails are kept in the error (the cell's ERROR shows
+them) and the folder is removed; staging folders of processes that died (SIGKILL, a power cut) are removed at
+the next lookup of any process using the cache.
+
 Two processes at once: looking up and launching one key happens under an exclusive lock
 (`CACHE/locks/NAME.lock`, fcntl.flock, released by the kernel when its holder exits), so a second
 process waits for the first one's run and then reads it from the cache instead of paying for it again.
@@ -47,9 +51,33 @@ __all__ = ["CHECKSUMS_FILE", "PARTIAL_SUFFIX", "ReferenceCache", "ReferenceFaile
 
 
 class ReferenceFailed(HarnessError):
-    def __init__(self, message: str, run_dir: Path) -> None:
+    """A reference launch that failed: `run_dir` its entry (absent: a failed launch is not kept), `log_tails` the
+    failed run's log tails by log name."""
+
+    def __init__(self, message: str, run_dir: Path, log_tails: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.run_dir = run_dir
+        self.log_tails = dict(log_tails or {})
+
+
+def partial_alive(staging: Path) -> bool:
+    """Whether the process that writes the staging folder `staging` (NAME.PID.partial) still runs."""
+    try:
+        pid = int(staging.name.removesuffix(PARTIAL_SUFFIX).rsplit(".", 1)[1])
+        os.kill(pid, 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def remove_stale_partials(cache_dir: Path) -> list[Path]:
+    """Remove the staging folders whose process is gone; the ones removed."""
+    stale = [p for p in partial_dirs(cache_dir) if not partial_alive(p)]
+    for staging in stale:
+        shutil.rmtree(staging, ignore_errors=True)
+    return stale
 
 
 def partial_dirs(cache_dir: Path, pid: int | None = None) -> list[Path]:
@@ -99,6 +127,7 @@ class ReferenceCache:
         self.backend = backend
         self.timeout_s = timeout_s
         self.progress = progress
+        self._swept = False
 
     def key(self, job: Job, repeat: bool = False) -> str:
         """What identifies `job`'s artifacts: a hash of the job (minus its output folder, commit and
@@ -115,6 +144,10 @@ class ReferenceCache:
     def get(self, job: Job, name: str, label: str, repeat: bool = False) -> RunArtifacts:
         """The cached run of `job`, or launched now and cached; ReferenceFailed when it fails."""
         run_dir = self.entry(job, name, repeat)
+        if not self._swept:  # once per run: what killed processes left behind
+            self._swept = True
+            for staging in remove_stale_partials(self.cache_dir):
+                self.progress(f"  removed {staging.name}: its process is gone (a launch that never finished)")
         with self._locked(run_dir, label):
             cached = self._read(run_dir, label)
             if cached is not None:
@@ -144,13 +177,14 @@ class ReferenceCache:
         result = self.backend.run(replace(job, out_dir=str(staging)), self.timeout_s)
         model, dtype = job.model.name, job.dtype or job.model.dtype
         if not result.ok:
-            raise ReferenceFailed(f"reference run of {model} ({dtype}) failed: {result.error}", staging)
+            raise self._failed(f"reference run of {model} ({dtype}) failed: {result.error}", run_dir, staging,
+                               result.log_tails)
         run, problems = load_run(staging)
         if run is not None:
             problems = validate_artifacts(run)
         if run is None or problems:
-            raise ReferenceFailed(f"reference run of {model} ({dtype}) breaks the artifacts contract: "
-                                  f"{problems[0]}", staging)
+            raise self._failed(f"reference run of {model} ({dtype}) breaks the artifacts contract: {problems[0]}",
+                               run_dir, staging, (run.manifest.get("log_tails") or {}) if run is not None else {})
         write_checksums(staging)
         try:
             staging.rename(run_dir)  # only complete, checksummed runs ever sit at run_dir
@@ -163,6 +197,12 @@ class ReferenceCache:
             self.progress(f"  {label}: another process cached it first; using its entry")
             return winner
         return replace(run, path=run_dir)
+
+    @staticmethod
+    def _failed(message: str, run_dir: Path, staging: Path, tails: dict[str, str]) -> ReferenceFailed:
+        """The error of a failed launch, its log tails kept; its staging folder removed."""
+        shutil.rmtree(staging, ignore_errors=True)
+        return ReferenceFailed(message, run_dir, tails)
 
     def _read(self, run_dir: Path, label: str, quiet: bool = False) -> RunArtifacts | None:
         """A usable cached entry (marked as used now, for `harness cache prune`), or None after removing

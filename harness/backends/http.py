@@ -28,12 +28,14 @@ logprob answered as NaN, inf or null is kept and recorded as spelled (manifest n
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import platform
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
@@ -59,10 +61,10 @@ from harness.backends.http_send import SendSchedule
 from harness.backends.http_server import (
     Server,
     ServerError,
-    free_port,
     log_line,
     log_tail,
-    running_server,
+    server_death,
+    started_server,
     wait_ready,
 )
 from harness.backends.http_workloads import case_groups, collect_workloads
@@ -83,7 +85,14 @@ SPEC_SERVER_LOG = "server-speculative.log"
 DEFAULT_SPEC_K = 3
 VERSION_TIMEOUT_S = 60.0
 # template keys that do not change what a run produces (version_packages: how its version, which is kept, is found)
-IDENTITY_EXCLUDES: tuple[str, ...] = ("ready_timeout_s", "request_timeout_s", "version_packages", "build_argv")
+IDENTITY_EXCLUDES: tuple[str, ...] = ("ready_timeout_s", "request_timeout_s", "version_packages", "build_argv",
+                                      "requires", "install")
+FIND_CODE = ("import importlib.util, sys\n"
+             "for name in sys.argv[1:]:\n"
+             "    try:\n        found = importlib.util.find_spec(name) is not None\n"
+             "    except ImportError:\n        found = False\n"
+             "    if not found:\n        print(name)\n")
+_MISSING: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {}  # (interpreter, modules) -> the missing ones
 VERSION_CODE = ("import importlib.metadata as m, sys\n"
                 "for name in sys.argv[1:]:\n"
                 "    try:\n        print(name, m.version(name)); break\n"
@@ -166,6 +175,32 @@ def refusal(patterns: tuple[str, ...], logs: list[Path]) -> str | None:
     return None
 
 
+def missing_modules(interpreter: str, modules: Sequence[str]) -> tuple[str, ...]:
+    """The `modules` that `interpreter` cannot import (found, not imported: nothing of the engine runs here), asked
+    once per process; this harness's own interpreter is asked in process."""
+    key = (interpreter, tuple(modules))
+    if not modules:
+        return ()
+    if key not in _MISSING:
+        if Path(interpreter).resolve() == Path(sys.executable).resolve():
+            _MISSING[key] = tuple(m for m in modules if not _findable(m))
+        else:
+            try:
+                out = subprocess.run([interpreter, "-c", FIND_CODE, *modules], capture_output=True, text=True,
+                                     timeout=VERSION_TIMEOUT_S, check=True)
+                _MISSING[key] = tuple(out.stdout.split())
+            except (OSError, subprocess.SubprocessError) as exc:
+                raise ConfigError(f"cannot ask {interpreter} for the modules {', '.join(modules)}: {exc}") from exc
+    return _MISSING[key]
+
+
+def _findable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package missing, or an import hook refusing it
+        return False
+
+
 class HttpBackend(Backend):
     """An engine template driven over HTTP: `template` is a shipped name (engines/NAME.yaml) or the path of
     a template file (the registry's target for every template). `option` is the URL for templates that
@@ -182,6 +217,10 @@ class HttpBackend(Backend):
         if spec.argv and not Path(spec.interpreter()).exists():
             raise ConfigError(f"engine {spec.name!r}: its python {spec.interpreter()} does not exist; install the "
                               f"engine's environment there or point ${spec.python_env_var()} at its interpreter")
+        missing = missing_modules(spec.interpreter(), spec.requires) if spec.argv else ()
+        if missing:
+            raise ConfigError(f"engine {spec.name!r} is unavailable: its python {spec.interpreter()} cannot import "
+                              f"{', '.join(missing)}" + (f"; {spec.install}" if spec.install else ""))
         self.spec = spec
         self.name = spec.name
         self._version: str | None = None
@@ -359,27 +398,38 @@ class HttpBackend(Backend):
                ask: Any) -> tuple[float, Any, dict[str, int] | None, str]:
         """Start (or attach to) the server for `job`, wait until ready, `ask(job, client)`, stop it.
         Returns (seconds to ready, ask's answer, the KV capacity it logged, its URL)."""
+        ready_timeout = max(1.0, min(self.spec.ready_timeout_s, deadline - time.time()))
         if self.spec.url:
-            return self._ask(job, Server(base_url=self.spec.url, log_path=log_path), deadline, ask)
-        port = free_port(HOST)
-        argv, env = self.command(job, self._model_path(job, log_path.parent), port)
-        if self.spec.probe_env():  # where the server's probe writes rank<R>.json and its captures
-            folder = probe_dir(log_path)
-            shutil.rmtree(folder, ignore_errors=True)
-            env[self.spec.probe_env()] = str(folder.resolve())
-            if self.spec.probe_captures:  # the sequences and positions whose hidden states the probe keeps
-                write_probe_cases(folder, [case for cases, _ in case_groups(job, load_tokenizer(job.model))
-                                           for case in cases])
-        log_path.with_suffix(".argv.json").write_text(json.dumps(argv, indent=1) + "\n")
-        with running_server(argv, env, log_path, f"http://{HOST}:{port}") as server:
-            return self._ask(job, server, deadline, ask)
+            server = Server(base_url=self.spec.url, log_path=log_path)
+            return self._ask(job, server, wait_ready(server, self.spec.health, ready_timeout), deadline, ask)
+        model_path = self._model_path(job, log_path.parent)
 
-    def _ask(self, job: Job, server: Server, deadline: float,
+        def command(port: int) -> tuple[list[str], dict[str, str]]:
+            argv, env = self.command(job, model_path, port)
+            if self.spec.probe_env():  # where the server's probe writes rank<R>.json and its captures
+                folder = probe_dir(log_path)
+                shutil.rmtree(folder, ignore_errors=True)
+                env[self.spec.probe_env()] = str(folder.resolve())
+                if self.spec.probe_captures:  # the sequences and positions whose hidden states the probe keeps
+                    write_probe_cases(folder, [case for cases, _ in case_groups(job, load_tokenizer(job.model))
+                                               for case in cases])
+            log_path.with_suffix(".argv.json").write_text(json.dumps(argv, indent=1) + "\n")
+            return argv, env
+
+        with started_server(command, log_path, HOST, self.spec.health, ready_timeout) as (server, ready):
+            return self._ask(job, server, ready, deadline, ask)
+
+    def _ask(self, job: Job, server: Server, ready: float, deadline: float,
              ask: Any) -> tuple[float, Any, dict[str, int] | None, str]:
-        ready = wait_ready(server, self.spec.health, max(1.0, min(self.spec.ready_timeout_s, deadline - time.time())))
         timeout = httpx.Timeout(max(1.0, min(self.spec.request_timeout_s, deadline - time.time())), connect=10.0)
         with httpx.Client(base_url=server.base_url, timeout=timeout) as client:
-            answer = ask(job, client)
+            try:
+                answer = ask(job, client)
+            except RunError as exc:  # a server that died mid-run is reported as its death, with its log
+                death = server_death(server, exc)
+                if death is not None:
+                    raise death from exc
+                raise
         log_text = server.log_path.read_text(errors="replace") if server.proc is not None else ""
         return ready, answer, kv_capacity(self.spec.kv_capacity_pattern, log_text), server.base_url
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import httpx
 import torch
@@ -139,8 +140,23 @@ def post_json(client: httpx.Client) -> Post:
             raise RunError(f"POST {path}: {exc}") from exc
         if response.status_code != 200:
             raise RunError(f"POST {path}: HTTP {response.status_code}: {response.text[:500]}")
-        return response.json()
+        try:
+            return response.json()
+        except ValueError as exc:  # not JSON, or not UTF-8
+            raise RunError(f"POST {path}: HTTP 200 with a body that is not JSON: {response.text[:200]!r}") from exc
     return post
+
+
+@contextmanager
+def answer_shape(dialect: str, what: str) -> Iterator[None]:
+    """Reading a server's answer: one that lacks a field or holds a value of another type (a list where an object
+    belongs, a string for a token id, a number out of range) is the RunError of a bad answer (the cell's ERROR),
+    naming what was read, never a KeyError or TypeError from deep inside the parser."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError, RuntimeError) as exc:
+        raise RunError(f"the server's {what} are not a {dialect or 'known'} dialect's answer "
+                       f"({type(exc).__name__}: {str(exc)[:200]})") from exc
 
 
 class Dialect:
@@ -154,16 +170,19 @@ class Dialect:
 
     def score(self, sequences: Sequence[Sequence[int]], k: int, together: bool) -> list[Scored]:
         groups = [list(sequences)] if together else [[s] for s in sequences]
-        return [s for g in groups for s in self._score(g, k)]
+        with answer_shape(self.name, "scores"):
+            return [s for g in groups for s in self._score(g, k)]
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, k: int, together: bool) -> list[Generation]:
         groups = [list(prompts)] if together else [[p] for p in prompts]
-        return [g for group in groups for g in self._generate(group, n, k)]
+        with answer_shape(self.name, "generations"):
+            return [g for group in groups for g in self._generate(group, n, k)]
 
     def complete(self, prompts: Sequence[Sequence[int]], n: int, stop: Sequence[int]) -> list[list[int]]:
         """Greedy completions of all `prompts` in one request, each ending at EOS or a `stop` token id
         (kept) or after `n` tokens: the new token ids (GSM8K's generate_until over HTTP)."""
-        return [g.tokens.tolist() for g in self._generate(list(prompts), n, 1, tuple(stop))]
+        with answer_shape(self.name, "completions"):
+            return [g.tokens.tolist() for g in self._generate(list(prompts), n, 1, tuple(stop))]
 
     def _score(self, sequences: list[Sequence[int]], k: int) -> list[Scored]:
         raise NotImplementedError

@@ -1,7 +1,12 @@
 """One engine server process: started in its own process group on a free loopback port, its output
 kept in a log file, ready when its health endpoint answers (bounded), stopped with everything it
 started (on cell end, error, Ctrl-C and SIGTERM: the caller's `with` block exits). A server that logs
-that it cannot bind its address fails at once, naming the line, whether it exits or hangs."""
+that it cannot bind its address fails at once, naming the line, whether it exits or hangs.
+
+The port is picked free, then bound by the server: another process may take it in between (a busy CI box,
+two shards on one machine). `started_server` then starts the server again on another free port, up to
+BIND_ATTEMPTS launches, for every engine template: the bind failure is read from the server's own log
+(harness serve's and uvicorn's words, BIND_FAILURE)."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 
@@ -21,13 +26,16 @@ from harness.errors import RunError
 from harness.launcher import forkserver
 from harness.launcher.launch import WAIT_POLICY_VAR, Process, descendants, free_port, stop_process_tree, wait_policy
 
-__all__ = ["Server", "ServerError", "bind_failure", "clean_reason", "free_port", "log_line", "log_tail", "root_cause",
-           "running_server", "stop_server", "wait_ready"]
+__all__ = ["BIND_ATTEMPTS", "AddressTaken", "Server", "ServerError", "bind_failure", "clean_reason", "free_port",
+           "log_line", "log_tail", "root_cause", "running_server", "server_death", "started_server", "stop_server",
+           "wait_ready"]
 
 LOG_TAIL_LINES = 40
 CAUSE_CONTEXT_LINES = 30  # lines of the root cause's traceback kept as the error's context
 STOP_GRACE_S = 45.0  # a server's leader gets this long to stop its own processes before the group is killed
 POLL_S = 0.5
+DEATH_GRACE_S = 3.0  # a request that failed waits this long for the server's exit to show (a killed server)
+BIND_ATTEMPTS = 4  # launches of one server, each on a fresh free port, while its port is taken before it binds
 FIRST_POLL_S, FIRST_POLLS_FOR_S = 0.1, 5.0  # a warm harness-serve answers in about a second: look often at first
 
 
@@ -120,6 +128,10 @@ class ServerError(RunError):
         self.tail = tail
 
 
+class AddressTaken(ServerError):
+    """The server logged that it cannot bind its address (exited or not)."""
+
+
 @dataclass
 class Server:
     base_url: str
@@ -161,7 +173,7 @@ def wait_ready(server: Server, health: str, timeout_s: float) -> float:
             if code is not None:
                 _exited(server, code, line)
             if line is not None:
-                raise ServerError(f"engine server cannot bind its address: {line}", server.tail())
+                raise AddressTaken(f"engine server cannot bind its address: {line}", server.tail())
             try:
                 if client.get(health).status_code == 200:
                     return time.monotonic() - start
@@ -178,7 +190,7 @@ def _exited(server: Server, code: int, bind_line: str | None) -> None:
     first traceback's exception, the first error line) as the message, that cause's context as the tail."""
     where = f"server exited with code {code} before it was ready"
     if bind_line:
-        raise ServerError(f"engine {where}: {bind_line}", server.tail())
+        raise AddressTaken(f"engine {where}: {bind_line}", server.tail())
     try:
         cause = root_cause(server.log_path.read_text(errors="replace"))
     except OSError:
@@ -186,6 +198,29 @@ def _exited(server: Server, code: int, bind_line: str | None) -> None:
     if cause is None:
         raise ServerError(f"engine {where} (no error line in {server.log_path.name})", server.tail())
     raise ServerError(f"{cause[0]} ({where}; {server.log_path.name})", cause[1])
+
+
+def server_death(server: Server, exc: Exception, grace_s: float = DEATH_GRACE_S) -> ServerError | None:
+    """The ServerError of a server that died while it was serving (a request failed with `exc`: "Connection
+    refused", a dropped connection): how it ended (killed by a signal, its exit code), its root cause from the log
+    and its log tail; None when it still runs (the request's own error stands) or it is not the harness's. Only a
+    lost connection waits up to `grace_s` for the exit to show."""
+    if server.proc is None:
+        return None
+    lost = isinstance(exc.__cause__, httpx.TransportError) and not isinstance(exc.__cause__, httpx.TimeoutException)
+    deadline = time.monotonic() + (grace_s if lost else 0.0)
+    while (code := server.exited()) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if code is None:
+        return None
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else \
+        f"exited with code {code}"
+    try:
+        cause = root_cause(server.log_path.read_text(errors="replace"))
+    except OSError:
+        cause = None
+    said = f"; its log: {cause[0]}" if cause else ""
+    return ServerError(f"engine server died while serving ({how}{said}); the request got: {exc}", server.tail())
 
 
 def _alive(pid: int) -> bool:
@@ -252,3 +287,26 @@ def running_server(argv: list[str], env: dict[str, str], log_path: Path, base_ur
         yield Server(base_url=base_url, log_path=log_path, proc=proc)
     finally:
         stop_server(proc)
+
+
+@contextmanager
+def started_server(command: Callable[[int], tuple[list[str], dict[str, str]]], log_path: Path, host: str,
+                   health: str, timeout_s: float) -> Iterator[tuple[Server, float]]:
+    """The server `command(port)` gives (argv, extra environment), started on a free port of `host` and ready:
+    (server, seconds to ready). A port another process took between its pick and the server's bind (the server
+    logs that it cannot bind it) is picked again, up to BIND_ATTEMPTS launches within `timeout_s`; the last
+    launch's log stays in `log_path`. Any other startup failure is the ServerError of wait_ready."""
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(1, BIND_ATTEMPTS + 1):
+        port = free_port(host)
+        argv, env = command(port)
+        log_path.unlink(missing_ok=True)  # a launch's log is its own (a warm fork appends to the file)
+        with running_server(argv, env, log_path, f"http://{host}:{port}") as server:
+            try:
+                ready = wait_ready(server, health, max(1.0, deadline - time.monotonic()))
+            except AddressTaken as exc:
+                if attempt == BIND_ATTEMPTS or time.monotonic() >= deadline:
+                    raise AddressTaken(f"{exc} ({attempt} launch(es), each on another free port)", exc.tail) from None
+                continue
+            yield server, ready
+            return

@@ -12,7 +12,6 @@ CACHE/locks/ holds one empty lock file per reference key (harness/refcache.py); 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.cli.checks import positive_float
+from harness.errors import ConfigError
 from harness.fmt import human_bytes, table
 
 DAY_S = 86400.0
@@ -54,16 +54,8 @@ class Entry:
 
     def in_use(self) -> bool:
         """A partial entry whose writer is still alive."""
-        if not self.partial:
-            return False
-        try:
-            pid = int(self.path.name.rsplit(".", 2)[-2])
-            os.kill(pid, 0)
-        except (ValueError, IndexError, ProcessLookupError):
-            return False
-        except PermissionError:  # alive, someone else's
-            return True
-        return True
+        from harness.refcache import partial_alive
+        return self.partial and partial_alive(self.path)
 
 
 def _size(path: Path) -> int:
@@ -92,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
     from harness.paths import default_cache_dir
 
     cache_dir: Path = args.cache_dir or default_cache_dir()
+    if cache_dir.exists() and not cache_dir.is_dir():
+        raise ConfigError(f"--cache-dir {cache_dir} is a file, not a cache folder; give the folder the runs used "
+                          f"(--cache-dir of harness run, default $HARNESS_CACHE_DIR or ~/.cache/llm-parallel-harness)")
     found, now = entries(cache_dir), time.time()
     total = sum(e.bytes for e in found)
     if args.action == "list":

@@ -6,6 +6,8 @@ import argparse
 import math
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from harness.errors import ConfigError
@@ -66,6 +68,18 @@ def require_writable_dir(path: Path, flag: str) -> None:
                           f"give a folder you can write to") from None
 
 
+@contextmanager
+def writing_into(folder: Path, flag: str) -> Iterator[None]:
+    """Writing the output files of a command that runs nothing (report, signoff) into `folder`: an OSError (a full
+    disk, a file system turned read-only) is one ConfigError naming the folder and the reason. The files are written
+    atomically, so each one on disk is complete."""
+    try:
+        yield
+    except OSError as exc:
+        raise ConfigError(f"{flag} {folder}: cannot write its files ({exc.strerror or exc}; "
+                          f"{free_bytes(folder)} bytes free); free some space or give another {flag}") from None
+
+
 def require_no_results(folder: Path, flag: str) -> None:
     """Results are never written over: a folder that holds a results.json (an earlier run's, a merge's) is refused."""
     existing = folder / RESULTS_FILE
@@ -100,8 +114,10 @@ def require_device(device: str, world_sizes: list[int]) -> None:
 
 
 def require_launch_settings(env: dict[str, str]) -> None:
-    """HARNESS_LAUNCHER and HARNESS_THREADS_PER_PROCESS, checked before anything runs."""
+    """HARNESS_LAUNCHER, HARNESS_THREADS_PER_PROCESS and HARNESS_SHM_COLLECTIVES, checked before anything runs."""
+    from harness.engine.shm_group import SHM_ENV, enabled
     from harness.launcher.launch import LAUNCHER_ENV, THREADS_ENV, launcher_choice, threads_per_process
 
     launcher_choice("cpu", False, env.get(LAUNCHER_ENV))
     threads_per_process(1, 1, env.get(THREADS_ENV))
+    enabled(env.get(SHM_ENV))

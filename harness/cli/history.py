@@ -47,13 +47,18 @@ def _store(args: argparse.Namespace) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.history import connect, record_runs
+    from harness.history import connect, reading_store, record_runs
     path = _store(args)
     if args.history_command == "add":
         for run_id, n in record_runs(path, args.dirs, args.label):
             print(f"recorded {run_id}: {n} cell x check rows into {path}")
         return ExitCode.OK
-    return show(connect(path, create=False), args)
+    conn = connect(path, create=False)
+    try:
+        with reading_store(path):
+            return show(conn, args)
+    finally:
+        conn.close()
 
 
 def _marks(t: Any) -> list[str]:

@@ -29,14 +29,21 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-seq-len", type=positive_int, default=None, help="tokens per sequence slot (default: model's)")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     p.add_argument("--tokens", type=positive_int, default=16,
-                   help="show the DCP owner of each token of a sequence this long (its whole prompt)")
+                   help=f"show the DCP owner of each token of a sequence this long (its whole prompt; at most "
+                        f"{MAX_TOKENS})")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.set_defaults(func=run)
+
+
+MAX_TOKENS = 65536  # --tokens lists one owner per token: a longer sequence is no layout to read, only a huge line
 
 
 def plan_document(model: ModelSpec, topo_name: str, budget_gib: float | None, max_seq_len: int | None,
                   block_size: int, tokens: int = 16) -> dict[str, Any]:
     """The versioned JSON document of `harness plan` (schema in README, 'harness plan --format json')."""
+    if tokens > MAX_TOKENS:
+        raise ConfigError(f"--tokens {tokens}: at most {MAX_TOKENS} (the owner of every token is listed; the "
+                          f"placement repeats every dcp x chunk tokens, so a shorter sequence shows it)")
     topos = load_catalog().resolve(topo_name)
     if len(topos) != 1:
         raise ConfigError(f"--topo {topo_name!r} names {len(topos)} topologies; plan takes exactly one")

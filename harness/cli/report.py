@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from harness.cli.checks import require_no_results, require_writable_dir
+from harness.cli.checks import require_no_results, require_writable_dir, writing_into
 from harness.paths import REPORTS_DIR
 from harness.report import exit_code, merge, print_matrix, render_all
 
@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     if args.history is not None:
         from harness.history import histories_for
         histories = histories_for(args.history, cells)
-    paths = render_all(out, cells, provenance, run_id, histories)
+    with writing_into(out, "--out"):
+        paths = render_all(out, cells, provenance, run_id, histories)
     print(print_matrix(cells))
     print(f"report: {paths['html']}")
     return exit_code(cells)

@@ -37,16 +37,19 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from harness.cli.checks import require_writable_dir, writing_into
     from harness.signoff.compare import compare_builds, load_build, same_run
     from harness.signoff.render import header, write_signoff
 
+    out = args.out or REPORTS_DIR / ("signoff-" + time.strftime("%Y%m%d-%H%M%S"))
+    require_writable_dir(out, "--out")
     candidate, baseline = load_build(args.candidate, "candidate"), load_build(args.baseline, "baseline")
     why = same_run(candidate, baseline)
     if why:
         raise ConfigError(f"{why}: sign off a candidate against the last signed-off build's runs")
     signoff = compare_builds(candidate, baseline)
-    out = args.out or REPORTS_DIR / ("signoff-" + time.strftime("%Y%m%d-%H%M%S"))
-    paths = write_signoff(out, signoff)
+    with writing_into(out, "--out"):
+        paths = write_signoff(out, signoff)
     head = header(signoff)
     print(f"{head.title}: {head.text}")
     for c in signoff.blocking:

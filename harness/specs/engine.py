@@ -32,7 +32,7 @@ from typing import Any, Mapping
 
 from harness.errors import ConfigError
 from harness.paths import PROJECT_ROOT
-from harness.specs.loader import build, did_you_mean, load_yaml
+from harness.specs.loader import build, check_path_name, did_you_mean, load_yaml
 
 ENGINES_DIR: Path = PROJECT_ROOT / "engines"
 # the request dialects, by name: each is one client class in harness/backends/http_dialects.py (DIALECTS maps
@@ -49,7 +49,12 @@ PROBE_CAPTURES: tuple[str, ...] = ("hidden_states", "attention_outputs")
 
 
 def _placeholders(text: str, where: str) -> None:
-    for _, name, _, _ in string.Formatter().parse(text):
+    try:
+        fields = list(string.Formatter().parse(text))
+    except ValueError as exc:  # "Single '}' encountered": a brace that opens or closes no placeholder
+        raise ConfigError(f"{where}: {text!r} is not a valid template ({exc}); write a literal brace as {{{{ or }}}}, "
+                          f"placeholders as {{name}}") from None
+    for _, name, _, _ in fields:
         if name is not None and name not in PLACEHOLDERS:
             raise ConfigError(f"{where}: unknown placeholder {{{name}}}{did_you_mean(name, PLACEHOLDERS)}; "
                               f"valid: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}")
@@ -108,9 +113,14 @@ class EngineSpec:
     # the template's own build command (placeholder {python} only): its first output line is the engine's build
     # label, for a build whose version string does not change (harness run --engine-build overrides it)
     build_argv: tuple[str, ...] = ()
+    # the Python modules the engine's interpreter must import to start the server (harness serve: fastapi, uvicorn):
+    # one missing makes the engine unavailable before any cell runs, saying `install` (how to get them)
+    requires: tuple[str, ...] = ()
+    install: str = ""
 
     def __post_init__(self) -> None:
         where = f"engine {self.name!r}"
+        check_path_name(where, "name", self.name)  # names cache entries and exports
         if self.dialect not in DIALECT_NAMES:
             raise ConfigError(f"{where}: dialect={self.dialect!r} is not one of {', '.join(DIALECT_NAMES)}"
                               f"{did_you_mean(self.dialect, DIALECT_NAMES)}")
@@ -120,7 +130,7 @@ class EngineSpec:
         if bool(self.argv) == bool(self.url):
             raise ConfigError(f"{where}: give either argv (start a server) or url (attach to a running one)")
         for key in ("argv", "dcp_argv", "fault_argv", "dtypes", "version_packages", "engine_env", "engine_faults",
-                    "probe_captures", "build_argv"):
+                    "probe_captures", "build_argv", "requires"):
             object.__setattr__(self, key, _strings(where, key, getattr(self, key)))
         spec_argv = dict(self.speculator_argv)
         for kind, argv in spec_argv.items():
@@ -176,6 +186,11 @@ class EngineSpec:
         if other:
             raise ConfigError(f"{where}: build_argv may use only the {{python}} placeholder, not "
                               f"{', '.join('{' + n + '}' for n in other)}")
+        bad = [m for m in self.requires if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", m)]
+        if bad:
+            raise ConfigError(f"{where}: requires {bad[0]!r} is not a Python module name (e.g. fastapi)")
+        if not isinstance(self.install, str):
+            raise ConfigError(f"{where}: install must be a string (how to install the required modules)")
         if self.probe_captures and not self.probe_env():
             raise ConfigError(f"{where}: probe_captures needs layout_report_env or probe_dir_env (the variable that "
                               f"tells the probe where to write)")

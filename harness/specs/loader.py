@@ -63,6 +63,26 @@ def load_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
 
 
+NAME_RULE = ("a name becomes a file or folder name (run folders, cache entries): one path component, not empty, "
+             "not starting with '.', without '/', '\\' or control characters")
+
+
+def check_path_name(where: str, field: str, value: object) -> str:
+    """`value`, a name that becomes one path component (a model's, suite's, engine's or topology's name: run
+    folders, cache entries, report folders), or a ConfigError naming it and what is valid. A name with '/'
+    (org/model) is refused with the component it could be (org--model), never nested into folders."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: {field} must be a string, got {value!r}")
+    bad = (not value or value.startswith(".") or "/" in value or "\\" in value
+           or any(ord(ch) < 32 or ord(ch) == 127 for ch in value) or len(value.encode("utf-8", "replace")) > 200)
+    if bad:
+        parts = value.split("/")
+        hint = (f" (e.g. {'--'.join(parts)!r})" if len(parts) > 1 and all(p and not p.startswith(".") for p in parts)
+                else "")
+        raise ConfigError(f"{where}: {field}={value!r} is not a valid name; {NAME_RULE}, at most 200 bytes{hint}")
+    return value
+
+
 def expect_int(where: str, name: str, value: Any, minimum: int = 0) -> int:
     """Validate an integer field (bools rejected)."""
     if isinstance(value, bool) or not isinstance(value, int):

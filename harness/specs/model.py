@@ -11,7 +11,7 @@ from harness.hybrid_layout import HybridShape
 from harness.layout import AttentionShape
 from harness.mla_layout import MLAShape
 from harness.paths import MODELS_DIR
-from harness.specs.loader import build, did_you_mean, expect_int
+from harness.specs.loader import build, check_path_name, did_you_mean, expect_int
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -54,6 +54,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         where = f"model {self.name!r}"
+        check_path_name(where, "name", self.name)  # names run folders and cache entries
         for name in ("heads", "kv_heads", "head_dim", "hidden", "layers", "ffn", "vocab", "max_seq_len"):
             expect_int(where, name, getattr(self, name), minimum=1)
         for name in ("kv_lora_rank", "q_lora_rank", "qk_rope_dim", "qk_nope_dim"):

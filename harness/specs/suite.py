@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from harness.errors import ConfigError
 from harness.paths import SUITES_DIR
-from harness.specs.loader import build, did_you_mean, expect_int, load_yaml
+from harness.specs.loader import build, check_path_name, did_you_mean, expect_int, load_yaml
 from harness.specs.workload import SUITE_PROMPTS, Workload, check_workload_names, workload
 
 ENABLED_KEY = "enabled"  # every `checks:` section's switch: `checks: {SECTION: {enabled: false}}`
@@ -41,6 +41,7 @@ class Suite:
 
     def __post_init__(self) -> None:
         where = f"suite {self.name!r}"
+        check_path_name(where, "name", self.name)  # names the default report folder
         object.__setattr__(self, "workloads", check_workload_names(where, self.workloads))
         expect_int(where, "long_context", self.long_context, minimum=1)
         expect_int(where, "version", self.version, minimum=1)

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 from harness.errors import ConfigError
 from harness.layout import ROUND_ROBIN, Placement
 from harness.paths import TOPOLOGIES_DIR
-from harness.specs.loader import check_keys, did_you_mean, expect_int, load_yaml
+from harness.specs.loader import check_keys, check_path_name, did_you_mean, expect_int, load_yaml
 
 SPECULATORS: tuple[str, ...] = ("none", "draft", "mtp")
 _NAME_RE = re.compile(r"^tp(?P<tp>\d+)(?:dcp(?P<dcp>\d+)(?:i(?P<interleave>\d+)|(?P<contiguous>c))?(?P<q>q)?)?"
@@ -40,6 +40,8 @@ class Topology:
 
     def __post_init__(self) -> None:
         where = f"topology {self.name or '?'}"
+        if self.name:  # names run folders and cache entries (a grammar name is always one)
+            check_path_name(where, "name", self.name)
         expect_int(where, "tp", self.tp, minimum=1)
         expect_int(where, "dcp", self.dcp, minimum=1)
         expect_int(where, "interleave", self.interleave, minimum=1)
