@@ -21,8 +21,8 @@ from harness.errors import RunError
 from harness.launcher import forkserver
 from harness.launcher.launch import WAIT_POLICY_VAR, Process, descendants, free_port, stop_process_tree, wait_policy
 
-__all__ = ["Server", "ServerError", "bind_failure", "clean_reason", "free_port", "log_line", "log_tail", "root_cause",
-           "running_server", "stop_server", "wait_ready"]
+__all__ = ["Server", "ServerError", "bind_failure", "clean_reason", "free_port", "log_line", "log_tail", "pid_alive",
+           "root_cause", "running_server", "start_server", "stop_server", "wait_ready"]
 
 LOG_TAIL_LINES = 40
 CAUSE_CONTEXT_LINES = 30  # lines of the root cause's traceback kept as the error's context
@@ -188,7 +188,7 @@ def _exited(server: Server, code: int, bind_line: str | None) -> None:
     raise ServerError(f"{cause[0]} ({where}; {server.log_path.name})", cause[1])
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie does not)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -218,28 +218,28 @@ def stop_server(proc: Process, grace_s: float = STOP_GRACE_S) -> None:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             pass
-    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+    while any(pid_alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     stop_process_tree(proc)
     for pid in children:  # reparented ones outside the group, if any
-        if _alive(pid):
+        if pid_alive(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
 
 
-@contextmanager
-def running_server(argv: list[str], env: dict[str, str], log_path: Path, base_url: str) -> Iterator[Server]:
-    """Start `argv` in a new session (its own process group), output to `log_path`; always stopped on exit.
-    `harness ...` of this interpreter (the harness-serve engines) is forked warm from the launch
-    forkserver (harness/launcher/forkserver.py) rather than started as a fresh interpreter."""
+def start_server(argv: list[str], env: dict[str, str], log_path: Path, base_url: str, warm: bool = True) -> Server:
+    """Start `argv` in a new session (its own process group), output to `log_path`; the caller stops it
+    (stop_server). `harness ...` of this interpreter (the harness-serve engines) is forked warm from the launch
+    forkserver (harness/launcher/forkserver.py) rather than started as a fresh interpreter, unless `warm` is
+    false (a server meant to outlive this process)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **env}
     harness_args = forkserver.harness_command(argv)
     warm_env = {**full_env, WAIT_POLICY_VAR: wait_policy(full_env)}  # as a launch's: passive unless set
     proc: Process
-    if harness_args is not None and forkserver.usable(warm_env):
+    if warm and harness_args is not None and forkserver.usable(warm_env):
         proc = forkserver.start_command(harness_args, log_path, warm_env)
     else:
         with open(log_path, "wb") as log:
@@ -248,7 +248,15 @@ def running_server(argv: list[str], env: dict[str, str], log_path: Path, base_ur
                                         start_new_session=True, env=full_env)
             except OSError as exc:
                 raise ServerError(f"cannot start engine server {argv[0]}: {exc.strerror}", "") from exc
+    return Server(base_url=base_url, log_path=log_path, proc=proc)
+
+
+@contextmanager
+def running_server(argv: list[str], env: dict[str, str], log_path: Path, base_url: str) -> Iterator[Server]:
+    """start_server, always stopped on exit."""
+    server = start_server(argv, env, log_path, base_url)
+    assert server.proc is not None
     try:
-        yield Server(base_url=base_url, log_path=log_path, proc=proc)
+        yield server
     finally:
-        stop_server(proc)
+        stop_server(server.proc)
