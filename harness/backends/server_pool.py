@@ -130,6 +130,8 @@ class ServerPool:
         self._up: dict[str, PooledServer] = {}        # configuration key -> its running server
         self._kept: dict[str, dict[str, Any]] = {}    # configuration key -> a kept server's state entry
         self.served: list[PooledServer] = []           # every server this run used, in order of first use
+        self.leases: list[str] = []                    # the run folder of every lease, in order
+        self.started = 0                               # servers started (a server per run: one per lease)
 
     # -- the session ---------------------------------------------------------------------------------------
 
@@ -160,6 +162,7 @@ class ServerPool:
         """The server of `config` for one run whose server log belongs at `log_path`. `launch(log)` writes what
         the server needs beside `log` (its probe's folder) and gives its argv, environment and URL. A lease that
         ends in an exception stops the server."""
+        self.leases.append(run_folder(log_path.parent))
         if self.folder is None:
             yield from self._own(config, log_path, launch)
             return
@@ -191,6 +194,7 @@ class ServerPool:
         argv, env, url = launch(log_path)
         log_path.with_suffix(".argv.json").write_text(json.dumps(argv, indent=1) + "\n")
         server = start_server(argv, env, log_path, url)
+        self.started += 1
         assert server.proc is not None
         try:
             yield Lease(server, {"id": None, "config": config.key[:12], "argv_sha256": digest(argv), "started": True,
@@ -212,6 +216,7 @@ class ServerPool:
         argv, env, url = launch(log_path)
         log_path.with_suffix(".argv.json").write_text(json.dumps(argv, indent=1) + "\n")
         server = start_server(argv, env, log_path, url, warm=not self.keep)  # a kept server outlives this process
+        self.started += 1
         assert server.proc is not None
         (folder / PID_FILE).write_text(f"{server.proc.pid}\n")
         entry = PooledServer(id=folder.name, config=config, server=server, folder=folder, argv=argv, origin="started")
@@ -238,10 +243,6 @@ class ServerPool:
         """Each server this run used: its id, configuration, argv and its hash, URL, log, whether this run
         started it, the runs it served, and why it stopped (None: still up, kept)."""
         return [s.record() for s in self.served]
-
-    def starts(self) -> int:
-        """How many servers this run started."""
-        return sum(1 for s in self.served if s.origin == "started")
 
     # -- kept servers ---------------------------------------------------------------------------------------
 
