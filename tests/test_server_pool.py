@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,9 @@ from harness.backends.server_pool import PID_FILE, STATE_FILE, pid_alive, stop_k
 from harness.cli import main
 from harness.jsonio import read_json
 from harness.results import results_cells
-
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("server-pool")]
+from harness.runner import CellPlan, serving_order
+from harness.specs.checkpoint import load_model
+from harness.specs.topology import parse_topology_name
 
 TP = ["run", "--suite", "tp", "--model", "tiny-gqa", "--engine", "harness-serve", "--topo", "tp2,tp4",
       "--max-seq-len", "128", "--kv-budget-mib", "8", "--workload", "prompts,concurrent"]
@@ -41,12 +43,28 @@ def _served(run_dir: str) -> dict[str, Any]:
     return read_json(Path(run_dir) / "manifest.json")["server"]
 
 
+def test_serving_order_puts_the_runs_of_one_configuration_together() -> None:
+    """By model, weights (a seed reseeds a synthetic model's weights; a checkpoint's stay), tp/dcp (a -draft
+    cell beside its plain one, whose server it shares), then seed."""
+    synthetic = load_model("tiny-gqa")
+    checkpoint = replace(synthetic, name="ckpt", source="hf", path="/ckpt")
+    cells = [CellPlan(m, parse_topology_name(t), None, seed, None)
+             for m in (synthetic, checkpoint) for seed in (0, 1) for t in ("tp2", "tp4", "tp2-draft")]
+    assert [cells[i].slug for i in serving_order(cells)] == [
+        "tiny-gqa/tp2/seed0", "tiny-gqa/tp2-draft/seed0", "tiny-gqa/tp4/seed0",
+        "tiny-gqa/tp2/seed1", "tiny-gqa/tp2-draft/seed1", "tiny-gqa/tp4/seed1",
+        "ckpt/tp2/seed0", "ckpt/tp2-draft/seed0", "ckpt/tp2/seed1", "ckpt/tp2-draft/seed1",
+        "ckpt/tp4/seed0", "ckpt/tp4/seed1"]
+
+
 @pytest.fixture(scope="module")
 def pooled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("pooled")
     return _run(root / "out", root / "cache", "--seed", "0", "--seed", "1")
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("server-pool")
 def test_one_server_per_configuration_serves_every_run_of_it(pooled: dict[str, Any]) -> None:
     """tp2 and tp4 at seeds 0 and 1 of a synthetic model (a seed reseeds its weights: another model): tp1, tp2
     and tp4 per seed, 6 servers for 4 cells, their 4 references and 4 noise twins (12 runs); each stopped."""
@@ -69,6 +87,8 @@ def test_one_server_per_configuration_serves_every_run_of_it(pooled: dict[str, A
     assert _served(reference)["started"] is True and _served(twin)["started"] is False
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("server-pool")
 def test_verdicts_equal_those_of_a_server_per_run(pooled: dict[str, Any], tmp_path: Path) -> None:
     """Server reuse never changes a verdict: the same matrix with a fresh server for every run (its own cache,
     so its references are launched too) gives every check the same verdict."""
@@ -77,6 +97,8 @@ def test_verdicts_equal_those_of_a_server_per_run(pooled: dict[str, Any], tmp_pa
     assert all(_served(c["run_dir"])["started"] for c in fresh["cells"])
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("server-pool")
 def test_kept_servers_are_reused_by_the_next_run_and_stopped_by_a_run_without_the_flag(
         pooled: dict[str, Any], tmp_path: Path) -> None:
     cache = tmp_path / "cache"
@@ -112,6 +134,8 @@ def _kill_first_tp2_server(servers: Path, done: threading.Event) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("server-pool")
 def test_a_server_that_dies_under_a_cell_is_an_error_and_the_next_run_gets_a_fresh_one(tmp_path: Path) -> None:
     """tp2 and tp2-draft of the spec suite share the plain tp2 server. Killed under the tp2 cell, that cell is
     an ERROR with the server's log; tp2-draft's plain run starts a fresh tp2 server and PASSes."""
