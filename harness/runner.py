@@ -450,28 +450,31 @@ class Runner:
         """Every cell of the plan, run in serving order (serving_order: the runs of one engine configuration
         adjacent, so each HTTP engine server serves them all and is stopped once no later cell needs it); the
         results in plan order."""
+        with self.servers.session():
+            return self._run()
+
+    def _run(self) -> list[CellResult]:
         cells = self.planned()
         order = serving_order(cells)
         results = self.finished = []
         at: list[int] = []  # each result's cell's index in the plan
-        with self.servers.session():
-            for n, i in enumerate(order, 1):
-                cell = cells[i]
-                self.servers.retain(self._server_needs([cells[j] for j in order[n - 1:]]))
-                self.progress(f"[{n}/{len(cells)}] {cell.slug} ...")
-                try:
-                    got = self.run_cell(cell)
-                except Exception as exc:  # one broken cell (a harness bug included) never loses the others' results
-                    if not isinstance(exc, HarnessError):
-                        exc = RunError(f"internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-                    got = CellResult(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
-                                     fault=self._fault(cell), seed=cell.seed, command=self.command(cell),
-                                     engine=self.backend.name, reference_engine=self.ref_backend.name,
-                                     engine_env=engine_env(self.backend), engine_build=engine_build(self.backend),
-                                     checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False)
-                for result in (got if isinstance(got, list) else self.per_workload(cell, got)):
-                    self._record(n, len(cells), cell, result, results)
-                    at.append(i)
+        for i, index in enumerate(order, 1):
+            cell = cells[index]
+            self.servers.retain(self._server_needs([cells[j] for j in order[i - 1:]]))
+            self.progress(f"[{i}/{len(cells)}] {cell.slug} ...")
+            try:
+                got = self.run_cell(cell)
+            except Exception as exc:  # one broken cell (a harness bug included) never loses the others' results
+                if not isinstance(exc, HarnessError):
+                    exc = RunError(f"internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+                got = CellResult(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
+                                 fault=self._fault(cell), seed=cell.seed, command=self.command(cell),
+                                 engine=self.backend.name, reference_engine=self.ref_backend.name,
+                                 engine_env=engine_env(self.backend), engine_build=engine_build(self.backend),
+                                 checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False)
+            for result in (got if isinstance(got, list) else self.per_workload(cell, got)):
+                self._record(i, len(cells), cell, result, results)
+                at.append(index)
         return [r for _, r in sorted(zip(at, results), key=lambda pair: pair[0])]
 
     def _record(self, i: int, n: int, cell: CellPlan, result: CellResult, results: list[CellResult]) -> None:
