@@ -31,7 +31,7 @@ TP = ["run", "--suite", "tp", "--model", "tiny-gqa", "--engine", "harness-serve"
 def _run(out: Path, cache: Path, *extra: str) -> dict[str, Any]:
     code = main([*TP, "--out", str(out), "--cache-dir", str(cache), *extra])
     provenance = read_json(out / "results.json")["provenance"]
-    return {"exit": code, "cells": results_cells(out), "servers": provenance.get("servers", [])}
+    return {"exit": code, "cells": results_cells(out), "servers": provenance.get("servers", []), "out": out}
 
 
 def _verdicts(run: dict[str, Any]) -> dict[tuple[str, int, str], dict[str, str]]:
@@ -67,12 +67,14 @@ def pooled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.xdist_group("server-pool")
 def test_one_server_per_configuration_serves_every_run_of_it(pooled: dict[str, Any]) -> None:
     """tp2 and tp4 at seeds 0 and 1 of a synthetic model (a seed reseeds its weights: another model): tp1, tp2
-    and tp4 per seed, 6 servers for 4 cells, their 4 references and 4 noise twins (12 runs); each stopped."""
+    and tp4 per seed, 6 servers for 4 cells, 2 references and 2 noise twins (8 runs); each stopped. The report's
+    provenance counts them."""
     assert pooled["exit"] == 0 and {c["status"] for c in pooled["cells"]} == {"PASS"}
     servers = pooled["servers"]
     assert len(servers) == 6 and all(s["origin"] == "started" and s["stopped"] for s in servers)
     assert sorted(len(s["runs"]) for s in servers) == [1, 1, 1, 1, 2, 2]  # tp1's: the reference and its twin
     assert not any(pid_alive(s["pid"]) for s in servers)
+    assert "6 started, 0 kept from an earlier run, for 8 runs" in (pooled["out"] / "index.html").read_text()
     by_id = {s["id"]: s for s in servers}
     for cell in pooled["cells"]:  # each run names the server that served it, and that server lists the run
         for run_dir in (cell["run_dir"], cell["reference_dir"]):
