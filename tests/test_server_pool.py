@@ -119,9 +119,10 @@ def test_kept_servers_are_reused_by_the_next_run_and_stopped_by_a_run_without_th
         assert all(s["stopped"] and not pid_alive(s["pid"]) for s in third["servers"])
         left = read_json(state)  # the tp1 server, which the third run did not use, is still listed and up
         assert len(left) == 1 and pid_alive(left[0]["pid"])
+        assert main(["cache", "--cache-dir", str(cache), "servers", "--stop"]) == 0
+        assert not state.exists() and not pid_alive(left[0]["pid"])
     finally:
         stop_kept(state)
-    assert not state.exists()
 
 
 def _kill_first_tp2_server(servers: Path, done: threading.Event) -> None:

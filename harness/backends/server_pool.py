@@ -341,6 +341,12 @@ def _locked(state_file: Path) -> Iterator[None]:
         yield
 
 
+def kept(state_file: Path) -> list[dict[str, Any]]:
+    """The kept servers the state file lists (id, pid, url, folder, argv, config_key)."""
+    with _locked(state_file):
+        return _read_state(state_file)
+
+
 def stop_kept(state_file: Path) -> list[str]:
     """Stop every server the state file lists (SIGTERM to its group, as stop_server); their ids."""
     with _locked(state_file):
@@ -354,5 +360,5 @@ def stop_kept(state_file: Path) -> list[str]:
     return stopped
 
 
-__all__ = ["AdoptedProcess", "Lease", "PooledServer", "ServerConfig", "ServerPool", "current", "digest",
+__all__ = ["AdoptedProcess", "Lease", "PooledServer", "ServerConfig", "ServerPool", "current", "digest", "kept",
            "server_need", "stop_kept"]
