@@ -21,6 +21,7 @@ from harness.backends.base import backend_record
 from harness.backends.build import LabelledBackend, with_build
 from harness.backends.embedded import EmbeddedBackend
 from harness.backends.registry import DEFAULT_ENGINE, get_backend
+from harness.backends.server_pool import STATE_FILE, ServerPool, server_need
 from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks
 from harness.checks.settings import CheckSettings
@@ -100,6 +101,8 @@ class RunRequest:
         return self.reference_engine or self.engine
     shard: Shard | None = None  # run only this share of the cells (harness/shard.py)
     nodes: Nodes | None = None  # this machine's place in a multi-node run (harness/launcher/nodes.py)
+    keep_servers: bool = False  # leave HTTP engines' servers up for later runs (harness/backends/server_pool.py)
+    server_per_run: bool = False  # a fresh HTTP engine server for every run (no server serves two runs)
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,10 @@ class Runner:
                                       req.engine_build if req.ref_engine == req.engine else None)
         self.cache = ReferenceCache(req.cache_dir, self.ref_backend, req.timeout_s, progress)
         self.finished: list[CellResult] = []  # the cells done so far (what an interrupted run reports)
+        # HTTP engines' servers: one per engine configuration for the whole run (kept: in the cache folder)
+        kept = req.cache_dir / "servers"
+        folder = None if req.server_per_run else kept if req.keep_servers else req.out_dir / "servers"
+        self.servers = ServerPool(folder, keep=req.keep_servers, state_file=kept / STATE_FILE)
 
     def job(self, model: ModelSpec, topo: Topology, fault: str | None, seed: int, out_dir: Path,
             dtype: str | None = None) -> Job:
@@ -238,7 +245,7 @@ class Runner:
         is launched once: later cells get the same ReferenceFailed. A failed twin leaves the tolerance floors in charge.
         A fault in code the reference runs too (Fault.shared) is injected into the reference as well."""
         topo, shared = self._reference_of(speculator, fault)
-        key = (model.name, seed, speculator + (f"+{shared}" if shared else ""))
+        key = self._reference_key(model, seed, speculator, fault)
         if key in self._failed_refs:
             raise self._failed_refs[key]
         if key not in self._refs:
@@ -249,6 +256,24 @@ class Runner:
                 raise
             self._refs[key] = (ref, self._noise_run(model, seed, self.reference_topology))
         return self._refs[key]
+
+    def _reference_key(self, model: ModelSpec, seed: int, speculator: str, fault: str | None) -> tuple[str, int, str]:
+        shared = self._reference_of(speculator, fault)[1]
+        return model.name, seed, speculator + (f"+{shared}" if shared else "")
+
+    def _server_needs(self, cells: Sequence[CellPlan]) -> set[str]:
+        """What the servers of `cells`' runs are (server_pool.server_need): each cell's own, and its reference's
+        and noise run's while they are not resolved yet."""
+        needs = set()
+        for cell in cells:
+            if cell.skip_reason:
+                continue
+            model = seeded(cell.model, cell.seed)
+            needs.add(server_need(model, model.dtype, cell.topology))
+            key = self._reference_key(cell.model, cell.seed, cell.topology.speculator, cell.fault)
+            if key not in self._refs and key not in self._failed_refs:
+                needs.add(server_need(model, model.dtype, self.reference_topology))
+        return needs
 
     def _reference_of(self, speculator: str, fault: str | None) -> tuple[Topology, str | None]:
         """The reference topology of a cell with `speculator` and `fault`, and the fault the reference
@@ -442,9 +467,20 @@ class Runner:
         return ExitCode.OK if not failed else ExitCode.ERROR
 
     def run(self) -> list[CellResult]:
+        """Every cell of the plan, run in serving order (serving_order: the runs of one engine configuration
+        adjacent, so each HTTP engine server serves them all and is stopped once no later cell needs it); the
+        results in plan order."""
+        with self.servers.session():
+            return self._run()
+
+    def _run(self) -> list[CellResult]:
         cells = self.planned()
+        order = serving_order(cells)
         results = self.finished = []
-        for i, cell in enumerate(cells, 1):
+        at: list[int] = []  # each result's cell's index in the plan
+        for i, index in enumerate(order, 1):
+            cell = cells[index]
+            self.servers.retain(self._server_needs([cells[j] for j in order[i - 1:]]))
             self.progress(f"[{i}/{len(cells)}] {cell.slug} ...")
             try:
                 got = self.run_cell(cell)
@@ -455,7 +491,8 @@ class Runner:
                                  clean_exit=False)
             for result in (got if isinstance(got, list) else self.per_workload(cell, got)):
                 self._record(i, len(cells), cell, result, results)
-        return results
+                at.append(index)
+        return [r for _, r in sorted(zip(at, results), key=lambda pair: pair[0])]
 
     def _record(self, i: int, n: int, cell: CellPlan, result: CellResult, results: list[CellResult]) -> None:
         """Report one cell's result (a line of progress) and keep it; a full disk stops the run."""
@@ -491,7 +528,22 @@ class Runner:
                 **({"engine_build": self.backend.engine_build()} if self.backend.engine_build() else {}),
                 "backends": {"parallel": backend_record(self.backend), "reference": backend_record(self.ref_backend)},
                 **({"shard": str(self.req.shard)} if self.req.shard else {}),
+                **({"servers": self.servers.records()} if self.servers.served else {}),
                 **({"nnodes": self.req.nodes.nnodes} if self.req.nodes else {})}
+
+
+def serving_order(cells: Sequence[CellPlan]) -> list[int]:
+    """The plan's cell indexes in the order they run: by model, then by weights (a seed that reseeds synthetic
+    weights is another model, `seeded`), by the topology's tp and dcp (a -draft cell beside the plain one), then
+    by seed; otherwise in plan order. The runs needing one engine configuration are then adjacent."""
+    first: dict[Any, int] = {}
+
+    def rank(value: Any) -> int:
+        return first.setdefault(value, len(first))
+
+    keys = [(rank(c.model.name), c.seed if c.model.source == "synthetic" else 0,
+             rank((c.topology.tp, c.topology.dcp)), c.seed, i) for i, c in enumerate(cells)]
+    return [k[-1] for k in sorted(keys)]
 
 
 def format_tails(tails: dict[str, str]) -> str:

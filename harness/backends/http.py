@@ -50,6 +50,7 @@ from harness import __version__
 from harness import contract as c
 from harness.arch.model import model_of
 from harness.artifacts import write_run
+from harness.backends import server_pool
 from harness.backends.base import stamp_manifest
 from harness.backends.build import check_label
 from harness.backends.embedded import weights_key
@@ -64,10 +65,10 @@ from harness.backends.http_server import (
     log_line,
     log_tail,
     server_death,
-    started_server,
     wait_ready,
 )
 from harness.backends.http_workloads import case_groups, collect_workloads
+from harness.backends.server_pool import probe_folder as probe_dir
 from harness.contract import Backend, Capabilities, Job, LaunchResult
 from harness.engine.faults import FAULTS
 from harness.engine.tokenizer import load_tokenizer
@@ -373,15 +374,16 @@ class HttpBackend(Backend):
                         fault=None if fault is not None and fault.needs_speculator else job.fault)
         logs = [run_dir / SERVER_LOG] + ([run_dir / SPEC_SERVER_LOG] if speculative else [])
         try:
-            ready, collected, kv, base_url = self._serve(plain, logs[0], deadline, self._collect_all)
+            ready, collected, kv, served = self._serve(plain, logs[0], deadline, self._collect_all)
             probed = bool(self.spec.probe_env()) and not self.spec.url
             reported = (probe_layout(probe_dir(logs[0]), job.topology.tp) if probed and self.spec.layout_report_env
                         else None)
             if probed and self.spec.probe_captures:
                 collected.tensors.update(read_captures(probe_dir(logs[0]), job.topology.tp, collected.cases))
-            counters = kv_spec = None
+            counters = kv_spec = served_spec = None
             if speculative:
-                _, (tokens, counters), kv_spec, _ = self._serve(job, logs[1], deadline, self._collect_speculative)
+                _, (tokens, counters), kv_spec, served_spec = self._serve(job, logs[1], deadline,
+                                                                          self._collect_speculative)
                 collected.tensors.update({c.tensor_key(c.SPEC_TOKENS, case.index): t
                                           for case, t in zip(collected.cases, tokens)})
         except (RunError, ConfigError) as exc:
@@ -390,34 +392,54 @@ class HttpBackend(Backend):
             refused = f"engine {self.name} refused {job.topology.name}: {line}" if line else ""
             return self._failed(job, str(exc), tail, time.time() - start, refused)
         self._write(job, collected, {"plain": kv, "speculative": kv_spec}, counters,
-                    {"url": base_url, "ready_s": ready, "template": self.name}, start, reported)
+                    {**served, "ready_s": ready, "template": self.name,
+                     **({"speculative": served_spec} if served_spec else {})}, start, reported)
         stamp_manifest(run_dir, self)
         return LaunchResult(True, 0, time.time() - start, "", {"server": log_tail(logs[-1])})
 
     def _serve(self, job: Job, log_path: Path, deadline: float,
-               ask: Any) -> tuple[float, Any, dict[str, int] | None, str]:
-        """Start (or attach to) the server for `job`, wait until ready, `ask(job, client)`, stop it.
-        Returns (seconds to ready, ask's answer, the KV capacity it logged, its URL)."""
+               ask: Any) -> tuple[float, Any, dict[str, int] | None, dict[str, Any]]:
+        """Lease the server of `job`'s configuration (harness/backends/server_pool.py: started, or reused from an
+        earlier run of this harness run), or attach to the template's URL; wait until ready, `ask(job, client)`.
+        Returns (seconds to ready, ask's answer, the KV capacity it logged, its record: URL, server id, argv hash,
+        started or reused)."""
         ready_timeout = max(1.0, min(self.spec.ready_timeout_s, deadline - time.time()))
         if self.spec.url:
             server = Server(base_url=self.spec.url, log_path=log_path)
-            return self._ask(job, server, wait_ready(server, self.spec.health, ready_timeout), deadline, ask)
-        model_path = self._model_path(job, log_path.parent)
+            ready, answer, kv, url = self._ask(job, server, wait_ready(server, self.spec.health, ready_timeout),
+                                              deadline, ask)
+            return ready, answer, kv, {"url": url}
+        cases = ([case for cases, _ in case_groups(job, load_tokenizer(job.model)) for case in cases]
+                 if self.spec.probe_env() and self.spec.probe_captures else None)
+        config = self._server_config(job, cases)
 
-        def command(port: int) -> tuple[list[str], dict[str, str]]:
-            argv, env = self.command(job, model_path, port)
+        def launch(server_log: Path, port: int) -> tuple[list[str], dict[str, str]]:
+            argv, env = self.command(job, self._model_path(job, server_log.parent), port)
             if self.spec.probe_env():  # where the server's probe writes rank<R>.json and its captures
-                folder = probe_dir(log_path)
+                folder = probe_dir(server_log)
                 shutil.rmtree(folder, ignore_errors=True)
                 env[self.spec.probe_env()] = str(folder.resolve())
-                if self.spec.probe_captures:  # the sequences and positions whose hidden states the probe keeps
-                    write_probe_cases(folder, [case for cases, _ in case_groups(job, load_tokenizer(job.model))
-                                               for case in cases])
-            log_path.with_suffix(".argv.json").write_text(json.dumps(argv, indent=1) + "\n")
+                if cases is not None:  # the sequences and positions whose hidden states the probe keeps
+                    write_probe_cases(folder, cases)
             return argv, env
 
-        with started_server(command, log_path, HOST, self.spec.health, ready_timeout) as (server, ready):
-            return self._ask(job, server, ready, deadline, ask)
+        with server_pool.current().lease(config, log_path, launch, ready_timeout) as lease:
+            ready = lease.ready_s or wait_ready(lease.server, self.spec.health, ready_timeout)
+            ready, answer, kv, url = self._ask(job, lease.server, ready, deadline, ask)
+            return ready, answer, kv, {"url": url, **lease.record}
+
+    def _server_config(self, job: Job, cases: list[Any] | None) -> server_pool.ServerConfig:
+        """The engine configuration `job` runs on: its server's argv and environment without the port and the
+        model's path (the model is keyed by its spec and weights), the engine's own variables, the interpreter,
+        and the cases its probe captures."""
+        argv, env = self.command(job, "{model}", 0)
+        captured = None if cases is None else [(c.index, list(c.sequence_ids), list(c.probe_positions)) for c in cases]
+        key = server_pool.digest({"argv": argv, "env": env, "engine_env": self.engine_env(),
+                                  "python": self.spec.interpreter(), "weights": weights_key(job.model),
+                                  "captures": captured})
+        dtype = job.dtype or job.model.dtype
+        return server_pool.ServerConfig(key=key, need=server_pool.server_need(job.model, dtype, job.topology),
+                                        health=self.spec.health)
 
     def _ask(self, job: Job, server: Server, ready: float, deadline: float,
              ask: Any) -> tuple[float, Any, dict[str, int] | None, str]:
@@ -525,11 +547,6 @@ def request_schedule(job: Job) -> SendSchedule | None:
     if job.request_schedule is None or job.schedule != c.SCHEDULE_BATCHED:
         return None
     return job.request_schedule
-
-
-def probe_dir(log_path: Path) -> Path:
-    """The folder a server's layout probe writes to: beside its log (server.log -> server.layout/)."""
-    return log_path.with_suffix(".layout")
 
 
 def spec_counters(client: httpx.Client) -> dict[str, float] | None:

@@ -27,8 +27,8 @@ from harness.launcher import forkserver
 from harness.launcher.launch import WAIT_POLICY_VAR, Process, descendants, free_port, stop_process_tree, wait_policy
 
 __all__ = ["BIND_ATTEMPTS", "AddressTaken", "Server", "ServerError", "bind_failure", "clean_reason", "free_port",
-           "log_line", "log_tail", "root_cause", "running_server", "server_death", "started_server", "stop_server",
-           "wait_ready"]
+           "launch_ready", "log_line", "log_tail", "pid_alive", "root_cause", "running_server", "server_death",
+           "start_server", "stop_server", "wait_ready"]
 
 LOG_TAIL_LINES = 40
 CAUSE_CONTEXT_LINES = 30  # lines of the root cause's traceback kept as the error's context
@@ -223,7 +223,7 @@ def server_death(server: Server, exc: Exception, grace_s: float = DEATH_GRACE_S)
     return ServerError(f"engine server died while serving ({how}{said}); the request got: {exc}", server.tail())
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie does not)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -253,28 +253,28 @@ def stop_server(proc: Process, grace_s: float = STOP_GRACE_S) -> None:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             pass
-    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+    while any(pid_alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     stop_process_tree(proc)
     for pid in children:  # reparented ones outside the group, if any
-        if _alive(pid):
+        if pid_alive(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
 
 
-@contextmanager
-def running_server(argv: list[str], env: dict[str, str], log_path: Path, base_url: str) -> Iterator[Server]:
-    """Start `argv` in a new session (its own process group), output to `log_path`; always stopped on exit.
-    `harness ...` of this interpreter (the harness-serve engines) is forked warm from the launch
-    forkserver (harness/launcher/forkserver.py) rather than started as a fresh interpreter."""
+def start_server(argv: list[str], env: dict[str, str], log_path: Path, base_url: str, warm: bool = True) -> Server:
+    """Start `argv` in a new session (its own process group), output to `log_path`; the caller stops it
+    (stop_server). `harness ...` of this interpreter (the harness-serve engines) is forked warm from the launch
+    forkserver (harness/launcher/forkserver.py) rather than started as a fresh interpreter, unless `warm` is
+    false (a server meant to outlive this process)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **env}
     harness_args = forkserver.harness_command(argv)
     warm_env = {**full_env, WAIT_POLICY_VAR: wait_policy(full_env)}  # as a launch's: passive unless set
     proc: Process
-    if harness_args is not None and forkserver.usable(warm_env):
+    if warm and harness_args is not None and forkserver.usable(warm_env):
         proc = forkserver.start_command(harness_args, log_path, warm_env)
     else:
         with open(log_path, "wb") as log:
@@ -283,30 +283,41 @@ def running_server(argv: list[str], env: dict[str, str], log_path: Path, base_ur
                                         start_new_session=True, env=full_env)
             except OSError as exc:
                 raise ServerError(f"cannot start engine server {argv[0]}: {exc.strerror}", "") from exc
-    try:
-        yield Server(base_url=base_url, log_path=log_path, proc=proc)
-    finally:
-        stop_server(proc)
+    return Server(base_url=base_url, log_path=log_path, proc=proc)
 
 
 @contextmanager
-def started_server(command: Callable[[int], tuple[list[str], dict[str, str]]], log_path: Path, host: str,
-                   health: str, timeout_s: float) -> Iterator[tuple[Server, float]]:
+def running_server(argv: list[str], env: dict[str, str], log_path: Path, base_url: str) -> Iterator[Server]:
+    """start_server, always stopped on exit."""
+    server = start_server(argv, env, log_path, base_url)
+    assert server.proc is not None
+    try:
+        yield server
+    finally:
+        stop_server(server.proc)
+
+
+def launch_ready(command: Callable[[int], tuple[list[str], dict[str, str]]], log_path: Path, host: str,
+                 health: str, timeout_s: float, warm: bool = True) -> tuple[Server, float, list[str]]:
     """The server `command(port)` gives (argv, extra environment), started on a free port of `host` and ready:
-    (server, seconds to ready). A port another process took between its pick and the server's bind (the server
-    logs that it cannot bind it) is picked again, up to BIND_ATTEMPTS launches within `timeout_s`; the last
-    launch's log stays in `log_path`. Any other startup failure is the ServerError of wait_ready."""
+    (server, seconds to ready, its argv); the caller stops it (stop_server). A port another process took between
+    its pick and the server's bind (the server logs that it cannot bind it) is picked again, up to BIND_ATTEMPTS
+    launches within `timeout_s`; the last launch's log stays in `log_path`. Any other startup failure is the
+    ServerError of wait_ready, the server stopped."""
     deadline = time.monotonic() + timeout_s
     for attempt in range(1, BIND_ATTEMPTS + 1):
         port = free_port(host)
         argv, env = command(port)
         log_path.unlink(missing_ok=True)  # a launch's log is its own (a warm fork appends to the file)
-        with running_server(argv, env, log_path, f"http://{host}:{port}") as server:
-            try:
-                ready = wait_ready(server, health, max(1.0, deadline - time.monotonic()))
-            except AddressTaken as exc:
-                if attempt == BIND_ATTEMPTS or time.monotonic() >= deadline:
-                    raise AddressTaken(f"{exc} ({attempt} launch(es), each on another free port)", exc.tail) from None
-                continue
-            yield server, ready
-            return
+        server = start_server(argv, env, log_path, f"http://{host}:{port}", warm)
+        assert server.proc is not None
+        try:
+            return server, wait_ready(server, health, max(1.0, deadline - time.monotonic())), argv
+        except AddressTaken as exc:
+            stop_server(server.proc)
+            if attempt == BIND_ATTEMPTS or time.monotonic() >= deadline:
+                raise AddressTaken(f"{exc} ({attempt} launch(es), each on another free port)", exc.tail) from None
+        except BaseException:
+            stop_server(server.proc)
+            raise
+    raise AssertionError("unreachable: the last attempt returns or raises")

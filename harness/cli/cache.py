@@ -1,4 +1,4 @@
-"""`harness cache list|size|prune`: the reference-run cache (default $HARNESS_CACHE_DIR, else the
+"""`harness cache list|size|prune|servers`: the reference-run cache (default $HARNESS_CACHE_DIR, else the
 user's own $XDG_CACHE_HOME/llm-parallel-harness or ~/.cache/llm-parallel-harness, mode 0700), so it does not
 grow forever on a nightly box.
 
@@ -7,6 +7,8 @@ tokenizer and float32 weights) or one model exported for an HTTP engine under CA
 the time since it was last written or reused (a run that takes an entry from the cache marks it used).
 Entries still being written (`*.<pid>.partial`) belong to the live process <pid> and are never pruned while it runs.
 CACHE/locks/ holds one empty lock file per reference key (harness/refcache.py); they are not entries.
+CACHE/servers/ holds the engine servers `harness run --keep-servers` left up (servers.json, and each one's folder
+with its log): `harness cache servers` lists them, `--stop` stops them all; prune leaves them alone.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def add_parser(sub: Any) -> None:
     prune.add_argument("--older-than", type=positive_float, required=True, metavar="DAYS",
                        help="delete entries last used more than DAYS days ago (fractions allowed)")
     prune.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
+    servers = actions.add_parser("servers", help="the engine servers harness run --keep-servers left up")
+    servers.add_argument("--stop", action="store_true", help="stop every one of them")
     p.set_defaults(func=run)
 
 
@@ -87,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     if cache_dir.exists() and not cache_dir.is_dir():
         raise ConfigError(f"--cache-dir {cache_dir} is a file, not a cache folder; give the folder the runs used "
                           f"(--cache-dir of harness run, default $HARNESS_CACHE_DIR or ~/.cache/llm-parallel-harness)")
+    if args.action == "servers":
+        return kept_servers(cache_dir, args.stop)
     found, now = entries(cache_dir), time.time()
     total = sum(e.bytes for e in found)
     if args.action == "list":
@@ -107,4 +113,19 @@ def run(args: argparse.Namespace) -> int:
         freed = sum(e.bytes for e in old)
         print(f"{'would free' if args.dry_run else 'freed'} {human_bytes(freed)} in {len(old)} "
               f"entr{'y' if len(old) == 1 else 'ies'}; {len(found) - len(old)} kept")
+    return 0
+
+
+def kept_servers(cache_dir: Path, stop: bool) -> int:
+    """List the kept engine servers (id, pid, URL, whether it still runs), or stop them all."""
+    from harness.backends.server_pool import STATE_FILE, kept, pid_alive, stop_kept
+
+    state = cache_dir / "servers" / STATE_FILE
+    if stop:
+        stopped = stop_kept(state)
+        print(f"stopped {len(stopped)} kept engine server(s){': ' + ', '.join(stopped) if stopped else ''}")
+        return 0
+    rows = [[str(e["id"]), str(e["pid"]), str(e["url"]), "up" if pid_alive(int(e["pid"])) else "gone"]
+            for e in kept(state)]
+    print(table(["server", "pid", "url", "state"], rows) if rows else f"no kept engine servers in {cache_dir}")
     return 0

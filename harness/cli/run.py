@@ -88,6 +88,14 @@ def add_parser(sub: Any) -> None:
                    "(0 runs references, compares and writes the report)")
     p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                    help="node 0's rendezvous address; the k-th cell uses PORT+k")
+    servers = p.add_mutually_exclusive_group()
+    servers.add_argument("--keep-servers", action="store_true",
+                         help="HTTP engines: leave the engine servers up when the run ends (listed in "
+                         "CACHE/servers/servers.json); a later run reuses the live ones of its configurations, and a "
+                         "run without this flag stops those it used")
+    servers.add_argument("--server-per-run", action="store_true",
+                         help="HTTP engines: start a fresh server for every run instead of one per engine "
+                         "configuration for the whole matrix")
     p.set_defaults(func=run)
 
 
@@ -179,7 +187,8 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
         collective_timeout_s=args.collective_timeout, gsm8k=gsm8k, gsm8k_data=gsm8k_data,
         baselines_dir=args.baselines_dir, shard=parse_shard(args.shard) if args.shard else None,
         engine_build=check_label(args.engine_build) if args.engine_build is not None else None,
-        nodes=nodes, pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)), workloads=workloads)
+        nodes=nodes, pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)), workloads=workloads,
+        keep_servers=args.keep_servers, server_per_run=args.server_per_run)
 
 
 def selected_workloads(suite: Suite, given: list[str] | None) -> tuple[str, ...]:

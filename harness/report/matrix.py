@@ -334,7 +334,19 @@ PROVENANCE_KEYS: tuple[str, ...] = ("harness_version", "git_commit", "torch_vers
 def provenance_items(provenance: dict[str, Any]) -> list[tuple[str, str]]:
     """The provenance shown on every report, as (key, text) pairs; lists joined with commas; then the engines."""
     return [(key, ", ".join(map(str, v)) if isinstance(v := provenance[key], (list, tuple)) else str(v))
-            for key in PROVENANCE_KEYS if key in provenance] + engine_items(provenance)
+            for key in PROVENANCE_KEYS if key in provenance] + engine_items(provenance) + server_items(provenance)
+
+
+def server_items(provenance: dict[str, Any]) -> list[tuple[str, str]]:
+    """("engine servers", "6 started, 0 kept from an earlier run, for 8 runs") when HTTP engine servers served the
+    run (provenance `servers`, harness/backends/server_pool.py; which served which run: each run's manifest)."""
+    servers = [s for s in provenance.get("servers") or [] if isinstance(s, dict)]
+    if not servers:
+        return []
+    started = sum(1 for s in servers if s.get("origin") == "started")
+    runs = sum(len(s.get("runs") or []) for s in servers)
+    kept = len(servers) - started
+    return [("engine servers", f"{started} started, {kept} kept from an earlier run, for {runs} runs")]
 
 
 def engine_items(provenance: dict[str, Any]) -> list[tuple[str, str]]:
