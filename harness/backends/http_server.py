@@ -298,12 +298,13 @@ def running_server(argv: list[str], env: dict[str, str], log_path: Path, base_ur
 
 
 def launch_ready(command: Callable[[int], tuple[list[str], dict[str, str]]], log_path: Path, host: str,
-                 health: str, timeout_s: float, warm: bool = True) -> tuple[Server, float, list[str]]:
+                 health: str, timeout_s: float, warm: bool = True,
+                 on_start: Callable[[Server, list[str]], None] | None = None) -> tuple[Server, float, list[str]]:
     """The server `command(port)` gives (argv, extra environment), started on a free port of `host` and ready:
     (server, seconds to ready, its argv); the caller stops it (stop_server). A port another process took between
     its pick and the server's bind (the server logs that it cannot bind it) is picked again, up to BIND_ATTEMPTS
     launches within `timeout_s`; the last launch's log stays in `log_path`. Any other startup failure is the
-    ServerError of wait_ready, the server stopped."""
+    ServerError of wait_ready, the server stopped. `on_start(server, argv)` is told of each launch before its wait."""
     deadline = time.monotonic() + timeout_s
     for attempt in range(1, BIND_ATTEMPTS + 1):
         port = free_port(host)
@@ -312,6 +313,8 @@ def launch_ready(command: Callable[[int], tuple[list[str], dict[str, str]]], log
         server = start_server(argv, env, log_path, f"http://{host}:{port}", warm)
         assert server.proc is not None
         try:
+            if on_start is not None:
+                on_start(server, argv)
             return server, wait_ready(server, health, max(1.0, deadline - time.monotonic())), argv
         except AddressTaken as exc:
             stop_server(server.proc)

@@ -178,7 +178,7 @@ class ServerPool:
         started = entry is None
         t0 = time.monotonic()
         if entry is None:
-            entry = self._adopted(config) or self._start(config, launch, timeout_s)
+            entry = self._adopted(config) or self._start(config, launch, timeout_s, log_path)
         else:
             shutil.rmtree(probe_folder(entry.server.log_path) / "capture", ignore_errors=True)  # this run's only
         ready_s = time.monotonic() - t0 if started else 0.0
@@ -206,16 +206,22 @@ class ServerPool:
         finally:
             stop_server(server.proc)
 
-    def _launch(self, config: ServerConfig, log_path: Path, launch: Launch, timeout_s: float,
-                warm: bool) -> tuple[Server, float, list[str]]:
-        """A server of `config` started and ready, its argv kept beside its log: (server, seconds to ready, argv)."""
-        server, ready_s, argv = launch_ready(lambda port: launch(log_path, port), log_path, HOST, config.health,
-                                             timeout_s, warm)
-        log_path.with_suffix(".argv.json").write_text(json.dumps(argv, indent=1) + "\n")
-        self.started += 1
-        return server, ready_s, argv
+    def _launch(self, config: ServerConfig, log_path: Path, launch: Launch, timeout_s: float, warm: bool,
+                on_start: Callable[[Server, list[str]], None] | None = None) -> tuple[Server, float, list[str]]:
+        """A server of `config` started and ready, its argv kept beside its log from its launch on: (server,
+        seconds to ready, argv)."""
+        def launched(server: Server, argv: list[str]) -> None:
+            log_path.with_suffix(".argv.json").write_text(json.dumps(argv, indent=1) + "\n")
+            self.started += 1
+            if on_start is not None:
+                on_start(server, argv)
 
-    def _start(self, config: ServerConfig, launch: Launch, timeout_s: float) -> PooledServer:
+        return launch_ready(lambda port: launch(log_path, port), log_path, HOST, config.health, timeout_s, warm,
+                            launched)
+
+    def _start(self, config: ServerConfig, launch: Launch, timeout_s: float, run_log: Path) -> PooledServer:
+        """A new server of `config` in a folder of its own, listed among the servers this run used from its
+        launch on (a start that fails is recorded as stopped by the run `run_log` belongs to, with its log)."""
         assert self.folder is not None
         n = sum(1 for s in self.served if s.config.key == config.key) + 1
         while True:  # a folder of its own (another process keeping servers in the same cache may have one)
@@ -226,10 +232,28 @@ class ServerPool:
             except FileExistsError:
                 n += 1
         log_path = folder / SERVER_LOG
-        server, _, argv = self._launch(config, log_path, launch, timeout_s, warm=not self.keep)  # kept: outlives us
-        assert server.proc is not None
-        (folder / PID_FILE).write_text(f"{server.proc.pid}\n")
-        entry = PooledServer(id=folder.name, config=config, server=server, folder=folder, argv=argv, origin="started")
+        entry: PooledServer | None = None
+
+        def launched(server: Server, argv: list[str]) -> None:  # listed, and findable by its pid, from the start
+            nonlocal entry
+            assert server.proc is not None
+            (folder / PID_FILE).write_text(f"{server.proc.pid}\n")
+            if entry is None:
+                entry = PooledServer(id=folder.name, config=config, server=server, folder=folder, argv=argv,
+                                     origin="started")
+                self.served.append(entry)
+            else:  # launched again on another port
+                entry.server, entry.argv = server, argv
+
+        try:
+            self._launch(config, log_path, launch, timeout_s, not self.keep, launched)  # kept: outlives this process
+        except BaseException:
+            if entry is not None:
+                entry.runs.append(run_folder(run_log.parent))
+                entry.stopped = "a run it served failed"
+                _copy_out(log_path, run_log)
+            raise
+        assert entry is not None
         self._up[config.key] = entry
         return entry
 
