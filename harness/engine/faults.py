@@ -105,6 +105,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "each cache group (attention KV pages, recurrent-state slots) sized from its own share of the "
           "budget, so the groups hold different numbers of sequences instead of one slot count (pypto "
           "grouped cache capacity)"),
+    Fault("state-slot-stale", "self_consistency",
+          "a recurrent-state slot handed to a new sequence without zeroing its conv and recurrent state, so "
+          "a sequence that reuses a freed slot starts from the previous occupant's final state (modular #6681: "
+          "cold requests right, later ones corrupted); in code the tp1 reference runs too, so every parity "
+          "check agrees; inert on models without linear attention", shared=True),
     Fault("mtp-dcp-hidden-owner", "acceptance",
           "under DCP the MTP module fed the target hidden state of the latest position owned by DCP rank 0 "
           "(q - q % dcp) instead of q, the same wrong state on every rank, as a draft built for dcp=1 would "
@@ -188,6 +193,7 @@ class FaultFlags:
     router_local_renorm: bool = False       # moe-router-local-renorm: top-k weights renormalized per rank
     cache_groups_own_budget: bool = False   # cache-groups-own-budget: each cache group from its own budget share
     mtp_hidden_dcp_owner: bool = False      # mtp-dcp-hidden-owner: MTP reads DCP rank 0's latest position
+    stale_state_slots: bool = False         # state-slot-stale: a reused state slot keeps its old state
     interleave_per_token: bool = False  # dcp-interleave-per-token: K/V stored by t % dcp, read by chunks of K
     contiguous_global_len: bool = False  # dcp-contiguous-global-len: blocks sized by the batch's tokens
     lse_base2: bool = False             # dcp-lse-base2: partial LSEs in base 2 to a natural-log merge
@@ -255,6 +261,7 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         router_local_renorm=name == "moe-router-local-renorm",
         cache_groups_own_budget=name == "cache-groups-own-budget",
         mtp_hidden_dcp_owner=name == "mtp-dcp-hidden-owner",
+        stale_state_slots=name == "state-slot-stale",
         interleave_per_token=name == "dcp-interleave-per-token",
         contiguous_global_len=name == "dcp-contiguous-global-len",
         lse_base2=name == "dcp-lse-base2",

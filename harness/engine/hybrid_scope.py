@@ -11,7 +11,8 @@ from harness.specs.topology import Topology
 
 HYBRID_FAULTS: frozenset[str] = frozenset({"deltanet-packed-split", "deltanet-state-dcp-split",
                                            "moe-shared-every-rank", "moe-expert-offset",
-                                           "moe-router-local-renorm", "cache-groups-own-budget"})
+                                           "moe-router-local-renorm", "cache-groups-own-budget",
+                                           "state-slot-stale"})
 MOE_FAULTS: frozenset[str] = frozenset({"moe-shared-every-rank", "moe-expert-offset", "moe-router-local-renorm"})
 # dense layout faults in splits the hybrid planner makes itself (KV layout under DCP, FFN and vocab offsets)
 DENSE_PLAN_FAULTS: frozenset[str] = frozenset({"dcp-tp-kv-layout", "ffn-floor-split", "vocab-shard-offset"})

@@ -29,15 +29,18 @@ from harness.specs.workload import ALL_AT_ONCE, ONE_AT_A_TIME, SCHEDULES, STAGGE
 class ServeSettings:
     """How the loop schedules (recorded in the manifest per workload): `schedule` (SCHEDULES) with
     `join_per_step` arrivals per step when staggered; `prefix_cache`; `chunk_tokens` tokens per step in
-    all (0: whole prompts); `kv_tokens` tokens the KV pool holds for running sequences (0: the pool's own)."""
+    all (0: whole prompts); `kv_tokens` tokens the KV pool holds for running sequences (0: the pool's own);
+    `arrivals` the engine step each request arrives at (empty: by `schedule`)."""
 
     schedule: str = ALL_AT_ONCE
     join_per_step: int = 1
     prefix_cache: bool = False
     chunk_tokens: int = 0
     kv_tokens: int = 0
+    arrivals: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "arrivals", tuple(self.arrivals))
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.join_per_step < 1 or self.chunk_tokens < 0 or self.kv_tokens < 0:
@@ -168,7 +171,8 @@ class _LaneState:
     def __init__(self, lane: Lane, prefix: PrefixCache | None) -> None:
         self.lane, self.settings = lane, lane.settings
         join = self.settings.join_per_step if self.settings.schedule == STAGGERED else 0
-        self.waiting = [_Request(i, list(p), arrival=(i // join if join else 0)) for i, p in enumerate(lane.prompts)]
+        arrivals = self.settings.arrivals or [i // join if join else 0 for i in range(len(lane.prompts))]
+        self.waiting = [_Request(i, list(p), arrival=a) for i, (p, a) in enumerate(zip(lane.prompts, arrivals))]
         self.running: list[_Request] = []
         self.prefix = prefix
         self.stats = ServeStats()
