@@ -15,10 +15,11 @@ from harness.artifacts import RunArtifacts
 from harness.cli import main
 from harness.compare.self_consistency import check_self_consistency, copies
 from harness.compare.settings import SelfConsistencySettings
-from harness.engine.faults import FAULTS
+from harness.engine.faults import FAULTS, fault_flags
 from harness.errors import ConfigError
 from harness.layout import plan_layout
 from harness.results import results_cells
+from harness.specs.topology import parse_topology_name
 from harness.specs.workload import WORKLOADS, Workload
 from harness.verdict import Verdict
 from tests.test_compare_support import GQA, synthetic_runs, with_tensors
@@ -77,6 +78,14 @@ def test_the_workload_sends_each_prompt_three_times_into_freed_slots() -> None:
 def test_bad_order_or_arrivals_name_the_value(fields: dict, said: str) -> None:
     with pytest.raises(ConfigError, match=said.replace("[", r"\[").replace("]", r"\]")):
         Workload("w", "d", lengths=(3, 4), **fields)
+
+
+def test_the_noise_run_of_a_shared_fault_carries_it_under_its_perturbation() -> None:
+    tp1 = parse_topology_name("tp1")
+    flags = fault_flags("noise-reduction-order+state-slot-stale", tp1)
+    assert flags.stale_state_slots and flags.split_reduction == 4
+    with pytest.raises(ConfigError, match="joins a perturbation"):
+        fault_flags("noise-reduction-order+dcp-lse-merge", tp1)  # not a shared fault
 
 
 SUITE = """

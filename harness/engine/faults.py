@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from harness.errors import ConfigError
@@ -214,10 +215,22 @@ PERTURBATIONS: dict[str, FaultFlags] = {
 }
 
 
+SHARED_JOIN = "+"  # "<perturbation>+<fault>": a noise run carrying a fault in code the reference runs too
+
+
 def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
-    """The engine switches for fault `name` on `topology`; a fault that cannot apply is a ConfigError."""
+    """The engine switches for fault `name` on `topology`; a fault that cannot apply is a ConfigError.
+    "<perturbation>+<fault>" (the noise run of a shared fault, Fault.shared) sets both."""
     if name is None:
         return FaultFlags()
+    if SHARED_JOIN in name:
+        perturbation, fault = name.split(SHARED_JOIN, 1)
+        if perturbation not in PERTURBATIONS or fault not in FAULTS or not FAULTS[fault].shared:
+            raise ConfigError(f"fault {name!r}: '{SHARED_JOIN}' joins a perturbation ({', '.join(PERTURBATIONS)}) "
+                              f"and a shared fault ({', '.join(n for n, f in FAULTS.items() if f.shared)})")
+        return dataclasses.replace(fault_flags(fault, topology), **{
+            f.name: getattr(PERTURBATIONS[perturbation], f.name) for f in dataclasses.fields(FaultFlags)
+            if getattr(PERTURBATIONS[perturbation], f.name) != getattr(FaultFlags(), f.name)})
     if name in PERTURBATIONS:
         return PERTURBATIONS[name]
     if name not in FAULTS:
