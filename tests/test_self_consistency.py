@@ -40,27 +40,35 @@ def test_copies_that_agree_pass_and_a_copy_that_leaks_state_fails() -> None:
     _, _, par = synthetic_runs(plan_layout(GQA, 2), n_cases=2)
     run = _copied(par)
     assert copies(run) == [[0, 1]]
-    clean = check_self_consistency(run, SelfConsistencySettings())
+    clean = check_self_consistency(run, None, None, SelfConsistencySettings())
     assert clean.verdict is Verdict.PASS, clean.reason
     assert clean.metrics["prompts"] == 2  # the second copy and the first copy's twin, each against the first
     # the second copy (a reused slot) generates another token at step 2, outside any near tie
     tokens = run.tensors["gen_tokens.1"].clone()
     tokens[2:] = (tokens[2:] + 7) % 32
-    leaked = check_self_consistency(with_tensors(run, gen_tokens_1=tokens), SelfConsistencySettings())
+    leaked = check_self_consistency(with_tensors(run, gen_tokens_1=tokens), None, None, SelfConsistencySettings())
     assert leaked.verdict is Verdict.FAIL
     assert "prompt 1 copies against its first copy diverges at generation step 2" in leaked.reason
     # the same tokens but the logprob moved past the floor also FAILs
     lps = run.tensors["gen_topk_logprobs.1"].clone()
     lps[3, 0] -= 0.01
-    drift = check_self_consistency(with_tensors(run, gen_topk_logprobs_1=lps), SelfConsistencySettings())
+    drift = check_self_consistency(with_tensors(run, gen_topk_logprobs_1=lps), None, None,
+                                   SelfConsistencySettings())
     assert drift.verdict is Verdict.FAIL and "logprob difference" in drift.reason
+    # a reference whose noise run differs by as much (rounding of the same engine) excuses that drift
+    ref = _copied(par)
+    noise_lps = ref.tensors["gen_topk_logprobs.0"].clone()
+    noise_lps[3, 0] -= 0.01
+    noisy = with_tensors(ref, gen_topk_logprobs_0=noise_lps)
+    excused = check_self_consistency(with_tensors(run, gen_topk_logprobs_1=lps), ref, noisy, SelfConsistencySettings())
+    assert excused.verdict is Verdict.PASS, excused.reason
 
 
 def test_without_copies_the_check_skips() -> None:
     _, _, par = synthetic_runs(plan_layout(GQA, 2), n_cases=2)
     run = _copied(par)
     single = replace(run, cases=[run.cases[0]])
-    assert check_self_consistency(single, SelfConsistencySettings()).verdict is Verdict.SKIP
+    assert check_self_consistency(single, None, None, SelfConsistencySettings()).verdict is Verdict.SKIP
 
 
 def test_the_workload_sends_each_prompt_three_times_into_freed_slots() -> None:
@@ -102,6 +110,7 @@ checks: {layout: {}, logits: {}, generation: {}}
 
 
 def _cells(tmp_path: Path, *extra: str) -> tuple[int, dict[str, dict[str, dict]]]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     suite = tmp_path / "sc.yaml"
     suite.write_text(SUITE)
     out = tmp_path / "out"

@@ -83,7 +83,7 @@ def self_consistency(ctx: CellContext) -> list[CheckResult]:
         return [CheckResult("self_consistency", Verdict.SKIP, f"workload {ctx.info.workload} sends no copies")]
     stats = entry.get("stats") or {}
     extra = {"route": {k: stats[k] for k in ("steps", "max_running") if k in stats}}
-    return [check_self_consistency(ctx.par, ctx.settings.of(SelfConsistencySettings), extra)]
+    return [check_self_consistency(ctx.par, ctx.ref, ctx.noise, ctx.settings.of(SelfConsistencySettings), extra)]
 
 
 def decode_consistency(ctx: CellContext) -> list[CheckResult]:

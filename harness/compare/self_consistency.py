@@ -7,8 +7,11 @@ tokens the same top-1 logprobs up to the dtype's rounding (compare/schedule.py's
 generations). A state or slot that leaks from one sequence into the next one to use its slot makes the
 copies differ, whatever the reference does: the reference runs the same code, so it can carry the bug.
 
-The bounds are floors (SelfConsistencySettings), not scaled by a measured noise: the reference and its
-noise run could share the bug, and a noise measured from them would widen as much as the copies move.
+Bounds: max(floor, factor x noise) (SelfConsistencySettings), where the noise is how far the reference's
+generations of the same cases differ from its noise run's (both as scheduled): the same engine under
+another reduction order, so rounding only, even where both carry the bug (a fault in code the reference
+runs too is injected into both, runner.references). The reference's own copies are never the noise: a
+bug it shares would widen the bound as much as it moves the copies.
 """
 
 from __future__ import annotations
@@ -43,9 +46,17 @@ def self_pairs(run: RunArtifacts) -> list[Pair]:
     return pairs
 
 
-def check_self_consistency(run: RunArtifacts, settings: SelfConsistencySettings,
-                           extra: dict[str, Any] | None = None) -> CheckResult:
-    """The copies of every prompt sent more than once held against the first copy, within floors."""
+def noise_pairs(ref: RunArtifacts | None, noise: RunArtifacts | None) -> list[list[Pair]]:
+    """The reference's generation of every case against its noise run's (rounding only), or none."""
+    if ref is None or noise is None or not has_tensors(ref, GEN) or not has_tensors(noise, GEN):
+        return []
+    return [[compare_schedules(c.index, steps_of(ref, c.index, GEN), steps_of(noise, c.index, GEN))
+             for c in ref.cases]]
+
+
+def check_self_consistency(run: RunArtifacts, ref: RunArtifacts | None, noise: RunArtifacts | None,
+                           settings: SelfConsistencySettings, extra: dict[str, Any] | None = None) -> CheckResult:
+    """The copies of every prompt sent more than once held against the first copy, within the noise."""
     if not has_tensors(run, (*GEN, *TWIN)):
         return CheckResult(NAME, Verdict.SKIP, "the run holds no scheduled generations with their one-batch twin")
     groups = copies(run)
@@ -53,8 +64,10 @@ def check_self_consistency(run: RunArtifacts, settings: SelfConsistencySettings,
         return CheckResult(NAME, Verdict.SKIP, "the workload sends no prompt twice")
     try:
         pairs = self_pairs(run)
+        measured = noise_pairs(ref, noise)
     except RunError as exc:
         return CheckResult(NAME, Verdict.ERROR, str(exc))
-    bounds = ScheduleSettings(near_tie=settings.near_tie, logprob_floor=settings.logprob_floor)
+    bounds = ScheduleSettings(near_tie=settings.near_tie, near_tie_factor=settings.near_tie_factor,
+                              logprob_floor=settings.logprob_floor, logprob_factor=settings.logprob_factor)
     info = {"copies": {str(g[0]): g[1:] for g in groups}, **(extra or {})}
-    return grade(NAME, pairs, [], bounds, WHAT, info)
+    return grade(NAME, pairs, measured, bounds, WHAT, info)

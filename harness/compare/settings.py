@@ -185,12 +185,6 @@ DTYPE_DEFAULTS: dict[str, dict[str, dict[str, float]]] = {
         "float16": {"kl_floor": 1e-6, "abs_floor": 2e-2},
         "bfloat16": {"kl_floor": 1e-4, "abs_floor": 1.5e-1},
     },
-    # batch composition changes the reduction order of a half-precision forward: its logprobs move by
-    # a few units of the dtype's rounding at the logits' magnitude (tiny-bf16-big: logits in the tens)
-    "SelfConsistencySettings": {
-        "float16": {"near_tie": 2e-2, "logprob_floor": 2e-2},
-        "bfloat16": {"near_tie": 1.5e-1, "logprob_floor": 1.5e-1},
-    },
     "LocalizationSettings": {
         "float64": {"rel_floor": 1e-13},
         "float32": {"rel_floor": 1e-6},
@@ -236,12 +230,14 @@ class ConsistencySettings:
 class SelfConsistencySettings:
     """self_consistency (suite `checks.self_consistency`): the copies of one prompt sent in one run under
     other schedules (first batch, reused slots in another order, alone, the one-batch twin) hold the first
-    copy's greedy tokens except at its near ties, and its top-1 logprob along the common tokens. The bounds
-    are the dtype's rounding floors (DTYPE_DEFAULTS), not scaled by any other run: a bug in code the
-    reference and the noise run share would widen a measured bound as much as it moves the copies."""
+    copy's greedy tokens except at its near ties, and its top-1 logprob along the common tokens, within
+    max(floor, factor x the noise: the reference's generations against its noise run's, never the
+    reference's own copies, which a shared bug would move as much)."""
 
     near_tie: float = 1e-3         # logprob gap of the first copy below which a divergence is benign
-    logprob_floor: float = 1e-4    # largest top-1 logprob difference along the common tokens
+    near_tie_factor: float = 5.0   # x the noise's top-2 gap error (bound = max of the two)
+    logprob_floor: float = 1e-4    # smallest bound on the top-1 logprob difference along the common tokens
+    logprob_factor: float = 20.0   # x the noise of that difference
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
