@@ -63,9 +63,10 @@ class Workload:
         if any(not 0 <= i < len(self.lengths) for i in self.order):
             raise ConfigError(f"workload {self.name!r}: order {list(self.order)} must index its "
                               f"{len(self.lengths)} prompt lengths (0..{len(self.lengths) - 1})")
-        if self.arrivals and (len(self.arrivals) != len(self.sent()) or any(a < 0 for a in self.arrivals)):
+        if self.arrivals and (len(self.arrivals) != len(self.sent()) or any(a < 0 for a in self.arrivals)
+                              or list(self.arrivals) != sorted(self.arrivals)):
             raise ConfigError(f"workload {self.name!r}: arrivals {list(self.arrivals)} must give one engine "
-                              f"step >= 0 to each of its {len(self.sent())} sends")
+                              f"step >= 0 to each of its {len(self.sent())} sends, in send order (never decreasing)")
 
     @property
     def suite_prompts(self) -> bool:
@@ -138,8 +139,8 @@ _STRADDLE_FULL: tuple[int, ...] = (1, 2, 3, 15, 16, 17, 31, 32, 33, 47, 48, 49, 
 # self-consistency: three prompts (5, 13, 21 tokens) sent three times in one lane, each send generating 6
 # tokens (whole prefill at step s, last token at s + 5, closed then): first together with three fillers (27, 9, 17
 # tokens) at step 0; again at step 8, in reverse order, into the slots and state pages the six freed (the
-# pools hand out the most recently freed first); then each alone at steps 16, 24 and 32, after the
-# previous one finished.
+# pools hand out the most recently freed first); then each alone in its lane at steps 16, 24 and 32, after
+# the previous one finished (another workload's sequences may still share those engine steps).
 _SELF_CONSISTENCY = ("the same three prompts sent three times: first in one batch with three fillers, then in "
                      "reverse order into the KV slots and recurrent-state pages the first six freed, then each "
                      "alone; self_consistency holds the copies (and the one-batch twin) against each other")
