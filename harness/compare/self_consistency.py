@@ -3,7 +3,7 @@ several times under other schedules (harness/specs/workload.py `self-consistency
 then into the KV slots and recurrent-state pages other sequences freed, in another order, then each
 alone), and the engine also generates every case in one plain batch (the twin). A correct engine gives
 every copy of a prompt the same greedy tokens, up to near ties of the first copy, and along the common
-tokens the same top-1 logprobs up to the dtype's rounding (compare/schedule.py's comparison of two
+tokens the same top-1 logprobs up to rounding (compare/schedule.py's comparison of two
 generations). A state or slot that leaks from one sequence into the next one to use its slot makes the
 copies differ, whatever the reference does: the reference runs the same code, so it can carry the bug.
 
