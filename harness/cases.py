@@ -89,7 +89,7 @@ def _length_cases(w: Workload, tokenizer: Tokenizer, seed: int, first: int, salt
     prefix = continuation_ids(tokenizer, seed, PREFIX_STREAM + salt, w.shared_prefix) if w.shared_prefix else []
     own = [prefix + continuation_ids(tokenizer, seed, PROMPT_STREAM + salt * 1000 + j, n)
            for j, n in enumerate(w.lengths)]
-    prompts = own + (own[:1] if w.repeat_first and own else [])
+    prompts = [own[j] for j in w.sent()]
     cases = []
     for j, ids in enumerate(prompts):
         index = first + j

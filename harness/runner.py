@@ -37,7 +37,7 @@ from harness.contract import (
     LaunchResult,
 )
 from harness.engine.fault_scope import inert_reason
-from harness.engine.faults import FAULTS, PERTURBATIONS, fault_flags
+from harness.engine.faults import FAULTS, PERTURBATIONS, SHARED_JOIN, fault_flags
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
 from harness.errors import ConfigError, DiskFull, HarnessError, RunError
 from harness.gsm8k.settings import GSM8KSettings
@@ -193,7 +193,8 @@ class Runner:
     def job(self, model: ModelSpec, topo: Topology, fault: str | None, seed: int, out_dir: Path,
             dtype: str | None = None) -> Job:
         s, req = self.req.suite, self.req
-        noise = fault in PERTURBATIONS or dtype not in (None, model.dtype)  # the noise run skips GSM8K
+        perturbed = (fault or "").split(SHARED_JOIN)[0] in PERTURBATIONS
+        noise = perturbed or dtype not in (None, model.dtype)  # the noise run skips GSM8K
         gsm8k = (GSM8KJob(req.gsm8k.to_dict(), req.gsm8k_data)
                  if req.gsm8k is not None and not noise else None)
         return Job(model=seeded(model, seed), topology=topo, prompts=tuple(s.prompts),
@@ -254,7 +255,7 @@ class Runner:
             except ReferenceFailed as exc:
                 self._failed_refs[key] = exc
                 raise
-            self._refs[key] = (ref, self._noise_run(model, seed, self.reference_topology))
+            self._refs[key] = (ref, self._noise_run(model, seed, self.reference_topology, shared))
         return self._refs[key]
 
     def _reference_key(self, model: ModelSpec, seed: int, speculator: str, fault: str | None) -> tuple[str, int, str]:
@@ -282,9 +283,12 @@ class Runner:
         shared = fault if fault in FAULTS and FAULTS[fault].shared else None
         return Topology(tp=base.tp, dcp=base.dcp, speculator=speculator), shared
 
-    def _noise_run(self, model: ModelSpec, seed: int, base: Topology) -> RunArtifacts | None:
+    def _noise_run(self, model: ModelSpec, seed: int, base: Topology,
+                   shared: str | None = None) -> RunArtifacts | None:
         """The run the noise floor is measured against, by the reference engine's strategy: the
-        reference in a higher precision, the same job run again (scheduling noise), or none."""
+        reference in a higher precision, the same job run again (scheduling noise), or none. A fault the
+        reference shares (Fault.shared) is in the noise run's code too: another reduction order of the
+        same engine (perturbation+fault)."""
         strategy = self.ref_backend.noise_strategy()
         if strategy == NOISE_NONE:
             return None
@@ -293,6 +297,8 @@ class Runner:
                 return self._cached(model, seed, NOISE_DTYPE[model.dtype], base)
             if strategy == NOISE_REDUCTION_ORDER:
                 dtype, perturbation = noise_run(model)
+                if shared and perturbation and not FAULTS[shared].needs_speculator:  # the noise run has none
+                    perturbation = f"{perturbation}{SHARED_JOIN}{shared}"
                 return self._cached(model, seed, dtype, base, perturbation=perturbation)
             return self._cached(model, seed, model.dtype, base, repeat=True)
         except ReferenceFailed as exc:

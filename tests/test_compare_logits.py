@@ -161,21 +161,27 @@ def _tied_rows(n: int, flip_rows: int) -> torch.Tensor:
 
 def test_systematic_near_tie_flips_fail_and_noise_run_flips_raise_the_limit() -> None:
     ref, _, _ = synthetic_runs(plan_layout(GQA, 2), n_cases=1)
-    tied = with_tensors(ref, prefill_logits_0=_tied_rows(8, 0))
-    settings = LogitsSettings(tie_flips_floor=2, tie_flips_factor=3.0)
-    # every position flips: each flip is at a near tie, together they are systematic -> FAIL
-    many = with_tensors(ref, prefill_logits_0=_tied_rows(8, 8))
-    result, _ = check_logits("prefill", tied, many, None, settings)
+    n = 64
+    tied = with_tensors(ref, prefill_logits_0=_tied_rows(n, 0))
+    settings = LogitsSettings()
+    # positive control: every position flips, each at a near tie, against a noise run that flips none:
+    # far above the noise run's rate (even with its prior pseudo-flip) -> FAIL
+    quiet = with_tensors(ref, prefill_logits_0=_tied_rows(n, 0))
+    many = with_tensors(ref, prefill_logits_0=_tied_rows(n, 40))
+    result, _ = check_logits("prefill", tied, many, quiet, settings)
     assert result.verdict is Verdict.FAIL, result.reason
-    assert "8 top-1 flips at near ties > 2" in result.reason and result.metrics["tie_flip_limit"] == 2
-    # two flips are within the floor: benign
-    two = with_tensors(ref, prefill_logits_0=_tied_rows(8, 2))
-    assert check_logits("prefill", tied, two, None, settings)[0].verdict is Verdict.PASS
-    # a noise run that itself flips 3 positions allows 3 x 3 = 9 flips: 8 pass
-    noisy = with_tensors(ref, prefill_logits_0=_tied_rows(8, 3))
+    assert "40 top-1 flips at near ties in 64 steps against 0 in 64 of the noise run (+1 prior)" in result.reason
+    assert result.metrics["tie_flip_p_value"] < settings.tie_flips_alpha
+    assert result.metrics["tie_flip_limit"] == 12  # (k + 2) / 2^(k + 1) < 1e-3 first at k = 13
+    # a noise run with 0 flips does not make a few flips significant (the prior and the floor)
+    few = with_tensors(ref, prefill_logits_0=_tied_rows(n, 8))
+    assert check_logits("prefill", tied, few, quiet, settings)[0].verdict is Verdict.PASS
+    # negative control: a count within the noise run's rate passes, however many steps
+    noisy = with_tensors(ref, prefill_logits_0=_tied_rows(n, 30))
     allowed, _ = check_logits("prefill", tied, many, noisy, settings)
-    assert allowed.metrics["tie_flip_limit"] == 9 and allowed.metrics["noise_flips"] == 3
-    assert "systematic" not in allowed.reason
+    assert allowed.verdict is Verdict.PASS, allowed.reason
+    assert allowed.metrics["noise_flips"] == 30 and allowed.metrics["tie_flip_limit"] >= 40
+    assert "systematic" not in allowed.reason and "at near ties (benign)" in allowed.reason
 
 
 def test_metrics_are_reported_as_multiples_of_the_noise(runs) -> None:

@@ -212,7 +212,7 @@ class GatedDeltaNet(Component):
     report_fields: ClassVar[tuple[str, ...]] = ("hybrid.linear", "hybrid.cache_groups")
     prefix_cacheable: ClassVar[bool] = False  # the recurrent state of a position is not kept: no prefix hits
     faults: ClassVar[frozenset[str]] = frozenset({"deltanet-packed-split", "deltanet-state-dcp-split",
-                                                  "cache-groups-own-budget"})
+                                                  "cache-groups-own-budget", "state-slot-stale"})
 
     def __init__(self, shape: HybridShape) -> None:
         self.shape = shape

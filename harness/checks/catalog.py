@@ -34,6 +34,7 @@ from harness.compare.settings import (
     LogitsSettings,
     LosslessSettings,
     ScheduleSettings,
+    SelfConsistencySettings,
 )
 from harness.errors import ConfigError
 from harness.plugins import load_target, registered
@@ -124,6 +125,10 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
           ("prefix_cache", "from cached prefix blocks vs computed", "prefix-cache"),
           ("chunked_prefill", "prefilled in chunks vs whole", "chunked-prefill"),
           ("preemption", "preempted and recomputed vs uninterrupted", "preemption"))),
+    CheckSpec("self_consistency", "self_consistency", f"{_W}:self_consistency",
+              "the run against itself, no reference: each prompt sent again into reused slots and state pages, "
+              "in another order and alone, against its first copy and its one-batch twin (the self-consistency "
+              "workload)", settings=SelfConsistencySettings, requires=(c.GENERATION, c.SCHEDULE_TWIN), cells="route"),
     CheckSpec("decode_consistency", "decode_consistency", f"{_W}:decode_consistency",
               "each generated step's decode-time top-k against a re-prefill of prompt + generated tokens of the "
               "same run (no reference needed)", settings=ConsistencySettings, requires=(c.GENERATION, c.REPREFILL),

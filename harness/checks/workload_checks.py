@@ -1,5 +1,6 @@
 """The checks a workload cell runs against itself (harness/compare/schedule.py): the route checks, each
-for the workload whose route it names (Workload.route), and decode_consistency for every workload."""
+for the workload whose route it names (Workload.route), self_consistency for the workload that sends
+prompts several times (harness/compare/self_consistency.py), and decode_consistency for every workload."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any
 
 from harness.checks.context import CellContext
 from harness.compare.schedule import check_consistency, check_schedule
-from harness.compare.settings import ConsistencySettings, ScheduleSettings
+from harness.compare.self_consistency import check_self_consistency
+from harness.compare.settings import ConsistencySettings, ScheduleSettings, SelfConsistencySettings
 from harness.verdict import CheckResult, Verdict
 
 # per route check: what it compares, and the engine stat that shows the route was taken
@@ -73,6 +75,15 @@ def chunked_prefill(ctx: CellContext) -> list[CheckResult]:
 
 def preemption(ctx: CellContext) -> list[CheckResult]:
     return _route(ctx, "preemption")
+
+
+def self_consistency(ctx: CellContext) -> list[CheckResult]:
+    entry = workload_entry(ctx)
+    if entry is None or entry.get("route") != "self_consistency":
+        return [CheckResult("self_consistency", Verdict.SKIP, f"workload {ctx.info.workload} sends no copies")]
+    stats = entry.get("stats") or {}
+    extra = {"route": {k: stats[k] for k in ("steps", "max_running") if k in stats}}
+    return [check_self_consistency(ctx.par, ctx.ref, ctx.noise, ctx.settings.of(SelfConsistencySettings), extra)]
 
 
 def decode_consistency(ctx: CellContext) -> list[CheckResult]:

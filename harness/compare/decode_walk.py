@@ -12,9 +12,10 @@ the prefill's last position (the first generated token), steps 1.. are decode st
 The compared steps are graded like the top-k prefill path (harness/compare/topk.py: KL lower bound and
 logprob error against noise-scaled bounds from LogitsSettings, top-1 flips outside the reference's
 near ties FAIL), with the noise measured the same way: the reference walked against its noise run.
-Near-tie flips are benign only while rare, as on the teacher-forced paths (logits.tie_flip_limit):
-more than max(tie_flips_floor, tie_flips_factor x the noise run's flips, scaled to as many compared
-steps) FAIL; a fault on the decode path makes the walks diverge early and often. A token missing from
+Near-tie flips are benign only while as frequent as the noise run's, as on the teacher-forced paths
+(compare/tie_flips.py): the flips over the compared steps are tested against the noise walk's flips over
+its own steps (the walks of the two comparisons have different lengths); a fault on the decode path
+makes the walks diverge early and often, so many flips in few steps. A token missing from
 the other run's top-k at the divergence FAILs.
 """
 
@@ -28,6 +29,7 @@ import torch
 from harness.artifacts import RunArtifacts
 from harness.compare.logprob_values import BadLogprobs, check_finite
 from harness.compare.settings import LogitsSettings
+from harness.compare.tie_flips import tie_flip_test
 from harness.compare.topk import TopkMetrics, grade_topk, topk_metrics
 from harness.contract import GEN_TOKENS, GEN_TOPK_IDS, GEN_TOPK_LOGPROBS
 from harness.errors import RunError
@@ -114,14 +116,6 @@ def _noise(ref: RunArtifacts, noise: RunArtifacts | None, k: int) -> _Noise:
                   flips=sum(int((~x.top1_match).sum()) for x in m), steps=sum(w.steps for w in walks))
 
 
-def flip_limit(settings: LogitsSettings, noise: _Noise, steps: int) -> int:
-    """How many near-tie top-1 flips `steps` compared steps may have: the teacher-forced paths' rule
-    (max(tie_flips_floor, tie_flips_factor x the noise run's flips), logits.tie_flip_limit) with the noise
-    run's flips scaled to as many steps (the walks of the two comparisons have different lengths)."""
-    expected = noise.flips * steps / noise.steps if noise.steps else 0.0
-    return max(settings.tie_flips_floor, int(settings.tie_flips_factor * expected))
-
-
 def check_decode_walk(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None, settings: LogitsSettings,
                       k: int) -> tuple[CheckResult, list[dict[str, Any]]]:
     """The `logits_decode` check from the greedy generations' top-k; returns the check and one row per prompt."""
@@ -148,12 +142,11 @@ def check_decode_walk(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts 
     head = (f"{steps} greedy steps compared along the common greedy prefixes of {len(walks)} prompts "
             f"({decode_steps} decode steps; step 0 is the prefill's last position); "
             f"{len(diverged)} prompt(s) diverge")
-    ties, limit = metrics["benign_flips"], flip_limit(settings, measured, steps)
-    if ties > limit:
+    ties = tie_flip_test(settings, metrics["benign_flips"], steps, measured.flips, measured.steps)
+    if ties.fails:
         verdicts.append(Verdict.FAIL)
         parts = [p for p in parts if not p.endswith("at near ties (benign)")]
-        parts.append(f"{ties} top-1 flips at near ties in {steps} steps > {limit} (the noise run had "
-                     f"{measured.flips} in {measured.steps} steps): systematic, not noise")
+        parts.append(f"{ties.describe()}: systematic, not noise")
     if missing:
         verdicts.append(Verdict.FAIL)
         parts.insert(0, f"{missing[0]}" + (f" (+{len(missing) - 1} more prompt{'s' if len(missing) > 2 else ''})"
@@ -164,8 +157,7 @@ def check_decode_walk(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts 
         row.update({"steps": w.steps, "diverged_at_step": w.diverged_at, "problem": w.missing})
     metrics.update({"source": "greedy walk (generation top-k logprobs)", "steps_compared": steps,
                     "decode_steps_compared": decode_steps, "prompts_diverged": len(diverged),
-                    "missing_from_topk": missing, "noise_flips": measured.flips, "noise_steps": measured.steps,
-                    "tie_flip_limit": limit,
+                    "missing_from_topk": missing, **ties.metrics(),
                     "steps_per_prompt": {str(w.index): w.steps for w in walks}})
     return CheckResult(NAME, worst(verdicts), f"decode (greedy walk, top-{k}): {head}; " + "; ".join(parts),
                        metrics), prompts

@@ -4,8 +4,9 @@ Verdict (bounds from LogitsSettings, noise-scaled, see bounds.Bound):
 - FAIL: NaN/Inf in either run's logits, a shape mismatch, max KL or max abs error beyond
   fail_ratio x its bound, or a top-1 flip outside a near tie (reference logprob gap between the
   two tokens above max(top1_tie_floor, 2 x the max-abs FAIL bound): no accepted error explains it),
-  or more near-tie flips than tie_flip_limit (a few more than the noise run had: systematic flips
-  are not excused as ties). Each metric is also reported as a multiple of the measured noise.
+  or more near-tie flips than the noise run's flip rate explains (compare/tie_flips.py: a one-sided
+  test at tie_flips_alpha; systematic flips are not excused as ties). Each metric is also reported
+  as a multiple of the measured noise.
 - WARN: max KL or max abs error between its bound and fail_ratio x bound, or mean top-k overlap
   below topk_warn, or a noise run implausible for the dtype (its max abs difference from the reference
   beyond what rounding explains, bounds.NoiseLimit): the reason names it, and the bounds then fall back
@@ -23,6 +24,7 @@ import torch
 from harness.artifacts import RunArtifacts
 from harness.compare.bounds import Bound, json_float, noise_limit
 from harness.compare.settings import LogitsSettings
+from harness.compare.tie_flips import tie_flip_test
 from harness.errors import RunError
 from harness.verdict import CheckResult, Verdict, worst
 
@@ -105,6 +107,7 @@ class _Noise:
     kl: float | None = None
     abs: float | None = None
     flips: int = 0
+    positions: int = 0  # positions compared (0 without a usable noise run)
     note: str | None = None
     implausible: bool = False  # measured, but beyond rounding in the dtype: not used (a WARN)
 
@@ -118,7 +121,7 @@ def _noise_levels(kind: str, ref: RunArtifacts, noise: RunArtifacts | None, k: i
     kls: list[float] = []
     abss: list[float] = []
     magnitude = 0.0
-    flips = 0
+    flips = positions = 0
     try:
         for case in ref.cases:
             got = _compare_case(kind, ref, noise, "noise", case.index, 0, k)
@@ -127,6 +130,7 @@ def _noise_levels(kind: str, ref: RunArtifacts, noise: RunArtifacts | None, k: i
             kls.append(_max(got.metrics.kl))
             abss.append(_max(got.metrics.max_abs))
             flips += int((~got.metrics.top1_match).sum())
+            positions += int(got.metrics.kl.numel())
             magnitude = max(magnitude, _max(ref.tensor(kind, case.index).abs()))
     except RunError as exc:
         return _Noise(note=f"noise run unusable: {exc}")
@@ -136,7 +140,7 @@ def _noise_levels(kind: str, ref: RunArtifacts, noise: RunArtifacts | None, k: i
     if problem:
         return _Noise(note=f"noise run {noise.path} implausible: {problem}, far beyond rounding; "
                            f"bounds fall back to their floors", implausible=True)
-    return _Noise(kl=max_kl, abs=max_abs, flips=flips)
+    return _Noise(kl=max_kl, abs=max_abs, flips=flips, positions=positions)
 
 
 def _max(t: torch.Tensor) -> float:
@@ -187,11 +191,6 @@ def check_logits(path: str, ref: RunArtifacts, par: RunArtifacts, noise: RunArti
     return _verdict(name, path, cases, prompts, kl, abs_, tie_bound, settings, measured), prompts
 
 
-def tie_flip_limit(settings: LogitsSettings, noise_flips: int) -> int:
-    """How many near-tie top-1 flips a correct run may have: a few more than the noise run had."""
-    return max(settings.tie_flips_floor, int(settings.tie_flips_factor * noise_flips))
-
-
 def _verdict(name: str, path: str, cases: list[_Case], prompts: list[dict[str, Any]], kl: Bound,
              abs_: Bound, tie_bound: float, settings: LogitsSettings, measured: _Noise) -> CheckResult:
     noise_note = measured.note
@@ -202,7 +201,6 @@ def _verdict(name: str, path: str, cases: list[_Case], prompts: list[dict[str, A
     metrics: dict[str, Any] = {"path": path, "problems": problems, "k": settings.topk, "tie_bound": tie_bound,
                                "kl_bound": kl.to_dict(), "abs_bound": abs_.to_dict(), "first_divergence": None,
                                "noise_note": noise_note, "noise_flips": measured.flips,
-                               "tie_flip_limit": tie_flip_limit(settings, measured.flips),
                                "noise_implausible": measured.implausible}
     if measured.implausible:
         verdicts.append(Verdict.WARN)
@@ -218,20 +216,21 @@ def _verdict(name: str, path: str, cases: list[_Case], prompts: list[dict[str, A
                       if p["first_diverging_position"] is not None), None)
         verdicts += [kl.grade(max_kl), abs_.grade(max_abs)]
         parts += [kl.compare("max KL", max_kl), abs_.compare("max abs", max_abs), f"top-1 agreement {top1:.2f}"]
-        ties, tie_limit = flips - bad, tie_flip_limit(settings, measured.flips)
+        positions = int(cat("kl").numel())
+        ties = tie_flip_test(settings, flips - bad, positions, measured.flips, measured.positions)
+        metrics.update(ties.metrics())
         if bad:
             verdicts.append(Verdict.FAIL)
             parts.append(f"{bad} top-1 flip(s) outside near ties (gap > {tie_bound:.1e})")
-        if ties > tie_limit:
+        if ties.fails:
             verdicts.append(Verdict.FAIL)
-            parts.append(f"{ties} top-1 flips at near ties > {tie_limit} (the noise run had {measured.flips}): "
-                         f"systematic, not noise")
-        elif ties and not bad:
-            parts.append(f"{ties} top-1 flip(s) at near ties (benign)")
+            parts.append(f"{ties.describe()}: systematic, not noise")
+        elif ties.flips and not bad:
+            parts.append(f"{ties.flips} top-1 flip(s) at near ties (benign)")
         if topk < settings.topk_warn:
             verdicts.append(Verdict.WARN)
             parts.append(f"top-{settings.topk} overlap {topk:.2f} < {settings.topk_warn:.2f}")
-        metrics.update({"positions": int(cat("kl").numel()), "max_kl": max_kl, "mean_kl": _mean(cat("kl")),
+        metrics.update({"positions": positions, "max_kl": max_kl, "mean_kl": _mean(cat("kl")),
                         "max_abs": max_abs, "mean_abs": _mean(cat("mean_abs")), "top1_agreement": top1,
                         "topk_overlap": topk, "top1_flips": flips, "benign_flips": flips - bad,
                         "first_divergence": first, "kl_noise_multiple": kl.noise_multiple(max_kl),

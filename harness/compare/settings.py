@@ -78,8 +78,11 @@ class LogitsSettings:
     topk_warn: float = 0.8         # mean top-k overlap below this WARNs (never FAILs on its own)
     top1_tie_floor: float = 1e-4   # a top-1 flip is benign where the reference logprob gap between
     #                                the two tokens is <= max(this, 2 x the max-abs FAIL bound)
-    tie_flips_floor: int = 2       # near-tie flips are benign only while rare: FAIL above
-    tie_flips_factor: float = 3.0  # max(tie_flips_floor, this x the noise run's flips) of them
+    tie_flips_floor: int = 2       # near-tie flips are benign only while as rare as the noise run's
+    #                                (compare/tie_flips.py): never FAIL at or below this many,
+    tie_flips_alpha: float = 1e-3  # FAIL where the one-sided p-value of the count under the noise run's
+    #                                flip rate is below this (the false-positive level per check),
+    tie_flips_prior: int = 1       # the noise run's flips counted with this many pseudo-flips added
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -87,6 +90,8 @@ class LogitsSettings:
             raise ConfigError(f"LogitsSettings: fail_ratio={self.fail_ratio} must be >= 1")
         if self.topk_warn > 1:
             raise ConfigError(f"LogitsSettings: topk_warn={self.topk_warn} must be within [0, 1]")
+        if not 0 < self.tie_flips_alpha < 1:
+            raise ConfigError(f"LogitsSettings: tie_flips_alpha={self.tie_flips_alpha} must be within (0, 1)")
 
 
 @dataclass(frozen=True)
@@ -216,6 +221,23 @@ class ConsistencySettings:
     near_tie_factor: float = 5.0
     logprob_floor: float = 1e-4
     logprob_factor: float = 20.0
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self)
+
+
+@dataclass(frozen=True)
+class SelfConsistencySettings:
+    """self_consistency (suite `checks.self_consistency`): the copies of one prompt sent in one run under
+    other schedules (first batch, reused slots in another order, alone, the one-batch twin) hold the first
+    copy's greedy tokens except at its near ties, and its top-1 logprob along the common tokens, within
+    max(floor, factor x the noise: the reference's generations against its noise run's, never the
+    reference's own copies, which a shared bug would move as much)."""
+
+    near_tie: float = 1e-3         # logprob gap of the first copy below which a divergence is benign
+    near_tie_factor: float = 5.0   # x the noise's top-2 gap error (bound = max of the two)
+    logprob_floor: float = 1e-4    # smallest bound on the top-1 logprob difference along the common tokens
+    logprob_factor: float = 20.0   # x the noise of that difference
 
     def __post_init__(self) -> None:
         _coerce_fields(self)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from harness.errors import ConfigError
@@ -104,6 +105,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "each cache group (attention KV pages, recurrent-state slots) sized from its own share of the "
           "budget, so the groups hold different numbers of sequences instead of one slot count (pypto "
           "grouped cache capacity)"),
+    Fault("state-slot-stale", "self_consistency",
+          "a recurrent-state slot handed to a new sequence without zeroing its conv and recurrent state, so "
+          "a sequence that reuses a freed slot starts from the previous occupant's final state (modular #6681: "
+          "cold requests right, later ones corrupted); in code the tp1 reference runs too, so every parity "
+          "check agrees; inert on models without linear attention", shared=True),
     Fault("mtp-dcp-hidden-owner", "acceptance",
           "under DCP the MTP module fed the target hidden state of the latest position owned by DCP rank 0 "
           "(q - q % dcp) instead of q, the same wrong state on every rank, as a draft built for dcp=1 would "
@@ -186,6 +192,7 @@ class FaultFlags:
     router_local_renorm: bool = False       # moe-router-local-renorm: top-k weights renormalized per rank
     cache_groups_own_budget: bool = False   # cache-groups-own-budget: each cache group from its own budget share
     mtp_hidden_dcp_owner: bool = False      # mtp-dcp-hidden-owner: MTP reads DCP rank 0's latest position
+    stale_state_slots: bool = False         # state-slot-stale: a reused state slot keeps its old state
     interleave_per_token: bool = False  # dcp-interleave-per-token: K/V stored by t % dcp, read by chunks of K
     contiguous_global_len: bool = False  # dcp-contiguous-global-len: blocks sized by the batch's tokens
     lse_base2: bool = False             # dcp-lse-base2: partial LSEs in base 2 to a natural-log merge
@@ -206,10 +213,22 @@ PERTURBATIONS: dict[str, FaultFlags] = {
 }
 
 
+SHARED_JOIN = "+"  # "<perturbation>+<fault>": a noise run carrying a fault in code the reference runs too
+
+
 def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
-    """The engine switches for fault `name` on `topology`; a fault that cannot apply is a ConfigError."""
+    """The engine switches for fault `name` on `topology`; a fault that cannot apply is a ConfigError.
+    "<perturbation>+<fault>" (the noise run of a shared fault, Fault.shared) sets both."""
     if name is None:
         return FaultFlags()
+    if SHARED_JOIN in name:
+        perturbation, fault = name.split(SHARED_JOIN, 1)
+        if perturbation not in PERTURBATIONS or fault not in FAULTS or not FAULTS[fault].shared:
+            raise ConfigError(f"fault {name!r}: '{SHARED_JOIN}' joins a perturbation ({', '.join(PERTURBATIONS)}) "
+                              f"and a shared fault ({', '.join(n for n, f in FAULTS.items() if f.shared)})")
+        return dataclasses.replace(fault_flags(fault, topology), **{
+            f.name: getattr(PERTURBATIONS[perturbation], f.name) for f in dataclasses.fields(FaultFlags)
+            if getattr(PERTURBATIONS[perturbation], f.name) != getattr(FaultFlags(), f.name)})
     if name in PERTURBATIONS:
         return PERTURBATIONS[name]
     if name not in FAULTS:
@@ -253,6 +272,7 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         router_local_renorm=name == "moe-router-local-renorm",
         cache_groups_own_budget=name == "cache-groups-own-budget",
         mtp_hidden_dcp_owner=name == "mtp-dcp-hidden-owner",
+        stale_state_slots=name == "state-slot-stale",
         interleave_per_token=name == "dcp-interleave-per-token",
         contiguous_global_len=name == "dcp-contiguous-global-len",
         lse_base2=name == "dcp-lse-base2",

@@ -319,7 +319,8 @@ def build_hybrid(spec: ModelSpec, h: HybridShape, plan: HybridPlan, full: dict[s
                                v_dim=h.linear_v_dim, v_to_local_k=lin.v_to_local_k)
     cache = HybridCache(capacity, plan.attention.shape.layers, heads.n_kv, spec.head_dim, dtype, device,
                         state_slots, plan.linear.layers, (channels, h.conv_kernel - 1),
-                        (len(lin.v_heads), h.linear_k_dim, h.linear_v_dim), state_dtype(dtype))
+                        (len(lin.v_heads), h.linear_k_dim, h.linear_v_dim), state_dtype(dtype),
+                        reset_slots=not flags.stale_state_slots)
     decoder = HybridDecoder(weights, layers, heads, linear_heads, h.top_k, hyper, comm, cache, flags, tp, rank)
     return HybridParts(plan, rank_layout, heads, capacity, grouped, weights, layers, cache, decoder,
                        loaded_rows(h, lin, flags.linear_packed_contiguous))

@@ -60,7 +60,8 @@ class ServeSettings:
     `max_batch` sequences of the lane at once at most (0: as many as the pool's slots hold);
     `split_long`: a step runs the lane's rows in one forward per length bucket (engine.length_buckets:
     prompts past LONG_SEQUENCE tokens apart, decode rows with the short ones), as the workloads' lanes do;
-    without it, one forward of its decode rows and one of its prefill rows, padded to the longest."""
+    without it, one forward of its decode rows and one of its prefill rows, padded to the longest;
+    `arrivals` the engine step each request arrives at (empty: by `schedule`)."""
 
     schedule: str = ALL_AT_ONCE
     join_per_step: int = 1
@@ -69,8 +70,10 @@ class ServeSettings:
     kv_tokens: int = 0
     max_batch: int = 0
     split_long: bool = False
+    arrivals: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "arrivals", tuple(self.arrivals))
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.join_per_step < 1 or self.chunk_tokens < 0 or self.kv_tokens < 0 or self.max_batch < 0:
@@ -223,7 +226,8 @@ class _LaneState:
     def __init__(self, lane: Lane, prefix: PrefixCache | None) -> None:
         self.lane, self.settings = lane, lane.settings
         join = self.settings.join_per_step if self.settings.schedule == STAGGERED else 0
-        self.waiting = [_Request(i, list(p), arrival=(i // join if join else 0)) for i, p in enumerate(lane.prompts)]
+        arrivals = self.settings.arrivals or [i // join if join else 0 for i in range(len(lane.prompts))]
+        self.waiting = [_Request(i, list(p), arrival=a) for i, (p, a) in enumerate(zip(lane.prompts, arrivals))]
         self.requests = list(self.waiting)  # every request, in prompt order
         self.running: list[_Request] = []
         self.prefix = prefix

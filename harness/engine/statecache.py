@@ -25,8 +25,9 @@ class HybridCache(PagedKVCache):
 
     def __init__(self, capacity: PoolCapacity, full_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, state_slots: int, linear_layers: int, conv_shape: tuple[int, int],
-                 recurrent_shape: tuple[int, int, int], state_dtype: torch.dtype) -> None:
+                 recurrent_shape: tuple[int, int, int], state_dtype: torch.dtype, reset_slots: bool = True) -> None:
         super().__init__(capacity, full_layers, kv_heads, head_dim, dtype, device)
+        self.reset_slots = reset_slots  # False: the state-slot-stale fault (a reused slot keeps its old state)
         self.state_slots = state_slots
         self.conv = torch.zeros((state_slots, linear_layers, *conv_shape), dtype=dtype, device=device)
         self.recurrent = torch.zeros((state_slots, linear_layers, *recurrent_shape), dtype=state_dtype, device=device)
@@ -51,8 +52,9 @@ class HybridCache(PagedKVCache):
         slot = self._free_slots.pop()
         self.slot_of[seq_id] = slot
         self.state_length[seq_id] = 0
-        self.conv[slot].zero_()
-        self.recurrent[slot].zero_()
+        if self.reset_slots:
+            self.conv[slot].zero_()
+            self.recurrent[slot].zero_()
 
     def free_sequence(self, seq_id: int) -> None:
         super().free_sequence(seq_id)

@@ -32,7 +32,9 @@ class Workload:
     prompt again at the end (a whole-prompt cache hit). Engine routes: `prefix_cache` (reuse cached KV
     blocks by block hash), `chunk_tokens` (a token budget per engine step: longer prompts prefill in
     chunks), `kv_tokens` (a KV pool that holds this many tokens: the engine preempts and recomputes).
-    `new_tokens` 0 means the suite's max_new_tokens; `route` names the self-check the workload feeds."""
+    `new_tokens` 0 means the suite's max_new_tokens; `route` names the self-check the workload feeds.
+    `order` sends the prompts of `lengths` by index, a prompt possibly several times (the same tokens each
+    time; () sends each once), and `arrivals` gives each send's engine step (() : by `schedule`)."""
 
     name: str
     description: str
@@ -46,6 +48,8 @@ class Workload:
     chunk_tokens: int = 0
     kv_tokens: int = 0
     route: str = ""
+    order: tuple[int, ...] = ()
+    arrivals: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -56,6 +60,13 @@ class Workload:
         bad = [n for n in self.lengths if n != LONG and n < 1]
         if bad:
             raise ConfigError(f"workload {self.name!r}: prompt lengths {bad} must be >= 1 token")
+        if any(not 0 <= i < len(self.lengths) for i in self.order):
+            raise ConfigError(f"workload {self.name!r}: order {list(self.order)} must index its "
+                              f"{len(self.lengths)} prompt lengths (0..{len(self.lengths) - 1})")
+        if self.arrivals and (len(self.arrivals) != len(self.sent()) or any(a < 0 for a in self.arrivals)
+                              or list(self.arrivals) != sorted(self.arrivals)):
+            raise ConfigError(f"workload {self.name!r}: arrivals {list(self.arrivals)} must give one engine "
+                              f"step >= 0 to each of its {len(self.sent())} sends, in send order (never decreasing)")
 
     @property
     def suite_prompts(self) -> bool:
@@ -66,15 +77,19 @@ class Workload:
         lengths = tuple(long_context if n == LONG else n for n in self.lengths)
         return replace(self, lengths=lengths, new_tokens=self.new_tokens or max_new_tokens)
 
+    def sent(self) -> tuple[int, ...]:
+        """Index into `lengths` of every send, in send order (repeat_first last)."""
+        order = self.order or tuple(range(len(self.lengths)))
+        return order + (order[:1] if self.repeat_first and order else ())
+
     def prompt_lengths(self) -> tuple[int, ...]:
         """Every prompt's length in tokens, in send order (shared prefix included, repeat last)."""
-        own = tuple(self.shared_prefix + n for n in self.lengths)
-        return own + (own[:1] if self.repeat_first and own else ())
+        return tuple(self.shared_prefix + self.lengths[i] for i in self.sent())
 
     def engine_settings(self) -> dict[str, Any]:
         """The engine settings this workload runs under (recorded in the manifest)."""
         return {"schedule": self.schedule, "join_per_step": self.join_per_step, "prefix_cache": self.prefix_cache,
-                "chunk_tokens": self.chunk_tokens, "kv_tokens": self.kv_tokens}
+                "chunk_tokens": self.chunk_tokens, "kv_tokens": self.kv_tokens, "arrivals": list(self.arrivals)}
 
     def sends(self, suite_prompts: int = 0) -> str:
         """What the workload sends, in words (harness list workloads)."""
@@ -87,8 +102,11 @@ class Workload:
                 what += f" after a shared {self.shared_prefix}-token prefix"
             if self.repeat_first:
                 what += ", the first sent twice"
+            if self.order:
+                what += f" (sent as prompts {', '.join(map(str, self.order))})"
         new = f"{self.new_tokens} new tokens" if self.new_tokens else "max_new_tokens new tokens"
         how = self.schedule + (f" ({self.join_per_step} joining per step)" if self.schedule == STAGGERED else "")
+        how += f", arriving at engine steps {', '.join(map(str, self.arrivals))}" if self.arrivals else ""
         routes = [r for r, on in (("prefix cache", self.prefix_cache),
                                   (f"chunked prefill of {self.chunk_tokens} tokens per step", self.chunk_tokens),
                                   (f"a KV pool of {self.kv_tokens} tokens (preemption)", self.kv_tokens)) if on]
@@ -99,7 +117,7 @@ class Workload:
                 "join_per_step": self.join_per_step, "lengths": list(self.lengths), "new_tokens": self.new_tokens,
                 "shared_prefix": self.shared_prefix, "repeat_first": self.repeat_first,
                 "prefix_cache": self.prefix_cache, "chunk_tokens": self.chunk_tokens, "kv_tokens": self.kv_tokens,
-                "route": self.route}
+                "route": self.route, "order": list(self.order), "arrivals": list(self.arrivals)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Workload:
@@ -108,7 +126,8 @@ class Workload:
         if unknown:
             raise ConfigError(f"workload entry: unknown keys {unknown}; valid: {', '.join(sorted(known))}")
         rest = dict(data)
-        rest["lengths"] = tuple(rest.get("lengths", ()))
+        for key in ("lengths", "order", "arrivals"):
+            rest[key] = tuple(rest.get(key, ()))
         return cls(**rest)
 
 
@@ -116,6 +135,15 @@ class Workload:
 # and 128, and one long prompt (the suite's long_context, 136 by default); the full sweep also sits on each boundary
 _STRADDLE: tuple[int, ...] = (1, 3, 17, 65, 129, LONG)
 _STRADDLE_FULL: tuple[int, ...] = (1, 2, 3, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 127, 128, 129, LONG)
+
+# self-consistency: three prompts (5, 13, 21 tokens) sent three times in one lane, each send generating 6
+# tokens (whole prefill at step s, last token at s + 5, closed then): first together with three fillers (27, 9, 17
+# tokens) at step 0; again at step 8, in reverse order, into the slots and state pages the six freed (the
+# pools hand out the most recently freed first); then each alone in its lane at steps 16, 24 and 32, after
+# the previous one finished (another workload's sequences may still share those engine steps).
+_SELF_CONSISTENCY = ("the same three prompts sent three times: first in one batch with three fillers, then in "
+                     "reverse order into the KV slots and recurrent-state pages the first six freed, then each "
+                     "alone; self_consistency holds the copies (and the one-batch twin) against each other")
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload(SUITE_PROMPTS, "the suite's own prompts in one batch"),
@@ -133,6 +161,9 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("chunked-prefill", "a long prompt (long_context) prefilled in chunks of a 48-token budget per step, "
              "next to a short prompt decoding in the same steps", lengths=(LONG, 6), chunk_tokens=48, new_tokens=8,
              route="chunked_prefill"),
+    Workload("self-consistency", _SELF_CONSISTENCY, lengths=(5, 13, 21, 27, 9, 17), new_tokens=6,
+             order=(0, 1, 2, 3, 4, 5, 2, 1, 0, 0, 1, 2), arrivals=(0, 0, 0, 0, 0, 0, 8, 8, 8, 16, 24, 32),
+             route="self_consistency"),
     Workload("preemption", "more concurrent sequences than a 160-token KV pool holds once they grow: the engine "
              "preempts the newest and recomputes it (prompt + its tokens so far) when there is room",
              lengths=(40, 33, 50, 24), kv_tokens=160, new_tokens=10, route="preemption"),
