@@ -49,7 +49,8 @@ def test_clean_speculative_cell_gets_a_real_acceptance_verdict_over_http(tmp_pat
     # position against 0.95 x the reference's (harness-serve's stored baselines hold no histogram)
     assert sum(counters["histogram"]) == counters["drafts"] and len(counters["accepted_per_position"]) == 3
     assert sum(counters["accepted_per_position"]) == counters["accepted_tokens"]
-    assert verdicts["acceptance_per_position"] == "PASS" and "0.95 x the reference" in _reason(cell, "acceptance_per_position")
+    assert verdicts["acceptance_per_position"] == "PASS"
+    assert "0.95 x the reference" in _reason(cell, "acceptance_per_position")
     # what the speculative server returned: its logprobs vs the plain server's and vs its own re-prefill
     assert verdicts["speculative_logprobs"] == "PASS" and verdicts["speculative_consistency"] == "PASS"
     assert verdicts["features_on"] == "SKIP" and "reports no ranks" in _reason(cell, "features_on")
