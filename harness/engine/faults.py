@@ -43,7 +43,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "the speculator's KV heads and KV pool computed with the target's dcp (kv_tp_size = tp // dcp) "
           "although it is not part of the DCP group: its KV pool is over-allocated (SGLang draft worker, "
           "CI OOM); output and acceptance unchanged", needs_dcp=True, needs_speculator="any"),
-    Fault("draft-stale-kv", "acceptance",
+    Fault("draft-stale-kv", "acceptance, acceptance_per_position",
           "rejected draft tokens' K/V not rolled back in the speculator's cache, so later proposals attend "
           "to them: acceptance drops, greedy output stays lossless", needs_speculator="any"),
     Fault("bf16-allreduce", "logits",
@@ -63,7 +63,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "proposals change (a trained MTP's acceptance drops; a synthetic one's accept trace leaves the "
           "reference's), greedy output stays lossless", needs_speculator="mtp"),
     # a bug in the speculative verify step, which the tp1 reference runs too: acceptance_baseline flags it
-    Fault("spec-verify-last-draft", "acceptance_baseline",
+    Fault("spec-verify-last-draft", "acceptance_baseline, acceptance_per_position",
           "the verify step's accept loop bounded by k - 1 instead of k (the bonus position taken for the "
           "last draft position), so the last proposal is never accepted and the target's own token is "
           "committed in its place: output stays lossless and identical in the tp1 reference, which shares "
