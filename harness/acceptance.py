@@ -34,9 +34,6 @@ def total_variation(p: Sequence[int], q: Sequence[int]) -> float:
     return 0.5 * sum(abs(a / sp - b / sq) for a, b in zip(p, q))
 
 
-# ---- lossless ----------------------------------------------------------------------------------------------
-
-
 def accepted_per_position(hist: Sequence[int]) -> list[int]:
     """Verify steps that accepted draft position p = 1..k, from a histogram over accepted counts 0..k: a
     chain's drafts are accepted as a prefix, so position p is accepted by every step that accepted p or more
@@ -54,3 +51,6 @@ def histogram_from_positions(steps: int, per_position: Sequence[int]) -> list[in
         raise RunError(f"per-position accepted counts {list(per_position)} over {steps} verify steps do not "
                        "fall with the position: not a prefix acceptance")
     return [a - b for a, b in zip(counts, [*per_position, 0])]
+
+
+# ---- lossless ----------------------------------------------------------------------------------------------

@@ -92,6 +92,9 @@ def acceptance_per_position(ctx: CellContext) -> list[CheckResult]:
     if spec is None or "k" not in spec:
         return [CheckResult(NAME, Verdict.ERROR, "the parallel run has no speculative decoding results")]
     k = int(spec["k"])
+    if spec.get("histogram_error"):  # the engine's per-position counters were not a prefix acceptance
+        return [CheckResult(NAME, Verdict.ERROR, f"engine {ctx.info.engine}'s per-position counters: "
+                            f"{spec['histogram_error']}")]
     measured = measured_histogram(ctx.par, k)
     if measured is None:
         return [CheckResult(NAME, Verdict.SKIP, f"engine {ctx.info.engine} recorded no per-step accept traces "

@@ -22,16 +22,16 @@ acceptance: against the reference topology's run with the same speculator (tp1-d
       an MTP fed the wrong hidden states on a synthetic model, where the hidden carries little);
   and WARN when the histograms' total-variation distance exceeds tv_warn without a FAIL.
   A collapsed drafter leaves every accuracy gate green: this check is the only place it shows.
+  The first differing verify step is localized (prompt, step, new-token index, what each run proposed,
+  accepted and committed). An engine with only aggregate counters (HTTP: vLLM's spec-decode counters)
+  gets the mean-drop gate alone. The stored baseline (harness/acceptance_baseline.py) is the
+  acceptance check's second result, acceptance_baseline: it sees bugs the reference shares.
 speculative_logprobs / speculative_consistency (an HTTP speculative server's answers, spec_topk_* and
   spec_reprefill_topk_*): each generated step's token and top-k logprobs against the plain server of the
   same setting (gen_*: tokens equal but at near ties of the plain run, top-1 logprob within the bound along
   the common tokens), and against a re-prefill of prompt + those tokens on the speculative server itself
   (the decode-time top-k that verification returned vs the prefill path's: the same context, so the same
   distribution). Noise: the same comparisons in the reference run (harness/compare/schedule.py grade).
-  The first differing verify step is localized (prompt, step, new-token index, what each run proposed,
-  accepted and committed). An engine with only aggregate counters (HTTP: vLLM's spec-decode counters)
-  gets the mean-drop gate alone. The stored baseline (harness/acceptance_baseline.py) is the
-  acceptance check's second result, acceptance_baseline: it sees bugs the reference shares.
 """
 
 from __future__ import annotations
