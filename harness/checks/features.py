@@ -7,7 +7,8 @@ proof comes from:
 
 - tp (tp > 1): the run reports tp ranks whose Q heads differ (layout.json's rank reports);
 - dcp (dcp > 1): every rank reports a DCP group of dcp members, and where it reports the positions it
-  stored of the probe sequence (RankReport.stored_positions), no rank of a group stored all of them;
+  stored of the probe sequence (RankReport.stored_positions), no rank whose placement share is less than
+  the whole sequence stored all of it (a probe inside one interleave chunk cannot show the split: SKIP);
 - placement (dcp > 1, with stored positions): what each rank stored is the placement's share
   (harness/compare/placement_check.py);
 - ep (ep > 1): the MoE ranks route different experts and none routes them all (RankReport.hybrid.moe);
@@ -33,6 +34,7 @@ from harness.compare.placement_check import placement_problems
 from harness.compare.speculative import has_traces, speculative_manifest
 from harness.contract import SPEC_ACCEPTED
 from harness.errors import RunError
+from harness.layout import local_positions
 from harness.rankreport import RankReport, read_ranks
 from harness.specs.topology import Topology
 from harness.verdict import CheckResult, Verdict
@@ -77,15 +79,20 @@ def dcp_feature(ctx: CellContext, topo: Topology, ranks: tuple[RankReport, ...] 
     if sizes != [topo.dcp]:
         return Feature("dcp", False, f"dcp={topo.dcp} requested; the ranks report DCP groups of "
                                      f"{'/'.join(map(str, sizes))} members")
-    stored = [r for r in ranks if r.stored_positions is not None]
-    whole = [r.rank for r in stored if r.stored_positions is not None
-             and r.stored_positions.length >= topo.dcp
-             and len(set(r.stored_positions.positions)) >= r.stored_positions.length]
+    # ranks whose placement share of the probe sequence is less than all of it: where a split is observable
+    split = [(r, sp) for r in ranks if (sp := r.stored_positions) is not None
+             and len(local_positions(sp.length, r.dcp_rank, topo.dcp, ctx.plan.placement, sp.prompt_len)) < sp.length]
+    whole = [r.rank for r, sp in split if len(set(sp.positions)) >= sp.length]
     if whole:
         return Feature("dcp", False, f"dcp={topo.dcp} requested, but rank{'s' if len(whole) > 1 else ''} "
                                      f"{', '.join(map(str, whole))} stored every token of the probe sequence: "
                                      f"the tokens were not split over the DCP group (dcp=1 in effect)")
-    how = "; no rank stored every token" if stored else " (no stored positions reported)"
+    if any(r.stored_positions is not None for r in ranks) and not split:
+        length = max(r.stored_positions.length for r in ranks if r.stored_positions is not None)
+        return Feature("dcp", None, f"the probe sequence's {length} tokens all fall on one rank of each DCP group "
+                                    f"under the {ctx.plan.placement.label} placement, so whether the engine "
+                                    f"split them is not observable")
+    how = "; no rank stored every token" if split else " (no stored positions reported)"
     return Feature("dcp", True, f"DCP groups of {topo.dcp} members{how}")
 
 
