@@ -33,7 +33,7 @@ from harness.checks.workload_checks import ROUTES, workload_entry
 from harness.compare.placement_check import placement_problems
 from harness.compare.speculative import has_traces, speculative_manifest
 from harness.contract import SPEC_ACCEPTED
-from harness.errors import RunError
+from harness.errors import ConfigError, RunError
 from harness.layout import local_positions
 from harness.rankreport import RankReport, read_ranks
 from harness.specs.topology import Topology
@@ -174,11 +174,23 @@ def requested_features(ctx: CellContext, topo: Topology) -> list[Feature]:
     return [f for f in out if f is not None]
 
 
+def requested_topology(ctx: CellContext) -> Topology:
+    """What the cell asked the engine for: the job's topology the run recorded, else (an in-memory run
+    without one) the plan's tp, dcp and placement with the cell's speculator."""
+    recorded = ctx.par.manifest.get("topology")
+    if isinstance(recorded, Mapping):
+        return Topology.from_dict(recorded, "manifest topology")
+    placement = ctx.plan.placement
+    return Topology(tp=ctx.plan.tp, dcp=ctx.plan.dcp, speculator=ctx.info.speculator,
+                    interleave=placement.size if placement.kind == "interleave" else 1,
+                    contiguous=placement.kind == "contiguous", q_replicated=ctx.plan.q_replicated)
+
+
 def features_on(ctx: CellContext) -> list[CheckResult]:
     try:
-        topo = Topology.from_dict(ctx.par.manifest["topology"], "manifest topology")
+        topo = requested_topology(ctx)
         features = requested_features(ctx, topo)
-    except (RunError, KeyError) as exc:
+    except (RunError, ConfigError) as exc:
         return [CheckResult(NAME, Verdict.ERROR, f"cannot read what the engine ran: {exc}")]
     metrics: dict[str, Any] = {"features": [{"feature": f.name, "ran": f.ran, "evidence": f.why} for f in features]}
     off = [f for f in features if f.ran is False]
