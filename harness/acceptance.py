@@ -34,4 +34,23 @@ def total_variation(p: Sequence[int], q: Sequence[int]) -> float:
     return 0.5 * sum(abs(a / sp - b / sq) for a, b in zip(p, q))
 
 
+def accepted_per_position(hist: Sequence[int]) -> list[int]:
+    """Verify steps that accepted draft position p = 1..k, from a histogram over accepted counts 0..k: a
+    chain's drafts are accepted as a prefix, so position p is accepted by every step that accepted p or more
+    ([k] counts; each verify step drafted every position)."""
+    return [sum(hist[p:]) for p in range(1, len(hist))]
+
+
+def histogram_from_positions(steps: int, per_position: Sequence[int]) -> list[int]:
+    """The inverse of accepted_per_position: verify steps per accepted count 0..k from the number of verify
+    steps and the accepted count of each draft position (vLLM's spec_decode_num_drafts and
+    spec_decode_num_accepted_tokens_per_pos counters). Counts that are not a prefix acceptance (a later
+    position accepted more often than an earlier one, or more than the steps) are a RunError."""
+    counts = [steps, *per_position]
+    if any(b > a for a, b in zip(counts, counts[1:])) or min(counts, default=0) < 0:
+        raise RunError(f"per-position accepted counts {list(per_position)} over {steps} verify steps do not "
+                       "fall with the position: not a prefix acceptance")
+    return [a - b for a, b in zip(counts, [*per_position, 0])]
+
+
 # ---- lossless ----------------------------------------------------------------------------------------------

@@ -47,6 +47,11 @@ GEN_TOPK_LOGPROBS = "gen_topk_logprobs"    # [N, k] float32
 SPEC_TOKENS = "spec_tokens"                # [N] int64 greedy generation with the speculator
 SPEC_ACCEPTED = "spec_accepted"            # [S] int64 accepted draft tokens per verify step
 SPEC_DRAFTS = "spec_drafts"                # [S, k] int64, optional: the proposals of each verify step
+# an HTTP speculative server's answer per generated step, and its re-prefill of prompt + those tokens
+SPEC_TOPK_IDS = "spec_topk_ids"            # [N, k] int64
+SPEC_TOPK_LOGPROBS = "spec_topk_logprobs"  # [N, k] float32
+SPEC_REPREFILL_TOPK_IDS = "spec_reprefill_topk_ids"            # [N, k] int64
+SPEC_REPREFILL_TOPK_LOGPROBS = "spec_reprefill_topk_logprobs"  # [N, k] float32
 # workload runs (Job.workloads): the same prompts generated once more in one plain batch (no prefix cache,
 # no chunks, no preemption: the schedule twin), and each generation re-prefilled (prompt + new tokens)
 TWIN_TOKENS = "twin_tokens"                # [N] int64 greedy generation of the plain batch

@@ -21,7 +21,8 @@ MANIFEST_FIELDS: dict[str, type | tuple[type, ...]] = {
 TOPOLOGY_FIELDS: tuple[str, ...] = ("name", "tp", "dcp")
 MODEL_FIELDS: tuple[str, ...] = ("name", "heads", "kv_heads", "head_dim", "hidden", "layers", "vocab")
 INT_KINDS: frozenset[str] = frozenset({c.PREFILL_TOPK_IDS, c.DECODE_TOPK_IDS, c.GEN_TOKENS, c.GEN_TOPK_IDS,
-                                       c.SPEC_TOKENS, c.SPEC_ACCEPTED, c.SPEC_DRAFTS})
+                                       c.SPEC_TOKENS, c.SPEC_ACCEPTED, c.SPEC_DRAFTS, c.SPEC_TOPK_IDS,
+                                       c.SPEC_REPREFILL_TOPK_IDS})
 
 
 def load_run(path: Path) -> tuple[RunArtifacts | None, list[str]]:

@@ -173,3 +173,47 @@ def test_show_lists_the_shipped_acceptance_baselines(capsys: pytest.CaptureFixtu
     assert main(["baseline", "show", "--acceptance"]) == 0
     out = capsys.readouterr().out
     assert "tiny-gqa" in out and "harness-serve" in out and "embedded" in out and "mean accepted length" in out
+
+
+def test_per_position_counts_and_histogram_are_inverse() -> None:
+    from harness.acceptance import accepted_per_position, histogram_from_positions
+    from harness.errors import RunError
+
+    hist = [42, 12, 9, 13]  # 76 verify steps: 34 accepted position 1, 22 position 2, 13 position 3
+    assert accepted_per_position(hist) == [34, 22, 13]
+    assert histogram_from_positions(76, [34, 22, 13]) == hist
+    with pytest.raises(RunError, match="not a prefix acceptance"):
+        histogram_from_positions(76, [10, 22, 13])  # position 2 accepted more often than position 1
+
+
+def test_vllm_per_position_counters_parse_and_give_a_histogram() -> None:
+    from harness.backends.http import POSITION_KEY, counters_delta
+    from harness.backends.http_dialects import parse_position_counters
+
+    text = ('vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 9.0\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="0"} 1.0\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 4.0\n'
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 16.0\n')
+    assert parse_position_counters(text) == {0: 10.0, 1: 4.0}
+    assert parse_position_counters("vllm:prompt_tokens_total 100.0\n") == {}
+    before = {"drafts": 4.0, "accepted_tokens": 2.0, f"{POSITION_KEY}0": 2.0, f"{POSITION_KEY}1": 0.0}
+    after = {"drafts": 16.0, "accepted_tokens": 14.0, f"{POSITION_KEY}0": 10.0, f"{POSITION_KEY}1": 4.0}
+    delta = counters_delta(before, after)
+    assert delta is not None and delta["accepted_per_position"] == [8, 4] and delta["histogram"] == [4, 4, 4]
+    assert not any(k.startswith(POSITION_KEY) for k in delta)
+
+
+def test_position_gate_fails_naming_the_collapsed_position_and_passes_noise() -> None:
+    from harness.checks.acceptance_position import gate_positions, rates
+
+    expected = rates([42, 12, 9, 13])  # positions 1..3: 0.447, 0.289, 0.171
+    same = gate_positions([42, 12, 9, 13], expected, "the stored baseline", SETTINGS)
+    assert same.verdict is Verdict.PASS, same.reason
+    noisy = gate_positions([44, 12, 10, 11], expected, "the stored baseline", SETTINGS)  # one step's worth off
+    assert noisy.verdict is Verdict.PASS, noisy.reason
+    # the last position collapses (TensorRT-LLM #16617's class), positions 1 and 2 hold
+    late = gate_positions([42, 12, 21, 1], expected, "the stored baseline", SETTINGS)
+    assert late.verdict is Verdict.FAIL and late.reason.startswith("draft position 3: acceptance 0.013"), late.reason
+    assert [r["verdict"] for r in late.metrics["positions"]] == ["PASS", "PASS", "FAIL"]
+    few = gate_positions([1, 0, 0, 0], [0.05, 0.02, 0.01], "the stored baseline", SETTINGS)  # no power
+    assert few.verdict is Verdict.SKIP and "no power at any position" in few.reason

@@ -26,7 +26,7 @@ from harness.arch.model import model_of
 from harness.arch.plan import plan_model
 from harness.arch.scope import OWNED_FAULTS
 from harness.cli.plan import plan_document
-from harness.engine.engine import Engine, PoolSettings
+from harness.engine.engine import Engine
 from harness.engine.faults import FAULTS
 from harness.engine.parallel import ParallelState
 from harness.engine.weights import load_weights
@@ -36,6 +36,7 @@ from harness.layout import plan_layout, plan_speculator
 from harness.mla_layout import plan_mla
 from harness.specs.checkpoint import load_model
 from harness.specs.model import shipped_models
+from harness.specs.pool import PoolSettings
 from harness.specs.topology import load_catalog
 
 HARNESS = Path(__file__).resolve().parents[1] / "harness"

@@ -29,9 +29,10 @@ def test_spec_suite_passes_with_acceptance_details(tmp_path: Path, cache_dir: Pa
                  "--cache-dir", str(cache_dir)]) == 0
     for cell in _cells(tmp_path):
         verdicts = {c["name"]: c["verdict"] for c in cell["checks"]}
-        assert verdicts == {name: "PASS" for name in ("inputs", "layout", "speculator_layout", "logits_prefill",
-                                                      "logits_decode", "generation", "collectives", "lossless",
-                                                      "acceptance", "acceptance_baseline")}
+        assert verdicts == {**{name: "PASS" for name in (
+            "inputs", "layout", "speculator_layout", "features_on", "logits_prefill", "logits_decode", "generation",
+            "collectives", "lossless", "acceptance", "acceptance_baseline", "acceptance_per_position")},
+            "speculative_logprobs": "SKIP"}  # the embedded speculative path returns tokens only
         spec = cell["details"]["speculator"]
         assert 1.0 < spec["mean_acceptance"] < 4.0  # mean accepted length: neither none nor all (k=3)
         assert spec["mean_acceptance"] == spec["reference_mean_acceptance"] and spec["traces_differ"] == 0
@@ -47,11 +48,11 @@ def test_spec_suite_passes_with_acceptance_details(tmp_path: Path, cache_dir: Pa
 
 @pytest.mark.parametrize(("fault", "topo", "flagged"), [
     ("draft-dcp-kv-heads", "tp2dcp2-draft", {"speculator_layout"}),
-    ("draft-stale-kv", "tp2dcp2-draft", {"acceptance", "acceptance_baseline"}),
+    ("draft-stale-kv", "tp2dcp2-draft", {"acceptance", "acceptance_baseline", "acceptance_per_position"}),
     ("mtp-wrong-hidden", "tp2dcp2-mtp", {"acceptance"}),
     ("mtp-dcp-hidden-owner", "tp2dcp2-mtp", {"acceptance"}),  # the same wrong state on every DCP rank
     # a verify bug the tp1 reference shares: only the stored baseline sees it
-    ("spec-verify-last-draft", "tp2dcp2-mtp", {"acceptance_baseline"}),
+    ("spec-verify-last-draft", "tp2dcp2-mtp", {"acceptance_baseline", "acceptance_per_position"}),
 ])
 def test_speculator_fault_flagged_by_its_check_only(tmp_path: Path, cache_dir: Path, fault: str, topo: str,
                                                     flagged: set[str]) -> None:
@@ -61,7 +62,7 @@ def test_speculator_fault_flagged_by_its_check_only(tmp_path: Path, cache_dir: P
     failed = {c["name"] for c in cell["checks"] if c["verdict"] == "FAIL"}
     assert failed == flagged
     # a broken drafter is a speed regression (outputs agree), a wrong draft layout a layout bug
-    performance = flagged <= {"acceptance", "acceptance_baseline"}
+    performance = flagged <= {"acceptance", "acceptance_baseline", "acceptance_per_position"}
     assert cell["failure_class"] == ("performance" if performance else "output")
     assert cell["silent_corruption"] is not performance
     if performance:

@@ -19,8 +19,8 @@ PLAN = plan_layout(GQA, 4, 4)
 def test_clean_cell_passes_every_check_without_localization() -> None:
     ref, noise, par = synthetic_runs(PLAN)
     checks, loc, details = compare_cell(ref, par, noise, PLAN, CheckSettings())
-    assert [c.name for c in checks] == ["inputs", "layout", "logits_prefill", "logits_decode", "generation",
-                                        "collectives"]
+    assert [c.name for c in checks] == ["inputs", "layout", "features_on", "logits_prefill", "logits_decode",
+                                        "generation", "collectives"]
     assert all(c.verdict is Verdict.PASS for c in checks), [c.reason for c in checks]
     assert loc is None
     assert details["layout"]["planned"]["dcp"] == 4 and details["layout"]["actual"] == par.layout["target"]
@@ -43,7 +43,8 @@ def test_dcp_tp_kv_layout_bug_fails_and_localizes_with_the_group() -> None:
     bad = replace(bad, layout={"target": layout_entry(plan_layout(GQA, 4, 4, kv_dcp=1), pool_plan=PLAN)})
     checks, loc, details = compare_cell(ref, bad, noise, PLAN, CheckSettings())
     verdicts = {c.name: c.verdict for c in checks}
-    assert verdicts == {"inputs": Verdict.PASS, "layout": Verdict.FAIL, "logits_prefill": Verdict.PASS,
+    assert verdicts == {"inputs": Verdict.PASS, "layout": Verdict.FAIL, "features_on": Verdict.PASS,
+                        "logits_prefill": Verdict.PASS,
                         "logits_decode": Verdict.FAIL, "generation": Verdict.PASS, "collectives": Verdict.PASS}
     assert loc is not None and loc.layer == 0 and loc.heads == tuple(range(8)) and loc.ranks == (0, 1, 2, 3)
     # ranks of the group read different KV heads for the same Q head: the summary says so
@@ -76,8 +77,8 @@ def test_failed_parallel_run_gives_error_checks() -> None:
     checks, loc, details = compare_cell(ref, crashed, noise, PLAN, CheckSettings())
     assert {c.verdict for c in checks} == {Verdict.ERROR} and loc is None and details == {}
     assert checks[0].reason == "parallel run failed: rank 2 exited with code 137"
-    assert [c.name for c in checks] == ["inputs", "layout", "logits_prefill", "logits_decode", "generation",
-                                        "collectives", "localization"]
+    assert [c.name for c in checks] == ["inputs", "layout", "features_on", "logits_prefill", "logits_decode",
+                                        "generation", "collectives", "localization"]
 
 
 def test_missing_noise_run_still_compares_on_floors() -> None:

@@ -45,6 +45,16 @@ def test_clean_speculative_cell_gets_a_real_acceptance_verdict_over_http(tmp_pat
     counters = read_json(Path(cell["run_dir"]) / "manifest.json")["speculative"]
     assert counters["source"] == "metrics" and counters["draft_tokens"] == 3 * counters["drafts"] > 0
     assert spec["mean_acceptance"] == pytest.approx(1 + counters["accepted_tokens"] / counters["drafts"])
+    # the per-position counters (vllm:spec_decode_num_accepted_tokens_per_pos) give the histogram, gated per
+    # position against 0.95 x the reference's (harness-serve's stored baselines hold no histogram)
+    assert sum(counters["histogram"]) == counters["drafts"] and len(counters["accepted_per_position"]) == 3
+    assert sum(counters["accepted_per_position"]) == counters["accepted_tokens"]
+    assert verdicts["acceptance_per_position"] == "PASS"
+    assert "0.95 x the reference" in _reason(cell, "acceptance_per_position")
+    # what the speculative server returned: its logprobs vs the plain server's and vs its own re-prefill
+    assert verdicts["speculative_logprobs"] == "PASS" and verdicts["speculative_consistency"] == "PASS"
+    assert verdicts["features_on"] == "SKIP" and "reports no ranks" in _reason(cell, "features_on")
+    assert "speculator (draft)" in _reason(cell, "features_on")  # proven from the counters
 
 
 @pytest.mark.slow
@@ -56,6 +66,25 @@ def test_stale_draft_kv_fails_acceptance_over_http(tmp_path: Path, cache: Path) 
     assert verdicts["lossless"] == "PASS"
     spec = cell["details"]["speculator"]
     assert spec["mean_acceptance"] < spec["reference_mean_acceptance"] - 0.05
+    assert verdicts["acceptance_per_position"] == "FAIL"
+    assert _reason(cell, "acceptance_per_position").startswith("draft position ")
+    assert verdicts["speculative_logprobs"] == "PASS"  # output and its logprobs unchanged
+
+
+@pytest.mark.slow
+def test_shifted_speculative_logprobs_fail_over_http(tmp_path: Path, cache: Path) -> None:
+    """The positive control of speculative_logprobs: tokens and acceptance unchanged, the logprobs the
+    speculative server returns are the next position's; the plain server and lossless see nothing."""
+    cell = _run(tmp_path / "shift", cache, "--fault", "spec-logprob-shift")
+    verdicts = cell["verdicts"]
+    assert cell["exit"] == 1 and cell["silent_corruption"], cell["checks"]
+    assert verdicts["speculative_logprobs"] == "FAIL" and verdicts["speculative_consistency"] == "FAIL"
+    assert "speculative vs plain server: logprob difference" in _reason(cell, "speculative_logprobs")
+    assert {n for n, v in verdicts.items() if v == "FAIL"} == {"speculative_logprobs", "speculative_consistency"}
+
+
+def _reason(cell: dict, name: str) -> str:
+    return next(str(c["reason"]) for c in cell["checks"] if c["name"] == name)
 
 
 @pytest.mark.slow

@@ -58,6 +58,7 @@ def test_every_workload_is_a_clean_cell_with_its_command_and_token_counts(tmp_pa
         checks = {ch["name"]: ch for ch in cell["checks"]}
         assert checks["decode_consistency"]["verdict"] == "PASS"
         assert checks["generation"]["verdict"] == "PASS"
+        assert checks["features_on"]["verdict"] == "PASS", checks["features_on"]  # tp, dcp, placement, its route
     route = {"concurrent": "batch_invariance", "prefix-cache": "prefix_cache", "chunked-prefill": "chunked_prefill",
              "preemption": "preemption"}
     for name, check in route.items():
@@ -88,6 +89,24 @@ def test_prefix_cache_hits_follow_the_token_placement(tmp_path: Path, suite_file
     assert cells["tp2dcp2c"]["prefix_cache"]["verdict"] == "SKIP"
     assert "took no prefix_cache route" in cells["tp2dcp2c"]["prefix_cache"]["reason"]
     assert cells["tp2dcp2c"]["generation"]["verdict"] == "PASS"
+    # features_on: the hits prove the route on; under contiguous the engine declares it cannot cache (not silent)
+    assert "prefix_cache on (prefix_hits = " in cells["tp2dcp2i4"]["features_on"]["reason"]
+    assert cells["tp2dcp2c"]["features_on"]["verdict"] == "SKIP"
+    assert "declares its prefix cache unable" in cells["tp2dcp2c"]["features_on"]["reason"]
+
+
+def test_a_prefix_cache_that_never_hits_fails_features_on(tmp_path: Path, suite_file: Path, cache_dir: Path) -> None:
+    """The positive control of features_on: outputs are unchanged, so the route check only SKIPs (no hit);
+    the requested route that did not run is a FAIL naming it."""
+    code, doc = _run(tmp_path / "r", suite_file, cache_dir, "--fault", "prefix-cache-never-hits",
+                     "--workload", "prefix-cache")
+    (cell,) = doc["cells"]
+    checks = {ch["name"]: ch for ch in cell["checks"]}
+    assert code == 1 and cell["status"] == "FAIL"
+    assert {n for n, ch in checks.items() if ch["verdict"] == "FAIL"} == {"features_on"}
+    assert checks["features_on"]["reason"].startswith("requested but not run: prefix_cache:")
+    assert "prefix_hits = 0" in checks["features_on"]["reason"]
+    assert checks["prefix_cache"]["verdict"] == "SKIP" and checks["generation"]["verdict"] == "PASS"
 
 
 @pytest.mark.parametrize(("fault", "workloads", "failing", "checks"), [

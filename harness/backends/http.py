@@ -48,6 +48,7 @@ import yaml
 
 from harness import __version__
 from harness import contract as c
+from harness.acceptance import histogram_from_positions
 from harness.arch.model import model_of
 from harness.artifacts import write_run
 from harness.backends import server_pool
@@ -56,7 +57,14 @@ from harness.backends.build import check_label
 from harness.backends.embedded import weights_key
 from harness.backends.http_capture import read_captures, write_probe_cases
 from harness.backends.http_collect import Collected, collect
-from harness.backends.http_dialects import DIALECTS, Dialect, Generation, parse_spec_counters, post_json
+from harness.backends.http_dialects import (
+    DIALECTS,
+    Dialect,
+    Generation,
+    parse_position_counters,
+    parse_spec_counters,
+    post_json,
+)
 from harness.backends.http_layout import probe_layout
 from harness.backends.http_send import SendSchedule
 from harness.backends.http_server import (
@@ -67,7 +75,7 @@ from harness.backends.http_server import (
     server_death,
     wait_ready,
 )
-from harness.backends.http_workloads import case_groups, collect_workloads
+from harness.backends.http_workloads import case_groups, collect_workloads, reprefill_rows
 from harness.backends.server_pool import probe_folder as probe_dir
 from harness.contract import Backend, Capabilities, Job, LaunchResult
 from harness.engine.faults import FAULTS
@@ -382,10 +390,9 @@ class HttpBackend(Backend):
                 collected.tensors.update(read_captures(probe_dir(logs[0]), job.topology.tp, collected.cases))
             counters = kv_spec = served_spec = None
             if speculative:
-                _, (tokens, counters), kv_spec, served_spec = self._serve(job, logs[1], deadline,
-                                                                          self._collect_speculative)
-                collected.tensors.update({c.tensor_key(c.SPEC_TOKENS, case.index): t
-                                          for case, t in zip(collected.cases, tokens)})
+                _, (spec_tensors, counters), kv_spec, served_spec = self._serve(job, logs[1], deadline,
+                                                                                self._collect_speculative)
+                collected.tensors.update(spec_tensors)
         except (RunError, ConfigError) as exc:
             tail = exc.tail if isinstance(exc, ServerError) else "\n".join(log_tail(p) for p in logs)
             line = refusal(self.spec.refuses, logs) if isinstance(exc, ServerError) else None
@@ -476,16 +483,30 @@ class HttpBackend(Backend):
                                  job.gsm8k.data_path, job.pool.max_seq_len)
         return replace(collected, gsm8k=result.to_dict())
 
-    def _collect_speculative(self, job: Job, client: httpx.Client) -> tuple[list[torch.Tensor], dict[str, Any]]:
-        """Greedy generations with the speculator, and its counters' growth over them."""
+    def _collect_speculative(self, job: Job, client: httpx.Client) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Greedy generations with the speculator (tokens and each step's top-k logprobs as the server returns
+        them), its counters' growth over them, then a re-prefill of prompt + generated tokens on the same
+        server (after the counters: a scoring request may run a verify step too)."""
         before = spec_counters(client)
         dialect = self._dialect(job, client)
-        generated = [g for cases, new_tokens in case_groups(job, load_tokenizer(job.model))
-                     for g in dialect.generate([case.prompt_ids for case in cases], new_tokens, 1,
-                                               job.schedule == c.SCHEDULE_BATCHED)]
+        together = job.schedule == c.SCHEDULE_BATCHED
+        groups = case_groups(job, load_tokenizer(job.model))
+        cases = [case for group, _ in groups for case in group]
+        generated = [g for group, new_tokens in groups
+                     for g in dialect.generate([case.prompt_ids for case in group], new_tokens, job.top_k, together)]
         counters = request_counts(generated) or counters_delta(before, spec_counters(client)) or {"source": "none"}
         summary = {"kind": job.topology.speculator, "k": _spec_k(job), **counters}
-        return [g.tokens for g in generated], summary
+        rescored = dialect.score([case.prompt_ids + tuple(int(t) for t in g.tokens)
+                                  for case, g in zip(cases, generated)], self.spec.max_logprobs, together)
+        key = c.tensor_key
+        tensors: dict[str, torch.Tensor] = {}
+        for case, g, r in zip(cases, generated, rescored):
+            ids, lps = reprefill_rows(r, len(case.prompt_ids), int(g.tokens.numel()))
+            tensors.update({key(c.SPEC_TOKENS, case.index): g.tokens, key(c.SPEC_TOPK_IDS, case.index): g.ids,
+                            key(c.SPEC_TOPK_LOGPROBS, case.index): g.logprobs,
+                            key(c.SPEC_REPREFILL_TOPK_IDS, case.index): ids,
+                            key(c.SPEC_REPREFILL_TOPK_LOGPROBS, case.index): lps})
+        return tensors, summary
 
     def _failed(self, job: Job, error: str, tail: str, wall: float, refused: str = "") -> LaunchResult:
         write_json(Path(job.out_dir) / c.MANIFEST_FILE,
@@ -549,23 +570,42 @@ def request_schedule(job: Job) -> SendSchedule | None:
     return job.request_schedule
 
 
+POSITION_KEY = "accepted_pos"  # spec_counters' key prefix of the per-position counters: accepted_pos0, ...
+
+
 def spec_counters(client: httpx.Client) -> dict[str, float] | None:
-    """The server's spec-decode counters (http_dialects.parse_spec_counters); None when it exports none."""
+    """The server's spec-decode counters (http_dialects.parse_spec_counters) with its per-position accepted
+    counters as accepted_pos<P> (parse_position_counters); None when it exports none."""
     try:
         text = client.get("/metrics").text
     except httpx.HTTPError:
         return None
-    return parse_spec_counters(text)
+    totals = parse_spec_counters(text)
+    if totals is None:
+        return None
+    return {**totals, **{f"{POSITION_KEY}{p}": v for p, v in parse_position_counters(text).items()}}
 
 
 def counters_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
     """The counters' growth over this run's requests and the mean accepted length it implies
-    (tokens committed per verify step: 1 + accepted / drafts)."""
+    (tokens committed per verify step: 1 + accepted / drafts); with per-position counters also their
+    growth per draft position and the histogram of verify steps per accepted count they imply."""
     if after is None:
         return None
-    delta = {k: v - (before or {}).get(k, 0.0) for k, v in after.items()}
+    delta = {k: v - (before or {}).get(k, 0.0) for k, v in after.items() if not k.startswith(POSITION_KEY)}
     drafts, accepted = delta.get("drafts", 0.0), delta.get("accepted_tokens", 0.0)
-    return {"source": "metrics", **delta, "mean_accepted_length": (1.0 + accepted / drafts) if drafts else None}
+    out: dict[str, Any] = {"source": "metrics", **delta,
+                           "mean_accepted_length": (1.0 + accepted / drafts) if drafts else None}
+    positions = sorted(int(k[len(POSITION_KEY):]) for k in after if k.startswith(POSITION_KEY))
+    if positions and positions == list(range(len(positions))):
+        per_position = [int(after[f"{POSITION_KEY}{p}"] - (before or {}).get(f"{POSITION_KEY}{p}", 0.0))
+                        for p in positions]
+        out["accepted_per_position"] = per_position
+        try:
+            out["histogram"] = histogram_from_positions(int(drafts), per_position)
+        except RunError as exc:  # kept as the engine counted it; the per-position check says why it reads none
+            out["histogram_error"] = str(exc)
+    return out
 
 
 def request_counts(generated: list[Generation]) -> dict[str, Any] | None:

@@ -26,6 +26,9 @@ TOKEN_ID_KEY = re.compile(r"^token_id:(-?\d+)$")
 # vLLM v1's speculative-decoding Prometheus counters (vllm/v1/spec_decode/metrics.py): verify steps
 # ("drafts"), proposed tokens and accepted tokens, one sample per label set (engine, model)
 SPEC_COUNTER = re.compile(r"^vllm:spec_decode_num_(drafts|draft_tokens|accepted_tokens)_total(?:\{[^}]*\})?\s+(\S+)")
+# and the accepted tokens per draft position (0-based label `position`), summed over the other labels
+SPEC_POSITION_COUNTER = re.compile(
+    r'^vllm:spec_decode_num_accepted_tokens_per_pos(?:_total)?\{[^}]*\bposition="(\d+)"[^}]*\}\s+(\S+)')
 Post = Callable[[str, dict[str, Any]], Any]
 
 
@@ -117,6 +120,17 @@ def parse_spec_counters(metrics_text: str) -> dict[str, float] | None:
         if match:
             totals[match.group(1)] = totals.get(match.group(1), 0.0) + float(match.group(2))
     return totals if "drafts" in totals else None
+
+
+def parse_position_counters(metrics_text: str) -> dict[int, float]:
+    """Prometheus text -> {draft position (0-based): accepted tokens} from vLLM's
+    vllm:spec_decode_num_accepted_tokens_per_pos counters summed over label sets; {} when it exports none."""
+    totals: dict[int, float] = {}
+    for line in metrics_text.splitlines():
+        match = SPEC_POSITION_COUNTER.match(line)
+        if match:
+            totals[int(match.group(1))] = totals.get(int(match.group(1)), 0.0) + float(match.group(2))
+    return totals
 
 
 def token_id(key: str) -> int:

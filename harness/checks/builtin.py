@@ -24,8 +24,14 @@ from harness.compare.settings import (
     LocalizationSettings,
     LogitsSettings,
     LosslessSettings,
+    SpeculativeOutputSettings,
 )
-from harness.compare.speculative import acceptance_from_runs, lossless_from_run, speculator_details
+from harness.compare.speculative import (
+    acceptance_from_runs,
+    check_speculative_output,
+    lossless_from_run,
+    speculator_details,
+)
 from harness.compare.topk import check_topk
 from harness.details import HeadErrors, LayerErrors, LayoutDetails, PromptDetails, SpeculatorDetails
 from harness.errors import RunError
@@ -176,6 +182,10 @@ def collectives(ctx: CellContext) -> list[CheckResult]:
 
 def lossless(ctx: CellContext) -> list[CheckResult]:
     return [lossless_from_run(ctx.par, ctx.settings.of(LosslessSettings))]
+
+
+def speculative_logprobs(ctx: CellContext) -> list[CheckResult]:
+    return check_speculative_output(ctx.par, ctx.ref, ctx.settings.of(SpeculativeOutputSettings))
 
 
 def acceptance(ctx: CellContext) -> list[CheckResult]:

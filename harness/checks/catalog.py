@@ -35,6 +35,7 @@ from harness.compare.settings import (
     LosslessSettings,
     ScheduleSettings,
     SelfConsistencySettings,
+    SpeculativeOutputSettings,
 )
 from harness.errors import ConfigError
 from harness.plugins import load_target, registered
@@ -86,6 +87,9 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("speculator_layout", "speculator_layout", f"{_B}:speculator_layout",
               "the draft/MTP model keeps the plain TP layout and its own KV pool",
               requires=(c.LAYOUT_REPORT,), cells="speculative"),
+    CheckSpec("features_on", "features_on", "harness.checks.features:features_on",
+              "the engine ran every route the cell asked for (tp, DCP size, placement, EP expert map, the workload's "
+              "route, speculator), from its rank reports, route stats and spec-decode traces or counters"),
     CheckSpec("logits_prefill", "logits", f"{_B}:logits_prefill",
               "teacher-forced prefill logits: KL, abs/logprob error, top-1/top-k agreement, near ties",
               settings=LogitsSettings, requires=(c.PROMPT_LOGPROBS,), requires_any=(c.FULL_LOGITS, c.TOPK_LOGPROBS),
@@ -108,9 +112,18 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("lossless", "lossless", f"{_B}:lossless",
               "speculative greedy output equals plain greedy output of the same run",
               settings=LosslessSettings, requires=(c.GENERATION,), cells="speculative"),
+    CheckSpec("speculative_logprobs", "speculative_output", f"{_B}:speculative_logprobs",
+              "what a speculative server returns per step (tokens, top-k logprobs) against the plain server of the "
+              "same setting, and (speculative_consistency) its decode-time top-k against its own re-prefill",
+              settings=SpeculativeOutputSettings, requires=(c.GENERATION,), cells="speculative"),
     CheckSpec("acceptance", "acceptance", f"{_B}:acceptance",
               "mean accepted length and per-prompt accept traces against the reference with the same speculator, "
               "and acceptance_baseline against baselines/acceptance.yaml",
+              settings=AcceptanceSettings, requires_any=(c.ACCEPT_TRACES, c.ACCEPTANCE_AGGREGATE), cells="speculative",
+              performance_only=True),
+    CheckSpec("acceptance_per_position", "acceptance", "harness.checks.acceptance_position:acceptance_per_position",
+              "each draft position's acceptance rate (per-step traces, or vLLM's per-position counters) against the "
+              "stored baseline's histogram, else 0.95 x the reference's, by GSM8K's one-sided test",
               settings=AcceptanceSettings, requires_any=(c.ACCEPT_TRACES, c.ACCEPTANCE_AGGREGATE), cells="speculative",
               performance_only=True),
     CheckSpec("gsm8k", "gsm8k", f"{_B}:gsm8k",

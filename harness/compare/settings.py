@@ -160,10 +160,16 @@ class AcceptanceSettings:
     # |mean accepted length - baseline| > max(baseline_abs_tol, baseline_rel_tol x baseline)
     baseline_abs_tol: float = 0.05  # tokens
     baseline_rel_tol: float = 0.03  # x the baseline's mean accepted length
+    # acceptance_per_position: each draft position's rate against the baseline's (else reference_floor x the
+    # reference run's) by GSM8K's one-sided test at this false-alarm rate
+    position_alpha: float = 0.05
+    reference_floor: float = 0.95   # TensorRT-LLM's acceptance floor: 0.95 x the reference
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
-        for name in ("trace_fail_fraction", "tv_warn"):
+        if not 0 < self.position_alpha < 1:
+            raise ConfigError(f"{type(self).__name__}: position_alpha={self.position_alpha} must be within (0, 1)")
+        for name in ("trace_fail_fraction", "tv_warn", "reference_floor"):
             if getattr(self, name) > 1:
                 raise ConfigError(f"{type(self).__name__}: {name}={getattr(self, name)} must be within [0, 1]")
 
@@ -241,6 +247,14 @@ class SelfConsistencySettings:
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
+
+
+@dataclass(frozen=True)
+class SpeculativeOutputSettings(ConsistencySettings):
+    """speculative_logprobs (suite `checks.speculative_output`): what a speculative server returns, per
+    generated step, against the plain server of the same setting (tokens equal but at near ties of the
+    plain run, top-1 logprob within the bound) and against its own re-prefill of prompt + those tokens;
+    the bounds as decode_consistency's, the noise the same comparisons in the reference run."""
 
 
 def parse_section(cls: type[T], where: str, raw: Mapping[str, Any] | None, dtype: str) -> T:

@@ -26,6 +26,12 @@ acceptance: against the reference topology's run with the same speculator (tp1-d
   accepted and committed). An engine with only aggregate counters (HTTP: vLLM's spec-decode counters)
   gets the mean-drop gate alone. The stored baseline (harness/acceptance_baseline.py) is the
   acceptance check's second result, acceptance_baseline: it sees bugs the reference shares.
+speculative_logprobs / speculative_consistency (an HTTP speculative server's answers, spec_topk_* and
+  spec_reprefill_topk_*): each generated step's token and top-k logprobs against the plain server of the
+  same setting (gen_*: tokens equal but at near ties of the plain run, top-1 logprob within the bound along
+  the common tokens), and against a re-prefill of prompt + those tokens on the speculative server itself
+  (the decode-time top-k that verification returned vs the prefill path's: the same context, so the same
+  distribution). Noise: the same comparisons in the reference run (harness/compare/schedule.py grade).
 """
 
 from __future__ import annotations
@@ -38,14 +44,28 @@ import torch
 from harness.acceptance import histogram, mean_accepted_length, total_variation
 from harness.artifacts import RunArtifacts
 from harness.compare.generation import first_divergence, top2_gaps
-from harness.compare.settings import AcceptanceSettings, LosslessSettings
+from harness.compare.schedule import (
+    GEN,
+    Pair,
+    Steps,
+    compare_consistency,
+    compare_schedules,
+    grade,
+    has_tensors,
+    steps_of,
+)
+from harness.compare.settings import AcceptanceSettings, LosslessSettings, SpeculativeOutputSettings
 from harness.contract import (
     GEN_TOKENS,
     GEN_TOPK_IDS,
     GEN_TOPK_LOGPROBS,
     SPEC_ACCEPTED,
     SPEC_DRAFTS,
+    SPEC_REPREFILL_TOPK_IDS,
+    SPEC_REPREFILL_TOPK_LOGPROBS,
     SPEC_TOKENS,
+    SPEC_TOPK_IDS,
+    SPEC_TOPK_LOGPROBS,
     tensor_key,
 )
 from harness.details import divergence_text
@@ -303,4 +323,50 @@ def speculator_details(acceptance: CheckResult, kind: str, baseline: CheckResult
                            "baseline_histogram": b.get("baseline_histogram"),
                            "baseline_verdict": baseline.verdict.value if baseline is not None else None,
                            "baseline_key": dict(baseline_key) if baseline_key is not None else None}
+    return out
+
+
+# ---- what a speculative server returns ---------------------------------------------------------------------
+
+SPEC_STEPS = (SPEC_TOKENS, SPEC_TOPK_IDS, SPEC_TOPK_LOGPROBS)
+SPEC_REPREFILL = (SPEC_REPREFILL_TOPK_IDS, SPEC_REPREFILL_TOPK_LOGPROBS)
+
+
+def _spec_vs_plain(run: RunArtifacts) -> list[Pair]:
+    return [compare_schedules(c.index, steps_of(run, c.index, GEN), steps_of(run, c.index, SPEC_STEPS))
+            for c in run.cases]
+
+
+def _spec_vs_reprefill(run: RunArtifacts) -> list[Pair]:
+    pairs = []
+    for c in run.cases:
+        ids = run.tensor(SPEC_REPREFILL_TOPK_IDS, c.index)
+        lps = run.tensor(SPEC_REPREFILL_TOPK_LOGPROBS, c.index).to(torch.float64)
+        pairs.append(compare_consistency(c.index, steps_of(run, c.index, SPEC_STEPS),
+                                         Steps([int(t) for t in ids[:, 0].tolist()], ids, lps)))
+    return pairs
+
+
+def check_speculative_output(par: RunArtifacts, ref: RunArtifacts,
+                             settings: SpeculativeOutputSettings = SpeculativeOutputSettings()) -> list[CheckResult]:
+    """speculative_logprobs (the speculative server vs the plain one) and speculative_consistency (its
+    decode-time top-k vs its re-prefill) of a run whose speculative server's answers were kept."""
+    if not has_tensors(par, (*GEN, *SPEC_STEPS)):
+        why = ("the run kept only the speculative server's tokens, not its logprobs (spec_topk_*): the embedded "
+               "engine's speculative path returns none")
+        return [CheckResult("speculative_logprobs", Verdict.SKIP, why)]
+    try:
+        pairs = _spec_vs_plain(par)
+        noise = [_spec_vs_plain(ref)] if has_tensors(ref, (*GEN, *SPEC_STEPS)) else []
+        out = [grade("speculative_logprobs", pairs, noise, settings, "speculative vs plain server")]
+        if has_tensors(par, SPEC_REPREFILL):
+            noise = [_spec_vs_reprefill(ref)] if has_tensors(ref, (*SPEC_STEPS, *SPEC_REPREFILL)) else []
+            out.append(grade("speculative_consistency", _spec_vs_reprefill(par), noise, settings,
+                             "speculative decode vs re-prefill"))
+        else:
+            out.append(CheckResult("speculative_consistency", Verdict.SKIP,
+                                   "the run holds no re-prefill of the speculative generations "
+                                   "(spec_reprefill_topk_*)"))
+    except RunError as exc:
+        return [CheckResult("speculative_logprobs", Verdict.ERROR, str(exc))]
     return out

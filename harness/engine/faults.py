@@ -43,7 +43,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "the speculator's KV heads and KV pool computed with the target's dcp (kv_tp_size = tp // dcp) "
           "although it is not part of the DCP group: its KV pool is over-allocated (SGLang draft worker, "
           "CI OOM); output and acceptance unchanged", needs_dcp=True, needs_speculator="any"),
-    Fault("draft-stale-kv", "acceptance",
+    Fault("draft-stale-kv", "acceptance, acceptance_per_position",
           "rejected draft tokens' K/V not rolled back in the speculator's cache, so later proposals attend "
           "to them: acceptance drops, greedy output stays lossless", needs_speculator="any"),
     Fault("bf16-allreduce", "logits",
@@ -63,7 +63,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "proposals change (a trained MTP's acceptance drops; a synthetic one's accept trace leaves the "
           "reference's), greedy output stays lossless", needs_speculator="mtp"),
     # a bug in the speculative verify step, which the tp1 reference runs too: acceptance_baseline flags it
-    Fault("spec-verify-last-draft", "acceptance_baseline",
+    Fault("spec-verify-last-draft", "acceptance_baseline, acceptance_per_position",
           "the verify step's accept loop bounded by k - 1 instead of k (the bonus position taken for the "
           "last draft position), so the last proposal is never accepted and the target's own token is "
           "committed in its place: output stays lossless and identical in the tp1 reference, which shares "
@@ -110,6 +110,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "a sequence that reuses a freed slot starts from the previous occupant's final state (modular #6681: "
           "cold requests right, later ones corrupted); in code the tp1 reference runs too, so every parity "
           "check agrees; inert on models without linear attention", shared=True),
+    Fault("spec-logprob-shift", "speculative_logprobs",
+          "a speculative server returns each generated step's logprobs from the row after it (the verify "
+          "forward's rows indexed from the first draft instead of the last committed token): tokens and "
+          "acceptance unchanged, the logprobs a client reads are those of the next position; acts behind "
+          "`harness serve` (the embedded engine's speculative path returns no logprobs)", needs_speculator="any"),
     Fault("mtp-dcp-hidden-owner", "acceptance",
           "under DCP the MTP module fed the target hidden state of the latest position owned by DCP rank 0 "
           "(q - q % dcp) instead of q, the same wrong state on every rank, as a draft built for dcp=1 would "
@@ -144,6 +149,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "n x block_size x dcp (the DCP virtual block), so every DCP rank stores the tokens in between a "
           "second time and the LSE merge counts them twice; only on prefix-cache hits, inert at dcp 1",
           needs_dcp=True),
+    Fault("prefix-cache-never-hits", "features_on",
+          "the prefix cache's lookup never finds a cached block (e.g. a block hash keyed by something that "
+          "differs per request), so every request prefills its whole prompt: outputs unchanged, the prefix-cache "
+          "route silently off (SGLang #30968's class: a feature that is off passes every parity check); "
+          "prefix-cache workload only"),
     Fault("dcp-chunk-restart", "generation, chunked_prefill",
           "in chunked prefill the positions of every chunk after the first restart at 0 on DCP ranks > 0 "
           "(a chunk offset taken from the rank's local store): those ranks rotate their Q heads and keys "
@@ -200,6 +210,8 @@ class FaultFlags:
     latent_rope_local_slot: bool = False  # mla-rope-local-slot: the latent's RoPE key by its local slot
     q_own_slice: bool = False           # q-replicated-own-slice: the group's Q weights = own slice repeated
     prefix_hit_local: bool = False      # dcp-prefix-hit-length: a hit resumes at n x block_size tokens
+    prefix_never_hits: bool = False     # prefix-cache-never-hits: the prefix cache's lookup finds nothing
+    spec_logprob_shift: bool = False    # spec-logprob-shift: a speculative step's logprobs from the next row
     chunk_restart: bool = False         # dcp-chunk-restart: later chunks' positions restart at 0 on dcp ranks > 0
     resume_gap: int = 0                 # preempt-resume-position: recomputed new tokens shifted this far
     block_table_width: int = 0          # block-table-wrap: block-table entries per sequence (0: unbounded)
@@ -280,6 +292,8 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         latent_rope_local_slot=name == "mla-rope-local-slot",
         q_own_slice=name == "q-replicated-own-slice",
         prefix_hit_local=name == "dcp-prefix-hit-length",
+        prefix_never_hits=name == "prefix-cache-never-hits",
+        spec_logprob_shift=name == "spec-logprob-shift",
         chunk_restart=name == "dcp-chunk-restart",
         resume_gap=1 if name == "preempt-resume-position" else 0,
         block_table_width=BLOCK_TABLE_WIDTH if name == "block-table-wrap" else 0,

@@ -99,6 +99,7 @@ class ServeStats:
     prefill_chunks: int = 0
     chunked_prompts: int = 0
     preemptions: int = 0
+    prefix_cacheable: int = 0  # a lane asking for the prefix cache: 1 when its cache can hold a prompt block
 
     def to_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -164,6 +165,10 @@ class PrefixCache:
             digest.update(repr(tuple(tokens[j * self.virtual:(j + 1) * self.virtual])).encode())
             out.append(digest.copy().hexdigest())
         return out
+
+    def cacheable(self) -> bool:
+        """Whether this cache can hold a prompt's first virtual block at all under the token placement."""
+        return self._whole(1)
 
     def lookup(self, tokens: Sequence[int]) -> list[int]:
         """This rank's local blocks of the longest cached prefix of `tokens` that leaves at least one
@@ -319,7 +324,8 @@ class ServingLoop:
         if lane.prefix is None:
             return
         lane.stats.prefix_lookups += 1
-        blocks = lane.prefix.lookup(req.pending)
+        # the prefix-cache-never-hits fault: the lookup finds nothing (the route silently off)
+        blocks = [] if self.engine.flags.prefix_never_hits else lane.prefix.lookup(req.pending)
         if blocks:
             cache.share(req.seq_id, blocks, lane.prefix.owned(len(blocks)))
             hit = len(blocks) * lane.prefix.virtual
@@ -453,6 +459,9 @@ class ServingLoop:
         cacheable = self.engine.model.prefix_cacheable
         states = [_LaneState(lane, PrefixCache(self.engine.cache, self.dcp, self.dcp_rank, placement)
                              if lane.settings.prefix_cache and cacheable else None) for lane in lanes]
+        for lane, st in zip(lanes, states):  # what features_on reads: a requested prefix cache that cannot hit
+            if lane.settings.prefix_cache:
+                st.stats.prefix_cacheable = int(st.prefix is not None and st.prefix.cacheable())
         pins = sum(1 for st in states if st.prefix is not None)
         slots = max(1, self.engine.max_batch - pins)
         for st in states:

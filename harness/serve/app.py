@@ -57,6 +57,7 @@ class Metrics:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)  # accepted tokens per draft position 0..k-1
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, batch: list[Completion], results: list[CompletionResult]) -> None:
@@ -67,6 +68,12 @@ class Metrics:
             self.spec_drafts += sum(r.spec_steps for r in results)
             self.spec_draft_tokens += sum(r.spec_draft_tokens for r in results)
             self.spec_accepted_tokens += sum(r.spec_accepted_tokens for r in results)
+            for r in results:  # a verify step that accepted a drafts accepted positions 0..a-1
+                k = r.spec_draft_tokens // r.spec_steps if r.spec_steps else 0
+                self.spec_accepted_per_pos += [0] * (k - len(self.spec_accepted_per_pos))
+                for a in r.accepted_per_step:
+                    for p in range(a):
+                        self.spec_accepted_per_pos[p] += 1
 
     def render(self, model: str) -> str:
         label = f'{{model_name="{model}"}}'
@@ -76,8 +83,14 @@ class Metrics:
                 ("vllm:spec_decode_num_drafts_total", self.spec_drafts),
                 ("vllm:spec_decode_num_draft_tokens_total", self.spec_draft_tokens),
                 ("vllm:spec_decode_num_accepted_tokens_total", self.spec_accepted_tokens)]
+        per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
         with self.lock:
-            return "".join(f"# TYPE {name} counter\n{name}{label} {value}\n" for name, value in rows)
+            text = "".join(f"# TYPE {name} counter\n{name}{label} {value}\n" for name, value in rows)
+            if self.spec_accepted_per_pos:  # as vLLM v1 exports them: one sample per position label
+                text += f"# TYPE {per_pos} counter\n" + "".join(
+                    f'{per_pos}{{model_name="{model}",position="{p}"}} {n}\n'
+                    for p, n in enumerate(self.spec_accepted_per_pos))
+            return text
 
 
 def _error(message: str, status: int) -> JSONResponse:

@@ -92,7 +92,9 @@ def _speculative(engine: Engine, decoder: SpeculativeDecoder, group: list[Comple
             out.append(Generated(list(toks), [], list(acc)))
             continue
         lp, base = rows[j], len(c.prompt) - 1
-        steps = [score(lp[base + j], t, c.top_k) for j, t in enumerate(toks)]
+        # the spec-logprob-shift fault: each step scored on the row after its own (the last row stays)
+        shift = 1 if engine.flags.spec_logprob_shift else 0
+        steps = [score(lp[min(base + j + shift, lp.shape[0] - 1)], t, c.top_k) for j, t in enumerate(toks)]
         out.append(Generated(list(toks), steps, list(acc)))
     return out
 
