@@ -22,10 +22,10 @@ from typing import Any
 
 from harness.cli import build_parser
 from harness.cli.run import build_request
-from harness.errors import RunError
-from harness.jsonio import read_json
-from harness.paths import cache_dir_given
-from harness.runner import Runner
+from harness.core.errors import RunError
+from harness.core.jsonio import read_json
+from harness.core.paths import cache_dir_given
+from harness.flow.runner import Runner
 
 
 def _servers(manifest: dict[str, Any]) -> list[dict[str, Any]]:

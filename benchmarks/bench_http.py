@@ -21,15 +21,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from harness.artifacts import read_run
 from harness.backends.http import HttpBackend
 from harness.backends.http_server import free_port, running_server, wait_ready
 from harness.cli import main as harness_main
 from harness.compare.decode_walk import check_decode_walk
 from harness.compare.settings import LogitsSettings
 from harness.compare.topk import check_topk
-from harness.contract import Job
-from harness.jsonio import read_json
+from harness.core.jsonio import read_json
+from harness.records.artifacts import read_run
+from harness.records.contract import Job
 from harness.specs.checkpoint import load_model
 from harness.specs.send_schedule import SendSchedule
 from harness.specs.suite import read_suite

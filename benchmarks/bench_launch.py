@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.backends.embedded import WORKER_MODULE
-from harness.contract import Job
 from harness.launcher.launch import LAUNCHER_ENV, LAUNCHERS, launch
+from harness.records.contract import Job
 from harness.specs.checkpoint import load_model
 from harness.specs.pool import PoolSettings
 from harness.specs.topology import parse_topology_name

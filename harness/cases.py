@@ -9,8 +9,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from harness.artifacts import Case
 from harness.engine.tokenizer import Tokenizer
+from harness.records.artifacts import Case
 from harness.specs.workload import Workload, WorkloadPlan
 
 PRINTABLE = np.array(list(" etaoinshrdlucmfwypvbgkjqxz.,ETAOINSHRDLU0123456789"))

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from harness.arch.model import model_of
+from harness.core.errors import ConfigError
 from harness.engine.checkpoint import save_hf_checkpoint
 from harness.engine.tokenizer import BYTE_BOS, BYTE_EOS, TokenizersTokenizer, load_tokenizer
 from harness.engine.weights import load_weights
-from harness.errors import ConfigError
 from harness.specs.model import ModelSpec
 
 BOS_TEXT = "<s>"

@@ -16,9 +16,9 @@ import time
 import torch
 from safetensors.torch import save_file
 
+from harness.core.errors import RunError
 from harness.engine.parallel import Collectives, ParallelState
 from harness.engine.shm_group import SLOT_BYTES
-from harness.errors import RunError
 
 SIZES = ("small", "large")  # within one shared-memory slot and over it (two pieces)
 HANG_TIMEOUT_S = 2.0

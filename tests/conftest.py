@@ -40,7 +40,7 @@ def gsm8k_lines(split: str) -> int:
 
 import pytest  # noqa: E402
 
-from harness.artifacts import RunArtifacts, read_run  # noqa: E402
+from harness.records.artifacts import RunArtifacts, read_run  # noqa: E402
 
 TEST_PROMPTS = ["The capital of France is", "def f(x):\n    return", "Q: 17 + 25 = ?\nA:"]
 
@@ -50,8 +50,8 @@ def launch_run(out_dir: Path, model: str, topo: str, fault: str | None = None, p
                collective_timeout_s: float = 60.0) -> RunArtifacts:
     """Launch one real run (torchrun on gloo for world size > 1) and read its run directory."""
     from harness.backends.embedded import WORKER_MODULE
-    from harness.contract import Job
     from harness.launcher.launch import launch
+    from harness.records.contract import Job
     from harness.specs.checkpoint import load_model
     from harness.specs.pool import PoolSettings
     from harness.specs.topology import parse_topology_name
@@ -69,7 +69,7 @@ def small_gsm8k_suite(folder: Path, suite: dict[str, object], gsm8k: dict[str, o
     (the suite keeps its name: gsm8k)."""
     import yaml
 
-    from harness.paths import SUITES_DIR
+    from harness.core.paths import SUITES_DIR
 
     doc = yaml.safe_load((SUITES_DIR / "gsm8k.yaml").read_text())
     doc.update(suite)
@@ -91,7 +91,7 @@ def full_gsm8k() -> Path:
 @pytest.fixture(scope="session")
 def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One reference cache for every test that only reads what it gets from it: entries are keyed by
-    content and written under a private name then renamed (harness/refcache.py), so xdist workers share
+    content and written under a private name then renamed (harness/flow/refcache.py), so xdist workers share
     it safely and a reference the shipped dcp suite needs is launched once per session, not per test."""
     base = tmp_path_factory.getbasetemp()
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # shared by the workers of a session

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from harness.core.limits import COLLECTIVE_TIMEOUT_S
 from harness.engine.engine import Engine
 from harness.engine.faults import FaultFlags
 from harness.engine.parallel import ParallelState
@@ -26,7 +27,6 @@ from harness.engine.scheduler import ServeSettings, ServingLoop, generate, run_s
 from harness.engine.speculator import speculator_for
 from harness.engine.weights import load_weights
 from harness.launcher.launch import thread_env
-from harness.limits import COLLECTIVE_TIMEOUT_S
 from harness.specs.checkpoint import load_model
 from harness.specs.pool import PoolSettings
 from harness.specs.speculative import SpeculativeSettings

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from harness.core.verdict import CellResult
 from harness.report import read_results
-from harness.verdict import CellResult
 
 RESULTS_DIR = Path(__file__).resolve().parent / "data" / "results"
 # name: what the run was (regenerate.sh has the commands)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.verdict import CellResult, CheckResult, Localization, Verdict
+from harness.core.verdict import CellResult, CheckResult, Localization, Verdict
 
 EVIL_PROMPT = "<script>alert(1)</script> tokens & more"
 URL_PROMPT = "see https://example.invalid/page and http://example.invalid"

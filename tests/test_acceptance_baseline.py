@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from harness.acceptance_baseline import (
+from harness.baselines.acceptance_baseline import (
     BASELINE_CHECK,
     AcceptanceBaseline,
     AcceptanceBaselines,
@@ -24,10 +24,10 @@ from harness.acceptance_baseline import (
 from harness.cli import main
 from harness.compare.settings import AcceptanceSettings
 from harness.compare.speculative import check_acceptance, trace_step_detail
-from harness.details import divergence_text
-from harness.errors import ConfigError
-from harness.results import write_results
-from harness.verdict import CellResult, CheckResult, Verdict
+from harness.core.details import divergence_text
+from harness.core.errors import ConfigError
+from harness.core.verdict import CellResult, CheckResult, Verdict
+from harness.records.results import write_results
 
 KEY = AcceptanceKey(model="tiny-gqa", engine="embedded", speculator="mtp", k=3,
                     settings=(("draft_noise", 0.1), ("mtp_hidden_mix", 0.1)), dtype="float32",
@@ -176,8 +176,8 @@ def test_show_lists_the_shipped_acceptance_baselines(capsys: pytest.CaptureFixtu
 
 
 def test_per_position_counts_and_histogram_are_inverse() -> None:
-    from harness.acceptance import accepted_per_position, histogram_from_positions
-    from harness.errors import RunError
+    from harness.core.acceptance import accepted_per_position, histogram_from_positions
+    from harness.core.errors import RunError
 
     hist = [42, 12, 9, 13]  # 76 verify steps: 34 accepted position 1, 22 position 2, 13 position 3
     assert accepted_per_position(hist) == [34, 22, 13]

@@ -26,14 +26,14 @@ from harness.arch.model import model_of
 from harness.arch.plan import plan_model
 from harness.arch.scope import OWNED_FAULTS
 from harness.cli.plan import plan_document
+from harness.core.errors import ConfigError
 from harness.engine.engine import Engine
 from harness.engine.faults import FAULTS
 from harness.engine.parallel import ParallelState
 from harness.engine.weights import load_weights
-from harness.errors import ConfigError
-from harness.hybrid_layout import plan_hybrid
-from harness.layout import plan_layout, plan_speculator
-from harness.mla_layout import plan_mla
+from harness.partition.hybrid_layout import plan_hybrid
+from harness.partition.layout import plan_layout, plan_speculator
+from harness.partition.mla_layout import plan_mla
 from harness.specs.checkpoint import load_model
 from harness.specs.model import shipped_models
 from harness.specs.pool import PoolSettings
@@ -44,7 +44,7 @@ HARNESS = Path(__file__).resolve().parents[1] / "harness"
 ALLOWED = ("arch/", "specs/", "layout.py", "mla_layout.py", "hybrid_layout.py")
 ARCH_FLAGS = frozenset({"mla", "hybrid"})          # ModelSpec.mla / .hybrid, AttentionShape.mla: read anywhere
 ARCH_NUMBERS = frozenset({"kv_lora_rank"})         # a number that is a flag when tested (kv_lora_rank > 0)
-# a rank report's MLA and hybrid records (harness/rankreport.py RankReport.mla / .hybrid) are what a rank says
+# a rank report's MLA and hybrid records (harness/records/rankreport.py RankReport.mla / .hybrid) are what a rank says
 # it holds, not the model's flags: the components' layout checks read them as `report.mla` / `report.hybrid`
 RECORD_RECEIVERS = frozenset({"report"})
 TOPOLOGIES = ("tp1", "tp2", "tp4", "tp9", "tp4dcp2", "tp4dcp4", "tp4dcp4i4", "tp4dcp2c", "tp4dcp2q", "tp4-mtp",

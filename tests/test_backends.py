@@ -12,9 +12,9 @@ from harness.backends.base import backend_record
 from harness.backends.build import with_build
 from harness.backends.identity import code_hash, import_closure
 from harness.backends.registry import ENTRY_POINT_GROUP, available, get_backend
-from harness.contract import Backend, Job
-from harness.errors import ConfigError
-from harness.paths import PROJECT_ROOT
+from harness.core.errors import ConfigError
+from harness.core.paths import PROJECT_ROOT
+from harness.records.contract import Backend, Job
 from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 
@@ -49,7 +49,7 @@ def test_a_package_registers_a_backend_through_the_entry_point_group(tmp_path: P
     sys.modules.pop("team_backend", None)
 
 
-_MINIMAL = ("from harness.contract import {base}Capabilities, LaunchResult\n"
+_MINIMAL = ("from harness.records.contract import {base}Capabilities, LaunchResult\n"
             "class {cls}{parent}:\n    name = '{name}'\n"
             "    def __init__(self, option=None): pass\n"
             "    def version(self): return '1'\n"
@@ -95,7 +95,7 @@ def _copy_package(tmp_path: Path) -> Path:
 def test_editing_a_check_keeps_the_engine_identity_editing_the_engine_changes_it(tmp_path: Path) -> None:
     root = _copy_package(tmp_path)
     files = {p.relative_to(root).as_posix() for p in import_closure("harness.backends.embedded_worker", root)}
-    assert "harness/engine/model.py" in files and "harness/layout.py" in files and "harness/cases.py" in files
+    assert "harness/engine/model.py" in files and "harness/partition/layout.py" in files and "harness/cases.py" in files
     assert not any(f.startswith(("harness/compare/", "harness/report/", "harness/cli/")) for f in files)
     before = code_hash("harness.backends.embedded_worker", root)
     for check in ("compare/logits.py", "compare/generation.py", "compare/cell.py", "report/html.py"):

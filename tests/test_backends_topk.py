@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.results import results_cells
+from harness.records.results import results_cells
 
 TOPK_SUITE = """
 name: topk

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from harness.baseline import (
+from harness.baselines.baseline import (
     BASELINE_SCHEMA_VERSION,
     GATE_CHECK,
     BaselineEntry,
@@ -21,11 +21,11 @@ from harness.baseline import (
     write_baselines,
 )
 from harness.cli import main
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
+from harness.core.verdict import CellResult, CheckResult, Verdict
 from harness.gsm8k.records import FLEXIBLE
 from harness.gsm8k.settings import GSM8KSettings
-from harness.results import write_results
-from harness.verdict import CellResult, CheckResult, Verdict
+from harness.records.results import write_results
 
 PROVENANCE = {"harness_version": "0.1.0", "git_commit": "abc123", "torch_version": "2.13.0", "python": "3.11",
               "device": "cpu", "dtypes": ["float32"], "seeds": [0], "command": "harness run --suite gsm8k",

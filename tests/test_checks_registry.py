@@ -16,11 +16,11 @@ from harness.checks.catalog import registered_checks, sections
 from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks
 from harness.checks.settings import CheckSettings, load_suite
-from harness.contract import FULL_ARTIFACTS as FULL
-from harness.contract import Capabilities
-from harness.errors import ConfigError
-from harness.layout import plan_layout
-from harness.verdict import Verdict
+from harness.core.errors import ConfigError
+from harness.core.verdict import Verdict
+from harness.partition.layout import plan_layout
+from harness.records.contract import FULL_ARTIFACTS as FULL
+from harness.records.contract import Capabilities
 from tests.test_compare_support import GQA, synthetic_runs, with_tensors
 
 CHECKS = registered_checks()
@@ -87,7 +87,7 @@ def test_every_section_is_read_by_a_check_and_names_are_unique() -> None:
 
 def test_details_are_typed_and_round_trip_through_the_shared_schema() -> None:
     from harness.checks.cell import compare_cell
-    from harness.details import CellDetails, LayoutDetails
+    from harness.core.details import CellDetails, LayoutDetails
 
     ref, noise, par = synthetic_runs(PLAN)
     _, _, details = compare_cell(ref, par, noise, PLAN, CheckSettings())
@@ -114,23 +114,23 @@ def test_list_engines_and_checks(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_the_report_notes_details_that_drift_from_the_schema(tmp_path: Path) -> None:
+    from harness.core.verdict import CellResult, CheckResult
     from harness.report import render_all
-    from harness.verdict import CellResult, CheckResult
 
     cell = CellResult(suite="s", model="m", topology="tp2", fault=None, seed=0, clean_exit=True,
                       checks=(CheckResult("layout", Verdict.FAIL, "x"),), details={"layuot": {}})
     paths = render_all(tmp_path, [cell], {"command": "harness run"}, "run")
-    assert "details do not match harness/details.py (unknown details sections [&#39;layuot&#39;]" in \
+    assert "details do not match harness/core/details.py (unknown details sections [&#39;layuot&#39;]" in \
         Path(paths["html"]).read_text()
 
 
 THIRD_PARTY_CHECK = '''
 from dataclasses import dataclass
 
-from harness import contract as c
+from harness.records import contract as c
 from harness.checks.catalog import CheckSpec
 from harness.checks.context import CellContext
-from harness.verdict import CheckResult, Verdict
+from harness.core.verdict import CheckResult, Verdict
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ from pathlib import Path
 from harness.checks.catalog import registered_checks
 from harness.checks.driver import run_checks
 from harness.checks.settings import CheckSettings, load_suite
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 from tests.test_checks_registry import PLAN, _ctx
 from tests.test_compare_support import synthetic_runs
 

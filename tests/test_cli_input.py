@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.verdict import ExitCode
+from harness.core.verdict import ExitCode
 
 try:
     import torch

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.layout import LAYOUT_SCHEMA_VERSION
+from harness.partition.layout import LAYOUT_SCHEMA_VERSION
 from harness.specs.model import shipped_models
 from harness.specs.suite import shipped_suites
 

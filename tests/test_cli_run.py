@@ -14,7 +14,7 @@ import pytest
 
 from harness.backends.embedded_worker import INJECT_ENV
 from harness.cli import main
-from harness.results import read_results, results_cells
+from harness.records.results import read_results, results_cells
 from tests.conftest import TEST_LAUNCH_TIMEOUT_S, TEST_LAUNCHES_PER_TEST
 
 SMALL_SUITE = """

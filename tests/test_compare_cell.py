@@ -9,8 +9,8 @@ import torch
 
 from harness.checks.cell import compare_cell
 from harness.checks.settings import CheckSettings
-from harness.layout import plan_layout, plan_speculator
-from harness.verdict import Verdict
+from harness.core.verdict import Verdict
+from harness.partition.layout import plan_layout, plan_speculator
 from tests.test_compare_support import GQA, layout_entry, synthetic_runs, with_tensors
 
 PLAN = plan_layout(GQA, 4, 4)

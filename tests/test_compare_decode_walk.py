@@ -12,9 +12,9 @@ import torch
 
 from harness.compare.decode_walk import check_decode_walk, walk_case
 from harness.compare.settings import LogitsSettings
-from harness.contract import MANIFEST_LOGPROB_VALUES
-from harness.layout import plan_layout
-from harness.verdict import Verdict
+from harness.core.verdict import Verdict
+from harness.partition.layout import plan_layout
+from harness.records.contract import MANIFEST_LOGPROB_VALUES
 from tests.test_compare_support import GQA, synthetic_runs, with_tensors
 
 GEN, K = 6, 4

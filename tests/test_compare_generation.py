@@ -10,8 +10,8 @@ import torch
 
 from harness.compare.generation import check_generation, first_divergence
 from harness.compare.settings import GenerationSettings
-from harness.layout import plan_layout
-from harness.verdict import Verdict
+from harness.core.verdict import Verdict
+from harness.partition.layout import plan_layout
 from tests.test_compare_support import GQA, synthetic_runs, with_tensors
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far", "away"]

@@ -6,8 +6,8 @@ import copy
 import json
 
 from harness.compare.layout_check import check_layout, check_layout_with_pool, expected_pool
-from harness.layout import AttentionShape, plan_layout, plan_speculator
-from harness.verdict import Verdict
+from harness.core.verdict import Verdict
+from harness.partition.layout import AttentionShape, plan_layout, plan_speculator
 from tests.test_compare_support import BLOCK, BUDGET, GQA, MAX_SEQ, layout_entry
 
 KV6 = AttentionShape(heads=24, kv_heads=6, head_dim=8, layers=2, dtype_bytes=4)

@@ -9,7 +9,7 @@ import torch
 
 from harness.compare.localize import localize, onset, relative_error
 from harness.compare.settings import LocalizationSettings
-from harness.layout import plan_layout
+from harness.partition.layout import plan_layout
 from tests.test_compare_support import GQA, synthetic_runs, with_tensors
 
 PLAN = plan_layout(GQA, 4, 2)  # heads 8 / kv 2: rank r owns Q heads 2r, 2r+1; DCP groups {0,1}, {2,3}

@@ -9,9 +9,9 @@ import torch
 
 from harness.compare.logits import check_logits, position_metrics
 from harness.compare.settings import LogitsSettings
-from harness.fmt import multiple as times_text
-from harness.layout import plan_layout
-from harness.verdict import Verdict
+from harness.core.fmt import multiple as times_text
+from harness.core.verdict import Verdict
+from harness.partition.layout import plan_layout
 from tests.test_compare_support import GQA, synthetic_runs, with_tensors
 
 NOISE_ONLY = LogitsSettings(kl_floor=0.0, abs_floor=0.0)  # bounds from the noise run alone

@@ -12,7 +12,7 @@ from harness.compare.settings import (
     LogitsSettings,
     parse_section,
 )
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 from harness.specs.suite import Suite
 
 

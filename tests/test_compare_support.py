@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from harness.artifacts import Case, RunArtifacts
-from harness.contract import COLLECTIVE_SITES
-from harness.layout import AttentionShape, LayoutPlan, naive_local_kv_index, plan_layout, pool_capacity
+from harness.partition.layout import AttentionShape, LayoutPlan, naive_local_kv_index, plan_layout, pool_capacity
+from harness.records.artifacts import Case, RunArtifacts
+from harness.records.contract import COLLECTIVE_SITES
 
 GQA = AttentionShape(heads=8, kv_heads=2, head_dim=4, layers=2, dtype_bytes=4)
 BUDGET, MAX_SEQ, BLOCK = 1 << 20, 64, 16

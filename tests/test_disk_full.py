@@ -15,9 +15,9 @@ from typing import Iterator
 import pytest
 
 from harness.cli import main
-from harness.jsonio import write_text_atomic
-from harness.limits import REPORTS_MIN_BYTES, RUN_DIR_MIN_BYTES
-from harness.verdict import ExitCode
+from harness.core.jsonio import write_text_atomic
+from harness.core.limits import REPORTS_MIN_BYTES, RUN_DIR_MIN_BYTES
+from harness.core.verdict import ExitCode
 from tests.conftest import mounted_tmpfs
 
 

@@ -15,10 +15,10 @@ from harness.backends.base import backend_record
 from harness.backends.build import check_label, with_build
 from harness.backends.http import HttpBackend
 from harness.cli import main
-from harness.contract import Job
-from harness.errors import ConfigError
-from harness.jsonio import read_json
-from harness.results import results_cells
+from harness.core.errors import ConfigError
+from harness.core.jsonio import read_json
+from harness.records.contract import Job
+from harness.records.results import results_cells
 from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.artifacts import RunArtifacts
-from harness.contract import GEN_TOKENS, GEN_TOPK_LOGPROBS
+from harness.records.artifacts import RunArtifacts
+from harness.records.contract import GEN_TOKENS, GEN_TOPK_LOGPROBS
 from tests.conftest import launch_run
 
 # (model, topology): every shipped tiny model at the splits its heads allow, incl. GCD duplication
@@ -87,7 +87,7 @@ def test_gcd_fault_is_inert_at_tp1(run) -> None:
 def test_dcp_faults_cannot_reach_a_run_without_dcp(fault: str) -> None:
     """A DCP fault cannot be injected where there is no DCP group (the tp1 reference, or plain TP):
     the cell is a SKIP naming why, so no reference is ever run with it."""
-    from harness.runner import skip_reason
+    from harness.flow.runner import skip_reason
     from harness.specs.checkpoint import load_model
     from harness.specs.topology import Topology
 

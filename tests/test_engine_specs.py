@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 from harness.specs.engine import engine_from_dict, load_engine, shipped_engines
 
 GOOD = {"dialect": "vllm", "argv": ["{python}", "-m", "server", "--tp", "{tp}", "--dcp", "{dcp}", "--port", "{port}"]}

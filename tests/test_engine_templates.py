@@ -12,9 +12,9 @@ import yaml
 from harness.backends.http import HttpBackend
 from harness.backends.registry import BUILTIN, HTTP_BACKEND, available, get_backend
 from harness.cli import main
-from harness.errors import ConfigError
-from harness.jsonio import read_json
-from harness.results import results_cells
+from harness.core.errors import ConfigError
+from harness.core.jsonio import read_json
+from harness.records.results import results_cells
 from harness.specs.engine import ENGINES_DIR, load_engine
 
 DESCRIPTION = "my engine: harness serve under another name"

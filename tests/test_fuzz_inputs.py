@@ -20,13 +20,13 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.acceptance_baseline import read_acceptance
 from harness.backends.http_dialects import DIALECTS
-from harness.baseline import read_baselines
+from harness.baselines.acceptance_baseline import read_acceptance
+from harness.baselines.baseline import read_baselines
 from harness.checks.settings import load_suite
 from harness.cli import main
-from harness.errors import ConfigError, RunError
-from harness.paths import BASELINES_DIR, MODELS_DIR, PROJECT_ROOT, SUITES_DIR, TOPOLOGIES_DIR
+from harness.core.errors import ConfigError, RunError
+from harness.core.paths import BASELINES_DIR, MODELS_DIR, PROJECT_ROOT, SUITES_DIR, TOPOLOGIES_DIR
 from harness.specs.checkpoint import load_model
 from harness.specs.engine import EngineSpec, load_engine
 from harness.specs.model import ModelSpec
@@ -255,8 +255,8 @@ def test_mutated_history_databases_are_shown_or_one_error(data: st.DataObject) -
 def _cached_entry() -> Path:
     """A real reference-cache entry: tiny-gqa at tp1 run by the embedded engine into a reference cache."""
     from harness.backends.registry import get_backend
-    from harness.contract import Job
-    from harness.refcache import ReferenceCache
+    from harness.flow.refcache import ReferenceCache
+    from harness.records.contract import Job
 
     folder = Path(tempfile.mkdtemp(prefix="fuzz-cache-"))
     cache = ReferenceCache(folder, get_backend("embedded"), 300, lambda _: None)
@@ -273,7 +273,7 @@ ENTRY_FILES = ("manifest.json", "cases.json", "layout.json", "job.json", "tensor
 def test_mutated_cache_entries_are_used_or_launched_again(name: str, data: st.DataObject, rehash: bool) -> None:
     """A damaged entry is read (it still passes) or reported and launched again: never an exception. With
     `rehash` its checksums are recomputed, so the readers behind the checksum see the damage too."""
-    from harness.refcache import ReferenceCache, write_checksums
+    from harness.flow.refcache import ReferenceCache, write_checksums
 
     with tempfile.TemporaryDirectory() as folder:
         entry = Path(folder) / "runs" / _cached_entry().name

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 from harness.gsm8k.data import ENV_VAR, HUB_CONFIG, HUB_DATASET, GSM8KSource, resolve_source, validate_folder
 
 ROW = {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}

@@ -16,8 +16,8 @@ pytest.importorskip("harness.engine.single")
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 
+from harness.core.errors import ConfigError  # noqa: E402
 from harness.engine.single import LocalGenerator  # noqa: E402
-from harness.errors import ConfigError  # noqa: E402
 from harness.gsm8k.data import ENV_VAR  # noqa: E402
 from harness.gsm8k.lm import HarnessLM, cut_at_stop, cut_at_stop_token  # noqa: E402
 from harness.gsm8k.records import FILTERS, INVALID  # noqa: E402

@@ -13,9 +13,9 @@ import pytest
 from harness.checks.gsm8k import gsm8k_checks
 from harness.checks.settings import load_suite
 from harness.cli import main
+from harness.core.verdict import Verdict
 from harness.gsm8k.settings import gsm8k_settings
-from harness.results import results_cells
-from harness.verdict import Verdict
+from harness.records.results import results_cells
 from tests.conftest import GSM8K_FIXTURE, small_gsm8k_suite
 
 pytestmark = [pytest.mark.xdist_group("gsm8k-run"),  # both tests need the same smollm2 reference: built once

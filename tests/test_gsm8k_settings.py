@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
+from harness.core.verdict import Verdict
 from harness.gsm8k.checks import PAIRED_CHECK, paired_check
 from harness.gsm8k.records import FLEXIBLE, STRICT
 from harness.gsm8k.settings import GSM8KSettings, gsm8k_settings
-from harness.verdict import Verdict
 
 
 def test_defaults_and_parse() -> None:
@@ -69,7 +69,7 @@ def test_shipped_gsm8k_profiles_kv_budget_holds_their_batch(profile: str) -> Non
     """Every model of the shipped gsm8k suite gets batch_size sequences of max_seq_len at once at the
     reference topology (its KV pool would otherwise cap the batch the profile asks for)."""
     from harness.checks.settings import load_suite
-    from harness.layout import plan_layout, pool_capacity
+    from harness.partition.layout import plan_layout, pool_capacity
     from harness.specs.checkpoint import load_model
     from harness.specs.suite import with_profile
     from harness.specs.topology import parse_topology_name

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from harness.errors import ConfigError, RunError
+from harness.core.errors import ConfigError, RunError
+from harness.core.verdict import Verdict
 from harness.gsm8k.records import FLEXIBLE, STRICT, QuestionRecord, final_answer
 from harness.gsm8k.stats import (
     SIGMA_FLOOR,
@@ -18,7 +19,6 @@ from harness.gsm8k.stats import (
     min_questions,
     paired_comparison,
 )
-from harness.verdict import Verdict
 
 
 @pytest.mark.parametrize(("b", "c", "p"), [

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 from harness.gsm8k.data import ENV_VAR, GSM8KSource, resolve_source
 from harness.gsm8k.records import FILTERS
 from harness.gsm8k.tasks import GSM8K_TASK_DIR, build_task, task_config, task_manager, unsupported_variants, variants

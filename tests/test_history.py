@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.errors import ConfigError
-from harness.history import connect, parse_since, query, trends
+from harness.core.errors import ConfigError
+from harness.records.history import connect, parse_since, query, trends
 from harness.report.history_strip import ERROR_COLOUR
 
 CELL = ["--suite", "dcp", "--topo", "tp2dcp2", "--model", "tiny-gqa", "--workload", "prompts"]

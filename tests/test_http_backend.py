@@ -16,11 +16,11 @@ import yaml
 from harness.backends.http import HttpBackend, counters_delta, kv_capacity, refusal
 from harness.backends.http_server import BIND_ATTEMPTS
 from harness.backends.registry import get_backend
-from harness.contract import Backend, Job
-from harness.errors import ConfigError
-from harness.jsonio import read_json
+from harness.core.errors import ConfigError
+from harness.core.jsonio import read_json
 from harness.launcher.launch import free_port
-from harness.results import results_cells
+from harness.records.contract import Backend, Job
+from harness.records.results import results_cells
 from harness.specs.checkpoint import load_model
 from harness.specs.engine import load_engine
 from harness.specs.pool import PoolSettings

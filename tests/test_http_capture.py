@@ -15,14 +15,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from harness import contract as c
-from harness.artifacts import Case, RunArtifacts
 from harness.backends.http_capture import CAPTURE_DIR, CASES_FILE, read_captures, write_probe_cases
 from harness.backends.http_layout import probe_layout
 from harness.compare.localize import localize
 from harness.compare.settings import LocalizationSettings
-from harness.errors import RunError
-from harness.layout import plan_layout
+from harness.core.errors import RunError
+from harness.partition.layout import plan_layout
+from harness.records import contract as c
+from harness.records.artifacts import Case, RunArtifacts
 from harness.specs.checkpoint import load_model
 from harness.specs.engine import PROBE_CAPTURES
 from harness.specs.topology import parse_topology_name

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.jsonio import read_json
-from harness.results import results_cells
+from harness.core.jsonio import read_json
+from harness.records.results import results_cells
 
 pytestmark = pytest.mark.xdist_group("http-e2e")  # the module's reference runs once
 

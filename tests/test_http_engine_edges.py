@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from harness.backends.http import HttpBackend
-from harness.contract import Job
+from harness.records.contract import Job
 from harness.specs.checkpoint import load_model
 from harness.specs.engine import load_engine
 from harness.specs.pool import PoolSettings

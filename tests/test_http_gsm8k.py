@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.results import results_cells
+from harness.records.results import results_cells
 from tests.conftest import GSM8K_FIXTURE, small_gsm8k_suite
 
 N_QUESTIONS = 2

@@ -13,10 +13,10 @@ import pytest
 
 from harness.backends.http_layout import probe_layout
 from harness.compare.layout_check import check_layout_with_pool
-from harness.errors import RunError
-from harness.layout import plan_layout
+from harness.core.errors import RunError
+from harness.core.verdict import Verdict
+from harness.partition.layout import plan_layout
 from harness.specs.checkpoint import load_model
-from harness.verdict import Verdict
 
 SHAPE = load_model("tiny-hd64").attention_shape  # 8 Q heads, 4 KV heads, head_dim 64, 2 layers, float32
 BYTES_PER_TOKEN_TP2 = 2 * 2 * 2 * 64 * 4  # K and V, 2 layers, 2 KV heads per rank, 64 dims, float32

@@ -21,8 +21,8 @@ import pytest
 
 from harness.backends.http_server import Server
 from harness.cli import main
-from harness.jsonio import read_json
-from harness.results import results_cells
+from harness.core.jsonio import read_json
+from harness.records.results import results_cells
 from tests.test_serve import serving
 
 pytestmark = pytest.mark.xdist_group("http-nonfinite")  # one server, one cached reference

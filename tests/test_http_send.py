@@ -11,16 +11,16 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from harness.artifacts import read_run
 from harness.backends.http import HttpBackend
 from harness.backends.http_send import SendLog, SendSchedule, send
-from harness.contract import SCHEDULE_SEQUENTIAL, Job
-from harness.details import CellDetails
-from harness.errors import ConfigError
+from harness.core.details import CellDetails
+from harness.core.errors import ConfigError
+from harness.core.verdict import CellResult, CheckResult, Verdict
+from harness.records.artifacts import read_run
+from harness.records.contract import SCHEDULE_SEQUENTIAL, Job
 from harness.report.html import render_html
 from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
-from harness.verdict import CellResult, CheckResult, Verdict
 from tests.test_serve import serving
 
 pytestmark = pytest.mark.xdist_group("http-send")  # one server for the module

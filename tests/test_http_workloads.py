@@ -14,9 +14,9 @@ import pytest
 
 from harness.checks.workload_checks import unknown_route
 from harness.cli import main
-from harness.jsonio import read_json
-from harness.results import results_cells
-from harness.verdict import CheckResult, Verdict
+from harness.core.jsonio import read_json
+from harness.core.verdict import CheckResult, Verdict
+from harness.records.results import results_cells
 
 pytestmark = pytest.mark.xdist_group("http-workloads")  # the module's reference runs once
 WORKLOADS = "prompts,lengths,prefix-cache"

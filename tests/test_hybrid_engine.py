@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from harness.cli import main
+from harness.core.errors import RunError
 from harness.engine.engine import Engine
 from harness.engine.faults import FaultFlags
 from harness.engine.hybrid import HybridParts, shard_moe
 from harness.engine.moe import moe_activations
 from harness.engine.parallel import ParallelState
 from harness.engine.weights import load_weights
-from harness.errors import RunError
-from harness.hybrid_layout import plan_moe
-from harness.results import results_cells
+from harness.partition.hybrid_layout import plan_moe
+from harness.records.results import results_cells
 from harness.specs.checkpoint import load_model
 from harness.specs.pool import PoolSettings
 

@@ -1,4 +1,4 @@
-"""The hybrid planner (harness/hybrid_layout.py) against brute-force enumeration: linear-attention heads,
+"""The hybrid planner (harness/partition/hybrid_layout.py) against brute-force enumeration: linear-attention heads,
 conv rows and state bytes, gated-attention Q rows, expert placement under EP, grouped cache capacity."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from harness.errors import ConfigError
-from harness.hybrid_layout import (
+from harness.core.errors import ConfigError
+from harness.partition.hybrid_layout import (
     FULL,
     LINEAR,
     CacheGroup,
@@ -24,7 +24,7 @@ from harness.hybrid_layout import (
     plan_moe,
     q_proj_rows,
 )
-from harness.layout import AttentionShape
+from harness.partition.layout import AttentionShape
 
 V_K = [(v, k) for v in (1, 2, 3, 4, 6, 8, 12) for k in (1, 2, 3, 4, 6) if k <= v and v % k == 0]
 TP_DCP = [(tp, dcp) for tp in (1, 2, 3, 4, 6, 8) for dcp in range(1, tp + 1) if tp % dcp == 0]

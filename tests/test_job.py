@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from harness.backends.replay import ReplayBackend
-from harness.contract import JOB_FILE, MANIFEST_FILE, GSM8KJob, Job
-from harness.errors import ConfigError
-from harness.jsonio import write_json
+from harness.core.errors import ConfigError
+from harness.core.jsonio import write_json
+from harness.records.contract import JOB_FILE, MANIFEST_FILE, GSM8KJob, Job
 from harness.specs.checkpoint import load_model
 from harness.specs.pool import PoolSettings
 from harness.specs.send_schedule import SendSchedule

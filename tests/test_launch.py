@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.artifacts import read_run
 from harness.backends.embedded import WORKER_MODULE
 from harness.backends.embedded_worker import INJECT_ENV
-from harness.contract import Job
-from harness.jsonio import write_json
+from harness.core.jsonio import write_json
 from harness.launcher import forkserver
 from harness.launcher.launch import LAUNCHER_ENV, descendants, thread_env
+from harness.records.artifacts import read_run
+from harness.records.contract import Job
 from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 from tests.conftest import TEST_PROMPTS, launch_run

@@ -12,8 +12,8 @@ from collections import Counter
 
 import pytest
 
-from harness.errors import ConfigError
-from harness.layout import (
+from harness.core.errors import ConfigError
+from harness.partition.layout import (
     AttentionShape,
     local_token_count,
     naive_local_kv_index,

@@ -12,8 +12,8 @@ import torch
 
 from harness.cli import main
 from harness.engine.fault_scope import inert_reason
-from harness.layout import local_positions
-from harness.runner import skip_reason
+from harness.flow.runner import skip_reason
+from harness.partition.layout import local_positions
 from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 from tests.test_engine_parity import ATOL, _max_err
@@ -141,7 +141,7 @@ def test_mla_models_stay_in_the_embedded_engine(tmp_path: Path) -> None:
     """No Hugging Face export (its Llama config cannot hold a latent), so HTTP engines SKIP MLA cells, and
     they SKIP placements and Q replication their templates cannot pass."""
     from harness.backends.http import HttpBackend
-    from harness.errors import ConfigError
+    from harness.core.errors import ConfigError
     from harness.export import export_model
 
     with pytest.raises(ConfigError, match="is an MLA model"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.errors import ConfigError
-from harness.layout import (
+from harness.core.errors import ConfigError
+from harness.partition.layout import (
     LAYOUT_SCHEMA_VERSION,
     ROUND_ROBIN,
     AttentionShape,
@@ -17,7 +17,7 @@ from harness.layout import (
     pool_capacity,
     token_owner,
 )
-from harness.mla_layout import MLAShape, plan_mla
+from harness.partition.mla_layout import MLAShape, plan_mla
 from harness.specs.topology import Topology, parse_topology_name
 
 PLACEMENTS = [ROUND_ROBIN, Placement("interleave", 2), Placement("interleave", 3), Placement("interleave", 16),

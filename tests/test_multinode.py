@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 from harness.launcher.nodes import parse_nodes
 
 CELL = ["--suite", "dcp", "--topo", "tp4dcp2", "--model", "tiny-gqa", "--workload", "prompts"]

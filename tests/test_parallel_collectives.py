@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from harness.core.errors import ConfigError
 from harness.engine import shm_group
-from harness.errors import ConfigError
-from harness.layout import dcp_members_of
+from harness.partition.layout import dcp_members_of
 from tests.collectives_worker import HANG_TIMEOUT_S, LARGE, MATCHED, MISMATCH_TIMEOUT_S, SIZES
 
 ROOT = Path(__file__).resolve().parents[1]

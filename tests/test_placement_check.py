@@ -8,8 +8,8 @@ from typing import Any
 
 from harness.compare.layout_check import check_layout, reports_by_rank
 from harness.compare.placement_check import placement_problems, q_weight_problems
-from harness.layout import AttentionShape, LayoutPlan, Placement, local_positions, plan_layout
-from harness.verdict import Verdict
+from harness.core.verdict import Verdict
+from harness.partition.layout import AttentionShape, LayoutPlan, Placement, local_positions, plan_layout
 
 MLA = AttentionShape(heads=8, kv_heads=1, head_dim=16, layers=2, dtype_bytes=4, kv_lora_rank=32, qk_rope_dim=8)
 

@@ -1,4 +1,4 @@
-"""The typed rank report of layout.json (harness/rankreport.py): every record survives JSON and back,
+"""The typed rank report of layout.json (harness/records/rankreport.py): every record survives JSON and back,
 the JSON shape is the one engines have always written, and a broken report is one error naming the
 entry, the rank and the field."""
 
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from harness.backends.http_layout import probe_layout
-from harness.rankreport import (
+from harness.records.rankreport import (
     WIRE_ORDER,
     CacheGroupsReport,
     ExpertsReport,

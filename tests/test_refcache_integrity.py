@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from harness.artifacts import RunArtifacts
 from harness.cli import main
 from harness.compare.bounds import NOISE_PLAUSIBLE_ROUNDOFFS, UNIT_ROUNDOFF, NoiseLimit
 from harness.compare.logits import check_logits
 from harness.compare.settings import LogitsSettings, parse_section
-from harness.errors import ConfigError
-from harness.paths import CACHE_NAME, default_cache_dir
-from harness.refcache import CHECKSUMS_FILE, PARTIAL_SUFFIX, checksum_problem
-from harness.verdict import Verdict
+from harness.core.errors import ConfigError
+from harness.core.paths import CACHE_NAME, default_cache_dir
+from harness.core.verdict import Verdict
+from harness.flow.refcache import CHECKSUMS_FILE, PARTIAL_SUFFIX, checksum_problem
+from harness.records.artifacts import RunArtifacts
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = """
@@ -96,7 +96,7 @@ def test_tampered_entry_is_launched_again_and_the_fault_still_fails(tmp_path: Pa
 def _run(tmp: Path, name: str, dtype: str, logits: list[list[float]]) -> RunArtifacts:
     import torch
 
-    from harness.artifacts import Case
+    from harness.records.artifacts import Case
     case = Case(index=0, prompt="x", prompt_ids=(1,), sequence_ids=(1, 2), decode_start=1, probe_positions=(0,))
     return RunArtifacts(path=tmp / name, manifest={"status": "ok", "dtype": dtype}, cases=[case],
                         tensors={"prefill_logits.0": torch.tensor(logits, dtype=torch.float32)})

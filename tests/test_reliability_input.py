@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.paths import PROJECT_ROOT
-from harness.verdict import ExitCode
+from harness.core.paths import PROJECT_ROOT
+from harness.core.verdict import ExitCode
 from tests.report_fixtures import RESULTS_DIR
 
 RANDOM_BYTES = bytes(range(128, 256)) * 3 + b"\x00\xff\xfe"  # not UTF-8 from the first byte on

@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from harness.cli import main
-from harness.results import results_cells
+from harness.records.results import results_cells
 
 SUITE = """
 name: replayed

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.core.verdict import CellResult, CheckResult, Localization, Verdict
+from harness.records.results import RESULTS_SCHEMA_VERSION, ResultsError, summary_counts
 from harness.report import exit_code, print_matrix, read_results, render_all, write_results
 from harness.report.details import layout_view
 from harness.report.html import render_html
@@ -20,8 +22,6 @@ from harness.report.junit import build_junit
 from harness.report.matrix import build_matrix, headline, key_legend, key_number
 from harness.report.merge import merge_cells
 from harness.report.summary import render_summary
-from harness.results import RESULTS_SCHEMA_VERSION, ResultsError, summary_counts
-from harness.verdict import CellResult, CheckResult, Localization, Verdict
 from tests.report_samples import (
     EVIL_PROMPT,
     LOC_SUMMARY,

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
+from harness.core.verdict import CellResult
 from harness.report import read_results, render_all, write_results
-from harness.verdict import CellResult
 from tests.report_samples import PROVENANCE, error_cell, fail_cell, pass_cell, skip_cell, warn_cell
 
 PROJECT = Path(__file__).resolve().parents[1]

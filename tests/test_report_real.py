@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
+from harness.core.verdict import CheckResult, Verdict
 from harness.report import render_all
 from harness.report.html import TEMPLATES_DIR, render_html
 from harness.report.junit import build_junit
 from harness.report.merge import merge
 from harness.report.summary import render_summary
 from harness.report.svg import acceptance_bars
-from harness.verdict import CheckResult, Verdict
 from tests.report_fixtures import KINDS, RESULTS_DIR, cell, load
 
 

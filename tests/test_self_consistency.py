@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from harness.artifacts import RunArtifacts
 from harness.cli import main
 from harness.compare.self_consistency import check_self_consistency, copies
 from harness.compare.settings import SelfConsistencySettings
+from harness.core.errors import ConfigError
+from harness.core.verdict import Verdict
 from harness.engine.faults import FAULTS, fault_flags
-from harness.errors import ConfigError
-from harness.layout import plan_layout
-from harness.results import results_cells
+from harness.partition.layout import plan_layout
+from harness.records.artifacts import RunArtifacts
+from harness.records.results import results_cells
 from harness.specs.topology import parse_topology_name
 from harness.specs.workload import WORKLOADS, Workload
-from harness.verdict import Verdict
 from tests.test_compare_support import GQA, synthetic_runs, with_tensors
 
 

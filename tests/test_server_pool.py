@@ -18,9 +18,9 @@ import pytest
 
 from harness.backends.server_pool import PID_FILE, STATE_FILE, pid_alive, stop_kept
 from harness.cli import main
-from harness.jsonio import read_json
-from harness.results import results_cells
-from harness.runner import CellPlan, serving_order
+from harness.core.jsonio import read_json
+from harness.flow.runner import CellPlan, serving_order
+from harness.records.results import results_cells
 from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from harness.cli import main
-from harness.errors import ConfigError
-from harness.shard import Shard, assign, cell_cost, parse_shard, select
+from harness.core.errors import ConfigError
+from harness.records.shard import Shard, assign, cell_cost, parse_shard, select
 
 
 def test_parse_shard_accepts_k_of_n() -> None:

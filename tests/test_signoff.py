@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
+from harness.core.verdict import NOT_RUN_CHECK, CheckResult, Verdict
+from harness.records.results import read_results, write_results
 from harness.report.history_strip import ERROR_COLOUR
-from harness.results import read_results, write_results
-from harness.verdict import NOT_RUN_CHECK, CheckResult, Verdict
 
 MATRIX = ["--suite", "dcp", "--topo", "tp2dcp2,tp2", "--model", "tiny-gqa", "--workload", "prompts"]
 

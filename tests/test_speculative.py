@@ -7,10 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from harness.acceptance import histogram, mean_accepted_length, total_variation
 from harness.compare.layout_check import check_layout_with_pool
 from harness.compare.settings import AcceptanceSettings, LosslessSettings
 from harness.compare.speculative import check_acceptance, check_lossless
+from harness.core.acceptance import histogram, mean_accepted_length, total_variation
+from harness.core.errors import ConfigError, RunError
+from harness.core.verdict import Verdict
 from harness.engine.engine import Engine
 from harness.engine.faults import FAULTS, FaultFlags, fault_flags
 from harness.engine.kvcache import PagedKVCache
@@ -26,13 +28,11 @@ from harness.engine.speculator import (
 )
 from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights
-from harness.errors import ConfigError, RunError
-from harness.layout import plan_layout, plan_speculator, pool_capacity, slot_pool
+from harness.partition.layout import plan_layout, plan_speculator, pool_capacity, slot_pool
 from harness.specs.checkpoint import load_model
 from harness.specs.model import ModelSpec
 from harness.specs.pool import PoolSettings
 from harness.specs.topology import Topology, parse_topology_name
-from harness.verdict import Verdict
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far away, there lived a",
            "Q: 17 + 25 = ?\nA:", "<script>alert('escape me')</script> tokens & more", "Layout bugs hide in decode"]

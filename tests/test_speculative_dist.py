@@ -17,6 +17,7 @@ import pytest
 
 from harness.compare.layout_check import check_layout_with_pool
 from harness.compare.speculative import check_acceptance, check_lossless
+from harness.core.verdict import Verdict
 from harness.engine.engine import Engine
 from harness.engine.parallel import ParallelState
 from harness.engine.scheduler import generate, run_speculative_cases
@@ -24,11 +25,10 @@ from harness.engine.speculator import speculator_for
 from harness.engine.tokenizer import load_tokenizer
 from harness.engine.weights import load_weights
 from harness.launcher.launch import thread_env
-from harness.layout import plan_layout, plan_speculator, slot_pool
+from harness.partition.layout import plan_layout, plan_speculator, slot_pool
 from harness.specs.checkpoint import load_model
 from harness.specs.pool import PoolSettings
 from harness.specs.speculative import SpeculativeSettings
-from harness.verdict import Verdict
 from tests.conftest import TEST_LAUNCH_TIMEOUT_S
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far away, there lived a",

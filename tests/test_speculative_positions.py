@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.results import results_cells
+from harness.records.results import results_cells
 
 pytestmark = pytest.mark.xdist_group("spec-positions")  # one cache: references run once
 

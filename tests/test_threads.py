@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 from harness.launcher.launch import THREADS_ENV, available_cores, thread_env, threads_per_process
 from tests.conftest import launch_run
 

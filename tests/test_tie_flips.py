@@ -8,7 +8,7 @@ import pytest
 
 from harness.compare.settings import LogitsSettings
 from harness.compare.tie_flips import binomial_tail, tie_flip_test
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 
 
 @pytest.mark.parametrize("k, n, p", [(0, 5, 0.3), (3, 5, 0.3), (5, 5, 0.5), (6, 5, 0.5), (2, 10, 0.9), (40, 80, 0.5)])

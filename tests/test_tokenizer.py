@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from harness.core.errors import ConfigError
 from harness.engine.tokenizer import ByteTokenizer, TokenizersTokenizer, gguf_tokenizer, load_tokenizer
 from harness.engine.weights import load_weights
-from harness.errors import ConfigError
 from harness.specs.checkpoint import load_model
 from harness.specs.model import ModelSpec
 from tests.ckpt_helpers import smollm2_gguf, write_gguf

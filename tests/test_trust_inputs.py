@@ -16,12 +16,12 @@ import pytest
 import yaml
 
 from harness.cli import main
-from harness.errors import ConfigError
-from harness.paths import MODELS_DIR, PROJECT_ROOT, SUITES_DIR
+from harness.core.errors import ConfigError
+from harness.core.paths import MODELS_DIR, PROJECT_ROOT, SUITES_DIR
+from harness.core.verdict import ExitCode
 from harness.specs.checkpoint import load_model
 from harness.specs.engine import load_engine
 from harness.specs.topology import load_catalog
-from harness.verdict import ExitCode
 from tests.conftest import mounted_tmpfs
 from tests.report_fixtures import RESULTS_DIR
 
@@ -281,7 +281,7 @@ def _crashing_engine(tmp_path: Path) -> str:
 
 
 def test_a_failed_reference_launch_leaves_no_partial_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from harness.results import results_cells
+    from harness.records.results import results_cells
     cache = tmp_path / "cache"
     argv = ["run", "--suite", "dcp", "--model", "tiny-gqa", "--topo", "tp2", "--workload", "prompts",
             "--engine", _crashing_engine(tmp_path), "--out", str(tmp_path / "out"), "--cache-dir", str(cache)]
@@ -295,8 +295,8 @@ def test_a_failed_reference_launch_leaves_no_partial_folder(tmp_path: Path, caps
 
 def test_stale_partial_folders_of_dead_processes_go_at_the_next_lookup(tmp_path: Path) -> None:
     from harness.backends.registry import get_backend
-    from harness.contract import Job
-    from harness.refcache import ReferenceCache, ReferenceFailed
+    from harness.flow.refcache import ReferenceCache, ReferenceFailed
+    from harness.records.contract import Job
     from harness.specs.topology import parse_topology_name
 
     runs = tmp_path / "cache" / "runs"
@@ -332,7 +332,7 @@ def test_an_engine_template_with_a_stray_brace_is_one_config_error(tmp_path: Pat
                                              ("openai", {"choices": [{"logprobs": {"tokens": 5}}]})])
 def test_a_malformed_server_answer_is_one_run_error(dialect: str, answer: object) -> None:
     from harness.backends.http_dialects import DIALECTS
-    from harness.errors import RunError
+    from harness.core.errors import RunError
     client = DIALECTS[dialect](lambda path, body: answer, "m")
     with pytest.raises(RunError, match=f"not a {dialect} dialect's answer"):
         client.score([[10, 11, 12]], k=2, together=True)

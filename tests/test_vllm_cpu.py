@@ -27,8 +27,8 @@ from typing import Any, Callable
 import pytest
 
 from harness.cli import main
-from harness.jsonio import read_json
-from harness.results import results_cells
+from harness.core.jsonio import read_json
+from harness.records.results import results_cells
 from harness.specs.engine import load_engine
 
 VLLM_PYTHON = Path(load_engine("vllm").interpreter())

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
+from harness.core.errors import ConfigError
 from harness.engine.checkpoint import save_hf_checkpoint
 from harness.engine.names import expected_shapes, hf_name
 from harness.engine.weights import load_weights, weights_hash
-from harness.errors import ConfigError
-from harness.gguf_file import unpermute_rows
 from harness.specs.checkpoint import load_model, spec_from_checkpoint
+from harness.specs.gguf_file import unpermute_rows
 from harness.specs.model import ModelSpec, shipped_models
 from tests.ckpt_helpers import llama_cpp_permute, save_hf, smollm2_gguf, tiny_llama, tiny_qwen2, write_gguf
 

@@ -11,12 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.artifacts import Case, RunArtifacts
 from harness.cases import build_workload_cases, workload_manifest
 from harness.cli import main
 from harness.compare.schedule import check_consistency, check_schedule
 from harness.compare.settings import ConsistencySettings, ScheduleSettings
-from harness.contract import (
+from harness.core.errors import ConfigError
+from harness.core.verdict import Verdict
+from harness.engine.engine import Engine
+from harness.engine.faults import fault_flags
+from harness.engine.parallel import ParallelState
+from harness.engine.scheduler import Lane, ServeSettings, ServingLoop
+from harness.engine.tokenizer import load_tokenizer
+from harness.engine.weights import load_weights
+from harness.records.artifacts import Case, RunArtifacts
+from harness.records.contract import (
     GEN_TOKENS,
     GEN_TOPK_IDS,
     GEN_TOPK_LOGPROBS,
@@ -27,19 +35,11 @@ from harness.contract import (
     TWIN_TOPK_LOGPROBS,
     tensor_key,
 )
-from harness.engine.engine import Engine
-from harness.engine.faults import fault_flags
-from harness.engine.parallel import ParallelState
-from harness.engine.scheduler import Lane, ServeSettings, ServingLoop
-from harness.engine.tokenizer import load_tokenizer
-from harness.engine.weights import load_weights
-from harness.errors import ConfigError
 from harness.specs.checkpoint import load_model
 from harness.specs.pool import PoolSettings
 from harness.specs.suite import Suite
 from harness.specs.topology import Topology
 from harness.specs.workload import LONG, WORKLOADS, Workload, WorkloadPlan
-from harness.verdict import Verdict
 
 SPEC = load_model("tiny-gqa")
 

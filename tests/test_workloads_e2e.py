@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.results import results_cells
+from harness.records.results import results_cells
 
 SUITE = """
 name: wl

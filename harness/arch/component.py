@@ -1,6 +1,6 @@
 """The component protocol: what one architecture feature owns (docs/architecture.md, Architecture components).
 
-A component plans what each rank holds of its feature (through the partition math of harness/layout.py,
+A component plans what each rank holds of its feature (through the partition math of harness/partition/layout.py,
 mla_layout.py and hybrid_layout.py, never its own), names the rank-report fields its layout check reads,
 says where a fault is inert on it and why, and names the engine module (a string: planning stays
 torch-free) that runs it."""
@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Protocol
 
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
 

@@ -1,6 +1,6 @@
 """The architecture components: dense/GQA attention, MLA, gated full attention, linear attention (Gated
 DeltaNet), MoE with expert parallel, and the speculator (draft / MTP). Each plans its part through the
-partition math of harness/layout.py, mla_layout.py and hybrid_layout.py."""
+partition math of harness/partition/layout.py, mla_layout.py and hybrid_layout.py."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from harness.arch.component import Component, FaultEffects, FaultSite
-from harness.errors import ConfigError
-from harness.hybrid_layout import (
+from harness.core.errors import ConfigError
+from harness.partition.hybrid_layout import (
     LINEAR,
     HybridShape,
     experts_of,
@@ -20,7 +20,7 @@ from harness.hybrid_layout import (
     plan_moe,
     q_proj_rows,
 )
-from harness.layout import (
+from harness.partition.layout import (
     ROUND_ROBIN,
     LayoutPlan,
     Placement,
@@ -30,7 +30,7 @@ from harness.layout import (
     validate,
     validate_q_mode,
 )
-from harness.mla_layout import plan_mla
+from harness.partition.mla_layout import plan_mla
 from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
 

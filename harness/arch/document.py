@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from harness.arch.plan import ModelPlan
-from harness.hybrid_layout import grouped_capacity, hybrid_cache_groups
-from harness.layout import pool_capacity
+from harness.partition.hybrid_layout import grouped_capacity, hybrid_cache_groups
+from harness.partition.layout import pool_capacity
 
 
 def plan_sections(plan: ModelPlan, budget_bytes: int | None, max_seq_len: int, block_size: int) -> dict[str, Any]:

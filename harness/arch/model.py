@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from harness.arch.component import Component
 from harness.arch.components import Attention, GatedAttention, GatedDeltaNet, LatentAttention, MoE, Speculator
-from harness.errors import ConfigError
-from harness.hybrid_layout import HybridShape
+from harness.core.errors import ConfigError
+from harness.partition.hybrid_layout import HybridShape
 from harness.specs.model import ModelSpec
 
 

@@ -8,10 +8,10 @@ from typing import Any
 from harness.arch.component import Component, PlanError
 from harness.arch.components import GatedPlan, MoE
 from harness.arch.model import Model
-from harness.errors import ConfigError
-from harness.hybrid_layout import HybridPlan, LinearPlan, MoePlan
-from harness.layout import LayoutPlan
-from harness.mla_layout import MLAPlan
+from harness.core.errors import ConfigError
+from harness.partition.hybrid_layout import HybridPlan, LinearPlan, MoePlan
+from harness.partition.layout import LayoutPlan
+from harness.partition.mla_layout import MLAPlan
 from harness.specs.topology import Topology
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harness.contract import MANIFEST_BACKEND, MANIFEST_FILE, Backend
-from harness.errors import RunError
-from harness.jsonio import read_json, write_json
+from harness.core.errors import RunError
+from harness.core.jsonio import read_json, write_json
+from harness.records.contract import MANIFEST_BACKEND, MANIFEST_FILE, Backend
 
 
 def backend_record(backend: Backend) -> dict[str, Any]:

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.backends.base import stamp_manifest
-from harness.contract import Backend, Capabilities, Job, LaunchResult
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
+from harness.records.contract import Backend, Capabilities, Job, LaunchResult
 
 MAX_LABEL = 200
 

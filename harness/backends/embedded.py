@@ -11,14 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harness import contract as c
 from harness.backends.base import stamp_manifest
 from harness.backends.identity import code_hash
-from harness.contract import Backend, Capabilities, Job, LaunchResult
+from harness.core.errors import ConfigError
 from harness.engine import ENGINE_VERSION
-from harness.errors import ConfigError
 from harness.launcher.launch import launch
 from harness.launcher.nodes import NodeLaunch
+from harness.records import contract as c
+from harness.records.contract import Backend, Capabilities, Job, LaunchResult
 from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
 

@@ -4,7 +4,7 @@ lockstep, and rank 0 writes the run directory.
 
 `--topk K` is the top-k-only mode (backend `embedded-topk`): the run withholds full logits, hidden
 states and attention outputs and writes the top-K log-probabilities of both teacher-forced paths
-instead, as an engine that only returns top-k logprobs would (harness/contract.py)."""
+instead, as an engine that only returns top-k logprobs would (harness/records/contract.py)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,9 @@ from typing import Any, Sequence
 import torch
 
 from harness import __version__
-from harness import contract as c_
-from harness.artifacts import Case, write_run
 from harness.backends.workload_run import run_workloads, teacher_forced
 from harness.cases import build_cases, build_workload_cases, prompts_hash, workload_manifest
-from harness.contract import Job
+from harness.core.jsonio import write_json
 from harness.engine import ENGINE_VERSION
 from harness.engine.construct import build_engine
 from harness.engine.engine import Engine, Generation
@@ -34,8 +32,10 @@ from harness.engine.scheduler import generate, run_speculative_cases
 from harness.engine.speculative import spec_manifest, spec_tensors
 from harness.engine.tokenizer import Tokenizer, tokenizer_hash
 from harness.engine.weights import weights_hash
-from harness.jsonio import write_json
-from harness.rankreport import entry_json
+from harness.records import contract as c_
+from harness.records.artifacts import Case, write_run
+from harness.records.contract import Job
+from harness.records.rankreport import entry_json
 from harness.specs.speculative import SpeculativeSettings
 from harness.specs.workload import WorkloadPlan
 

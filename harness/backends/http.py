@@ -47,10 +47,7 @@ import torch
 import yaml
 
 from harness import __version__
-from harness import contract as c
-from harness.acceptance import histogram_from_positions
 from harness.arch.model import model_of
-from harness.artifacts import write_run
 from harness.backends import server_pool
 from harness.backends.base import stamp_manifest
 from harness.backends.build import check_label
@@ -77,12 +74,15 @@ from harness.backends.http_server import (
 )
 from harness.backends.http_workloads import case_groups, collect_workloads, reprefill_rows
 from harness.backends.server_pool import probe_folder as probe_dir
-from harness.contract import Backend, Capabilities, Job, LaunchResult
+from harness.core.acceptance import histogram_from_positions
+from harness.core.errors import ConfigError, RunError
+from harness.core.fmt import id_ranges
+from harness.core.jsonio import write_json
 from harness.engine.faults import FAULTS
 from harness.engine.tokenizer import load_tokenizer
-from harness.errors import ConfigError, RunError
-from harness.fmt import id_ranges
-from harness.jsonio import write_json
+from harness.records import contract as c
+from harness.records.artifacts import write_run
+from harness.records.contract import Backend, Capabilities, Job, LaunchResult
 from harness.specs.engine import load_engine
 from harness.specs.model import ModelSpec
 from harness.specs.pool import PoolSettings
@@ -110,7 +110,7 @@ VERSION_CODE = ("import importlib.metadata as m, sys\n"
 
 def export_dir(model: ModelSpec) -> Path:
     """Where the HF export of a non-HF model is cached (keyed by its spec)."""
-    from harness.paths import default_cache_dir
+    from harness.core.paths import default_cache_dir
 
     key = hashlib.sha256(json.dumps(model.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
     return default_cache_dir() / "exports" / f"{model.name}-{key}"

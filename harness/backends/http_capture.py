@@ -17,9 +17,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from harness import contract as c
-from harness.artifacts import Case
-from harness.errors import RunError
+from harness.core.errors import RunError
+from harness.records import contract as c
+from harness.records.artifacts import Case
 
 CASES_FILE = "capture-cases.json"  # what the probe captures (its capture.CASES_FILE)
 CAPTURE_DIR = "capture"            # where it writes rank<R>.case<I>.safetensors (capture.CAPTURE_DIR)

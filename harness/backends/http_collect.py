@@ -9,14 +9,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from harness import contract as c
-from harness.artifacts import Case
 from harness.backends.http_dialects import Dialect, Generation, Scored
 from harness.backends.http_send import SendLog, SendSchedule, send
 from harness.cases import build_cases, prompts_hash
-from harness.contract import Job
 from harness.engine.tokenizer import load_tokenizer, tokenizer_hash
 from harness.engine.weights import load_weights, weights_hash
+from harness.records import contract as c
+from harness.records.artifacts import Case
+from harness.records.contract import Job
 from harness.specs.model import ModelSpec
 
 

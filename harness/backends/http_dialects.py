@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 import httpx
 import torch
 
-from harness.errors import RunError
+from harness.core.errors import RunError
 
 TOKEN_ID_KEY = re.compile(r"^token_id:(-?\d+)$")
 # vLLM v1's speculative-decoding Prometheus counters (vllm/v1/spec_decode/metrics.py): verify steps

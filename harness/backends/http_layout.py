@@ -1,7 +1,8 @@
 """The layout an HTTP engine's server reports about itself: the per-rank files its layout probe writes
 (a vLLM general plugin, tests/vllm_plugin/harness_vllm_probe, told where through the template's
 `layout_report_env`), turned into layout.json's "target" entry: one RankReport per rank
-(harness/rankreport.py), the schema the embedded engine writes. The harness never imports the engine: it reads JSON.
+(harness/records/rankreport.py), the schema the embedded engine writes. The harness never imports the engine:
+it reads JSON.
 
 Per rank: its tensor-parallel and DCP ranks and DCP group, the global Q and KV head ids its attention
 layers hold (as loaded: the checkpoint shard the probe found in each QKV projection's rows; the layer's
@@ -16,8 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from harness.errors import RunError
-from harness.rankreport import ProbeLayer, RankReport, entry_json
+from harness.core.errors import RunError
+from harness.records.rankreport import ProbeLayer, RankReport, entry_json
 
 PROBE_SCHEMA = 1
 

@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 
 import httpx
 
-from harness.errors import RunError
+from harness.core.errors import RunError
 from harness.launcher import forkserver
 from harness.launcher.launch import WAIT_POLICY_VAR, Process, descendants, free_port, stop_process_tree, wait_policy
 

@@ -23,15 +23,15 @@ from typing import Any
 
 import torch
 
-from harness import contract as c
-from harness.artifacts import Case
 from harness.backends.http_collect import Collected, send_cases
 from harness.backends.http_dialects import Dialect, Scored
 from harness.backends.http_send import ONE_AT_A_TIME, SendLog, SendSchedule
 from harness.cases import WorkloadCases, build_cases, build_workload_cases, prompts_hash, workload_manifest
-from harness.contract import Job
 from harness.engine.tokenizer import Tokenizer, load_tokenizer, tokenizer_hash
 from harness.engine.weights import load_weights, weights_hash
+from harness.records import contract as c
+from harness.records.artifacts import Case
+from harness.records.contract import Job
 from harness.specs.workload import WorkloadPlan
 
 

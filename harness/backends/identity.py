@@ -11,13 +11,13 @@ import ast
 import hashlib
 from pathlib import Path
 
-from harness.paths import PROJECT_ROOT
+from harness.core.paths import PROJECT_ROOT
 
 PACKAGE = "harness"
 # the comparing side: checks, verdicts, statistics, report and CLI never shape a run's artifacts
 # (the engine borrows a helper or a constant from some of them; editing those still keeps the cache)
 COMPARE_SIDE: tuple[str, ...] = ("harness.compare", "harness.report", "harness.cli", "harness.checks",
-                                 "harness.verdict", "harness.baseline", "harness.gsm8k.stats",
+                                 "harness.core.verdict", "harness.baselines.baseline", "harness.gsm8k.stats",
                                  "harness.gsm8k.checks", "harness.checks.gsm8k")
 
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from harness.contract import Backend
-from harness.errors import ConfigError
-from harness.plugins import load_target, registered
+from harness.core.errors import ConfigError
+from harness.core.plugins import load_target, registered
+from harness.records.contract import Backend
 from harness.specs.engine import ENGINES_DIR, shipped_engines
 from harness.specs.loader import did_you_mean
 
@@ -105,7 +105,7 @@ def get_backend(engine: str = DEFAULT_ENGINE, folder: Path = ENGINES_DIR) -> Bac
         factory: Factory = load_target(info.target)
         backend = factory(option)
     if not isinstance(backend, Backend):
-        raise ConfigError(f"engine {name!r} ({info.target}) does not implement harness.contract.Backend (subclass "
-                          f"it: it supplies the defaults of the optional methods engine_build, engine_env and "
-                          f"engine_fault)")
+        raise ConfigError(f"engine {name!r} ({info.target}) does not implement harness.records.contract.Backend "
+                          f"(subclass it: it supplies the defaults of the optional methods engine_build, engine_env "
+                          f"and engine_fault)")
     return backend

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from harness import __version__
-from harness import contract as c
-from harness.contract import Backend, Capabilities, Job, LaunchResult
-from harness.errors import ConfigError, RunError
-from harness.jsonio import read_json, write_json
+from harness.core.errors import ConfigError, RunError
+from harness.core.jsonio import read_json, write_json
+from harness.records import contract as c
+from harness.records.contract import Backend, Capabilities, Job, LaunchResult
 from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
 

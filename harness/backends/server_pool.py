@@ -334,7 +334,7 @@ def current() -> ServerPool:
 
 def run_folder(folder: Path) -> str:
     """A run's folder as the run keeps it: a reference launched into the cache's staging folder
-    (NAME.PID.partial, harness/refcache.py) by NAME, the folder it is renamed to."""
+    (NAME.PID.partial, harness/flow/refcache.py) by NAME, the folder it is renamed to."""
     suffix = f".{os.getpid()}.partial"
     return str(folder.with_name(folder.name[:-len(suffix)]) if folder.name.endswith(suffix) else folder)
 

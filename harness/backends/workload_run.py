@@ -12,11 +12,11 @@ from typing import Any, Sequence
 
 import torch
 
-from harness import contract as c_
-from harness.artifacts import Case
 from harness.cases import WorkloadCases
 from harness.engine.engine import DecodePath, Engine, length_buckets
 from harness.engine.scheduler import Lane, ServeSettings, ServingLoop
+from harness.records import contract as c_
+from harness.records.artifacts import Case
 
 
 def topk_of(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,13 +3,13 @@
 A drafter bug often leaves the mean acceptance near its floor while one position collapses (TensorRT-LLM
 #16617: an MTP under TP with batch > 1 whose later positions fell from 0.95 to 0.05 acceptance). Each
 verify step drafts positions 1..k and accepts a prefix of them, so position p's rate is the fraction of
-verify steps that accepted p or more drafts (harness/acceptance.py: accepted_per_position).
+verify steps that accepted p or more drafts (harness/core/acceptance.py: accepted_per_position).
 
 Measured: from the run's per-step traces (spec_accepted.{i}: the embedded engine), else from the
 engine's per-position counters (vLLM's vllm:spec_decode_num_accepted_tokens_per_pos with
 vllm:spec_decode_num_drafts, recorded as the manifest's speculative.histogram), else a SKIP naming them.
 Expected, per position: the stored acceptance baseline's histogram (baselines/acceptance.yaml, the key of
-harness/acceptance_baseline.py), or, where the key has no baseline with a histogram, TensorRT-LLM's floor:
+harness/baselines/acceptance_baseline.py), or, where the key has no baseline with a histogram, TensorRT-LLM's floor:
 reference_floor (0.95) x the reference run's rate at that position.
 Gate: GSM8K's one-sided test (harness/gsm8k/stats.py baseline_gate): a position FAILs when its rate falls
 below expected + z(alpha) x sqrt(2 sigma^2 / steps), sigma the Bernoulli sigma of the measured rate; a
@@ -21,16 +21,16 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from harness.acceptance import accepted_per_position, histogram
-from harness.acceptance_baseline import key_of_run, load_acceptance
-from harness.artifacts import RunArtifacts
+from harness.baselines.acceptance_baseline import key_of_run, load_acceptance
 from harness.checks.context import CellContext
 from harness.compare.settings import AcceptanceSettings
 from harness.compare.speculative import has_traces, speculative_manifest
-from harness.contract import SPEC_ACCEPTED
-from harness.errors import RunError
+from harness.core.acceptance import accepted_per_position, histogram
+from harness.core.errors import RunError
+from harness.core.verdict import CheckResult, Verdict
 from harness.gsm8k.stats import baseline_gate
-from harness.verdict import CheckResult, Verdict
+from harness.records.artifacts import RunArtifacts
+from harness.records.contract import SPEC_ACCEPTED
 
 NAME = "acceptance_per_position"
 PER_POSITION_COUNTER = "vllm:spec_decode_num_accepted_tokens_per_pos"

@@ -6,9 +6,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
-from harness import contract as c
-from harness.artifacts import RunArtifacts
-from harness.checkmetrics import PARITY_CHECKS
 from harness.checks.context import CellContext
 from harness.compare.decode_walk import check_decode_walk
 from harness.compare.generation import check_generation
@@ -33,11 +30,14 @@ from harness.compare.speculative import (
     speculator_details,
 )
 from harness.compare.topk import check_topk
-from harness.details import HeadErrors, LayerErrors, LayoutDetails, PromptDetails, SpeculatorDetails
-from harness.errors import RunError
-from harness.fmt import id_ranges
-from harness.layout import LayoutPlan
-from harness.verdict import CheckResult, Verdict
+from harness.core.checkmetrics import PARITY_CHECKS
+from harness.core.details import HeadErrors, LayerErrors, LayoutDetails, PromptDetails, SpeculatorDetails
+from harness.core.errors import RunError
+from harness.core.fmt import id_ranges
+from harness.core.verdict import CheckResult, Verdict
+from harness.partition.layout import LayoutPlan
+from harness.records import contract as c
+from harness.records.artifacts import RunArtifacts
 
 
 def prompt_details(ref: RunArtifacts, prefill: list[dict[str, Any]], decode: list[dict[str, Any]],
@@ -191,8 +191,8 @@ def speculative_logprobs(ctx: CellContext) -> list[CheckResult]:
 def acceptance(ctx: CellContext) -> list[CheckResult]:
     """Against the reference with the same speculator, and against the stored acceptance baseline
     (baselines/acceptance.yaml), which also sees bugs in code the reference runs too."""
-    from harness.acceptance_baseline import baseline_check, key_of_run, load_acceptance
-    from harness.baseline_store import update_command
+    from harness.baselines.acceptance_baseline import baseline_check, key_of_run, load_acceptance
+    from harness.baselines.baseline_store import update_command
 
     result = acceptance_from_runs(ctx.ref, ctx.par, ctx.settings.of(AcceptanceSettings))
     command = update_command(ctx.info.report_dir or "RUN_DIR", ctx.info.suite)

@@ -23,7 +23,6 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from harness import contract as c
 from harness.compare.settings import (
     AcceptanceSettings,
     CollectiveSettings,
@@ -37,8 +36,9 @@ from harness.compare.settings import (
     SelfConsistencySettings,
     SpeculativeOutputSettings,
 )
-from harness.errors import ConfigError
-from harness.plugins import load_target, registered
+from harness.core.errors import ConfigError
+from harness.core.plugins import load_target, registered
+from harness.records import contract as c
 
 ENTRY_POINT_GROUP = "harness.checks"
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.artifacts import RunArtifacts, run_capabilities
 from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks
 from harness.checks.settings import CheckSettings
 from harness.compare.generation import Decoder
-from harness.layout import LayoutPlan
-from harness.verdict import CheckResult, Localization
+from harness.core.verdict import CheckResult, Localization
+from harness.partition.layout import LayoutPlan
+from harness.records.artifacts import RunArtifacts, run_capabilities
 
 
 def compare_cell(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None, plan: LayoutPlan,

@@ -7,15 +7,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from harness.artifacts import RunArtifacts
 from harness.checks.settings import CheckSettings
-from harness.contract import Capabilities
-from harness.details import CellDetails
+from harness.core.details import CellDetails
+from harness.core.paths import BASELINES_DIR
+from harness.core.verdict import CheckResult, Localization
 from harness.gsm8k.settings import GSM8KSettings
-from harness.hybrid_layout import HybridPlan
-from harness.layout import LayoutPlan
-from harness.paths import BASELINES_DIR
-from harness.verdict import CheckResult, Localization
+from harness.partition.hybrid_layout import HybridPlan
+from harness.partition.layout import LayoutPlan
+from harness.records.artifacts import RunArtifacts
+from harness.records.contract import Capabilities
 
 Decoder = Callable[[Sequence[int]], str]
 
@@ -55,7 +55,7 @@ class CellContext:
     gsm8k: GSM8KSettings | None = None
     enabled: Callable[[str], bool] = lambda section: True
     results: list[CheckResult] = field(default_factory=list)        # verdicts so far, in registry order
-    details: CellDetails = field(default_factory=CellDetails)      # the report's drill-down (harness/details.py)
+    details: CellDetails = field(default_factory=CellDetails)      # the report's drill-down (harness/core/details.py)
     prompt_rows: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # per path: each check's prompt rows
     localization: Localization | None = None
 

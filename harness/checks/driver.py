@@ -11,9 +11,9 @@ from typing import Callable
 from harness.checks.builtin import finish_details
 from harness.checks.catalog import CheckSpec, registered_checks
 from harness.checks.context import CellContext
-from harness.plugins import load_target
+from harness.core.plugins import load_target
+from harness.core.verdict import CheckResult, Verdict
 from harness.specs.workload import WORKLOADS
-from harness.verdict import CheckResult, Verdict
 
 CheckFn = Callable[[CellContext], list[CheckResult]]
 

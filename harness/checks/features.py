@@ -32,12 +32,12 @@ from harness.checks.context import CellContext
 from harness.checks.workload_checks import ROUTES, workload_entry
 from harness.compare.placement_check import placement_problems
 from harness.compare.speculative import has_traces, speculative_manifest
-from harness.contract import SPEC_ACCEPTED
-from harness.errors import ConfigError, RunError
-from harness.layout import local_positions
-from harness.rankreport import RankReport, read_ranks
+from harness.core.errors import ConfigError, RunError
+from harness.core.verdict import CheckResult, Verdict
+from harness.partition.layout import local_positions
+from harness.records.contract import SPEC_ACCEPTED
+from harness.records.rankreport import RankReport, read_ranks
 from harness.specs.topology import Topology
-from harness.verdict import CheckResult, Verdict
 
 NAME = "features_on"
 

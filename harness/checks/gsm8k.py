@@ -5,17 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harness.baseline import Measurement, gate_cell, load_baselines
-from harness.contract import GSM8K_FILE
+from harness.baselines.baseline import Measurement, gate_cell, load_baselines
+from harness.core.jsonio import read_json
+from harness.core.paths import BASELINES_DIR
+from harness.core.verdict import CheckResult
 from harness.gsm8k.checks import paired_check
 from harness.gsm8k.records import GSM8KResult
 from harness.gsm8k.settings import GSM8KSettings
 from harness.gsm8k.stats import paired_comparison
-from harness.jsonio import read_json
-from harness.paths import BASELINES_DIR
-from harness.verdict import CheckResult
+from harness.records.contract import GSM8K_FILE
 
-RESULT_FILE = GSM8K_FILE  # the run-directory file name (harness.contract)
+RESULT_FILE = GSM8K_FILE  # the run-directory file name (harness.records.contract)
 
 
 def read_result(run_dir: Path) -> GSM8KResult:

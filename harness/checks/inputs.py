@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness import contract as c
-from harness.artifacts import RunArtifacts
-from harness.verdict import CheckResult, Verdict
+from harness.core.verdict import CheckResult, Verdict
+from harness.records import contract as c
+from harness.records.artifacts import RunArtifacts
 
 HASHES: tuple[tuple[str, str], ...] = ((c.MANIFEST_PROMPTS_HASH, "prompts hash"),
                                        (c.MANIFEST_WEIGHTS_HASH, "weights hash"),

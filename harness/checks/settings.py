@@ -14,8 +14,8 @@ from typing import Any, Mapping, TypeVar
 
 from harness.checks.catalog import sections
 from harness.compare.settings import SETTINGS_DTYPES, parse_section
-from harness.errors import ConfigError
-from harness.paths import SUITES_DIR
+from harness.core.errors import ConfigError
+from harness.core.paths import SUITES_DIR
 from harness.specs.loader import did_you_mean
 from harness.specs.suite import ENABLED_KEY, Suite, read_suite
 

@@ -10,7 +10,7 @@ from harness.checks.context import CellContext
 from harness.compare.schedule import check_consistency, check_schedule
 from harness.compare.self_consistency import check_self_consistency
 from harness.compare.settings import ConsistencySettings, ScheduleSettings, SelfConsistencySettings
-from harness.verdict import CheckResult, Verdict
+from harness.core.verdict import CheckResult, Verdict
 
 # per route check: what it compares, and the engine stat that shows the route was taken
 ROUTES: dict[str, tuple[str, str]] = {

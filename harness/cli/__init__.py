@@ -9,8 +9,8 @@ import traceback
 from types import ModuleType
 
 from harness import __version__
-from harness.errors import ConfigError, HarnessError
-from harness.verdict import ExitCode
+from harness.core.errors import ConfigError, HarnessError
+from harness.core.verdict import ExitCode
 
 
 def _subcommands() -> list[ModuleType]:

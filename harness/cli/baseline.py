@@ -7,14 +7,14 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from harness.acceptance_baseline import (
+from harness.baselines.acceptance_baseline import (
     AcceptanceBaselines,
     acceptance_path,
     load_acceptance,
     write_acceptance,
 )
-from harness.acceptance_baseline import entries_from_cells as acceptance_entries
-from harness.baseline import (
+from harness.baselines.acceptance_baseline import entries_from_cells as acceptance_entries
+from harness.baselines.baseline import (
     BaselineEntry,
     Baselines,
     baselines_path,
@@ -23,13 +23,13 @@ from harness.baseline import (
     skip_reason,
     write_baselines,
 )
-from harness.baseline_store import BaselineSet
-from harness.errors import ConfigError
-from harness.fmt import table
-from harness.jsonio import read_json
-from harness.paths import BASELINES_DIR
-from harness.results import RESULTS_FILE, read_results
-from harness.verdict import CellResult
+from harness.baselines.baseline_store import BaselineSet
+from harness.core.errors import ConfigError
+from harness.core.fmt import table
+from harness.core.jsonio import read_json
+from harness.core.paths import BASELINES_DIR
+from harness.core.verdict import CellResult
+from harness.records.results import RESULTS_FILE, read_results
 
 
 def add_parser(sub: Any) -> None:

@@ -6,7 +6,7 @@ Each entry is one reference run under CACHE/runs/, one converted GGUF file under
 tokenizer and float32 weights) or one model exported for an HTTP engine under CACHE/exports/. Its age is
 the time since it was last written or reused (a run that takes an entry from the cache marks it used).
 Entries still being written (`*.<pid>.partial`) belong to the live process <pid> and are never pruned while it runs.
-CACHE/locks/ holds one empty lock file per reference key (harness/refcache.py); they are not entries.
+CACHE/locks/ holds one empty lock file per reference key (harness/flow/refcache.py); they are not entries.
 CACHE/servers/ holds the engine servers `harness run --keep-servers` left up (servers.json, and each one's folder
 with its log): `harness cache servers` lists them, `--stop` stops them all; prune leaves them alone.
 """
@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.cli.checks import positive_float
-from harness.errors import ConfigError
-from harness.fmt import human_bytes, table
+from harness.core.errors import ConfigError
+from harness.core.fmt import human_bytes, table
 
 DAY_S = 86400.0
 KINDS: tuple[str, ...] = ("runs", "gguf", "exports")  # the cache's sub-folders, one entry per folder inside
@@ -58,7 +58,7 @@ class Entry:
 
     def in_use(self) -> bool:
         """A partial entry whose writer is still alive."""
-        from harness.refcache import partial_alive
+        from harness.flow.refcache import partial_alive
         return self.partial and partial_alive(self.path)
 
 
@@ -67,7 +67,7 @@ def _size(path: Path) -> int:
 
 
 def entries(cache_dir: Path) -> list[Entry]:
-    from harness.refcache import PARTIAL_SUFFIX
+    from harness.flow.refcache import PARTIAL_SUFFIX
 
     found = []
     for kind in KINDS:
@@ -85,7 +85,7 @@ def _age(days: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.paths import default_cache_dir
+    from harness.core.paths import default_cache_dir
 
     cache_dir: Path = args.cache_dir or default_cache_dir()
     if cache_dir.exists() and not cache_dir.is_dir():

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from harness.errors import ConfigError
-from harness.limits import REPORTS_MIN_BYTES, RUN_DIR_MIN_BYTES, free_bytes
-from harness.results import RESULTS_FILE
+from harness.core.errors import ConfigError
+from harness.core.limits import REPORTS_MIN_BYTES, RUN_DIR_MIN_BYTES, free_bytes
+from harness.records.results import RESULTS_FILE
 
 
 def positive_float(text: str) -> float:
@@ -90,7 +90,7 @@ def require_no_results(folder: Path, flag: str) -> None:
 
 def require_free_space(folder: Path, flag: str, cells: int) -> None:
     """Refuse a run whose --out disk clearly cannot hold it: less free than a lower bound of what `cells`
-    launched cells and the reports need (harness/limits.py)."""
+    launched cells and the reports need (harness/core/limits.py)."""
     need = cells * RUN_DIR_MIN_BYTES + REPORTS_MIN_BYTES
     free = free_bytes(folder)
     if free < need:

@@ -14,8 +14,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from harness.errors import ConfigError
-from harness.verdict import ExitCode
+from harness.core.errors import ConfigError
+from harness.core.verdict import ExitCode
 
 
 def add_parser(sub: Any) -> None:
@@ -39,7 +39,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _store(args: argparse.Namespace) -> Path:
-    from harness.history import HISTORY_ENV, history_path
+    from harness.records.history import HISTORY_ENV, history_path
     path = history_path(args.history)
     if path is None:
         raise ConfigError(f"no history store: give --history PATH or set {HISTORY_ENV}")
@@ -47,7 +47,7 @@ def _store(args: argparse.Namespace) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.history import connect, reading_store, record_runs
+    from harness.records.history import connect, reading_store, record_runs
     path = _store(args)
     if args.history_command == "add":
         for run_id, n in record_runs(path, args.dirs, args.label):
@@ -69,7 +69,7 @@ def _marks(t: Any) -> list[str]:
 
 
 def show(conn: Any, args: argparse.Namespace) -> int:
-    from harness.history import cell_histories, parse_since, query, trends
+    from harness.records.history import cell_histories, parse_since, query, trends
     from harness.report.matrix import format_number
     if args.last < 1:
         raise ConfigError(f"--last {args.last} must be >= 1")

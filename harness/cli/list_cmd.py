@@ -57,7 +57,7 @@ def _faults() -> list[str]:
 
 def _engines() -> list[str]:
     from harness.backends.registry import available, get_backend
-    from harness.errors import ConfigError
+    from harness.core.errors import ConfigError
     from harness.specs.engine import load_engine
 
     out = []

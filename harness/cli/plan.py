@@ -11,9 +11,9 @@ from harness.arch.model import model_of
 from harness.arch.plan import plan_model
 from harness.cli.checks import positive_float, positive_int
 from harness.cli.plan_hybrid import render_hybrid
-from harness.errors import ConfigError
-from harness.fmt import human_bytes, id_ranges, table
-from harness.layout import LAYOUT_SCHEMA_VERSION, token_owner
+from harness.core.errors import ConfigError
+from harness.core.fmt import human_bytes, id_ranges, table
+from harness.partition.layout import LAYOUT_SCHEMA_VERSION, token_owner
 from harness.specs.checkpoint import load_model
 from harness.specs.model import ModelSpec
 from harness.specs.topology import load_catalog

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.fmt import human_bytes, id_ranges, table
+from harness.core.fmt import human_bytes, id_ranges, table
 
 
 def render_hybrid(h: dict[str, Any]) -> list[str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.cli.checks import require_no_results, require_writable_dir, writing_into
-from harness.paths import REPORTS_DIR
+from harness.core.paths import REPORTS_DIR
 from harness.report import exit_code, merge, print_matrix, render_all
 
 
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         require_no_results(out, "--out")
     histories = None
     if args.history is not None:
-        from harness.history import histories_for
+        from harness.records.history import histories_for
         histories = histories_for(args.history, cells)
     with writing_into(out, "--out"):
         paths = render_all(out, cells, provenance, run_id, histories)

@@ -21,13 +21,13 @@ from harness.cli.checks import (
     require_writable_dir,
     seed_int,
 )
-from harness.contract import WORKLOADS
-from harness.errors import ConfigError, DiskFull, RunError
-from harness.history import check_store, history_path
+from harness.core.errors import ConfigError, DiskFull, RunError
+from harness.core.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, free_bytes
+from harness.core.paths import BASELINES_DIR, REPORTS_DIR
 from harness.launcher.nodes import check_engine, parse_nodes
-from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, free_bytes
-from harness.paths import BASELINES_DIR, REPORTS_DIR
-from harness.shard import parse_shard
+from harness.records.contract import WORKLOADS
+from harness.records.history import check_store, history_path
+from harness.records.shard import parse_shard
 from harness.specs.checkpoint import load_model
 from harness.specs.suite import Suite, with_profile
 from harness.specs.topology import load_catalog
@@ -35,7 +35,7 @@ from harness.specs.workload import SUITE_PROMPTS, check_workload_names
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a run is asked for
     from harness.engine.tokenizer import Tokenizer
-    from harness.runner import Runner, RunRequest
+    from harness.flow.runner import Runner, RunRequest
 
 MIB = 1024 ** 2
 
@@ -122,12 +122,12 @@ def run_id(suite: str) -> str:
 def build_request(args: argparse.Namespace) -> "RunRequest":
     """Resolve and validate everything a run needs; every bad input is one ConfigError, before launching."""
     from harness.checks.settings import CheckSettings
+    from harness.core.paths import default_cache_dir
     from harness.engine.tokenizer import load_tokenizer
     from harness.engine.weights import validate_checkpoint
+    from harness.flow.runner import RunRequest
     from harness.gsm8k.data import resolve_source
     from harness.gsm8k.settings import gsm8k_settings
-    from harness.paths import default_cache_dir
-    from harness.runner import RunRequest
     from harness.specs.speculative import SpeculativeSettings
 
     suite = with_profile(load_suite(args.suite), args.profile)
@@ -259,8 +259,8 @@ def reproduce_args(args: argparse.Namespace, budget_mib: int, max_seq_len: int) 
 
 def run(args: argparse.Namespace) -> int:
     from harness.cli.signals import exit_status, interrupt_on_signals
-    from harness.errors import Interrupted
-    from harness.paths import cache_dir_given
+    from harness.core.errors import Interrupted
+    from harness.core.paths import cache_dir_given
 
     with interrupt_on_signals(), cache_dir_given(args.cache_dir):  # --cache-dir holds exports too
         try:
@@ -272,12 +272,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from harness.cli.signals import exit_status
-    from harness.errors import Interrupted
-    from harness.refcache import partial_dirs
+    from harness.core.errors import Interrupted
+    from harness.flow.refcache import partial_dirs
+    from harness.flow.runner import Runner, plan_cells
+    from harness.records.results import exit_code
     from harness.report import render_all
     from harness.report.text import print_matrix
-    from harness.results import exit_code
-    from harness.runner import Runner, plan_cells
 
     req = build_request(args)
     planned = plan_cells(req)
@@ -343,7 +343,7 @@ def write_reports(out_dir: Path, cells: list[Any], provenance: dict[str, Any]) -
 def record_history(given: Path | None, out_dir: Path, cells: list[Any], provenance: dict[str, Any],
                    run_id: str) -> None:
     """With a history store (--history or $HARNESS_HISTORY): record the run, re-render its page with the strips."""
-    from harness.history import histories_for, history_path
+    from harness.records.history import histories_for, history_path
     from harness.report.html import write_html
     path = history_path(given)
     if path is not None:

@@ -13,8 +13,8 @@ from typing import Any
 
 from harness.arch.model import model_of
 from harness.arch.plan import plan_model
+from harness.core.errors import ConfigError
 from harness.engine.faults import fault_flags
-from harness.errors import ConfigError
 from harness.serve.listen import check_listen
 from harness.specs.checkpoint import load_model
 from harness.specs.loader import did_you_mean

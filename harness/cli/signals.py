@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Iterator
 
-from harness.errors import Interrupted
+from harness.core.errors import Interrupted
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

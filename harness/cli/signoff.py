@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.errors import ConfigError
-from harness.paths import REPORTS_DIR
-from harness.verdict import ExitCode
+from harness.core.errors import ConfigError
+from harness.core.paths import REPORTS_DIR
+from harness.core.verdict import ExitCode
 
 
 def add_parser(sub: Any) -> None:

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from harness.errors import ConfigError
-from harness.verdict import ExitCode
+from harness.core.errors import ConfigError
+from harness.core.verdict import ExitCode
 
 
 def add_parser(sub: Any) -> None:
@@ -18,7 +18,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.validate import validate_run
+    from harness.records.validate import validate_run
 
     for run_dir in args.run_dirs:  # a mistyped path is bad input, not an invalid run
         if not run_dir.exists():

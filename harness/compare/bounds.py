@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from harness.fmt import multiple as times_text
-from harness.verdict import Verdict
+from harness.core.fmt import multiple as times_text
+from harness.core.verdict import Verdict
 
 
 @dataclass(frozen=True)

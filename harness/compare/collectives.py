@@ -19,13 +19,13 @@ from typing import Any, Sequence
 
 import torch
 
-from harness.artifacts import Case, RunArtifacts
 from harness.compare.bounds import json_float
 from harness.compare.settings import CollectiveSettings
-from harness.contract import COLLECTIVE_SITES, COLLECTIVES
-from harness.errors import RunError
-from harness.fmt import id_ranges
-from harness.verdict import CheckResult, Verdict
+from harness.core.errors import RunError
+from harness.core.fmt import id_ranges
+from harness.core.verdict import CheckResult, Verdict
+from harness.records.artifacts import Case, RunArtifacts
+from harness.records.contract import COLLECTIVE_SITES, COLLECTIVES
 
 SITE_TEXT: dict[str, str] = {
     "dcp-q-gather": "DCP Q all-gather (a rank's own Q heads are not where the gather puts them)",

@@ -26,14 +26,14 @@ from typing import Any
 
 import torch
 
-from harness.artifacts import RunArtifacts
 from harness.compare.logprob_values import BadLogprobs, check_finite
 from harness.compare.settings import LogitsSettings
 from harness.compare.tie_flips import tie_flip_test
 from harness.compare.topk import TopkMetrics, grade_topk, topk_metrics
-from harness.contract import GEN_TOKENS, GEN_TOPK_IDS, GEN_TOPK_LOGPROBS
-from harness.errors import RunError
-from harness.verdict import CheckResult, Verdict, worst
+from harness.core.errors import RunError
+from harness.core.verdict import CheckResult, Verdict, worst
+from harness.records.artifacts import RunArtifacts
+from harness.records.contract import GEN_TOKENS, GEN_TOPK_IDS, GEN_TOPK_LOGPROBS
 
 NAME = "logits_decode"
 

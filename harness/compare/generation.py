@@ -13,13 +13,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from harness.artifacts import Case, RunArtifacts
 from harness.compare.bounds import Bound, json_float
 from harness.compare.logprob_values import BadLogprobs, check_finite
 from harness.compare.settings import GenerationSettings
-from harness.contract import GEN_TOKENS, GEN_TOPK_IDS, GEN_TOPK_LOGPROBS
-from harness.errors import RunError
-from harness.verdict import CheckResult, Verdict
+from harness.core.errors import RunError
+from harness.core.verdict import CheckResult, Verdict
+from harness.records.artifacts import Case, RunArtifacts
+from harness.records.contract import GEN_TOKENS, GEN_TOPK_IDS, GEN_TOPK_LOGPROBS
 
 Decoder = Callable[[Sequence[int]], str]
 

@@ -1,6 +1,6 @@
 """Layout invariants of a hybrid model: the full-attention layers as layout_check does, plus each rank's
-hybrid record (RankReport.hybrid, harness/rankreport.py: linear attention, experts, cache groups) against
-harness/hybrid_layout.py.
+hybrid record (RankReport.hybrid, harness/records/rankreport.py: linear attention, experts, cache groups) against
+harness/partition/hybrid_layout.py.
 
 Invariants: linear heads and packed q|k|v rows per component as planned; identical linear weights and
 identical recurrent states across each DCP group; each V head's output added by exactly one rank; experts
@@ -14,12 +14,12 @@ from collections import defaultdict
 from typing import Any, Mapping
 
 from harness.compare.layout_check import check_layout, reports_by_rank
-from harness.errors import ConfigError
-from harness.fmt import id_ranges
-from harness.hybrid_layout import HybridPlan, grouped_capacity, hybrid_cache_groups
-from harness.layout import LayoutPlan
-from harness.rankreport import HybridReport
-from harness.verdict import CheckResult, Verdict
+from harness.core.errors import ConfigError
+from harness.core.fmt import id_ranges
+from harness.core.verdict import CheckResult, Verdict
+from harness.partition.hybrid_layout import HybridPlan, grouped_capacity, hybrid_cache_groups
+from harness.partition.layout import LayoutPlan
+from harness.records.rankreport import HybridReport
 
 
 def _linear_problems(plan: HybridPlan, by_rank: Mapping[int, HybridReport]) -> list[str]:

@@ -4,11 +4,11 @@ shared expert) did, from the model spec in the run's manifest."""
 
 from __future__ import annotations
 
-from harness.artifacts import RunArtifacts
-from harness.errors import ConfigError
-from harness.hybrid_layout import FULL, HybridShape, layer_kinds
+from harness.core.errors import ConfigError
+from harness.core.verdict import Localization
+from harness.partition.hybrid_layout import FULL, HybridShape, layer_kinds
+from harness.records.artifacts import RunArtifacts
 from harness.specs.loader import build
-from harness.verdict import Localization
 
 __all__ = ["FULL", "hybrid_layer_kind", "hybrid_localization"]
 

@@ -1,7 +1,7 @@
 """Layout invariants: what each rank actually holds (layout.json) against the planner.
 
 `actual` is layout.json's "target" (or "speculator") entry, {"ranks": [RankReport JSON], "pool":
-{budget_bytes, block_size, max_seq_len}}; its ranks are read into RankReports (harness/rankreport.py,
+{budget_bytes, block_size, max_seq_len}}; its ranks are read into RankReports (harness/records/rankreport.py,
 the schema) before any check looks at them. Every problem found is collected; the verdict is FAIL when
 there is any, ERROR when the entry breaks the schema (the error names the rank and the field), PASS
 otherwise.
@@ -13,11 +13,11 @@ from collections import defaultdict
 from typing import Any, Mapping, Sequence
 
 from harness.compare.placement_check import placement_problems, q_weight_problems
-from harness.errors import ConfigError
-from harness.fmt import id_ranges
-from harness.layout import LayoutPlan, PoolCapacity, RankLayout, kv_of_q, pool_capacity, slot_pool
-from harness.rankreport import LayoutSchemaError, RankReport, read_ranks
-from harness.verdict import CheckResult, Verdict
+from harness.core.errors import ConfigError
+from harness.core.fmt import id_ranges
+from harness.core.verdict import CheckResult, Verdict
+from harness.partition.layout import LayoutPlan, PoolCapacity, RankLayout, kv_of_q, pool_capacity, slot_pool
+from harness.records.rankreport import LayoutSchemaError, RankReport, read_ranks
 
 ENTRY = "layout entry"  # how a schema error names the entry it is in
 

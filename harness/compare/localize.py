@@ -21,18 +21,18 @@ from typing import Any, Sequence
 
 import torch
 
-from harness.artifacts import Case, RunArtifacts
 from harness.compare.bounds import Bound, json_float
 from harness.compare.collectives import collective_errors, describe, first_broken
 from harness.compare.collectives import details as collective_details
 from harness.compare.hybrid_localize import FULL, hybrid_layer_kind, hybrid_localization
 from harness.compare.settings import CollectiveSettings, LocalizationSettings
-from harness.contract import ATTN, HIDDEN
-from harness.errors import RunError
-from harness.fmt import id_ranges
-from harness.layout import LayoutPlan, kv_of_q
-from harness.rankreport import LayoutSchemaError, read_ranks
-from harness.verdict import Localization
+from harness.core.errors import RunError
+from harness.core.fmt import id_ranges
+from harness.core.verdict import Localization
+from harness.partition.layout import LayoutPlan, kv_of_q
+from harness.records.artifacts import Case, RunArtifacts
+from harness.records.contract import ATTN, HIDDEN
+from harness.records.rankreport import LayoutSchemaError, read_ranks
 
 _TINY = 1e-30
 

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from harness.artifacts import RunArtifacts
 from harness.compare.bounds import Bound, json_float, noise_limit
 from harness.compare.settings import LogitsSettings
 from harness.compare.tie_flips import tie_flip_test
-from harness.errors import RunError
-from harness.verdict import CheckResult, Verdict, worst
+from harness.core.errors import RunError
+from harness.core.verdict import CheckResult, Verdict, worst
+from harness.records.artifacts import RunArtifacts
 
 LOGITS_PATHS: tuple[str, ...] = ("prefill", "decode")
 

@@ -15,9 +15,9 @@ import math
 
 import torch
 
-from harness.artifacts import RunArtifacts
-from harness.contract import MANIFEST_LOGPROB_VALUES
-from harness.errors import RunError
+from harness.core.errors import RunError
+from harness.records.artifacts import RunArtifacts
+from harness.records.contract import MANIFEST_LOGPROB_VALUES
 
 PAD_ID = -1  # the token id of a top-k entry the engine did not return (its logprob is -inf)
 

@@ -1,5 +1,5 @@
 """Layout invariants of the DCP token placement and of MLA's Q weights, on layout.json's rank reports
-(harness/rankreport.py).
+(harness/records/rankreport.py).
 
 - placement: what each rank stored of the engine's probe sequence (RankReport.stored_positions) must be
   exactly the placement's share (layout.local_positions), so every token's K/V or latent row sits on its
@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Mapping
 
-from harness.fmt import id_ranges
-from harness.layout import LayoutPlan, local_positions
-from harness.mla_layout import q_weight_heads
-from harness.rankreport import RankReport
+from harness.core.fmt import id_ranges
+from harness.partition.layout import LayoutPlan, local_positions
+from harness.partition.mla_layout import q_weight_heads
+from harness.records.rankreport import RankReport
 
 
 def placement_problems(plan: LayoutPlan, by_rank: Mapping[int, RankReport]) -> list[str]:

@@ -20,11 +20,13 @@ from typing import Any, Sequence
 
 import torch
 
-from harness.artifacts import RunArtifacts
 from harness.compare.bounds import Bound, json_float
 from harness.compare.generation import first_divergence, top2_gaps
 from harness.compare.settings import ConsistencySettings, ScheduleSettings
-from harness.contract import (
+from harness.core.errors import RunError
+from harness.core.verdict import CheckResult, Verdict
+from harness.records.artifacts import RunArtifacts
+from harness.records.contract import (
     GEN_TOKENS,
     GEN_TOPK_IDS,
     GEN_TOPK_LOGPROBS,
@@ -35,8 +37,6 @@ from harness.contract import (
     TWIN_TOPK_LOGPROBS,
     tensor_key,
 )
-from harness.errors import RunError
-from harness.verdict import CheckResult, Verdict
 
 GEN = (GEN_TOKENS, GEN_TOPK_IDS, GEN_TOPK_LOGPROBS)
 TWIN = (TWIN_TOKENS, TWIN_TOPK_IDS, TWIN_TOPK_LOGPROBS)

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.artifacts import RunArtifacts
 from harness.compare.schedule import GEN, TWIN, Pair, compare_schedules, grade, has_tensors, steps_of
 from harness.compare.settings import ScheduleSettings, SelfConsistencySettings
-from harness.errors import RunError
-from harness.verdict import CheckResult, Verdict
+from harness.core.errors import RunError
+from harness.core.verdict import CheckResult, Verdict
+from harness.records.artifacts import RunArtifacts
 
 NAME = "self_consistency"
 WHAT = "copies against its first copy"

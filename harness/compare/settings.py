@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, TypeVar
 
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 from harness.specs.loader import build, did_you_mean
 from harness.specs.model import DTYPES
 

@@ -24,7 +24,7 @@ acceptance: against the reference topology's run with the same speculator (tp1-d
   A collapsed drafter leaves every accuracy gate green: this check is the only place it shows.
   The first differing verify step is localized (prompt, step, new-token index, what each run proposed,
   accepted and committed). An engine with only aggregate counters (HTTP: vLLM's spec-decode counters)
-  gets the mean-drop gate alone. The stored baseline (harness/acceptance_baseline.py) is the
+  gets the mean-drop gate alone. The stored baseline (harness/baselines/acceptance_baseline.py) is the
   acceptance check's second result, acceptance_baseline: it sees bugs the reference shares.
 speculative_logprobs / speculative_consistency (an HTTP speculative server's answers, spec_topk_* and
   spec_reprefill_topk_*): each generated step's token and top-k logprobs against the plain server of the
@@ -41,8 +41,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from harness.acceptance import histogram, mean_accepted_length, total_variation
-from harness.artifacts import RunArtifacts
 from harness.compare.generation import first_divergence, top2_gaps
 from harness.compare.schedule import (
     GEN,
@@ -55,7 +53,12 @@ from harness.compare.schedule import (
     steps_of,
 )
 from harness.compare.settings import AcceptanceSettings, LosslessSettings, SpeculativeOutputSettings
-from harness.contract import (
+from harness.core.acceptance import histogram, mean_accepted_length, total_variation
+from harness.core.details import divergence_text
+from harness.core.errors import RunError
+from harness.core.verdict import CheckResult, Verdict
+from harness.records.artifacts import RunArtifacts
+from harness.records.contract import (
     GEN_TOKENS,
     GEN_TOPK_IDS,
     GEN_TOPK_LOGPROBS,
@@ -68,9 +71,6 @@ from harness.contract import (
     SPEC_TOPK_LOGPROBS,
     tensor_key,
 )
-from harness.details import divergence_text
-from harness.errors import RunError
-from harness.verdict import CheckResult, Verdict
 
 
 def _lossless_case(index: int, spec: list[int], plain: list[int], topk_ids: torch.Tensor | None,

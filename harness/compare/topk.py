@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
-from harness import contract as c
-from harness.artifacts import RunArtifacts
 from harness.compare.bounds import Bound, json_float
 from harness.compare.logprob_values import BadLogprobs, check_finite
 from harness.compare.settings import LogitsSettings
-from harness.errors import RunError
-from harness.verdict import CheckResult, Verdict, worst
+from harness.core.errors import RunError
+from harness.core.verdict import CheckResult, Verdict, worst
+from harness.records import contract as c
+from harness.records.artifacts import RunArtifacts
 
 TOPK_KINDS: dict[str, tuple[str, str, str]] = {  # path -> (ids kind, logprobs kind, full-logits kind)
     "prefill": (c.PREFILL_TOPK_IDS, c.PREFILL_TOPK_LOGPROBS, c.PREFILL_LOGITS),

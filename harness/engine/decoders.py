@@ -17,8 +17,8 @@ from harness.engine.mla import MLAParts, build_mla, mla_report
 from harness.engine.model import Decoder, HeadMap, Hyper, LocalWeights
 from harness.engine.parallel import ParallelState
 from harness.engine.parallelize import engine_plan, head_map, shard_weights
-from harness.layout import LayoutPlan, PoolCapacity, RankLayout, pool_capacity
-from harness.rankreport import HybridReport, MLAReport
+from harness.partition.layout import LayoutPlan, PoolCapacity, RankLayout, pool_capacity
+from harness.records.rankreport import HybridReport, MLAReport
 from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
 

@@ -17,14 +17,14 @@ import torch
 
 from harness.arch.model import model_of
 from harness.arch.plan import plan_model
+from harness.core.errors import ConfigError
 from harness.engine.decoders import RankBuild, build_rank
 from harness.engine.faults import FaultFlags
 from harness.engine.model import Batch, Capture
 from harness.engine.parallel import ParallelState
 from harness.engine.parallelize import rank_report
-from harness.errors import ConfigError
-from harness.layout import ROUND_ROBIN, Placement
-from harness.rankreport import RankReport, StoredPositions
+from harness.partition.layout import ROUND_ROBIN, Placement
+from harness.records.rankreport import RankReport, StoredPositions
 from harness.specs.model import ModelSpec
 from harness.specs.pool import PoolSettings
 from harness.specs.topology import Topology

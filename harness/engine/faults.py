@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 from harness.specs.loader import did_you_mean
 from harness.specs.topology import Topology
 

@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from harness.gguf_file import require_file
-from harness.paths import default_cache_dir
+from harness.core.paths import default_cache_dir
+from harness.specs.gguf_file import require_file
 
 CONVERTER_VERSION = 1
 

@@ -4,7 +4,7 @@ from the model spec), MoE FFN with a shared expert, over a grouped cache.
 The full-attention layers run the dense decoder's attention path (paged KV, DCP merge) with an output
 gate; the linear layers keep their state whole on every rank (harness/engine/statecache.py); the MoE
 partials and the linear layers' out-projection partials are summed with the TP all-reduce. The shards
-come only from the hybrid planner (harness/hybrid_layout.py); faults change which plan or mapping is used.
+come only from the hybrid planner (harness/partition/hybrid_layout.py); faults change which plan or mapping is used.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from harness.engine.moe import MoeWeights, moe_activations
 from harness.engine.parallel import Collectives
 from harness.engine.parallelize import head_map, vocab_rows
 from harness.engine.statecache import SNAPSHOT_TOKENS, HybridCache
-from harness.hybrid_layout import (
+from harness.partition.hybrid_layout import (
     FULL,
     GroupedCapacity,
     HybridPlan,
@@ -45,8 +45,8 @@ from harness.hybrid_layout import (
     hybrid_cache_groups,
     loaded_rows,
 )
-from harness.layout import LayoutPlan, PoolCapacity, RankLayout, slot_pool, token_owner
-from harness.rankreport import CacheGroupsReport, ExpertsReport, HybridReport, LinearReport
+from harness.partition.layout import LayoutPlan, PoolCapacity, RankLayout, slot_pool, token_owner
+from harness.records.rankreport import CacheGroupsReport, ExpertsReport, HybridReport, LinearReport
 from harness.specs.model import ModelSpec
 
 

@@ -14,7 +14,7 @@ FFN: with experts, router.weight [E, H], experts.gate.weight / experts.up.weight
 
 from __future__ import annotations
 
-from harness.hybrid_layout import FULL, HybridShape, layer_kinds
+from harness.partition.hybrid_layout import FULL, HybridShape, layer_kinds
 from harness.specs.model import ModelSpec
 
 Shape = tuple[int, ...]

@@ -13,8 +13,8 @@ from typing import Sequence
 
 import torch
 
-from harness.errors import RunError
-from harness.layout import PoolCapacity
+from harness.core.errors import RunError
+from harness.partition.layout import PoolCapacity
 
 
 @dataclass

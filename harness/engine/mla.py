@@ -7,7 +7,7 @@ scores are that against the latent rows, its output is softmax @ c_kv in latent 
 to the head's value width after the DCP merge. So a DCP group attends in latent space: each rank's
 partial is (latent output, LSE) over the latent rows it owns.
 
-Q modes (harness/mla_layout.py): "split" projects the rank's own heads' queries and all-gathers them in
+Q modes (harness/partition/mla_layout.py): "split" projects the rank's own heads' queries and all-gathers them in
 the DCP group (as GQA's DCP path does); "replicated" holds q_b / w_kc of every head of the DCP group
 and computes the group's queries locally. Faults: harness/engine/faults.py.
 """
@@ -39,9 +39,9 @@ from harness.engine.model import (
 )
 from harness.engine.parallel import Collectives
 from harness.engine.parallelize import vocab_rows
-from harness.layout import ROUND_ROBIN, Placement, PoolCapacity, RankLayout, local_token_count, token_owner
-from harness.mla_layout import MLAPlan, MLARank
-from harness.rankreport import MLAReport
+from harness.partition.layout import ROUND_ROBIN, Placement, PoolCapacity, RankLayout, local_token_count, token_owner
+from harness.partition.mla_layout import MLAPlan, MLARank
+from harness.records.rankreport import MLAReport
 from harness.specs.model import ModelSpec
 
 

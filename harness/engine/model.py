@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from harness.contract import COLLECTIVE_SITES
 from harness.engine.faults import FaultFlags
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.parallel import Collectives
-from harness.layout import ROUND_ROBIN, Placement, local_positions, token_owner
+from harness.partition.layout import ROUND_ROBIN, Placement, local_positions, token_owner
+from harness.records.contract import COLLECTIVE_SITES
 
 TORCH_REDUCE_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -16,10 +16,10 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from harness.core.errors import RunError
 from harness.engine import shm_group
 from harness.engine.shm_group import ShmGroup
-from harness.errors import RunError
-from harness.layout import dcp_members_of
+from harness.partition.layout import dcp_members_of
 
 # Ranks of one machine exchange tensors through shared memory (harness/engine/shm_group.py: 0.06-0.6 ms per
 # collective at 2-8 ranks on a 2-core machine), which also checks that every member brought the same collective.

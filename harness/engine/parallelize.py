@@ -12,8 +12,8 @@ import torch
 from harness.arch.components import faulty_layout
 from harness.engine.faults import FaultFlags
 from harness.engine.model import HeadMap, LayerWeights, LocalWeights
-from harness.layout import ROUND_ROBIN, LayoutPlan, Placement, RankLayout, group_kv_slots
-from harness.rankreport import HybridReport, MLAReport, RankReport, StoredPositions
+from harness.partition.layout import ROUND_ROBIN, LayoutPlan, Placement, RankLayout, group_kv_slots
+from harness.records.rankreport import HybridReport, MLAReport, RankReport, StoredPositions
 from harness.specs.model import ModelSpec
 
 

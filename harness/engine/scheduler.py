@@ -26,13 +26,13 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 
+from harness.core.errors import ConfigError
 from harness.engine.engine import Engine, Generation, build_batch, length_buckets
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.model import Batch
 from harness.engine.speculative import SeqState, SpecResult, SpeculativeDecoder
 from harness.engine.speculator import Speculator
-from harness.errors import ConfigError
-from harness.layout import ROUND_ROBIN, Placement, local_token_count, token_owner
+from harness.partition.layout import ROUND_ROBIN, Placement, local_token_count, token_owner
 from harness.specs.workload import ALL_AT_ONCE, ONE_AT_A_TIME, SCHEDULES, STAGGERED
 
 StopCheck = Callable[[int, list[int]], bool]  # (prompt index, its new tokens so far) -> stop now?
@@ -168,7 +168,7 @@ class PrefixCache:
 
     def cacheable(self) -> bool:
         """Whether this cache can hold a prompt's first virtual block at all under the token placement."""
-        return self._whole(1)
+        return self.whole(1)
 
     def lookup(self, tokens: Sequence[int]) -> list[int]:
         """This rank's local blocks of the longest cached prefix of `tokens` that leaves at least one

@@ -39,7 +39,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from harness.errors import ConfigError, RunError
+from harness.core.errors import ConfigError, RunError
 
 SHM_ENV = "HARNESS_SHM_COLLECTIVES"  # "1" (default): on where supported; "0": gloo (harness/engine/parallel.py)
 SHM_SETTINGS = ("0", "1")

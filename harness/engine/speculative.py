@@ -29,11 +29,11 @@ from typing import Any, Sequence
 
 import torch
 
-from harness.acceptance import histogram, mean_accepted_length
-from harness.contract import SPEC_ACCEPTED, SPEC_DRAFTS, SPEC_TOKENS
+from harness.core.acceptance import histogram, mean_accepted_length
+from harness.core.errors import ConfigError
 from harness.engine.engine import Engine
 from harness.engine.speculator import Speculator
-from harness.errors import ConfigError
+from harness.records.contract import SPEC_ACCEPTED, SPEC_DRAFTS, SPEC_TOKENS
 from harness.specs.speculative import SpeculativeSettings
 
 __all__ = ["SeqState", "SpecResult", "SpeculativeDecoder", "SpeculativeSettings", "spec_manifest", "spec_tensors"]

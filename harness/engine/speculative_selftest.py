@@ -18,13 +18,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from harness.core.limits import COLLECTIVE_TIMEOUT_S
 from harness.engine.engine import Engine
 from harness.engine.faults import fault_flags
 from harness.engine.parallel import ParallelState
 from harness.engine.scheduler import generate, run_speculative_cases
 from harness.engine.speculator import speculator_for
 from harness.engine.weights import load_weights
-from harness.limits import COLLECTIVE_TIMEOUT_S
 from harness.specs.model import model_from_dict
 from harness.specs.pool import PoolSettings
 from harness.specs.speculative import SpeculativeSettings

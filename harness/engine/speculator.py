@@ -21,7 +21,7 @@ proposals (mtp-wrong-hidden changes them without a systematic drop; the acceptan
 flags that).
 
 A speculator is not part of the DCP group: it runs its own Decoder over its own PagedKVCache with the
-plain TP layout of harness.layout.plan_speculator (dcp = 1) and a dcp = 1 view of the TP group, even
+plain TP layout of harness.partition.layout.plan_speculator (dcp = 1) and a dcp = 1 view of the TP group, even
 when the target runs with DCP. Its KV pool holds as many sequence slots as the target's.
 """
 
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from harness.arch.model import model_of
+from harness.core.errors import ConfigError
 from harness.engine.engine import TORCH_DTYPES, Engine, build_batch
 from harness.engine.faults import FaultFlags
 from harness.engine.kvcache import PagedKVCache
@@ -41,9 +42,8 @@ from harness.engine.model import Decoder, HeadMap, Hyper, LocalWeights, rms_norm
 from harness.engine.parallel import ParallelState
 from harness.engine.parallelize import head_map, rank_report, shard_weights
 from harness.engine.weights import seeded_generator, synthetic_weights
-from harness.errors import ConfigError
-from harness.layout import LayoutPlan, plan_layout, plan_speculator, slot_pool
-from harness.rankreport import RankReport, SpeculatorReport, entry_json
+from harness.partition.layout import LayoutPlan, plan_layout, plan_speculator, slot_pool
+from harness.records.rankreport import RankReport, SpeculatorReport, entry_json
 from harness.specs.model import ModelSpec
 from harness.specs.pool import PoolSettings
 from harness.specs.speculative import SpeculativeSettings

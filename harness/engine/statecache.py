@@ -1,6 +1,6 @@
 """The hybrid model's cache: the paged KV cache of its full-attention layers plus one recurrent-state
 slot per sequence for its linear-attention layers, both sized from one slot count (grouped capacity,
-harness/hybrid_layout.py). The state of a sequence is kept whole on every rank (never split by token
+harness/partition/hybrid_layout.py). The state of a sequence is kept whole on every rank (never split by token
 under DCP)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Sequence
 
 import torch
 
+from harness.core.errors import RunError
 from harness.engine.deltanet import LinearState, LinearSteps
 from harness.engine.kvcache import PagedKVCache
-from harness.errors import RunError
-from harness.layout import PoolCapacity
+from harness.partition.layout import PoolCapacity
 
 KEPT_DIGESTS = 8
 SNAPSHOT_TOKENS = 16  # chunks up to this long keep the state after each token (speculative verify steps)

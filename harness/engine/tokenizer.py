@@ -13,9 +13,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from harness.errors import ConfigError
-from harness.gguf_file import field, open_gguf
+from harness.core.errors import ConfigError
 from harness.specs.checkpoint import checkpoint_path, read_json
+from harness.specs.gguf_file import field, open_gguf
 from harness.specs.model import ModelSpec
 
 BYTE_BOS = 256

@@ -15,11 +15,11 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from harness.core.errors import ConfigError
 from harness.engine.hybrid_names import synthetic_std
 from harness.engine.names import Shape, canonical_from_gguf, canonical_from_hf, expected_shapes
-from harness.errors import ConfigError
-from harness.gguf_file import architecture, dequantize, open_gguf, unpermute_rows
 from harness.specs.checkpoint import checkpoint_path, hf_config, read_json
+from harness.specs.gguf_file import architecture, dequantize, open_gguf, unpermute_rows
 from harness.specs.model import ModelSpec
 
 # Synthetic init. The lm_head (or the tied embedding) is scaled so that the logits have a standard

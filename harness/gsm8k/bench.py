@@ -22,13 +22,13 @@ from typing import Any, Sequence
 
 import torch
 
+from harness.core.errors import HarnessError
+from harness.core.fmt import table
 from harness.engine.checkpoint import save_hf_checkpoint
 from harness.engine.generator import StringStop, stop_string_check
 from harness.engine.single import LocalGenerator
 from harness.engine.tokenizer import Tokenizer
 from harness.engine.weights import load_weights
-from harness.errors import HarnessError
-from harness.fmt import table
 from harness.gsm8k.data import resolve_source
 from harness.gsm8k.lm import Generator, HarnessLM
 from harness.gsm8k.records import GSM8KResult

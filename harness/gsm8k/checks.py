@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from harness.core.verdict import CheckResult, Verdict
 from harness.gsm8k.settings import GSM8KSettings
-from harness.verdict import CheckResult, Verdict
 
 PAIRED_CHECK = "gsm8k_paired"
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 
 ENV_VAR = "HARNESS_GSM8K_PATH"
 HUB_DATASET = "openai/gsm8k"

@@ -16,8 +16,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.defaults import DEFAULT_MAX_GEN_TOKS
 
+from harness.core.errors import ConfigError, RunError
 from harness.engine.tokenizer import Tokenizer
-from harness.errors import ConfigError, RunError
 from harness.gsm8k.data import resolve_source
 from harness.gsm8k.records import GSM8KResult
 from harness.gsm8k.settings import GSM8KSettings

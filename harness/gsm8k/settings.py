@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 from harness.gsm8k.records import FILTERS, STRICT
 from harness.gsm8k.stats import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DETECT_DROP
 from harness.specs.loader import build, did_you_mean, expect_int

@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass
 from statistics import NormalDist
 from typing import Any, Sequence
 
-from harness.errors import ConfigError, RunError
+from harness.core.errors import ConfigError, RunError
+from harness.core.verdict import Verdict
 from harness.gsm8k.records import STRICT, QuestionRecord
-from harness.verdict import Verdict
 
 SIGMA_FLOOR = 0.05  # a measured score of 0 or 1 has Bernoulli sigma 0: never trust that much
 DEFAULT_ALPHA = 0.05  # false-alarm rate of the gate (TensorRT-LLM's GSM8K default)

@@ -21,7 +21,7 @@ from lm_eval.evaluator import evaluate
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks.manager import TaskDict
 
-from harness.errors import ConfigError, RunError
+from harness.core.errors import ConfigError, RunError
 from harness.gsm8k.data import GSM8KSource, resolve_source
 from harness.gsm8k.records import GSM8KResult, QuestionRecord, final_answer
 from harness.specs.loader import did_you_mean

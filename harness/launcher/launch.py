@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence, Union
 
-from harness.contract import JOB_FILE, LAUNCHER_LOG, MANIFEST_FILE, RUN_FILES, Job, LaunchResult
-from harness.errors import ConfigError
-from harness.jsonio import write_json
+from harness.core.errors import ConfigError
+from harness.core.jsonio import write_json
 from harness.launcher import forkserver
+from harness.records.contract import JOB_FILE, LAUNCHER_LOG, MANIFEST_FILE, RUN_FILES, Job, LaunchResult
 
 FORKRUN_MODULE = "harness.launcher.forkrun"
 

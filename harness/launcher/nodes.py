@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 
 MULTINODE_ENGINES = ("embedded", "embedded-topk")  # engines this harness launches itself
 

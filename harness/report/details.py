@@ -4,7 +4,7 @@
 absent renders nothing. Keys read (anything else is ignored):
 
   layout        {"planned": {"ranks": [RANK, ...]}, "actual": {"ranks": [RANK, ...], "pool": {...}}}
-                actual RANK: layout.json's rank report as the check read it (harness/rankreport.py, the
+                actual RANK: layout.json's rank report as the check read it (harness/records/rankreport.py, the
                 schema), planned RANK: the planner's (layout.RankLayout.to_dict). Shown as any JSON
                 object, so results of any age and malformed ones render: "rank", "q_heads", "kv_heads",
                 "dcp_group", "dcp_rank", "kv_tp_rank", "q_to_kv", keys containing "pool" or "bytes" (e.g.
@@ -43,8 +43,8 @@ from typing import Any
 
 from markupsafe import Markup
 
-from harness.details import divergence_text
-from harness.fmt import human_bytes
+from harness.core.details import divergence_text
+from harness.core.fmt import human_bytes
 from harness.report.matrix import format_number, is_scalar, metrics_text
 from harness.report.svg import acceptance_bars
 

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Sequence
 
 from markupsafe import Markup, escape
 
+from harness.core.verdict import CellResult
 from harness.specs.workload import SUITE_PROMPTS
-from harness.verdict import CellResult
 
-if TYPE_CHECKING:  # harness.history reads results through harness.report: no import cycle at run time
-    from harness.history import CellHistory, RunPoint, TrendKey
+if TYPE_CHECKING:  # harness.records.history reads results through harness.report: no import cycle at run time
+    from harness.records.history import CellHistory, RunPoint, TrendKey
 
 # One colour per verdict, everywhere: the strip's squares, and (in report.css and the sign-off page)
 # the matrix, the badges and the headline use the same ERROR colour.

@@ -20,10 +20,12 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from markupsafe import Markup
 
 from harness import __version__
-from harness.checkmetrics import noise_multiples
-from harness.details import CellDetails
-from harness.fmt import multiple
-from harness.jsonio import write_text_atomic
+from harness.core.checkmetrics import noise_multiples
+from harness.core.details import CellDetails
+from harness.core.fmt import multiple
+from harness.core.jsonio import write_text_atomic
+from harness.core.verdict import CellResult, CheckResult, FailureClass, Verdict
+from harness.records.results import summary_counts
 from harness.report.details import (
     PROMPT_COLUMNS,
     Gsm8kView,
@@ -55,11 +57,9 @@ from harness.report.matrix import (
 )
 from harness.report.requests_view import RequestsView, requests_view
 from harness.report.svg import head_heatmap, layer_error_plot
-from harness.results import summary_counts
-from harness.verdict import CellResult, CheckResult, FailureClass, Verdict
 
 if TYPE_CHECKING:
-    from harness.history import CellHistory, TrendKey
+    from harness.records.history import CellHistory, TrendKey
 
 HTML_FILE = "index.html"
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
@@ -207,10 +207,10 @@ def cell_view(row: MatrixRow) -> CellView:
     cell = row.cell
     notes: list[str] = []
     details = cell.details if isinstance(cell.details, dict) else {}
-    try:  # the schema compare writes (harness/details.py): drift shows as a note, never a crash
+    try:  # the schema compare writes (harness/core/details.py): drift shows as a note, never a crash
         CellDetails.from_dict(details)
     except (TypeError, ValueError) as exc:
-        notes.append(f"details do not match harness/details.py ({exc})")
+        notes.append(f"details do not match harness/core/details.py ({exc})")
     loc = cell.localization
     heads = loc.heads if loc else ()
     heavy = cell.status not in (Verdict.PASS, Verdict.SKIP)  # plots only where someone will read them

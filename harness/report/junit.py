@@ -11,11 +11,11 @@ import xml.etree.ElementTree as ET
 from collections import defaultdict
 from pathlib import Path
 
-from harness.jsonio import write_bytes_atomic
+from harness.core.jsonio import write_bytes_atomic
+from harness.core.verdict import CellResult, CheckResult, Verdict
 from harness.report.logs import clean_log, xml_safe
 from harness.report.matrix import class_label, localization_text, metrics_text
 from harness.specs.workload import SUITE_PROMPTS
-from harness.verdict import CellResult, CheckResult, Verdict
 
 JUNIT_FILE = "junit.xml"
 

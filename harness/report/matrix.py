@@ -12,10 +12,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from harness.checkmetrics import PARITY_CHECKS, find_key_metric, noise_multiples
-from harness.fmt import id_ranges, multiple, number
+from harness.core.checkmetrics import PARITY_CHECKS, find_key_metric, noise_multiples
+from harness.core.fmt import id_ranges, multiple, number
+from harness.core.verdict import CellResult, CheckResult, FailureClass, Localization, Verdict
 from harness.specs.workload import SUITE_PROMPTS
-from harness.verdict import CellResult, CheckResult, FailureClass, Localization, Verdict
 
 _SHORT: dict[str, str] = {"max_kl": "KL", "kl_max": "KL", "kl": "KL", "first_divergence": "div@",
                           "mean_acceptance": "acc", "mean_accepted_length": "acc", "acceptance": "acc",

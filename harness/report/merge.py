@@ -13,9 +13,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from harness.results import read_results
+from harness.core.verdict import CellResult
+from harness.records.results import read_results
 from harness.specs.workload import SUITE_PROMPTS
-from harness.verdict import CellResult
 
 CellKey = tuple[str, str, str, str | None, int, str]  # (suite, model, topology, fault, seed, workload)
 

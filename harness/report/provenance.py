@@ -9,7 +9,7 @@ from importlib import metadata
 from typing import Any
 
 from harness import __version__
-from harness.paths import PROJECT_ROOT
+from harness.core.paths import PROJECT_ROOT
 
 
 def git_commit() -> str:

@@ -9,7 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harness.jsonio import write_text_atomic
+from harness.core.jsonio import write_text_atomic
+from harness.core.verdict import CellResult, FailureClass, Verdict
+from harness.records.results import summary_counts
 from harness.report.matrix import (
     Matrix,
     build_matrix,
@@ -20,8 +22,6 @@ from harness.report.matrix import (
     provenance_items,
     suspect_text,
 )
-from harness.results import summary_counts
-from harness.verdict import CellResult, FailureClass, Verdict
 
 SUMMARY_FILE = "summary.md"
 _MD_SPECIAL = {ch: "\\" + ch for ch in "\\|`*[]<>&"}

@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 from markupsafe import Markup, escape
 
-from harness.fmt import id_ranges
+from harness.core.fmt import id_ranges
 from harness.report.matrix import format_number
 
 _W, _H = 560, 220

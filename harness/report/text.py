@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from harness.fmt import table
+from harness.core.fmt import table
+from harness.core.verdict import CellResult, Verdict
 from harness.report.matrix import Matrix, build_matrix, class_label, headline, suspect_text
-from harness.verdict import CellResult, Verdict
 
 ABBREV: dict[Verdict, str] = {Verdict.PASS: "ok", Verdict.WARN: "warn", Verdict.FAIL: "FAIL",
                               Verdict.ERROR: "ERR", Verdict.SKIP: "skip"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 
 
 class ListenError(ConfigError):

@@ -14,15 +14,16 @@ from typing import Any
 
 import torch
 
+from harness.core.errors import ConfigError, HarnessError, RunError
+from harness.core.limits import COLLECTIVE_TIMEOUT_S
+from harness.core.verdict import ExitCode
 from harness.engine.construct import build_engine
 from harness.engine.engine import Engine
 from harness.engine.parallel import ParallelState
 from harness.engine.speculative import SpeculativeDecoder
 from harness.engine.speculator import Speculator
 from harness.engine.weights import weights_hash
-from harness.errors import ConfigError, HarnessError, RunError
-from harness.limits import COLLECTIVE_TIMEOUT_S
-from harness.rankreport import entry_json
+from harness.records.rankreport import entry_json
 from harness.serve.dialects import Limits, Vocabulary
 from harness.serve.executor import execute
 from harness.serve.listen import ListenError, address, bind_socket
@@ -31,7 +32,6 @@ from harness.specs.model import ModelSpec, model_from_dict
 from harness.specs.pool import PoolSettings
 from harness.specs.speculative import SpeculativeSettings
 from harness.specs.topology import Topology
-from harness.verdict import ExitCode
 
 DEFAULT_MAX_LOGPROBS = 20
 KV_LOG_PREFIX = "harness-serve KV cache:"  # engines/harness-serve.yaml parses this line

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from harness.checkmetrics import key_metric, noise_multiples
-from harness.errors import ConfigError
+from harness.core.checkmetrics import key_metric, noise_multiples
+from harness.core.errors import ConfigError
+from harness.core.verdict import CellResult, CheckResult, FailureClass, Verdict
 from harness.gsm8k.stats import DEFAULT_ALPHA, DEFAULT_BETA, bernoulli_sigma, gate_numbers
 from harness.report.merge import CellKey, cell_key, key_label, merge
-from harness.verdict import CellResult, CheckResult, FailureClass, Verdict
 
 CellId = CellKey
 FAILING = (Verdict.FAIL, Verdict.ERROR)

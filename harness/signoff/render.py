@@ -37,7 +37,7 @@ from typing import Any
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from harness import __version__
-from harness.jsonio import write_json
+from harness.core.jsonio import write_json
 from harness.report.history_strip import ERROR_COLOUR
 from harness.report.matrix import format_number
 from harness.report.merge import key_label
@@ -58,7 +58,7 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 HTML_FILE, MD_FILE, JSON_FILE = "signoff.html", "signoff.md", "signoff.json"
 SIGNOFF_SCHEMA_VERSION = 1
 # what the metric-delta table's multiples are: the same metric measured between the reference run and its
-# noise run, which is what harness/runner.py launches (the reference engine's noise_strategy())
+# noise run, which is what harness/flow/runner.py launches (the reference engine's noise_strategy())
 NOISE_SENTENCE = ("Parity metrics as multiples of their measured noise floor: the same metric between the "
                   "reference run and its noise run (the embedded engine: the reference topology in the same dtype "
                   "with another reduction order; HTTP engines: the reference run again with other scheduling); "

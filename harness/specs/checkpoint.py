@@ -8,10 +8,10 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from harness import jsonio
-from harness.errors import ConfigError
-from harness.gguf_file import architecture, field, float32_decimal, open_gguf, tensor_index
-from harness.paths import MODELS_DIR
+from harness.core import jsonio
+from harness.core.errors import ConfigError
+from harness.core.paths import MODELS_DIR
+from harness.specs.gguf_file import architecture, field, float32_decimal, open_gguf, tensor_index
 from harness.specs.loader import did_you_mean, load_yaml
 from harness.specs.model import ModelSpec, model_from_dict, shipped_models
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from harness.errors import ConfigError
-from harness.paths import PROJECT_ROOT
+from harness.core.errors import ConfigError
+from harness.core.paths import PROJECT_ROOT
 from harness.specs.loader import build, check_path_name, did_you_mean, load_yaml
 
 ENGINES_DIR: Path = PROJECT_ROOT / "engines"

@@ -9,7 +9,7 @@ from typing import Any, Mapping, TypeVar
 
 import yaml
 
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -6,11 +6,11 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from harness.errors import ConfigError
-from harness.hybrid_layout import HybridShape
-from harness.layout import AttentionShape
-from harness.mla_layout import MLAShape
-from harness.paths import MODELS_DIR
+from harness.core.errors import ConfigError
+from harness.core.paths import MODELS_DIR
+from harness.partition.hybrid_layout import HybridShape
+from harness.partition.layout import AttentionShape
+from harness.partition.mla_layout import MLAShape
 from harness.specs.loader import build, check_path_name, did_you_mean, expect_int
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -44,7 +44,7 @@ class ModelSpec:
     max_seq_len: int = 2048
     chat_template: bool = False
     speculator_layers: int = 1
-    hybrid: HybridShape | None = None  # linear attention, gated attention, MoE (harness/hybrid_layout.py)
+    hybrid: HybridShape | None = None  # linear attention, gated attention, MoE (harness/partition/hybrid_layout.py)
     # MLA (multi-head latent attention, DeepSeek-V2 style; kv_lora_rank > 0): head_dim is then the
     # value head width, kv_heads is 1 (the shared latent), q_lora_rank 0 means q_proj reads the hidden state
     kv_lora_rank: int = 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 from harness.specs.workload import ALL_AT_ONCE, ONE_AT_A_TIME, SCHEDULES, STAGGERED
 
 __all__ = ["ALL_AT_ONCE", "ONE_AT_A_TIME", "SCHEDULES", "STAGGERED", "SendSchedule"]

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 from harness.specs.loader import build
 
 

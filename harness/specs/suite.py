@@ -6,8 +6,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from harness.errors import ConfigError
-from harness.paths import SUITES_DIR
+from harness.core.errors import ConfigError
+from harness.core.paths import SUITES_DIR
 from harness.specs.loader import build, check_path_name, did_you_mean, expect_int, load_yaml
 from harness.specs.workload import SUITE_PROMPTS, Workload, check_workload_names, workload
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from harness.errors import ConfigError
-from harness.layout import ROUND_ROBIN, Placement
-from harness.paths import TOPOLOGIES_DIR
+from harness.core.errors import ConfigError
+from harness.core.paths import TOPOLOGIES_DIR
+from harness.partition.layout import ROUND_ROBIN, Placement
 from harness.specs.loader import check_keys, check_path_name, did_you_mean, expect_int, load_yaml
 
 SPECULATORS: tuple[str, ...] = ("none", "draft", "mtp")
@@ -27,7 +27,7 @@ OPTION_KEYS: tuple[str, ...] = (*PLACEMENT_KEYS, "ep")  # written only when they
 class Topology:
     """One parallel configuration. World size = tp; dcp splits each TP group's tokens; ep splits the
     experts of MoE layers over ep ranks inside the world (each expert's columns over tp // ep ranks,
-    harness/hybrid_layout.py)."""
+    harness/partition/hybrid_layout.py)."""
 
     tp: int
     dcp: int = 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 from harness.specs.loader import did_you_mean
 
 # how a workload's requests reach the engine (Workload.schedule; helper backends read the same strings)

@@ -1,4 +1,4 @@
-"""Checks a run directory against the artifacts contract (harness/artifacts.py, harness/contract.py):
+"""Checks a run directory against the artifacts contract (harness/records/artifacts.py, harness/records/contract.py):
 files, manifest fields, cases, and every tensor the run's capabilities promise, with its shape and
 dtype. `harness validate RUN_DIR` prints the problems; the runner validates every run before
 comparing it, so a malformed third-party run is one clear ERROR cell, not a crash."""
@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from harness import contract as c
-from harness.artifacts import RunArtifacts, read_run, run_capabilities
-from harness.errors import RunError
-from harness.jsonio import read_json
-from harness.rankreport import LayoutSchemaError, read_ranks, read_speculator, schema_problem
+from harness.core.errors import RunError
+from harness.core.jsonio import read_json
+from harness.records import contract as c
+from harness.records.artifacts import RunArtifacts, read_run, run_capabilities
+from harness.records.rankreport import LayoutSchemaError, read_ranks, read_speculator, schema_problem
 
 MANIFEST_FIELDS: dict[str, type | tuple[type, ...]] = {
     "schema_version": int, "status": str, "topology": dict, "model": dict, "seed": int, "dtype": str}

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Protocol, Sequence, TypeVar
 
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 from harness.specs.topology import Topology
 
 T = TypeVar("T")

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 
 GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2")
 _MISSING = object()

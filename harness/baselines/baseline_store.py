@@ -14,7 +14,7 @@ The provenance rule, the same for every metric:
   then names the run that measured the value last.
 
 A metric's entry type gives its key, label, sort order and one-line summary (StoredEntry); its file type
-is a BaselineSet of those entries (harness/baseline.py, harness/acceptance_baseline.py).
+is a BaselineSet of those entries (harness/baselines/baseline.py, harness/baselines/acceptance_baseline.py).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any, Callable, Generic, Hashable, Mapping, Protocol, TypeVar
 
 import yaml
 
-from harness.errors import ConfigError
-from harness.jsonio import write_text_atomic
+from harness.core.errors import ConfigError
+from harness.core.jsonio import write_text_atomic
+from harness.core.verdict import CellResult, Verdict
 from harness.specs.loader import read_versioned_list
-from harness.verdict import CellResult, Verdict
 
 
 class StoredEntry(Protocol):

@@ -57,9 +57,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from harness.errors import ConfigError, RunError
-from harness.jsonio import read_json, write_json
-from harness.verdict import CellResult, ExitCode, FailureClass, Verdict
+from harness.core.errors import ConfigError, RunError
+from harness.core.jsonio import read_json, write_json
+from harness.core.verdict import CellResult, ExitCode, FailureClass, Verdict
 
 RESULTS_SCHEMA_VERSION = 1
 RESULTS_FILE = "results.json"

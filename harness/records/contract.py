@@ -1,7 +1,7 @@
 """The run contract between the harness and an engine backend: the job a backend is given, what it
 reports back, the names of the artifacts it writes, and the capabilities it declares.
 
-A backend turns a `Job` into a run directory (harness/artifacts.py documents its layout) and returns
+A backend turns a `Job` into a run directory (harness/records/artifacts.py documents its layout) and returns
 a `LaunchResult`. Every stage after that reads only the run directory, so any engine that can write
 one (the embedded engine under torchrun, an HTTP server, a stored run replayed) gets the same
 verdicts. A backend declares which artifacts it can produce (`Capabilities`); a check whose needs
@@ -17,10 +17,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from harness.errors import ConfigError
-from harness.jsonio import read_json
-from harness.limits import COLLECTIVE_TIMEOUT_S
-from harness.rankreport import RANK_REPORT_SCHEMA
+from harness.core.errors import ConfigError
+from harness.core.jsonio import read_json
+from harness.core.limits import COLLECTIVE_TIMEOUT_S
+from harness.records.rankreport import RANK_REPORT_SCHEMA
 from harness.specs.loader import check_keys
 from harness.specs.model import ModelSpec, model_from_dict
 from harness.specs.pool import PoolSettings
@@ -73,7 +73,7 @@ LAUNCHER_LOG = "launcher.log"
 RUN_FILES: tuple[str, ...] = (MANIFEST_FILE, TENSORS_FILE, LAYOUT_FILE, CASES_FILE, GSM8K_FILE, LAUNCHER_LOG)
 
 # --- layout.json: {"schema_version", "target": ENTRY, "speculator": ENTRY | null, "<entry>_reason"?}, an ENTRY
-# {"ranks": [RankReport.to_json()], "pool", ...} (harness/rankreport.py is the schema of a rank's report)
+# {"ranks": [RankReport.to_json()], "pool", ...} (harness/records/rankreport.py is the schema of a rank's report)
 LAYOUT_SCHEMA_KEY = "schema_version"    # the rank report schema the file was written in; absent: 1
 LAYOUT_SCHEMA = RANK_REPORT_SCHEMA
 

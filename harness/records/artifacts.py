@@ -7,7 +7,7 @@ Layout of a run directory (schema ARTIFACT_SCHEMA_VERSION):
                      device, harness git commit, wall times, status ("ok" | "error"), error text,
                      rank log tails
   layout.json        the layout each rank actually holds, target and speculator: per rank a RankReport
-                     (harness/rankreport.py), its schema version under contract.LAYOUT_SCHEMA_KEY
+                     (harness/records/rankreport.py), its schema version under contract.LAYOUT_SCHEMA_KEY
   cases.json         per prompt: text, prompt ids, teacher-forced sequence, decode start,
                      probe positions, greedy generation (ids and text)
   tensors.safetensors  per prompt i (float32 unless noted):
@@ -42,7 +42,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from harness.contract import (
+from harness.core.errors import RunError
+from harness.core.jsonio import read_json, write_json
+from harness.records.contract import (
     CASES_FILE,
     FULL_ARTIFACTS,
     LAYOUT_FILE,
@@ -54,8 +56,6 @@ from harness.contract import (
     recorded_capabilities,
     tensor_key,
 )
-from harness.errors import RunError
-from harness.jsonio import read_json, write_json
 
 __all__ = ["ARTIFACT_SCHEMA_VERSION", "TENSORS_FILE", "Case", "RunArtifacts", "read_run", "write_run"]
 ARTIFACT_SCHEMA_VERSION = 1

@@ -27,7 +27,7 @@ import types
 from dataclasses import MISSING, dataclass, fields, is_dataclass, replace
 from typing import Any, Mapping, Sequence, TypeVar, Union, get_args, get_origin, get_type_hints
 
-from harness.errors import RunError
+from harness.core.errors import RunError
 
 RANK_REPORT_SCHEMA = 1
 
@@ -231,7 +231,7 @@ def schema_problem(layout: Any, key: str) -> str | None:
     version = layout.get(key, 1)
     if version != RANK_REPORT_SCHEMA:
         return (f"layout.json has rank report schema {version!r}; this harness reads schema {RANK_REPORT_SCHEMA} "
-                f"(harness/rankreport.py): run the cell again with this harness")
+                f"(harness/records/rankreport.py): run the cell again with this harness")
     return None
 
 

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from harness.errors import HarnessError, RunError
+from harness.core.errors import HarnessError, RunError
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)

@@ -6,9 +6,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 
-PROJECT_ROOT: Path = Path(__file__).resolve().parent.parent
+PROJECT_ROOT: Path = Path(__file__).resolve().parents[2]
 SUITES_DIR: Path = PROJECT_ROOT / "suites"
 TOPOLOGIES_DIR: Path = PROJECT_ROOT / "topologies"
 MODELS_DIR: Path = PROJECT_ROOT / "models"

@@ -35,12 +35,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
 
-from harness.artifacts import RunArtifacts, read_run
 from harness.backends.registry import DEFAULT_ENGINE
-from harness.contract import Backend, Job
-from harness.errors import HarnessError, RunError
-from harness.jsonio import write_json
-from harness.validate import load_run, validate_artifacts
+from harness.core.errors import HarnessError, RunError
+from harness.core.jsonio import write_json
+from harness.records.artifacts import RunArtifacts, read_run
+from harness.records.contract import Backend, Job
+from harness.records.validate import load_run, validate_artifacts
 
 PARTIAL_SUFFIX = ".partial"  # a reference run still being written into the cache (renamed when done)
 CHECKSUMS_FILE = "checksums.json"  # {relative path: sha256} of every other file of an entry

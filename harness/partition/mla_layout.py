@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from harness.errors import ConfigError
-from harness.layout import ROUND_ROBIN, AttentionShape, LayoutPlan, Placement, RankLayout, plan_layout
+from harness.core.errors import ConfigError
+from harness.partition.layout import ROUND_ROBIN, AttentionShape, LayoutPlan, Placement, RankLayout, plan_layout
 
 Q_MODES: tuple[str, ...] = ("split", "replicated")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from harness.artifacts import RunArtifacts
-from harness.errors import RunError
+from harness.core.errors import RunError
+from harness.records.artifacts import RunArtifacts
 from harness.specs.workload import Workload
 
 Views = dict[str, tuple[RunArtifacts, RunArtifacts, RunArtifacts | None]]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, TypeVar
 
-from harness.verdict import CheckResult
+from harness.core.verdict import CheckResult
 
 T = TypeVar("T")
 BOUND_SUFFIX = "_bound"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from harness.errors import RunError
+from harness.core.errors import RunError
 
 
 def histogram(accepted: Sequence[Sequence[int]], k: int) -> list[int]:

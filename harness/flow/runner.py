@@ -1,5 +1,5 @@
 """The matrix flow, written once: plan cells -> reference runs (cached) -> one launch per cell ->
-compare -> CellResults. Stages talk through run directories (harness/artifacts.py)."""
+compare -> CellResults. Stages talk through run directories (harness/records/artifacts.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from harness.arch.component import PlanError
 from harness.arch.components import Speculator
 from harness.arch.model import model_of
 from harness.arch.plan import plan_model
-from harness.artifacts import RunArtifacts, run_capabilities
 from harness.backends.base import backend_record
 from harness.backends.build import LabelledBackend, with_build
 from harness.backends.embedded import EmbeddedBackend
@@ -25,7 +24,18 @@ from harness.backends.server_pool import STATE_FILE, ServerPool, server_need
 from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks
 from harness.checks.settings import CheckSettings
-from harness.contract import (
+from harness.core.errors import ConfigError, DiskFull, HarnessError, RunError
+from harness.core.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, RUN_DIR_MIN_BYTES, free_bytes
+from harness.core.paths import BASELINES_DIR
+from harness.core.verdict import NOT_RUN_CHECK, CellResult, CheckResult, ExitCode, Verdict
+from harness.engine.fault_scope import inert_reason
+from harness.engine.faults import FAULTS, PERTURBATIONS, SHARED_JOIN, fault_flags
+from harness.engine.tokenizer import Tokenizer, load_tokenizer
+from harness.flow.refcache import ReferenceCache, ReferenceFailed
+from harness.gsm8k.settings import GSM8KSettings
+from harness.launcher.nodes import NodeLaunch, Nodes
+from harness.records.artifacts import RunArtifacts, run_capabilities
+from harness.records.contract import (
     NOISE_NONE,
     NOISE_PRECISION_TWIN,
     NOISE_REDUCTION_ORDER,
@@ -36,27 +46,17 @@ from harness.contract import (
     Job,
     LaunchResult,
 )
-from harness.engine.fault_scope import inert_reason
-from harness.engine.faults import FAULTS, PERTURBATIONS, SHARED_JOIN, fault_flags
-from harness.engine.tokenizer import Tokenizer, load_tokenizer
-from harness.errors import ConfigError, DiskFull, HarnessError, RunError
-from harness.gsm8k.settings import GSM8KSettings
-from harness.launcher.nodes import NodeLaunch, Nodes
-from harness.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, RUN_DIR_MIN_BYTES, free_bytes
-from harness.paths import BASELINES_DIR
-from harness.refcache import ReferenceCache, ReferenceFailed
+from harness.records.shard import Shard, shard_cells
+from harness.records.validate import load_run, validate_artifacts
+from harness.records.workload_views import workload_views
 from harness.report.merge import cell_key
 from harness.report.provenance import collect_provenance, git_commit
-from harness.shard import Shard, shard_cells
 from harness.specs.model import ModelSpec
 from harness.specs.pool import PoolSettings
 from harness.specs.speculative import SpeculativeSettings
 from harness.specs.suite import Suite
 from harness.specs.topology import Topology, parse_topology_name
 from harness.specs.workload import SUITE_PROMPTS, Workload
-from harness.validate import load_run, validate_artifacts
-from harness.verdict import NOT_RUN_CHECK, CellResult, CheckResult, ExitCode, Verdict
-from harness.workload_views import workload_views
 
 # The noise run: what a correct run may differ from the reference by. Like with like: the reference
 # topology in the model's own dtype, with another reduction order (split partial sums, keys merged
@@ -99,7 +99,7 @@ class RunRequest:
     @property
     def ref_engine(self) -> str:
         return self.reference_engine or self.engine
-    shard: Shard | None = None  # run only this share of the cells (harness/shard.py)
+    shard: Shard | None = None  # run only this share of the cells (harness/records/shard.py)
     nodes: Nodes | None = None  # this machine's place in a multi-node run (harness/launcher/nodes.py)
     keep_servers: bool = False  # leave HTTP engines' servers up for later runs (harness/backends/server_pool.py)
     server_per_run: bool = False  # a fresh HTTP engine server for every run (no server serves two runs)
@@ -225,7 +225,7 @@ class Runner:
     def _cached(self, model: ModelSpec, seed: int, dtype: str, topo: Topology, repeat: bool = False,
                 perturbation: str | None = None, fault: str | None = None) -> RunArtifacts:
         """A reference-topology run of `model` in `dtype` on the reference engine, from the
-        content-keyed cache (harness/refcache.py) or launched now; `repeat` is a second, independent run
+        content-keyed cache (harness/flow/refcache.py) or launched now; `repeat` is a second, independent run
         of the same job; `perturbation` an engine perturbation of the reduction order (the noise run)."""
         job = self.job(model, topo, perturbation or fault, seed, Path("."), dtype)
         if repeat:  # the scheduling-noise twin: the same cases sent one at a time (GSM8K is not noise)
@@ -394,7 +394,7 @@ class Runner:
     def _checked(self, cell: CellPlan, base: dict[str, Any], ref: RunArtifacts, par: RunArtifacts,
                  noise: RunArtifacts | None, run_dir: Path, wall_s: float) -> list[CellResult]:
         """The cell's checks of `par` (read from `run_dir`) against the reference: one result per workload,
-        each over that workload's cases (harness/workload_views.py)."""
+        each over that workload's cases (harness/records/workload_views.py)."""
         out = []
         for name, (r, p, n) in workload_views(self.workloads, ref, par, noise).items():
             ctx = self.context(cell, r, p, n, name)

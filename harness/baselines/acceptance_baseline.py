@@ -24,7 +24,7 @@ File baselines/acceptance.yaml (schema ACCEPTANCE_SCHEMA_VERSION):
 
 Written only by `harness baseline update --from RUN_DIR` (from the cells' reference measurements),
 which shows the diff first. The file is read, diffed and written by the one baseline store, under its
-provenance rule (harness/baseline_store.py). The tolerances are AcceptanceSettings' baseline_* fields.
+provenance rule (harness/baselines/baseline_store.py). The tolerances are AcceptanceSettings' baseline_* fields.
 """
 
 from __future__ import annotations
@@ -34,18 +34,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from harness.acceptance import total_variation
-from harness.baseline_store import BaselineSet, measured_by, provenance_of, read_entries, unrecordable, write_file
+from harness.baselines.baseline_store import (
+    BaselineSet,
+    measured_by,
+    provenance_of,
+    read_entries,
+    unrecordable,
+    write_file,
+)
 from harness.compare.settings import AcceptanceSettings
-from harness.contract import JOB_FILE, MANIFEST_PROMPTS_HASH, MANIFEST_WEIGHTS_HASH, Job
-from harness.errors import ConfigError, RunError
-from harness.paths import BASELINES_DIR
+from harness.core.acceptance import total_variation
+from harness.core.errors import ConfigError, RunError
+from harness.core.paths import BASELINES_DIR
+from harness.core.verdict import CellResult, CheckResult, Verdict
+from harness.records.contract import JOB_FILE, MANIFEST_PROMPTS_HASH, MANIFEST_WEIGHTS_HASH, Job
 from harness.specs.loader import check_keys, expect_int
 from harness.specs.speculative import SpeculativeSettings
-from harness.verdict import CellResult, CheckResult, Verdict
 
 if TYPE_CHECKING:  # torch only where runs are read: `harness report` / `plan` / `baseline` stay light
-    from harness.artifacts import RunArtifacts
+    from harness.records.artifacts import RunArtifacts
 
 ACCEPTANCE_SCHEMA_VERSION = 1
 ACCEPTANCE_FILE = "acceptance.yaml"

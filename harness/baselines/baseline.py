@@ -15,7 +15,7 @@ File baselines/<suite>.yaml (schema BASELINE_SCHEMA_VERSION):
       provenance: {harness_version, engine, git_commit, device, dtype, seed, date, run_id, command}
 
 Written only by `harness baseline update --from RUN_DIR`, which shows the diff first. The file is read,
-diffed and written by the one baseline store, under its provenance rule (harness/baseline_store.py).
+diffed and written by the one baseline store, under its provenance rule (harness/baselines/baseline_store.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from harness.baseline_store import (
+from harness.baselines.baseline_store import (
     BaselineSet,
     measured_by,
     provenance_of,
@@ -33,13 +33,13 @@ from harness.baseline_store import (
     update_command,
     write_file,
 )
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
+from harness.core.paths import BASELINES_DIR
+from harness.core.verdict import CellResult, CheckResult, Verdict
 from harness.gsm8k.records import STRICT
 from harness.gsm8k.settings import GSM8KSettings
 from harness.gsm8k.stats import baseline_gate
-from harness.paths import BASELINES_DIR
 from harness.specs.loader import check_keys, expect_int
-from harness.verdict import CellResult, CheckResult, Verdict
 
 BASELINE_SCHEMA_VERSION = 1
 GATE_CHECK = "gsm8k_baseline"

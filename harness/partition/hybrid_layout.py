@@ -1,5 +1,5 @@
 """The hybrid-model planner: linear-attention (Gated DeltaNet) layers, gated attention, MoE with expert
-parallel, and grouped cache capacity. Head and column math comes from harness/layout.py.
+parallel, and grouped cache capacity. Head and column math comes from harness/partition/layout.py.
 
 Rules (docs/architecture.md, Layout math; docs/suites-models.md, the hybrid model):
 - Layer i is full (gated) attention when (i + 1) % full_attention_interval == 0, else linear attention.
@@ -36,8 +36,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from harness.errors import ConfigError
-from harness.layout import (
+from harness.core.errors import ConfigError
+from harness.partition.layout import (
     AttentionShape,
     LayoutPlan,
     dcp_members_of,

@@ -32,11 +32,11 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from harness.checkmetrics import key_metric, noise_multiples
-from harness.errors import ConfigError
-from harness.results import read_results
+from harness.core.checkmetrics import key_metric, noise_multiples
+from harness.core.errors import ConfigError
+from harness.core.verdict import CellResult
+from harness.records.results import read_results
 from harness.specs.workload import SUITE_PROMPTS
-from harness.verdict import CellResult
 
 HISTORY_ENV = "HARNESS_HISTORY"
 BUILD_LABEL_ENV = "HARNESS_BUILD_LABEL"

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from harness.errors import ConfigError
+from harness.core.errors import ConfigError
 
 LAYOUT_SCHEMA_VERSION = 3  # 2: the `hybrid` section of harness plan; 3: `mla`, `token_owners`, placements
 T = TypeVar("T")
