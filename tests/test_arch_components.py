@@ -41,7 +41,7 @@ from harness.specs.topology import load_catalog
 
 HARNESS = Path(__file__).resolve().parents[1] / "harness"
 # where the architecture fields are defined, with their partition math, and the components that read them
-ALLOWED = ("arch/", "specs/", "layout.py", "mla_layout.py", "hybrid_layout.py")
+ALLOWED = ("arch/", "specs/", "partition/")
 ARCH_FLAGS = frozenset({"mla", "hybrid"})          # ModelSpec.mla / .hybrid, AttentionShape.mla: read anywhere
 ARCH_NUMBERS = frozenset({"kv_lora_rank"})         # a number that is a flag when tested (kv_lora_rank > 0)
 # a rank report's MLA and hybrid records (harness/records/rankreport.py RankReport.mla / .hybrid) are what a rank says

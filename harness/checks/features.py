@@ -109,7 +109,8 @@ def placement_feature(ctx: CellContext, ranks: tuple[RankReport, ...] | None) ->
 def ep_feature(ctx: CellContext, topo: Topology, ranks: tuple[RankReport, ...] | None) -> Feature:
     if ranks is None:
         return _no_ranks(ctx, "ep")
-    experts = [r.hybrid.moe.experts for r in ranks if r.hybrid is not None and r.hybrid.moe is not None]
+    experts = [report.hybrid.moe.experts for report in ranks
+               if report.hybrid is not None and report.hybrid.moe is not None]
     if not experts:
         return Feature("ep", False, f"ep={topo.ep} requested; no rank reports routed experts")
     every = set().union(*map(set, experts))
