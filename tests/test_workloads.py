@@ -5,6 +5,7 @@ changing the output (positive control), and the schedule / consistency compare f
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 
 from harness.cases import build_workload_cases, workload_manifest
 from harness.cli import main
+from harness.compare.bounds import Bound
 from harness.compare.schedule import check_consistency, check_schedule
 from harness.compare.settings import ConsistencySettings, ScheduleSettings
 from harness.core.errors import ConfigError
@@ -183,6 +185,34 @@ def test_decode_consistency_fails_a_decode_path_that_leaves_the_prefill() -> Non
     result = check_consistency(off, same, None, ConsistencySettings())
     assert result.verdict is Verdict.FAIL and "logprob difference" in result.reason, result.reason
     assert replace(result).metrics["steps_compared"] == 2
+
+
+def test_decode_consistency_noise_not_finite_at_a_step_is_skipped_not_a_floor_bound() -> None:
+    """A noise run whose decode token falls outside its re-prefill's top-k at one step measures an inf
+    difference there: that step is skipped, so the bound is 20 x the finite noise (5e-3), not the 1e-4
+    floor an inf noise left it at (a clean 2e-2 difference FAILed); a 0.4 difference still FAILs."""
+    steps = [[-0.1, -3.0], [-0.2, -2.5]]
+    ref = _run(steps, [[a + 5e-3, b] for a, b in steps], GEN, RE)
+    noise = _run(steps, [[a + 4e-3, b] for a, b in steps], GEN, RE)
+    noise.tensors[tensor_key(REPREFILL_TOPK_IDS, 0)][1] = torch.tensor([3, 4])  # step 1: token 1 outside top-2
+    clean = _run(steps, [[a + 2e-2, b] for a, b in steps], GEN, RE)
+    ok = check_consistency(clean, ref, noise, ConsistencySettings())
+    bound = ok.metrics["logprob_bound"]
+    assert ok.verdict is Verdict.PASS, ok.reason
+    assert bound["noise"] == pytest.approx(5e-3, rel=1e-4) and bound["limit"] == pytest.approx(0.1, rel=1e-4)
+    assert ok.metrics["noise_steps_unmeasured"] == 1 and "noise not finite at 1 step, skipped" in ok.reason
+    off = _run(steps, [[a + 0.4, b] for a, b in steps], GEN, RE)
+    bad = check_consistency(off, ref, noise, ConsistencySettings())
+    assert bad.verdict is Verdict.FAIL and "logprob difference 4.0e-01" in bad.reason, bad.reason
+    nan = _run(steps, [[a + 2e-2, b] for a, b in steps], GEN, RE)
+    nan.tensors[tensor_key(REPREFILL_TOPK_LOGPROBS, 0)][1, 0] = float("nan")
+    assert check_consistency(nan, ref, noise, ConsistencySettings()).verdict is Verdict.FAIL
+
+
+def test_a_bound_given_a_non_finite_noise_says_it_sits_at_its_floor() -> None:
+    bound = Bound(1e-4, 20.0, math.inf)
+    assert bound.limit == 1e-4 and bound.describe() == "(floor; noise inf unusable)"
+    assert "(noise 1.0e-02 x 20)" in Bound(1e-4, 20.0, 1e-2).compare("x", 0.1)
 
 
 def test_list_workloads_shows_what_each_sends(capsys: pytest.CaptureFixture[str]) -> None:

@@ -41,9 +41,12 @@ class Bound:
         return json_float(value / self.noise)
 
     def describe(self) -> str:
-        """Where the bound comes from, e.g. '(noise 4.0e-08 x 50)' or '(floor; no noise run)'."""
+        """Where the bound comes from, e.g. '(noise 4.0e-08 x 50)', '(floor; no noise run)' or, for a
+        non-finite noise, '(floor; noise inf unusable)'."""
         if self.noise is None:
             return "(floor; no noise run)"
+        if not math.isfinite(self.noise):
+            return f"(floor; noise {self.noise} unusable)"
         if self.factor * self.noise > self.floor:
             return f"(noise {self.noise:.1e} x {self.factor:g})"
         return f"(floor; noise {self.noise:.1e})"

@@ -9,7 +9,10 @@
   generated tokens of the same run (reprefill_*): the same context, so the same top-1 token except at
   near ties and the generated token's logprob equal up to rounding.
 Noise: the same differences measured in the reference run and between the reference and its noise run
-(bounds.Bound: max(floor, factor x noise)). NaN anywhere is a FAIL.
+(bounds.Bound: max(floor, factor x noise)). NaN anywhere is a FAIL. A noise measurement that is not finite
+at a position (the noise run's token outside its re-prefill's top-k, a -inf logprob) measures nothing
+there: the noise is the max over the finite positions, and the skipped ones are counted (never an inf
+noise, which would leave the bound at its floor).
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ class Steps:
 class Pair:
     """Two generations of one case compared: first divergence (step or None), whether it is a near tie of
     the baseline (gap: its top-1 minus the other token's logprob, inf when outside its top-k), the max
-    logprob difference and the max top-2 gap difference over the steps with equal contexts."""
+    logprob difference and the max top-2 gap difference over the steps with equal contexts (NaN or inf
+    where any step's is: what a graded run is held to). As a noise measurement: the same maxima over the
+    steps where they are finite (None without any) and how many steps' logprob difference is not."""
 
     index: int
     steps: int
@@ -63,6 +68,9 @@ class Pair:
     gap: float
     lp_diff: float
     gap_diff: float
+    lp_noise: float | None
+    gap_noise: float | None
+    unmeasured: int
 
 
 def steps_of(run: RunArtifacts, index: int, kinds: tuple[str, str, str]) -> Steps:
@@ -78,6 +86,18 @@ def _max(values: torch.Tensor) -> float:
     if bool(torch.isnan(values).any()):
         return math.nan
     return float(values.max())
+
+
+def _finite_max(values: torch.Tensor) -> float | None:
+    """Max of the finite entries of a float tensor, None without any."""
+    finite = values[torch.isfinite(values)]
+    return float(finite.max()) if finite.numel() else None
+
+
+def _pair(index: int, steps: int, div: int | None, gap: float, lp: torch.Tensor, gaps: torch.Tensor) -> Pair:
+    """The Pair of per-step logprob differences `lp` [steps] and top-2 gap differences `gaps`."""
+    return Pair(index, steps, div, gap, _max(lp), _max(gaps), _finite_max(lp), _finite_max(gaps),
+                int((~torch.isfinite(lp)).sum()))
 
 
 def _gap_to(base: Steps, step: int, token: int) -> float:
@@ -97,7 +117,7 @@ def compare_schedules(index: int, base: Steps, other: Steps) -> Pair:
     gap = math.inf
     if div is not None and div < n and div < len(other.tokens):
         gap = _gap_to(base, div, other.tokens[div])
-    return Pair(index, n, div, gap, _max(lp), _max(gaps))
+    return _pair(index, n, div, gap, lp, gaps)
 
 
 def compare_consistency(index: int, decode: Steps, prefill: Steps) -> Pair:
@@ -111,7 +131,7 @@ def compare_consistency(index: int, decode: Steps, prefill: Steps) -> Pair:
     gaps = (top2_gaps(decode.lps[:n]) - top2_gaps(prefill.lps[:n])).abs()  # [n]
     gaps = gaps[torch.isfinite(top2_gaps(prefill.lps[:n])) | torch.isnan(gaps)]
     gap = _gap_to(prefill, div, decode.tokens[div]) if div is not None else math.inf
-    return Pair(index, n, div, gap, _max(lp), _max(gaps))
+    return _pair(index, n, div, gap, lp, gaps)
 
 
 def schedule_pairs(run: RunArtifacts) -> list[Pair]:
@@ -133,19 +153,20 @@ def has_tensors(run: RunArtifacts, kinds: Sequence[str]) -> bool:
     return bool(run.cases) and all(tensor_key(k, c.index) in run.tensors for c in run.cases for k in kinds)
 
 
-def _noise(pairs: list[list[Pair]]) -> tuple[float | None, float | None]:
-    """(logprob noise, top-2 gap noise): the max over the noise measurements' pairs, None without any."""
+def _noise(pairs: list[list[Pair]]) -> tuple[float | None, float | None, int]:
+    """(logprob noise, top-2 gap noise, steps skipped): the max over the noise measurements' pairs of
+    their finite steps (None without any), and how many steps' logprob difference was not finite."""
     flat = [p for group in pairs for p in group]
-    if not flat:
-        return None, None
-    return max(p.lp_diff for p in flat), max(p.gap_diff for p in flat)
+    lps = [p.lp_noise for p in flat if p.lp_noise is not None]
+    gaps = [p.gap_noise for p in flat if p.gap_noise is not None]
+    return max(lps, default=None), max(gaps, default=None), sum(p.unmeasured for p in flat)
 
 
 def grade(name: str, pairs: list[Pair], noise: list[list[Pair]], settings: ScheduleSettings | ConsistencySettings,
           what: str, extra: dict[str, Any] | None = None) -> CheckResult:
     """The verdict over every case's Pair: FAIL on a divergence outside the near-tie bound or a logprob
     difference over its bound (NaN included)."""
-    lp_noise, gap_noise = _noise(noise)
+    lp_noise, gap_noise, unmeasured = _noise(noise)
     tie = Bound(settings.near_tie, settings.near_tie_factor, gap_noise)
     bound = Bound(settings.logprob_floor, settings.logprob_factor, lp_noise)
     bad_div = [p for p in pairs if p.divergence is not None and not p.gap <= tie.limit]
@@ -157,19 +178,21 @@ def grade(name: str, pairs: list[Pair], noise: list[list[Pair]], settings: Sched
                "benign_divergences": len(benign), "max_logprob_diff": json_float(worst.lp_diff),
                "logprob_bound": bound.to_dict(), "near_tie_bound": tie.to_dict(),
                "first_divergence": ({"prompt": bad_div[0].index, "step": bad_div[0].divergence} if bad_div else None),
-               **(extra or {})}
+               "noise_steps_unmeasured": unmeasured, **(extra or {})}
     if bad_div:
         p = bad_div[0]
         gap = "outside its top-k" if math.isinf(p.gap) else f"gap {p.gap:.1e} > near-tie {tie.limit:.1e}"
         return CheckResult(name, Verdict.FAIL, f"prompt {p.index} {what} diverges at generation step {p.divergence} "
                            f"({gap}); {len(bad_div)}/{len(pairs)} prompts diverge outside near ties", metrics)
+    skipped = (f"; noise not finite at {unmeasured} step{'s' if unmeasured > 1 else ''}, skipped"
+               if unmeasured else "")
     if lp_bad:
         label = f"prompt {worst.index} {what}: logprob difference"
-        return CheckResult(name, Verdict.FAIL, bound.compare(label, worst.lp_diff) + f" over {worst.steps} steps",
-                           metrics)
+        return CheckResult(name, Verdict.FAIL, bound.compare(label, worst.lp_diff) + f" over {worst.steps} steps"
+                           + skipped, metrics)
     ties = f"; {len(benign)} diverge at near ties" if benign else ""
     return CheckResult(name, Verdict.PASS, f"{len(pairs)} prompts, {steps} steps {what}: "
-                       + bound.compare("max logprob difference", worst.lp_diff) + ties, metrics)
+                       + bound.compare("max logprob difference", worst.lp_diff) + ties + skipped, metrics)
 
 
 def check_schedule(name: str, run: RunArtifacts, ref: RunArtifacts, noise: RunArtifacts | None,
