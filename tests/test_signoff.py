@@ -166,7 +166,8 @@ def test_merged_candidate_with_corrupted_workload_cells_is_blocked(shared_cache:
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """A candidate of a clean run and a faulted one, each of three workload cells, against a clean baseline:
     every cell is checked by its full identity (workload and fault included), so no cell hides another."""
-    matrix = ["run", "--suite", "dcp", "--topo", "tp4dcp4", "--model", "tiny-gqa", "--cache-dir", str(shared_cache)]
+    matrix = ["run", "--suite", "dcp", "--topo", "tp4dcp4", "--model", "tiny-gqa", "--cache-dir", str(shared_cache),
+              "--workload", "prompts,lengths,prefix-cache"]
     runs = {"A": ([], 0), "B": (["--fault", "dcp-empty-shard-nan"], 1), "C": ([], 0)}
     for name, (extra, code) in runs.items():
         assert main([*matrix, *extra, "--out", str(tmp_path / name)]) == code
