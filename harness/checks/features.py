@@ -157,7 +157,11 @@ def speculator_feature(ctx: CellContext, topo: Topology) -> Feature:
     steps = spec.get("drafts", spec.get("verify_steps"))
     if not isinstance(steps, (int, float)):
         return Feature(name, None, f"the engine's {spec.get('source')} give no verify step count")
-    return Feature(name, steps > 0, f"{steps:g} verify steps counted by the engine ({spec.get('source')})")
+    if steps == 0:  # as acceptance: a proposer may propose nothing (n-gram lookup finding no match), so aggregate
+        # counters of zero cannot tell a speculator that ran from one that is off
+        return Feature(name, None, f"the engine's {spec.get('source')} counted no drafts: a proposer that found "
+                                   "nothing to propose cannot be told from one that is off")
+    return Feature(name, True, f"{steps:g} verify steps counted by the engine ({spec.get('source')})")
 
 
 def requested_features(ctx: CellContext, topo: Topology) -> list[Feature]:
