@@ -88,7 +88,7 @@ class Engine:
     def __init__(self, spec: ModelSpec, full_weights: dict[str, torch.Tensor], state: ParallelState,
                  flags: FaultFlags = FaultFlags(), pool: PoolSettings = PoolSettings(),
                  dtype: str | None = None, ep: int = 1, speculator: str = "none",
-                 placement: Placement = ROUND_ROBIN, q_replicated: bool = False) -> None:
+                 placement: Placement = ROUND_ROBIN, q_replicated: bool = False, dp: int = 1) -> None:
         self.spec = spec
         self.state = state
         self.flags = flags
@@ -96,7 +96,7 @@ class Engine:
         self.pool = pool
         self._owner_probe: StoredPositions | None = None  # the first decode-path sequence's stored positions
         self.model = model_of(spec)  # its components: the attention's engine module builds the decoder (decoders.py)
-        topology = Topology(tp=state.tp, dcp=state.dcp, speculator=speculator, q_replicated=q_replicated, ep=ep,
+        topology = Topology(tp=state.tp, dcp=state.dcp, speculator=speculator, q_replicated=q_replicated, ep=ep, dp=dp,
                             interleave=placement.size, contiguous=placement.kind == "contiguous")
         parts = build_rank(RankBuild(spec, plan_model(self.model, topology), full_weights, state, flags,
                                      pool.budget_bytes, pool.max_seq_len, pool.block_size, self.dtype))
