@@ -131,7 +131,7 @@ def shard_moe(full: dict[str, torch.Tensor], p: str, moe: MoeRank, flags: FaultF
         downs.append(full[p + "shared.down.weight"][:, s_lo:s_hi])
     return MoeWeights(router=cast(full[p + "router.weight"]), gate=cast(gate), up=cast(up), shared_gate=shared_gate,
                       shared_up=shared_up, down=cast(torch.cat(downs, dim=1)), expert_ids=labels,
-                      expert_map=plan.expert_map)
+                      expert_map=plan.expert_map, loaded=tuple(ids))
 
 
 def shard_hybrid(full: dict[str, torch.Tensor], spec: ModelSpec, h: HybridShape, plan: HybridPlan, rank: int,
@@ -424,6 +424,12 @@ def _checksum(tensors: list[torch.Tensor]) -> str:
     return digest.hexdigest()[:16]
 
 
+def _slot_checksum(moe: MoeWeights, j: int) -> str:
+    """Physical slot j's weights as this rank holds them: its gate and up rows and its down columns."""
+    f = moe.gate.shape[1]
+    return _checksum([moe.gate[j], moe.up[j], moe.down[:, j * f:(j + 1) * f]])
+
+
 def hybrid_layout_report(parts: HybridParts, rank: int) -> HybridReport:
     """What this rank holds of the hybrid layers, for the layout check: the packed q|k|v rows it
     loaded, its V / K heads, the heads whose output it adds, a checksum of its linear weights (equal
@@ -439,7 +445,9 @@ def hybrid_layout_report(parts: HybridParts, rank: int) -> HybridReport:
             experts=tuple(moe_layer.expert_ids), expert_ffn_shard=planned.expert_ffn_shard,
             expert_columns=int(moe_layer.gate.shape[1]),
             shared_columns=int(moe_layer.shared_gate.shape[0]) if moe_layer.shared_gate is not None else 0,
-            router_checksum=_checksum([moe_layer.router]))
+            router_checksum=_checksum([moe_layer.router]), logical=tuple(moe_layer.loaded),
+            slot_checksums=tuple(_slot_checksum(layer.moe, j) for j in range(len(moe_layer.expert_ids))
+                                 for layer in parts.layers[:1] if layer.moe is not None))
     cache = parts.cache
     linear = LinearReport(
         v_heads=tuple(lin.v_heads), k_heads=tuple(lin.k_heads), out_v_heads=tuple(lin.out_v_heads),

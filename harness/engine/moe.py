@@ -39,6 +39,7 @@ class MoeWeights:
     down: torch.Tensor  # [H, E_local * F_local + Fs_local]: experts in order, then the shared expert
     expert_ids: tuple[int, ...]  # physical slots (= logical experts without replicas)
     expert_map: ExpertMap | None = None  # None: no replicas
+    loaded: tuple[int, ...] = ()  # the logical expert whose weights each local slot holds
 
 
 @dataclass(frozen=True)
