@@ -52,13 +52,13 @@ def _render_moe(moe: dict[str, Any]) -> list[str]:
                    f"(their attention, KV cache and recurrent state on that rank only, whole attention weights); "
                    f"the MoE runs over all {moe['tp']} ranks")
         out.append(f"padding rule: {moe['padding_rule']}")
-    slots = f" in {moe['physical']} physical slots ({emap['redundant']} redundant)" if emap else ""
+    slots = f" in {emap['physical']} physical slots ({emap['redundant']} redundant)" if emap else ""
     out += [f"MoE: {moe['experts']} experts{slots}, top-{moe['top_k']}, ep={moe['ep']} (EP rank = rank // etp), "
             f"etp={moe['etp']} (expert columns split over etp ranks)",
             table(["rank", "ep_rank", "etp_rank", "ep_group"] + (["slots", "logical"] if emap else ["experts"])
                   + ["expert_ffn", "shared_ffn"],
                   [[str(r["rank"]), str(r["ep_rank"]), str(r["etp_rank"]), id_ranges(r["ep_members"]),
-                    id_ranges(r["experts"])] + ([",".join(map(str, r["logical"]))] if emap else [])
+                    id_ranges(r["experts"])] + ([",".join(map(str, r.get("logical", r["experts"])))] if emap else [])
                    + [_span(r["expert_ffn_shard"]), _span(r["shared_ffn_shard"])] for r in moe["ranks"]])]
     if emap:
         holder = {p: r["ep_rank"] for r in moe["ranks"] for p in r["experts"]}

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from harness.engine.dp_moe import DpSplit, dp_moe, scatter_rows, split_batch, sub_batch
 from harness.engine.deltanet import LinearHeads, LinearWeights, linear_attention, state_dtype
+from harness.engine.dp_moe import DpSplit, dp_moe, scatter_rows, split_batch, sub_batch
 from harness.engine.faults import FaultFlags
 from harness.engine.model import (
     COLLECTIVE_SITES,

@@ -156,7 +156,7 @@ class LinearPlan:
     def to_dict(self) -> dict[str, Any]:
         return {"tp": self.tp, "dcp": self.dcp, "kv_tp_size": self.kv_tp_size, "v_gcd": self.v_gcd,
                 "layers": self.layers, "ranks": [r.to_dict() for r in self.ranks],
-                "v_replicas": list(self.v_replicas), "dp": self.dp,
+                "v_replicas": list(self.v_replicas), **({"dp": self.dp} if self.dp > 1 else {}),
                 "state_bytes_per_seq_per_rank": self.state_bytes_per_seq_per_rank}
 
 
@@ -263,8 +263,9 @@ class MoeRank:
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "ep_rank": self.ep_rank, "etp_rank": self.etp_rank,
                 "ep_members": list(self.ep_members), "etp_members": list(self.etp_members),
-                "experts": list(self.experts), "logical": list(self.logical), "expert_ffn_shard": list(self.expert_ffn_shard),
-                "shared_ffn_shard": list(self.shared_ffn_shard)}
+                "experts": list(self.experts), "expert_ffn_shard": list(self.expert_ffn_shard),
+                "shared_ffn_shard": list(self.shared_ffn_shard),
+                **({"logical": list(self.logical)} if self.logical != self.experts else {})}
 
 
 @dataclass(frozen=True)
@@ -298,10 +299,12 @@ class MoePlan:
                 f"(top-k id -1), the rest padding; padding and dummy rows are dropped before the combine")
 
     def to_dict(self) -> dict[str, Any]:
+        # the DP and expert-map keys only where they are used (other plans keep their documents)
+        extra = {"dp": self.dp, "padding_rule": self.padding_rule} if self.dp > 1 else {}
+        if self.expert_map is not None:
+            extra.update(physical=self.physical, expert_map=self.expert_map.to_dict())
         return {"tp": self.tp, "ep": self.ep, "etp": self.etp, "experts": self.experts, "top_k": self.top_k,
-                "shared_ffn": self.shared_ffn, "physical": self.physical, "dp": self.dp,
-                "expert_map": self.expert_map.to_dict() if self.expert_map is not None else None,
-                "padding_rule": self.padding_rule,
+                "shared_ffn": self.shared_ffn, **extra,
                 "ranks": [r.to_dict() for r in self.ranks], "expert_replicas": list(self.expert_replicas)}
 
 
