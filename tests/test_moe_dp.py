@@ -15,7 +15,9 @@ from harness.arch.model import model_of
 from harness.arch.plan import plan_model
 from harness.arch.scope import inert_reason
 from harness.cli import main
+from harness.compare.hybrid_layout_check import check_hybrid_layout
 from harness.core.errors import ConfigError
+from harness.core.verdict import Verdict
 from harness.engine.dp_moe import DpSplit, combine, gathered_rows
 from harness.engine.faults import FAULTS, FaultFlags, fault_flags
 from harness.engine.hybrid import shard_moe
@@ -163,6 +165,18 @@ def test_dp_runs_each_request_on_one_rank_and_passes_clean(tmp_path: Path, suite
     sums = [r["hybrid"]["moe"]["slot_checksums"] for r in ranks]
     assert sums[0][:4] == sums[1][2:]  # the replicas hold their logical experts' weights
     assert [r["stored_positions"] is not None for r in ranks] == [True, False]
+    # the layout check's positive controls on the expert map: a replica with other weights, a wrong slot
+    target = json.loads((Path(cell["run_dir"]) / "layout.json").read_text())["target"]
+    plan = plan_model(model_of(load_model("tiny-moe-dp")), parse_topology_name("tp2dp2ep2")).hybrid_plan
+    assert plan is not None
+    assert check_hybrid_layout(plan, target).verdict is Verdict.PASS
+    target["ranks"][1]["hybrid"]["moe"]["slot_checksums"][2] = "0" * 16  # slot 8: logical expert 0's replica
+    result = check_hybrid_layout(plan, target)
+    assert result.verdict is Verdict.FAIL and "the replicas of logical expert 0 (columns 0-63) hold different weights" \
+        in result.reason, result.reason
+    target["ranks"][1]["hybrid"]["moe"]["logical"][2] = 5
+    assert "rank 1 loads logical experts [6, 7, 5, 1, 2, 3] into its physical slots 6-11, the expert map plans " \
+           "[6, 7, 0, 1, 2, 3]" in check_hybrid_layout(plan, target).metrics["problems"]
 
 
 @pytest.mark.parametrize("fault", DP_FAULTS)
