@@ -77,6 +77,8 @@ def test_the_plan_replicates_attention_per_dp_rank_and_places_physical_slots() -
     plan = plan_model(model_of(spec), parse_topology_name("tp4dp4ep4"))
     assert [r.q_heads for r in plan.attention.ranks] == [tuple(range(8))] * 4  # whole attention per DP rank
     assert [r.vocab_shard for r in plan.attention.ranks] == [(0, spec.vocab)] * 4
+    assert [(r.rank, r.dcp_members, r.dcp_group) for r in plan.attention.ranks] == [(r, (r,), r) for r in range(4)]
+    assert plan.attention.kv_replicas == (4, 4) and plan.attention.tp == 4
     assert plan.linear is not None and plan.linear.dp == 4 and plan.linear.v_replicas == (4,) * 6
     assert plan.moe is not None and plan.moe.dp == 4 and plan.moe.physical == 12
     assert [r.experts for r in plan.moe.ranks] == [(0, 1, 2), (3, 4, 5), (6, 7, 8), (9, 10, 11)]
