@@ -1,7 +1,7 @@
 """Detection table: for every fault in the catalog, which default suite run flags it, and the
 false-positive rate of the clean default suites over seeds. Prints markdown; asserts nothing.
 
-    python benchmarks/bench_faults.py [--faults a,b] [--suites tp,dcp,gqa-odd,spec,hybrid,mla]
+    python benchmarks/bench_faults.py [--faults a,b] [--suites tp,dcp,gqa-odd,spec,hybrid,mla,moe-dp]
                                       [--clean-seeds 0,1,2,3,4] [--no-faults] [--no-clean]
                                       [--cache-dir DIR] [--work DIR] [--json FILE]
 
@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_SUITES: tuple[str, ...] = ("tp", "dcp", "gqa-odd", "spec", "hybrid", "mla")
+DEFAULT_SUITES: tuple[str, ...] = ("tp", "dcp", "gqa-odd", "spec", "hybrid", "mla", "moe-dp")
 
 
 @dataclass

@@ -112,7 +112,7 @@ def test_expert_parallel_partials_sum_to_the_whole_layer(tiny: tuple, tp: int, e
         plan = plan_moe(spec.hybrid, world, ep_size)
         total = torch.zeros_like(h)
         for rank in plan.ranks:
-            w = shard_moe(weights, "layers.0.", rank, flags, spec.hybrid.experts, ep_size, cast)
+            w = shard_moe(weights, "layers.0.", rank, flags, plan, cast)
             total += moe_activations(h, w, spec.hybrid.top_k, flags.router_local_renorm) @ w.down.T
         return total
 

@@ -44,7 +44,7 @@ def test_topology_without_speculator_and_default_name() -> None:
 
 @pytest.mark.parametrize("name", ["", "tp", "dp4", "tp4dcp", "TP4", "tp4_dcp2", "tp-4", "tp4dcp2mtp", "tp4 dcp2"])
 def test_bad_topology_names_name_the_grammar(name: str) -> None:
-    grammar = r"tp<N>\[dcp<M>\[i<K>\|c\]\[q\]\]\[ep<E>\]\[-draft\|-mtp\]"
+    grammar = r"tp<N>\[dcp<M>\[i<K>\|c\]\[q\]\]\[dp<D>\]\[ep<E>\]\[-draft\|-mtp\]"
     with pytest.raises(ConfigError, match=r"bad topology name .*expected " + grammar):
         parse_topology_name(name)
 
@@ -163,7 +163,7 @@ def test_catalog_resolve_errors(tmp_path: Path, expr: str, message: str) -> None
 
 
 @pytest.mark.parametrize("text,message", [
-    ("topologies:\n  x: {tp: 4, dpc: 2}\n", r"topology x: unknown key 'dpc' \(did you mean 'dcp'\?\)"),
+    ("topologies:\n  x: {tp: 4, dcpp: 2}\n", r"topology x: unknown key 'dcpp' \(did you mean 'dcp'\?\)"),
     ("topologies:\n  x: {dcp: 2}\n", "topology x: missing required key 'tp'"),
     ("topologies:\n  x: {tp: 4, dcp: 3}\n", "dcp=3 does not divide tp=4"),
     ("topologies:\n  x: tp4dcp\n", "bad topology name 'tp4dcp'"),

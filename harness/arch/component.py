@@ -60,6 +60,7 @@ class Component(ABC):
     layout_check: ClassVar[str] = "attention"  # the check of the target's rank reports (checks/builtin.py)
     faults: ClassVar[frozenset[str]] = frozenset()  # faults that act on this feature only (inert elsewhere)
     takes_ep: ClassVar[bool] = False  # it splits over the expert-parallel ranks (topology ep > 1)
+    takes_dp: ClassVar[bool] = False  # it runs under attention data parallel (topology dp > 1)
     prefix_cacheable: ClassVar[bool] = True  # a sequence's cached state of a prompt prefix can serve another
 
     def inert_reason(self, site: FaultSite) -> str | None:

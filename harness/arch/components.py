@@ -12,6 +12,7 @@ from harness.core.errors import ConfigError
 from harness.partition.hybrid_layout import (
     LINEAR,
     HybridShape,
+    MoePlan,
     experts_of,
     full_attention_shape,
     layer_kinds,
@@ -19,6 +20,7 @@ from harness.partition.hybrid_layout import (
     plan_linear,
     plan_moe,
     q_proj_rows,
+    replicate_linear_dp,
 )
 from harness.partition.layout import (
     ROUND_ROBIN,
@@ -27,6 +29,7 @@ from harness.partition.layout import (
     group_kv_slots,
     plan_layout,
     plan_speculator,
+    replicate_dp,
     validate,
     validate_q_mode,
 )
@@ -39,6 +42,9 @@ ATTENTION_FIELDS: tuple[str, ...] = ("q_heads", "kv_heads", "dcp_group", "dcp_ra
                                      "q_to_kv", "ffn_shard", "vocab_shard", "group_q_heads", "group_q_to_kv",
                                      "kv_pool_bytes", "kv_pool_blocks", "kv_weight_checksums")
 
+
+# the attention-data-parallel faults of the MoE (engine/faults.py): inert without DP
+DP_FAULTS: frozenset[str] = frozenset({"dp-pad-local-count", "dp-dummy-topk-wrap", "dp-shared-unreduced"})
 
 # faults whose whole effect is in the layout plan (which KV head each Q head reads, which FFN columns and
 # vocab rows each rank holds): decidable from the layout alone
@@ -138,12 +144,14 @@ class GatedAttention(Component):
     engine_module: ClassVar[str] = "harness.engine.hybrid"
     report_fields: ClassVar[tuple[str, ...]] = ATTENTION_FIELDS
     layout_check: ClassVar[str] = "hybrid"  # attention, linear attention, MoE and cache groups together
+    takes_dp: ClassVar[bool] = True  # each DP rank holds the whole attention (replicate_dp)
 
     def __init__(self, shape: HybridShape) -> None:
         self.shape = shape
 
     def plan(self, spec: ModelSpec, topo: Topology) -> dict[str, Any]:
-        validate(spec.attention_shape, topo.tp, topo.dcp)
+        tp = topo.tp // topo.dp  # the attention's TP inside one DP rank
+        validate(spec.attention_shape, tp, topo.dcp)
         validate_q_mode(spec.attention_shape, topo.dcp, topo.q_replicated)
         check_hybrid_dcp(spec, topo.placement, topo.q_replicated)
         h = self.shape
@@ -151,7 +159,7 @@ class GatedAttention(Component):
         if not attn_shape.layers:
             raise ConfigError(f"hybrid: layers={spec.layers} with full_attention_interval="
                               f"{h.full_attention_interval} has no full-attention layer")
-        attention = plan_layout(attn_shape, topo.tp, topo.dcp)
+        attention = replicate_dp(plan_layout(attn_shape, tp, topo.dcp), topo.dp)
         rows = tuple(q_proj_rows(spec.head_dim, r.q_heads, h.attn_output_gate) for r in attention.ranks)
         gated = GatedPlan(kinds=layer_kinds(spec.layers, h.full_attention_interval),
                           output_gate=h.attn_output_gate, q_proj_rows=rows)
@@ -179,28 +187,46 @@ class MoE(Component):
     engine_module: ClassVar[str] = "harness.engine.moe"
     report_fields: ClassVar[tuple[str, ...]] = ("hybrid.moe",)
     takes_ep: ClassVar[bool] = True
+    takes_dp: ClassVar[bool] = True  # tokens of every DP rank gathered (padded) for the experts
     faults: ClassVar[frozenset[str]] = frozenset({"moe-shared-every-rank", "moe-expert-offset",
-                                                  "moe-router-local-renorm"})
+                                                  "moe-router-local-renorm", *DP_FAULTS, "redundant-expert-twice"})
 
     def __init__(self, shape: HybridShape) -> None:
         self.shape = shape
 
     def plan(self, spec: ModelSpec, topo: Topology) -> dict[str, Any]:
-        return {"moe": plan_moe(self.shape, topo.tp, topo.ep)}
+        return {"moe": plan_moe(self.shape, topo.tp, topo.ep, topo.dp)}
 
     def inert_reason(self, site: FaultSite) -> str | None:
         h, topo, moe = self.shape, site.topology, site.parts["moe"]
         if site.fault == "moe-shared-every-rank" and (not h.shared_ffn or topo.tp == 1):
             return site.inert("one rank or no shared expert")
+        if site.fault in DP_FAULTS and topo.dp == 1:
+            return site.inert("no attention data parallel (dp=1): every rank holds every token")
+        if site.fault == "dp-shared-unreduced" and not h.shared_ffn:
+            return site.inert("no shared expert")
+        if site.fault == "redundant-expert-twice":
+            return _redundant_inert(site, moe)
         if site.fault == "moe-expert-offset":  # the fault offsets expert ids by the tp rank, not the EP rank
-            per = h.experts // moe.ep
-            wrong = [tuple((r.rank * per + j) % h.experts for j in range(per)) for r in moe.ranks]
-            if all(w == experts_of(h.experts, r.ep_rank, moe.ep) for w, r in zip(wrong, moe.ranks)):
+            per = moe.physical // moe.ep
+            wrong = [tuple((r.rank * per + j) % moe.physical for j in range(per)) for r in moe.ranks]
+            if all(w == experts_of(moe.physical, r.ep_rank, moe.ep) for w, r in zip(wrong, moe.ranks)):
                 return site.inert(f"the tp rank offsets the expert ids as the EP rank does (ep={moe.ep}, "
                                   f"tp={topo.tp})")
         if site.fault == "moe-router-local-renorm" and topo.ep == 1:
             return site.inert("every rank holds every expert (ep=1)")
         return None
+
+
+def _redundant_inert(site: FaultSite, moe: MoePlan) -> str | None:
+    """A local-first replica pick counts an expert twice only where two EP ranks hold replicas of it."""
+    emap = moe.expert_map
+    if emap is None:
+        return site.inert("no redundant experts (redundant_experts=0): each expert has one physical slot")
+    ep_of = {p: r.ep_rank for r in moe.ranks for p in r.experts}
+    if all(len({ep_of[p] for p in emap.replicas(lg)}) == 1 for lg in range(emap.experts)):
+        return site.inert(f"the replicas of each expert are on one EP rank (ep={moe.ep})")
+    return None
 
 
 class GatedDeltaNet(Component):
@@ -211,6 +237,7 @@ class GatedDeltaNet(Component):
     engine_module: ClassVar[str] = "harness.engine.deltanet"
     report_fields: ClassVar[tuple[str, ...]] = ("hybrid.linear", "hybrid.cache_groups")
     prefix_cacheable: ClassVar[bool] = False  # the recurrent state of a position is not kept: no prefix hits
+    takes_dp: ClassVar[bool] = True  # each DP rank holds every linear head for its own requests
     faults: ClassVar[frozenset[str]] = frozenset({"deltanet-packed-split", "deltanet-state-dcp-split",
                                                   "cache-groups-own-budget", "state-slot-stale"})
 
@@ -219,7 +246,8 @@ class GatedDeltaNet(Component):
 
     def plan(self, spec: ModelSpec, topo: Topology) -> dict[str, Any]:
         kinds = layer_kinds(spec.layers, self.shape.full_attention_interval)
-        return {"linear": plan_linear(self.shape, kinds.count(LINEAR), topo.tp, topo.dcp)}
+        linear = plan_linear(self.shape, kinds.count(LINEAR), topo.tp // topo.dp, topo.dcp)
+        return {"linear": replicate_linear_dp(linear, topo.dp) if topo.dp > 1 else linear}
 
     def inert_reason(self, site: FaultSite) -> str | None:
         contiguous = site.flags.linear_packed_contiguous

@@ -50,9 +50,25 @@ def plan_model(model: Model, topology: Topology) -> ModelPlan:
     if topology.ep > 1 and not model.takes_ep:
         raise PlanError(f"ep={topology.ep} needs a MoE model; {model.spec.name} is dense (no hybrid.experts)",
                         MoE.name)
+    if topology.dp > 1:
+        _check_dp(model, topology)
     if topology.speculator != "none":
         parts.update(_planned(model.speculator, model, topology))
     return ModelPlan(model=model, topology=topology, **parts)
+
+
+def _check_dp(model: Model, topology: Topology) -> None:
+    """Attention data parallel needs experts to gather tokens for, and every component to run under it."""
+    if not model.takes_ep:
+        raise PlanError(f"dp={topology.dp} (attention data parallel) needs a MoE model; {model.spec.name} has no "
+                        f"experts (hybrid.experts)", MoE.name)
+    for component in model.components:
+        if not component.takes_dp:
+            raise PlanError(f"dp={topology.dp}: component {component.name} of {model.spec.name} does not run under "
+                            f"attention data parallel", component.name)
+    if topology.speculator != "none":
+        raise PlanError(f"dp={topology.dp}: a {topology.speculator} speculator does not run under attention data "
+                        f"parallel; drop -{topology.speculator}", model.speculator.name)
 
 
 def _planned(component: Component, model: Model, topology: Topology) -> dict[str, Any]:

@@ -318,6 +318,8 @@ class HttpBackend(Backend):
                     f"({topology.placement.label}) or Q replication of {topology.name}")
         if topology.ep > 1:
             return f"engine {self.name}: its template has no expert-parallel setting (ep={topology.ep})"
+        if topology.dp > 1:
+            return f"engine {self.name}: its template has no attention data-parallel setting (dp={topology.dp})"
         if topology.speculator != "none" and topology.speculator not in self.spec.speculator_argv:
             return f"engine {self.name} has no -{topology.speculator} speculator in its template"
         if not self.spec.url and model.dtype not in self.spec.dtypes:  # an attached server runs what it runs

@@ -106,6 +106,19 @@ def placement_feature(ctx: CellContext, ranks: tuple[RankReport, ...] | None) ->
     return Feature("placement", True, f"each rank stored its {label} share of the probe sequence")
 
 
+def dp_feature(ctx: CellContext, topo: Topology, ranks: tuple[RankReport, ...] | None) -> Feature:
+    """Attention data parallel ran when the probe sequence's KV sits on exactly one rank (its DP rank)."""
+    if ranks is None:
+        return _no_ranks(ctx, "dp")
+    holders = [r.rank for r in ranks if r.stored_positions is not None and r.stored_positions.positions]
+    if not holders:
+        return Feature("dp", None, "no rank reports the probe sequence's stored positions")
+    if len(holders) > 1:
+        return Feature("dp", False, f"dp={topo.dp} requested; ranks {', '.join(map(str, holders))} all stored the "
+                                    f"probe sequence: every rank ran the request, none is data parallel")
+    return Feature("dp", True, f"the probe sequence ran on DP rank {holders[0]} only, of {topo.dp}")
+
+
 def ep_feature(ctx: CellContext, topo: Topology, ranks: tuple[RankReport, ...] | None) -> Feature:
     if ranks is None:
         return _no_ranks(ctx, "ep")
@@ -167,8 +180,10 @@ def speculator_feature(ctx: CellContext, topo: Topology) -> Feature:
 def requested_features(ctx: CellContext, topo: Topology) -> list[Feature]:
     ranks = _ranks(ctx)
     out: list[Feature | None] = []
-    if topo.tp > 1:
+    if topo.tp > 1 and topo.dp == 1:
         out.append(tp_feature(ctx, topo, ranks))
+    if topo.dp > 1:
+        out.append(dp_feature(ctx, topo, ranks))
     if topo.dcp > 1:
         out += [dcp_feature(ctx, topo, ranks), placement_feature(ctx, ranks)]
     if topo.ep > 1:

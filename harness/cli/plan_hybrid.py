@@ -29,12 +29,7 @@ def render_hybrid(h: dict[str, Any]) -> list[str]:
            + ", ".join(f"r{r}:{rows[0][0]}-{rows[-1][1] - 1}" for r, rows in enumerate(h["q_proj_rows"]))]
     moe = h["moe"]
     if moe:
-        out += [f"MoE: {moe['experts']} experts, top-{moe['top_k']}, ep={moe['ep']} (EP rank = rank // etp), "
-                f"etp={moe['etp']} (expert columns split over etp ranks)",
-                table(["rank", "ep_rank", "etp_rank", "ep_group", "experts", "expert_ffn", "shared_ffn"],
-                      [[str(r["rank"]), str(r["ep_rank"]), str(r["etp_rank"]), id_ranges(r["ep_members"]),
-                        id_ranges(r["experts"]), _span(r["expert_ffn_shard"]), _span(r["shared_ffn_shard"])]
-                       for r in moe["ranks"]])]
+        out += _render_moe(moe)
     out.append(f"cache groups per rank (one slot = one sequence of {h['max_seq_len']} tokens, "
                f"{h['block_size']}-token pages): "
                + "; ".join(f"{g['name']} {g['blocks_per_seq']} x {human_bytes(g['block_bytes'])}"
@@ -44,6 +39,33 @@ def render_hybrid(h: dict[str, Any]) -> list[str]:
         out.append(f"grouped capacity per rank: {cap['slots']} slots ({human_bytes(cap['pool_bytes'])} of "
                    f"{human_bytes(cap['budget_bytes'])}): "
                    + ", ".join(f"{g['name']} {g['blocks']} blocks" for g in cap["groups"]))
+    return out
+
+
+def _render_moe(moe: dict[str, Any]) -> list[str]:
+    """The MoE lines: attention data parallel, experts (physical slots) per rank, the expert map."""
+    emap = moe.get("expert_map")
+    dp = moe.get("dp", 1)
+    out = []
+    if dp > 1:
+        out.append(f"attention data parallel: dp={dp}; DP rank d = rank d runs requests with seq_id % {dp} == d "
+                   f"(their attention, KV cache and recurrent state on that rank only, whole attention weights); "
+                   f"the MoE runs over all {moe['tp']} ranks")
+        out.append(f"padding rule: {moe['padding_rule']}")
+    slots = f" in {emap['physical']} physical slots ({emap['redundant']} redundant)" if emap else ""
+    out += [f"MoE: {moe['experts']} experts{slots}, top-{moe['top_k']}, ep={moe['ep']} (EP rank = rank // etp), "
+            f"etp={moe['etp']} (expert columns split over etp ranks)",
+            table(["rank", "ep_rank", "etp_rank", "ep_group"] + (["slots", "logical"] if emap else ["experts"])
+                  + ["expert_ffn", "shared_ffn"],
+                  [[str(r["rank"]), str(r["ep_rank"]), str(r["etp_rank"]), id_ranges(r["ep_members"]),
+                    id_ranges(r["experts"])] + ([",".join(map(str, r.get("logical", r["experts"])))] if emap else [])
+                   + [_span(r["expert_ffn_shard"]), _span(r["shared_ffn_shard"])] for r in moe["ranks"]])]
+    if emap:
+        holder = {p: r["ep_rank"] for r in moe["ranks"] for p in r["experts"]}
+        out.append("expert map (logical -> physical slots -> EP ranks): " + "; ".join(
+            f"{lg} -> {','.join(map(str, reps))} -> {','.join(str(holder[p]) for p in reps)}"
+            for lg, reps in emap["replicas"].items()))
+        out.append(f"replica pick: {emap['pick']} (one replica per token: its output is summed once)")
     return out
 
 

@@ -47,10 +47,12 @@ def _linear_problems(plan: HybridPlan, by_rank: Mapping[int, HybridReport]) -> l
     for r, hybrid in sorted(by_rank.items()):
         for v in hybrid.linear.out_v_heads:
             adders[v].append(r)
+    want = plan.linear.dp  # one rank per DP rank (each adds it for its own requests)
     for v in range(len(plan.linear.v_replicas)):
-        if len(adders[v]) != 1:
+        if len(adders[v]) != want:
             out.append(f"linear-attention V head {v}'s output is added by {len(adders[v])} ranks "
-                       f"({id_ranges(adders[v]) or 'none'}), planned exactly one")
+                       f"({id_ranges(adders[v]) or 'none'}), planned exactly one"
+                       + (f" per DP rank ({want})" if want > 1 else ""))
     return out
 
 
@@ -78,16 +80,40 @@ def _moe_problems(plan: HybridPlan, by_rank: Mapping[int, HybridReport]) -> list
         shared += got.shared_columns
         for e in got.experts:
             holders[e].append(r)
+        if got.logical and planned.logical and got.logical != planned.logical:
+            out.append(f"rank {r} loads logical experts {list(got.logical)} into its physical slots "
+                       f"{id_ranges(got.experts)}, the expert map plans {list(planned.logical)}")
     if plan.moe.shared_ffn and shared != plan.moe.shared_ffn:
         out.append(f"the shared expert is counted {shared / plan.moe.shared_ffn:.2g} times: its columns over all "
                    f"ranks sum to {shared}, its width is {plan.moe.shared_ffn}")
-    for e in range(plan.moe.experts):
+    slot = "physical expert slot" if plan.moe.expert_map is not None else "expert"
+    for e in range(plan.moe.physical):
         if len(holders[e]) != plan.moe.etp:
-            out.append(f"expert {e} held by ranks {id_ranges(holders[e]) or 'none'}, planned {plan.moe.etp} "
+            out.append(f"{slot} {e} held by ranks {id_ranges(holders[e]) or 'none'}, planned {plan.moe.etp} "
                        f"(its expert-TP group)")
+    out += _replica_problems(plan, by_rank)
     routers = {hybrid.moe.router_checksum for hybrid in by_rank.values() if hybrid.moe is not None}
     if len(routers) > 1:
         out.append(f"router weights differ between ranks ({len(routers)} versions); the router is replicated")
+    return out
+
+
+def _replica_problems(plan: HybridPlan, by_rank: Mapping[int, HybridReport]) -> list[str]:
+    """Every physical replica of one logical expert holds the same weights (per expert-TP column shard)."""
+    if plan.moe is None:
+        return []
+    sums: dict[tuple[int, tuple[int, int]], dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for r, hybrid in sorted(by_rank.items()):
+        got = hybrid.moe
+        if got is None or len(got.slot_checksums) != len(got.experts) or len(got.logical) != len(got.experts):
+            continue
+        for p, logical, digest in zip(got.experts, got.logical, got.slot_checksums):
+            sums[(logical, got.expert_ffn_shard)][digest].append(f"rank {r} slot {p}")
+    out = []
+    for (logical, (lo, hi)), versions in sorted(sums.items()):
+        if len(versions) > 1:
+            out.append(f"the replicas of logical expert {logical} (columns {lo}-{hi - 1}) hold different weights: "
+                       + "; ".join(f"{', '.join(where)}: {d[:12]}" for d, where in versions.items()))
     return out
 
 

@@ -36,7 +36,7 @@ def build_engine(state: ParallelState, model: ModelSpec, topology: Topology, fau
     """This rank's engine for `model` at `topology` (every rank calls it, in the same order)."""
     tokenizer = load_tokenizer(model)
     weights = load_weights(model)
-    engine = Engine(model, weights, state, fault_flags(fault, topology), pool, dtype, ep=topology.ep,
+    engine = Engine(model, weights, state, fault_flags(fault, topology), pool, dtype, ep=topology.ep, dp=topology.dp,
                     speculator=topology.speculator, placement=topology.placement,
                     q_replicated=topology.q_replicated)
     speculator = (speculator_for(engine, topology.speculator, weights, speculative)

@@ -11,7 +11,7 @@ import torch
 
 from harness.arch.plan import ModelPlan
 from harness.engine.faults import FaultFlags
-from harness.engine.hybrid import HybridParts, build_hybrid, hybrid_layout_report
+from harness.engine.hybrid import DataParallel, HybridParts, build_hybrid, hybrid_layout_report
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.mla import MLAParts, build_mla, mla_report
 from harness.engine.model import Decoder, HeadMap, Hyper, LocalWeights
@@ -106,9 +106,13 @@ def build_latent(b: RankBuild) -> RankParts:
 def build_hybrid_rank(b: RankBuild) -> RankParts:
     assert b.plan.hybrid_plan is not None
     state = b.state
+    dp = b.topology.dp
+    # attention data parallel: the decoder's collectives are this DP rank's (one rank), the MoE's the world's
+    data_parallel = DataParallel(dp, state.rank, state.collectives()) if dp > 1 else None
+    comm = state.alone().collectives() if data_parallel is not None else state.collectives()
     parts = build_hybrid(b.spec, b.plan.model.hybrid_shape(), b.plan.hybrid_plan, b.full_weights, state.rank, b.flags,
-                         b.budget_bytes, b.max_seq_len, b.block_size, b.hyper, state.collectives(), b.dtype,
-                         state.device, b.plan.speculator)
+                         b.budget_bytes, b.max_seq_len, b.block_size, b.hyper, comm, b.dtype,
+                         state.device, b.plan.speculator, data_parallel)
     return RankParts(parts.plan.attention, parts.rank_layout, parts.heads, parts.capacity, parts.cache,
                      parts.decoder, parts.weights,
                      lambda: ModuleReport(hybrid_record=hybrid_layout_report(parts, state.rank)), parts)

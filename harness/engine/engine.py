@@ -19,6 +19,7 @@ from harness.arch.model import model_of
 from harness.arch.plan import plan_model
 from harness.core.errors import ConfigError
 from harness.engine.decoders import RankBuild, build_rank
+from harness.engine.dp_moe import owner_of
 from harness.engine.faults import FaultFlags
 from harness.engine.model import Batch, Capture
 from harness.engine.parallel import ParallelState
@@ -88,15 +89,16 @@ class Engine:
     def __init__(self, spec: ModelSpec, full_weights: dict[str, torch.Tensor], state: ParallelState,
                  flags: FaultFlags = FaultFlags(), pool: PoolSettings = PoolSettings(),
                  dtype: str | None = None, ep: int = 1, speculator: str = "none",
-                 placement: Placement = ROUND_ROBIN, q_replicated: bool = False) -> None:
+                 placement: Placement = ROUND_ROBIN, q_replicated: bool = False, dp: int = 1) -> None:
         self.spec = spec
         self.state = state
         self.flags = flags
         self.dtype = TORCH_DTYPES[dtype or spec.dtype]
         self.pool = pool
         self._owner_probe: StoredPositions | None = None  # the first decode-path sequence's stored positions
+        self.dp = dp  # attention data parallel: a request runs (and is stored) on DP rank owner_of(seq_id) only
         self.model = model_of(spec)  # its components: the attention's engine module builds the decoder (decoders.py)
-        topology = Topology(tp=state.tp, dcp=state.dcp, speculator=speculator, q_replicated=q_replicated, ep=ep,
+        topology = Topology(tp=state.tp, dcp=state.dcp, speculator=speculator, q_replicated=q_replicated, ep=ep, dp=dp,
                             interleave=placement.size, contiguous=placement.kind == "contiguous")
         parts = build_rank(RankBuild(spec, plan_model(self.model, topology), full_weights, state, flags,
                                      pool.budget_bytes, pool.max_seq_len, pool.block_size, self.dtype))
@@ -210,7 +212,8 @@ class Engine:
                     hidden[b].append(torch.stack([h[j, 0] for h in cap.hidden]).float().cpu())  # [L+1, H]
                     attn[b].append(torch.stack([a[j, 0] for a in cap.attn]))  # [L, n_q, hd]
                     sites[b].append(torch.stack([c[j, 0] for c in cap.collectives]))  # [L, sites]
-        if self._owner_probe is None:  # what this rank stored of the first sequence, for the layout check
+        runs_first = self.dp == 1 or owner_of(ids[0], self.dp) == self.state.rank
+        if self._owner_probe is None and runs_first:  # what this rank stored of the first sequence (layout check)
             first = self.cache.seqs[ids[0]]
             self._owner_probe = StoredPositions(len(seqs[0]), first.prompt_len, tuple(first.positions))
         self.cache.close(ids)

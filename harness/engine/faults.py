@@ -101,6 +101,25 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("moe-router-local-renorm", "logits",
           "the top-k routing weights renormalized per EP rank over the experts that rank holds, not over "
           "all k chosen experts: tokens split across EP ranks get weights that sum past 1; inert at ep=1"),
+    # -- attention data parallel and redundant experts (harness/engine/dp_moe.py, docs/moe-dp.md) --
+    Fault("dp-pad-local-count", "logits, generation",
+          "under attention DP the gathered MoE buffer masked with this rank's local token count instead of each "
+          "DP rank's own count within the padded (global) batch: tokens of DP ranks with more tokens lose this "
+          "rank's expert outputs (SGLang #40643: GSM8K 0.14-0.26 vs 0.55); only with unequal DP batches",
+          needs_tp=True),
+    Fault("dp-dummy-topk-wrap", "logits, generation",
+          "an idle DP rank's dummy token, routed with top-k id -1, read as the last expert (the -1 wraps) and "
+          "its output combined at index -1 of the real tokens: added to the last real token (vLLM #57787); "
+          "only in steps with an idle DP rank", needs_tp=True),
+    Fault("redundant-expert-twice", "logits, generation",
+          "with redundant experts each rank picks the replica it holds itself instead of the one the shared "
+          "rule picks, so an expert replicated on two EP ranks is computed and summed twice (SGLang #32962: "
+          "GSM8K 0.63 -> 0.42); inert without replicas (redundant_experts=0 happens to be correct)",
+          needs_tp=True),
+    Fault("dp-shared-unreduced", "logits, generation",
+          "under attention DP the shared expert's column-parallel partial sum added to the DP rank's own tokens "
+          "without the all-reduce over the world: each token gets one rank's share of the shared expert "
+          "(tpu-inference #3435)", needs_tp=True),
     Fault("cache-groups-own-budget", "layout",
           "each cache group (attention KV pages, recurrent-state slots) sized from its own share of the "
           "budget, so the groups hold different numbers of sequences instead of one slot count (pypto "
@@ -200,6 +219,10 @@ class FaultFlags:
     shared_expert_every_rank: bool = False  # moe-shared-every-rank: the whole shared expert on every rank
     expert_offset_tp_rank: bool = False     # moe-expert-offset: expert ids offset by the tp rank, not the EP rank
     router_local_renorm: bool = False       # moe-router-local-renorm: top-k weights renormalized per rank
+    dp_pad_local_count: bool = False        # dp-pad-local-count: gathered MoE rows masked by the local count
+    dp_dummy_wrap: bool = False             # dp-dummy-topk-wrap: a dummy token's id -1 and combine index wrap
+    replica_local_first: bool = False       # redundant-expert-twice: each rank picks its own replica
+    dp_shared_unreduced: bool = False       # dp-shared-unreduced: the shared expert's partial not all-reduced
     cache_groups_own_budget: bool = False   # cache-groups-own-budget: each cache group from its own budget share
     mtp_hidden_dcp_owner: bool = False      # mtp-dcp-hidden-owner: MTP reads DCP rank 0's latest position
     stale_state_slots: bool = False         # state-slot-stale: a reused state slot keeps its old state
@@ -282,6 +305,10 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         shared_expert_every_rank=name == "moe-shared-every-rank",
         expert_offset_tp_rank=name == "moe-expert-offset",
         router_local_renorm=name == "moe-router-local-renorm",
+        dp_pad_local_count=name == "dp-pad-local-count",
+        dp_dummy_wrap=name == "dp-dummy-topk-wrap",
+        replica_local_first=name == "redundant-expert-twice",
+        dp_shared_unreduced=name == "dp-shared-unreduced",
         cache_groups_own_budget=name == "cache-groups-own-budget",
         mtp_hidden_dcp_owner=name == "mtp-dcp-hidden-owner",
         stale_state_slots=name == "state-slot-stale",

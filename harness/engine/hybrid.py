@@ -17,8 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from harness.engine.deltanet import LinearHeads, LinearWeights, linear_attention, state_dtype
+from harness.engine.dp_moe import DpSplit, dp_moe, scatter_rows, split_batch, sub_batch
 from harness.engine.faults import FaultFlags
 from harness.engine.model import (
+    COLLECTIVE_SITES,
     Batch,
     Capture,
     Decoder,
@@ -30,7 +32,7 @@ from harness.engine.model import (
     mask_kind,
     rms_norm,
 )
-from harness.engine.moe import MoeWeights, moe_activations
+from harness.engine.moe import MoeRows, MoeWeights, moe_activations
 from harness.engine.parallel import Collectives
 from harness.engine.parallelize import head_map, vocab_rows
 from harness.engine.statecache import SNAPSHOT_TOKENS, HybridCache
@@ -40,6 +42,7 @@ from harness.partition.hybrid_layout import (
     HybridPlan,
     HybridShape,
     LinearRank,
+    MoePlan,
     MoeRank,
     grouped_capacity,
     hybrid_cache_groups,
@@ -48,6 +51,16 @@ from harness.partition.hybrid_layout import (
 from harness.partition.layout import LayoutPlan, PoolCapacity, RankLayout, slot_pool, token_owner
 from harness.records.rankreport import CacheGroupsReport, ExpertsReport, HybridReport, LinearReport
 from harness.specs.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """Attention data parallel: this rank is DP rank `rank` of `size`; `world` runs the MoE's collectives
+    (the decoder's own collectives are this DP rank's attention group: one rank)."""
+
+    size: int
+    rank: int
+    world: Collectives
 
 
 @dataclass
@@ -94,14 +107,16 @@ def shard_linear(full: dict[str, torch.Tensor], p: str, h: HybridShape, lin: Lin
         norm=cast(full[p + "lin_norm.weight"]), out=cast(out * own[None, :].to(out.dtype)))
 
 
-def shard_moe(full: dict[str, torch.Tensor], p: str, moe: MoeRank, flags: FaultFlags, experts: int,
-              ep: int, cast: Any) -> MoeWeights:
+def shard_moe(full: dict[str, torch.Tensor], p: str, moe: MoeRank, flags: FaultFlags, plan: MoePlan,
+              cast: Any) -> MoeWeights:
+    """One rank's MoE layer: its physical expert slots (each the weights of its logical expert, columns of
+    its expert-TP rank) and its columns of the shared expert."""
     lo, hi = moe.expert_ffn_shard
-    ids = list(moe.experts)
+    ids = list(moe.logical) if moe.logical else list(moe.experts)  # the weights each physical slot holds
     labels = moe.experts
     if flags.expert_offset_tp_rank:  # expert ids offset by the tp rank instead of the EP rank
-        per = experts // ep
-        labels = tuple((moe.rank * per + j) % experts for j in range(per))
+        per = plan.physical // plan.ep
+        labels = tuple((moe.rank * per + j) % plan.physical for j in range(per))
     gate = full[p + "experts.gate.weight"][ids, lo:hi]  # [E_local, F_local, H]
     up = full[p + "experts.up.weight"][ids, lo:hi]
     # [E, H, F] -> local experts' columns [E_local, H, F_local] -> side by side [H, E_local * F_local]
@@ -115,7 +130,8 @@ def shard_moe(full: dict[str, torch.Tensor], p: str, moe: MoeRank, flags: FaultF
         shared_up = cast(full[p + "shared.up.weight"][s_lo:s_hi])
         downs.append(full[p + "shared.down.weight"][:, s_lo:s_hi])
     return MoeWeights(router=cast(full[p + "router.weight"]), gate=cast(gate), up=cast(up), shared_gate=shared_gate,
-                      shared_up=shared_up, down=cast(torch.cat(downs, dim=1)), expert_ids=labels)
+                      shared_up=shared_up, down=cast(torch.cat(downs, dim=1)), expert_ids=labels,
+                      expert_map=plan.expert_map, loaded=tuple(ids))
 
 
 def shard_hybrid(full: dict[str, torch.Tensor], spec: ModelSpec, h: HybridShape, plan: HybridPlan, rank: int,
@@ -152,7 +168,7 @@ def shard_hybrid(full: dict[str, torch.Tensor], spec: ModelSpec, h: HybridShape,
             layer.linear_index = sum(1 for x in layers if x.kind != FULL)
             layer.linear = shard_linear(full, p, h, plan.linear.ranks[rank], flags, cast)
         if plan.moe is not None:
-            layer.moe = shard_moe(full, p, plan.moe.ranks[rank], flags, h.experts, plan.moe.ep, cast)
+            layer.moe = shard_moe(full, p, plan.moe.ranks[rank], flags, plan.moe, cast)
         else:
             layer.dense = (cast(full[p + "gate.weight"][lo:hi]), cast(full[p + "up.weight"][lo:hi]),
                            cast(full[p + "down.weight"][:, lo:hi]))
@@ -173,18 +189,84 @@ class HybridDecoder(Decoder):
 
     def __init__(self, weights: LocalWeights, layers: list[HybridLayer], heads: HeadMap, linear: LinearHeads,
                  top_k: int, hyper: Hyper, comm: Collectives, cache: HybridCache, flags: FaultFlags,
-                 tp: int, tp_rank: int) -> None:
+                 tp: int, tp_rank: int, dp: DataParallel | None = None) -> None:
         super().__init__(weights, heads, hyper, comm, cache, flags)
         self.tp, self.tp_rank = tp, tp_rank
         self.layers = layers
         self.linear_heads = linear
         self.top_k = top_k
         self.state_cache = cache
+        self.dp = dp
+        self._split: DpSplit | None = None  # the DP split of the forward being run
+        self._valid: torch.Tensor | None = None  # [B_own, S]: the real tokens of this DP rank's rows
 
     def hidden(self, batch: Batch, capture: Capture | None = None,
                embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The residual stream after the last layer [B, S, H]; stores the new tokens' K/V (full layers) and
-        folds them into each sequence's recurrent state (linear layers)."""
+        folds them into each sequence's recurrent state (linear layers). Under attention data parallel
+        this rank runs its own requests' rows (dp_moe.py) and the rows are summed over the world."""
+        if self.dp is None:
+            return self._hidden(batch, capture, embeds)
+        split = split_batch(batch, self.dp.size, self.dp.rank)
+        self._split = split
+        B = batch.ids.shape[0]
+        local = Capture() if capture is not None else None
+        try:
+            if split.idle:
+                self._idle(split)
+                x_own = None
+            else:
+                sub = sub_batch(batch, split.own)
+                self._valid = sub.valid
+                own_embeds = None if embeds is None else embeds[list(split.own)]
+                x_own = self._hidden(sub, local, own_embeds)
+        finally:
+            self._split, self._valid = None, None
+        H = self.hyper_hidden
+        x = (scatter_rows(x_own, split.own, B) if x_own is not None
+             else torch.zeros(B, batch.ids.shape[1], H, dtype=self.w.norm.dtype, device=batch.ids.device))
+        x = self.dp.world.reduce_tp(x)
+        if capture is not None and local is not None:
+            self._dp_capture(capture, local, split, batch)
+        return x
+
+    @property
+    def hyper_hidden(self) -> int:
+        return int(self.w.norm.shape[0])
+
+    def _idle(self, split: DpSplit) -> None:
+        """An idle DP rank's dummy batch: every MoE layer's collectives with one dummy token (token 0's
+        embedding through the layer's norm) and no request of its own."""
+        dummy = self.embed(torch.zeros(1, 1, dtype=torch.long, device=self.w.embed.device))[0, 0]  # [H]
+        for layer in self.layers:
+            if layer.moe is not None:
+                assert self.dp is not None
+                dp_moe(dummy.new_zeros(0, dummy.shape[0]), rms_norm(dummy, layer.mlp_norm, self.hyper.norm_eps),
+                       layer.moe, self.top_k, split, self.dp.world, self.flags)
+
+    def _dp_capture(self, capture: Capture, local: Capture, split: DpSplit, batch: Batch) -> None:
+        """The whole batch's captured hidden states and attention outputs: each DP rank's rows, summed over
+        the world (zeros elsewhere); no collective runs inside a DP rank's layers (zero errors)."""
+        assert self.dp is not None
+        B, S = batch.ids.shape
+        L, H = len(self.layers), self.hyper_hidden
+        n_q, hd = self.heads.n_q, self.hyper.head_dim
+        dtype, dev = self.w.norm.dtype, batch.ids.device
+        if split.idle:
+            hidden = torch.zeros(L + 1, B, S, H, dtype=dtype, device=dev)
+            attn = torch.zeros(L, B, S, n_q, hd, dtype=dtype, device=dev)
+        else:  # [L(+1), B_own, S, ...] -> rows of the batch
+            hidden = scatter_rows(torch.stack(local.hidden).transpose(0, 1), split.own, B).transpose(0, 1)
+            attn = scatter_rows(torch.stack(local.attn).transpose(0, 1).to(dtype), split.own, B).transpose(0, 1)
+        hidden = self.dp.world.reduce_tp(hidden.contiguous())
+        attn = self.dp.world.reduce_tp(attn.contiguous())
+        capture.hidden.extend(hidden.unbind(0))
+        capture.attn.extend(attn.unbind(0))
+        zero = torch.zeros(B, S, len(COLLECTIVE_SITES), dtype=torch.float64, device=dev)
+        capture.collectives.extend(zero for _ in range(L))
+
+    def _hidden(self, batch: Batch, capture: Capture | None = None,
+                embeds: torch.Tensor | None = None) -> torch.Tensor:
         slots, stored_mask = self._reserve(batch)
         write_rows = self.cache.rows(slots)
         rows, key_pos, key_valid = self._key_index(batch)
@@ -265,8 +347,15 @@ class HybridDecoder(Decoder):
             gate, up, down = layer.dense
             return self._row_parallel(F.silu(h @ gate.T) * (h @ up.T), down)
         B, S, H = h.shape
+        if self._split is not None and self.dp is not None and self._valid is not None:  # attention DP
+            out = h.new_zeros(B, S, H)
+            # this DP rank's real tokens [n, H] through the gathered MoE, back at their places
+            out[self._valid] = dp_moe(h[self._valid], h.new_zeros(H), layer.moe, self.top_k, self._split,
+                                      self.dp.world, self.flags)
+            return out
         # [B, S, H] -> [B * S, H] tokens -> activations [B * S, A] -> [B, S, A]
-        acts = moe_activations(h.reshape(B * S, H), layer.moe, self.top_k, self.flags.router_local_renorm)
+        rows = MoeRows.all_real(B * S, h.device, self.flags.replica_local_first)
+        acts = moe_activations(h.reshape(B * S, H), layer.moe, self.top_k, self.flags.router_local_renorm, rows)
         return self._row_parallel(acts.view(B, S, -1), layer.moe.down)
 
 
@@ -305,10 +394,11 @@ def cache_capacity(plan: HybridPlan, budget_bytes: int, max_seq_len: int, block_
 def build_hybrid(spec: ModelSpec, h: HybridShape, plan: HybridPlan, full: dict[str, torch.Tensor], rank: int,
                  flags: FaultFlags, budget_bytes: int, max_seq_len: int, block_size: int, hyper: Hyper,
                  comm: Collectives, dtype: torch.dtype, device: torch.device,
-                 spec_plan: LayoutPlan | None = None) -> HybridParts:
+                 spec_plan: LayoutPlan | None = None, dp: DataParallel | None = None) -> HybridParts:
     """Everything one rank of a hybrid model needs, from the planner's plan (faults: the flags);
-    `spec_plan`: a draft/MTP head's plan, sharing the cache budget (its pages are one more cache group)."""
-    tp = plan.attention.tp
+    `spec_plan`: a draft/MTP head's plan, sharing the cache budget (its pages are one more cache group);
+    `dp`: attention data parallel (then `comm` is this DP rank's attention group of one rank)."""
+    tp, tp_rank = (plan.attention.tp, rank) if dp is None else (1, 0)
     rank_layout = plan.attention.ranks[rank]
     heads = head_map(rank_layout, flags)
     grouped, capacity, state_slots = cache_capacity(plan, budget_bytes, max_seq_len, block_size, flags, spec_plan)
@@ -321,7 +411,8 @@ def build_hybrid(spec: ModelSpec, h: HybridShape, plan: HybridPlan, full: dict[s
                         state_slots, plan.linear.layers, (channels, h.conv_kernel - 1),
                         (len(lin.v_heads), h.linear_k_dim, h.linear_v_dim), state_dtype(dtype),
                         reset_slots=not flags.stale_state_slots)
-    decoder = HybridDecoder(weights, layers, heads, linear_heads, h.top_k, hyper, comm, cache, flags, tp, rank)
+    decoder = HybridDecoder(weights, layers, heads, linear_heads, h.top_k, hyper, comm, cache, flags, tp, tp_rank,
+                            dp)
     return HybridParts(plan, rank_layout, heads, capacity, grouped, weights, layers, cache, decoder,
                        loaded_rows(h, lin, flags.linear_packed_contiguous))
 
@@ -331,6 +422,12 @@ def _checksum(tensors: list[torch.Tensor]) -> str:
     for t in tensors:
         digest.update(t.detach().float().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def _slot_checksum(moe: MoeWeights, j: int) -> str:
+    """Physical slot j's weights as this rank holds them: its gate and up rows and its down columns."""
+    f = moe.gate.shape[1]
+    return _checksum([moe.gate[j], moe.up[j], moe.down[:, j * f:(j + 1) * f]])
 
 
 def hybrid_layout_report(parts: HybridParts, rank: int) -> HybridReport:
@@ -348,7 +445,9 @@ def hybrid_layout_report(parts: HybridParts, rank: int) -> HybridReport:
             experts=tuple(moe_layer.expert_ids), expert_ffn_shard=planned.expert_ffn_shard,
             expert_columns=int(moe_layer.gate.shape[1]),
             shared_columns=int(moe_layer.shared_gate.shape[0]) if moe_layer.shared_gate is not None else 0,
-            router_checksum=_checksum([moe_layer.router]))
+            router_checksum=_checksum([moe_layer.router]), logical=tuple(moe_layer.loaded),
+            slot_checksums=tuple(_slot_checksum(layer.moe, j) for j in range(len(moe_layer.expert_ids))
+                                 for layer in parts.layers[:1] if layer.moe is not None))
     cache = parts.cache
     linear = LinearReport(
         v_heads=tuple(lin.v_heads), k_heads=tuple(lin.k_heads), out_v_heads=tuple(lin.out_v_heads),

@@ -6,7 +6,13 @@ them (a mask: weight 0 for the others) and its shard of the shared expert; the c
 partials over the TP world with one all-reduce. This is the all-gather + mask form of expert
 parallel (tokens need no gather here, they are already on every rank), not all-to-all dispatch.
 
-Routing: softmax over all experts in float32, top-k, the k weights renormalized to sum to 1.
+Routing: softmax over all experts in float32, top-k, the k weights renormalized to sum to 1. With
+redundant experts (harness/partition/expert_map.py) a token routed to logical expert l goes to the one
+physical replica the map picks for its index in the MoE batch; a rank runs its physical slots.
+
+Under attention data parallel the caller hands the gathered, padded rows of every DP rank
+(harness/engine/dp_moe.py): `real` marks the rows routed to experts, `dummy` an idle DP rank's dummy token
+(top-k id -1: routed nowhere).
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from harness.partition.expert_map import ExpertMap, local_first_pick
 
 
 @dataclass
@@ -29,7 +37,44 @@ class MoeWeights:
     shared_gate: torch.Tensor | None  # [Fs_local, H]
     shared_up: torch.Tensor | None  # [Fs_local, H]
     down: torch.Tensor  # [H, E_local * F_local + Fs_local]: experts in order, then the shared expert
-    expert_ids: tuple[int, ...]
+    expert_ids: tuple[int, ...]  # physical slots (= logical experts without replicas)
+    expert_map: ExpertMap | None = None  # None: no replicas
+    loaded: tuple[int, ...] = ()  # the logical expert whose weights each local slot holds
+
+
+@dataclass(frozen=True)
+class MoeRows:
+    """Which rows of an MoE batch [N] are real tokens (`real`) and which an idle DP rank's dummy token
+    (`dummy`, top-k id -1); the rest are padding. `dummy_wrap` and `local_first` are faults
+    (dp-dummy-topk-wrap: a -1 id read as the last expert; redundant-expert-twice)."""
+
+    real: torch.Tensor  # [N] bool
+    dummy: torch.Tensor  # [N] bool
+    dummy_wrap: bool = False
+    local_first: bool = False
+
+    @classmethod
+    def all_real(cls, n: int, device: torch.device, local_first: bool = False) -> "MoeRows":
+        return cls(torch.ones(n, dtype=torch.bool, device=device), torch.zeros(n, dtype=torch.bool, device=device),
+                   local_first=local_first)
+
+
+def physical_ids(ids: torch.Tensor, w: MoeWeights, local_first: bool = False) -> torch.Tensor:
+    """Logical top-k ids [N, k] -> the physical slot each goes to [N, k] (ExpertMap.pick over the token's row
+    index; -1 stays -1); without replicas the ids themselves. `local_first`: fault redundant-expert-twice."""
+    emap = w.expert_map
+    if emap is None:
+        return ids
+    token = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)  # [N, k]
+    out = ids.clone()
+    for logical in range(emap.experts):
+        reps = emap.replicas(logical)
+        if local_first and any(p in w.expert_ids for p in reps):
+            pick = torch.full_like(ids, local_first_pick(emap, logical, 0, w.expert_ids))
+        else:
+            pick = torch.tensor(reps, device=ids.device)[token % len(reps)]  # [N, k]
+        out = torch.where(ids == logical, pick, out)
+    return out
 
 
 def route(h: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,18 +92,38 @@ def local_renormalized(ids: torch.Tensor, weights: torch.Tensor, held: tuple[int
     return kept / kept.sum(-1, keepdim=True).clamp_min(torch.finfo(kept.dtype).tiny)
 
 
-def moe_activations(h: torch.Tensor, w: MoeWeights, top_k: int, local_renorm: bool = False) -> torch.Tensor:
+def moe_activations(h: torch.Tensor, w: MoeWeights, top_k: int, local_renorm: bool = False,
+                    rows: MoeRows | None = None, shared: bool = True) -> torch.Tensor:
     """This rank's MoE activations for tokens h [N, H] -> [N, E_local * F_local + Fs_local]: each local
     expert's SwiGLU activations times its routing weight (0 for tokens not routed to it), then the
-    shared expert's; `activations @ w.down.T` summed over the TP world is the layer's output.
-    `local_renorm` is the fault moe-router-local-renorm."""
+    shared expert's (zeros without `shared`); `activations @ w.down.T` summed over the TP world is the
+    layer's output. `local_renorm` is the fault moe-router-local-renorm; `rows` (default: every row a
+    real token) masks padding rows and routes dummy rows nowhere."""
+    rows = rows or MoeRows.all_real(h.shape[0], h.device)
     ids, weights = route(h, w.router, top_k)
+    ids = ids.masked_fill(rows.dummy[:, None], -1)  # an idle DP rank's dummy token: top-k id -1
+    routed = rows.real
+    if rows.dummy_wrap:  # the -1 id read as the last expert, the dummy row kept
+        n = w.expert_map.experts if w.expert_map is not None else len(w.router)
+        ids, routed = ids % n, routed | rows.dummy
     if local_renorm:
         weights = local_renormalized(ids, weights, w.expert_ids)
+    phys = physical_ids(ids, w, rows.local_first)
+    weights = weights * routed[:, None]  # [N, k]: padding rows reach no expert
     parts = []
     for j, expert in enumerate(w.expert_ids):
-        share = (weights * (ids == expert)).sum(-1).to(h.dtype)  # [N]
+        share = (weights * (phys == expert)).sum(-1).to(h.dtype)  # [N]
         parts.append(share[:, None] * F.silu(h @ w.gate[j].T) * (h @ w.up[j].T))  # [N, F_local]
     if w.shared_gate is not None and w.shared_up is not None:
-        parts.append(F.silu(h @ w.shared_gate.T) * (h @ w.shared_up.T))  # [N, Fs_local]
+        act = F.silu(h @ w.shared_gate.T) * (h @ w.shared_up.T)  # [N, Fs_local]
+        parts.append(act if shared else torch.zeros_like(act))
     return torch.cat(parts, dim=-1)
+
+
+def shared_activations(h: torch.Tensor, w: MoeWeights, width: int) -> torch.Tensor:
+    """The activations of h [N, H] with only the shared expert's columns set (the last Fs_local of `width`)."""
+    out = h.new_zeros(h.shape[0], width)
+    if w.shared_gate is not None and w.shared_up is not None:
+        fs = w.shared_gate.shape[0]
+        out[:, width - fs:] = F.silu(h @ w.shared_gate.T) * (h @ w.shared_up.T)  # [N, Fs_local]
+    return out

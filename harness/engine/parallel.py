@@ -106,6 +106,10 @@ class ParallelState:
                                               timeout_s, state.all_agree)
         return state
 
+    def alone(self) -> "ParallelState":
+        """This rank as a world of its own (an attention DP rank's group: every collective the identity)."""
+        return ParallelState(rank=0, tp=1, dcp=1, device=self.device)
+
     def collectives(self) -> "Collectives":
         return Collectives(self)
 

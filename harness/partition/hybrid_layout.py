@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from harness.core.errors import ConfigError
+from harness.partition.expert_map import ExpertMap, expert_map
 from harness.partition.layout import (
     AttentionShape,
     LayoutPlan,
@@ -67,6 +68,7 @@ class HybridShape:
     moe_ffn: int = 0
     shared_ffn: int = 0
     state_dtype_bytes: int = 4  # conv and recurrent state are kept in float32
+    redundant_experts: int = 0  # physical replicas beyond the logical experts (expert_map.py)
 
     def __post_init__(self) -> None:
         for name in ("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim",
@@ -74,7 +76,7 @@ class HybridShape:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"hybrid: {name} must be a positive integer, got {value!r}")
-        for name in ("experts", "top_k", "moe_ffn", "shared_ffn"):
+        for name in ("experts", "top_k", "moe_ffn", "shared_ffn", "redundant_experts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"hybrid: {name} must be a non-negative integer, got {value!r}")
@@ -84,9 +86,9 @@ class HybridShape:
         if self.experts and not (1 <= self.top_k <= self.experts and self.moe_ffn):
             raise ConfigError(f"hybrid: experts={self.experts} needs 1 <= top_k <= experts and moe_ffn > 0, "
                               f"got top_k={self.top_k}, moe_ffn={self.moe_ffn}")
-        if not self.experts and (self.top_k or self.moe_ffn or self.shared_ffn):
-            raise ConfigError(f"hybrid: top_k={self.top_k}, moe_ffn={self.moe_ffn}, shared_ffn={self.shared_ffn} "
-                              f"need experts > 0")
+        if not self.experts and (self.top_k or self.moe_ffn or self.shared_ffn or self.redundant_experts):
+            raise ConfigError(f"hybrid: top_k={self.top_k}, moe_ffn={self.moe_ffn}, shared_ffn={self.shared_ffn}, "
+                              f"redundant_experts={self.redundant_experts} need experts > 0")
 
     @property
     def v_per_k(self) -> int:
@@ -98,7 +100,9 @@ class HybridShape:
         return 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+        """The fields; redundant_experts only when set (models without it keep their dict and cache keys)."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__
+                if name != "redundant_experts" or self.redundant_experts}
 
 
 def layer_kinds(layers: int, interval: int) -> tuple[str, ...]:
@@ -141,6 +145,7 @@ class LinearPlan:
     layers: int
     ranks: tuple[LinearRank, ...]
     v_replicas: tuple[int, ...]
+    dp: int = 1  # attention data parallel: each DP rank holds (and adds) every V head of its own requests
 
     @property
     def state_bytes_per_seq_per_rank(self) -> int:
@@ -151,7 +156,7 @@ class LinearPlan:
     def to_dict(self) -> dict[str, Any]:
         return {"tp": self.tp, "dcp": self.dcp, "kv_tp_size": self.kv_tp_size, "v_gcd": self.v_gcd,
                 "layers": self.layers, "ranks": [r.to_dict() for r in self.ranks],
-                "v_replicas": list(self.v_replicas),
+                "v_replicas": list(self.v_replicas), **({"dp": self.dp} if self.dp > 1 else {}),
                 "state_bytes_per_seq_per_rank": self.state_bytes_per_seq_per_rank}
 
 
@@ -221,6 +226,15 @@ def plan_linear(h: HybridShape, layers: int, tp: int, dcp: int = 1) -> LinearPla
                       layers=layers, ranks=tuple(ranks), v_replicas=replicas)
 
 
+def replicate_linear_dp(plan: LinearPlan, dp: int) -> LinearPlan:
+    """Attention data parallel: one DP rank's linear-attention plan held by each of dp DP ranks (rank
+    d * n + j holds what rank j holds); each DP rank adds its V heads' output for its own requests."""
+    n = len(plan.ranks)
+    ranks = tuple(replace(r, rank=d * n + r.rank, dcp_members=tuple(d * n + m for m in r.dcp_members))
+                  for d in range(dp) for r in plan.ranks)
+    return replace(plan, tp=n * dp, ranks=ranks, v_replicas=tuple(v * dp for v in plan.v_replicas), dp=dp)
+
+
 # ---- gated attention ----------------------------------------------------------------------------
 
 
@@ -241,15 +255,17 @@ class MoeRank:
     etp_rank: int
     ep_members: tuple[int, ...]
     etp_members: tuple[int, ...]
-    experts: tuple[int, ...]
+    experts: tuple[int, ...]  # physical expert slots (the logical experts when there are no replicas)
     expert_ffn_shard: tuple[int, int]
     shared_ffn_shard: tuple[int, int]
+    logical: tuple[int, ...] = ()  # the logical expert of each of its physical slots
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "ep_rank": self.ep_rank, "etp_rank": self.etp_rank,
                 "ep_members": list(self.ep_members), "etp_members": list(self.etp_members),
                 "experts": list(self.experts), "expert_ffn_shard": list(self.expert_ffn_shard),
-                "shared_ffn_shard": list(self.shared_ffn_shard)}
+                "shared_ffn_shard": list(self.shared_ffn_shard),
+                **({"logical": list(self.logical)} if self.logical != self.experts else {})}
 
 
 @dataclass(frozen=True)
@@ -261,15 +277,34 @@ class MoePlan:
     top_k: int
     ranks: tuple[MoeRank, ...]
     shared_ffn: int = 0
+    expert_map: ExpertMap | None = None  # None: no replicas (physical slot = logical expert)
+    dp: int = 1  # attention data parallel ranks: tokens gathered from them for the MoE, padded (padding_rule)
+
+    @property
+    def physical(self) -> int:
+        return self.expert_map.physical if self.expert_map is not None else self.experts
 
     @property
     def expert_replicas(self) -> tuple[int, ...]:
-        """How many ranks hold (a column shard of) each expert: etp."""
-        return tuple(sum(e in r.experts for r in self.ranks) for e in range(self.experts))
+        """How many ranks hold (a column shard of) each physical expert slot: etp."""
+        return tuple(sum(e in r.experts for r in self.ranks) for e in range(self.physical))
+
+    @property
+    def padding_rule(self) -> str:
+        if self.dp == 1:
+            return "every rank holds every token (no DP): no padding"
+        return (f"each of the {self.dp} DP ranks pads its tokens to the largest DP rank's count m (the global "
+                f"padded count) and the world gathers [dp x m] rows; row j of DP rank d is a real token iff "
+                f"j < count[d]; an idle DP rank (no request) sends one dummy token routed to no expert "
+                f"(top-k id -1), the rest padding; padding and dummy rows are dropped before the combine")
 
     def to_dict(self) -> dict[str, Any]:
+        # the DP and expert-map keys only where they are used (other plans keep their documents)
+        extra = {"dp": self.dp, "padding_rule": self.padding_rule} if self.dp > 1 else {}
+        if self.expert_map is not None:
+            extra.update(physical=self.physical, expert_map=self.expert_map.to_dict())
         return {"tp": self.tp, "ep": self.ep, "etp": self.etp, "experts": self.experts, "top_k": self.top_k,
-                "shared_ffn": self.shared_ffn,
+                "shared_ffn": self.shared_ffn, **extra,
                 "ranks": [r.to_dict() for r in self.ranks], "expert_replicas": list(self.expert_replicas)}
 
 
@@ -278,14 +313,21 @@ def experts_of(experts: int, ep_rank: int, ep: int) -> tuple[int, ...]:
     return tuple(range(ep_rank * per, (ep_rank + 1) * per))
 
 
-def plan_moe(h: HybridShape, tp: int, ep: int = 1) -> MoePlan:
-    """Expert placement over ep ranks inside the tp world, expert columns over etp = tp // ep."""
+def plan_moe(h: HybridShape, tp: int, ep: int = 1, dp: int = 1) -> MoePlan:
+    """Expert placement over ep ranks inside the tp world, expert columns over etp = tp // ep; with
+    redundant experts the physical slots (expert_map.py) are placed; dp: the attention DP ranks whose
+    tokens the MoE gathers (its padding rule)."""
     if not h.experts:
         raise ConfigError(f"ep={ep}: the model has no experts (hybrid.experts=0)")
     if tp < 1 or ep < 1 or tp % ep:
         raise ConfigError(f"ep={ep} does not divide the world tp={tp}")
-    if h.experts % ep:
-        raise ConfigError(f"experts={h.experts} is not divisible by ep={ep}")
+    emap = expert_map(h.experts, h.redundant_experts) if h.redundant_experts else None
+    physical = h.experts + h.redundant_experts
+    if physical % ep:
+        what = (f"experts={h.experts} + redundant_experts={h.redundant_experts} = {physical} physical slots"
+                if h.redundant_experts else f"experts={h.experts}")
+        raise ConfigError(f"{what} is not divisible by ep={ep}; valid ep: "
+                          f"{[e for e in range(1, tp + 1) if tp % e == 0 and physical % e == 0]}")
     etp = tp // ep
     if h.moe_ffn < etp:
         raise ConfigError(f"moe_ffn={h.moe_ffn} is smaller than etp={etp}: some rank would hold no expert columns")
@@ -298,11 +340,12 @@ def plan_moe(h: HybridShape, tp: int, ep: int = 1) -> MoePlan:
             rank=rank, ep_rank=ep_rank, etp_rank=etp_rank,
             ep_members=tuple(range(etp_rank, tp, etp)),
             etp_members=tuple(range(ep_rank * etp, (ep_rank + 1) * etp)),
-            experts=experts_of(h.experts, ep_rank, ep),
+            experts=experts_of(physical, ep_rank, ep),
             expert_ffn_shard=ffn_shard(h.moe_ffn, etp_rank, etp),
-            shared_ffn_shard=ffn_shard(h.shared_ffn, rank, tp) if h.shared_ffn else (0, 0)))
+            shared_ffn_shard=ffn_shard(h.shared_ffn, rank, tp) if h.shared_ffn else (0, 0),
+            logical=tuple(emap.slot_logical[p] if emap else p for p in experts_of(physical, ep_rank, ep))))
     return MoePlan(tp=tp, ep=ep, etp=etp, experts=h.experts, top_k=h.top_k, ranks=tuple(ranks),
-                   shared_ffn=h.shared_ffn)
+                   shared_ffn=h.shared_ffn, expert_map=emap, dp=dp)
 
 
 # ---- grouped cache capacity ---------------------------------------------------------------------

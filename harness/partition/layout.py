@@ -27,7 +27,7 @@ All functions are pure; invalid configurations raise one ConfigError naming the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from harness.core.errors import ConfigError
@@ -320,6 +320,18 @@ def plan_layout(shape: AttentionShape, tp: int, dcp: int = 1, kv_dcp: int | None
         kv_replicas=replicas, kv_duplication=kv_tp_size // g,
         kv_bytes_per_token_per_rank=kv_bytes_per_stored_token(shape, len(ranks[0].kv_heads)), placement=placement,
         q_replicated=q_replicated)
+
+
+def replicate_dp(plan: LayoutPlan, dp: int) -> LayoutPlan:
+    """Attention data parallel: `plan` (one DP rank's layout over its n ranks) held by each of dp DP ranks;
+    rank d * n + j of the world holds what rank j of `plan` holds, inside DP rank d's own DCP groups."""
+    if dp < 1:
+        raise ConfigError(f"dp={dp} must be positive")
+    n, groups = len(plan.ranks), len(plan.dcp_groups)
+    ranks = tuple(replace(r, rank=d * n + r.rank, dcp_group=d * groups + r.dcp_group,
+                          dcp_members=tuple(d * n + m for m in r.dcp_members))
+                  for d in range(dp) for r in plan.ranks)
+    return replace(plan, tp=n * dp, ranks=ranks, kv_replicas=tuple(k * dp for k in plan.kv_replicas))
 
 
 def ffn_shard(ffn: int, rank: int, tp: int, floor: bool = False) -> tuple[int, int]:

@@ -73,14 +73,17 @@ class LinearReport:
 
 @dataclass(frozen=True)
 class ExpertsReport:
-    """MoE of a rank: the experts it routes to (ids as it routes them), its [lo, hi) share of each
-    expert's FFN, its columns per expert, its shared-expert columns and its router's checksum."""
+    """MoE of a rank: the experts it routes to (ids as it routes them: physical slots), its [lo, hi) share
+    of each expert's FFN, its columns per expert, its shared-expert columns, its router's checksum, and
+    per slot the logical expert it loaded and a checksum of those weights (replicas must agree)."""
 
     experts: tuple[int, ...]
     expert_ffn_shard: tuple[int, int]
     expert_columns: int
     shared_columns: int
     router_checksum: str
+    logical: tuple[int, ...] = ()  # the logical expert whose weights each of its physical slots holds
+    slot_checksums: tuple[str, ...] = ()  # per physical slot: checksum of its gate / up / down columns
 
 
 @dataclass(frozen=True)

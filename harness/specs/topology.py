@@ -14,20 +14,23 @@ from harness.specs.loader import check_keys, check_path_name, did_you_mean, expe
 
 SPECULATORS: tuple[str, ...] = ("none", "draft", "mtp")
 _NAME_RE = re.compile(r"^tp(?P<tp>\d+)(?:dcp(?P<dcp>\d+)(?:i(?P<interleave>\d+)|(?P<contiguous>c))?(?P<q>q)?)?"
-                      r"(?:ep(?P<ep>\d+))?(?:-(?P<spec>[a-z]+))?$")
-GRAMMAR = "tp<N>[dcp<M>[i<K>|c][q]][ep<E>][-draft|-mtp]"
+                      r"(?:dp(?P<dp>\d+))?(?:ep(?P<ep>\d+))?(?:-(?P<spec>[a-z]+))?$")
+GRAMMAR = "tp<N>[dcp<M>[i<K>|c][q]][dp<D>][ep<E>][-draft|-mtp]"
 NAME_GRAMMAR = (f"{GRAMMAR}, e.g. tp1, tp4, tp4dcp4, tp4dcp4i16 (DCP tokens "
                 "interleaved in chunks of 16), tp4dcp4c (contiguous blocks per sequence), tp4dcp4q (Q replicated "
-                "in the DCP group), tp4dcp2ep4 (experts over 4 ranks), tp8dcp2-mtp, tp4-draft")
+                "in the DCP group), tp4dcp2ep4 (experts over 4 ranks), tp4dp4ep4 (attention data parallel: 4 DP "
+                "ranks, each with its own requests, experts over all 4), tp8dcp2-mtp, tp4-draft")
 PLACEMENT_KEYS: tuple[str, ...] = ("interleave", "contiguous", "q_replicated")
-OPTION_KEYS: tuple[str, ...] = (*PLACEMENT_KEYS, "ep")  # written only when they differ from their defaults
+OPTION_KEYS: tuple[str, ...] = (*PLACEMENT_KEYS, "ep", "dp")  # written only when they differ from their defaults
 
 
 @dataclass(frozen=True)
 class Topology:
     """One parallel configuration. World size = tp; dcp splits each TP group's tokens; ep splits the
     experts of MoE layers over ep ranks inside the world (each expert's columns over tp // ep ranks,
-    harness/partition/hybrid_layout.py)."""
+    harness/partition/hybrid_layout.py); dp splits the requests: attention data parallel, dp ranks each run
+    the attention (and dense layers) of their own requests with the whole attention weights (attention TP
+    inside a DP rank is tp // dp = 1), and the MoE layers run over expert parallel across the world."""
 
     tp: int
     dcp: int = 1
@@ -37,6 +40,7 @@ class Topology:
     contiguous: bool = False    # DCP tokens in contiguous blocks per sequence (layout.Placement)
     q_replicated: bool = False  # MLA: q_b_proj / w_kc of the whole DCP group on every rank, no Q gather
     ep: int = 1                 # expert parallel ranks (MoE experts split over ep ranks of the world)
+    dp: int = 1                 # attention data parallel ranks (each with its own requests)
 
     def __post_init__(self) -> None:
         where = f"topology {self.name or '?'}"
@@ -52,6 +56,14 @@ class Topology:
         if self.tp % self.ep:
             raise ConfigError(f"{where}: ep={self.ep} does not divide the world (tp={self.tp}); "
                               f"valid ep values: {divisors(self.tp)}")
+        expect_int(where, "dp", self.dp, minimum=1)
+        if self.dp > 1 and self.dp != self.tp:
+            raise ConfigError(f"{where}: dp={self.dp} with tp={self.tp}: attention data parallel runs one DP rank "
+                              f"per rank of the world (attention TP inside a DP rank, tp // dp = {self.tp // self.dp}"
+                              f" ranks, is not supported); valid: dp=tp, e.g. tp{self.tp}dp{self.tp}ep{self.tp}")
+        if self.dp > 1 and self.dcp > 1:
+            raise ConfigError(f"{where}: dp={self.dp} with dcp={self.dcp}: a DP rank's attention holds its requests' "
+                              f"whole KV cache (no DCP inside a DP rank); valid: dcp=1 with dp > 1")
         for key in ("contiguous", "q_replicated"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{where}: {key}={getattr(self, key)!r} must be true or false")
@@ -86,7 +98,7 @@ class Topology:
     @property
     def canonical_name(self) -> str:
         base = (f"tp{self.tp}" + (f"dcp{self.dcp}{self.dcp_suffix}" if self.dcp > 1 else "")
-                + (f"ep{self.ep}" if self.ep > 1 else ""))
+                + (f"dp{self.dp}" if self.dp > 1 else "") + (f"ep{self.ep}" if self.ep > 1 else ""))
         return base + ("" if self.speculator == "none" else f"-{self.speculator}")
 
     def without_speculator(self) -> "Topology":
@@ -129,7 +141,7 @@ def parse_topology_name(name: str) -> Topology:
     return Topology(tp=int(match.group("tp")), dcp=int(match.group("dcp") or 1), speculator=spec,
                     name=name.strip(), interleave=int(match.group("interleave") or 1),
                     contiguous=bool(match.group("contiguous")), q_replicated=bool(match.group("q")),
-                    ep=int(match.group("ep") or 1))
+                    ep=int(match.group("ep") or 1), dp=int(match.group("dp") or 1))
 
 
 @dataclass(frozen=True)
