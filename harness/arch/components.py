@@ -143,7 +143,7 @@ class SparseAttention(Component):
             raise ConfigError(f"model {spec.name} has sparse attention: Q is split by TP (no Q-replicated suffix q, "
                               f"got {topo.name})")
         attention = plan_layout(spec.attention_shape, topo.tp, topo.dcp, placement=topo.placement)
-        return {"attention": attention, "sparse": plan_sparse(self.shape, attention)}
+        return {"attention": attention, "indexer": plan_sparse(self.shape, attention)}
 
     def inert_reason(self, site: FaultSite) -> str | None:
         if site.fault == "dsa-sinks-evicted" and not self.shape.index_sinks:

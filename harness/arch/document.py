@@ -28,10 +28,10 @@ def plan_sections(plan: ModelPlan, budget_bytes: int | None, max_seq_len: int, b
                                      "block_bytes": g.block_bytes} for g in groups],
                    "capacity": None if budget_bytes is None else grouped_capacity(groups, budget_bytes).to_dict()}
     sparse = None
-    if plan.sparse is not None:  # one slot count across the KV and indexer-key groups
-        groups = sparse_cache_groups(plan.attention, plan.sparse, max_seq_len, block_size)
+    if plan.indexer is not None:  # one slot count across the KV and indexer-key groups
+        groups = sparse_cache_groups(plan.attention, plan.indexer, max_seq_len, block_size)
         budget = PoolSettings().budget_bytes if budget_bytes is None else budget_bytes  # a run's default pool
-        sparse = {**plan.sparse.to_dict(), "max_seq_len": max_seq_len, "block_size": block_size,
+        sparse = {**plan.indexer.to_dict(), "max_seq_len": max_seq_len, "block_size": block_size,
                   "cache_groups": [{"name": g.name, "blocks_per_seq": g.blocks_per_seq, "block_bytes": g.block_bytes,
                                     "slot_bytes": g.slot_bytes} for g in groups],
                   "capacity": grouped_capacity(groups, budget).to_dict(), "default_budget": budget_bytes is None}

@@ -17,6 +17,7 @@ from harness.arch.components import (
 )
 from harness.core.errors import ConfigError
 from harness.partition.hybrid_layout import HybridShape
+from harness.partition.sparse_layout import SparseShape
 from harness.specs.model import ModelSpec
 
 
@@ -54,6 +55,12 @@ class Model:
     def served_refusal(self, engine: str) -> str | None:
         """Why HTTP engine `engine`, given a Hugging Face export, cannot run the model, or None."""
         return next((r for c in self.components if (r := c.served_refusal(self.spec, engine)) is not None), None)
+
+    def sparse_shape(self) -> SparseShape:
+        """The indexer numbers of a sparse-attention model (the engine's sparse module reads them)."""
+        if self.spec.sparse is None:
+            raise ConfigError(f"model {self.spec.name!r} has no sparse attention (no indexer)")
+        return self.spec.sparse
 
     def hybrid_shape(self) -> HybridShape:
         """The linear-attention / MoE numbers of a hybrid model (the engine's hybrid module reads them)."""

@@ -29,7 +29,7 @@ class ModelPlan:
     gated: GatedPlan | None = None
     linear: LinearPlan | None = None
     moe: MoePlan | None = None
-    sparse: SparsePlan | None = None
+    indexer: SparsePlan | None = None  # sparse attention: the indexer's split
     speculator: LayoutPlan | None = None
 
     @property
