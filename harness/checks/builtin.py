@@ -10,6 +10,7 @@ from harness.checks.context import CellContext
 from harness.compare.decode_walk import check_decode_walk
 from harness.compare.generation import check_generation
 from harness.compare.hybrid_layout_check import check_hybrid_layout
+from harness.compare.sparse_check import check_sparse_layout
 from harness.compare.layout_check import check_kv_capacity, check_layout_with_pool, kv_groups_differ
 from harness.compare.localize import localize, output_head
 from harness.compare.logits import check_logits
@@ -85,9 +86,18 @@ def _hybrid_layout(ctx: CellContext, plan: LayoutPlan, actual: dict[str, Any], n
                                ctx.settings.of(LayoutSettings).check_checksums, ctx.speculator_plan)
 
 
+def _sparse_layout(ctx: CellContext, plan: LayoutPlan, actual: dict[str, Any], name: str,
+                   check_pool: bool) -> CheckResult:
+    if ctx.indexer_plan is None:
+        return CheckResult(name, Verdict.ERROR, "the cell's plan has no indexer to check its layout against")
+    settings = ctx.settings.of(LayoutSettings)
+    return check_sparse_layout(plan, ctx.indexer_plan, actual, ctx.ref.layout.get("target"), name, check_pool,
+                               settings.check_checksums, settings.selection_tie)
+
+
 # the check of each layout_check an attention component names (harness/arch/components.py)
 LAYOUT_CHECKS: dict[str, Callable[[CellContext, LayoutPlan, dict[str, Any], str, bool], CheckResult]] = {
-    "attention": _attention_layout, "hybrid": _hybrid_layout}
+    "attention": _attention_layout, "hybrid": _hybrid_layout, "sparse": _sparse_layout}
 
 
 def layout(ctx: CellContext) -> list[CheckResult]:

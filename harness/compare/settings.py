@@ -60,6 +60,9 @@ class LayoutSettings:
 
     check_pool: bool = True        # KV pool bytes/blocks per rank as the planner sizes them
     check_checksums: bool = True   # K/V weight checksums identical on every rank holding a KV head
+    # sparse attention: a selected token set may differ from the reference's only where the reference's
+    # indexer scores were a near tie (relative margin of its last selected over its first unselected token)
+    selection_tie: float = 1e-6
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
