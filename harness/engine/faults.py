@@ -188,9 +188,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "selection by a round-robin planner: rows take other rows' token sets, fluent and wrong (SGLang "
           "test_dsa_cp_indexer_row_agreement)", needs_dcp=True),
     Fault("dsa-groups-unaligned", "layout",
-          "the indexer-key cache group sized from its own share of the budget (its bytes / all groups' bytes "
-          "per slot) in blocks, not slots x blocks per slot: a capacity that is no whole number of slots "
-          "(seed 004's fallback capacities); output unchanged"),
+          "the indexer-key cache group sized from an equal share of the budget in blocks, not the one slot "
+          "count x its blocks per slot: its capacity is another number of slots than the KV group's, often "
+          "no whole number (seed 004's fallback capacities); output unchanged"),
 )}
 BLOCK_TABLE_WIDTH = 2  # block-table-wrap: blocks per sequence the faulty table holds
 

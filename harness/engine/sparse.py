@@ -229,13 +229,15 @@ class SparseDecoder(Decoder):
 def sparse_capacity(groups: tuple[CacheGroup, ...], budget_bytes: int, flags: FaultFlags,
                     rank: int) -> tuple[GroupedCapacity, dict[str, int]]:
     """The one slot count of the KV and indexer-key groups, and the blocks each group is given; under the
-    dsa-groups-unaligned fault the indexer keys get their own share of the budget in blocks (seed 004's
-    fallback), which only the layout check sees. A correct capacity is validated slot-aligned here."""
+    dsa-groups-unaligned fault the indexer keys get an equal share of the budget in blocks (seed 004's
+    per-group fallback: no whole number of the other groups' slots), which only the layout check sees (its
+    rows are more than the KV group's as long as its blocks are smaller). A correct capacity is validated
+    slot-aligned here."""
     grouped = grouped_capacity(groups, budget_bytes, where=f"on rank {rank}")
     blocks = {g.name: grouped.blocks(g.name) for g in groups}
     if flags.dsa_groups_unaligned:
         g = grouped.group(INDEX_GROUP)
-        blocks[INDEX_GROUP] = budget_bytes * g.slot_bytes // grouped.slot_bytes // g.block_bytes
+        blocks[INDEX_GROUP] = budget_bytes // len(groups) // g.block_bytes
     else:
         check_aligned(grouped, blocks, where=f"on rank {rank}")
     return grouped, blocks

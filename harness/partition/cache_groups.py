@@ -102,7 +102,8 @@ def unaligned_groups(capacity: GroupedCapacity, held_blocks: Mapping[str, int]) 
         if held is None:
             out.append(f"cache group {g.name}: not allocated (planned {capacity.blocks(g.name)} blocks)")
         elif held % g.blocks_per_seq or held != capacity.blocks(g.name):
-            whole = "" if held % g.blocks_per_seq == 0 else " (not a whole number of slots)"
+            whole = (f" = {held // g.blocks_per_seq} slots, not the groups' one count" if held % g.blocks_per_seq == 0
+                     else " (not a whole number of slots)")
             out.append(f"cache group {g.name}: {held} blocks{whole}, planned {capacity.slots} slots x "
                        f"{g.blocks_per_seq} blocks per slot = {capacity.blocks(g.name)} blocks "
                        f"({g.slot_bytes} bytes per slot, budget {capacity.budget_bytes} bytes)")
