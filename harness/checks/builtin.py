@@ -10,7 +10,7 @@ from harness.checks.context import CellContext
 from harness.compare.decode_walk import check_decode_walk
 from harness.compare.generation import check_generation
 from harness.compare.hybrid_layout_check import check_hybrid_layout
-from harness.compare.sparse_check import check_sparse_layout
+from harness.compare.sparse_check import SELECTION_KEY, check_sparse_layout
 from harness.compare.layout_check import check_kv_capacity, check_layout_with_pool, kv_groups_differ
 from harness.compare.localize import localize, output_head
 from harness.compare.logits import check_logits
@@ -35,7 +35,7 @@ from harness.core.checkmetrics import PARITY_CHECKS
 from harness.core.details import HeadErrors, LayerErrors, LayoutDetails, PromptDetails, SpeculatorDetails
 from harness.core.errors import RunError
 from harness.core.fmt import id_ranges
-from harness.core.verdict import CheckResult, Verdict
+from harness.core.verdict import CheckResult, Localization, Verdict
 from harness.partition.layout import LayoutPlan
 from harness.records import contract as c
 from harness.records.artifacts import RunArtifacts
@@ -174,6 +174,14 @@ def localization(ctx: CellContext) -> list[CheckResult]:
     if found is None:
         return []
     layout_result = ctx.result("layout")
+    selection = layout_result.metrics.get(SELECTION_KEY) if layout_result is not None else None
+    if selection is not None and 0 <= selection["layer"] <= found.layer:  # the selection diverges first
+        found = Localization(layer=selection["layer"], heads=(), ranks=(selection["rank"],), kv_heads=(),
+                             summary=f"layer {selection['layer']} sparse attention: the indexer's top-k selection "
+                                     f"diverges first ({selection['summary']}); the residual stream after: "
+                                     f"{found.summary}")
+        ctx.localization = found
+        return []
     groups = kv_groups_differ(layout_result) if layout_result is not None else ()
     if groups:
         plural = "s" if len(groups) > 1 else ""

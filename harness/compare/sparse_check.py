@@ -69,9 +69,15 @@ def group_problems(grouped: GroupedCapacity, by_rank: Mapping[int, SparseReport]
     return out
 
 
-def selection_problems(ref: SparseReport, by_rank: Mapping[int, SparseReport], tie: float) -> list[str]:
-    """Each rank's selected token sets against the reference's, layer by layer, query by query."""
+SELECTION_KEY = "selection_diverges"  # the layout metrics' first selection mismatch (localization reads it)
+
+
+def selection_problems(ref: SparseReport, by_rank: Mapping[int, SparseReport],
+                       tie: float) -> tuple[list[str], dict[str, Any] | None]:
+    """Each rank's selected token sets against the reference's, layer by layer, query by query; and the
+    first mismatch in (layer, query, rank) order, {layer, query, rank, summary}, or None."""
     mismatches: list[str] = []
+    first: tuple[int, int, int, str] | None = None
     for r, got in sorted(by_rank.items()):
         if len(got.selected) != len(ref.selected):
             mismatches.append(f"rank {r} traced {len(got.selected)} layers of selections, the reference "
@@ -85,13 +91,17 @@ def selection_problems(ref: SparseReport, by_rank: Mapping[int, SparseReport], t
                 if a == b or ref.margins[layer][query] < tie:
                     continue
                 extra, missing = sorted(set(a) - set(b)), sorted(set(b) - set(a))
-                mismatches.append(f"query {query} layer {layer} rank {r}: selected tokens differ from the "
-                                  f"reference's (reads {extra or 'none'} it does not, misses {missing or 'none'})")
-    if not mismatches:
-        return []
-    head = mismatches[:SHOWN]
+                line = (f"query {query} layer {layer} rank {r}: selected tokens differ from the reference's "
+                        f"(reads {extra or 'none'} it does not, misses {missing or 'none'})")
+                mismatches.append(line)
+                if first is None or (layer, query, r) < first[:3]:
+                    first = (layer, query, r, line)
+    if not mismatches or first is None:
+        return mismatches, None
+    head = [first[3], *(m for m in mismatches if m != first[3])][:SHOWN]
     more = f" (and {len(mismatches) - SHOWN} more query/layer/rank selections)" if len(mismatches) > SHOWN else ""
-    return [f"divergence starts at the indexer's top-k selection: {head[0]}{more}", *head[1:]]
+    return ([f"divergence starts at the indexer's top-k selection: {head[0]}{more}", *head[1:]],
+            {"layer": first[0], "query": first[1], "rank": first[2], "summary": first[3]})
 
 
 def check_sparse_layout(plan: LayoutPlan, indexer: SparsePlan, actual: Mapping[str, Any],
@@ -124,13 +134,15 @@ def check_sparse_layout(plan: LayoutPlan, indexer: SparsePlan, actual: Mapping[s
     if grouped is not None:
         problems += group_problems(grouped, by_rank)
     traced = ""
+    diverges = None
     if ref is not None:
-        problems = selection_problems(ref, by_rank, tie) + problems  # where the divergence starts, first
+        selection, diverges = selection_problems(ref, by_rank, tie)
+        problems = selection + problems  # where the divergence starts, first
         traced = (f"; selected token sets of {sum(len(layer) for layer in ref.selected)} query/layer pairs equal "
                   f"the reference's on every rank")
     problems += base.metrics["problems"]
     metrics = {**base.metrics, "problems": problems, "indexer": indexer.to_dict(),
-               "cache_groups": grouped.to_dict() if grouped is not None else None}
+               "cache_groups": grouped.to_dict() if grouped is not None else None, SELECTION_KEY: diverges}
     if problems:
         extra = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         return CheckResult(name, Verdict.FAIL, problems[0] + extra, metrics)
