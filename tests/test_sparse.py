@@ -199,7 +199,9 @@ reference: tp1
 seeds: [0]
 max_new_tokens: 4
 decode_prefix_tokens: 3
-prompts: ["Once upon a time, in a land far away, there lived a clever fox who", "Q: 17 + 25 = ?\\nA: 42. Q: 3 + 4 = ?\\nA:"]
+prompts:
+  - "Once upon a time, in a land far away, there lived a clever fox who"
+  - "Q: 17 + 25 = ?\\nA: 42. Q: 3 + 4 = ?\\nA:"
 checks: {layout: {}, logits: {}, generation: {}}
 """
 

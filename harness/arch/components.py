@@ -139,10 +139,8 @@ class SparseAttention(Component):
         self.shape = shape
 
     def plan(self, spec: ModelSpec, topo: Topology) -> dict[str, Any]:
-        if topo.q_replicated:
-            raise ConfigError(f"model {spec.name} has sparse attention: Q is split by TP (no Q-replicated suffix q, "
-                              f"got {topo.name})")
-        attention = plan_layout(spec.attention_shape, topo.tp, topo.dcp, placement=topo.placement)
+        attention = plan_layout(spec.attention_shape, topo.tp, topo.dcp, placement=topo.placement,
+                                q_replicated=topo.q_replicated)  # refuses Q replicated without a latent
         return {"attention": attention, "indexer": plan_sparse(self.shape, attention)}
 
     def inert_reason(self, site: FaultSite) -> str | None:

@@ -13,9 +13,9 @@ from harness.specs.pool import PoolSettings
 
 
 def plan_sections(plan: ModelPlan, budget_bytes: int | None, max_seq_len: int, block_size: int) -> dict[str, Any]:
-    """The layout fields of the KV-holding attention layers, then `capacity`, `speculator`, `hybrid`,
-    `mla` and `sparse` (None where the model or topology has no such part). A hybrid or sparse model's
-    capacity is its grouped capacity, in its own section."""
+    """The layout fields of the KV-holding attention layers, then `capacity`, `speculator`, `hybrid`
+    and `mla` (None where the model or topology has no such part), and `sparse` for a sparse-attention
+    model only. A hybrid or sparse model's capacity is its grouped capacity, in its own section."""
     layout = plan.attention.to_dict()
     hybrid = plan.hybrid_plan
     capacity = None
@@ -35,7 +35,7 @@ def plan_sections(plan: ModelPlan, budget_bytes: int | None, max_seq_len: int, b
                   "cache_groups": [{"name": g.name, "blocks_per_seq": g.blocks_per_seq, "block_bytes": g.block_bytes,
                                     "slot_bytes": g.slot_bytes} for g in groups],
                   "capacity": grouped_capacity(groups, budget).to_dict(), "default_budget": budget_bytes is None}
-    elif budget_bytes is not None:
+    elif budget_bytes is not None and hybrid is None:
         capacity = {"max_seq_len": max_seq_len,
                     **pool_capacity(plan.attention, budget_bytes, max_seq_len, block_size).to_dict()}
     if plan.moe is not None:  # the FFN is the MoE (section "moe"): no dense FFN columns
@@ -43,4 +43,5 @@ def plan_sections(plan: ModelPlan, budget_bytes: int | None, max_seq_len: int, b
             rank["ffn_shard"] = [0, 0]
     speculator = None if plan.speculator is None else {"kind": plan.topology.speculator, **plan.speculator.to_dict()}
     return {**layout, "capacity": capacity, "speculator": speculator, "hybrid": section,
-            "mla": None if plan.latent is None else plan.latent.to_dict(), "sparse": sparse}
+            "mla": None if plan.latent is None else plan.latent.to_dict(),
+            **({} if sparse is None else {"sparse": sparse})}

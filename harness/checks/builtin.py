@@ -10,7 +10,6 @@ from harness.checks.context import CellContext
 from harness.compare.decode_walk import check_decode_walk
 from harness.compare.generation import check_generation
 from harness.compare.hybrid_layout_check import check_hybrid_layout
-from harness.compare.sparse_check import SELECTION_KEY, check_sparse_layout
 from harness.compare.layout_check import check_kv_capacity, check_layout_with_pool, kv_groups_differ
 from harness.compare.localize import localize, output_head
 from harness.compare.logits import check_logits
@@ -24,6 +23,7 @@ from harness.compare.settings import (
     LosslessSettings,
     SpeculativeOutputSettings,
 )
+from harness.compare.sparse_check import SELECTION_KEY, check_sparse_layout
 from harness.compare.speculative import (
     acceptance_from_runs,
     check_speculative_output,

@@ -96,7 +96,7 @@ def render_table(doc: dict[str, Any]) -> str:
                    + f"; {spec['kv_bytes_per_token_per_rank']} bytes/token per rank")
     if doc["hybrid"]:
         out += render_hybrid(doc["hybrid"])
-    if doc["sparse"]:
+    if "sparse" in doc:
         out += render_sparse(doc["sparse"])
     return "\n".join(out)
 

@@ -15,7 +15,8 @@ def render_sparse(s: dict[str, Any]) -> list[str]:
     cap = s["capacity"]
     budget = (f"{human_bytes(cap['budget_bytes'])} per rank"
               + (" (the run's default pool; --budget-gib sets another)" if s["default_budget"] else ""))
-    groups = [[g["name"], str(g["blocks_per_seq"]), str(g["block_bytes"]), str(g["slot_bytes"]), str(g["blocks"]),
+    per_slot = {g["name"]: g["slot_bytes"] for g in s["cache_groups"]}
+    groups = [[g["name"], str(g["blocks_per_seq"]), str(g["block_bytes"]), str(per_slot[g["name"]]), str(g["blocks"]),
                human_bytes(g["bytes"])] for g in cap["groups"]]
     return [f"sparse attention: indexer of {s['index_heads']} heads x {s['index_head_dim']} (one key per token), "
             f"index_topk={s['index_topk']}, index_sinks={s['index_sinks']}; indexer heads split over tp={s['tp']}, "

@@ -45,6 +45,7 @@ from harness.partition.sparse_layout import (
 from harness.records.rankreport import SparseReport
 from harness.specs.model import ModelSpec
 
+
 @dataclass
 class IndexerWeights:
     """One layer's indexer on a rank: q [n_own * d, H] and w [n_own, H] rows of its own heads, k [d, H]."""

@@ -67,7 +67,7 @@ class GroupedCapacity:
         return {"budget_bytes": self.budget_bytes, "slots": self.slots, "slot_bytes": self.slot_bytes,
                 "pool_bytes": self.pool_bytes,
                 "groups": [{"name": g.name, "blocks_per_seq": g.blocks_per_seq, "block_bytes": g.block_bytes,
-                            "slot_bytes": g.slot_bytes, "blocks": self.blocks(g.name),
+                            "blocks": self.blocks(g.name),
                             "bytes": self.blocks(g.name) * g.block_bytes}
                            for g in self.groups]}
 

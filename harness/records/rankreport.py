@@ -204,8 +204,8 @@ _MLA_KEYS: tuple[str, ...] = tuple(f.name for f in fields(MLAReport))
 WIRE_ORDER: tuple[str, ...] = (
     "rank", "q_heads", "kv_heads", "v_heads", "dcp_group", "dcp_rank", "dcp_members", "kv_tp_rank", "q_to_kv",
     "ffn_shard", "vocab_shard", "group_q_heads", "group_q_to_kv", "kv_pool_bytes", "kv_pool_blocks",
-    "kv_block_size", "kv_bytes_per_token", "kv_weight_checksums", "stored_positions", "hybrid", "mla", "sparse", "layers",
-    "layers_differing")
+    "kv_block_size", "kv_bytes_per_token", "kv_weight_checksums", "stored_positions", "hybrid", "mla", "sparse",
+    "layers", "layers_differing")
 
 
 @dataclass(frozen=True)

@@ -86,8 +86,8 @@ class ModelSpec:
             raise ConfigError(f"{where}: sparse must be a mapping of {', '.join(SparseShape.__dataclass_fields__)}, "
                               f"got {self.sparse!r}")
         if self.sparse is not None and (self.hybrid is not None or self.mla or self.source != "synthetic"):
-            raise ConfigError(f"{where}: sparse attention runs on a synthetic dense/GQA model only (got "
-                              f"hybrid={self.hybrid is not None}, kv_lora_rank={self.kv_lora_rank}, source={self.source})")
+            raise ConfigError(f"{where}: sparse attention runs on a synthetic dense/GQA model only (got hybrid="
+                              f"{self.hybrid is not None}, kv_lora_rank={self.kv_lora_rank}, source={self.source})")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ConfigError(f"{where}: rope_theta={self.rope_theta} and norm_eps={self.norm_eps} must be > 0")
 
