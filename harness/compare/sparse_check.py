@@ -14,8 +14,8 @@ from harness.core.errors import ConfigError
 from harness.core.fmt import id_ranges
 from harness.core.verdict import CheckResult, Verdict
 from harness.partition.cache_groups import GroupedCapacity, grouped_capacity, unaligned_groups
-from harness.partition.layout import LayoutPlan, PoolCapacity
-from harness.partition.sparse_layout import INDEX_GROUP, KV_GROUP, SparsePlan, sparse_cache_groups
+from harness.partition.layout import LayoutPlan
+from harness.partition.sparse_layout import INDEX_GROUP, SparsePlan, kv_pool_of, sparse_cache_groups
 from harness.records.rankreport import LayoutSchemaError, SparseReport
 
 SHOWN = 3  # selection mismatches spelled out in the problems (the rest counted)
@@ -24,13 +24,6 @@ SHOWN = 3  # selection mismatches spelled out in the problems (the rest counted)
 def _capacity(plan: LayoutPlan, indexer: SparsePlan, pool: Mapping[str, Any]) -> GroupedCapacity:
     groups = sparse_cache_groups(plan, indexer, int(pool["max_seq_len"]), int(pool["block_size"]))
     return grouped_capacity(groups, int(pool["budget_bytes"]))
-
-
-def kv_pool_of(grouped: GroupedCapacity, block_size: int) -> PoolCapacity:
-    """The KV group of a grouped capacity as the attention layout check's pool."""
-    kv = grouped.group(KV_GROUP)
-    return PoolCapacity(budget_bytes=grouped.budget_bytes, block_size=block_size, blocks_per_slot=kv.blocks_per_seq,
-                        slots=grouped.slots, block_bytes=kv.block_bytes)
 
 
 def indexer_problems(indexer: SparsePlan, by_rank: Mapping[int, SparseReport],

@@ -17,9 +17,9 @@ from harness.engine.mla import MLAParts, build_mla, mla_report
 from harness.engine.model import Decoder, HeadMap, Hyper, LocalWeights
 from harness.engine.parallel import ParallelState
 from harness.engine.parallelize import engine_plan, head_map, shard_weights
-from harness.engine.sparse import SparseDecoder, kv_pool, shard_indexer, sparse_capacity, sparse_report
+from harness.engine.sparse import SparseDecoder, shard_indexer, sparse_capacity, sparse_report
 from harness.partition.layout import LayoutPlan, PoolCapacity, RankLayout, pool_capacity
-from harness.partition.sparse_layout import INDEX_GROUP, sparse_cache_groups
+from harness.partition.sparse_layout import INDEX_GROUP, kv_pool_of, sparse_cache_groups
 from harness.records.rankreport import HybridReport, MLAReport, SparseReport
 from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
@@ -127,7 +127,7 @@ def build_sparse(b: RankBuild) -> RankParts:
     rank_layout, irank = plan.ranks[rank], indexer.ranks[rank]
     grouped, blocks = sparse_capacity(sparse_cache_groups(plan, indexer, b.max_seq_len, b.block_size),
                                       b.budget_bytes, b.flags, rank)
-    capacity = kv_pool(grouped, b.block_size)
+    capacity = kv_pool_of(grouped, b.block_size)
     heads = head_map(rank_layout, b.flags)
     weights = shard_weights(b.full_weights, b.spec, rank_layout, b.dtype, b.state.device)
     cache = PagedKVCache(capacity, b.spec.layers, heads.n_kv, b.spec.head_dim, b.dtype, b.state.device)

@@ -33,10 +33,9 @@ from harness.engine.model import (
 )
 from harness.engine.parallel import Collectives
 from harness.partition.cache_groups import CacheGroup, GroupedCapacity, check_aligned, grouped_capacity
-from harness.partition.layout import Placement, PoolCapacity
+from harness.partition.layout import Placement
 from harness.partition.sparse_layout import (
     INDEX_GROUP,
-    KV_GROUP,
     IndexerRank,
     SparseShape,
     indexer_query_rows,
@@ -242,13 +241,6 @@ def sparse_capacity(groups: tuple[CacheGroup, ...], budget_bytes: int, flags: Fa
     else:
         check_aligned(grouped, blocks, where=f"on rank {rank}")
     return grouped, blocks
-
-
-def kv_pool(grouped: GroupedCapacity, block_size: int) -> PoolCapacity:
-    """The KV group as the paged cache's PoolCapacity."""
-    kv = grouped.group(KV_GROUP)
-    return PoolCapacity(budget_bytes=grouped.budget_bytes, block_size=block_size, blocks_per_slot=kv.blocks_per_seq,
-                        slots=grouped.slots, block_bytes=kv.block_bytes)
 
 
 def sparse_report(decoder: SparseDecoder, irank: IndexerRank, blocks: dict[str, int]) -> SparseReport:

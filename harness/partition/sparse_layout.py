@@ -16,8 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.core.errors import ConfigError
-from harness.partition.cache_groups import CacheGroup
-from harness.partition.layout import ROUND_ROBIN, LayoutPlan, Placement, dcp_members_of, max_local_tokens
+from harness.partition.cache_groups import CacheGroup, GroupedCapacity
+from harness.partition.layout import (
+    ROUND_ROBIN,
+    LayoutPlan,
+    Placement,
+    PoolCapacity,
+    dcp_members_of,
+    max_local_tokens,
+)
 
 KV_GROUP = "kv"              # the full KV pages of the sparse attention layers
 INDEX_GROUP = "index_keys"   # the indexer's key rows (one per stored token per layer)
@@ -143,3 +150,10 @@ def sparse_cache_groups(attention: LayoutPlan, sparse: SparsePlan, max_seq_len: 
     blocks = -(-max_local_tokens(max_seq_len, attention.dcp, attention.placement) // block_size)
     return (CacheGroup(KV_GROUP, blocks, block_size * attention.kv_bytes_per_token_per_rank),
             CacheGroup(INDEX_GROUP, blocks, block_size * sparse.key_bytes_per_token))
+
+
+def kv_pool_of(grouped: GroupedCapacity, block_size: int) -> PoolCapacity:
+    """The KV group of a sparse model's grouped capacity as the paged KV cache's PoolCapacity."""
+    kv = grouped.group(KV_GROUP)
+    return PoolCapacity(budget_bytes=grouped.budget_bytes, block_size=block_size, blocks_per_slot=kv.blocks_per_seq,
+                        slots=grouped.slots, block_bytes=kv.block_bytes)
