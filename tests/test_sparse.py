@@ -14,7 +14,7 @@ import torch
 
 from harness.cli import main
 from harness.cli.plan import plan_document, render_table
-from harness.compare.sparse_check import selection_problems
+from harness.compare.sparse_check import near_tie_bound, selection_problems
 from harness.core.errors import ConfigError
 from harness.engine.fault_scope import inert_reason
 from harness.engine.faults import FAULTS, fault_flags
@@ -139,6 +139,12 @@ def test_selection_mismatch_names_query_layer_and_rank_and_near_ties_pass() -> N
     assert first is not None and (first["layer"], first["query"], first["rank"]) == (1, 1, 1)
     near = replace(ref, margins=((0.5, 0.5), (0.5, 1e-9)))  # the reference's own scores were a near tie there
     assert selection_problems(near, {0: bad}, 1e-6) == ([], None)
+    # the near-tie bound: the floor, or a multiple of the largest margin the noise run's selection moved at
+    assert near_tie_bound(ref, None, 1e-6, 4.0) == near_tie_bound(ref, ref, 1e-6, 4.0) == 1e-6
+    moved = replace(ref, margins=((0.5, 0.5), (0.5, 0.01)))
+    assert near_tie_bound(moved, bad, 1e-6, 4.0) == pytest.approx(0.04)
+    assert selection_problems(moved, {0: bad}, 0.04) == ([], None)
+    assert near_tie_bound(replace(ref, margins=((0.5, 0.5), (0.5, 0.9))), bad, 1e-6, 4.0) == 1.0
 
 
 def test_plan_shows_the_indexer_split_the_selection_rule_and_every_cache_group() -> None:
@@ -229,7 +235,7 @@ def test_the_clean_cell_passes(tmp_path: Path, suite_file: Path, cache_dir: Path
     rc, cell = _cell(tmp_path, suite_file, cache_dir)
     reasons = {c["name"]: c["reason"] for c in cell["checks"]}
     assert rc == 0 and cell["status"] == "PASS", reasons
-    assert "selected token sets of" in reasons["layout"] and "equal the reference's on every rank" in reasons["layout"]
+    assert "selected token sets of" in reasons["layout"] and "match the reference's on every rank" in reasons["layout"]
 
 
 @pytest.mark.parametrize(("fault", "layout_problem"), [

@@ -91,8 +91,9 @@ def _sparse_layout(ctx: CellContext, plan: LayoutPlan, actual: dict[str, Any], n
     if ctx.indexer_plan is None:
         return CheckResult(name, Verdict.ERROR, "the cell's plan has no indexer to check its layout against")
     settings = ctx.settings.of(LayoutSettings)
+    noise = ctx.noise.layout.get("target") if ctx.noise is not None else None
     return check_sparse_layout(plan, ctx.indexer_plan, actual, ctx.ref.layout.get("target"), name, check_pool,
-                               settings.check_checksums, settings.selection_tie)
+                               settings.check_checksums, settings.selection_tie, noise, settings.selection_tie_factor)
 
 
 # the check of each layout_check an attention component names (harness/arch/components.py)

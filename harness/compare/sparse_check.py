@@ -3,7 +3,8 @@ against the reference's, the replicated key projection), its cache groups (one s
 the KV and indexer-key rows of its DCP share) and its selected token sets, per layer and query, against the
 reference's (a mismatch names the query, the layer and the rank: the divergence starts at the indexer's
 selection). A selection that differs only where the reference's own scores were a near tie (relative margin
-between its last selected and first unselected token below `tie`) is not a mismatch."""
+between its last selected and first unselected token below a bound: a floor, or a multiple of the largest
+margin at which the noise run's own selection moved) is not a mismatch."""
 
 from __future__ import annotations
 
@@ -62,6 +63,15 @@ def group_problems(grouped: GroupedCapacity, by_rank: Mapping[int, SparseReport]
     return out
 
 
+def near_tie_bound(ref: SparseReport, noise: SparseReport | None, floor: float, factor: float) -> float:
+    """The reference margin below which a selection may differ: `floor`, or `factor` x the largest margin at
+    which the noise run (a correct engine, another reduction order) selected differently, capped at 1."""
+    flipped = [ref.margins[layer][query] for layer, (mine, theirs) in
+               enumerate(zip(noise.selected, ref.selected) if noise is not None else ())
+               for query, (a, b) in enumerate(zip(mine, theirs)) if a != b]
+    return min(1.0, max([floor, *(factor * m for m in flipped)]))
+
+
 SELECTION_KEY = "selection_diverges"  # the layout metrics' first selection mismatch (localization reads it)
 
 
@@ -97,11 +107,20 @@ def selection_problems(ref: SparseReport, by_rank: Mapping[int, SparseReport],
             {"layer": first[0], "query": first[1], "rank": first[2], "summary": first[3]})
 
 
+def _first_sparse(entry: Mapping[str, Any] | None) -> SparseReport | None:
+    """Rank 0's sparse record of a layout.json target entry (every rank of a reference traces alike)."""
+    if entry is None:
+        return None
+    return next((report.sparse for report in reports_by_rank(entry).values()), None)
+
+
 def check_sparse_layout(plan: LayoutPlan, indexer: SparsePlan, actual: Mapping[str, Any],
                         ref_actual: Mapping[str, Any] | None, name: str = "layout", check_pool: bool = True,
-                        check_checksums: bool = True, tie: float = 1e-6) -> CheckResult:
+                        check_checksums: bool = True, tie: float = 1e-6,
+                        noise_actual: Mapping[str, Any] | None = None, tie_factor: float = 4.0) -> CheckResult:
     """The attention layout (its pool the KV group of the grouped capacity), the indexer, the cache groups
-    and the selection trace against the reference run's (`ref_actual`, its layout.json target entry)."""
+    and the selection trace against the reference run's (`ref_actual`, its layout.json target entry), near
+    ties bounded by the noise run's (`noise_actual`, near_tie_bound)."""
     grouped = None
     problems: list[str] = []
     if check_pool:
@@ -117,25 +136,26 @@ def check_sparse_layout(plan: LayoutPlan, indexer: SparsePlan, actual: Mapping[s
         return base
     reports = reports_by_rank(actual)
     by_rank = {r: report.sparse for r, report in reports.items() if report.sparse is not None}
-    ref = None
-    if ref_actual is not None:
-        try:
-            ref = next((report.sparse for report in reports_by_rank(ref_actual).values()), None)
-        except LayoutSchemaError as exc:
-            return CheckResult(name, Verdict.ERROR, f"reference {exc}")
+    try:
+        ref, noise = _first_sparse(ref_actual), _first_sparse(noise_actual)
+    except LayoutSchemaError as exc:
+        return CheckResult(name, Verdict.ERROR, f"reference or noise run: {exc}")
     problems += indexer_problems(indexer, by_rank, ref)
     if grouped is not None:
         problems += group_problems(grouped, by_rank)
     traced = ""
     diverges = None
+    bound = tie
     if ref is not None:
-        selection, diverges = selection_problems(ref, by_rank, tie)
+        bound = near_tie_bound(ref, noise, tie, tie_factor)
+        selection, diverges = selection_problems(ref, by_rank, bound)
         problems = selection + problems  # where the divergence starts, first
-        traced = (f"; selected token sets of {sum(len(layer) for layer in ref.selected)} query/layer pairs equal "
-                  f"the reference's on every rank")
+        traced = (f"; selected token sets of {sum(len(layer) for layer in ref.selected)} query/layer pairs match "
+                  f"the reference's on every rank (near ties excused: reference margin below {bound:.1e})")
     problems += base.metrics["problems"]
     metrics = {**base.metrics, "problems": problems, "indexer": indexer.to_dict(),
-               "cache_groups": grouped.to_dict() if grouped is not None else None, SELECTION_KEY: diverges}
+               "cache_groups": grouped.to_dict() if grouped is not None else None, SELECTION_KEY: diverges,
+               "selection_tie": bound}
     if problems:
         extra = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         return CheckResult(name, Verdict.FAIL, problems[0] + extra, metrics)
