@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_SUITES: tuple[str, ...] = ("tp", "dcp", "gqa-odd", "spec", "hybrid", "mla", "moe-dp")
+DEFAULT_SUITES: tuple[str, ...] = ("tp", "dcp", "gqa-odd", "spec", "hybrid", "mla", "moe-dp", "dsa")
 
 
 @dataclass

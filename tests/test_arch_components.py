@@ -21,6 +21,7 @@ from harness.arch.components import (
     GatedDeltaNet,
     LatentAttention,
     MoE,
+    SparseAttention,
 )
 from harness.arch.model import model_of
 from harness.arch.plan import plan_model
@@ -42,7 +43,7 @@ from harness.specs.topology import load_catalog
 HARNESS = Path(__file__).resolve().parents[1] / "harness"
 # where the architecture fields are defined, with their partition math, and the components that read them
 ALLOWED = ("arch/", "specs/", "partition/")
-ARCH_FLAGS = frozenset({"mla", "hybrid"})          # ModelSpec.mla / .hybrid, AttentionShape.mla: read anywhere
+ARCH_FLAGS = frozenset({"mla", "hybrid", "sparse"})  # ModelSpec.mla / .hybrid / .sparse, AttentionShape.mla
 ARCH_NUMBERS = frozenset({"kv_lora_rank"})         # a number that is a flag when tested (kv_lora_rank > 0)
 # a rank report's MLA and hybrid records (harness/records/rankreport.py RankReport.mla / .hybrid) are what a rank says
 # it holds, not the model's flags: the components' layout checks read them as `report.mla` / `report.hybrid`
@@ -95,6 +96,7 @@ def test_every_model_is_its_list_of_components() -> None:
     assert names["tiny-gqa"] == (Attention.name,)
     assert names["tiny-mla"] == (LatentAttention.name,)
     assert names["tiny-hybrid"] == (GatedAttention.name, MoE.name, GatedDeltaNet.name)
+    assert names["tiny-dsa"] == (SparseAttention.name,)
     assert set(names) == set(shipped_models())
 
 

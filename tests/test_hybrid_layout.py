@@ -10,12 +10,11 @@ import random
 import pytest
 
 from harness.core.errors import ConfigError
+from harness.partition.cache_groups import CacheGroup, grouped_capacity
 from harness.partition.hybrid_layout import (
     FULL,
     LINEAR,
-    CacheGroup,
     HybridShape,
-    grouped_capacity,
     hybrid_cache_groups,
     layer_kinds,
     plan_hybrid,

@@ -23,6 +23,7 @@ from harness.records.rankreport import (
     MLAReport,
     ProbeLayer,
     RankReport,
+    SparseReport,
     SpeculatorReport,
     StoredPositions,
     entry_json,
@@ -51,6 +52,9 @@ def full_report(rank: int = 1) -> RankReport:
                                            state_bytes=1024, attention_bytes=4096)),
         mla=MLAReport(q_mode="replicated", q_weight_heads=(0, 1, 2, 3), q_weight_checksums={"0": "q0"},
                       latent_dim=40),
+        sparse=SparseReport(index_heads=(1,), index_weight_checksums={"1": "i1"}, index_key_checksum="k",
+                            cache_group_blocks={"kv": 16, "index_keys": 16}, block_size=16,
+                            selected=(((0,), (0, 1)),), margins=((1.0, 0.25),)),
         layers=(ProbeLayer("model.layers.0.self_attn", (2, 3), (1,), None, (2, 3), (1,)),),
         layers_differing=("model.layers.0.self_attn",))
 

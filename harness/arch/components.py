@@ -34,6 +34,7 @@ from harness.partition.layout import (
     validate_q_mode,
 )
 from harness.partition.mla_layout import plan_mla
+from harness.partition.sparse_layout import SparseShape, plan_sparse
 from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
 
@@ -126,6 +127,39 @@ class LatentAttention(Component):
 
     def served_refusal(self, spec: ModelSpec, engine: str) -> str | None:
         return f"engine {engine} is given a Hugging Face export of the model, and MLA models have none"
+
+
+class SparseAttention(Component):
+    """Sparse attention with a lightning indexer (DeepSeek-V3.2 DSA style): dense/GQA attention that reads
+    only the indexer's top-k tokens per query; the indexer heads split over TP, its key rows follow the
+    DCP token placement, its query rows are selected in shards over the DCP group (sparse_layout.py)."""
+
+    name: ClassVar[str] = "sparse_attention"
+    engine_module: ClassVar[str] = "harness.engine.sparse"
+    report_fields: ClassVar[tuple[str, ...]] = ATTENTION_FIELDS + ("sparse",)
+    layout_check: ClassVar[str] = "sparse"  # attention, indexer, cache groups and the selection trace
+    faults: ClassVar[frozenset[str]] = frozenset({"dsa-local-topk", "dsa-indexer-offset", "dsa-sinks-evicted",
+                                                  "dsa-planner-rows", "dsa-groups-unaligned"})
+
+    def __init__(self, shape: SparseShape) -> None:
+        self.shape = shape
+
+    def plan(self, spec: ModelSpec, topo: Topology) -> dict[str, Any]:
+        attention = plan_layout(spec.attention_shape, topo.tp, topo.dcp, placement=topo.placement,
+                                q_replicated=topo.q_replicated)  # refuses Q replicated without a latent
+        return {"attention": attention, "indexer": plan_sparse(self.shape, attention)}
+
+    def inert_reason(self, site: FaultSite) -> str | None:
+        if site.fault == "dsa-sinks-evicted" and not self.shape.index_sinks:
+            return site.inert("the model keeps no sink tokens (index_sinks=0)", at_topology=False)
+        return layout_inert(site)
+
+    def export_refusal(self, spec: ModelSpec) -> str | None:
+        return (f"model {spec.name!r} has sparse attention (an indexer): harness export writes Llama/Qwen2 "
+                f"folders only")
+
+    def served_refusal(self, spec: ModelSpec, engine: str) -> str | None:
+        return f"engine {engine}: a synthetic sparse-attention model cannot be exported for it"
 
 
 def check_hybrid_dcp(spec: ModelSpec, placement: Placement, q_replicated: bool) -> None:

@@ -1,14 +1,23 @@
 """A model as the list of its architecture components, derived from its ModelSpec: the one place that
-reads the spec's architecture fields (kv_lora_rank for MLA, the hybrid mapping)."""
+reads the spec's architecture fields (kv_lora_rank for MLA, the hybrid and sparse mappings)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from harness.arch.component import Component
-from harness.arch.components import Attention, GatedAttention, GatedDeltaNet, LatentAttention, MoE, Speculator
+from harness.arch.components import (
+    Attention,
+    GatedAttention,
+    GatedDeltaNet,
+    LatentAttention,
+    MoE,
+    SparseAttention,
+    Speculator,
+)
 from harness.core.errors import ConfigError
 from harness.partition.hybrid_layout import HybridShape
+from harness.partition.sparse_layout import SparseShape
 from harness.specs.model import ModelSpec
 
 
@@ -47,6 +56,12 @@ class Model:
         """Why HTTP engine `engine`, given a Hugging Face export, cannot run the model, or None."""
         return next((r for c in self.components if (r := c.served_refusal(self.spec, engine)) is not None), None)
 
+    def sparse_shape(self) -> SparseShape:
+        """The indexer numbers of a sparse-attention model (the engine's sparse module reads them)."""
+        if self.spec.sparse is None:
+            raise ConfigError(f"model {self.spec.name!r} has no sparse attention (no indexer)")
+        return self.spec.sparse
+
     def hybrid_shape(self) -> HybridShape:
         """The linear-attention / MoE numbers of a hybrid model (the engine's hybrid module reads them)."""
         if self.spec.hybrid is None:
@@ -55,11 +70,13 @@ class Model:
 
 
 def model_of(spec: ModelSpec) -> Model:
-    """The components of `spec`: MLA, hybrid (gated attention, MoE, linear attention) or dense attention."""
+    """The components of `spec`: MLA, hybrid (gated attention, MoE, linear attention), sparse or dense attention."""
     h = spec.hybrid
     if h is not None:
         moe: tuple[Component, ...] = (MoE(h),) if h.experts else ()
         return Model(spec, (GatedAttention(h), *moe, GatedDeltaNet(h)), Speculator(copies_target=False))
     if spec.mla:
         return Model(spec, (LatentAttention(),), Speculator())
+    if spec.sparse is not None:
+        return Model(spec, (SparseAttention(spec.sparse),), Speculator())
     return Model(spec, (Attention(),), Speculator())

@@ -12,6 +12,7 @@ from harness.core.errors import ConfigError
 from harness.partition.hybrid_layout import HybridPlan, LinearPlan, MoePlan
 from harness.partition.layout import LayoutPlan
 from harness.partition.mla_layout import MLAPlan
+from harness.partition.sparse_layout import SparsePlan
 from harness.specs.topology import Topology
 
 
@@ -28,6 +29,7 @@ class ModelPlan:
     gated: GatedPlan | None = None
     linear: LinearPlan | None = None
     moe: MoePlan | None = None
+    indexer: SparsePlan | None = None  # sparse attention: the indexer's split
     speculator: LayoutPlan | None = None
 
     @property

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from harness.arch.component import Component, FaultEffects, FaultSite
-from harness.arch.components import GatedDeltaNet, LatentAttention, MoE
+from harness.arch.components import GatedDeltaNet, LatentAttention, MoE, SparseAttention
 from harness.arch.model import Model
 from harness.arch.plan import plan_model
 from harness.specs.topology import Topology
@@ -18,6 +18,7 @@ ABSENT: tuple[tuple[frozenset[str], tuple[type[Component], ...], str], ...] = (
     (GatedDeltaNet.faults | MoE.faults, (GatedDeltaNet, MoE), "it is a dense model (no linear attention or MoE)"),
     (MoE.faults, (MoE,), "no experts"),
     (LatentAttention.faults, (LatentAttention,), "it acts on MLA attention, and the model has none"),
+    (SparseAttention.faults, (SparseAttention,), "it acts on sparse attention (an indexer), and the model has none"),
 )
 
 OWNED_FAULTS: frozenset[str] = frozenset().union(*(faults for faults, _, _ in ABSENT))

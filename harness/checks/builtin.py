@@ -23,6 +23,7 @@ from harness.compare.settings import (
     LosslessSettings,
     SpeculativeOutputSettings,
 )
+from harness.compare.sparse_check import SELECTION_KEY, check_sparse_layout
 from harness.compare.speculative import (
     acceptance_from_runs,
     check_speculative_output,
@@ -34,7 +35,7 @@ from harness.core.checkmetrics import PARITY_CHECKS
 from harness.core.details import HeadErrors, LayerErrors, LayoutDetails, PromptDetails, SpeculatorDetails
 from harness.core.errors import RunError
 from harness.core.fmt import id_ranges
-from harness.core.verdict import CheckResult, Verdict
+from harness.core.verdict import CheckResult, Localization, Verdict
 from harness.partition.layout import LayoutPlan
 from harness.records import contract as c
 from harness.records.artifacts import RunArtifacts
@@ -85,9 +86,19 @@ def _hybrid_layout(ctx: CellContext, plan: LayoutPlan, actual: dict[str, Any], n
                                ctx.settings.of(LayoutSettings).check_checksums, ctx.speculator_plan)
 
 
+def _sparse_layout(ctx: CellContext, plan: LayoutPlan, actual: dict[str, Any], name: str,
+                   check_pool: bool) -> CheckResult:
+    if ctx.indexer_plan is None:
+        return CheckResult(name, Verdict.ERROR, "the cell's plan has no indexer to check its layout against")
+    settings = ctx.settings.of(LayoutSettings)
+    noise = ctx.noise.layout.get("target") if ctx.noise is not None else None
+    return check_sparse_layout(plan, ctx.indexer_plan, actual, ctx.ref.layout.get("target"), name, check_pool,
+                               settings.check_checksums, settings.selection_tie, noise, settings.selection_tie_factor)
+
+
 # the check of each layout_check an attention component names (harness/arch/components.py)
 LAYOUT_CHECKS: dict[str, Callable[[CellContext, LayoutPlan, dict[str, Any], str, bool], CheckResult]] = {
-    "attention": _attention_layout, "hybrid": _hybrid_layout}
+    "attention": _attention_layout, "hybrid": _hybrid_layout, "sparse": _sparse_layout}
 
 
 def layout(ctx: CellContext) -> list[CheckResult]:
@@ -164,6 +175,14 @@ def localization(ctx: CellContext) -> list[CheckResult]:
     if found is None:
         return []
     layout_result = ctx.result("layout")
+    selection = layout_result.metrics.get(SELECTION_KEY) if layout_result is not None else None
+    if selection is not None and 0 <= selection["layer"] <= found.layer:  # the selection diverges first
+        found = Localization(layer=selection["layer"], heads=(), ranks=(selection["rank"],), kv_heads=(),
+                             summary=f"layer {selection['layer']} sparse attention: the indexer's top-k selection "
+                                     f"diverges first ({selection['summary']}); the residual stream after: "
+                                     f"{found.summary}")
+        ctx.localization = found
+        return []
     groups = kv_groups_differ(layout_result) if layout_result is not None else ()
     if groups:
         plural = "s" if len(groups) > 1 else ""

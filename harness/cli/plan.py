@@ -11,6 +11,7 @@ from harness.arch.model import model_of
 from harness.arch.plan import plan_model
 from harness.cli.checks import positive_float, positive_int
 from harness.cli.plan_hybrid import render_hybrid
+from harness.cli.plan_sparse import render_sparse
 from harness.core.errors import ConfigError
 from harness.core.fmt import human_bytes, id_ranges, table
 from harness.partition.layout import LAYOUT_SCHEMA_VERSION, token_owner
@@ -95,6 +96,8 @@ def render_table(doc: dict[str, Any]) -> str:
                    + f"; {spec['kv_bytes_per_token_per_rank']} bytes/token per rank")
     if doc["hybrid"]:
         out += render_hybrid(doc["hybrid"])
+    if "sparse" in doc:
+        out += render_sparse(doc["sparse"])
     return "\n".join(out)
 
 

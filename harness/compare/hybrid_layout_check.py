@@ -17,7 +17,8 @@ from harness.compare.layout_check import check_layout, reports_by_rank
 from harness.core.errors import ConfigError
 from harness.core.fmt import id_ranges
 from harness.core.verdict import CheckResult, Verdict
-from harness.partition.hybrid_layout import HybridPlan, grouped_capacity, hybrid_cache_groups
+from harness.partition.cache_groups import grouped_capacity
+from harness.partition.hybrid_layout import HybridPlan, hybrid_cache_groups
 from harness.partition.layout import LayoutPlan
 from harness.records.rankreport import HybridReport
 

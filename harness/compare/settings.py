@@ -60,6 +60,11 @@ class LayoutSettings:
 
     check_pool: bool = True        # KV pool bytes/blocks per rank as the planner sizes them
     check_checksums: bool = True   # K/V weight checksums identical on every rank holding a KV head
+    # sparse attention: a selected token set may differ from the reference's only where the reference's
+    # indexer scores were a near tie (relative margin of its last selected over its first unselected token)
+    # below max(selection_tie, selection_tie_factor x the largest such margin the noise run flipped at)
+    selection_tie: float = 1e-6
+    selection_tie_factor: float = 4.0
 
     def __post_init__(self) -> None:
         _coerce_fields(self)

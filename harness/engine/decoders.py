@@ -1,6 +1,6 @@
 """One rank's decoder, weights and KV cache, built by the engine module its model's attention component
-names (harness/arch/components.py engine_module): dense/GQA attention (model.py), MLA (mla.py) or the
-hybrid layers (hybrid.py)."""
+names (harness/arch/components.py engine_module): dense/GQA attention (model.py), MLA (mla.py), the
+hybrid layers (hybrid.py) or sparse attention with an indexer (sparse.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from harness.engine.mla import MLAParts, build_mla, mla_report
 from harness.engine.model import Decoder, HeadMap, Hyper, LocalWeights
 from harness.engine.parallel import ParallelState
 from harness.engine.parallelize import engine_plan, head_map, shard_weights
+from harness.engine.sparse import SparseDecoder, shard_indexer, sparse_capacity, sparse_report
 from harness.partition.layout import LayoutPlan, PoolCapacity, RankLayout, pool_capacity
-from harness.records.rankreport import HybridReport, MLAReport
+from harness.partition.sparse_layout import INDEX_GROUP, kv_pool_of, sparse_cache_groups
+from harness.records.rankreport import HybridReport, MLAReport, SparseReport
 from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
 
@@ -55,6 +57,7 @@ class ModuleReport:
     kv_bytes_per_token: int | None = None
     mla_record: MLAReport | None = None
     hybrid_record: HybridReport | None = None
+    sparse_record: SparseReport | None = None
 
 
 def _latent_report(parts: MLAParts, spec: ModelSpec) -> ModuleReport:
@@ -118,9 +121,31 @@ def build_hybrid_rank(b: RankBuild) -> RankParts:
                      lambda: ModuleReport(hybrid_record=hybrid_layout_report(parts, state.rank)), parts)
 
 
+def build_sparse(b: RankBuild) -> RankParts:
+    """GQA attention over the indexer's selection: the KV and indexer-key cache groups sized as one slot
+    count (sparse_capacity), the rank's indexer heads, the sparse decoder."""
+    t, rank = b.topology, b.state.rank
+    indexer = b.plan.indexer
+    assert indexer is not None
+    plan = engine_plan(b.spec, t.tp, t.dcp, b.flags, t.placement)
+    rank_layout, irank = plan.ranks[rank], indexer.ranks[rank]
+    grouped, blocks = sparse_capacity(sparse_cache_groups(plan, indexer, b.max_seq_len, b.block_size),
+                                      b.budget_bytes, b.flags, rank)
+    capacity = kv_pool_of(grouped, b.block_size)
+    heads = head_map(rank_layout, b.flags)
+    weights = shard_weights(b.full_weights, b.spec, rank_layout, b.dtype, b.state.device)
+    cache = PagedKVCache(capacity, b.spec.layers, heads.n_kv, b.spec.head_dim, b.dtype, b.state.device)
+    decoder = SparseDecoder(weights, heads, b.hyper, b.state.collectives(), cache, b.flags, t.placement,
+                            shard_indexer(b.full_weights, b.spec, indexer.shape, irank, b.dtype, b.state.device),
+                            indexer.shape, blocks[INDEX_GROUP])
+    return RankParts(plan, rank_layout, heads, capacity, cache, decoder, weights,
+                     lambda: ModuleReport(sparse_record=sparse_report(decoder, irank, blocks)))
+
+
 # the builder of each engine module an attention component names
 BUILDERS: dict[str, Callable[[RankBuild], RankParts]] = {
     "harness.engine.model": build_dense, "harness.engine.mla": build_latent, "harness.engine.hybrid": build_hybrid_rank,
+    "harness.engine.sparse": build_sparse,
 }
 
 

@@ -189,6 +189,27 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "a DCP rank that holds no token of a sequence returns NaN partial outputs (a kernel dividing by "
           "an empty softmax sum) instead of 0 with LSE -inf, and the merge spreads the NaN; only sequences "
           "shorter than dcp (vLLM PR #47541)", needs_dcp=True),
+    # -- sparse attention (DeepSeek-V3.2 DSA style, harness/engine/sparse.py) --
+    Fault("dsa-local-topk", "layout, logits",
+          "under DCP each rank attends the top-k of the tokens it stores itself, its local candidates taken "
+          "as the global selection (no merge over the DCP group): the merged attention reads dcp x k tokens, "
+          "not the group's top-k (Ascend SGLang #146: DSA under attention context parallel, GSM8K 0.05 vs 0.5)",
+          needs_dcp=True),
+    Fault("dsa-indexer-offset", "layout, logits",
+          "the indexer's key range per query (ks, ke) shifted by one position: position 0 is never a "
+          "candidate and the next token is (SGLang #12583: wrong ks/ke offsets into the indexer's top-k, "
+          "accuracy loss on DeepSeek-V3.2)"),
+    Fault("dsa-sinks-evicted", "layout, logits",
+          "the always-kept first tokens (index_sinks) dropped once a query sees more than index_topk tokens: "
+          "they compete by score like any other token (mlx-lm #1443: a cliff at 2048 tokens)"),
+    Fault("dsa-planner-rows", "layout, logits",
+          "under DCP the indexer selects for contiguous shards of query rows but the attention reads row s's "
+          "selection by a round-robin planner: rows take other rows' token sets, fluent and wrong (SGLang "
+          "test_dsa_cp_indexer_row_agreement)", needs_dcp=True),
+    Fault("dsa-groups-unaligned", "layout",
+          "the indexer-key cache group sized from an equal share of the budget in blocks, not the one slot "
+          "count x its blocks per slot: its capacity is another number of slots than the KV group's, often "
+          "no whole number (seed 004's fallback capacities); output unchanged"),
 )}
 BLOCK_TABLE_WIDTH = 2  # block-table-wrap: blocks per sequence the faulty table holds
 
@@ -239,6 +260,12 @@ class FaultFlags:
     resume_gap: int = 0                 # preempt-resume-position: recomputed new tokens shifted this far
     block_table_width: int = 0          # block-table-wrap: block-table entries per sequence (0: unbounded)
     empty_shard_nan: bool = False       # dcp-empty-shard-nan: an empty DCP shard returns NaN
+    # sparse attention (harness/engine/sparse.py)
+    dsa_local_topk: bool = False        # dsa-local-topk: each DCP rank's own top-k used as the selection
+    dsa_index_shift: int = 0            # dsa-indexer-offset: the indexer's key range shifted this many positions
+    dsa_sinks_evicted: bool = False     # dsa-sinks-evicted: sinks compete by score past index_topk
+    dsa_row_rule: str = "contiguous"    # dsa-planner-rows: the attention's rule for the selection of a row
+    dsa_groups_unaligned: bool = False  # dsa-groups-unaligned: the indexer-key group from its own budget share
 
 
 # Perturbations of a correct engine (not faults: no bug, only another reduction order). The noise run
@@ -325,4 +352,9 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         resume_gap=1 if name == "preempt-resume-position" else 0,
         block_table_width=BLOCK_TABLE_WIDTH if name == "block-table-wrap" else 0,
         empty_shard_nan=name == "dcp-empty-shard-nan",
+        dsa_local_topk=name == "dsa-local-topk",
+        dsa_index_shift=1 if name == "dsa-indexer-offset" else 0,
+        dsa_sinks_evicted=name == "dsa-sinks-evicted",
+        dsa_row_rule="round-robin" if name == "dsa-planner-rows" else "contiguous",
+        dsa_groups_unaligned=name == "dsa-groups-unaligned",
     )

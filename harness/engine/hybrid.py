@@ -36,15 +36,14 @@ from harness.engine.moe import MoeRows, MoeWeights, moe_activations
 from harness.engine.parallel import Collectives
 from harness.engine.parallelize import head_map, vocab_rows
 from harness.engine.statecache import SNAPSHOT_TOKENS, HybridCache
+from harness.partition.cache_groups import GroupedCapacity, grouped_capacity
 from harness.partition.hybrid_layout import (
     FULL,
-    GroupedCapacity,
     HybridPlan,
     HybridShape,
     LinearRank,
     MoePlan,
     MoeRank,
-    grouped_capacity,
     hybrid_cache_groups,
     loaded_rows,
 )

@@ -9,6 +9,8 @@ MLA models (kv_lora_rank > 0; qk = qk_nope_dim + qk_rope_dim, v = head_dim) repl
   layers.{i}.q_a.weight [q_lora, H] and q_a_norm.weight [q_lora] (with a Q LoRA), then q_b.weight
   [heads*qk, q_lora], or q.weight [heads*qk, H] without; layers.{i}.kv_a.weight [kv_lora + qk_rope_dim, H];
   kv_a_norm.weight [kv_lora]; kv_b.weight [heads*(qk_nope_dim + v), kv_lora]; o.weight [H, heads*v].
+Sparse-attention models add the indexer to the dense layer: layers.{i}.index_q.weight [index_heads*d, H],
+  index_k.weight [d, H] (one key per token), index_w.weight [index_heads, H] (d = index_head_dim).
 """
 
 from __future__ import annotations
@@ -92,6 +94,14 @@ def mla_layer_shapes(spec: ModelSpec) -> dict[str, Shape]:
             "down.weight": (spec.hidden, spec.ffn)}
 
 
+def indexer_shapes(model: Model) -> dict[str, Shape]:
+    """Per-layer canonical suffix -> shape of a sparse-attention model's indexer (harness/engine/sparse.py)."""
+    shape, hidden = model.sparse_shape(), model.spec.hidden
+    d = shape.index_head_dim
+    return {"index_q.weight": (shape.index_heads * d, hidden), "index_k.weight": (d, hidden),
+            "index_w.weight": (shape.index_heads, hidden)}
+
+
 def layer_shapes(spec: ModelSpec) -> dict[str, Shape]:
     """Per-layer canonical suffix -> shape of a dense/GQA model."""
     q_out, kv_out = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
@@ -133,6 +143,7 @@ MODEL_SHAPES: dict[str, Callable[[Model], dict[str, Shape]]] = {
     "harness.engine.model": lambda m: stacked_shapes(m.spec, layer_shapes(m.spec)),
     "harness.engine.mla": lambda m: stacked_shapes(m.spec, mla_layer_shapes(m.spec)),
     "harness.engine.hybrid": lambda m: hybrid_shapes(m.spec, m.hybrid_shape()),
+    "harness.engine.sparse": lambda m: stacked_shapes(m.spec, {**layer_shapes(m.spec), **indexer_shapes(m)}),
 }
 
 

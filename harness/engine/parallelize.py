@@ -13,7 +13,7 @@ from harness.arch.components import faulty_layout
 from harness.engine.faults import FaultFlags
 from harness.engine.model import HeadMap, LayerWeights, LocalWeights
 from harness.partition.layout import ROUND_ROBIN, LayoutPlan, Placement, RankLayout, group_kv_slots
-from harness.records.rankreport import HybridReport, MLAReport, RankReport, StoredPositions
+from harness.records.rankreport import HybridReport, MLAReport, RankReport, SparseReport, StoredPositions
 from harness.specs.model import ModelSpec
 
 
@@ -95,7 +95,7 @@ def kv_checksums(weights: LocalWeights, rank: RankLayout, head_dim: int) -> dict
 def rank_report(rank: RankLayout, heads: HeadMap, weights: LocalWeights, spec: ModelSpec, pool_bytes: int,
                 pool_blocks: int, checksums: dict[str, str] | None = None, kv_bytes_per_token: int | None = None,
                 stored: StoredPositions | None = None, mla: MLAReport | None = None,
-                hybrid: HybridReport | None = None) -> RankReport:
+                hybrid: HybridReport | None = None, sparse: SparseReport | None = None) -> RankReport:
     """What this rank really holds and reads, for the layout check (global ids throughout): the one place
     the embedded engine builds its rank reports (target and speculator). `checksums` replaces the K/V
     weight checksums (an MLA rank's latent projection); the rest are the architecture's records."""
@@ -108,4 +108,5 @@ def rank_report(rank: RankLayout, heads: HeadMap, weights: LocalWeights, spec: M
         kv_pool_bytes=pool_bytes, kv_pool_blocks=pool_blocks,
         kv_weight_checksums=kv_checksums(weights, rank, spec.head_dim) if checksums is None else checksums,
         ffn_shard=rank.ffn_shard, vocab_shard=(weights.vocab_start, weights.vocab_start + weights.vocab_held),
-        kv_bytes_per_token=kv_bytes_per_token, stored_positions=stored, mla=mla, hybrid=hybrid)
+        kv_bytes_per_token=kv_bytes_per_token, stored_positions=stored, mla=mla, hybrid=hybrid,
+        sparse=sparse)

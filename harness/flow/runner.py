@@ -422,6 +422,7 @@ class Runner:
         plan = plan_model(model_of(cell.model), topo)
         return CellContext(
             ref=ref, par=par, noise=noise, plan=plan.attention, hybrid_plan=plan.hybrid_plan,
+            indexer_plan=plan.indexer,
             layout_check=plan.model.attention.layout_check,
             settings=CheckSettings.from_suite(suite, cell.model.dtype),
             par_caps=run_capabilities(par, self.backend.capabilities()),

@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from harness.core.errors import ConfigError
+from harness.partition.cache_groups import CacheGroup
 from harness.partition.expert_map import ExpertMap, expert_map
 from harness.partition.layout import (
     AttentionShape,
@@ -349,76 +350,6 @@ def plan_moe(h: HybridShape, tp: int, ep: int = 1, dp: int = 1) -> MoePlan:
 
 
 # ---- grouped cache capacity ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CacheGroup:
-    """One cache group of a rank: `blocks_per_seq` blocks of `block_bytes` per sequence slot."""
-
-    name: str
-    blocks_per_seq: int
-    block_bytes: int
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.blocks_per_seq * self.block_bytes
-
-
-@dataclass(frozen=True)
-class GroupedCapacity:
-    budget_bytes: int
-    slots: int
-    groups: tuple[CacheGroup, ...]
-
-    def blocks(self, name: str) -> int:
-        return self.slots * self.group(name).blocks_per_seq
-
-    def group(self, name: str) -> CacheGroup:
-        for g in self.groups:
-            if g.name == name:
-                return g
-        raise ConfigError(f"no cache group {name!r}; groups: {', '.join(g.name for g in self.groups)}")
-
-    @property
-    def slot_bytes(self) -> int:
-        return sum(g.slot_bytes for g in self.groups)
-
-    @property
-    def pool_bytes(self) -> int:
-        return self.slots * self.slot_bytes
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"budget_bytes": self.budget_bytes, "slots": self.slots, "slot_bytes": self.slot_bytes,
-                "pool_bytes": self.pool_bytes,
-                "groups": [{"name": g.name, "blocks_per_seq": g.blocks_per_seq, "block_bytes": g.block_bytes,
-                            "blocks": self.blocks(g.name), "bytes": self.blocks(g.name) * g.block_bytes}
-                           for g in self.groups]}
-
-
-def grouped_capacity(groups: tuple[CacheGroup, ...], budget_bytes: int) -> GroupedCapacity:
-    """One capacity in whole slots shared by every group; raises naming each group's shortfall."""
-    if not groups:
-        raise ConfigError("grouped cache capacity needs at least one cache group")
-    for g in groups:
-        if g.blocks_per_seq < 1 or g.block_bytes < 1:
-            raise ConfigError(f"cache group {g.name}: blocks_per_seq={g.blocks_per_seq} and "
-                              f"block_bytes={g.block_bytes} must be positive")
-    if budget_bytes < 0:
-        raise ConfigError(f"cache budget={budget_bytes} bytes must be non-negative")
-    slot = sum(g.slot_bytes for g in groups)
-    slots = budget_bytes // slot
-    if slots < 1:
-        short = slot - budget_bytes
-        parts = "; ".join(f"{g.name}: {g.blocks_per_seq} blocks x {g.block_bytes} bytes = {g.slot_bytes} bytes, "
-                          f"short by {_share(short, g.slot_bytes, slot)}" for g in groups)
-        raise ConfigError(f"cache budget of {budget_bytes} bytes per rank cannot hold one sequence slot of "
-                          f"{slot} bytes across {len(groups)} cache groups (short by {short} bytes: {parts})")
-    return GroupedCapacity(budget_bytes=budget_bytes, slots=slots, groups=groups)
-
-
-def _share(short: int, part: int, whole: int) -> str:
-    """A group's part of the shortfall, in proportion to its slot bytes (rounded up)."""
-    return f"{-(-short * part // whole)} bytes"
 
 
 def hybrid_cache_groups(attn: LayoutPlan, linear: LinearPlan, speculator: LayoutPlan | None, max_seq_len: int,

@@ -15,6 +15,8 @@ global; [lo, hi) ranges are two-element lists):
   stored_positions? {length, prompt_len, positions},
   hybrid? {linear: {...}, moe: {...} | null, cache_groups: {...}},
   q_mode?, q_weight_heads?, q_weight_checksums?, latent_dim?   (RankReport.mla, inline: all four or none)
+  sparse? {index_heads, index_weight_checksums, index_key_checksum, cache_group_blocks, block_size,
+           selected [layer][query] -> positions, margins [layer][query]}
   layers?, layers_differing?                                     (an HTTP probe's per-layer heads)
 
 A run folder whose layout.json has no schema key was written before the key existed, in the shape of
@@ -109,6 +111,24 @@ class HybridReport:
 
 
 @dataclass(frozen=True)
+class SparseReport:
+    """A sparse-attention rank (harness/engine/sparse.py): the indexer heads whose Q / weight rows it holds
+    with their checksums, the replicated indexer key projection's checksum, the blocks each cache group
+    holds (its block_size tokens per block) and the selection trace of the engine's first forward's first
+    sequence: per layer, per query position, the token positions the attention read (sorted) and the
+    indexer's relative score margin between the last selected and the first unselected token (1: no
+    competitor)."""
+
+    index_heads: tuple[int, ...]
+    index_weight_checksums: dict[str, str]
+    index_key_checksum: str
+    cache_group_blocks: dict[str, int]
+    block_size: int
+    selected: tuple[tuple[tuple[int, ...], ...], ...]
+    margins: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True)
 class ProbeLayer:
     """One attention layer as an HTTP engine's probe saw it: the head ids its Q/K/V projections hold (as
     loaded: None where no checkpoint shard matched) and those its shard parameters claim."""
@@ -148,6 +168,7 @@ class RankReport:
     stored_positions: StoredPositions | None = None
     hybrid: HybridReport | None = None
     mla: MLAReport | None = None
+    sparse: SparseReport | None = None
     layers: tuple[ProbeLayer, ...] | None = None    # an HTTP probe's per-layer heads
     layers_differing: tuple[str, ...] | None = None  # the probe's layers whose heads differ from the chosen ids
 
@@ -186,8 +207,8 @@ _MLA_KEYS: tuple[str, ...] = tuple(f.name for f in fields(MLAReport))
 WIRE_ORDER: tuple[str, ...] = (
     "rank", "q_heads", "kv_heads", "v_heads", "dcp_group", "dcp_rank", "dcp_members", "kv_tp_rank", "q_to_kv",
     "ffn_shard", "vocab_shard", "group_q_heads", "group_q_to_kv", "kv_pool_bytes", "kv_pool_blocks",
-    "kv_block_size", "kv_bytes_per_token", "kv_weight_checksums", "stored_positions", "hybrid", "mla", "layers",
-    "layers_differing")
+    "kv_block_size", "kv_bytes_per_token", "kv_weight_checksums", "stored_positions", "hybrid", "mla", "sparse",
+    "layers", "layers_differing")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from harness.core.paths import MODELS_DIR
 from harness.partition.hybrid_layout import HybridShape
 from harness.partition.layout import AttentionShape
 from harness.partition.mla_layout import MLAShape
+from harness.partition.sparse_layout import SparseShape
 from harness.specs.loader import build, check_path_name, did_you_mean, expect_int
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -51,6 +52,7 @@ class ModelSpec:
     q_lora_rank: int = 0
     qk_rope_dim: int = 0
     qk_nope_dim: int = 0
+    sparse: SparseShape | None = None  # sparse attention with a lightning indexer (harness/partition/sparse_layout.py)
 
     def __post_init__(self) -> None:
         where = f"model {self.name!r}"
@@ -80,6 +82,12 @@ class ModelSpec:
                               f"got {self.hybrid!r}")
         if self.hybrid is not None and self.qkv_bias:
             raise ConfigError(f"{where}: qkv_bias=true is not supported with hybrid (gated attention has no biases)")
+        if self.sparse is not None and not isinstance(self.sparse, SparseShape):
+            raise ConfigError(f"{where}: sparse must be a mapping of {', '.join(SparseShape.__dataclass_fields__)}, "
+                              f"got {self.sparse!r}")
+        if self.sparse is not None and (self.hybrid is not None or self.mla or self.source != "synthetic"):
+            raise ConfigError(f"{where}: sparse attention runs on a synthetic dense/GQA model only (got hybrid="
+                              f"{self.hybrid is not None}, kv_lora_rank={self.kv_lora_rank}, source={self.source})")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ConfigError(f"{where}: rope_theta={self.rope_theta} and norm_eps={self.norm_eps} must be > 0")
 
@@ -123,9 +131,11 @@ class ModelSpec:
         return replace(self, dtype=dtype)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "hybrid"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("hybrid", "sparse")}
         if self.hybrid is not None:  # dense models keep their dict (and their cache keys) unchanged
             out["hybrid"] = self.hybrid.to_dict()
+        if self.sparse is not None:
+            out["sparse"] = self.sparse.to_dict()
         return out
 
 
@@ -135,6 +145,8 @@ def model_from_dict(where: str, data: dict[str, Any], name: str = "") -> ModelSp
         data["name"] = name
     if isinstance(data.get("hybrid"), dict):
         data["hybrid"] = build(HybridShape, f"{where}: hybrid", data["hybrid"])
+    if isinstance(data.get("sparse"), dict):
+        data["sparse"] = build(SparseShape, f"{where}: sparse", data["sparse"])
     return build(ModelSpec, where, data)
 
 
