@@ -47,6 +47,9 @@ class LabelledBackend(Backend):
     def engine_fault(self) -> str | None:
         return self.inner.engine_fault()
 
+    def reseeds_weights(self) -> bool:
+        return self.inner.reseeds_weights()
+
     def version(self) -> str:
         return self.inner.version()
 

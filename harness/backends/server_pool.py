@@ -2,7 +2,8 @@
 
 A configuration is what decides a server's answers: its argv and environment with the port left out (the model,
 its weights, topology, dtype, engine arguments), the engine's own environment variables and, for a server whose
-probe captures hidden states, the cases it captures. Every run that needs a configuration (each seed's requests,
+probe captures hidden states, the cases it captures (those of every seed of the session: `seeds`, so one server
+serves every seed). Every run that needs a configuration (each seed's requests,
 workload, noise twin and reference) leases its server: the first lease starts it, later ones reuse it. The
 runner orders its cells so the runs of one configuration are adjacent and, before each cell, lets the pool stop
 the servers no later run needs (`retain`), so at most a few are up at once.
@@ -27,7 +28,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,10 +128,13 @@ class ServerPool:
     """The servers of one `harness run` (`folder` set: a session, servers live in folder/<id>/), or none
     (`folder` None: each lease starts and stops a server of its own in the run's folder)."""
 
-    def __init__(self, folder: Path | None = None, keep: bool = False, state_file: Path | None = None) -> None:
+    def __init__(self, folder: Path | None = None, keep: bool = False, state_file: Path | None = None,
+                 seeds: Sequence[int] = ()) -> None:
         self.folder = folder
         self.keep = keep
         self.state_file = state_file
+        # the run seeds whose requests one server may serve: a server's probe is told every one's cases at start
+        self.seeds = tuple(sorted(set(seeds)))
         self._up: dict[str, PooledServer] = {}        # configuration key -> its running server
         self._kept: dict[str, dict[str, Any]] = {}    # configuration key -> a kept server's state entry
         self.served: list[PooledServer] = []           # every server this run used, in order of first use
