@@ -19,6 +19,7 @@ import pytest
 
 from harness.backends.http import HttpBackend
 from harness.backends.http_capture import CASES_FILE, write_probe_cases
+from harness.backends.http_server import free_port, running_server, wait_ready
 from harness.backends.server_pool import PID_FILE, STATE_FILE, pid_alive, stop_kept
 from harness.cli import build_parser, main
 from harness.cli.run import build_request
@@ -206,3 +207,52 @@ def test_a_server_that_dies_under_a_cell_is_an_error_and_the_next_run_gets_a_fre
     assert [s["stopped"] for s in tp2] == ["a run it served failed", "the run ended"]
     assert [Path(r).resolve() for r in tp2[0]["runs"]] == [Path(cells["tp2"]["run_dir"]).resolve()]
     assert _served(cells["tp2-draft"]["run_dir"])["id"] == tp2[1]["id"]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("server-pool")
+def test_an_attached_server_serves_every_run_of_its_topology_and_is_left_running(pooled: dict[str, Any],
+                                                                                 tmp_path: Path) -> None:
+    """--attach tp2=URL: a `harness serve` the user runs serves both seeds' tp2 cells; the harness starts tp1 and
+    tp4 only, never stops the attached one, and the report names which server served which run. The attached
+    runs have no server log or probe here: the checks that read them say so; every other verdict is the pooled
+    run's."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "harness", "serve", "--model", "tiny-gqa", "--topo", "tp2", "--port", str(port),
+            "--max-seq-len", "128", "--kv-budget-mib", "8", "--max-logprobs", "20"]
+    with running_server(argv, {}, tmp_path / "mine.log", url) as mine:
+        wait_ready(mine, "/health", 300)
+        run = _run(tmp_path / "out", tmp_path / "cache", "--seed", "0", "--seed", "1", "--attach", f"tp2={url}")
+        assert mine.proc is not None and mine.proc.poll() is None  # still up: the harness never stops it
+    expected = _verdicts(pooled)
+    for (topo, _, _), checks in expected.items():
+        if topo == "tp2":  # no server log (its KV capacity) and no probe report of an attached server
+            checks["layout"] = "SKIP"
+    assert _verdicts(run) == expected
+    layout = next(k for k in run["cells"][0]["checks"] if k["name"] == "layout")
+    assert run["cells"][0]["topology"] == "tp2" and "gives none of layout_report, kv_pool_size" in layout["reason"]
+    servers = {s["id"]: s for s in run["servers"]}
+    assert sorted(s["origin"] for s in servers.values()) == ["attached", "started", "started"]
+    attached = servers["attached-1"]
+    assert attached["url"] == url and attached["topology"] == "tp2" and attached["pid"] is None
+    tp2 = [c for c in run["cells"] if c["topology"] == "tp2"]
+    assert {Path(r).resolve() for r in attached["runs"]} == {Path(c["run_dir"]).resolve() for c in tp2}
+    assert all(_served(c["run_dir"])["origin"] == "attached" and _served(c["run_dir"])["url"] == url for c in tp2)
+    html = (run["out"] / "index.html").read_text()
+    assert "2 started, 0 kept from an earlier run, 1 attached, for 8 runs" in html
+    assert "server attached-1" in html and "tiny-gqa/tp2/seed0, tiny-gqa/tp2/seed1" in html
+
+
+@pytest.mark.parametrize(("engine", "attach", "message"), [
+    ("harness-serve", "tp8=http://127.0.0.1:1", "this run serves no topology 'tp8'; it serves tp1, tp2, tp4"),
+    ("harness-serve", "tp2", "'tp2' is not TOPO=URL"),
+    ("harness-serve", "tp2=127.0.0.1:1", "the URL must be http(s)://HOST[:PORT], got '127.0.0.1:1'"),
+    ("embedded", "tp2=http://127.0.0.1:1", "engine embedded starts no HTTP server to attach in its place"),
+])
+def test_a_bad_attach_is_one_usage_error(engine: str, attach: str, message: str, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    args = [*TP[:TP.index("--engine")], "--engine", engine, "--topo", "tp2,tp4", "--attach", attach]
+    assert main([*args, "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("harness: error:") == 1, err

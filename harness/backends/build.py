@@ -67,7 +67,7 @@ class LabelledBackend(Backend):
 
     def run(self, job: Job, timeout_s: float) -> LaunchResult:
         result = self.inner.run(job, timeout_s)
-        stamp_manifest(Path(job.out_dir), self)  # its backend entry names the build
+        stamp_manifest(Path(job.out_dir), self, keep_provided=True)  # its backend entry names the build
         return result
 
 

@@ -388,7 +388,8 @@ class HttpBackend(Backend):
         logs = [run_dir / SERVER_LOG] + ([run_dir / SPEC_SERVER_LOG] if speculative else [])
         try:
             ready, collected, kv, served = self._serve(plain, logs[0], deadline, self._collect_all)
-            probed = bool(self.spec.probe_env()) and not self.spec.url
+            attached = served.get("origin") == server_pool.ATTACHED  # a server the user runs: no log, no probe here
+            probed = bool(self.spec.probe_env()) and not self.spec.url and not attached
             reported = (probe_layout(probe_dir(logs[0]), job.topology.tp) if probed and self.spec.layout_report_env
                         else None)
             if probed and self.spec.probe_captures:
@@ -399,6 +400,7 @@ class HttpBackend(Backend):
                 _, (spec_tensors, counters), kv_spec, served_spec = self._serve(job, logs[1], deadline,
                                                                                 self._collect_speculative)
                 collected.tensors.update(spec_tensors)
+                attached = attached or served_spec.get("origin") == server_pool.ATTACHED
         except (RunError, ConfigError) as exc:
             tail = exc.tail if isinstance(exc, ServerError) else "\n".join(log_tail(p) for p in logs)
             line = refusal(self.spec.refuses, logs) if isinstance(exc, ServerError) else None
@@ -407,8 +409,15 @@ class HttpBackend(Backend):
         self._write(job, collected, {"plain": kv, "speculative": kv_spec}, counters,
                     {**served, "ready_s": ready, "template": self.name,
                      **({"speculative": served_spec} if served_spec else {})}, start, reported)
-        stamp_manifest(run_dir, self)
+        stamp_manifest(run_dir, self, self._attached_capabilities() if attached else None)
         return LaunchResult(True, 0, time.time() - start, "", {"server": log_tail(logs[-1])})
+
+    def _attached_capabilities(self) -> Capabilities:
+        """What a run on an attached server (--attach) provides: what the HTTP API gives, without what the harness
+        reads from a server it started (the KV capacity in its log, its layout probe's report and captures)."""
+        caps = self.capabilities()
+        server_side = {c.KV_POOL_SIZE, c.LAYOUT_REPORT, *self.spec.probe_captures}
+        return replace(caps, provides=frozenset(caps.provides - server_side))
 
     def _serve(self, job: Job, log_path: Path, deadline: float,
                ask: Any) -> tuple[float, Any, dict[str, int] | None, dict[str, Any]]:
@@ -462,7 +471,7 @@ class HttpBackend(Backend):
                                   "captures": captured})
         dtype = job.dtype or job.model.dtype
         return server_pool.ServerConfig(key=key, need=server_pool.server_need(job.model, dtype, job.topology),
-                                        health=self.spec.health)
+                                        health=self.spec.health, topology=job.topology.name)
 
     def _ask(self, job: Job, server: Server, ready: float, deadline: float,
              ask: Any) -> tuple[float, Any, dict[str, int] | None, str]:

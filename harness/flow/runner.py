@@ -103,6 +103,7 @@ class RunRequest:
     nodes: Nodes | None = None  # this machine's place in a multi-node run (harness/launcher/nodes.py)
     keep_servers: bool = False  # leave HTTP engines' servers up for later runs (harness/backends/server_pool.py)
     server_per_run: bool = False  # a fresh HTTP engine server for every run (no server serves two runs)
+    attach: tuple[tuple[str, str], ...] = ()  # topology name -> the URL of a server the user runs (--attach)
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,8 @@ class Runner:
         # HTTP engines' servers: one per engine configuration for the whole run (kept: in the cache folder)
         kept = req.cache_dir / "servers"
         folder = None if req.server_per_run else kept if req.keep_servers else req.out_dir / "servers"
-        self.servers = ServerPool(folder, keep=req.keep_servers, state_file=kept / STATE_FILE, seeds=req.seeds)
+        self.servers = ServerPool(folder, keep=req.keep_servers, state_file=kept / STATE_FILE, seeds=req.seeds,
+                                  attach=dict(req.attach))
 
     def job(self, model: ModelSpec, topo: Topology, fault: str | None, seed: int, out_dir: Path,
             dtype: str | None = None) -> Job:
