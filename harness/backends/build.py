@@ -50,6 +50,9 @@ class LabelledBackend(Backend):
     def reseeds_weights(self) -> bool:
         return self.inner.reseeds_weights()
 
+    def independent_runs(self) -> bool:
+        return self.inner.independent_runs()
+
     def version(self) -> str:
         return self.inner.version()
 

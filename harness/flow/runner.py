@@ -7,7 +7,9 @@ import errno
 import os
 import shlex
 import shutil
+import threading
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -176,7 +178,13 @@ class Runner:
 
     def __init__(self, req: RunRequest, progress: Callable[[str], None] = print) -> None:
         self.req = req
-        self.progress = progress
+        said = threading.Lock()  # a reference and its noise run may report from two threads: a line at a time
+
+        def say(line: str) -> None:
+            with said:
+                progress(line)
+
+        self.progress = say
         self._refs: dict[tuple[str, int, str], tuple[RunArtifacts, RunArtifacts | None]] = {}
         self.reference_topology = parse_topology_name(req.suite.reference).without_speculator()
         self._commit = git_commit()
@@ -186,7 +194,7 @@ class Runner:
         # the reference and its noise twin: the same build when they run on the same engine
         self.ref_backend = with_build(get_backend(req.ref_engine),
                                       req.engine_build if req.ref_engine == req.engine else None)
-        self.cache = ReferenceCache(req.cache_dir, self.ref_backend, req.timeout_s, progress)
+        self.cache = ReferenceCache(req.cache_dir, self.ref_backend, req.timeout_s, self.progress)
         # a run seed reseeds synthetic weights only where both engines do (the reference's weights are the cell's)
         self.reseeds = self.backend.reseeds_weights() and self.ref_backend.reseeds_weights()
         self.finished: list[CellResult] = []  # the cells done so far (what an interrupted run reports)
@@ -256,12 +264,18 @@ class Runner:
         if key in self._failed_refs:
             raise self._failed_refs[key]
         if key not in self._refs:
-            try:
-                ref = self._cached(model, seed, model.dtype, topo, fault=shared)
-            except ReferenceFailed as exc:
-                self._failed_refs[key] = exc
-                raise
-            self._refs[key] = (ref, self._noise_run(model, seed, self.reference_topology, shared))
+            with ThreadPoolExecutor(max_workers=1) as overlap:
+                # the noise run beside the reference where the engine's runs are independent (each launch its own
+                # processes: on a machine the reference's one rank leaves idle cores), else after it
+                noise = (overlap.submit(self._noise_run, model, seed, self.reference_topology, shared)
+                         if self.ref_backend.independent_runs() else None)
+                try:
+                    ref = self._cached(model, seed, model.dtype, topo, fault=shared)
+                except ReferenceFailed as exc:
+                    self._failed_refs[key] = exc
+                    raise
+                self._refs[key] = (ref, noise.result() if noise is not None
+                                   else self._noise_run(model, seed, self.reference_topology, shared))
         return self._refs[key]
 
     def _reference_key(self, model: ModelSpec, seed: int, speculator: str, fault: str | None) -> tuple[str, int, str]:

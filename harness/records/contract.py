@@ -317,6 +317,11 @@ class Backend(Protocol):
         when it injects none."""
         return None
 
+    def independent_runs(self) -> bool:
+        """Whether two of its runs may be in flight at once (each launch its own processes: a reference and its
+        noise run then overlap). False (the default): its runs share something, e.g. an HTTP engine's server."""
+        return False
+
     def reseeds_weights(self) -> bool:
         """Whether a run seed also reseeds a synthetic model's weights (True: each launch builds its weights anyway,
         so seeds cover other models too). An engine serving from a server says False: the run seed seeds the cases
