@@ -9,7 +9,6 @@ import shlex
 import shutil
 import threading
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -119,6 +118,30 @@ class CellPlan:
     @property
     def slug(self) -> str:
         return f"{self.model.name}/{self.topology.name}{'-' + self.fault if self.fault else ''}/seed{self.seed}"
+
+
+class Beside:
+    """`fn(*args)` run in a daemon thread from now on; `result()` waits for it and returns its value or raises its
+    exception. A caller that leaves without asking (an interrupt) does not wait: the thread dies with the process,
+    and what it launched is stopped as any launch is when the harness exits."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            self._value = fn(*args)
+        except BaseException as exc:  # handed to result()
+            self._error = exc
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def seeded(model: ModelSpec, seed: int, reseeds: bool = True) -> ModelSpec:
@@ -264,18 +287,17 @@ class Runner:
         if key in self._failed_refs:
             raise self._failed_refs[key]
         if key not in self._refs:
-            with ThreadPoolExecutor(max_workers=1) as overlap:
-                # the noise run beside the reference where the engine's runs are independent (each launch its own
-                # processes: on a machine the reference's one rank leaves idle cores), else after it
-                noise = (overlap.submit(self._noise_run, model, seed, self.reference_topology, shared)
-                         if self.ref_backend.independent_runs() else None)
-                try:
-                    ref = self._cached(model, seed, model.dtype, topo, fault=shared)
-                except ReferenceFailed as exc:
-                    self._failed_refs[key] = exc
-                    raise
-                self._refs[key] = (ref, noise.result() if noise is not None
-                                   else self._noise_run(model, seed, self.reference_topology, shared))
+            # the noise run beside the reference where the engine's runs are independent (each launch its own
+            # processes: the reference's one rank leaves cores idle), else after it
+            noise = (Beside(self._noise_run, model, seed, self.reference_topology, shared)
+                     if self.ref_backend.independent_runs() else None)
+            try:
+                ref = self._cached(model, seed, model.dtype, topo, fault=shared)
+            except ReferenceFailed as exc:
+                self._failed_refs[key] = exc
+                raise
+            self._refs[key] = (ref, noise.result() if noise is not None
+                               else self._noise_run(model, seed, self.reference_topology, shared))
         return self._refs[key]
 
     def _reference_key(self, model: ModelSpec, seed: int, speculator: str, fault: str | None) -> tuple[str, int, str]:
