@@ -266,7 +266,9 @@ def split_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     attention_with_lse where the values have the keys' head size) and LSE-merged; mathematically equal to
     local_attention."""
     keys_all = torch.arange(mask.shape[-1], device=mask.device)  # [L]
-    sets = [keys_all[p::parts] for p in range(parts)]  # [~L / parts] each, empty when L <= p
+    # [~L / parts] each; a set that would be empty (L <= p) is left out: it would add nothing to the merge (its
+    # LSE -inf), and a fused kernel cannot take zero keys
+    sets = [keys_all[p::parts] for p in range(min(parts, mask.shape[-1]))]
     outs, lses = zip(*(attend(q, k[:, keys], v[:, keys], mask[:, :, keys], kv_index) for keys in sets))
     return merge_partials(torch.stack(outs), torch.stack(lses))  # [B, S, Hq, hd]
 
