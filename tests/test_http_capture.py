@@ -86,7 +86,7 @@ def test_localization_on_real_clean_vllm_captures_finds_no_attention_head_diverg
 
 
 def test_write_probe_cases_names_each_sequence_and_its_probe_positions(tmp_path: Path) -> None:
-    write_probe_cases(tmp_path / "server.layout", [CASE])
+    write_probe_cases(tmp_path / "server.layout", [[CASE]])
     (entry,) = json.loads((tmp_path / "server.layout" / CASES_FILE).read_text())
     assert entry == {"case": 0, "sequence_ids": list(range(40)), "positions": [4, 15, 27, 39]}
 
@@ -123,7 +123,7 @@ def test_the_probe_keeps_values_as_the_hooks_saw_them_and_writes_a_case_once_com
     from harness_probe_capture import Capture
 
     assert (PROBE_CASES_FILE, PROBE_CAPTURE_DIR) == (CASES_FILE, CAPTURE_DIR)  # the harness and probe agree
-    write_probe_cases(tmp_path, [CASE])
+    write_probe_cases(tmp_path, [[CASE]])
     capture = Capture(folder=tmp_path, rank=lambda: 1, layers=1)
 
     def step(positions: list[int], base: float) -> None:

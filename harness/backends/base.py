@@ -7,7 +7,7 @@ from typing import Any
 
 from harness.core.errors import RunError
 from harness.core.jsonio import read_json, write_json
-from harness.records.contract import MANIFEST_BACKEND, MANIFEST_FILE, Backend
+from harness.records.contract import MANIFEST_BACKEND, MANIFEST_FILE, Backend, Capabilities
 
 
 def backend_record(backend: Backend) -> dict[str, Any]:
@@ -17,12 +17,22 @@ def backend_record(backend: Backend) -> dict[str, Any]:
     return {**record, "build": build} if build else record
 
 
-def stamp_manifest(run_dir: Path, backend: Backend) -> None:
-    """Record the backend in run_dir's manifest.json (left alone when there is none to stamp)."""
+def stamp_manifest(run_dir: Path, backend: Backend, provided: Capabilities | None = None,
+                   keep_provided: bool = False) -> None:
+    """Record the backend in run_dir's manifest.json (left alone when there is none to stamp). `provided`: what this
+    run provided when it is less than the backend's capabilities (an HTTP run on a server without a log or probe);
+    `keep_provided`: keep the capabilities the run already recorded (a wrapper naming itself, build.py)."""
     path = run_dir / MANIFEST_FILE
     try:
         manifest = read_json(path)
     except RunError:
         return
-    if isinstance(manifest, dict):
-        write_json(path, {**manifest, MANIFEST_BACKEND: backend_record(backend)})
+    if not isinstance(manifest, dict):
+        return
+    record = backend_record(backend)
+    earlier = manifest.get(MANIFEST_BACKEND)
+    if provided is not None:
+        record["capabilities"] = provided.to_dict()
+    elif keep_provided and isinstance(earlier, dict) and isinstance(earlier.get("capabilities"), dict):
+        record["capabilities"] = earlier["capabilities"]
+    write_json(path, {**manifest, MANIFEST_BACKEND: record})

@@ -47,6 +47,12 @@ class LabelledBackend(Backend):
     def engine_fault(self) -> str | None:
         return self.inner.engine_fault()
 
+    def reseeds_weights(self) -> bool:
+        return self.inner.reseeds_weights()
+
+    def independent_runs(self) -> bool:
+        return self.inner.independent_runs()
+
     def version(self) -> str:
         return self.inner.version()
 
@@ -64,7 +70,7 @@ class LabelledBackend(Backend):
 
     def run(self, job: Job, timeout_s: float) -> LaunchResult:
         result = self.inner.run(job, timeout_s)
-        stamp_manifest(Path(job.out_dir), self)  # its backend entry names the build
+        stamp_manifest(Path(job.out_dir), self, keep_provided=True)  # its backend entry names the build
         return result
 
 

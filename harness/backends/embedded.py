@@ -74,6 +74,9 @@ class EmbeddedBackend(Backend):
     def noise_strategy(self) -> str:
         return c.NOISE_REDUCTION_ORDER  # same dtype, another reduction order (runner.noise_run)
 
+    def independent_runs(self) -> bool:
+        return True  # each launch its own processes
+
     def run(self, job: Job, timeout_s: float) -> LaunchResult:
         result = launch(job, timeout_s, WORKER_MODULE, worker_args=self.worker_args())
         stamp_manifest(Path(job.out_dir), self)

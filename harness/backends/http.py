@@ -52,7 +52,7 @@ from harness.backends import server_pool
 from harness.backends.base import stamp_manifest
 from harness.backends.build import check_label
 from harness.backends.embedded import weights_key
-from harness.backends.http_capture import read_captures, write_probe_cases
+from harness.backends.http_capture import capture_offsets, read_captures, write_probe_cases
 from harness.backends.http_collect import Collected, collect
 from harness.backends.http_dialects import (
     DIALECTS,
@@ -81,7 +81,7 @@ from harness.core.jsonio import write_json
 from harness.engine.faults import FAULTS
 from harness.engine.tokenizer import load_tokenizer
 from harness.records import contract as c
-from harness.records.artifacts import write_run
+from harness.records.artifacts import Case, write_run
 from harness.records.contract import Backend, Capabilities, Job, LaunchResult
 from harness.specs.engine import load_engine
 from harness.specs.model import ModelSpec
@@ -330,6 +330,11 @@ class HttpBackend(Backend):
     def noise_strategy(self) -> str:
         return c.NOISE_SCHEDULING
 
+    def reseeds_weights(self) -> bool:
+        """No: a server holds one model's weights; the run seed seeds the cases and each request (one server
+        serves every seed)."""
+        return False
+
     # -- a run ------------------------------------------------------------------------------------------
 
     def _values(self, job: Job, model: ModelSpec, model_path: str, port: int) -> dict[str, str]:
@@ -385,16 +390,19 @@ class HttpBackend(Backend):
         logs = [run_dir / SERVER_LOG] + ([run_dir / SPEC_SERVER_LOG] if speculative else [])
         try:
             ready, collected, kv, served = self._serve(plain, logs[0], deadline, self._collect_all)
-            probed = bool(self.spec.probe_env()) and not self.spec.url
+            attached = served.get("origin") == server_pool.ATTACHED  # a server the user runs: no log, no probe here
+            probed = bool(self.spec.probe_env()) and not self.spec.url and not attached
             reported = (probe_layout(probe_dir(logs[0]), job.topology.tp) if probed and self.spec.layout_report_env
                         else None)
             if probed and self.spec.probe_captures:
-                collected.tensors.update(read_captures(probe_dir(logs[0]), job.topology.tp, collected.cases))
+                offset = self._probe_cases(plain)[1]
+                collected.tensors.update(read_captures(probe_dir(logs[0]), job.topology.tp, collected.cases, offset))
             counters = kv_spec = served_spec = None
             if speculative:
                 _, (spec_tensors, counters), kv_spec, served_spec = self._serve(job, logs[1], deadline,
                                                                                 self._collect_speculative)
                 collected.tensors.update(spec_tensors)
+                attached = attached or served_spec.get("origin") == server_pool.ATTACHED
         except (RunError, ConfigError) as exc:
             tail = exc.tail if isinstance(exc, ServerError) else "\n".join(log_tail(p) for p in logs)
             line = refusal(self.spec.refuses, logs) if isinstance(exc, ServerError) else None
@@ -403,8 +411,15 @@ class HttpBackend(Backend):
         self._write(job, collected, {"plain": kv, "speculative": kv_spec}, counters,
                     {**served, "ready_s": ready, "template": self.name,
                      **({"speculative": served_spec} if served_spec else {})}, start, reported)
-        stamp_manifest(run_dir, self)
+        stamp_manifest(run_dir, self, self._attached_capabilities() if attached else None)
         return LaunchResult(True, 0, time.time() - start, "", {"server": log_tail(logs[-1])})
+
+    def _attached_capabilities(self) -> Capabilities:
+        """What a run on an attached server (--attach) provides: what the HTTP API gives, without what the harness
+        reads from a server it started (the KV capacity in its log, its layout probe's report and captures)."""
+        caps = self.capabilities()
+        server_side = {c.KV_POOL_SIZE, c.LAYOUT_REPORT, *self.spec.probe_captures}
+        return replace(caps, provides=frozenset(caps.provides - server_side))
 
     def _serve(self, job: Job, log_path: Path, deadline: float,
                ask: Any) -> tuple[float, Any, dict[str, int] | None, dict[str, Any]]:
@@ -418,8 +433,7 @@ class HttpBackend(Backend):
             ready, answer, kv, url = self._ask(job, server, wait_ready(server, self.spec.health, ready_timeout),
                                               deadline, ask)
             return ready, answer, kv, {"url": url}
-        cases = ([case for cases, _ in case_groups(job, load_tokenizer(job.model)) for case in cases]
-                 if self.spec.probe_env() and self.spec.probe_captures else None)
+        cases = self._probe_cases(job)[0] if self.spec.probe_env() and self.spec.probe_captures else None
         config = self._server_config(job, cases)
 
         def launch(server_log: Path, port: int) -> tuple[list[str], dict[str, str]]:
@@ -437,18 +451,29 @@ class HttpBackend(Backend):
             ready, answer, kv, url = self._ask(job, lease.server, ready, deadline, ask)
             return ready, answer, kv, {"url": url, **lease.record}
 
-    def _server_config(self, job: Job, cases: list[Any] | None) -> server_pool.ServerConfig:
+    def _probe_cases(self, job: Job) -> tuple[list[list[Case]], int]:
+        """What the probe of `job`'s server captures: the cases of every run seed the session's servers serve (the
+        job's own included), a set per seed in seed order; and the capture id offset of the job's own set
+        (http_capture.capture_offsets), so one server captures every seed's cases."""
+        seeds = sorted({job.seed, *server_pool.current().seeds})
+        tokenizer = load_tokenizer(job.model)
+        sets = [[case for group, _ in case_groups(replace(job, seed=seed), tokenizer) for case in group]
+                for seed in seeds]
+        return sets, capture_offsets(sets)[seeds.index(job.seed)]
+
+    def _server_config(self, job: Job, cases: list[list[Case]] | None) -> server_pool.ServerConfig:
         """The engine configuration `job` runs on: its server's argv and environment without the port and the
         model's path (the model is keyed by its spec and weights), the engine's own variables, the interpreter,
-        and the cases its probe captures."""
+        and the cases its probe captures (every seed's: one server serves them all)."""
         argv, env = self.command(job, "{model}", 0)
-        captured = None if cases is None else [(c.index, list(c.sequence_ids), list(c.probe_positions)) for c in cases]
+        captured = None if cases is None else [[(c.index, list(c.sequence_ids), list(c.probe_positions)) for c in s]
+                                               for s in cases]
         key = server_pool.digest({"argv": argv, "env": env, "engine_env": self.engine_env(),
                                   "python": self.spec.interpreter(), "weights": weights_key(job.model),
                                   "captures": captured})
         dtype = job.dtype or job.model.dtype
         return server_pool.ServerConfig(key=key, need=server_pool.server_need(job.model, dtype, job.topology),
-                                        health=self.spec.health)
+                                        health=self.spec.health, topology=job.topology.name)
 
     def _ask(self, job: Job, server: Server, ready: float, deadline: float,
              ask: Any) -> tuple[float, Any, dict[str, int] | None, str]:
@@ -465,7 +490,7 @@ class HttpBackend(Backend):
         return ready, answer, kv_capacity(self.spec.kv_capacity_pattern, log_text), server.base_url
 
     def _dialect(self, job: Job, client: httpx.Client) -> Dialect:
-        return DIALECTS[self.spec.dialect](post_json(client), job.model.name)
+        return DIALECTS[self.spec.dialect](post_json(client), job.model.name, job.seed)
 
     def _collect_all(self, job: Job, client: httpx.Client) -> Collected:
         """The cases' top-k and generations, then GSM8K through the same server when the job asks."""

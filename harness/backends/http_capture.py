@@ -1,7 +1,8 @@
 """Hidden states and attention outputs an HTTP engine's server captured about itself, for localization: its
 probe (tests/vllm_plugin/harness_vllm_probe/capture.py for vLLM) is told the cases' teacher-forced token ids
-and probe positions through a file in its folder (`write_probe_cases`, before the server starts) and writes,
-per rank and case, the residual stream after the embedding and each layer and the per-head attention output
+and probe positions through a file in its folder (`write_probe_cases`, before the server starts: the cases of
+every run seed the server will serve, each set under ids of its own, `capture_offsets`) and writes, per rank and
+case, the residual stream after the embedding and each layer and the per-head attention output
 of the rank's own Q heads at those positions. `read_captures` turns them into the contract's tensors
 (contract.HIDDEN [L+1, P, H] and contract.ATTN [L, P, heads, head_dim] in global head order: the ranks' heads
 in rank order, as the embedded engine gathers them). The harness never imports the engine: it reads files.
@@ -25,11 +26,20 @@ CASES_FILE = "capture-cases.json"  # what the probe captures (its capture.CASES_
 CAPTURE_DIR = "capture"            # where it writes rank<R>.case<I>.safetensors (capture.CAPTURE_DIR)
 
 
-def write_probe_cases(folder: Path, cases: Sequence[Case]) -> None:
-    """Tell the server's probe which sequences are the cases and where their probe positions are."""
+def capture_offsets(case_sets: Sequence[Sequence[Case]]) -> list[int]:
+    """The capture id offset of each of several case sets one probe captures (one set per run seed, whose case
+    indexes all start at 0): case i of set s is captured as offsets[s] + i, so no two sets share an id."""
+    stride = 1 + max((case.index for cases in case_sets for case in cases), default=-1)
+    return [s * stride for s in range(len(case_sets))]
+
+
+def write_probe_cases(folder: Path, case_sets: Sequence[Sequence[Case]]) -> None:
+    """Tell the server's probe which sequences are the cases and where their probe positions are: every set of
+    `case_sets` (one per run seed the server serves), each under its capture ids (capture_offsets)."""
     folder.mkdir(parents=True, exist_ok=True)
-    data = [{"case": case.index, "sequence_ids": list(case.sequence_ids), "positions": list(case.probe_positions)}
-            for case in cases]
+    data = [{"case": offset + case.index, "sequence_ids": list(case.sequence_ids),
+             "positions": list(case.probe_positions)}
+            for offset, cases in zip(capture_offsets(case_sets), case_sets) for case in cases]
     (folder / CASES_FILE).write_text(json.dumps(data) + "\n")
 
 
@@ -42,8 +52,8 @@ def _probe_error(folder: Path) -> str | None:
     return None
 
 
-def _load(folder: Path, rank: int, case: Case) -> dict[str, torch.Tensor]:
-    path = folder / CAPTURE_DIR / f"rank{rank}.case{case.index}.safetensors"
+def _load(folder: Path, rank: int, case: Case, offset: int) -> dict[str, torch.Tensor]:
+    path = folder / CAPTURE_DIR / f"rank{rank}.case{offset + case.index}.safetensors"
     try:
         tensors = load_file(str(path))
     except FileNotFoundError:
@@ -59,12 +69,12 @@ def _load(folder: Path, rank: int, case: Case) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def read_captures(folder: Path, tp: int, cases: Sequence[Case]) -> dict[str, torch.Tensor]:
-    """hidden.{i} and attn.{i} of every case from the probe's files of a tp-rank server; a RunError naming the
-    case and rank that has none."""
+def read_captures(folder: Path, tp: int, cases: Sequence[Case], offset: int = 0) -> dict[str, torch.Tensor]:
+    """hidden.{i} and attn.{i} of every case from the probe's files of a tp-rank server (case i captured as id
+    `offset` + i: capture_offsets); a RunError naming the case and rank that has none."""
     out: dict[str, torch.Tensor] = {}
     for case in cases:
-        ranks = [_load(folder, rank, case) for rank in range(tp)]
+        ranks = [_load(folder, rank, case, offset) for rank in range(tp)]
         out[c.tensor_key(c.HIDDEN, case.index)] = ranks[0]["hidden"].float()  # the stream is replicated: rank 0's
         # each rank's own Q heads [L, P, local heads, hd], in rank order -> [L, P, heads, hd]
         out[c.tensor_key(c.ATTN, case.index)] = torch.cat([r["attn"].float() for r in ranks], dim=2)

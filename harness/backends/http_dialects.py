@@ -174,13 +174,16 @@ def answer_shape(dialect: str, what: str) -> Iterator[None]:
 
 
 class Dialect:
-    """Asks for scores and generations of several sequences in one request (`together`) or one by one."""
+    """Asks for scores and generations of several sequences in one request (`together`) or one by one. `seed`: the
+    run seed, sent with each request as its sampling seed where the dialect has one (the requests are greedy: it
+    decides nothing today, and the server's own seed stays the same for every run seed)."""
 
     name = ""
 
-    def __init__(self, post: Post, model: str) -> None:
+    def __init__(self, post: Post, model: str, seed: int | None = None) -> None:
         self.post = post
         self.model = model
+        self.seed = seed
 
     def score(self, sequences: Sequence[Sequence[int]], k: int, together: bool) -> list[Scored]:
         groups = [list(sequences)] if together else [[s] for s in sequences]
@@ -246,8 +249,9 @@ class VllmDialect(Dialect):
     def _body(self, prompts: list[Sequence[int]], n: int, k: int,
               stop: tuple[int, ...] | None = None) -> dict[str, Any]:
         ends = {"ignore_eos": True} if stop is None else {"ignore_eos": False, "stop_token_ids": list(stop)}
+        seed = {"seed": self.seed} if self.seed is not None else {}
         return {"model": self.model, "prompt": [list(p) for p in prompts], "max_tokens": n, "temperature": 0,
-                "logprobs": k, "return_tokens_as_token_ids": True, **ends}
+                "logprobs": k, "return_tokens_as_token_ids": True, **ends, **seed}
 
     def _score(self, sequences: list[Sequence[int]], k: int) -> list[Scored]:
         answer = self.post("/v1/completions", {**self._body(sequences, 1, k), "prompt_logprobs": k})

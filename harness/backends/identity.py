@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import hashlib
 from pathlib import Path
+from typing import Iterator
 
 from harness.core.paths import PROJECT_ROOT
 
@@ -35,17 +36,40 @@ def _module_file(root: Path, module: str) -> Path | None:
     return None
 
 
-def _imports(path: Path) -> set[str]:
-    """Every `harness.*` module `path` imports, at any depth of the file (lazy imports included)."""
+# the statements that hold statements: an import is a statement, so the walk never enters an expression
+_BLOCKS: tuple[str, ...] = ("body", "orelse", "finalbody", "handlers", "cases")
+_SEEN: dict[bytes, frozenset[str]] = {}  # a file's contents -> the harness modules it imports (once per process)
+
+
+def _statements(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every statement of `tree` at any depth (function and class bodies, branches, handlers, match cases)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for name in _BLOCKS:
+            todo.extend(getattr(node, name, None) or ())
+
+
+def _imports(path: Path) -> frozenset[str]:
+    """Every `harness.*` module `path` imports, at any depth of the file (lazy imports included); parsed once
+    per process for each content (the reference cache asks for several entries' closures, which share files)."""
+    data = path.read_bytes()
+    if data not in _SEEN:
+        _SEEN[data] = _parse_imports(data, path)
+    return _SEEN[data]
+
+
+def _parse_imports(data: bytes, path: Path) -> frozenset[str]:
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in _statements(ast.parse(data, filename=str(path))):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.split(".")[0] == PACKAGE)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
                 and node.module.split(".")[0] == PACKAGE:
             out.add(node.module)
             out.update(f"{node.module}.{a.name}" for a in node.names)  # `from harness import x` (a module)
-    return out
+    return frozenset(out)
 
 
 def import_closure(entry: str, root: Path = PROJECT_ROOT) -> list[Path]:

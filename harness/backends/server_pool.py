@@ -2,7 +2,8 @@
 
 A configuration is what decides a server's answers: its argv and environment with the port left out (the model,
 its weights, topology, dtype, engine arguments), the engine's own environment variables and, for a server whose
-probe captures hidden states, the cases it captures. Every run that needs a configuration (each seed's requests,
+probe captures hidden states, the cases it captures (those of every seed of the session: `seeds`, so one server
+serves every seed). Every run that needs a configuration (each seed's requests,
 workload, noise twin and reference) leases its server: the first lease starts it, later ones reuse it. The
 runner orders its cells so the runs of one configuration are adjacent and, before each cell, lets the pool stop
 the servers no later run needs (`retain`), so at most a few are up at once.
@@ -11,6 +12,11 @@ A lease that ends in an error stops its server (a server that crashed, hung or a
 again); the next run of its configuration starts a fresh one, and a server found dead when leased is replaced.
 After each lease the server's log (and its probe's folder) is copied into the run's folder, so a run folder
 holds the log of the server that served it, as when it had a server of its own.
+
+A configuration can be served by a server the user runs (`attach`: topology name -> URL, `harness run --attach
+TOPO=URL`): every run of that topology is sent there; it is never started or stopped, and has no log or probe
+folder here, so its runs provide what the HTTP API gives (the layout probe, captures and the logged KV capacity
+are left out of their capabilities: harness/backends/http.py).
 
 Outside a session (`ServerPool.session`) each lease starts a server in the run's own folder and stops it
 afterwards: one server per run. With `keep` the servers outlive the run: they are listed in a state file
@@ -27,7 +33,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +49,7 @@ STATE_FILE = "servers.json"
 SERVER_LOG = "server.log"
 PID_FILE = "server.pid"  # the server leader's pid, beside its log
 ADOPT_HEALTH_TIMEOUT_S = 5.0
+ATTACHED = "attached"  # a server's origin when the user runs it (--attach TOPO=URL)
 
 HOST = "127.0.0.1"  # where the pool's servers listen
 
@@ -66,11 +73,13 @@ def server_need(model: ModelSpec, dtype: str, topology: Topology) -> str:
 @dataclass(frozen=True)
 class ServerConfig:
     """One engine configuration: `key` identifies it (digest of what decides the server's answers), `need` is
-    its server_need, `health` the path that answers 200 when it is ready."""
+    its server_need, `health` the path that answers 200 when it is ready, `topology` the name of the topology it
+    serves (what `--attach TOPO=URL` names)."""
 
     key: str
     need: str
     health: str
+    topology: str = ""
 
 
 @dataclass
@@ -80,18 +89,18 @@ class PooledServer:
     id: str            # unique per start: the configuration's first 12 hex digits and a start count
     config: ServerConfig
     server: Server
-    folder: Path
+    folder: Path | None  # None: a server someone else runs (attached)
     argv: list[str]
-    origin: str        # "started" by this run, or "kept" (started by an earlier run with --keep-servers)
+    origin: str        # "started" by this run, "kept" (started by an earlier run with --keep-servers) or "attached"
     runs: list[str] = field(default_factory=list)  # the run folders it served
     stopped: str | None = None  # why it was stopped, once stopped
 
     def record(self) -> dict[str, Any]:
         pid = self.server.proc.pid if self.server.proc is not None else None
         return {"id": self.id, "config": self.config.key[:12], "argv_sha256": digest(self.argv), "argv": self.argv,
-                "pid": pid,
-                "url": self.server.base_url, "log": str(self.server.log_path), "origin": self.origin,
-                "runs": list(self.runs), "stopped": self.stopped}
+                "pid": pid, "topology": self.config.topology,
+                "url": self.server.base_url, "log": str(self.server.log_path) if self.folder is not None else None,
+                "origin": self.origin, "runs": list(self.runs), "stopped": self.stopped}
 
 
 class AdoptedProcess:
@@ -127,10 +136,16 @@ class ServerPool:
     """The servers of one `harness run` (`folder` set: a session, servers live in folder/<id>/), or none
     (`folder` None: each lease starts and stops a server of its own in the run's folder)."""
 
-    def __init__(self, folder: Path | None = None, keep: bool = False, state_file: Path | None = None) -> None:
+    def __init__(self, folder: Path | None = None, keep: bool = False, state_file: Path | None = None,
+                 seeds: Sequence[int] = (), attach: Mapping[str, str] | None = None) -> None:
         self.folder = folder
         self.keep = keep
         self.state_file = state_file
+        # topology name -> the URL of a server someone else runs, which serves every run of that topology
+        self.attach = dict(attach or {})
+        self._attached: dict[str, PooledServer] = {}  # URL -> its entry
+        # the run seeds whose requests one server may serve: a server's probe is told every one's cases at start
+        self.seeds = tuple(sorted(set(seeds)))
         self._up: dict[str, PooledServer] = {}        # configuration key -> its running server
         self._kept: dict[str, dict[str, Any]] = {}    # configuration key -> a kept server's state entry
         self.served: list[PooledServer] = []           # every server this run used, in order of first use
@@ -168,6 +183,9 @@ class ServerPool:
         started for the lease must be ready within `timeout_s`. A lease that ends in an exception stops the
         server."""
         self.leases.append(run_folder(log_path.parent))
+        if config.topology in self.attach:
+            yield from self._attach(config, self.attach[config.topology], log_path)
+            return
         if self.folder is None:
             yield from self._own(config, log_path, launch, timeout_s)
             return
@@ -195,6 +213,21 @@ class ServerPool:
             _copy_out(entry.server.log_path, log_path)
             if not ok:
                 self._stop(entry, "a run it served failed")
+
+    def _attach(self, config: ServerConfig, url: str, log_path: Path) -> Iterator[Lease]:
+        """The server at `url` (someone else runs it: never started or stopped here, its log is not ours) for one
+        run; the lease waits for its health path as for any server."""
+        entry = self._attached.get(url)
+        if entry is None:
+            entry = PooledServer(id=f"attached-{len(self._attached) + 1}", config=config,
+                                 server=Server(base_url=url, log_path=log_path), folder=None, argv=[],
+                                 origin=ATTACHED)
+            self._attached[url] = entry
+            self.served.append(entry)
+        entry.runs.append(run_folder(log_path.parent))
+        yield Lease(Server(base_url=url, log_path=log_path), {"id": entry.id, "config": config.key[:12],
+                                                               "argv_sha256": None, "started": False,
+                                                               "origin": ATTACHED, "url": url}, 0.0)
 
     def _own(self, config: ServerConfig, log_path: Path, launch: Launch, timeout_s: float) -> Iterator[Lease]:
         """One server for one run, in the run's folder, stopped when the run ends."""

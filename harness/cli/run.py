@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,12 +26,12 @@ from harness.core.errors import ConfigError, DiskFull, RunError
 from harness.core.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, free_bytes
 from harness.core.paths import BASELINES_DIR, REPORTS_DIR
 from harness.launcher.nodes import check_engine, parse_nodes
-from harness.records.contract import WORKLOADS
+from harness.records.contract import WORKLOADS, Backend
 from harness.records.history import check_store, history_path
 from harness.records.shard import parse_shard
 from harness.specs.checkpoint import load_model
 from harness.specs.suite import Suite, with_profile
-from harness.specs.topology import load_catalog
+from harness.specs.topology import Topology, load_catalog, parse_topology_name
 from harness.specs.workload import SUITE_PROMPTS, check_workload_names
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a run is asked for
@@ -88,6 +89,9 @@ def add_parser(sub: Any) -> None:
                    "(0 runs references, compares and writes the report)")
     p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                    help="node 0's rendezvous address; the k-th cell uses PORT+k")
+    p.add_argument("--attach", action="append", default=None, metavar="TOPO=URL[,TOPO=URL...]",
+                   help="HTTP engines: send every run of topology TOPO (a cell's, or the reference's tp1) to the "
+                   "server you run at URL instead of starting one; never stopped by the harness (repeatable)")
     servers = p.add_mutually_exclusive_group()
     servers.add_argument("--keep-servers", action="store_true",
                          help="HTTP engines: leave the engine servers up when the run ends (listed in "
@@ -188,7 +192,40 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
         baselines_dir=args.baselines_dir, shard=parse_shard(args.shard) if args.shard else None,
         engine_build=check_label(args.engine_build) if args.engine_build is not None else None,
         nodes=nodes, pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)), workloads=workloads,
-        keep_servers=args.keep_servers, server_per_run=args.server_per_run)
+        keep_servers=args.keep_servers, server_per_run=args.server_per_run,
+        attach=attached_servers(args.attach, engines, topologies, suite.reference))
+
+
+def attached_servers(given: list[str] | None, engines: list[Backend], topologies: Sequence[Topology],
+                     reference: str) -> tuple[tuple[str, str], ...]:
+    """--attach TOPO=URL items (comma lists, repeatable) validated: TOPO a topology the run serves (a cell's, the
+    plain one of a -draft / -mtp cell, or the reference's), URL http(s)://, an engine that starts servers."""
+    from harness.backends.http import HttpBackend
+
+    items = [i.strip() for g in given or [] for i in g.split(",") if i.strip()]
+    if not items:
+        return ()
+    if not any(isinstance(e, HttpBackend) and e.spec.argv for e in engines):
+        raise ConfigError(f"--attach {items[0]}: engine {engines[0].name} starts no HTTP server to attach in its "
+                          f"place (use an HTTP engine: --engine vllm, sglang, harness-serve)")
+    ref = parse_topology_name(reference).without_speculator()
+    served = {ref.name} | {n for t in topologies for n in (t.name, t.without_speculator().name)} | {
+        f"{ref.name}-{t.speculator}" for t in topologies if t.speculator != "none"}
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, url = item.partition("=")
+        if not sep or not name.strip() or not url.strip():
+            raise ConfigError(f"--attach {item!r} is not TOPO=URL (e.g. tp2=http://127.0.0.1:8001)")
+        name, url = name.strip(), url.strip().rstrip("/")
+        if name not in served:
+            raise ConfigError(f"--attach {item!r}: this run serves no topology {name!r}; it serves "
+                              f"{', '.join(sorted(served))}")
+        if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
+            raise ConfigError(f"--attach {item!r}: the URL must be http(s)://HOST[:PORT], got {url!r}")
+        if name in out and out[name] != url:
+            raise ConfigError(f"--attach names topology {name} twice ({out[name]} and {url})")
+        out[name] = url
+    return tuple(sorted(out.items()))
 
 
 def selected_workloads(suite: Suite, given: list[str] | None) -> tuple[str, ...]:

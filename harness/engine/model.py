@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -258,12 +259,17 @@ def partial_lse(lse: torch.Tensor, flags: FaultFlags) -> torch.Tensor:
 
 
 def split_key_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                        kv_index: tuple[int, ...], parts: int) -> torch.Tensor:
+                        kv_index: tuple[int, ...], parts: int,
+                        attend: Callable[..., tuple[torch.Tensor, torch.Tensor]] = local_attention) -> torch.Tensor:
     """The noise perturbation of attention: keys dealt round-robin into `parts` sets (as DCP deals
-    tokens to ranks), attended separately and LSE-merged; mathematically equal to local_attention."""
+    tokens to ranks), attended separately by `attend` (local_attention's arguments and results: the DCP path's
+    attention_with_lse where the values have the keys' head size) and LSE-merged; mathematically equal to
+    local_attention."""
     keys_all = torch.arange(mask.shape[-1], device=mask.device)  # [L]
-    sets = [keys_all[p::parts] for p in range(parts)]  # [~L / parts] each, empty when L <= p
-    outs, lses = zip(*(local_attention(q, k[:, keys], v[:, keys], mask[:, :, keys], kv_index) for keys in sets))
+    # [~L / parts] each; a set that would be empty (L <= p) is left out: it would add nothing to the merge (its
+    # LSE -inf), and a fused kernel cannot take zero keys
+    sets = [keys_all[p::parts] for p in range(min(parts, mask.shape[-1]))]
+    outs, lses = zip(*(attend(q, k[:, keys], v[:, keys], mask[:, :, keys], kv_index) for keys in sets))
     return merge_partials(torch.stack(outs), torch.stack(lses))  # [B, S, Hq, hd]
 
 
@@ -473,7 +479,8 @@ class Decoder:
         k_all = self.cache.k[i].flatten(0, 1).index_select(0, flat).view(B, -1, hm.n_kv, hd)
         v_all = self.cache.v[i].flatten(0, 1).index_select(0, flat).view(B, -1, hm.n_kv, hd)
         if self.comm.dcp == 1 and self.flags.split_reduction > 1:
-            return split_key_attention(q, k_all, v_all, visible, hm.group_q_to_local_kv, self.flags.split_reduction)
+            return split_key_attention(q, k_all, v_all, visible, hm.group_q_to_local_kv, self.flags.split_reduction,
+                                       attention_with_lse)
         if self.comm.dcp == 1:
             return fused_attention(q, k_all, v_all, visible, hm.group_q_to_local_kv, kind)
         group_q = self.comm.gather_dcp(q, dim=2)  # [B, S, dcp * Hq_local, hd], member order

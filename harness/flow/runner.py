@@ -7,6 +7,7 @@ import errno
 import os
 import shlex
 import shutil
+import threading
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -103,6 +104,7 @@ class RunRequest:
     nodes: Nodes | None = None  # this machine's place in a multi-node run (harness/launcher/nodes.py)
     keep_servers: bool = False  # leave HTTP engines' servers up for later runs (harness/backends/server_pool.py)
     server_per_run: bool = False  # a fresh HTTP engine server for every run (no server serves two runs)
+    attach: tuple[tuple[str, str], ...] = ()  # topology name -> the URL of a server the user runs (--attach)
 
 
 @dataclass(frozen=True)
@@ -118,9 +120,35 @@ class CellPlan:
         return f"{self.model.name}/{self.topology.name}{'-' + self.fault if self.fault else ''}/seed{self.seed}"
 
 
-def seeded(model: ModelSpec, seed: int) -> ModelSpec:
-    """A run seed also reseeds synthetic weights, so seeds cover different models, not only prompts."""
-    return replace(model, seed=model.seed + seed) if model.source == "synthetic" else model
+class Beside:
+    """`fn(*args)` run in a daemon thread from now on; `result()` waits for it and returns its value or raises its
+    exception. A caller that leaves without asking (an interrupt) does not wait: the thread dies with the process,
+    and what it launched is stopped as any launch is when the harness exits."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            self._value = fn(*args)
+        except BaseException as exc:  # handed to result()
+            self._error = exc
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def seeded(model: ModelSpec, seed: int, reseeds: bool = True) -> ModelSpec:
+    """The model a run of `seed` runs: with `reseeds` (every engine of the run reseeds weights by the run seed,
+    Backend.reseeds_weights) a synthetic model's weights are reseeded, so seeds cover other models, not only other
+    prompts; otherwise the model's own weights (its spec's seed), and the seed seeds the cases and requests."""
+    return replace(model, seed=model.seed + seed) if reseeds and model.source == "synthetic" else model
 
 
 def skip_reason(model: ModelSpec, topo: Topology, fault: str | None) -> str | None:
@@ -173,7 +201,13 @@ class Runner:
 
     def __init__(self, req: RunRequest, progress: Callable[[str], None] = print) -> None:
         self.req = req
-        self.progress = progress
+        said = threading.Lock()  # a reference and its noise run may report from two threads: a line at a time
+
+        def say(line: str) -> None:
+            with said:
+                progress(line)
+
+        self.progress = say
         self._refs: dict[tuple[str, int, str], tuple[RunArtifacts, RunArtifacts | None]] = {}
         self.reference_topology = parse_topology_name(req.suite.reference).without_speculator()
         self._commit = git_commit()
@@ -183,12 +217,15 @@ class Runner:
         # the reference and its noise twin: the same build when they run on the same engine
         self.ref_backend = with_build(get_backend(req.ref_engine),
                                       req.engine_build if req.ref_engine == req.engine else None)
-        self.cache = ReferenceCache(req.cache_dir, self.ref_backend, req.timeout_s, progress)
+        self.cache = ReferenceCache(req.cache_dir, self.ref_backend, req.timeout_s, self.progress)
+        # a run seed reseeds synthetic weights only where both engines do (the reference's weights are the cell's)
+        self.reseeds = self.backend.reseeds_weights() and self.ref_backend.reseeds_weights()
         self.finished: list[CellResult] = []  # the cells done so far (what an interrupted run reports)
         # HTTP engines' servers: one per engine configuration for the whole run (kept: in the cache folder)
         kept = req.cache_dir / "servers"
         folder = None if req.server_per_run else kept if req.keep_servers else req.out_dir / "servers"
-        self.servers = ServerPool(folder, keep=req.keep_servers, state_file=kept / STATE_FILE)
+        self.servers = ServerPool(folder, keep=req.keep_servers, state_file=kept / STATE_FILE, seeds=req.seeds,
+                                  attach=dict(req.attach))
 
     def job(self, model: ModelSpec, topo: Topology, fault: str | None, seed: int, out_dir: Path,
             dtype: str | None = None) -> Job:
@@ -197,7 +234,7 @@ class Runner:
         noise = perturbed or dtype not in (None, model.dtype)  # the noise run skips GSM8K
         gsm8k = (GSM8KJob(req.gsm8k.to_dict(), req.gsm8k_data)
                  if req.gsm8k is not None and not noise else None)
-        return Job(model=seeded(model, seed), topology=topo, prompts=tuple(s.prompts),
+        return Job(model=seeded(model, seed, self.reseeds), topology=topo, prompts=tuple(s.prompts),
                    out_dir=str(out_dir), fault=fault, dtype=dtype, seed=seed, max_new_tokens=s.max_new_tokens,
                    decode_prefix_tokens=s.decode_prefix_tokens, pool=PoolSettings.from_dict(dict(req.pool)),
                    device=req.device, collective_timeout_s=req.collective_timeout_s, git_commit=self._commit,
@@ -250,12 +287,17 @@ class Runner:
         if key in self._failed_refs:
             raise self._failed_refs[key]
         if key not in self._refs:
+            # the noise run beside the reference where the engine's runs are independent (each launch its own
+            # processes: the reference's one rank leaves cores idle), else after it
+            noise = (Beside(self._noise_run, model, seed, self.reference_topology, shared)
+                     if self.ref_backend.independent_runs() else None)
             try:
                 ref = self._cached(model, seed, model.dtype, topo, fault=shared)
             except ReferenceFailed as exc:
                 self._failed_refs[key] = exc
                 raise
-            self._refs[key] = (ref, self._noise_run(model, seed, self.reference_topology, shared))
+            self._refs[key] = (ref, noise.result() if noise is not None
+                               else self._noise_run(model, seed, self.reference_topology, shared))
         return self._refs[key]
 
     def _reference_key(self, model: ModelSpec, seed: int, speculator: str, fault: str | None) -> tuple[str, int, str]:
@@ -269,7 +311,7 @@ class Runner:
         for cell in cells:
             if cell.skip_reason:
                 continue
-            model = seeded(cell.model, cell.seed)
+            model = seeded(cell.model, cell.seed, self.reseeds)
             needs.add(server_need(model, model.dtype, cell.topology))
             key = self._reference_key(cell.model, cell.seed, cell.topology.speculator, cell.fault)
             if key not in self._refs and key not in self._failed_refs:
@@ -482,7 +524,7 @@ class Runner:
 
     def _run(self) -> list[CellResult]:
         cells = self.planned()
-        order = serving_order(cells)
+        order = serving_order(cells, self.reseeds)
         results = self.finished = []
         at: list[int] = []  # each result's cell's index in the plan
         for i, index in enumerate(order, 1):
@@ -539,16 +581,17 @@ class Runner:
                 **({"nnodes": self.req.nodes.nnodes} if self.req.nodes else {})}
 
 
-def serving_order(cells: Sequence[CellPlan]) -> list[int]:
-    """The plan's cell indexes in the order they run: by model, then by weights (a seed that reseeds synthetic
-    weights is another model, `seeded`), by the topology's tp and dcp (a -draft cell beside the plain one), then
-    by seed; otherwise in plan order. The runs needing one engine configuration are then adjacent."""
+def serving_order(cells: Sequence[CellPlan], reseeds: bool = True) -> list[int]:
+    """The plan's cell indexes in the order they run: by model, then by weights (with `reseeds` a seed that
+    reseeds synthetic weights is another model, `seeded`), by the topology's tp and dcp (a -draft cell beside the
+    plain one), then by seed; otherwise in plan order. The runs needing one engine configuration are then
+    adjacent."""
     first: dict[Any, int] = {}
 
     def rank(value: Any) -> int:
         return first.setdefault(value, len(first))
 
-    keys = [(rank(c.model.name), c.seed if c.model.source == "synthetic" else 0,
+    keys = [(rank(c.model.name), c.seed if reseeds and c.model.source == "synthetic" else 0,
              rank((c.topology.tp, c.topology.dcp)), c.seed, i) for i, c in enumerate(cells)]
     return [k[-1] for k in sorted(keys)]
 

@@ -317,6 +317,18 @@ class Backend(Protocol):
         when it injects none."""
         return None
 
+    def independent_runs(self) -> bool:
+        """Whether two of its runs may be in flight at once (each launch its own processes: a reference and its
+        noise run then overlap). False (the default): its runs share something, e.g. an HTTP engine's server."""
+        return False
+
+    def reseeds_weights(self) -> bool:
+        """Whether a run seed also reseeds a synthetic model's weights (True: each launch builds its weights anyway,
+        so seeds cover other models too). An engine serving from a server says False: the run seed seeds the cases
+        and each request's sampling, the weights are the model's own (its spec's `seed`), and one server serves
+        every seed."""
+        return True
+
 
 def recorded_capabilities(manifest: dict[str, Any]) -> Capabilities | None:
     """The capabilities a run's manifest records (its backend entry), or None when it records none."""

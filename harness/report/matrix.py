@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from harness.core.checkmetrics import PARITY_CHECKS, find_key_metric, noise_multiples
@@ -338,15 +339,32 @@ def provenance_items(provenance: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def server_items(provenance: dict[str, Any]) -> list[tuple[str, str]]:
-    """("engine servers", "6 started, 0 kept from an earlier run, for 8 runs") when HTTP engine servers served the
-    run (provenance `servers`, harness/backends/server_pool.py; which served which run: each run's manifest)."""
+    """("engine servers", "3 started, 0 kept from an earlier run, for 8 runs") when HTTP engine servers served the
+    run (provenance `servers`, harness/backends/server_pool.py), then which server served which run: ("server ID",
+    "started tp2 http://127.0.0.1:PORT: tiny-gqa/tp2/seed0, tiny-gqa/tp2/seed1"), a run named by its folder under
+    runs/ (a cell's MODEL/TOPO/seedN, a cached reference's entry name)."""
     servers = [s for s in provenance.get("servers") or [] if isinstance(s, dict)]
     if not servers:
         return []
-    started = sum(1 for s in servers if s.get("origin") == "started")
+    by_origin = {o: sum(1 for s in servers if s.get("origin") == o) for o in ("started", "kept", "attached")}
     runs = sum(len(s.get("runs") or []) for s in servers)
-    kept = len(servers) - started
-    return [("engine servers", f"{started} started, {kept} kept from an earlier run, for {runs} runs")]
+    attached = f", {by_origin['attached']} attached" if by_origin["attached"] else ""
+    items = [("engine servers", f"{by_origin['started']} started, {by_origin['kept']} kept from an earlier run"
+                                f"{attached}, for {runs} runs")]
+    for s in servers:
+        where = " ".join(str(s[k]) for k in ("origin", "topology", "url") if s.get(k))
+        items.append((f"server {s.get('id')}", f"{where}: {', '.join(_run_label(r) for r in s.get('runs') or [])}"))
+    return items
+
+
+def _run_label(run_dir: str) -> str:
+    """A run folder as the report names it: its path under the last runs/ folder (a cell's MODEL/TOPO/seedN, a
+    cached reference's entry name), else its name."""
+    parts = Path(str(run_dir)).parts
+    if "runs" in parts:
+        last = len(parts) - 1 - parts[::-1].index("runs")
+        return "/".join(parts[last + 1:]) or Path(str(run_dir)).name
+    return Path(str(run_dir)).name
 
 
 def engine_items(provenance: dict[str, Any]) -> list[tuple[str, str]]:
