@@ -148,6 +148,9 @@ def skip_reason(model: ModelSpec, topo: Topology, fault: str | None) -> str | No
 def _engine_skip(model: ModelSpec, topo: Topology, backend: Backend, ref_backend: Backend,
                  reference: Topology) -> str | None:
     """Why the parallel engine cannot run the cell or the reference engine its reference, or None."""
+    if topo.prefill is not None and not getattr(backend, "disaggregated", False):
+        return (f"engine {backend.name} runs no disaggregated topology ({topo.name}); the embedded engine does "
+                f"(--engine embedded)")
     why = backend.skip_reason(model, topo)
     if why:
         return f"engine {backend.name}: {why}"

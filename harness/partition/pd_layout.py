@@ -166,3 +166,17 @@ def plan_pd_state(prefill: LinearPlan, decode: LinearPlan) -> tuple[StateSource,
         out.append(StateSource(rank=r.rank, v_heads=r.v_heads, sources=tuple(sources),
                                state_bytes=decode.layers * (r.conv_state_bytes + r.recurrent_state_bytes)))
     return tuple(out)
+
+
+def naive_head_sources(plan: PDPlan, rank: int) -> tuple[HeadSource, ...]:
+    """The buggy sources (fault pd-gqa-replication, vllm-ascend #3366): KV head h read from prefill
+    KV-parallel rank h, its first slice, as if each prefill rank held one distinct head. Equal to the
+    plan's sources unless the prefill side duplicates KV heads (prefill tp // dcp above the KV heads)."""
+    pre = plan.prefill
+    if pre.kv_tp_size <= pre.shape.kv_heads:
+        return plan.ranks[rank].heads
+    out = []
+    for h in plan.ranks[rank].heads:
+        members = pre.ranks[min(h.kv_head, pre.kv_tp_size - 1) * pre.dcp].dcp_members
+        out.append(HeadSource(kv_head=h.kv_head, dest_slot=h.dest_slot, sources=members, src_slots=(0,) * len(members)))
+    return tuple(out)
