@@ -30,12 +30,11 @@ from harness.engine.parallel import ParallelState
 from harness.engine.pd_connector import KVConnector, LoadPolicy
 from harness.engine.pd_prefill import run_prefill
 from harness.engine.pd_store import PREFILL_ONLY, PREFILL_RECORD, done_marker, read_entry
-from harness.records.contract import MANIFEST_FILE, Job
+from harness.records.contract import MANIFEST_FILE, PD_RECORD_FILE, PD_TENSORS_FILE, Job
 from harness.specs.speculative import SpeculativeSettings
 
 PD_ROLES: tuple[str, ...] = ("prefill", "decode")
-PD_RECORD = "pd.json"
-PD_TENSORS = "pd.safetensors"
+PD_RECORD, PD_TENSORS = PD_RECORD_FILE, PD_TENSORS_FILE
 
 
 def run_prefill_world(job: Job, store: Path) -> None:
@@ -98,7 +97,9 @@ class DecodeSide:
         prefill = read_json(self.store / PREFILL_RECORD)
         tensors: dict[str, torch.Tensor] = {}
         for rec, held in ranks:
-            tensors.update({f"held.{key}.d{rec['rank']}": t for key, t in held.items()})
+            for key, (digests, positions) in held.items():
+                tensors[f"held.{key}.d{rec['rank']}"] = digests
+                tensors[f"held.{key}.d{rec['rank']}.pos"] = positions
         for req in prefill["requests"]:
             for r in range(self.job.topology.prefill.tp if self.job.topology.prefill else 0):
                 if done_marker(self.store, req["index"], r).exists():

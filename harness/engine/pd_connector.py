@@ -95,7 +95,8 @@ class KVConnector:
         self._futures: dict[int, Future[_Loaded]] = {}
         self._reads: dict[int, int] = {}
         self.records: list[LoadRecord] = []
-        self.held: dict[str, torch.Tensor] = {}  # "{route}.{request}" digests / "{route}.{request}.pos"
+        # "{route}.{request}" -> (digests [layers, kv_local, stored], positions [stored]) right after placement
+        self.held: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.free_start = engine.cache.free_blocks
 
     def _heads(self) -> tuple[HeadSource, ...]:
@@ -222,9 +223,9 @@ class KVConnector:
 
     def _keep(self, rec: LoadRecord, seq_id: int) -> None:
         """The digests of every row this rank holds for the load right after placement, with their positions."""
-        key = f"{rec.route}.{rec.request}"
-        self.held[key] = sequence_digests(self.engine.cache, seq_id)  # [layers, kv_local, stored]
-        self.held[f"{key}.pos"] = torch.tensor(self.engine.cache.positions(seq_id), dtype=torch.long)
+        self.held[f"{rec.route}.{rec.request}"] = (
+            sequence_digests(self.engine.cache, seq_id),
+            torch.tensor(self.engine.cache.positions(seq_id), dtype=torch.long))
 
     def close(self) -> dict[str, Any]:
         """Stop the readers; this rank's record: its loads and its pool's free blocks before and after."""
