@@ -87,7 +87,8 @@ class Topology:
             if topo.contiguous:
                 raise ConfigError(f"{where}: the {side} layout's DCP placement is contiguous (c); a disaggregated "
                                   f"topology takes round-robin or interleaved (i<K>) placements: a contiguous "
-                                  f"owner depends on the sequence's first forward, which the decode side never runs")
+                                  f"owner depends on the sequence's first forward, which the decode side never runs; "
+                                  f"expected {PD_GRAMMAR}")
 
     @property
     def disaggregated(self) -> bool:
