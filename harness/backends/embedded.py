@@ -19,7 +19,6 @@ from harness.backends.identity import code_hash
 from harness.core.errors import ConfigError
 from harness.core.jsonio import write_json
 from harness.engine import ENGINE_VERSION
-from harness.engine.pd_store import STORE_DIR
 from harness.launcher.launch import launch
 from harness.launcher.nodes import NodeLaunch
 from harness.records import contract as c
@@ -96,7 +95,7 @@ class EmbeddedBackend(Backend):
         """A disaggregated topology: the prefill world (job.topology.prefill's ranks) fills the KV store under
         the run directory, then the decode world (the cell's run) loads from it (harness/backends/worker_pd.py)."""
         out = Path(job.out_dir)
-        store = out / STORE_DIR
+        store = out / c.PD_STORE_DIR
         shutil.rmtree(store, ignore_errors=True)
         store.mkdir(parents=True)
         pre = replace(job, out_dir=str(out / PREFILL_DIR))

@@ -45,7 +45,8 @@ def pd_consistency(ctx: CellContext) -> list[CheckResult]:
         return [got]
     record, tensors = got
     indices = [int(r["index"]) for r in record["prefill"]["requests"]]
-    prefill_only = [(tensors[f"prefill_only.topk_ids.{i}"], tensors[f"prefill_only.topk_logprobs.{i}"]) for i in indices]
+    prefill_only = [(tensors[f"prefill_only.topk_ids.{i}"], tensors[f"prefill_only.topk_logprobs.{i}"])
+                    for i in indices]
     decoded = [(ctx.par.tensor(c.GEN_TOPK_IDS, i)[:1].flatten(), ctx.par.tensor(c.GEN_TOPK_LOGPROBS, i)[:1].flatten())
                for i in indices]
     return [check_consistency(prefill_only, decoded)]

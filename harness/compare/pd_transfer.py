@@ -45,7 +45,10 @@ class _Mismatches:
             self.items.append(item)
 
 
-def _sent_map(plan: PDPlan, tensors: dict[str, torch.Tensor], request: int) -> dict[int, tuple[torch.Tensor, dict[int, int]]]:
+Sent = dict[int, tuple[torch.Tensor, dict[int, int]]]  # prefill rank -> (digests [L, kv_local, n], position -> row)
+
+
+def _sent_map(plan: PDPlan, tensors: dict[str, torch.Tensor], request: int) -> Sent:
     """Per prefill rank that committed request `request`: its digests [L, kv_local, n] and position -> row."""
     out = {}
     for r in range(plan.prefill.tp):

@@ -174,8 +174,9 @@ class KVConnector:
         rec.waited_s = time.monotonic() - start
         if data is not None:
             rows = cache.rows(slots)
+            m = len(owned)
             for layer in range(len(cache.k)):
-                cache.write_rows(layer, rows, data.k[layer][:len(owned)], data.v[layer][:len(owned)] if data.v else None)
+                cache.write_rows(layer, rows, data.k[layer][:m], data.v[layer][:m] if data.v else None)
             rec.state, rec.outcome = LOADED, "loaded"
             self._keep(rec, seq_id)
             return n

@@ -22,8 +22,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness.engine.kvcache import PagedKVCache
+from harness.records.contract import PD_STORE_DIR
 
-STORE_DIR = "kvstore"
+STORE_DIR = PD_STORE_DIR
 PREFILL_RECORD = "prefill.json"
 PREFILL_ONLY = "prefill_only.safetensors"
 _MOD = (1 << 61) - 1

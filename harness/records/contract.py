@@ -70,6 +70,7 @@ CASES_FILE = "cases.json"
 GSM8K_FILE = "gsm8k.json"
 PD_RECORD_FILE = "pd.json"            # disaggregated runs: the KV loads, pools, policy (harness/backends/worker_pd.py)
 PD_TENSORS_FILE = "pd.safetensors"    # ... the digests sent and held, the prefill world's first-token top-k
+PD_STORE_DIR = "kvstore"              # ... the KV store between its two worlds (harness/engine/pd_store.py)
 JOB_FILE = "job.json"
 LAUNCHER_LOG = "launcher.log"
 RUN_FILES: tuple[str, ...] = (MANIFEST_FILE, TENSORS_FILE, LAYOUT_FILE, CASES_FILE, GSM8K_FILE, LAUNCHER_LOG)
