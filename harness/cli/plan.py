@@ -56,7 +56,8 @@ def plan_document(model: ModelSpec, topo_name: str, budget_gib: float | None, ma
                            "topology": topo.to_dict(), **sections}
     doc["token_owners"] = {"tokens": tokens, "prompt_len": tokens,
                            "owners": [token_owner(t, topo.dcp, topo.placement, tokens) for t in range(tokens)]}
-    doc["pd"] = None if planned.pd is None else pd_section(planned.pd, planned.pd_state, tokens, block_size)
+    if planned.pd is not None:  # only disaggregated topologies carry the section (other documents unchanged)
+        doc["pd"] = pd_section(planned.pd, planned.pd_state, tokens, block_size)
     return doc
 
 
