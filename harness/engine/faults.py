@@ -202,7 +202,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
 )}
 # Conditions of a correct engine's surroundings, not bugs: the load path must absorb them (a clean cell
 # passes under them). pd-load-lost: request 1's stored KV never committed; pd-load-flaky: every first read fails.
-LOAD_CONDITIONS: tuple[str, ...] = ("pd-load-lost", "pd-load-flaky")
+LOAD_CONDITIONS: dict[str, str] = {
+    "pd-load-lost": "request 1's stored KV never committed: its loads fail, are retried, then recomputed from 0",
+    "pd-load-flaky": "every request's first read of the KV store fails: the retry loads it",
+}
 PD_LOST_REQUEST = 1  # the request whose stored KV the lost-entry faults and condition lose
 BLOCK_TABLE_WIDTH = 2  # block-table-wrap: blocks per sequence the faulty table holds
 
@@ -293,7 +296,8 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         return FaultFlags(pd_lost_request=PD_LOST_REQUEST if name == "pd-load-lost" else -1,
                           pd_flaky_reads=name == "pd-load-flaky")
     if name not in FAULTS:
-        raise ConfigError(f"unknown fault {name!r}{did_you_mean(name, tuple(FAULTS))}; valid: {', '.join(FAULTS)}")
+        known = (*FAULTS, *LOAD_CONDITIONS)
+        raise ConfigError(f"unknown fault {name!r}{did_you_mean(name, known)}; valid: {', '.join(known)}")
     fault = FAULTS[name]
     if fault.needs_pd and topology.prefill is None:
         raise ConfigError(f"fault {name} needs a disaggregated topology (PREFILL>DECODE, e.g. tp4>tp2dcp2), "

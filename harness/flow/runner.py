@@ -29,7 +29,7 @@ from harness.core.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, RUN_DIR_
 from harness.core.paths import BASELINES_DIR
 from harness.core.verdict import NOT_RUN_CHECK, CellResult, CheckResult, ExitCode, Verdict
 from harness.engine.fault_scope import inert_reason
-from harness.engine.faults import FAULTS, PERTURBATIONS, SHARED_JOIN, fault_flags
+from harness.engine.faults import FAULTS, LOAD_CONDITIONS, PERTURBATIONS, SHARED_JOIN, fault_flags
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
 from harness.flow.refcache import ReferenceCache, ReferenceFailed
 from harness.gsm8k.settings import GSM8KSettings
@@ -162,7 +162,7 @@ def _engine_skip(model: ModelSpec, topo: Topology, backend: Backend, ref_backend
 def plan_cells(req: RunRequest, backends: tuple[Backend, Backend] | None = None) -> list[CellPlan]:
     """Every cell of the request with its skip reason; `backends` (parallel, reference) default to
     the request's engines."""
-    if req.fault and req.fault not in FAULTS:
+    if req.fault and req.fault not in FAULTS and req.fault not in LOAD_CONDITIONS:
         fault_flags(req.fault, Topology(tp=1))  # raises the did-you-mean error
     backend, ref_backend = backends or (get_backend(req.engine), get_backend(req.ref_engine))
     reference = parse_topology_name(req.suite.reference).without_speculator()
