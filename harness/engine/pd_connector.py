@@ -136,20 +136,27 @@ class KVConnector:
         owned = self.owned(len(tokens))
         layers = len(self.engine.cache.k)
         n_kv = len(self.heads)
+        # per head: its destination slot and, per source rank, (destination rows, source rows, source slot)
+        moves = []
+        for head in self.heads:
+            by_src: dict[int, tuple[list[int], list[int]]] = {}
+            for j, (src, row) in enumerate(self.plan.source_rows(head, owned, len(tokens))):
+                by_src.setdefault(src, ([], []))[0].append(j)
+                by_src[src][1].append(row)
+            # the pd-head-offset fault: the destination slot taken from the source's slice index
+            dest = head.src_slots[0] if self.flags.pd_head_offset else head.dest_slot
+            moves.append((dest, [(src, torch.tensor(js), torch.tensor(rows), head.src_slots[head.sources.index(src)])
+                                 for src, (js, rows) in by_src.items()]))
         k_out, v_out = [], []
         for layer in range(layers):
             sample = first[f"k.{layer}"]
             k = sample.new_zeros((len(owned), n_kv, sample.shape[-1]))  # [n, kv_local, d]
             v = k.clone() if f"v.{layer}" in first else None
-            for head in self.heads:
-                src_rows = self.plan.source_rows(head, owned, len(tokens))
-                # the pd-head-offset fault: the destination slot taken from the source's slice index
-                dest = head.src_slots[0] if self.flags.pd_head_offset else head.dest_slot
-                for j, (src, row) in enumerate(src_rows):
-                    slot = head.src_slots[head.sources.index(src)]
-                    k[j, dest] = entries[src][f"k.{layer}"][row, slot]
+            for dest, parts in moves:
+                for src, js, rows, slot in parts:
+                    k[js, dest] = entries[src][f"k.{layer}"][rows, slot]  # [m, d] rows of one head
                     if v is not None:
-                        v[j, dest] = entries[src][f"v.{layer}"][row, slot]
+                        v[js, dest] = entries[src][f"v.{layer}"][rows, slot]
             k_out.append(k)
             if v is not None:
                 v_out.append(v)
