@@ -102,3 +102,18 @@ def test_load_conditions_are_absorbed_with_balanced_pools(tmp_path: Path, suite_
     assert (load["metrics"]["retried"] > 0) == retried and (load["metrics"]["recomputed"] > 0) == recomputed
     assert load["metrics"]["lost_entries"] == ([1] if condition == "pd-load-lost" else [])
     assert "every pool balanced" in load["reason"]
+
+
+def test_an_error_reported_under_a_lock_is_a_hang_with_the_stuck_rank_stack(tmp_path: Path, suite_file: Path,
+                                                                           cache_dir: Path) -> None:
+    """The deadlock never waits forever: the load's watchdog names the hang, dumps every thread's stack into the
+    rank's log and ends the rank; the cell is an ERROR saying so."""
+    code, cells = _run(tmp_path / "r", suite_file, cache_dir, "--fault", "pd-error-under-lock", "--topo", "tp2>tp2",
+                       "--model", "tiny-gqa")
+    assert code == 3
+    (cell,) = cells
+    (check,) = cell["checks"]
+    assert check["verdict"] == "ERROR" and "KVLoadHangError" in check["reason"]
+    assert "request 1" in check["reason"] and "past its deadline" in check["reason"]
+    logs = "".join(p.read_text() for p in (tmp_path / "r" / "runs").rglob("rank*.log"))
+    assert "in _report" in logs and "in _attempts" in logs  # the stuck rank's stack: reporting under the lock

@@ -196,6 +196,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "with request 1's stored KV lost, the failed load is retried without a bound while the request holds "
           "its blocks (rtp-llm loadCacheDone retried forever); the harness's deadline ends the wait",
           needs_pd=True),
+    Fault("pd-error-under-lock", "hang",
+          "with request 1's stored KV lost, the failed attempt is reported while the lock that reporting takes is "
+          "held (rtp-llm reportError under output_mutex_): the rank deadlocks; the load's watchdog reports the hang "
+          "with every thread's stack and ends the rank (an ERROR cell naming it), never a wait forever",
+          needs_pd=True),
     Fault("pd-decode-unloaded", "pd_load, pd_transfer",
           "with request 1's stored KV lost, the failed load is reported loaded and the decode computes on "
           "blocks that never loaded (LMCache #3388; rtp-llm decode on an errored stream)", needs_pd=True),
@@ -260,6 +265,7 @@ class FaultFlags:
     pd_recompute_offset: bool = False   # pd-recompute-offset: recompute after a failed load resumes at n
     pd_unbounded_retry: bool = False    # pd-unbounded-retry: failed loads retried without a bound
     pd_decode_unloaded: bool = False    # pd-decode-unloaded: a failed load reported loaded
+    pd_error_under_lock: bool = False   # pd-error-under-lock: a failed attempt reported with the lock held
     pd_lost_request: int = -1           # the request whose stored KV is never committed (-1: none)
     pd_flaky_reads: bool = False        # pd-load-flaky: every request's first read fails
 
@@ -361,6 +367,7 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         pd_recompute_offset=name == "pd-recompute-offset",
         pd_unbounded_retry=name == "pd-unbounded-retry",
         pd_decode_unloaded=name == "pd-decode-unloaded",
+        pd_error_under_lock=name == "pd-error-under-lock",
         pd_lost_request=PD_LOST_REQUEST if name in ("pd-recompute-offset", "pd-unbounded-retry",
-                                                    "pd-decode-unloaded") else -1,
+                                                    "pd-decode-unloaded", "pd-error-under-lock") else -1,
     )

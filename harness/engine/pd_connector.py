@@ -17,6 +17,10 @@ named after do (harness/engine/faults.py).
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,6 +36,8 @@ from harness.partition.layout import Placement, token_owner
 from harness.partition.pd_layout import HeadSource, PDPlan, naive_head_sources
 
 WAITING, LOADING, LOADED, FAILED = "waiting", "loading", "loaded", "failed"
+HANG_GRACE_S = 30.0  # a load still running this long past its deadline is a hang: stacks dumped, the rank exits
+HANG_EXIT = 75
 POLICIES: tuple[str, ...] = ("recompute", "fail")
 
 
@@ -98,6 +104,7 @@ class KVConnector:
         # "{route}.{request}" -> (digests [layers, kv_local, stored], positions [stored]) right after placement
         self.held: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.free_start = engine.cache.free_blocks
+        self._lock = threading.Lock()  # guards the records (the readers' threads and the loop report into them)
 
     def _heads(self) -> tuple[HeadSource, ...]:
         mine = self.plan.ranks[self.rank]
@@ -177,7 +184,13 @@ class KVConnector:
         slots = cache.reserve(seq_id, owned)  # the destination blocks, held while loading
         rec.blocks_held = len(cache.seqs[seq_id].blocks)
         start = time.monotonic()
-        data = self._attempts(rec, index, tokens, start)
+        watchdog = threading.Timer(self.policy.deadline_s + HANG_GRACE_S, _hung, (rec, self.rank))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            data = self._attempts(rec, index, tokens, start)
+        finally:
+            watchdog.cancel()
         rec.waited_s = time.monotonic() - start
         if data is not None:
             rows = cache.rows(slots)
@@ -219,7 +232,11 @@ class KVConnector:
             except Exception as exc:  # any failed read is a failed attempt (named in the record)
                 error = f"{type(exc).__name__}: {exc}"[:200]
             ok = agree(not error)
-            rec.attempts.append("ok" if ok else error or "failed on another rank")
+            if not ok and self.flags.pd_error_under_lock:  # the fault: the error reported with the lock held
+                with self._lock:
+                    self._report(rec, error or "failed on another rank")
+            else:
+                self._report(rec, "ok" if ok else error or "failed on another rank")
             if ok:
                 return data
             past = time.monotonic() - start >= self.policy.deadline_s
@@ -228,6 +245,11 @@ class KVConnector:
                 return None
             time.sleep(self.policy.backoff_s)
             self._submit(index)
+
+    def _report(self, rec: LoadRecord, outcome: str) -> None:
+        """Record one attempt's outcome (under the records' lock, which is not reentrant)."""
+        with self._lock:
+            rec.attempts.append(outcome)
 
     def _keep(self, rec: LoadRecord, seq_id: int) -> None:
         """The digests of every row this rank holds for the load right after placement, with their positions."""
@@ -242,3 +264,15 @@ class KVConnector:
                 "pool": {"blocks": self.engine.capacity.blocks, "free_start": self.free_start,
                          "free_end": self.engine.cache.free_blocks},
                 "kv_heads": [h.kv_head for h in self.plan.ranks[self.rank].heads]}
+
+
+def _hung(rec: LoadRecord, rank: int) -> None:
+    """The watchdog of a load that outlived its deadline by HANG_GRACE_S: name it, dump every thread's stack
+    into the rank's log and end the rank, so the launch reports a hang with the stuck rank's stack instead of
+    waiting forever."""
+    print(f"KVLoadHangError: the KV load of request {rec.request} ({rec.route}) on decode rank {rank} is still "
+          f"{rec.state} {HANG_GRACE_S:g} s past its deadline after {len(rec.attempts)} recorded attempt(s); "
+          f"stacks of every thread follow", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(HANG_EXIT)
