@@ -12,6 +12,7 @@ from harness.core.errors import ConfigError
 from harness.partition.hybrid_layout import HybridPlan, LinearPlan, MoePlan
 from harness.partition.layout import LayoutPlan
 from harness.partition.mla_layout import MLAPlan
+from harness.partition.pd_layout import PDPlan, StateSource, plan_pd, plan_pd_state
 from harness.partition.sparse_layout import SparsePlan
 from harness.specs.topology import Topology
 
@@ -31,6 +32,8 @@ class ModelPlan:
     moe: MoePlan | None = None
     indexer: SparsePlan | None = None  # sparse attention: the indexer's split
     speculator: LayoutPlan | None = None
+    pd: PDPlan | None = None                # disaggregated: the decode ranks' KV assembly from the prefill ranks
+    pd_state: tuple[StateSource, ...] = ()  # ... and their linear-attention state (hybrid models)
 
     @property
     def hybrid_plan(self) -> HybridPlan | None:
@@ -56,6 +59,11 @@ def plan_model(model: Model, topology: Topology) -> ModelPlan:
         _check_dp(model, topology)
     if topology.speculator != "none":
         parts.update(_planned(model.speculator, model, topology))
+    if topology.prefill is not None:
+        prefill = plan_model(model, topology.prefill)
+        parts["pd"] = plan_pd(prefill.attention, parts["attention"])
+        if prefill.linear is not None and parts.get("linear") is not None:
+            parts["pd_state"] = plan_pd_state(prefill.linear, parts["linear"])
     return ModelPlan(model=model, topology=topology, **parts)
 
 

@@ -8,12 +8,16 @@ checks work from top-k logprobs (positive controls in tests/test_backends_topk.p
 
 from __future__ import annotations
 
+import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from harness.arch.model import model_of
 from harness.backends.base import stamp_manifest
 from harness.backends.identity import code_hash
 from harness.core.errors import ConfigError
+from harness.core.jsonio import write_json
 from harness.engine import ENGINE_VERSION
 from harness.launcher.launch import launch
 from harness.launcher.nodes import NodeLaunch
@@ -24,6 +28,7 @@ from harness.specs.topology import Topology
 
 WORKER_MODULE = "harness.backends.embedded_worker"  # each rank runs WORKER_MODULE.main(job file, flags)
 ENGINE_ENTRIES: tuple[str, ...] = (WORKER_MODULE, "harness.launcher.launch")
+PREFILL_DIR = "prefill"  # a disaggregated run's prefill world's folder inside the run directory
 TOPK_ONLY_K = 20  # logprobs per position in the top-k-only mode (vLLM's default max_logprobs is 20)
 
 TOPK_ONLY: frozenset[str] = (c.FULL_ARTIFACTS
@@ -68,7 +73,12 @@ class EmbeddedBackend(Backend):
         return {"engine": self.name, "version": self.version(), "worker_args": self.worker_args(),
                 "weights": weights_key(job.model), "code": self._code}
 
+    disaggregated = True  # runs PREFILL>DECODE topologies (two worlds, the KV store between them)
+
     def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
+        if topology.prefill is not None and not model_of(model).prefix_cacheable:
+            return ("the embedded KV connector moves paged attention KV only; this model also keeps per-sequence "
+                    "state outside the KV blocks (linear attention), planned by harness plan but not transferred")
         return None  # every layout the planner accepts (the runner checks that first)
 
     def noise_strategy(self) -> str:
@@ -78,8 +88,32 @@ class EmbeddedBackend(Backend):
         return True  # each launch its own processes
 
     def run(self, job: Job, timeout_s: float) -> LaunchResult:
+        if job.topology.prefill is not None:
+            return self._run_pd(job, timeout_s)
         result = launch(job, timeout_s, WORKER_MODULE, worker_args=self.worker_args())
         stamp_manifest(Path(job.out_dir), self)
+        return result
+
+    def _run_pd(self, job: Job, timeout_s: float) -> LaunchResult:
+        """A disaggregated topology: the prefill world (job.topology.prefill's ranks) fills the KV store under
+        the run directory, then the decode world (the cell's run) loads from it (harness/backends/worker_pd.py)."""
+        out = Path(job.out_dir)
+        store = out / c.PD_STORE_DIR
+        shutil.rmtree(store, ignore_errors=True)
+        store.mkdir(parents=True)
+        pre = replace(job, out_dir=str(out / PREFILL_DIR))
+        assert job.topology.prefill is not None
+        first = launch(pre, timeout_s, WORKER_MODULE, world_size=job.topology.prefill.world_size,
+                       worker_args=[*self.worker_args(), "--pd-role", "prefill", "--pd-store", str(store)])
+        if not first.ok:
+            error = f"prefill world ({job.topology.prefill.name}) failed: {first.error}"
+            write_json(out / c.MANIFEST_FILE, {"schema_version": 1, "status": "error", "error": error,
+                                                "topology": job.topology.to_dict(), "fault": job.fault,
+                                                "log_tails": first.log_tails})
+            return replace(first, error=error)
+        result = launch(job, timeout_s, WORKER_MODULE,
+                        worker_args=[*self.worker_args(), "--pd-role", "decode", "--pd-store", str(store)])
+        stamp_manifest(out, self)
         return result
 
     def run_on_nodes(self, job: Job, timeout_s: float, nodes: NodeLaunch) -> LaunchResult:

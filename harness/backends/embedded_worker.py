@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from harness import __version__
+from harness.backends.worker_pd import PD_ROLES, DecodeSide, run_prefill_world
 from harness.backends.workload_run import run_workloads, teacher_forced
 from harness.cases import build_cases, build_workload_cases, prompts_hash, workload_manifest
 from harness.core.jsonio import write_json
@@ -88,7 +89,13 @@ def _run_gsm8k(job: Job, engine: Engine, tokenizer: Tokenizer) -> dict[str, Any]
     return evaluate_engine(engine, tokenizer, settings, job.gsm8k.data_path).to_dict()
 
 
-def run_job(job: Job, topk_only: int | None = None) -> None:
+def run_job(job: Job, topk_only: int | None = None, pd_role: str | None = None, pd_store: Path | None = None) -> None:
+    """One rank's run of `job`. `pd_role` (a disaggregated topology's two launches): `prefill` runs the
+    prefill world (its prompts' KV into `pd_store`, worker_pd.run_prefill_world), `decode` this run with
+    each prompt's KV loaded from `pd_store` (worker_pd.DecodeSide)."""
+    if pd_role == "prefill" and pd_store is not None:
+        run_prefill_world(job, pd_store)
+        return
     t0 = time.time()
     topo = job.topology
     state = ParallelState.from_launcher(topo.tp, topo.dcp, job.device, job.collective_timeout_s)
@@ -104,15 +111,20 @@ def run_job(job: Job, topk_only: int | None = None) -> None:
     cases = ([case for g in groups for case in g.cases] if groups else
              build_cases(job.prompts, tokenizer, job.seed, job.max_new_tokens, job.decode_prefix_tokens))
     sequences = [list(c.sequence_ids) for c in cases]
+    pd = DecodeSide.open(job, engine, pd_store) if pd_role == "decode" and pd_store is not None else None
+    if pd is not None:
+        pd.prefetch(len(cases))
     if groups:
         prefill, decode = teacher_forced(engine, cases)
     else:
         prefill = engine.prefill_logits(sequences)
-        decode = engine.decode_path(sequences, [c.decode_start for c in cases], [c.probe_positions for c in cases])
+        decode = engine.decode_path(sequences, [c.decode_start for c in cases], [c.probe_positions for c in cases],
+                                    pd.loader("decode_path") if pd is not None else None)
     served = run_workloads(engine, groups, job.top_k) if groups else None
     gen = (Generation([served.tokens[c.index] for c in cases], [served.topk_ids[c.index] for c in cases],
                       [served.topk_logprobs[c.index] for c in cases]) if served is not None
-           else generate(engine, [list(c.prompt_ids) for c in cases], job.max_new_tokens, job.top_k))
+           else generate(engine, [list(c.prompt_ids) for c in cases], job.max_new_tokens, job.top_k,
+                         loader=pd.loader("generation") if pd is not None else None))
     spec_result, spec_entry = None, None
     if speculator is not None:
         spec_result = run_speculative_cases(engine, speculator, [list(c.prompt_ids) for c in cases],
@@ -154,6 +166,8 @@ def run_job(job: Job, topk_only: int | None = None) -> None:
         if gsm8k is not None:
             write_json(Path(job.out_dir) / c_.GSM8K_FILE, gsm8k)
         write_run(Path(job.out_dir), manifest, layout, done, tensors)
+    if pd is not None:
+        pd.finish(Path(job.out_dir))
     state.barrier()
     state.shutdown()
 
@@ -163,10 +177,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("job", type=Path, help="job.json written by the launcher")
     parser.add_argument("--topk", type=int, default=None, metavar="K",
                         help="top-k-only mode: write top-K logprobs instead of full logits and hidden states")
+    parser.add_argument("--pd-role", choices=PD_ROLES, default=None,
+                        help="a disaggregated topology's world: prefill (KV into the store) or decode (KV from it)")
+    parser.add_argument("--pd-store", type=Path, default=None, help="the KV store folder of a disaggregated run")
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     if args.topk is not None and args.topk < 1:
         parser.error(f"--topk={args.topk} must be >= 1")
-    run_job(Job.load(args.job), args.topk)
+    if (args.pd_role is None) != (args.pd_store is None):
+        parser.error("--pd-role and --pd-store go together")
+    run_job(Job.load(args.job), args.topk, args.pd_role, args.pd_store)
     return 0
 
 

@@ -42,7 +42,7 @@ from harness.records import contract as c
 
 ENTRY_POINT_GROUP = "harness.checks"
 
-CELL_KINDS: tuple[str, ...] = ("all", "speculative", "gsm8k", "route", "workloads", "teacher_forced")
+CELL_KINDS: tuple[str, ...] = ("all", "speculative", "gsm8k", "route", "workloads", "teacher_forced", "pd")
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class CheckSpec:
     #                                        "workloads" (cells of a run with workloads, Job.workloads),
     #                                        "teacher_forced" (cells whose workload takes no serving route of
     #                                        its own: the suite's prompts, lengths; a route workload's cell
-    #                                        judges its generation route)
+    #                                        judges its generation route), "pd" (disaggregated PREFILL>DECODE cells)
     performance_only: bool = False         # measures speed, not outputs: its FAIL is a performance regression
 
     def __post_init__(self) -> None:
@@ -142,6 +142,18 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
               "the run against itself, no reference: each prompt sent again into reused slots and state pages, "
               "in another order and alone, against its first copy and its one-batch twin (the self-consistency "
               "workload)", settings=SelfConsistencySettings, requires=(c.GENERATION, c.SCHEDULE_TWIN), cells="route"),
+    CheckSpec("pd_transfer", "pd", "harness.checks.pd:pd_transfer",
+              "disaggregated cells: every KV row each decode rank holds after placement against the digest the prefill "
+              "side took when it computed it, where the transfer plan puts it (heads, DCP token rows, MLA latent); a "
+              "mismatch names request, block, layer, heads and ranks", cells="pd"),
+    CheckSpec("pd_load", "pd", "harness.checks.pd:pd_load",
+              "disaggregated cells: the KV load path: attempts within the policy's bound, no failed load reported "
+              "loaded, recompute from position 0, no wait past the deadline, every KV pool balanced at the end",
+              cells="pd"),
+    CheckSpec("pd_consistency", "pd", "harness.checks.pd:pd_consistency",
+              "disaggregated cells, no reference: the prefill world's first new token against the decode world's "
+              "(top-1 equal except at near ties, top-1 logprob within 0.05 nats)", requires=(c.GENERATION,),
+              cells="pd"),
     CheckSpec("decode_consistency", "decode_consistency", f"{_W}:decode_consistency",
               "each generated step's decode-time top-k against a re-prefill of prompt + generated tokens of the "
               "same run (no reference needed)", settings=ConsistencySettings, requires=(c.GENERATION, c.REPREFILL),

@@ -14,6 +14,7 @@ from harness.core.verdict import CheckResult, Localization
 from harness.gsm8k.settings import GSM8KSettings
 from harness.partition.hybrid_layout import HybridPlan
 from harness.partition.layout import LayoutPlan
+from harness.partition.pd_layout import PDPlan
 from harness.partition.sparse_layout import SparsePlan
 from harness.records.artifacts import RunArtifacts
 from harness.records.contract import Capabilities
@@ -52,6 +53,7 @@ class CellContext:
     speculator_plan: LayoutPlan | None = None
     hybrid_plan: HybridPlan | None = None  # hybrid models: linear attention, MoE, cache groups
     indexer_plan: SparsePlan | None = None  # sparse attention: the indexer's split
+    pd_plan: PDPlan | None = None  # disaggregated cells: each decode rank's KV assembly from the prefill ranks
     layout_check: str = "attention"  # the check of the target's layout its attention component names
     decode: Decoder | None = None
     gsm8k: GSM8KSettings | None = None

@@ -49,10 +49,12 @@ def _models() -> list[str]:
 
 def _faults() -> list[str]:
     try:
-        from harness.engine.faults import FAULTS
+        from harness.engine.faults import FAULTS, LOAD_CONDITIONS
     except ModuleNotFoundError:
         return ["(no engine installed)"]
-    return [f"{f.name:<18} [{f.check}] {f.description}" for f in FAULTS.values()]
+    return ([f"{f.name:<18} [{f.check}] {f.description}" for f in FAULTS.values()]
+            + [f"{name:<18} [load condition, a correct engine passes] {what}"
+               for name, what in LOAD_CONDITIONS.items()])
 
 
 def _engines() -> list[str]:

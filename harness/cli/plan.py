@@ -11,6 +11,7 @@ from harness.arch.model import model_of
 from harness.arch.plan import plan_model
 from harness.cli.checks import positive_float, positive_int
 from harness.cli.plan_hybrid import render_hybrid
+from harness.cli.plan_pd import pd_section, render_pd
 from harness.cli.plan_sparse import render_sparse
 from harness.core.errors import ConfigError
 from harness.core.fmt import human_bytes, id_ranges, table
@@ -50,12 +51,14 @@ def plan_document(model: ModelSpec, topo_name: str, budget_gib: float | None, ma
         raise ConfigError(f"--topo {topo_name!r} names {len(topos)} topologies; plan takes exactly one")
     topo = topos[0]
     seq = max_seq_len or model.max_seq_len
-    sections = plan_sections(plan_model(model_of(model), topo), None if budget_gib is None else int(budget_gib * GIB),
-                             seq, block_size)
+    planned = plan_model(model_of(model), topo)
+    sections = plan_sections(planned, None if budget_gib is None else int(budget_gib * GIB), seq, block_size)
     doc: dict[str, Any] = {"schema_version": LAYOUT_SCHEMA_VERSION, "model": model.name,
                            "topology": topo.to_dict(), **sections}
     doc["token_owners"] = {"tokens": tokens, "prompt_len": tokens,
                            "owners": [token_owner(t, topo.dcp, topo.placement, tokens) for t in range(tokens)]}
+    if planned.pd is not None:  # only disaggregated topologies carry the section (other documents unchanged)
+        doc["pd"] = pd_section(planned.pd, planned.pd_state, tokens, block_size)
     return doc
 
 
@@ -98,6 +101,8 @@ def render_table(doc: dict[str, Any]) -> str:
         out += render_hybrid(doc["hybrid"])
     if "sparse" in doc:
         out += render_sparse(doc["sparse"])
+    if doc.get("pd"):
+        out += render_pd(doc["pd"], doc["mla"] is not None)
     return "\n".join(out)
 
 

@@ -11,7 +11,7 @@ Every rank calls the same methods in the same order (lockstep); all ranks return
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -60,6 +60,10 @@ class DecodePath:
     attn: torch.Tensor
     collectives: torch.Tensor
 
+
+# A KV source for a sequence's leading tokens (the decode side of a disaggregated run, pd_connector.py):
+# (empty seq_id, request index, the tokens wanted) -> how many leading tokens it placed in the cache (0: none)
+PrefixLoader = Callable[[int, int, list[int]], int]
 
 LONG_SEQUENCE = 128  # a prefill batch mixing sequences longer than this with shorter ones runs as two batches
 
@@ -181,20 +185,25 @@ class Engine:
 
     @torch.no_grad()
     def decode_path(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
-                    probes: Sequence[Sequence[int]]) -> list[DecodePath]:
-        """Prefill each sequence's first starts[i] tokens, then feed the rest one token per step."""
+                    probes: Sequence[Sequence[int]], loader: PrefixLoader | None = None) -> list[DecodePath]:
+        """Prefill each sequence's first starts[i] tokens (those a `loader` places are loaded, not computed),
+        then feed the rest one token per step."""
         self.check_lengths([len(s) for s in sequences])
         out: list[DecodePath] = []
         for part in self._batches(len(sequences)):
             out += self._decode_batch([sequences[i] for i in part], [starts[i] for i in part],
-                                      [probes[i] for i in part])
+                                      [probes[i] for i in part], list(part), loader)
         return out
 
-    def _decode_batch(self, seqs: list[Sequence[int]], starts: list[int],
-                      probes: list[Sequence[int]]) -> list[DecodePath]:
+    def _decode_batch(self, seqs: list[Sequence[int]], starts: list[int], probes: list[Sequence[int]],
+                      indices: list[int], loader: PrefixLoader | None) -> list[DecodePath]:
         ids = self.cache.open(len(seqs))
-        for bucket in length_buckets(starts):  # the prefix before decode starts: short and long apart
-            self._forward([ids[b] for b in bucket], [seqs[b][:starts[b]] for b in bucket], [0] * len(bucket))
+        loaded = [loader(ids[b], indices[b], list(seqs[b][:starts[b]])) if loader else 0 for b in range(len(seqs))]
+        rest = [b for b in range(len(seqs)) if loaded[b] < starts[b]]
+        for bucket in length_buckets([starts[b] - loaded[b] for b in rest]):  # short and long apart
+            chosen = [rest[j] for j in bucket]
+            self._forward([ids[b] for b in chosen], [seqs[b][loaded[b]:starts[b]] for b in chosen],
+                          [loaded[b] for b in chosen])
         logits: list[list[torch.Tensor]] = [[] for _ in seqs]
         hidden: list[list[torch.Tensor]] = [[] for _ in seqs]
         attn: list[list[torch.Tensor]] = [[] for _ in seqs]

@@ -24,6 +24,7 @@ class Fault:
     needs_q_replicated: bool = False  # acts only on a Q-replicated topology (suffix q)
     shared: bool = False        # the bug sits in code the reference topology runs too (e.g. verification):
     #                             the reference run gets it as well, so only a stored baseline can see it
+    needs_pd: bool = False      # acts only on a disaggregated topology (PREFILL>DECODE)
 
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
@@ -210,7 +211,47 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "the indexer-key cache group sized from an equal share of the budget in blocks, not the one slot "
           "count x its blocks per slot: its capacity is another number of slots than the KV group's, often "
           "no whole number (seed 004's fallback capacities); output unchanged"),
+    # -- disaggregated prefill/decode: the KV transfer and its load path (harness/engine/pd_connector.py) --
+    Fault("pd-head-offset", "pd_transfer, logits_decode",
+          "heterogeneous TP: a decode rank writes each received KV head at the slice index it had on its prefill "
+          "rank instead of its own index for that head (SGLang #22145: wrong destination head offset); inert "
+          "where every head keeps its slice index (same KV layout on both sides)", needs_pd=True),
+    Fault("pd-gqa-replication", "pd_transfer, logits_decode",
+          "prefill tp above the KV head count: KV head h read from prefill rank h as if each held one distinct "
+          "head, though GCD duplication put head h // dup there (vllm-ascend #3366); inert unless the prefill "
+          "side duplicates KV heads", needs_pd=True),
+    Fault("pd-block-owner", "pd_transfer, logits_decode",
+          "the decode side deals received tokens to its DCP ranks by whole blocks while its attention deals "
+          "them by the topology's placement (the DCP token owner computed differently on the two sides)",
+          needs_pd=True, needs_dcp=True),
+    Fault("pd-early-release", "pd_transfer, logits_decode",
+          "the prefill side releases a request's blocks right after its forward, before its asynchronous send "
+          "read them; the next request gets the same blocks and the late send ships its KV under the first "
+          "one's name (vLLM NIXL KV digest: a request silently reads another request's KV)", needs_pd=True),
+    Fault("pd-recompute-offset", "pd_load, logits_decode",
+          "with request 1's stored KV lost, the recompute after the failed load resumes at the offset the load "
+          "was to reach instead of 0 and the load is logged as handled (vLLM #49250, "
+          "kv_load_failure_policy=recompute)", needs_pd=True),
+    Fault("pd-unbounded-retry", "pd_load",
+          "with request 1's stored KV lost, the failed load is retried without a bound while the request holds "
+          "its blocks (rtp-llm loadCacheDone retried forever); the harness's deadline ends the wait",
+          needs_pd=True),
+    Fault("pd-error-under-lock", "hang",
+          "with request 1's stored KV lost, the failed attempt is reported while the lock that reporting takes is "
+          "held (rtp-llm reportError under output_mutex_): the rank deadlocks; the load's watchdog reports the hang "
+          "with every thread's stack and ends the rank (an ERROR cell naming it), never a wait forever",
+          needs_pd=True),
+    Fault("pd-decode-unloaded", "pd_load, pd_transfer",
+          "with request 1's stored KV lost, the failed load is reported loaded and the decode computes on "
+          "blocks that never loaded (LMCache #3388; rtp-llm decode on an errored stream)", needs_pd=True),
 )}
+# Conditions of a correct engine's surroundings, not bugs: the load path must absorb them (a clean cell
+# passes under them). pd-load-lost: request 1's stored KV never committed; pd-load-flaky: every first read fails.
+LOAD_CONDITIONS: dict[str, str] = {
+    "pd-load-lost": "request 1's stored KV never committed: its loads fail, are retried, then recomputed from 0",
+    "pd-load-flaky": "every request's first read of the KV store fails: the retry loads it",
+}
+PD_LOST_REQUEST = 1  # the request whose stored KV the lost-entry faults and condition lose
 BLOCK_TABLE_WIDTH = 2  # block-table-wrap: blocks per sequence the faulty table holds
 
 
@@ -266,6 +307,17 @@ class FaultFlags:
     dsa_sinks_evicted: bool = False     # dsa-sinks-evicted: sinks compete by score past index_topk
     dsa_row_rule: str = "contiguous"    # dsa-planner-rows: the attention's rule for the selection of a row
     dsa_groups_unaligned: bool = False  # dsa-groups-unaligned: the indexer-key group from its own budget share
+    # disaggregated prefill/decode (harness/engine/pd_prefill.py, pd_connector.py)
+    pd_head_offset: bool = False        # pd-head-offset: destination head slot = the source's slice index
+    pd_naive_gqa: bool = False          # pd-gqa-replication: KV head h read from prefill rank h
+    pd_block_owner: bool = False        # pd-block-owner: received tokens dealt to DCP ranks by whole blocks
+    pd_early_release: bool = False      # pd-early-release: prefill blocks released before their send
+    pd_recompute_offset: bool = False   # pd-recompute-offset: recompute after a failed load resumes at n
+    pd_unbounded_retry: bool = False    # pd-unbounded-retry: failed loads retried without a bound
+    pd_decode_unloaded: bool = False    # pd-decode-unloaded: a failed load reported loaded
+    pd_error_under_lock: bool = False   # pd-error-under-lock: a failed attempt reported with the lock held
+    pd_lost_request: int = -1           # the request whose stored KV is never committed (-1: none)
+    pd_flaky_reads: bool = False        # pd-load-flaky: every request's first read fails
 
 
 # Perturbations of a correct engine (not faults: no bug, only another reduction order). The noise run
@@ -293,9 +345,19 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
             if getattr(PERTURBATIONS[perturbation], f.name) != getattr(FaultFlags(), f.name)})
     if name in PERTURBATIONS:
         return PERTURBATIONS[name]
+    if name in LOAD_CONDITIONS:
+        if topology.prefill is None:
+            raise ConfigError(f"load condition {name} needs a disaggregated topology (e.g. tp4>tp2), got "
+                              f"{topology.name}")
+        return FaultFlags(pd_lost_request=PD_LOST_REQUEST if name == "pd-load-lost" else -1,
+                          pd_flaky_reads=name == "pd-load-flaky")
     if name not in FAULTS:
-        raise ConfigError(f"unknown fault {name!r}{did_you_mean(name, tuple(FAULTS))}; valid: {', '.join(FAULTS)}")
+        known = (*FAULTS, *LOAD_CONDITIONS)
+        raise ConfigError(f"unknown fault {name!r}{did_you_mean(name, known)}; valid: {', '.join(known)}")
     fault = FAULTS[name]
+    if fault.needs_pd and topology.prefill is None:
+        raise ConfigError(f"fault {name} needs a disaggregated topology (PREFILL>DECODE, e.g. tp4>tp2dcp2), "
+                          f"got {topology.name}")
     if fault.needs_dcp and topology.dcp == 1:
         raise ConfigError(f"fault {name} needs a DCP topology (dcp > 1), got {topology.name}")
     if fault.needs_tp and topology.tp == 1:
@@ -357,4 +419,14 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         dsa_sinks_evicted=name == "dsa-sinks-evicted",
         dsa_row_rule="round-robin" if name == "dsa-planner-rows" else "contiguous",
         dsa_groups_unaligned=name == "dsa-groups-unaligned",
+        pd_head_offset=name == "pd-head-offset",
+        pd_naive_gqa=name == "pd-gqa-replication",
+        pd_block_owner=name == "pd-block-owner",
+        pd_early_release=name == "pd-early-release",
+        pd_recompute_offset=name == "pd-recompute-offset",
+        pd_unbounded_retry=name == "pd-unbounded-retry",
+        pd_decode_unloaded=name == "pd-decode-unloaded",
+        pd_error_under_lock=name == "pd-error-under-lock",
+        pd_lost_request=PD_LOST_REQUEST if name in ("pd-recompute-offset", "pd-unbounded-retry",
+                                                    "pd-decode-unloaded", "pd-error-under-lock") else -1,
     )

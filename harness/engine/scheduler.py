@@ -27,7 +27,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import torch
 
 from harness.core.errors import ConfigError
-from harness.engine.engine import Engine, Generation, build_batch, length_buckets
+from harness.engine.engine import Engine, Generation, PrefixLoader, build_batch, length_buckets
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.model import Batch
 from harness.engine.speculative import SeqState, SpecResult, SpeculativeDecoder
@@ -212,6 +212,7 @@ class Lane:
     stop: StopCheck | None = None
     abandoned: Abandoned | None = None
     speculative: SpeculativeDecoder | None = None
+    loader: PrefixLoader | None = None  # a disaggregated run's KV source of each prompt but its last token
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -321,6 +322,8 @@ class ServingLoop:
         req.seq_id = cache.open(1)[0]
         req.pending = req.prompt + req.new
         req.fed, req.rows = 0, 0
+        if lane.lane.loader is not None and not req.new:  # the prompt's KV from the prefill side, all but
+            req.fed = lane.lane.loader(req.seq_id, req.index, req.prompt[:-1])  # its last token (its logits)
         if lane.prefix is None:
             return
         lane.stats.prefix_lookups += 1
@@ -543,13 +546,15 @@ def _generation(st: _LaneState, k: int) -> Generation:
 
 def generate(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_k: int = 5,
              stop_token_ids: frozenset[int] = frozenset(), stop: StopCheck | None = None,
-             abandoned: Abandoned | None = None, settings: ServeSettings = ServeSettings()) -> Generation:
+             abandoned: Abandoned | None = None, settings: ServeSettings = ServeSettings(),
+             loader: PrefixLoader | None = None) -> Generation:
     """Greedy generation of every prompt on `engine` (every rank alike): the serving loop with one lane,
     by default all at once with continuous batching (a finished sequence's slot goes to the next prompt),
     whole prompts, no prefix cache. A sequence stops at a stop token, when stop(index, new_tokens) says
     so (it must answer alike on every rank), or after max_new_tokens; `abandoned()` names prompts nobody
-    waits for any more (they stop at once with the tokens they have)."""
-    lane = Lane(prompts, [max_new_tokens] * len(prompts), settings, stop_token_ids, stop, abandoned)
+    waits for any more (they stop at once with the tokens they have). A `loader` (the decode side of a
+    disaggregated run) places each prompt's KV but its last token's when the request is admitted."""
+    lane = Lane(prompts, [max_new_tokens] * len(prompts), settings, stop_token_ids, stop, abandoned, loader=loader)
     return ServingLoop(engine).run([lane], top_k)[0][0]
 
 

@@ -30,7 +30,7 @@ from harness.core.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, RUN_DIR_
 from harness.core.paths import BASELINES_DIR
 from harness.core.verdict import NOT_RUN_CHECK, CellResult, CheckResult, ExitCode, Verdict
 from harness.engine.fault_scope import inert_reason
-from harness.engine.faults import FAULTS, PERTURBATIONS, SHARED_JOIN, fault_flags
+from harness.engine.faults import FAULTS, LOAD_CONDITIONS, PERTURBATIONS, SHARED_JOIN, fault_flags
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
 from harness.flow.refcache import ReferenceCache, ReferenceFailed
 from harness.gsm8k.settings import GSM8KSettings
@@ -176,6 +176,9 @@ def skip_reason(model: ModelSpec, topo: Topology, fault: str | None) -> str | No
 def _engine_skip(model: ModelSpec, topo: Topology, backend: Backend, ref_backend: Backend,
                  reference: Topology) -> str | None:
     """Why the parallel engine cannot run the cell or the reference engine its reference, or None."""
+    if topo.prefill is not None and not getattr(backend, "disaggregated", False):
+        return (f"engine {backend.name} runs no disaggregated topology ({topo.name}); the embedded engine does "
+                f"(--engine embedded)")
     why = backend.skip_reason(model, topo)
     if why:
         return f"engine {backend.name}: {why}"
@@ -187,7 +190,7 @@ def _engine_skip(model: ModelSpec, topo: Topology, backend: Backend, ref_backend
 def plan_cells(req: RunRequest, backends: tuple[Backend, Backend] | None = None) -> list[CellPlan]:
     """Every cell of the request with its skip reason; `backends` (parallel, reference) default to
     the request's engines."""
-    if req.fault and req.fault not in FAULTS:
+    if req.fault and req.fault not in FAULTS and req.fault not in LOAD_CONDITIONS:
         fault_flags(req.fault, Topology(tp=1))  # raises the did-you-mean error
     backend, ref_backend = backends or (get_backend(req.engine), get_backend(req.ref_engine))
     reference = parse_topology_name(req.suite.reference).without_speculator()
@@ -473,7 +476,7 @@ class Runner:
                           engine=self.backend.name, reference_engine=self.ref_backend.name,
                           report_dir=str(self.req.out_dir), baselines_dir=self.req.baselines_dir, workload=workload,
                           workloads_run=self.workload_names != (SUITE_PROMPTS,)),
-            speculator_plan=plan.speculator,
+            speculator_plan=plan.speculator, pd_plan=plan.pd,
             decode=self._decoder(cell.model), gsm8k=self.req.gsm8k, enabled=suite.check_enabled)
 
     def planned(self) -> list[CellPlan]:

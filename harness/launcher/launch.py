@@ -258,10 +258,12 @@ def stop_process_tree(proc: Process) -> None:
 
 
 def launch(job: Job, timeout_s: float, module: str, env: dict[str, str] | None = None,
-           worker_args: Sequence[str] = (), nodes: "NodeLaunch | None" = None) -> LaunchResult:
+           worker_args: Sequence[str] = (), nodes: "NodeLaunch | None" = None,
+           world_size: int | None = None) -> LaunchResult:
     """Run `job` on its ranks, each running `module`'s main(job file, worker flags), to completion or until
     `timeout_s`; always leaves a manifest.json in job.out_dir. `worker_args` are extra worker flags
-    (e.g. `--topk 20`: the top-k-only mode)."""
+    (e.g. `--topk 20`: the top-k-only mode); `world_size` replaces the topology's (the prefill world of a
+    disaggregated topology)."""
     run_dir = Path(job.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in [*RUN_FILES, *(p.name for p in run_dir.glob("rank*.log"))]:  # nothing of an earlier launch
@@ -270,7 +272,7 @@ def launch(job: Job, timeout_s: float, module: str, env: dict[str, str] | None =
         shutil.rmtree(run_dir / old_logs, ignore_errors=True)
     job_path = run_dir / JOB_FILE
     write_json(job_path, job.to_dict())
-    world = job.topology.world_size
+    world = world_size or job.topology.world_size
     child_env = _child_env(world // (nodes.nnodes if nodes else 1), env)
     launcher = launcher_choice(job.device, nodes is not None, child_env.get(LAUNCHER_ENV))
     log_dir = run_dir / ("ranks" if launcher == "fork" else "torchrun")

@@ -15,11 +15,16 @@ from harness.specs.loader import check_keys, check_path_name, did_you_mean, expe
 SPECULATORS: tuple[str, ...] = ("none", "draft", "mtp")
 _NAME_RE = re.compile(r"^tp(?P<tp>\d+)(?:dcp(?P<dcp>\d+)(?:i(?P<interleave>\d+)|(?P<contiguous>c))?(?P<q>q)?)?"
                       r"(?:dp(?P<dp>\d+))?(?:ep(?P<ep>\d+))?(?:-(?P<spec>[a-z]+))?$")
-GRAMMAR = "tp<N>[dcp<M>[i<K>|c][q]][dp<D>][ep<E>][-draft|-mtp]"
+LAYOUT_GRAMMAR = "tp<N>[dcp<M>[i<K>|c][q]][dp<D>][ep<E>]"
+PD_SEP = ">"  # prefill layout > decode layout (disaggregated prefill/decode)
+GRAMMAR = f"{LAYOUT_GRAMMAR}[-draft|-mtp] | {LAYOUT_GRAMMAR}{PD_SEP}{LAYOUT_GRAMMAR}"
+PD_GRAMMAR = (f"PREFILL{PD_SEP}DECODE, each side {LAYOUT_GRAMMAR} without a speculator, e.g. tp4>tp2dcp2 "
+              "(prefill on tp4, its KV moved to a tp2dcp2 decode world)")
 NAME_GRAMMAR = (f"{GRAMMAR}, e.g. tp1, tp4, tp4dcp4, tp4dcp4i16 (DCP tokens "
                 "interleaved in chunks of 16), tp4dcp4c (contiguous blocks per sequence), tp4dcp4q (Q replicated "
                 "in the DCP group), tp4dcp2ep4 (experts over 4 ranks), tp4dp4ep4 (attention data parallel: 4 DP "
-                "ranks, each with its own requests, experts over all 4), tp8dcp2-mtp, tp4-draft")
+                "ranks, each with its own requests, experts over all 4), tp8dcp2-mtp, tp4-draft, tp4>tp2dcp2 "
+                "(disaggregated: prefill on tp4, decode on tp2dcp2)")
 PLACEMENT_KEYS: tuple[str, ...] = ("interleave", "contiguous", "q_replicated")
 OPTION_KEYS: tuple[str, ...] = (*PLACEMENT_KEYS, "ep", "dp")  # written only when they differ from their defaults
 
@@ -41,6 +46,7 @@ class Topology:
     q_replicated: bool = False  # MLA: q_b_proj / w_kc of the whole DCP group on every rank, no Q gather
     ep: int = 1                 # expert parallel ranks (MoE experts split over ep ranks of the world)
     dp: int = 1                 # attention data parallel ranks (each with its own requests)
+    prefill: Topology | None = None  # disaggregated: the prefill world's layout (this one is the decode world's)
 
     def __post_init__(self) -> None:
         where = f"topology {self.name or '?'}"
@@ -76,8 +82,32 @@ class Topology:
         if self.speculator not in SPECULATORS:
             raise ConfigError(f"{where}: speculator={self.speculator!r} is not one of "
                               f"{', '.join(SPECULATORS)}{did_you_mean(self.speculator, SPECULATORS)}")
+        if self.prefill is not None:
+            self._check_pd(where)
         if not self.name:
             object.__setattr__(self, "name", self.canonical_name)
+
+    def _check_pd(self, where: str) -> None:
+        """A disaggregated pair: two layouts without speculators, neither contiguous, no nesting."""
+        pre = self.prefill
+        if not isinstance(pre, Topology) or pre.prefill is not None:
+            raise ConfigError(f"{where}: prefill={pre!r} must be one plain layout; expected {PD_GRAMMAR}")
+        for side, topo in (("prefill", pre), ("decode", self)):
+            if topo.speculator != "none":
+                raise ConfigError(f"{where}: the {side} layout has speculator {topo.speculator!r}; a disaggregated "
+                                  f"topology takes none; expected {PD_GRAMMAR}")
+            if topo.dp > 1:
+                raise ConfigError(f"{where}: the {side} layout has dp={topo.dp}; the KV connector moves one "
+                                  f"world's KV, not a DP rank's own requests; expected {PD_GRAMMAR} with dp=1")
+            if topo.contiguous:
+                raise ConfigError(f"{where}: the {side} layout's DCP placement is contiguous (c); a disaggregated "
+                                  f"topology takes round-robin or interleaved (i<K>) placements: a contiguous "
+                                  f"owner depends on the sequence's first forward, which the decode side never runs; "
+                                  f"expected {PD_GRAMMAR}")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill is not None
 
     @property
     def world_size(self) -> int:
@@ -99,10 +129,16 @@ class Topology:
     def canonical_name(self) -> str:
         base = (f"tp{self.tp}" + (f"dcp{self.dcp}{self.dcp_suffix}" if self.dcp > 1 else "")
                 + (f"dp{self.dp}" if self.dp > 1 else "") + (f"ep{self.ep}" if self.ep > 1 else ""))
+        if self.prefill is not None:
+            base = f"{self.prefill.canonical_name}{PD_SEP}{base}"
         return base + ("" if self.speculator == "none" else f"-{self.speculator}")
 
     def without_speculator(self) -> "Topology":
-        return Topology(tp=self.tp, dcp=self.dcp, **self._options())
+        return Topology(tp=self.tp, dcp=self.dcp, prefill=self.prefill, **self._options())
+
+    def decode_layout(self) -> "Topology":
+        """The decode world's own layout (this topology without its prefill side)."""
+        return Topology(tp=self.tp, dcp=self.dcp, speculator=self.speculator, **self._options())
 
     def _options(self) -> dict[str, Any]:
         """The placement, Q-mode and expert-parallel fields that differ from their defaults (topologies
@@ -111,15 +147,23 @@ class Topology:
                 if getattr(self, k) != Topology.__dataclass_fields__[k].default}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "tp": self.tp, "dcp": self.dcp, "speculator": self.speculator,
-                "world_size": self.world_size, **self._options()}
+        out = {"name": self.name, "tp": self.tp, "dcp": self.dcp, "speculator": self.speculator,
+               "world_size": self.world_size, **self._options()}
+        if self.prefill is not None:  # only disaggregated topologies carry it (other cache keys unchanged)
+            out["prefill"] = self.prefill.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "topology") -> Topology:
         """The topology `to_dict` wrote (its derived world_size, when present, must agree with tp)."""
-        check_keys(where, data, ("name", "tp", "dcp", "speculator", "world_size", *OPTION_KEYS), ("tp",))
+        check_keys(where, data, ("name", "tp", "dcp", "speculator", "world_size", "prefill", *OPTION_KEYS), ("tp",))
+        prefill = data.get("prefill")
+        if prefill is not None and not isinstance(prefill, Mapping):
+            raise ConfigError(f"{where}: prefill={prefill!r} must be a mapping (a topology); expected {PD_GRAMMAR}")
         topo = cls(tp=data["tp"], dcp=data.get("dcp", 1), speculator=data.get("speculator", "none"),
-                   name=data.get("name", ""), **{k: data[k] for k in OPTION_KEYS if k in data})
+                   name=data.get("name", ""), prefill=None if prefill is None else cls.from_dict(
+                       prefill, f"{where} prefill"),
+                   **{k: data[k] for k in OPTION_KEYS if k in data})
         if "world_size" in data and data["world_size"] != topo.world_size:
             raise ConfigError(f"{where}: world_size={data['world_size']!r} is not tp={topo.tp}")
         return topo
@@ -130,7 +174,10 @@ def divisors(n: int) -> list[int]:
 
 
 def parse_topology_name(name: str) -> Topology:
-    """Parse `tp4dcp4-mtp` style names; raise naming the grammar on anything else."""
+    """Parse `tp4dcp4-mtp` style names, and `tp4>tp2dcp2` disaggregated pairs; raise naming the grammar on
+    anything else."""
+    if PD_SEP in name:
+        return _parse_pd(name)
     match = _NAME_RE.match(name.strip())
     if not match:
         raise ConfigError(f"bad topology name {name!r}; expected {NAME_GRAMMAR}")
@@ -142,6 +189,22 @@ def parse_topology_name(name: str) -> Topology:
                     name=name.strip(), interleave=int(match.group("interleave") or 1),
                     contiguous=bool(match.group("contiguous")), q_replicated=bool(match.group("q")),
                     ep=int(match.group("ep") or 1), dp=int(match.group("dp") or 1))
+
+
+def _parse_pd(name: str) -> Topology:
+    """`PREFILL>DECODE`: two plain layouts; the decode layout is the topology, the prefill one its `prefill`."""
+    parts = name.strip().split(PD_SEP)
+    if len(parts) != 2 or not all(p.strip() for p in parts):
+        raise ConfigError(f"bad disaggregated topology {name!r}: expected {PD_GRAMMAR}")
+    sides = []
+    for side, part in zip(("prefill", "decode"), parts):
+        if not _NAME_RE.match(part.strip()):
+            raise ConfigError(f"bad disaggregated topology {name!r}: the {side} layout {part!r} is not "
+                              f"{LAYOUT_GRAMMAR}; expected {PD_GRAMMAR}")
+        sides.append(parse_topology_name(part))
+    pre, dec = sides
+    return Topology(tp=dec.tp, dcp=dec.dcp, speculator=dec.speculator, name=name.strip(), prefill=pre,
+                    **dec._options())
 
 
 @dataclass(frozen=True)
@@ -176,7 +239,7 @@ class TopologyCatalog:
             return [t for name in self.sets[item] for t in self._resolve_one(name, all_names, seen + (item,))]
         if item in self.topologies:
             return [self.topologies[item]]
-        if _NAME_RE.match(item):
+        if _NAME_RE.match(item) or PD_SEP in item:
             return [parse_topology_name(item)]
         known = tuple(self.topologies) + tuple(self.sets)
         raise ConfigError(f"unknown topology or set {item!r}{did_you_mean(item, known)}; "
@@ -191,7 +254,8 @@ def _topology_from_yaml(where: str, name: str, data: Any) -> Topology:
 
 
 def _renamed(topo: Topology, name: str) -> Topology:
-    return Topology(tp=topo.tp, dcp=topo.dcp, speculator=topo.speculator, name=name, **topo._options())
+    return Topology(tp=topo.tp, dcp=topo.dcp, speculator=topo.speculator, name=name, prefill=topo.prefill,
+                    **topo._options())
 
 
 def load_catalog(dirs: tuple[Path, ...] = (TOPOLOGIES_DIR,)) -> TopologyCatalog:

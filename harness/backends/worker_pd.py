@@ -1,0 +1,113 @@
+"""The two worlds of a disaggregated topology (PREFILL>DECODE) in the embedded worker.
+
+The backend launches the prefill world first (`--pd-role prefill`): it prefills every case's prompt on the
+prefill layout and sends its KV to the store (harness/engine/pd_prefill.py), then the decode world
+(`--pd-role decode`), the cell's run itself: its teacher-forced decode path and its generations load each
+prompt's KV through the connector (harness/engine/pd_connector.py) instead of computing it. The decode
+world's rank 0 leaves PD_RECORD (the loads, pool accounting, policy, the prefill world's record) and
+PD_TENSORS (the digests the prefill ranks sent, those each decode rank holds after placement, the prefill
+world's first-token top-k) in the run directory for the pd checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from harness.arch.model import model_of
+from harness.arch.plan import plan_model
+from harness.cases import build_cases
+from harness.core.errors import ConfigError
+from harness.core.jsonio import read_json, write_json
+from harness.engine.construct import build_engine
+from harness.engine.engine import Engine, PrefixLoader
+from harness.engine.faults import fault_flags
+from harness.engine.parallel import ParallelState
+from harness.engine.pd_connector import KVConnector, LoadPolicy
+from harness.engine.pd_prefill import run_prefill
+from harness.engine.pd_store import PREFILL_ONLY, PREFILL_RECORD, done_marker, read_entry
+from harness.records.contract import MANIFEST_FILE, PD_RECORD_FILE, PD_TENSORS_FILE, Job
+from harness.specs.speculative import SpeculativeSettings
+
+PD_ROLES: tuple[str, ...] = ("prefill", "decode")
+PD_RECORD, PD_TENSORS = PD_RECORD_FILE, PD_TENSORS_FILE
+
+
+def run_prefill_world(job: Job, store: Path) -> None:
+    """One prefill rank: the prefill layout's engine (a correct model: the job's fault acts on the transfer
+    only), every case's prompt into the store; rank 0 writes the world's record and a manifest."""
+    pre = job.topology.prefill
+    if pre is None:
+        raise ConfigError(f"--pd-role prefill needs a disaggregated topology, got {job.topology.name}")
+    state = ParallelState.from_launcher(pre.tp, pre.dcp, job.device, job.collective_timeout_s)
+    built = build_engine(state, job.model, pre, None, job.pool, job.dtype, SpeculativeSettings())
+    cases = build_cases(job.prompts, built.tokenizer, job.seed, job.max_new_tokens, job.decode_prefix_tokens)
+    record = run_prefill(built.engine, [list(c.prompt_ids) for c in cases], store, job.top_k,
+                         fault_flags(job.fault, job.topology))
+    ranks = state.gather_objects(record.to_dict())
+    if state.rank == 0:
+        write_json(store / PREFILL_RECORD, {"topology": pre.to_dict(), "ranks": ranks,
+                                            "requests": [{"index": c.index, "tokens": len(c.prompt_ids)}
+                                                         for c in cases]})
+        save_file({**{f"topk_ids.{i}": t for i, t in enumerate(record.topk_ids)},
+                   **{f"topk_logprobs.{i}": t for i, t in enumerate(record.topk_logprobs)}}, str(store / PREFILL_ONLY))
+        write_json(Path(job.out_dir) / MANIFEST_FILE, {"status": "ok", "error": None, "role": "prefill",
+                                                       "topology": pre.to_dict(), "fault": job.fault})
+    state.barrier()
+    state.shutdown()
+
+
+@dataclass
+class DecodeSide:
+    """The decode world's connector and what it leaves for the checks."""
+
+    job: Job
+    engine: Engine
+    store: Path
+    connector: KVConnector
+
+    @classmethod
+    def open(cls, job: Job, engine: Engine, store: Path) -> DecodeSide:
+        if job.workloads:
+            raise ConfigError(f"a disaggregated topology ({job.topology.name}) runs the suite's prompts, not "
+                              f"workloads ({', '.join(w.name for w in job.workloads)})")
+        pd = plan_model(model_of(job.model), job.topology).pd
+        if pd is None:
+            raise ConfigError(f"--pd-role decode needs a disaggregated topology, got {job.topology.name}")
+        return cls(job, engine, store, KVConnector(engine, pd, store, LoadPolicy()))
+
+    def prefetch(self, requests: int) -> None:
+        self.connector.prefetch(range(requests))
+
+    def loader(self, route: str) -> PrefixLoader:
+        def load(seq_id: int, index: int, tokens: list[int]) -> int:
+            return self.connector.load(seq_id, index, tokens, route)
+        return load
+
+    def finish(self, out_dir: Path) -> None:
+        """Every rank's record and held digests to rank 0, which writes PD_RECORD and PD_TENSORS."""
+        state = self.engine.state
+        ranks = state.gather_objects((self.connector.close(), self.connector.held))
+        if state.rank != 0:
+            return
+        prefill = read_json(self.store / PREFILL_RECORD)
+        tensors: dict[str, torch.Tensor] = {}
+        for rec, held in ranks:
+            for key, (digests, positions) in held.items():
+                tensors[f"held.{key}.d{rec['rank']}"] = digests
+                tensors[f"held.{key}.d{rec['rank']}.pos"] = positions
+        for req in prefill["requests"]:
+            for r in range(self.job.topology.prefill.tp if self.job.topology.prefill else 0):
+                if done_marker(self.store, req["index"], r).exists():
+                    entry = read_entry(self.store, req["index"], r)
+                    tensors[f"sent.{req['index']}.p{r}"] = entry["digest"]
+                    tensors[f"sent.{req['index']}.p{r}.pos"] = entry["pos"]
+        tensors.update({f"prefill_only.{k}": t for k, t in load_file(str(self.store / PREFILL_ONLY)).items()})
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / PD_TENSORS))
+        doc: dict[str, Any] = {"policy": self.connector.policy.to_dict(), "prefill": prefill,
+                               "decode": [rec for rec, _ in ranks], "block_size": self.engine.cache.block_size}
+        write_json(out_dir / PD_RECORD, doc)

@@ -1,0 +1,52 @@
+"""The checks of a disaggregated (PREFILL>DECODE) cell: its KV transfer per row, its load path and pools,
+and prefill-only vs prefill -> decode consistency (harness/compare/pd_transfer.py), read from the decode
+run's PD_RECORD and PD_TENSORS."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from harness.checks.context import CellContext
+from harness.compare.pd_transfer import check_consistency, check_load, check_transfer
+from harness.core.jsonio import read_json
+from harness.core.verdict import CheckResult, Verdict
+from harness.records import contract as c
+
+PD_RECORD, PD_TENSORS = c.PD_RECORD_FILE, c.PD_TENSORS_FILE  # written by harness/backends/worker_pd.py
+
+
+def _read(ctx: CellContext, name: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | CheckResult:
+    path = Path(ctx.par.path)
+    if not (path / PD_RECORD).exists() or not (path / PD_TENSORS).exists():
+        return CheckResult(name, Verdict.ERROR, f"the disaggregated run left no {PD_RECORD} / {PD_TENSORS} in {path}")
+    return read_json(path / PD_RECORD), load_file(str(path / PD_TENSORS))
+
+
+def pd_transfer(ctx: CellContext) -> list[CheckResult]:
+    got = _read(ctx, "pd_transfer")
+    if isinstance(got, CheckResult):
+        return [got]
+    assert ctx.pd_plan is not None  # a pd cell (driver.belongs)
+    return [check_transfer(ctx.pd_plan, *got)]
+
+
+def pd_load(ctx: CellContext) -> list[CheckResult]:
+    got = _read(ctx, "pd_load")
+    return [got if isinstance(got, CheckResult) else check_load(got[0])]
+
+
+def pd_consistency(ctx: CellContext) -> list[CheckResult]:
+    got = _read(ctx, "pd_consistency")
+    if isinstance(got, CheckResult):
+        return [got]
+    record, tensors = got
+    indices = [int(r["index"]) for r in record["prefill"]["requests"]]
+    prefill_only = [(tensors[f"prefill_only.topk_ids.{i}"], tensors[f"prefill_only.topk_logprobs.{i}"])
+                    for i in indices]
+    decoded = [(ctx.par.tensor(c.GEN_TOPK_IDS, i)[:1].flatten(), ctx.par.tensor(c.GEN_TOPK_LOGPROBS, i)[:1].flatten())
+               for i in indices]
+    return [check_consistency(prefill_only, decoded)]
