@@ -114,12 +114,7 @@ class LatentAttention(Component):
     def inert_reason(self, site: FaultSite) -> str | None:
         return layout_inert(site)
 
-    def export_refusal(self, spec: ModelSpec) -> str | None:  # a Llama config.json cannot describe a latent
-        return (f"model {spec.name!r} is an MLA model (kv_lora_rank={spec.kv_lora_rank}): harness export "
-                f"writes Llama/Qwen2 folders only")
-
-    def served_refusal(self, spec: ModelSpec, engine: str) -> str | None:
-        return f"engine {engine} is given a Hugging Face export of the model, and MLA models have none"
+    # exported as DeepSeek-V2 (harness/engine/checkpoint.py): no refusal
 
 
 def check_hybrid_dcp(spec: ModelSpec, placement: Placement, q_replicated: bool) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from harness.core.errors import ConfigError
+from harness.engine.checkpoint import canonical_from_file
 from harness.engine.hybrid_names import synthetic_std
 from harness.engine.names import Shape, canonical_from_gguf, canonical_from_hf, expected_shapes
 from harness.specs.checkpoint import checkpoint_path, hf_config, read_json
@@ -190,7 +191,8 @@ def _canonical_hf(spec: ModelSpec, key: str, path: Path) -> str | None:
 
 
 def load_hf_folder(spec: ModelSpec, folder: Path) -> dict[str, torch.Tensor]:
-    """Canonical float32 weights from a Hugging Face checkpoint folder (single or sharded safetensors)."""
+    """Canonical float32 weights from a Hugging Face checkpoint folder (single or sharded safetensors), in the
+    canonical layout (a DeepSeek folder's interleaved RoPE rows reordered: harness/engine/checkpoint.py)."""
     if not folder.is_dir():
         raise ConfigError(f"checkpoint folder {folder} does not exist")
     hf_config(folder)  # a folder without config.json is not a checkpoint
@@ -200,7 +202,8 @@ def load_hf_folder(spec: ModelSpec, folder: Path) -> dict[str, torch.Tensor]:
             name = _canonical_hf(spec, key, path)
             if name is not None:
                 weights[name] = tensor.to(torch.float32).contiguous()
-    return weights
+    check_weights(spec, weights, folder)
+    return canonical_from_file(spec, weights)
 
 
 # ---- GGUF ----------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ from harness.specs.gguf_file import architecture, field, float32_decimal, open_g
 from harness.specs.loader import did_you_mean, load_yaml
 from harness.specs.model import ModelSpec, model_from_dict, shipped_models
 
-HF_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral")
+HF_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral", "deepseek_v2")
+MLA_MODEL_TYPES: tuple[str, ...] = ("deepseek_v2",)  # multi-head latent attention (harness export writes these)
 QKV_BIAS_MODEL_TYPES: tuple[str, ...] = ("qwen2",)
 DEFAULT_MAX_SEQ_LEN = 2048
 # pip package -> how to install it, for the error when it is missing
@@ -75,9 +76,30 @@ def _check_hf_supported(config: dict[str, Any], where: Path) -> None:
         raise ConfigError(f"{where}/config.json: sliding-window attention is not supported")
     if config.get("mlp_bias"):
         raise ConfigError(f"{where}/config.json: mlp_bias is not supported")
+    if model_type in MLA_MODEL_TYPES:
+        _check_dense_deepseek(config, where)
     if config.get("attention_bias") and model_type not in QKV_BIAS_MODEL_TYPES:
         raise ConfigError(f"{where}/config.json: attention_bias (biases on q/k/v and o) is not supported; "
                           f"only Qwen2's q/k/v biases are")
+
+
+def _check_dense_deepseek(config: dict[str, Any], where: Path) -> None:
+    """A DeepSeek-V2 folder the embedded engine runs: routed experts in no layer (a dense FFN everywhere)."""
+    layers, first_dense = int(config.get("num_hidden_layers") or 0), config.get("first_k_dense_replace") or 0
+    if config.get("n_routed_experts") and int(first_dense) < layers:
+        raise ConfigError(f"{where}/config.json: n_routed_experts={config['n_routed_experts']} with "
+                          f"first_k_dense_replace={first_dense} < num_hidden_layers={layers}: the embedded engine "
+                          f"runs DeepSeek-V2 with a dense FFN in every layer only (first_k_dense_replace >= "
+                          f"num_hidden_layers or no n_routed_experts)")
+
+
+def _mla_fields(config: dict[str, Any], where: Path) -> dict[str, Any]:
+    """The MLA numbers of a DeepSeek-V2 config.json as ModelSpec fields (head_dim is the value width)."""
+    return {"kv_heads": 1, "head_dim": int(_config_value(config, "v_head_dim", where)),
+            "kv_lora_rank": int(_config_value(config, "kv_lora_rank", where)),
+            "q_lora_rank": int(config.get("q_lora_rank") or 0),
+            "qk_rope_dim": int(_config_value(config, "qk_rope_head_dim", where)),
+            "qk_nope_dim": int(_config_value(config, "qk_nope_head_dim", where))}
 
 
 def _max_seq_len(config: dict[str, Any]) -> int:
@@ -93,15 +115,17 @@ def _has_chat_template(folder: Path) -> bool:
 
 
 def spec_from_hf(folder: Path) -> ModelSpec:
-    """A ModelSpec from config.json of a Llama / Qwen2 / Mistral checkpoint folder."""
+    """A ModelSpec from config.json of a Llama / Qwen2 / Mistral / dense DeepSeek-V2 checkpoint folder."""
     config = hf_config(folder)
     _check_hf_supported(config, folder)
     heads = int(_config_value(config, "num_attention_heads", folder))
     hidden = int(_config_value(config, "hidden_size", folder))
+    attention = {"kv_heads": int(config.get("num_key_value_heads") or heads),
+                 "head_dim": int(config.get("head_dim") or hidden // heads)}
+    if config["model_type"] in MLA_MODEL_TYPES:
+        attention = _mla_fields(config, folder)
     return ModelSpec(
-        name=folder.resolve().name, heads=heads,
-        kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden // heads), hidden=hidden,
+        name=folder.resolve().name, heads=heads, **attention, hidden=hidden,
         layers=int(_config_value(config, "num_hidden_layers", folder)),
         ffn=int(_config_value(config, "intermediate_size", folder)),
         vocab=int(_config_value(config, "vocab_size", folder)),

@@ -90,9 +90,9 @@ class ModelSpec:
         if self.qk_rope_dim < 2 or self.qk_rope_dim % 2 or self.qk_nope_dim < 1:
             raise ConfigError(f"{where}: MLA needs an even qk_rope_dim >= 2 and qk_nope_dim >= 1, got "
                               f"qk_rope_dim={self.qk_rope_dim}, qk_nope_dim={self.qk_nope_dim}")
-        if self.source != "synthetic" or self.qkv_bias:
-            raise ConfigError(f"{where}: MLA models are synthetic only and without qkv_bias in the embedded "
-                              f"engine (got source={self.source}, qkv_bias={self.qkv_bias})")
+        if self.source not in ("synthetic", "hf") or self.qkv_bias:
+            raise ConfigError(f"{where}: MLA models are synthetic or DeepSeek-V2 Hugging Face folders, without "
+                              f"qkv_bias, in the embedded engine (got source={self.source}, qkv_bias={self.qkv_bias})")
 
     @property
     def mla(self) -> bool:
