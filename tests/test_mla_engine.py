@@ -4,9 +4,8 @@ as silent corruption with its localization (positive controls)."""
 
 from __future__ import annotations
 
-import sys
-
 import json
+import sys
 from pathlib import Path
 
 import pytest

@@ -44,7 +44,8 @@ def llama_config(spec: ModelSpec) -> dict[str, Any]:
 
 
 def deepseek_v2_config(spec: ModelSpec) -> dict[str, Any]:
-    """A DeepSeek-V2 config.json for an MLA `spec`: every layer dense (first_k_dense_replace = layers: its one nominal routed expert is never built), plain RoPE."""
+    """A DeepSeek-V2 config.json for an MLA `spec`: every layer dense (first_k_dense_replace = layers: its one
+    nominal routed expert is never built), plain RoPE."""
     return {
         "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_act": "silu",
         "vocab_size": spec.vocab, "hidden_size": spec.hidden, "intermediate_size": spec.ffn,

@@ -6,7 +6,8 @@ health endpoint, timeouts, the request dialect, and the log line that reports th
 
 Placeholders in argv / env values: {python} {model_path} {model_name} {tp} {dcp} {topology} {port}
 {host} {dtype} {seed} {max_logprobs} {max_model_len} {kv_budget_mib} {block_size} {fault} {spec_k} {cpu_bind}
-{interleave} {ep} (this machine's cores split into tp contiguous ranges, "0-3|4-7": vLLM CPU's VLLM_CPU_OMP_THREADS_BIND). An `env`
+{interleave} {ep} (this machine's cores split into tp contiguous ranges, "0-3|4-7": vLLM CPU's
+VLLM_CPU_OMP_THREADS_BIND). An `env`
 value is a default: the same variable set in the harness's environment wins. `dcp_argv` is appended when
 dcp > 1, `interleave_argv` for an interleaved DCP placement (i<K>), `q_replicated_argv` for Q replicated in
 the DCP group (q), `ep_argv` for expert parallel (ep<E>; `ep_spans_tp: true` when the engine's expert parallel
@@ -136,7 +137,8 @@ class EngineSpec:
                               f"{', '.join(MODEL_FORMATS)}{did_you_mean(self.model_format, MODEL_FORMATS)}")
         if bool(self.argv) == bool(self.url):
             raise ConfigError(f"{where}: give either argv (start a server) or url (attach to a running one)")
-        for key in ("argv", "dcp_argv", "interleave_argv", "q_replicated_argv", "ep_argv", "fault_argv", "dtypes", "version_packages", "engine_env", "engine_faults",
+        for key in ("argv", "dcp_argv", "interleave_argv", "q_replicated_argv", "ep_argv", "fault_argv", "dtypes",
+                    "version_packages", "engine_env", "engine_faults",
                     "probe_captures", "build_argv", "requires"):
             object.__setattr__(self, key, _strings(where, key, getattr(self, key)))
         spec_argv = dict(self.speculator_argv)

@@ -3,7 +3,9 @@ positive control on a real third-party engine.
 
 With HARNESS_VLLM_FAULT=kv-shard in the server's environment, tensor-parallel rank 1 loads the K and
 V weight shard that belongs to another rank (rank (1 + 1) % tp) into its QKV projection. Nothing
-crashes and every shape is right; attention on rank 1 silently uses the wrong KV heads. With HARNESS_VLLM_FAULT=mla-kv-b-shard (an MLA model: DeepSeek-V2/V3), tensor-parallel rank 1 loads
+crashes and every shape is right; attention on rank 1 silently uses the wrong KV heads.
+
+With HARNESS_VLLM_FAULT=mla-kv-b-shard (an MLA model: DeepSeek-V2/V3), tensor-parallel rank 1 loads
 kv_b_proj's rows of rank (1 + 1) % tp: its heads absorb another rank's w_kc / w_vc, so each of its Q heads scores
 the latent with another head's key map and reads another head's values. Nothing crashes; shapes are right.
 Without the variable (or with any other value) the plugin changes nothing.

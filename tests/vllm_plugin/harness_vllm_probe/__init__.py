@@ -202,7 +202,8 @@ def register() -> None:
     from harness_vllm_probe import capture
 
     capture.register(folder)
-    for cls, attrs in ((ColumnParallelLinear, ("weight_loader", "weight_loader_v2")), (ReplicatedLinear, ("weight_loader",))):
+    for cls, attrs in ((ColumnParallelLinear, ("weight_loader", "weight_loader_v2")),
+                       (ReplicatedLinear, ("weight_loader",))):
         for attr in attrs:
             current = vars(cls).get(attr)
             if current is not None and not getattr(current, "__harness_probe__", False):

@@ -89,7 +89,8 @@ def layer_report(name: str, wrapper: Any, tp_rank: int) -> dict[str, Any]:
 def rank_record(layers: list[tuple[str, Any]], reports: list[dict[str, Any]]) -> dict[str, Any]:
     """The rank's MLA record and latent checksum over every layer: the Q-weight heads it holds (a layer whose
     q_proj or kv_b_proj rows are another shard's wins, as the loader cut them), each head's q rows and w_kc rows."""
-    off = [r[k] for r in reports for k in ("q_heads", "kv_b_heads") if r[k] is not None and r[k] != r["claimed_q_heads"]]
+    off = [r[k] for r in reports for k in ("q_heads", "kv_b_heads")
+           if r[k] is not None and r[k] != r["claimed_q_heads"]]
     heads = off[0] if off else reports[0]["claimed_q_heads"]
     sums: dict[str, Any] = {str(h): hashlib.sha256() for h in heads}
     latent = hashlib.sha256()
