@@ -116,6 +116,8 @@ def probe_layout(folder: Path, tp: int) -> dict[str, Any]:
     reports = read_probe(folder, tp)
     first = reports[0]["kv_cache"]
     budget = first.get("budget_bytes")
+    sizing = {"sizing": str(first["sizing"])} if first.get("sizing") else {}  # how the engine sizes its pool
     pool = ({"budget_bytes": int(budget), "block_size": int(first["block_size"]),
-             "max_seq_len": int(first["max_model_len"])} if budget is not None and first.get("block_size") else None)
+             "max_seq_len": int(first["max_model_len"]), **sizing}
+            if budget is not None and first.get("block_size") else None)
     return {**entry_json(probe_ranks(reports), pool), "source": "probe"}

@@ -179,6 +179,7 @@ def report(worker: Any, kv_cache_config: Any) -> dict[str, Any]:
                      "tensor_bytes": sum(int(t.size) for t in kv_cache_config.kv_cache_tensors),
                      "bound_bytes": _kv_tensor_bytes(bound),
                      "budget_bytes": getattr(worker, "_harness_kv_budget", None),
+                     "sizing": "blocks",  # vLLM allocates floor(budget / page bytes) blocks, not whole sequences
                      "max_model_len": int(worker.model_config.max_model_len)},
     }
 
