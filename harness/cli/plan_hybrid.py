@@ -8,6 +8,16 @@ from typing import Any
 from harness.core.fmt import human_bytes, id_ranges, table
 
 
+def render_moe(moe: dict[str, Any]) -> list[str]:
+    """The table lines of an MoE plan (a hybrid model's, or an MLA model's experts)."""
+    return [f"MoE: {moe['experts']} experts, top-{moe['top_k']}, ep={moe['ep']} (EP rank = rank // etp), "
+            f"etp={moe['etp']} (expert columns split over etp ranks)",
+            table(["rank", "ep_rank", "etp_rank", "ep_group", "experts", "expert_ffn", "shared_ffn"],
+                  [[str(r["rank"]), str(r["ep_rank"]), str(r["etp_rank"]), id_ranges(r["ep_members"]),
+                    id_ranges(r["experts"]), _span(r["expert_ffn_shard"]), _span(r["shared_ffn_shard"])]
+                   for r in moe["ranks"]])]
+
+
 def render_hybrid(h: dict[str, Any]) -> list[str]:
     """The table lines of a hybrid section."""
     kinds = h["layer_kinds"]
@@ -27,14 +37,8 @@ def render_hybrid(h: dict[str, Any]) -> list[str]:
            f"{human_bytes(lin['state_bytes_per_seq_per_rank'])}",
            "gated attention Q projection rows per rank (q and gate per head): "
            + ", ".join(f"r{r}:{rows[0][0]}-{rows[-1][1] - 1}" for r, rows in enumerate(h["q_proj_rows"]))]
-    moe = h["moe"]
-    if moe:
-        out += [f"MoE: {moe['experts']} experts, top-{moe['top_k']}, ep={moe['ep']} (EP rank = rank // etp), "
-                f"etp={moe['etp']} (expert columns split over etp ranks)",
-                table(["rank", "ep_rank", "etp_rank", "ep_group", "experts", "expert_ffn", "shared_ffn"],
-                      [[str(r["rank"]), str(r["ep_rank"]), str(r["etp_rank"]), id_ranges(r["ep_members"]),
-                        id_ranges(r["experts"]), _span(r["expert_ffn_shard"]), _span(r["shared_ffn_shard"])]
-                       for r in moe["ranks"]])]
+    if h["moe"]:
+        out += render_moe(h["moe"])
     out.append(f"cache groups per rank (one slot = one sequence of {h['max_seq_len']} tokens, "
                f"{h['block_size']}-token pages): "
                + "; ".join(f"{g['name']} {g['blocks_per_seq']} x {human_bytes(g['block_bytes'])}"

@@ -15,6 +15,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from harness.arch.model import model_of
 from harness.core.errors import ConfigError
 from harness.engine.checkpoint import canonical_from_file
 from harness.engine.hybrid_names import synthetic_std
@@ -32,7 +33,11 @@ IGNORED_HF_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
 
 
 def load_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Every canonical tensor of `spec` as a float32 CPU tensor, checked against the spec's shapes."""
+    """Every canonical tensor of `spec` as a float32 CPU tensor, checked against the spec's shapes; a model the
+    embedded engine cannot run (Model.embedded_refusal) is one ConfigError saying why."""
+    refusal = model_of(spec).embedded_refusal()
+    if refusal is not None:
+        raise ConfigError(refusal)
     if spec.source == "synthetic":
         return synthetic_weights(spec)
     path = checkpoint_path(spec)
@@ -59,6 +64,9 @@ def check_weights(spec: ModelSpec, weights: dict[str, torch.Tensor], path: Path)
 def validate_checkpoint(spec: ModelSpec) -> None:
     """The cheap check before any rank starts: every tensor's name and shape from the file headers
     (safetensors metadata, GGUF tensor infos), without reading or dequantizing the data."""
+    refusal = model_of(spec).embedded_refusal()
+    if refusal is not None:
+        raise ConfigError(refusal)
     if spec.source != "synthetic":
         path = checkpoint_path(spec)
         check_shapes(spec, checkpoint_shapes(spec, path), path)

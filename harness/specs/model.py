@@ -8,7 +8,7 @@ from typing import Any
 
 from harness.core.errors import ConfigError
 from harness.core.paths import MODELS_DIR
-from harness.partition.hybrid_layout import HybridShape
+from harness.partition.hybrid_layout import HybridShape, MoeShape
 from harness.partition.layout import AttentionShape
 from harness.partition.mla_layout import MLAShape
 from harness.specs.loader import build, check_path_name, did_you_mean, expect_int
@@ -45,6 +45,10 @@ class ModelSpec:
     chat_template: bool = False
     speculator_layers: int = 1
     hybrid: HybridShape | None = None  # linear attention, gated attention, MoE (harness/partition/hybrid_layout.py)
+    moe: MoeShape | None = None  # experts of an MLA model (DeepSeek-V2/V3); a hybrid model's are in `hybrid`
+    # what the checkpoint has that the embedded engine does not implement (e.g. YaRN RoPE): such a model is planned
+    # (`harness plan`) and served by an HTTP engine, and the embedded engine refuses it naming these
+    engine_gaps: tuple[str, ...] = ()
     # MLA (multi-head latent attention, DeepSeek-V2 style; kv_lora_rank > 0): head_dim is then the
     # value head width, kv_heads is 1 (the shared latent), q_lora_rank 0 means q_proj reads the hidden state
     kv_lora_rank: int = 0
@@ -78,6 +82,10 @@ class ModelSpec:
         if self.hybrid is not None and not isinstance(self.hybrid, HybridShape):
             raise ConfigError(f"{where}: hybrid must be a mapping of {', '.join(HybridShape.__dataclass_fields__)}, "
                               f"got {self.hybrid!r}")
+        if self.moe is not None and not (isinstance(self.moe, MoeShape) and self.kv_lora_rank > 0):
+            raise ConfigError(f"{where}: moe (experts of an MLA model) needs kv_lora_rank > 0 and a mapping of "
+                              f"{', '.join(MoeShape.__dataclass_fields__)}, got {self.moe!r}; a hybrid model's "
+                              f"experts go under hybrid")
         if self.hybrid is not None and self.qkv_bias:
             raise ConfigError(f"{where}: qkv_bias=true is not supported with hybrid (gated attention has no biases)")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
@@ -123,9 +131,13 @@ class ModelSpec:
         return replace(self, dtype=dtype)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "hybrid"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("hybrid", "moe", "engine_gaps")}
         if self.hybrid is not None:  # dense models keep their dict (and their cache keys) unchanged
             out["hybrid"] = self.hybrid.to_dict()
+        if self.moe is not None:
+            out["moe"] = self.moe.to_dict()
+        if self.engine_gaps:
+            out["engine_gaps"] = list(self.engine_gaps)
         return out
 
 
@@ -135,6 +147,10 @@ def model_from_dict(where: str, data: dict[str, Any], name: str = "") -> ModelSp
         data["name"] = name
     if isinstance(data.get("hybrid"), dict):
         data["hybrid"] = build(HybridShape, f"{where}: hybrid", data["hybrid"])
+    if isinstance(data.get("moe"), dict):
+        data["moe"] = build(MoeShape, f"{where}: moe", data["moe"])
+    if isinstance(data.get("engine_gaps"), list):
+        data["engine_gaps"] = tuple(str(g) for g in data["engine_gaps"])
     return build(ModelSpec, where, data)
 
 
