@@ -320,3 +320,28 @@ def test_a_server_killed_mid_run_is_reported_as_its_death_with_its_log(tmp_path:
     assert not result.ok
     assert "engine server died while serving (killed by SIGKILL" in result.error, result.error
     assert "illegal memory access" in result.error and "illegal memory access" in result.log_tails["server"]
+
+
+def test_a_worker_that_dies_silently_is_named_beside_its_peers_error() -> None:
+    """vLLM CPU at tp2 with expert parallel: one worker dies in its first forward without a line of its own, the
+    other reports gloo's "Connection closed by peer". The reason names every process's own cause, so the silent
+    death shows beside the survivor's error (a log of one process adds nothing)."""
+    from harness.backends.http_server import _with_processes, process_causes
+
+    log = "\n".join([
+        "(APIServer pid=10) INFO 12-02 10:00:00 [api_server.py:1] vLLM API server version 0.32.0",
+        "(Worker_TP0 pid=11) INFO 12-02 10:00:01 [gpu_model_runner.py:1] Starting to load model",
+        "(Worker_TP1 pid=12) INFO 12-02 10:00:01 [gpu_model_runner.py:1] Starting to load model",
+        "(Worker_TP1 pid=12) INFO 12-02 10:00:02 [fused_moe.py:1] Using expert map 0-1",
+        "(Worker_TP0 pid=11) ERROR 12-02 10:00:03 [multiproc_executor.py:1] WorkerProc hit an exception.",
+        "(Worker_TP0 pid=11) Traceback (most recent call last):",
+        '(Worker_TP0 pid=11)   File "x.py", line 1, in f',
+        "(Worker_TP0 pid=11) RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed "
+        "by peer [127.0.0.1]:4242",
+    ])
+    causes = process_causes(log)
+    assert causes[0] == "APIServer pid=10: no error line (last: vLLM API server version 0.32.0)"
+    assert causes[1].startswith("Worker_TP0 pid=11: RuntimeError: [../third_party/gloo")
+    assert causes[2] == "Worker_TP1 pid=12: no error line (last: Using expert map 0-1)"
+    assert _with_processes("X", log).startswith("X; per process: APIServer pid=10: no error line")
+    assert process_causes("ERROR one process\nTraceback (most recent call last):\nValueError: v") == []

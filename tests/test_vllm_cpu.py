@@ -280,7 +280,7 @@ def test_vllm_mla_layout_probe_passes_layout(mla_clean: dict) -> None:
     assert [r["q_weight_heads"] for r in target["ranks"]] == [[0, 1], [2, 3]]
     assert all(r["latent_dim"] == 576 and r["kv_bytes_per_token"] == 2 * 576 * 4 and r["kv_heads"] == [0]
                for r in target["ranks"])
-    assert target["pool"]["sizing"] == "blocks"
+    assert target["pool"]["sizing"] == "blocks" and "KV pool 910 blocks" in layout["reason"]  # 64 MiB / (16 x 4608)
 
 
 def test_vllm_mla_probe_captures_hidden_states_and_attention_outputs(mla_clean: dict) -> None:
@@ -297,7 +297,9 @@ def test_vllm_mla_probe_captures_hidden_states_and_attention_outputs(mla_clean: 
 def test_vllm_cpu_refuses_mla_dcp_as_a_skip_with_its_own_line(mla_clean: dict) -> None:
     cell = _mla_cell(mla_clean, "tp2dcp2")
     assert cell["status"] == "SKIP", cell["checks"]
-    assert cell["checks"][0]["reason"].startswith("engine vllm refused tp2dcp2: "), cell["checks"][0]["reason"]
+    assert cell["checks"][0]["reason"].startswith(
+        "engine vllm refused tp2dcp2: AssertionError: Decode Context Parallelism (DCP) requires attention "
+        "implementations to return the softmax LSE during decode, but CPUMLAImpl does not."), cell["checks"][0]
 
 
 def test_vllm_mla_plugin_fault_fails_layout_and_is_silent_corruption(mla_fault: dict) -> None:
