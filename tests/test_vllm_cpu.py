@@ -13,7 +13,14 @@ its variable, with a reference of its own and a reproduce command that sets it; 
 leave no vllm_dist_* shared memory behind. The layout probe's per-worker report (tests/vllm_plugin) makes
 `layout` PASS at tp2 and tp4 (the KV cache sized from the harness's budget) and FAIL on the fault, naming rank 1
 and the KV heads it holds; its forward hooks' hidden states and attention outputs localize the fault to layer 0,
-heads 4-7 on rank 1."""
+heads 4-7 on rank 1.
+
+Two more for the exported DeepSeek-V2 model (tiny-dsv2, MLA) through the mla suite: tp2 and tp2dcp2 clean, tp2
+with HARNESS_VLLM_FAULT=mla-kv-b-shard. The probe's MLA report makes `layout` PASS at tp2 (the latent on both
+ranks, each rank's own heads' Q weights, the pool vLLM sized in whole blocks), its hooks capture MLAAttention's
+per-head outputs, tp2dcp2 is a SKIP quoting vLLM's CPUMLAImpl refusal, and the fault FAILs as silent corruption
+with `layout` naming rank 1 and the heads whose kv_b rows it holds. The clean MLA cell's logits are not asserted:
+vLLM CPU's MLA does not agree with itself across batch compositions (docs/engines.md, vLLM on CPU)."""
 
 from __future__ import annotations
 
