@@ -345,3 +345,34 @@ def test_a_worker_that_dies_silently_is_named_beside_its_peers_error() -> None:
     assert causes[2] == "Worker_TP1 pid=12: no error line (last: Using expert map 0-1)"
     assert _with_processes("X", log).startswith("X; per process: APIServer pid=10: no error line")
     assert process_causes("ERROR one process\nTraceback (most recent call last):\nValueError: v") == []
+
+
+FIRST_FORWARD_REFUSAL = '''import sys, json, http.server
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+    def do_POST(self):
+        print("(Worker pid=7) ERROR 12-02 17:07:35 [multiproc_executor.py:1063] ValueError: Head dimension 40 is "
+              "not supported by MLA.", flush=True)
+        body = json.dumps(dict(error=dict(message="EngineCore encountered an issue.", code=500))).encode()
+        self.send_response(500); self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+print("KV cache size: 12,345 tokens", flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[3])), H).serve_forever()
+'''
+
+
+def test_an_engine_that_refuses_at_its_first_forward_is_a_refusal(tmp_path: Path) -> None:
+    """vLLM CPU's MLA kernel refuses another latent width at the first forward: its engine core fails, its API
+    server answers HTTP 500 and stays up. The log line matching the template's `refuses` makes the run a refusal
+    (a SKIP), and the error names the log's cause, not only the HTTP 500."""
+    path = tmp_path / "stand-in.yaml"
+    path.write_text(yaml.safe_dump({"dialect": "vllm", "model_format": "spec", "refuses": load_engine("vllm").refuses,
+                                    "argv": ["{python}", "-c", FIRST_FORWARD_REFUSAL, str(tmp_path / "pid"),
+                                             "{topology}", "{port}"], "request_timeout_s": 30}))
+    result = HttpBackend(str(path)).run(_job(tmp_path), timeout_s=60)
+    assert not result.ok
+    assert result.refused == "engine stand-in refused tp1: ValueError: Head dimension 40 is not supported by MLA."
+    assert "the server's log: ValueError: Head dimension 40 is not supported by MLA." in result.error, result.error

@@ -69,6 +69,7 @@ from harness.backends.http_server import (
     ServerError,
     log_line,
     log_tail,
+    root_cause,
     server_death,
     wait_ready,
 )
@@ -420,14 +421,30 @@ class HttpBackend(Backend):
                 collected.tensors.update(spec_tensors)
         except (RunError, ConfigError) as exc:
             tail = exc.tail if isinstance(exc, ServerError) else "\n".join(log_tail(p) for p in logs)
-            line = refusal(self.spec.refuses, logs) if isinstance(exc, ServerError) else None
+            # the engine's own words for what it cannot run, at startup or at its first forward (a server whose
+            # engine core failed answers HTTP 500 and stays up: its log says why)
+            line = refusal(self.spec.refuses, logs) if isinstance(exc, RunError) else None
             refused = f"engine {self.name} refused {job.topology.name}: {line}" if line else ""
-            return self._failed(job, str(exc), tail, time.time() - start, refused)
+            return self._failed(job, str(exc) + self._log_cause(exc, logs), tail, time.time() - start, refused)
         self._write(job, collected, {"plain": kv, "speculative": kv_spec}, counters,
                     {**served, "ready_s": ready, "template": self.name,
                      **({"speculative": served_spec} if served_spec else {})}, start, reported)
         stamp_manifest(run_dir, self)
         return LaunchResult(True, 0, time.time() - start, "", {"server": log_tail(logs[-1])})
+
+    @staticmethod
+    def _log_cause(exc: Exception, logs: list[Path]) -> str:
+        """"; the server's log: CAUSE" for a failed request (a ServerError already names its log's cause)."""
+        if isinstance(exc, ServerError):
+            return ""
+        for path in logs:
+            try:
+                cause = root_cause(path.read_text(errors="replace"))
+            except OSError:
+                continue
+            if cause is not None:
+                return f"; the server's log: {cause[0]}"
+        return ""
 
     def _serve(self, job: Job, log_path: Path, deadline: float,
                ask: Any) -> tuple[float, Any, dict[str, int] | None, dict[str, Any]]:
