@@ -320,3 +320,59 @@ def test_a_server_killed_mid_run_is_reported_as_its_death_with_its_log(tmp_path:
     assert not result.ok
     assert "engine server died while serving (killed by SIGKILL" in result.error, result.error
     assert "illegal memory access" in result.error and "illegal memory access" in result.log_tails["server"]
+
+
+def test_a_worker_that_dies_silently_is_named_beside_its_peers_error() -> None:
+    """vLLM CPU at tp2 with expert parallel: one worker dies in its first forward without a line of its own, the
+    other reports gloo's "Connection closed by peer". The reason names every process's own cause, so the silent
+    death shows beside the survivor's error (a log of one process adds nothing)."""
+    from harness.backends.http_server import _with_processes, process_causes
+
+    log = "\n".join([
+        "(APIServer pid=10) INFO 12-02 10:00:00 [api_server.py:1] vLLM API server version 0.32.0",
+        "(Worker_TP0 pid=11) INFO 12-02 10:00:01 [gpu_model_runner.py:1] Starting to load model",
+        "(Worker_TP1 pid=12) INFO 12-02 10:00:01 [gpu_model_runner.py:1] Starting to load model",
+        "(Worker_TP1 pid=12) INFO 12-02 10:00:02 [fused_moe.py:1] Using expert map 0-1",
+        "(Worker_TP0 pid=11) ERROR 12-02 10:00:03 [multiproc_executor.py:1] WorkerProc hit an exception.",
+        "(Worker_TP0 pid=11) Traceback (most recent call last):",
+        '(Worker_TP0 pid=11)   File "x.py", line 1, in f',
+        "(Worker_TP0 pid=11) RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed "
+        "by peer [127.0.0.1]:4242",
+    ])
+    causes = process_causes(log)
+    assert causes[0] == "APIServer pid=10: no error line (last: vLLM API server version 0.32.0)"
+    assert causes[1].startswith("Worker_TP0 pid=11: RuntimeError: [../third_party/gloo")
+    assert causes[2] == "Worker_TP1 pid=12: no error line (last: Using expert map 0-1)"
+    assert _with_processes("X", log).startswith("X; per process: APIServer pid=10: no error line")
+    assert process_causes("ERROR one process\nTraceback (most recent call last):\nValueError: v") == []
+
+
+FIRST_FORWARD_REFUSAL = '''import sys, json, http.server
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+    def do_POST(self):
+        print("(Worker pid=7) ERROR 12-02 17:07:35 [multiproc_executor.py:1063] ValueError: Head dimension 40 is "
+              "not supported by MLA.", flush=True)
+        body = json.dumps(dict(error=dict(message="EngineCore encountered an issue.", code=500))).encode()
+        self.send_response(500); self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+print("KV cache size: 12,345 tokens", flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[3])), H).serve_forever()
+'''
+
+
+def test_an_engine_that_refuses_at_its_first_forward_is_a_refusal(tmp_path: Path) -> None:
+    """vLLM CPU's MLA kernel refuses another latent width at the first forward: its engine core fails, its API
+    server answers HTTP 500 and stays up. The log line matching the template's `refuses` makes the run a refusal
+    (a SKIP), and the error names the log's cause, not only the HTTP 500."""
+    path = tmp_path / "stand-in.yaml"
+    path.write_text(yaml.safe_dump({"dialect": "vllm", "model_format": "spec", "refuses": load_engine("vllm").refuses,
+                                    "argv": ["{python}", "-c", FIRST_FORWARD_REFUSAL, str(tmp_path / "pid"),
+                                             "{topology}", "{port}"], "request_timeout_s": 30}))
+    result = HttpBackend(str(path)).run(_job(tmp_path), timeout_s=60)
+    assert not result.ok
+    assert result.refused == "engine stand-in refused tp1: ValueError: Head dimension 40 is not supported by MLA."
+    assert "the server's log: ValueError: Head dimension 40 is not supported by MLA." in result.error, result.error

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from harness.arch.model import model_of
+from harness.arch.plan import plan_model
 from harness.backends.http_layout import probe_layout
 from harness.compare.layout_check import check_layout_with_pool
 from harness.core.errors import RunError
 from harness.core.verdict import Verdict
 from harness.partition.layout import plan_layout
 from harness.specs.checkpoint import load_model
+from harness.specs.topology import parse_topology_name
 
 SHAPE = load_model("tiny-hd64").attention_shape  # 8 Q heads, 4 KV heads, head_dim 64, 2 layers, float32
 BYTES_PER_TOKEN_TP2 = 2 * 2 * 2 * 64 * 4  # K and V, 2 layers, 2 KV heads per rank, 64 dims, float32
@@ -86,3 +90,57 @@ def test_a_real_vllm_probe_report_of_the_kv_shard_fault_fails_layout() -> None:
     result = check_layout_with_pool(plan_layout(SHAPE, 2), target)
     assert result.verdict is Verdict.FAIL and result.reason.startswith("rank 1 holds kv heads 0-1, planned 2-3")
     assert not any("pool" in p or "bytes per token" in p for p in result.metrics["problems"])  # capacity as planned
+
+
+MLA = load_model("tiny-dsv2")  # 4 heads over one latent row of 512 + 64, 2 layers, float32
+MLA_BYTES_PER_TOKEN = 2 * 576 * 4  # 2 layers x latent row x float32, the same on every TP rank
+
+
+def _mla_report(rank: int, kv_b_shard: int | None = None, blocks: int = 910, sizing: str | None = "blocks") -> dict:
+    """A vLLM probe report of an MLA rank at tp2 (the shape a real tiny-dsv2 server's probe writes)."""
+    own = [2 * rank, 2 * rank + 1]
+    kv_b = own if kv_b_shard is None else [2 * kv_b_shard, 2 * kv_b_shard + 1]
+    layer = lambda i: {"layer": f"model.layers.{i}.self_attn.mla_attn", "kind": "mla", "tp_rank": rank,  # noqa: E731
+                       "num_heads": 2, "num_kv_heads": 1, "claimed_q_heads": own, "claimed_kv_heads": [0],
+                       "q_heads": own, "kv_b_heads": kv_b, "k_heads": [0], "v_heads": [0], "latent_dim": 576}
+    held = kv_b if kv_b != own else own
+    kv_cache = {"num_blocks": blocks, "block_size": 16, "bytes_per_token": MLA_BYTES_PER_TOKEN,
+                "tensor_bytes": blocks * 16 * MLA_BYTES_PER_TOKEN, "bound_bytes": blocks * 16 * MLA_BYTES_PER_TOKEN,
+                "budget_bytes": 64 << 20, "max_model_len": 256, **({"sizing": sizing} if sizing else {})}
+    return {"schema_version": 1, "tp_rank": rank, "tp_size": 2, "dcp_rank": 0, "dcp_size": 1, "dcp_members": [rank],
+            "layers": [layer(0), layer(1)], "kv_weight_checksums": {"0": "latent-projection"},
+            "mla": {"q_mode": "split", "q_weight_heads": held, "latent_dim": 576,
+                    "q_weight_checksums": {str(h): f"q-of-{h}" for h in held}},
+            "kv_cache": kv_cache}
+
+
+def _mla_plan() -> Any:
+    return plan_model(model_of(MLA), parse_topology_name("tp2")).attention
+
+
+def test_a_clean_mla_probe_report_passes_layout_with_vllm_s_block_sized_pool(tmp_path: Path) -> None:
+    """vLLM sizes its pool in whole blocks: 64 MiB / (16 x 4608 bytes) = 910 blocks (the planner's whole slots of
+    256 tokens would be 896); the latent is on both ranks, each holds its own heads' Q weights."""
+    target = probe_layout(_folder(tmp_path, _mla_report(0), _mla_report(1)), 2)
+    assert target["ranks"][1]["q_weight_heads"] == [2, 3] and target["ranks"][1]["latent_dim"] == 576
+    result = check_layout_with_pool(_mla_plan(), target)
+    assert result.verdict is Verdict.PASS and "KV pool 910 blocks" in result.reason, result.reason
+
+
+def test_an_mla_pool_off_by_blocks_or_sized_by_slots_fails(tmp_path: Path) -> None:
+    off = probe_layout(_folder(tmp_path, _mla_report(0, blocks=909), _mla_report(1, blocks=909)), 2)
+    result = check_layout_with_pool(_mla_plan(), off)
+    assert result.verdict is Verdict.FAIL and "ranks 0-1 have kv pool blocks 909, planned 910 (1.00x)" in \
+        result.metrics["problems"]
+    slots = probe_layout(_folder(tmp_path, _mla_report(0, sizing=None), _mla_report(1, sizing=None)), 2)
+    assert "ranks 0-1 have kv pool blocks 910, planned 896 (1.02x)" in \
+        check_layout_with_pool(_mla_plan(), slots).metrics["problems"]
+
+
+def test_an_mla_rank_holding_another_ranks_kv_b_rows_fails_naming_its_q_weight_heads(tmp_path: Path) -> None:
+    """The plugin's mla-kv-b-shard fault: rank 1's kv_b_proj holds rank 0's heads' w_kc / w_vc."""
+    target = probe_layout(_folder(tmp_path, _mla_report(0), _mla_report(1, kv_b_shard=0)), 2)
+    result = check_layout_with_pool(_mla_plan(), target)
+    assert result.verdict is Verdict.FAIL, result.reason
+    assert ("rank 1 holds Q weights (q_b_proj, w_kc) of heads 0-1, planned 2-3 (Q split by tp)"
+            in result.metrics["problems"]), result.metrics["problems"]

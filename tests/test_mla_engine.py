@@ -5,6 +5,7 @@ as silent corruption with its localization (positive controls)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,16 +138,19 @@ def test_cells_a_fault_or_mode_cannot_act_on_are_skips(fault: str | None, model:
         assert inert_reason(fault, spec, t) == reason
 
 
-def test_mla_models_stay_in_the_embedded_engine(tmp_path: Path) -> None:
-    """No Hugging Face export (its Llama config cannot hold a latent), so HTTP engines SKIP MLA cells, and
-    they SKIP placements and Q replication their templates cannot pass."""
+def test_http_engines_skip_the_placements_their_templates_cannot_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An MLA model is served from its DeepSeek-V2 export (tests/test_deepseek_export.py); a placement or Q mode the
+    template has no option for is a SKIP naming the axis, never a run with another layout."""
     from harness.backends.http import HttpBackend
-    from harness.core.errors import ConfigError
-    from harness.export import export_model
 
-    with pytest.raises(ConfigError, match="is an MLA model"):
-        export_model(load_model("tiny-mla"), tmp_path / "out")
     backend = HttpBackend("harness-serve")
-    assert "MLA models have none" in backend.skip_reason(load_model("tiny-mla"), parse_topology_name("tp2"))
+    assert backend.skip_reason(load_model("tiny-mla"), parse_topology_name("tp2")) is None
     assert "no option for the DCP token placement (interleave 16)" in backend.skip_reason(
         load_model("tiny-gqa"), parse_topology_name("tp4dcp4i16"))
+    assert "no option for Q replication" in backend.skip_reason(load_model("tiny-mla"),
+                                                                parse_topology_name("tp4dcp4q"))
+    monkeypatch.setenv("HARNESS_VLLM_PYTHON", sys.executable)  # the template alone decides; nothing starts
+    vllm = HttpBackend("vllm")
+    assert vllm.skip_reason(load_model("tiny-mla"), parse_topology_name("tp4dcp4i16q")) is None
+    assert "contiguous DCP token placement" in vllm.skip_reason(load_model("tiny-mla"),
+                                                                parse_topology_name("tp4dcp4c"))

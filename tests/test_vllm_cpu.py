@@ -13,7 +13,14 @@ its variable, with a reference of its own and a reproduce command that sets it; 
 leave no vllm_dist_* shared memory behind. The layout probe's per-worker report (tests/vllm_plugin) makes
 `layout` PASS at tp2 and tp4 (the KV cache sized from the harness's budget) and FAIL on the fault, naming rank 1
 and the KV heads it holds; its forward hooks' hidden states and attention outputs localize the fault to layer 0,
-heads 4-7 on rank 1."""
+heads 4-7 on rank 1.
+
+Two more for the exported DeepSeek-V2 model (tiny-dsv2, MLA) through the mla suite: tp2 and tp2dcp2 clean, tp2
+with HARNESS_VLLM_FAULT=mla-kv-b-shard. The probe's MLA report makes `layout` PASS at tp2 (the latent on both
+ranks, each rank's own heads' Q weights, the pool vLLM sized in whole blocks), its hooks capture MLAAttention's
+per-head outputs, tp2dcp2 is a SKIP quoting vLLM's CPUMLAImpl refusal, and the fault FAILs as silent corruption
+with `layout` naming rank 1 and the heads whose kv_b rows it holds. The clean MLA cell's logits are not asserted:
+vLLM CPU's MLA does not agree with itself across batch compositions (docs/engines.md, vLLM on CPU)."""
 
 from __future__ import annotations
 
@@ -230,4 +237,91 @@ def test_one_vllm_server_per_engine_configuration(clean: dict, fault: dict) -> N
 def test_stopped_vllm_servers_leave_no_shared_memory(clean: dict, fault: dict) -> None:
     """The leader is stopped first and waited for, then the group: vLLM unlinks its vllm_dist_* files."""
     for run in (clean, fault):
+        assert run["shm_left"] == []
+
+
+# The exported DeepSeek-V2 model (tiny-dsv2: MLA with vLLM CPU's only latent width, 512 + 64) through the mla suite:
+# one clean run at tp2 and tp2dcp2 (2 server configurations: tp1 for the reference and its noise twin, tp2; the
+# tp2dcp2 server exits at its config validation) and one with the plugin's MLA fault at tp2 (2 servers).
+MLA_RUN = ["--suite", "mla", "--model", "tiny-dsv2", "--engine", "vllm", "--max-seq-len", "256", "--timeout", "900"]
+MLA_FAULT = "mla-kv-b-shard"
+
+
+def _mla_run(root: Path, name: str, topos: str, fault: str | None) -> dict[str, Any]:
+    out = root / name
+    with pytest.MonkeyPatch.context() as env:
+        if fault:
+            env.setenv(FAULT, fault)
+        else:
+            env.delenv(FAULT, raising=False)
+        code = main(["run", *MLA_RUN, "--topo", topos, "--out", str(out), "--cache-dir", str(root / "vllm-cache")])
+    cells = {(c["topology"], c.get("workload")): c for c in results_cells(out)}
+    return {"exit": code, "cells": cells, "shm_left": _vllm_shm(out, root / "vllm-cache")}
+
+
+@pytest.fixture(scope="module")
+def mla_clean(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = _session_root(tmp_path_factory)
+    return _shared(root, "vllm-mla-clean", lambda: _mla_run(root, "vllm-mla-clean", "tp2,tp2dcp2", None))
+
+
+@pytest.fixture(scope="module")
+def mla_fault(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = _session_root(tmp_path_factory)
+    return _shared(root, "vllm-mla-fault", lambda: _mla_run(root, "vllm-mla-fault", "tp2", MLA_FAULT))
+
+
+def _mla_cell(run: dict, topo: str = "tp2") -> dict:
+    return next(c for (t, w), c in run["cells"].items() if t == topo and w in (None, "prompts"))
+
+
+def test_vllm_mla_layout_probe_passes_layout(mla_clean: dict) -> None:
+    """The probe's MLA report: the latent (one 576-wide row per token, 2 layers, float32) on both TP ranks, each
+    rank holding its own heads' Q weights (q_proj and kv_b's w_kc as loaded), the pool vLLM sized in whole blocks
+    from the harness's budget: `layout` PASSes against the planner."""
+    cell = _mla_cell(mla_clean)
+    layout = next(c for c in cell["checks"] if c["name"] == "layout")
+    assert layout["verdict"] == "PASS" and layout["reason"].startswith("2 ranks as planned: 2 Q / 1 KV heads per "
+                                                                       "rank"), layout
+    target = read_json(Path(cell["run_dir"]) / "layout.json")["target"]
+    assert [r["q_weight_heads"] for r in target["ranks"]] == [[0, 1], [2, 3]]
+    assert all(r["latent_dim"] == 576 and r["kv_bytes_per_token"] == 2 * 576 * 4 and r["kv_heads"] == [0]
+               for r in target["ranks"])
+    assert target["pool"]["sizing"] == "blocks" and "KV pool 910 blocks" in layout["reason"]  # 64 MiB / (16 x 4608)
+
+
+def test_vllm_mla_probe_captures_hidden_states_and_attention_outputs(mla_clean: dict) -> None:
+    """The hooks find DeepSeek-V2's MLA attention (vLLM's MLAAttention): per-head value-space outputs of the 4 heads."""
+    from safetensors import safe_open
+
+    cell = _mla_cell(mla_clean)
+    cases = read_json(Path(cell["run_dir"]) / "cases.json")
+    with safe_open(str(Path(cell["run_dir"]) / "tensors.safetensors"), "pt") as f:
+        assert list(f.get_slice("hidden.0").get_shape()) == [3, len(cases[0]["probe_positions"]), 256]
+        assert list(f.get_slice("attn.0").get_shape()) == [2, len(cases[0]["probe_positions"]), 4, 64]
+
+
+def test_vllm_cpu_refuses_mla_dcp_as_a_skip_with_its_own_line(mla_clean: dict) -> None:
+    cell = _mla_cell(mla_clean, "tp2dcp2")
+    assert cell["status"] == "SKIP", cell["checks"]
+    assert cell["checks"][0]["reason"].startswith(
+        "engine vllm refused tp2dcp2: AssertionError: Decode Context Parallelism (DCP) requires attention "
+        "implementations to return the softmax LSE during decode, but CPUMLAImpl does not."), cell["checks"][0]
+
+
+def test_vllm_mla_plugin_fault_fails_layout_and_is_silent_corruption(mla_fault: dict) -> None:
+    """TP rank 1 loaded rank 0's kv_b_proj rows: the probe finds heads 0-1's w_kc in rank 1's kv_b_proj; the cell
+    FAILs as silent corruption (the run finished, nothing crashed)."""
+    cell = _mla_cell(mla_fault)
+    assert mla_fault["exit"] == 1 and cell["status"] == "FAIL" and cell["silent_corruption"], cell["checks"]
+    assert cell["fault"] == f"{FAULT}={MLA_FAULT}"
+    layout = next(c for c in cell["checks"] if c["name"] == "layout")
+    assert layout["verdict"] == "FAIL"
+    assert ("rank 1 holds Q weights (q_b_proj, w_kc) of heads 0-1, planned 2-3 (Q split by tp)"
+            in layout["metrics"]["problems"]), layout["metrics"]["problems"]
+    assert "loads another rank's kv_b_proj rows" in (Path(cell["run_dir"]) / "server.log").read_text()
+
+
+def test_stopped_vllm_mla_servers_leave_no_shared_memory(mla_clean: dict, mla_fault: dict) -> None:
+    for run in (mla_clean, mla_fault):
         assert run["shm_left"] == []

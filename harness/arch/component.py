@@ -71,6 +71,10 @@ class Component(ABC):
         """Why `harness export` cannot write this feature as a Hugging Face folder, or None."""
         return None
 
+    def embedded_refusal(self, spec: ModelSpec) -> str | None:
+        """Why the embedded engine cannot run this feature of `spec` (planned and served elsewhere), or None."""
+        return None
+
     def served_refusal(self, spec: ModelSpec, engine: str) -> str | None:
         """Why an HTTP engine given a Hugging Face export cannot run this feature, or None."""
         return None

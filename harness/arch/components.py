@@ -13,6 +13,7 @@ from harness.partition.hybrid_layout import (
     LINEAR,
     HybridShape,
     MoePlan,
+    MoeShape,
     experts_of,
     full_attention_shape,
     layer_kinds,
@@ -121,12 +122,7 @@ class LatentAttention(Component):
     def inert_reason(self, site: FaultSite) -> str | None:
         return layout_inert(site)
 
-    def export_refusal(self, spec: ModelSpec) -> str | None:  # a Llama config.json cannot describe a latent
-        return (f"model {spec.name!r} is an MLA model (kv_lora_rank={spec.kv_lora_rank}): harness export "
-                f"writes Llama/Qwen2 folders only")
-
-    def served_refusal(self, spec: ModelSpec, engine: str) -> str | None:
-        return f"engine {engine} is given a Hugging Face export of the model, and MLA models have none"
+    # exported as DeepSeek-V2 (harness/engine/checkpoint.py): no refusal
 
 
 class SparseAttention(Component):
@@ -225,11 +221,19 @@ class MoE(Component):
     faults: ClassVar[frozenset[str]] = frozenset({"moe-shared-every-rank", "moe-expert-offset",
                                                   "moe-router-local-renorm", *DP_FAULTS, "redundant-expert-twice"})
 
-    def __init__(self, shape: HybridShape) -> None:
+    def __init__(self, shape: HybridShape | MoeShape, embedded: bool = True) -> None:
         self.shape = shape
+        self.embedded = embedded  # whether the embedded engine runs these experts (its hybrid layers do)
 
     def plan(self, spec: ModelSpec, topo: Topology) -> dict[str, Any]:
         return {"moe": plan_moe(self.shape, topo.tp, topo.ep, topo.dp)}
+
+    def embedded_refusal(self, spec: ModelSpec) -> str | None:
+        if self.embedded:
+            return None
+        return (f"model {spec.name!r}: {self.shape.experts} routed experts beside multi-head latent attention; the "
+                f"embedded engine's MLA layers have a dense FFN (harness plan explains the layout; vllm / sglang "
+                f"serve it)")
 
     def inert_reason(self, site: FaultSite) -> str | None:
         h, topo, moe = self.shape, site.topology, site.parts["moe"]

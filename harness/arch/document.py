@@ -42,6 +42,8 @@ def plan_sections(plan: ModelPlan, budget_bytes: int | None, max_seq_len: int, b
         for rank in layout["ranks"]:
             rank["ffn_shard"] = [0, 0]
     speculator = None if plan.speculator is None else {"kind": plan.topology.speculator, **plan.speculator.to_dict()}
+    # an MLA model's experts (a hybrid's are in its section); the key only where there are some
+    experts = {"moe": plan.moe.to_dict()} if plan.moe is not None and section is None else {}
     return {**layout, "capacity": capacity, "speculator": speculator, "hybrid": section,
-            "mla": None if plan.latent is None else plan.latent.to_dict(),
+            "mla": None if plan.latent is None else plan.latent.to_dict(), **experts,
             **({} if sparse is None else {"sparse": sparse})}

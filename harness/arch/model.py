@@ -52,6 +52,15 @@ class Model:
         """Why `harness export` cannot write the model as a Hugging Face folder, or None."""
         return next((r for c in self.components if (r := c.export_refusal(self.spec)) is not None), None)
 
+    def embedded_refusal(self) -> str | None:
+        """Why the embedded engine cannot run the model (a component it does not implement, or what the checkpoint
+        has that it does not: the spec's engine_gaps), or None."""
+        found = next((r for c in self.components if (r := c.embedded_refusal(self.spec)) is not None), None)
+        if found is None and self.spec.engine_gaps:
+            found = (f"model {self.spec.name!r}: the embedded engine does not implement "
+                     f"{'; '.join(self.spec.engine_gaps)} (harness plan explains the layout; vllm / sglang serve it)")
+        return found
+
     def served_refusal(self, engine: str) -> str | None:
         """Why HTTP engine `engine`, given a Hugging Face export, cannot run the model, or None."""
         return next((r for c in self.components if (r := c.served_refusal(self.spec, engine)) is not None), None)
@@ -76,7 +85,8 @@ def model_of(spec: ModelSpec) -> Model:
         moe: tuple[Component, ...] = (MoE(h),) if h.experts else ()
         return Model(spec, (GatedAttention(h), *moe, GatedDeltaNet(h)), Speculator(copies_target=False))
     if spec.mla:
-        return Model(spec, (LatentAttention(),), Speculator())
+        experts: tuple[Component, ...] = (MoE(spec.moe, embedded=False),) if spec.moe is not None else ()
+        return Model(spec, (LatentAttention(), *experts), Speculator())
     if spec.sparse is not None:
         return Model(spec, (SparseAttention(spec.sparse),), Speculator())
     return Model(spec, (Attention(),), Speculator())

@@ -69,6 +69,7 @@ from harness.backends.http_server import (
     ServerError,
     log_line,
     log_tail,
+    root_cause,
     server_death,
     wait_ready,
 )
@@ -313,18 +314,35 @@ class HttpBackend(Backend):
         refusal = model_of(model).served_refusal(self.name)  # it reads the Hugging Face folder harness export writes
         if refusal is not None:
             return refusal
-        if topology.dcp_suffix:  # the template passes tp and dcp only: another placement would run round-robin
-            return (f"engine {self.name}'s template has no option for the DCP token placement "
-                    f"({topology.placement.label}) or Q replication of {topology.name}")
-        if topology.ep > 1:
-            return f"engine {self.name}: its template has no expert-parallel setting (ep={topology.ep})"
-        if topology.dp > 1:
-            return f"engine {self.name}: its template has no attention data-parallel setting (dp={topology.dp})"
+        axis = self._missing_axis(topology)
+        if axis is not None:
+            return axis
         if topology.speculator != "none" and topology.speculator not in self.spec.speculator_argv:
             return f"engine {self.name} has no -{topology.speculator} speculator in its template"
         if not self.spec.url and model.dtype not in self.spec.dtypes:  # an attached server runs what it runs
             return (f"engine {self.name} does not run dtype {model.dtype} "
                     f"(template dtypes: {', '.join(self.spec.dtypes)})")
+        return None
+
+    def _missing_axis(self, topology: Topology) -> str | None:
+        """The topology axis the template has no option for (it would otherwise run another layout), or None."""
+        t = self.spec
+        if topology.contiguous:
+            return (f"engine {self.name}'s template has no option for the contiguous DCP token placement of "
+                    f"{topology.name}")
+        if topology.interleave != 1 and not t.interleave_argv:
+            return (f"engine {self.name}'s template has no option for the DCP token placement "
+                    f"({topology.placement.label}) of {topology.name} (no interleave_argv)")
+        if topology.q_replicated and not t.q_replicated_argv:
+            return (f"engine {self.name}'s template has no option for Q replication in the DCP group of "
+                    f"{topology.name} (no q_replicated_argv)")
+        if topology.ep > 1 and not t.ep_argv:
+            return f"engine {self.name}: its template has no expert-parallel setting (ep={topology.ep}, no ep_argv)"
+        if topology.dp > 1:
+            return f"engine {self.name}: its template has no attention data-parallel setting (dp={topology.dp})"
+        if topology.ep > 1 and t.ep_spans_tp and topology.ep != topology.tp:
+            return (f"engine {self.name}: its expert parallel spans the whole TP world (template: ep_spans_tp), so "
+                    f"ep={topology.ep} at tp={topology.tp} cannot be expressed")
         return None
 
     def noise_strategy(self) -> str:
@@ -345,14 +363,22 @@ class HttpBackend(Backend):
                 "max_logprobs": str(self.spec.max_logprobs), "max_model_len": str(pool.max_seq_len),
                 "kv_budget_mib": str(server_budget_bytes(pool) >> 20), "block_size": str(pool.block_size),
                 "fault": job.fault or "", "spec_k": str(_spec_k(job)),
-                "cpu_bind": cpu_bind(job.topology.tp)}
+                "cpu_bind": cpu_bind(job.topology.tp), "interleave": str(job.topology.interleave),
+                "ep": str(job.topology.ep)}
 
     def command(self, job: Job, model_path: str, port: int) -> tuple[list[str], dict[str, str]]:
         """The server's argv and extra environment for `job` (placeholders filled)."""
         values = self._values(job, job.model, model_path, port)
         argv = list(self.spec.argv)
-        if job.topology.dcp > 1:
+        topo = job.topology
+        if topo.dcp > 1:
             argv += self.spec.dcp_argv
+        if topo.interleave != 1:
+            argv += self.spec.interleave_argv
+        if topo.q_replicated:
+            argv += self.spec.q_replicated_argv
+        if topo.ep > 1:
+            argv += self.spec.ep_argv
         if job.topology.speculator != "none":
             argv += self.spec.speculator_argv[job.topology.speculator]
         env = {k: v for k, v in self.spec.env.items() if k not in os.environ}  # the caller's environment wins
@@ -405,9 +431,11 @@ class HttpBackend(Backend):
                 attached = attached or served_spec.get("origin") == server_pool.ATTACHED
         except (RunError, ConfigError) as exc:
             tail = exc.tail if isinstance(exc, ServerError) else "\n".join(log_tail(p) for p in logs)
-            line = refusal(self.spec.refuses, logs) if isinstance(exc, ServerError) else None
+            # the engine's own words for what it cannot run, at startup or at its first forward (a server whose
+            # engine core failed answers HTTP 500 and stays up: its log says why)
+            line = refusal(self.spec.refuses, logs) if isinstance(exc, RunError) else None
             refused = f"engine {self.name} refused {job.topology.name}: {line}" if line else ""
-            return self._failed(job, str(exc), tail, time.time() - start, refused)
+            return self._failed(job, str(exc) + self._log_cause(exc, logs), tail, time.time() - start, refused)
         self._write(job, collected, {"plain": kv, "speculative": kv_spec}, counters,
                     {**served, "ready_s": ready, "template": self.name,
                      **({"speculative": served_spec} if served_spec else {})}, start, reported)
@@ -420,6 +448,19 @@ class HttpBackend(Backend):
         caps = self.capabilities()
         server_side = {c.KV_POOL_SIZE, c.LAYOUT_REPORT, *self.spec.probe_captures}
         return replace(caps, provides=frozenset(caps.provides - server_side))
+    @staticmethod
+    def _log_cause(exc: Exception, logs: list[Path]) -> str:
+        """"; the server's log: CAUSE" for a failed request (a ServerError already names its log's cause)."""
+        if isinstance(exc, ServerError):
+            return ""
+        for path in logs:
+            try:
+                cause = root_cause(path.read_text(errors="replace"))
+            except OSError:
+                continue
+            if cause is not None:
+                return f"; the server's log: {cause[0]}"
+        return ""
 
     def _serve(self, job: Job, log_path: Path, deadline: float,
                ask: Any) -> tuple[float, Any, dict[str, int] | None, dict[str, Any]]:

@@ -8,7 +8,9 @@ Per rank: its tensor-parallel and DCP ranks and DCP group, the global Q and KV h
 layers hold (as loaded: the checkpoint shard the probe found in each QKV projection's rows; the layer's
 own shard parameters where no shard matched), Q->KV reads by the engine's grouping (local Q head i reads
 local KV head i // (Q heads / KV heads)), K/V weight checksums, and the KV cache as the engine allocated
-it (blocks, block size, bytes per token, bytes); the pool is the budget the engine sized it from.
+it (blocks, block size, bytes per token, bytes); the pool is the budget the engine sized it from. An MLA rank
+(multi-head latent attention) also reports its MLA record: the heads whose Q weights it loaded, their checksums
+and the latent row width of its cache; its one "KV head" is the latent every TP rank holds.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.core.errors import RunError
-from harness.records.rankreport import ProbeLayer, RankReport, entry_json
+from harness.records.rankreport import MLAReport, ProbeLayer, RankReport, entry_json
 
 PROBE_SCHEMA = 1
 
@@ -75,6 +77,14 @@ def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
+def _mla(record: dict[str, Any] | None) -> MLAReport | None:
+    if not record:
+        return None
+    return MLAReport(q_mode=str(record["q_mode"]), q_weight_heads=tuple(int(h) for h in record["q_weight_heads"]),
+                     q_weight_checksums={str(k): str(v) for k, v in record["q_weight_checksums"].items()},
+                     latent_dim=int(record["latent_dim"]))
+
+
 def probe_ranks(reports: list[dict[str, Any]]) -> list[RankReport]:
     """Each rank's RankReport from the probe's reports (read_probe) of one server, in rank order."""
     q_of = {int(r["tp_rank"]): _heads(r["layers"], "q_heads", "claimed_q_heads")[0] for r in reports}
@@ -96,7 +106,7 @@ def probe_ranks(reports: list[dict[str, Any]]) -> list[RankReport]:
             kv_pool_bytes=int(kv["bound_bytes"] or kv["tensor_bytes"]), kv_pool_blocks=int(kv["num_blocks"]),
             kv_block_size=_optional_int(kv["block_size"]), kv_bytes_per_token=_optional_int(kv["bytes_per_token"]),
             kv_weight_checksums={str(k): str(v) for k, v in r["kv_weight_checksums"].items()},
-            layers=tuple(_layer(layer) for layer in layers),
+            layers=tuple(_layer(layer) for layer in layers), mla=_mla(r.get("mla")),
             layers_differing=tuple(sorted(set(q_off + kv_off + v_off))) or None))
     return sorted(ranks, key=lambda e: e.rank)
 
@@ -106,6 +116,8 @@ def probe_layout(folder: Path, tp: int) -> dict[str, Any]:
     reports = read_probe(folder, tp)
     first = reports[0]["kv_cache"]
     budget = first.get("budget_bytes")
+    sizing = {"sizing": str(first["sizing"])} if first.get("sizing") else {}  # how the engine sizes its pool
     pool = ({"budget_bytes": int(budget), "block_size": int(first["block_size"]),
-             "max_seq_len": int(first["max_model_len"])} if budget is not None and first.get("block_size") else None)
+             "max_seq_len": int(first["max_model_len"]), **sizing}
+            if budget is not None and first.get("block_size") else None)
     return {**entry_json(probe_ranks(reports), pool), "source": "probe"}

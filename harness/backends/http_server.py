@@ -113,6 +113,35 @@ def root_cause(text: str) -> tuple[str, str] | None:
     return None
 
 
+_PROC_NAME = re.compile(r"^\((?P<name>(?:[A-Za-z0-9_]+ )?pid=\d+)\)")
+
+
+def process_causes(text: str) -> list[str]:
+    """Per process of a multi-process server's log (vLLM's "(Worker_TP1 pid=N)" prefixes), in order of first
+    appearance: "NAME: its root cause", or "NAME: no error line (last: ...)" for a process that logged none (a
+    worker killed without a word: its peers then report only "Connection closed by peer"). Empty for a log
+    of fewer than two processes."""
+    by_proc: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        match = _PROC_NAME.match(line)
+        if match:
+            by_proc.setdefault(match.group("name"), []).append(line)
+    if len(by_proc) < 2:
+        return []
+    out = []
+    for name, lines in by_proc.items():
+        cause = root_cause("\n".join(lines))
+        last = next((log_line(line) for line in reversed(lines) if log_line(line)), "")
+        out.append(f"{name}: {cause[0]}" if cause else f"{name}: no error line (last: {last[:120]})")
+    return out
+
+
+def _with_processes(message: str, text: str) -> str:
+    """`message` and, for a multi-process server, every process's own cause (process_causes)."""
+    causes = process_causes(text)
+    return f"{message}; per process: " + " | ".join(causes) if causes else message
+
+
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -192,12 +221,14 @@ def _exited(server: Server, code: int, bind_line: str | None) -> None:
     if bind_line:
         raise AddressTaken(f"engine {where}: {bind_line}", server.tail())
     try:
-        cause = root_cause(server.log_path.read_text(errors="replace"))
+        text = server.log_path.read_text(errors="replace")
     except OSError:
-        cause = None
+        text = ""
+    cause = root_cause(text)
     if cause is None:
-        raise ServerError(f"engine {where} (no error line in {server.log_path.name})", server.tail())
-    raise ServerError(f"{cause[0]} ({where}; {server.log_path.name})", cause[1])
+        raise ServerError(_with_processes(f"engine {where} (no error line in {server.log_path.name})", text),
+                          server.tail())
+    raise ServerError(_with_processes(f"{cause[0]} ({where}; {server.log_path.name})", text), cause[1])
 
 
 def server_death(server: Server, exc: Exception, grace_s: float = DEATH_GRACE_S) -> ServerError | None:
@@ -216,11 +247,13 @@ def server_death(server: Server, exc: Exception, grace_s: float = DEATH_GRACE_S)
     how = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else \
         f"exited with code {code}"
     try:
-        cause = root_cause(server.log_path.read_text(errors="replace"))
+        text = server.log_path.read_text(errors="replace")
     except OSError:
-        cause = None
+        text = ""
+    cause = root_cause(text)
     said = f"; its log: {cause[0]}" if cause else ""
-    return ServerError(f"engine server died while serving ({how}{said}); the request got: {exc}", server.tail())
+    return ServerError(_with_processes(f"engine server died while serving ({how}{said}); the request got: {exc}",
+                                       text), server.tail())
 
 
 def pid_alive(pid: int) -> bool:

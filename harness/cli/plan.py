@@ -10,7 +10,7 @@ from harness.arch.document import plan_sections
 from harness.arch.model import model_of
 from harness.arch.plan import plan_model
 from harness.cli.checks import positive_float, positive_int
-from harness.cli.plan_hybrid import render_hybrid
+from harness.cli.plan_hybrid import render_hybrid, render_moe
 from harness.cli.plan_pd import pd_section, render_pd
 from harness.cli.plan_sparse import render_sparse
 from harness.core.errors import ConfigError
@@ -55,6 +55,8 @@ def plan_document(model: ModelSpec, topo_name: str, budget_gib: float | None, ma
     sections = plan_sections(planned, None if budget_gib is None else int(budget_gib * GIB), seq, block_size)
     doc: dict[str, Any] = {"schema_version": LAYOUT_SCHEMA_VERSION, "model": model.name,
                            "topology": topo.to_dict(), **sections}
+    if model.engine_gaps:  # what the checkpoint has that the embedded engine does not run (planned all the same)
+        doc["engine_gaps"] = list(model.engine_gaps)
     doc["token_owners"] = {"tokens": tokens, "prompt_len": tokens,
                            "owners": [token_owner(t, topo.dcp, topo.placement, tokens) for t in range(tokens)]}
     if planned.pd is not None:  # only disaggregated topologies carry the section (other documents unchanged)
@@ -103,6 +105,10 @@ def render_table(doc: dict[str, Any]) -> str:
         out += render_sparse(doc["sparse"])
     if doc.get("pd"):
         out += render_pd(doc["pd"], doc["mla"] is not None)
+    if doc.get("moe"):
+        out += render_moe(doc["moe"])
+    if doc.get("engine_gaps"):
+        out.append(f"not run by the embedded engine (served by vllm / sglang): {'; '.join(doc['engine_gaps'])}")
     return "\n".join(out)
 
 

@@ -27,9 +27,8 @@ def render_hybrid(h: dict[str, Any]) -> list[str]:
            f"{human_bytes(lin['state_bytes_per_seq_per_rank'])}",
            "gated attention Q projection rows per rank (q and gate per head): "
            + ", ".join(f"r{r}:{rows[0][0]}-{rows[-1][1] - 1}" for r, rows in enumerate(h["q_proj_rows"]))]
-    moe = h["moe"]
-    if moe:
-        out += _render_moe(moe)
+    if h["moe"]:
+        out += render_moe(h["moe"])
     out.append(f"cache groups per rank (one slot = one sequence of {h['max_seq_len']} tokens, "
                f"{h['block_size']}-token pages): "
                + "; ".join(f"{g['name']} {g['blocks_per_seq']} x {human_bytes(g['block_bytes'])}"
@@ -42,8 +41,9 @@ def render_hybrid(h: dict[str, Any]) -> list[str]:
     return out
 
 
-def _render_moe(moe: dict[str, Any]) -> list[str]:
-    """The MoE lines: attention data parallel, experts (physical slots) per rank, the expert map."""
+def render_moe(moe: dict[str, Any]) -> list[str]:
+    """The MoE lines (a hybrid model's or an MLA model's experts): attention data parallel, experts (physical
+    slots) per rank, the expert map."""
     emap = moe.get("expert_map")
     dp = moe.get("dp", 1)
     out = []

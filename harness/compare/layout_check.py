@@ -16,17 +16,27 @@ from harness.compare.placement_check import placement_problems, q_weight_problem
 from harness.core.errors import ConfigError
 from harness.core.fmt import id_ranges
 from harness.core.verdict import CheckResult, Verdict
-from harness.partition.layout import LayoutPlan, PoolCapacity, RankLayout, kv_of_q, pool_capacity, slot_pool
+from harness.partition.layout import (
+    POOL_SIZINGS,
+    LayoutPlan,
+    PoolCapacity,
+    RankLayout,
+    kv_of_q,
+    pool_capacity,
+    slot_pool,
+)
 from harness.records.rankreport import LayoutSchemaError, RankReport, read_ranks
 
 ENTRY = "layout entry"  # how a schema error names the entry it is in
 
 
 def expected_pool(plan: LayoutPlan, actual: Mapping[str, Any]) -> PoolCapacity:
-    """The planner's pool for the budget the run reports; raises ConfigError (shortfall) or
-    KeyError (no pool entry)."""
+    """The planner's pool for the budget the run reports, sized as the engine sizes it (the entry's pool "sizing":
+    whole sequence slots by default, whole blocks for vLLM); raises ConfigError (shortfall) or KeyError (no pool
+    entry, or a sizing the planner does not know)."""
     pool = actual["pool"]
-    return pool_capacity(plan, int(pool["budget_bytes"]), int(pool["max_seq_len"]), int(pool["block_size"]))
+    size = POOL_SIZINGS[pool.get("sizing", "slots")]
+    return size(plan, int(pool["budget_bytes"]), int(pool["max_seq_len"]), int(pool["block_size"]))
 
 
 def _rank_problems(planned: RankLayout, got: RankReport) -> list[str]:

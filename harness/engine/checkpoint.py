@@ -1,20 +1,31 @@
 """Writing canonical weights as a Hugging Face folder (config.json + model.safetensors): the reverse of
-harness/specs/checkpoint.py, which reads specs from checkpoints."""
+harness/specs/checkpoint.py, which reads specs from checkpoints.
+
+Each engine module an attention component names (harness/arch/components.py) has its own Hugging Face
+architecture: dense models are Llama (Qwen2 with q/k/v biases), MLA models DeepSeek-V2
+(DeepseekV2ForCausalLM, the latent attention with a dense FFN in every layer). DeepSeek rotates its RoPE
+dimensions as interleaved pairs (x[2i], x[2i+1]) where the harness rotates halves (x[i], x[i + d/2]): the
+rope rows of q and kv_a are written in the interleaved order (`rope_rows_interleaved`) and read back in
+the halves order, so both engines compute the same scores from the same file.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from harness.arch.model import model_of
 from harness.engine.names import hf_name
 from harness.specs.model import ModelSpec
 
+Weights = dict[str, torch.Tensor]
 
-def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
-    """A transformers config.json for `spec` (Qwen2 when it has q/k/v biases, else Llama)."""
+
+def llama_config(spec: ModelSpec) -> dict[str, Any]:
+    """A transformers config.json for a dense `spec` (Qwen2 when it has q/k/v biases, else Llama)."""
     qwen = spec.qkv_bias
     config: dict[str, Any] = {
         "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
@@ -32,12 +43,89 @@ def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
     return config
 
 
-def save_hf_checkpoint(spec: ModelSpec, weights: dict[str, torch.Tensor], folder: Path) -> Path:
+def deepseek_v2_config(spec: ModelSpec) -> dict[str, Any]:
+    """A DeepSeek-V2 config.json for an MLA `spec`: every layer dense (first_k_dense_replace = layers: its one
+    nominal routed expert is never built), plain RoPE."""
+    return {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_act": "silu",
+        "vocab_size": spec.vocab, "hidden_size": spec.hidden, "intermediate_size": spec.ffn,
+        "moe_intermediate_size": spec.ffn, "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads, "num_key_value_heads": spec.heads,
+        "kv_lora_rank": spec.kv_lora_rank, "q_lora_rank": spec.q_lora_rank or None,
+        "qk_rope_head_dim": spec.qk_rope_dim, "qk_nope_head_dim": spec.qk_nope_dim, "v_head_dim": spec.head_dim,
+        "n_routed_experts": 1, "n_shared_experts": 0, "first_k_dense_replace": spec.layers,
+        "moe_layer_freq": 1, "num_experts_per_tok": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "scoring_func": "softmax", "norm_topk_prob": True, "routed_scaling_factor": 1.0,
+        "rms_norm_eps": spec.norm_eps, "rope_theta": spec.rope_theta, "rope_scaling": None,
+        "attention_bias": False, "tie_word_embeddings": spec.tied_embeddings,
+        "max_position_embeddings": spec.max_seq_len, "torch_dtype": "float32", "dtype": "float32",
+    }
+
+
+def interleave_order(rope: int) -> torch.Tensor:
+    """Row j of the interleaved order is row order[j] of the halves order: pairs (i, i + rope/2) -> (2i, 2i+1)."""
+    half = torch.arange(rope // 2)
+    return torch.stack((half, half + rope // 2), dim=1).flatten()  # [rope/2, 2] -> [rope]
+
+
+def _permute_rope_rows(spec: ModelSpec, weights: Weights, order: torch.Tensor) -> Weights:
+    """`weights` with the rope rows of each head's query and of the latent projection's k_pe in `order`."""
+    qk = spec.qk_nope_dim + spec.qk_rope_dim
+    out = dict(weights)
+    for i in range(spec.layers):
+        p = f"layers.{i}."
+        q_name = p + ("q_b.weight" if spec.q_lora_rank else "q.weight")
+        q = weights[q_name].view(spec.heads, qk, -1)  # [heads * qk, in] -> [heads, qk, in]
+        out[q_name] = torch.cat((q[:, : spec.qk_nope_dim], q[:, spec.qk_nope_dim:][:, order]),
+                                dim=1).reshape(spec.heads * qk, -1)
+        kv_a = weights[p + "kv_a.weight"]  # [kv_lora + rope, H]
+        out[p + "kv_a.weight"] = torch.cat((kv_a[: spec.kv_lora_rank], kv_a[spec.kv_lora_rank:][order]))
+    return out
+
+
+def rope_rows_interleaved(spec: ModelSpec, weights: Weights) -> Weights:
+    """Canonical (halves RoPE) MLA weights -> DeepSeek's interleaved RoPE order."""
+    return _permute_rope_rows(spec, weights, interleave_order(spec.qk_rope_dim))
+
+
+def rope_rows_halves(spec: ModelSpec, weights: Weights) -> Weights:
+    """DeepSeek's interleaved RoPE order -> canonical (halves RoPE) MLA weights."""
+    return _permute_rope_rows(spec, weights, torch.argsort(interleave_order(spec.qk_rope_dim)))
+
+
+def _same(spec: ModelSpec, weights: Weights) -> Weights:
+    return weights
+
+
+# per engine module of the attention component: its config.json, its canonical -> file weights and back
+HF_FORMATS: dict[str, tuple[Callable[[ModelSpec], dict[str, Any]], Callable[[ModelSpec, Weights], Weights],
+                            Callable[[ModelSpec, Weights], Weights]]] = {
+    "harness.engine.model": (llama_config, _same, _same),
+    "harness.engine.mla": (deepseek_v2_config, rope_rows_interleaved, rope_rows_halves),
+}
+
+
+def _format(spec: ModelSpec) -> tuple[Callable[[ModelSpec], dict[str, Any]], Callable[[ModelSpec, Weights], Weights],
+                                      Callable[[ModelSpec, Weights], Weights]]:
+    return HF_FORMATS[model_of(spec).attention.engine_module]
+
+
+def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
+    """The transformers config.json of `spec` (Llama, Qwen2 or DeepSeek-V2)."""
+    return _format(spec)[0](spec)
+
+
+def canonical_from_file(spec: ModelSpec, weights: Weights) -> Weights:
+    """Weights read from a Hugging Face folder under canonical names -> the canonical layout (RoPE rows)."""
+    return _format(spec)[2](spec, weights)
+
+
+def save_hf_checkpoint(spec: ModelSpec, weights: Weights, folder: Path) -> Path:
     """Write canonical `weights` as a Hugging Face folder (config.json + model.safetensors)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf_config_dict(spec), indent=2) + "\n")
-    tensors = {hf_name(name): t.contiguous() for name, t in weights.items()}
+    tensors = {hf_name(name): t.contiguous() for name, t in _format(spec)[1](spec, weights).items()}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder

@@ -15,7 +15,9 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from harness.arch.model import model_of
 from harness.core.errors import ConfigError
+from harness.engine.checkpoint import canonical_from_file
 from harness.engine.hybrid_names import synthetic_std
 from harness.engine.names import Shape, canonical_from_gguf, canonical_from_hf, expected_shapes
 from harness.specs.checkpoint import checkpoint_path, hf_config, read_json
@@ -31,7 +33,11 @@ IGNORED_HF_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
 
 
 def load_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Every canonical tensor of `spec` as a float32 CPU tensor, checked against the spec's shapes."""
+    """Every canonical tensor of `spec` as a float32 CPU tensor, checked against the spec's shapes; a model the
+    embedded engine cannot run (Model.embedded_refusal) is one ConfigError saying why."""
+    refusal = model_of(spec).embedded_refusal()
+    if refusal is not None:
+        raise ConfigError(refusal)
     if spec.source == "synthetic":
         return synthetic_weights(spec)
     path = checkpoint_path(spec)
@@ -58,6 +64,9 @@ def check_weights(spec: ModelSpec, weights: dict[str, torch.Tensor], path: Path)
 def validate_checkpoint(spec: ModelSpec) -> None:
     """The cheap check before any rank starts: every tensor's name and shape from the file headers
     (safetensors metadata, GGUF tensor infos), without reading or dequantizing the data."""
+    refusal = model_of(spec).embedded_refusal()
+    if refusal is not None:
+        raise ConfigError(refusal)
     if spec.source != "synthetic":
         path = checkpoint_path(spec)
         check_shapes(spec, checkpoint_shapes(spec, path), path)
@@ -190,7 +199,8 @@ def _canonical_hf(spec: ModelSpec, key: str, path: Path) -> str | None:
 
 
 def load_hf_folder(spec: ModelSpec, folder: Path) -> dict[str, torch.Tensor]:
-    """Canonical float32 weights from a Hugging Face checkpoint folder (single or sharded safetensors)."""
+    """Canonical float32 weights from a Hugging Face checkpoint folder (single or sharded safetensors), in the
+    canonical layout (a DeepSeek folder's interleaved RoPE rows reordered: harness/engine/checkpoint.py)."""
     if not folder.is_dir():
         raise ConfigError(f"checkpoint folder {folder} does not exist")
     hf_config(folder)  # a folder without config.json is not a checkpoint
@@ -200,7 +210,8 @@ def load_hf_folder(spec: ModelSpec, folder: Path) -> dict[str, torch.Tensor]:
             name = _canonical_hf(spec, key, path)
             if name is not None:
                 weights[name] = tensor.to(torch.float32).contiguous()
-    return weights
+    check_weights(spec, weights, folder)
+    return canonical_from_file(spec, weights)
 
 
 # ---- GGUF ----------------------------------------------------------------------------------------------

@@ -54,10 +54,12 @@ class ReferenceFailed(HarnessError):
     """A reference launch that failed: `run_dir` its entry (absent: a failed launch is not kept), `log_tails` the
     failed run's log tails by log name."""
 
-    def __init__(self, message: str, run_dir: Path, log_tails: dict[str, str] | None = None) -> None:
+    def __init__(self, message: str, run_dir: Path, log_tails: dict[str, str] | None = None,
+                 refused: str = "") -> None:
         super().__init__(message)
         self.run_dir = run_dir
         self.log_tails = dict(log_tails or {})
+        self.refused = refused  # the engine's own words when it refuses the reference (a SKIP, not an ERROR)
 
 
 def partial_alive(staging: Path) -> bool:
@@ -178,7 +180,7 @@ class ReferenceCache:
         model, dtype = job.model.name, job.dtype or job.model.dtype
         if not result.ok:
             raise self._failed(f"reference run of {model} ({dtype}) failed: {result.error}", run_dir, staging,
-                               result.log_tails)
+                               result.log_tails, result.refused)
         run, problems = load_run(staging)
         if run is not None:
             problems = validate_artifacts(run)
@@ -199,10 +201,11 @@ class ReferenceCache:
         return replace(run, path=run_dir)
 
     @staticmethod
-    def _failed(message: str, run_dir: Path, staging: Path, tails: dict[str, str]) -> ReferenceFailed:
+    def _failed(message: str, run_dir: Path, staging: Path, tails: dict[str, str],
+                refused: str = "") -> ReferenceFailed:
         """The error of a failed launch, its log tails kept; its staging folder removed."""
         shutil.rmtree(staging, ignore_errors=True)
-        return ReferenceFailed(message, run_dir, tails)
+        return ReferenceFailed(message, run_dir, tails, refused)
 
     def _read(self, run_dir: Path, label: str, quiet: bool = False) -> RunArtifacts | None:
         """A usable cached entry (marked as used now, for `harness cache prune`), or None after removing

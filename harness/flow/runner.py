@@ -405,6 +405,9 @@ class Runner:
         try:
             ref, noise = self.references(cell.model, cell.seed, cell.topology.speculator, cell.fault)
         except ReferenceFailed as exc:
+            if exc.refused:  # the engine refuses the model at the reference topology too: its own words, a SKIP
+                return CellResult(**base, checks=(CheckResult("cell", Verdict.SKIP, f"reference: {exc.refused}"),),
+                                  clean_exit=True)
             return CellResult(**base, checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False,
                               reference_dir=str(exc.run_dir) if exc.run_dir.exists() else "",
                               error_log=format_tails(exc.log_tails))

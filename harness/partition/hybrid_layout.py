@@ -106,6 +106,31 @@ class HybridShape:
                 if name != "redundant_experts" or self.redundant_experts}
 
 
+@dataclass(frozen=True)
+class MoeShape:
+    """The experts of a model whose attention is not hybrid (DeepSeek-V2/V3: MLA + MoE): `experts` routed experts
+    of `moe_ffn` columns, top_k per token, a shared expert of `shared_ffn` columns (0: none), the first
+    `first_dense` layers dense (the `moe:` mapping of a model spec; read from a DeepSeek config.json)."""
+
+    experts: int
+    top_k: int
+    moe_ffn: int
+    shared_ffn: int = 0
+    first_dense: int = 0
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"moe: {name} must be a non-negative integer, got {value!r}")
+        if not (1 <= self.top_k <= self.experts and self.moe_ffn):
+            raise ConfigError(f"moe: experts={self.experts} needs 1 <= top_k <= experts and moe_ffn > 0, "
+                              f"got top_k={self.top_k}, moe_ffn={self.moe_ffn}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
 def layer_kinds(layers: int, interval: int) -> tuple[str, ...]:
     """`full` for every interval-th layer (1-based), `linear` for the others."""
     return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers))
@@ -314,7 +339,7 @@ def experts_of(experts: int, ep_rank: int, ep: int) -> tuple[int, ...]:
     return tuple(range(ep_rank * per, (ep_rank + 1) * per))
 
 
-def plan_moe(h: HybridShape, tp: int, ep: int = 1, dp: int = 1) -> MoePlan:
+def plan_moe(h: HybridShape | MoeShape, tp: int, ep: int = 1, dp: int = 1) -> MoePlan:
     """Expert placement over ep ranks inside the tp world, expert columns over etp = tp // ep; with
     redundant experts the physical slots (expert_map.py) are placed; dp: the attention DP ranks whose
     tokens the MoE gathers (its padding rule)."""

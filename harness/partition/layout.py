@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 from harness.core.errors import ConfigError
 
@@ -440,6 +440,20 @@ def pool_capacity(plan: LayoutPlan, budget_bytes: int, max_seq_len: int, block_s
             f"max_seq_len={max_seq_len}, dcp={plan.dcp}): short by {slot_bytes - budget_bytes} bytes")
     return PoolCapacity(budget_bytes=budget_bytes, block_size=block_size, blocks_per_slot=blocks_per_slot,
                         slots=slots, block_bytes=block_bytes)
+
+
+def block_pool(plan: LayoutPlan, budget_bytes: int, max_seq_len: int, block_size: int = 16) -> PoolCapacity:
+    """A rank's pool as an engine that sizes it in whole blocks sizes it (vLLM: floor(budget / block bytes)
+    blocks, not whole sequence slots): a PoolCapacity of one-block "slots". Raises like pool_capacity when the
+    budget cannot hold one max-length sequence."""
+    whole = pool_capacity(plan, budget_bytes, max_seq_len, block_size)  # the shortfall check
+    return PoolCapacity(budget_bytes=budget_bytes, block_size=block_size, blocks_per_slot=1,
+                        slots=budget_bytes // whole.block_bytes, block_bytes=whole.block_bytes)
+
+
+# how an engine turns a KV budget into its pool (a layout entry's pool "sizing"; absent: whole slots, as the planner)
+POOL_SIZINGS: dict[str, Callable[[LayoutPlan, int, int, int], PoolCapacity]] = {"slots": pool_capacity,
+                                                                                "blocks": block_pool}
 
 
 def slot_pool(plan: LayoutPlan, slots: int, max_seq_len: int, block_size: int) -> PoolCapacity:

@@ -11,11 +11,18 @@ from typing import Any
 from harness.core import jsonio
 from harness.core.errors import ConfigError
 from harness.core.paths import MODELS_DIR
+from harness.partition.hybrid_layout import HybridShape, MoeShape
 from harness.specs.gguf_file import architecture, field, float32_decimal, open_gguf, tensor_index
 from harness.specs.loader import did_you_mean, load_yaml
 from harness.specs.model import ModelSpec, model_from_dict, shipped_models
 
-HF_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral")
+HF_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral", "deepseek_v2", "qwen3_next")
+MLA_MODEL_TYPES: tuple[str, ...] = ("deepseek_v2",)  # multi-head latent attention (harness export writes these)
+HYBRID_MODEL_TYPES: tuple[str, ...] = ("qwen3_next",)  # Gated DeltaNet + gated attention + MoE
+# model types whose checkpoints may hold what the embedded engine does not implement (scaled or partial RoPE,
+# routed experts beside MLA, Qwen3-Next's tensors): read into a spec with those as engine_gaps (planned, served
+# by HTTP engines) instead of refused
+GAP_MODEL_TYPES: tuple[str, ...] = MLA_MODEL_TYPES + HYBRID_MODEL_TYPES
 QKV_BIAS_MODEL_TYPES: tuple[str, ...] = ("qwen2",)
 DEFAULT_MAX_SEQ_LEN = 2048
 # pip package -> how to install it, for the error when it is missing
@@ -54,11 +61,17 @@ def _config_value(config: dict[str, Any], key: str, where: Path) -> Any:
     return config[key]
 
 
-def _rope_theta(config: dict[str, Any], where: Path) -> float:
-    """rope_theta from transformers 4 (top level) or 5 (rope_parameters); scaled RoPE is rejected."""
+def _rope_type(config: dict[str, Any]) -> str:
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
+def _rope_theta(config: dict[str, Any], where: Path) -> float:
+    """rope_theta from transformers 4 (top level) or 5 (rope_parameters); scaled RoPE is rejected (recorded as an
+    engine gap for GAP_MODEL_TYPES)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = _rope_type(config)
+    if rope_type != "default" and config.get("model_type") not in GAP_MODEL_TYPES:
         raise ConfigError(f"{where}/config.json: rope type {rope_type!r} is not supported (only plain RoPE)")
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     return float(theta)
@@ -80,6 +93,52 @@ def _check_hf_supported(config: dict[str, Any], where: Path) -> None:
                           f"only Qwen2's q/k/v biases are")
 
 
+def _mla_fields(config: dict[str, Any], where: Path) -> dict[str, Any]:
+    """The MLA numbers of a DeepSeek-V2 config.json as ModelSpec fields (head_dim is the value width), and its
+    routed experts where a layer has them (first_k_dense_replace < num_hidden_layers)."""
+    fields: dict[str, Any] = {
+        "kv_heads": 1, "head_dim": int(_config_value(config, "v_head_dim", where)),
+        "kv_lora_rank": int(_config_value(config, "kv_lora_rank", where)),
+        "q_lora_rank": int(config.get("q_lora_rank") or 0),
+        "qk_rope_dim": int(_config_value(config, "qk_rope_head_dim", where)),
+        "qk_nope_dim": int(_config_value(config, "qk_nope_head_dim", where))}
+    layers, first_dense = int(_config_value(config, "num_hidden_layers", where)), int(
+        config.get("first_k_dense_replace") or 0)
+    experts = int(config.get("n_routed_experts") or 0)
+    if experts and first_dense < layers:
+        moe_ffn = int(_config_value(config, "moe_intermediate_size", where))
+        fields["moe"] = MoeShape(experts=experts, top_k=int(_config_value(config, "num_experts_per_tok", where)),
+                                 moe_ffn=moe_ffn, shared_ffn=int(config.get("n_shared_experts") or 0) * moe_ffn,
+                                 first_dense=first_dense)
+    return fields
+
+
+def _hybrid_fields(config: dict[str, Any], where: Path) -> dict[str, Any]:
+    """A Qwen3-Next config.json's linear attention, gated attention and experts as ModelSpec fields."""
+    value = lambda key: int(_config_value(config, key, where))  # noqa: E731
+    experts = int(config.get("num_experts") or 0)
+    hybrid = HybridShape(
+        linear_k_heads=value("linear_num_key_heads"), linear_v_heads=value("linear_num_value_heads"),
+        linear_k_dim=value("linear_key_head_dim"), linear_v_dim=value("linear_value_head_dim"),
+        full_attention_interval=value("full_attention_interval"),
+        conv_kernel=int(config.get("linear_conv_kernel_dim") or 4), attn_output_gate=True, experts=experts,
+        top_k=value("num_experts_per_tok") if experts else 0, moe_ffn=value("moe_intermediate_size") if experts else 0,
+        shared_ffn=int(config.get("shared_expert_intermediate_size") or 0) if experts else 0)
+    return {"hybrid": hybrid}
+
+
+def _engine_gaps(config: dict[str, Any]) -> tuple[str, ...]:
+    """What a GAP_MODEL_TYPES checkpoint holds that the embedded engine does not implement."""
+    gaps = []
+    if _rope_type(config) != "default":
+        gaps.append(f"{_rope_type(config)} RoPE scaling")
+    if float(config.get("partial_rotary_factor") or 1.0) != 1.0:
+        gaps.append(f"partial RoPE (partial_rotary_factor {config['partial_rotary_factor']})")
+    if config.get("model_type") in HYBRID_MODEL_TYPES:
+        gaps.append("Qwen3-Next's checkpoint tensors (the embedded hybrid engine runs synthetic weights)")
+    return tuple(gaps)
+
+
 def _max_seq_len(config: dict[str, Any]) -> int:
     """The harness's working length: 2048, capped by the model's context and any sliding window."""
     limits = [DEFAULT_MAX_SEQ_LEN, config.get("max_position_embeddings"), config.get("sliding_window")]
@@ -93,15 +152,21 @@ def _has_chat_template(folder: Path) -> bool:
 
 
 def spec_from_hf(folder: Path) -> ModelSpec:
-    """A ModelSpec from config.json of a Llama / Qwen2 / Mistral checkpoint folder."""
+    """A ModelSpec from config.json of a Llama / Qwen2 / Mistral / dense DeepSeek-V2 checkpoint folder."""
     config = hf_config(folder)
     _check_hf_supported(config, folder)
     heads = int(_config_value(config, "num_attention_heads", folder))
     hidden = int(_config_value(config, "hidden_size", folder))
+    attention = {"kv_heads": int(config.get("num_key_value_heads") or heads),
+                 "head_dim": int(config.get("head_dim") or hidden // heads)}
+    if config["model_type"] in MLA_MODEL_TYPES:
+        attention = _mla_fields(config, folder)
+    if config["model_type"] in HYBRID_MODEL_TYPES:
+        attention.update(_hybrid_fields(config, folder))
+    if config["model_type"] in GAP_MODEL_TYPES:
+        attention["engine_gaps"] = _engine_gaps(config)
     return ModelSpec(
-        name=folder.resolve().name, heads=heads,
-        kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden // heads), hidden=hidden,
+        name=folder.resolve().name, heads=heads, **attention, hidden=hidden,
         layers=int(_config_value(config, "num_hidden_layers", folder)),
         ffn=int(_config_value(config, "intermediate_size", folder)),
         vocab=int(_config_value(config, "vocab_size", folder)),

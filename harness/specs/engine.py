@@ -6,10 +6,14 @@ health endpoint, timeouts, the request dialect, and the log line that reports th
 
 Placeholders in argv / env values: {python} {model_path} {model_name} {tp} {dcp} {topology} {port}
 {host} {dtype} {seed} {max_logprobs} {max_model_len} {kv_budget_mib} {block_size} {fault} {spec_k} {cpu_bind}
-(this machine's cores split into tp contiguous ranges, "0-3|4-7": vLLM CPU's VLLM_CPU_OMP_THREADS_BIND). An `env`
+{interleave} {ep} (this machine's cores split into tp contiguous ranges, "0-3|4-7": vLLM CPU's
+VLLM_CPU_OMP_THREADS_BIND). An `env`
 value is a default: the same variable set in the harness's environment wins. `dcp_argv` is appended when
-dcp > 1, `speculator_argv[kind]` for -draft / -mtp topologies, `fault_argv` / `fault_env` when the
-job injects a fault.
+dcp > 1, `interleave_argv` for an interleaved DCP placement (i<K>), `q_replicated_argv` for Q replicated in
+the DCP group (q), `ep_argv` for expert parallel (ep<E>; `ep_spans_tp: true` when the engine's expert parallel
+always spans the whole TP world, as vLLM's --enable-expert-parallel does), `speculator_argv[kind]` for -draft /
+-mtp topologies, `fault_argv` / `fault_env` when the job injects a fault. A topology axis the template has no
+option for is a SKIP naming the axis, never a run with another layout.
 
 What an engine cannot run: `supports_dcp: false` skips DCP topologies before any server starts;
 `refuses` lists regular expressions of the engine's own startup errors for a topology it refuses
@@ -41,7 +45,7 @@ DIALECT_NAMES: tuple[str, ...] = ("vllm", "sglang", "openai")
 MODEL_FORMATS: tuple[str, ...] = ("hf", "spec")  # what {model_path} is: an HF folder, or a harness model spec
 PLACEHOLDERS: tuple[str, ...] = ("python", "model_path", "model_name", "tp", "dcp", "topology", "port", "host",
                                  "dtype", "seed", "max_logprobs", "max_model_len", "kv_budget_mib", "block_size",
-                                 "fault", "spec_k", "cpu_bind")
+                                 "fault", "spec_k", "cpu_bind", "interleave", "ep")
 SPECULATOR_KINDS: tuple[str, ...] = ("draft", "mtp")
 KV_GROUPS: tuple[str, ...] = ("tokens", "blocks", "bytes")
 # what a server's probe may capture (the contract's capability names: contract.HIDDEN_STATES, ATTENTION_OUTPUTS)
@@ -86,6 +90,10 @@ class EngineSpec:
     request_timeout_s: float = 300.0
     max_logprobs: int = 20
     dcp_argv: tuple[str, ...] = ()
+    interleave_argv: tuple[str, ...] = ()
+    q_replicated_argv: tuple[str, ...] = ()
+    ep_argv: tuple[str, ...] = ()
+    ep_spans_tp: bool = False
     supports_dcp: bool = True
     speculator_argv: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     fault_argv: tuple[str, ...] = ()
@@ -129,7 +137,8 @@ class EngineSpec:
                               f"{', '.join(MODEL_FORMATS)}{did_you_mean(self.model_format, MODEL_FORMATS)}")
         if bool(self.argv) == bool(self.url):
             raise ConfigError(f"{where}: give either argv (start a server) or url (attach to a running one)")
-        for key in ("argv", "dcp_argv", "fault_argv", "dtypes", "version_packages", "engine_env", "engine_faults",
+        for key in ("argv", "dcp_argv", "interleave_argv", "q_replicated_argv", "ep_argv", "fault_argv", "dtypes",
+                    "version_packages", "engine_env", "engine_faults",
                     "probe_captures", "build_argv", "requires"):
             object.__setattr__(self, key, _strings(where, key, getattr(self, key)))
         spec_argv = dict(self.speculator_argv)

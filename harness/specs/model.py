@@ -8,7 +8,7 @@ from typing import Any
 
 from harness.core.errors import ConfigError
 from harness.core.paths import MODELS_DIR
-from harness.partition.hybrid_layout import HybridShape
+from harness.partition.hybrid_layout import HybridShape, MoeShape
 from harness.partition.layout import AttentionShape
 from harness.partition.mla_layout import MLAShape
 from harness.partition.sparse_layout import SparseShape
@@ -46,6 +46,10 @@ class ModelSpec:
     chat_template: bool = False
     speculator_layers: int = 1
     hybrid: HybridShape | None = None  # linear attention, gated attention, MoE (harness/partition/hybrid_layout.py)
+    moe: MoeShape | None = None  # experts of an MLA model (DeepSeek-V2/V3); a hybrid model's are in `hybrid`
+    # what the checkpoint has that the embedded engine does not implement (e.g. YaRN RoPE): such a model is planned
+    # (`harness plan`) and served by an HTTP engine, and the embedded engine refuses it naming these
+    engine_gaps: tuple[str, ...] = ()
     # MLA (multi-head latent attention, DeepSeek-V2 style; kv_lora_rank > 0): head_dim is then the
     # value head width, kv_heads is 1 (the shared latent), q_lora_rank 0 means q_proj reads the hidden state
     kv_lora_rank: int = 0
@@ -80,6 +84,10 @@ class ModelSpec:
         if self.hybrid is not None and not isinstance(self.hybrid, HybridShape):
             raise ConfigError(f"{where}: hybrid must be a mapping of {', '.join(HybridShape.__dataclass_fields__)}, "
                               f"got {self.hybrid!r}")
+        if self.moe is not None and not (isinstance(self.moe, MoeShape) and self.kv_lora_rank > 0):
+            raise ConfigError(f"{where}: moe (experts of an MLA model) needs kv_lora_rank > 0 and a mapping of "
+                              f"{', '.join(MoeShape.__dataclass_fields__)}, got {self.moe!r}; a hybrid model's "
+                              f"experts go under hybrid")
         if self.hybrid is not None and self.qkv_bias:
             raise ConfigError(f"{where}: qkv_bias=true is not supported with hybrid (gated attention has no biases)")
         if self.sparse is not None and not isinstance(self.sparse, SparseShape):
@@ -98,9 +106,9 @@ class ModelSpec:
         if self.qk_rope_dim < 2 or self.qk_rope_dim % 2 or self.qk_nope_dim < 1:
             raise ConfigError(f"{where}: MLA needs an even qk_rope_dim >= 2 and qk_nope_dim >= 1, got "
                               f"qk_rope_dim={self.qk_rope_dim}, qk_nope_dim={self.qk_nope_dim}")
-        if self.source != "synthetic" or self.qkv_bias:
-            raise ConfigError(f"{where}: MLA models are synthetic only and without qkv_bias in the embedded "
-                              f"engine (got source={self.source}, qkv_bias={self.qkv_bias})")
+        if self.source not in ("synthetic", "hf") or self.qkv_bias:
+            raise ConfigError(f"{where}: MLA models are synthetic or DeepSeek-V2 Hugging Face folders, without "
+                              f"qkv_bias, in the embedded engine (got source={self.source}, qkv_bias={self.qkv_bias})")
 
     @property
     def mla(self) -> bool:
@@ -131,11 +139,16 @@ class ModelSpec:
         return replace(self, dtype=dtype)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("hybrid", "sparse")}
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("hybrid", "sparse", "moe", "engine_gaps")}
         if self.hybrid is not None:  # dense models keep their dict (and their cache keys) unchanged
             out["hybrid"] = self.hybrid.to_dict()
         if self.sparse is not None:
             out["sparse"] = self.sparse.to_dict()
+        if self.moe is not None:
+            out["moe"] = self.moe.to_dict()
+        if self.engine_gaps:
+            out["engine_gaps"] = list(self.engine_gaps)
         return out
 
 
@@ -147,6 +160,10 @@ def model_from_dict(where: str, data: dict[str, Any], name: str = "") -> ModelSp
         data["hybrid"] = build(HybridShape, f"{where}: hybrid", data["hybrid"])
     if isinstance(data.get("sparse"), dict):
         data["sparse"] = build(SparseShape, f"{where}: sparse", data["sparse"])
+    if isinstance(data.get("moe"), dict):
+        data["moe"] = build(MoeShape, f"{where}: moe", data["moe"])
+    if isinstance(data.get("engine_gaps"), list):
+        data["engine_gaps"] = tuple(str(g) for g in data["engine_gaps"])
     return build(ModelSpec, where, data)
 
 

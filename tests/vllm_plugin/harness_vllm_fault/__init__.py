@@ -3,8 +3,12 @@ positive control on a real third-party engine.
 
 With HARNESS_VLLM_FAULT=kv-shard in the server's environment, tensor-parallel rank 1 loads the K and
 V weight shard that belongs to another rank (rank (1 + 1) % tp) into its QKV projection. Nothing
-crashes and every shape is right; attention on rank 1 silently uses the wrong KV heads. Without the
-variable (or with any other value) the plugin changes nothing.
+crashes and every shape is right; attention on rank 1 silently uses the wrong KV heads.
+
+With HARNESS_VLLM_FAULT=mla-kv-b-shard (an MLA model: DeepSeek-V2/V3), tensor-parallel rank 1 loads
+kv_b_proj's rows of rank (1 + 1) % tp: its heads absorb another rank's w_kc / w_vc, so each of its Q heads scores
+the latent with another head's key map and reads another head's values. Nothing crashes; shapes are right.
+Without the variable (or with any other value) the plugin changes nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any, Callable
 
 FAULT_ENV = "HARNESS_VLLM_FAULT"
 KV_SHARD = "kv-shard"
+MLA_KV_B_SHARD = "mla-kv-b-shard"
 FAULTY_RANK = 1
 
 
@@ -41,8 +46,43 @@ def _wrong_kv_shard(load: Callable[..., Any]) -> Callable[..., Any]:
     return loader
 
 
+def _wrong_kv_b_shard(load: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a ColumnParallelLinear weight loader: on the faulty rank, an MLA layer's kv_b_proj is cut at the next
+    rank's offset (the v1 loader reads the layer's tp_rank, the v2 loader the parameter's)."""
+
+    @functools.wraps(load)
+    def loader(self: Any, param: Any, *args: Any, **kwargs: Any) -> Any:
+        rank, size = getattr(self, "tp_rank", 0), getattr(self, "tp_size", 1)
+        if not str(getattr(self, "prefix", "")).endswith("kv_b_proj") or size < 2 or rank != FAULTY_RANK:
+            return load(self, param, *args, **kwargs)
+        holders = [self] + ([param] if hasattr(param, "tp_rank") else [])
+        for holder in holders:
+            holder.tp_rank = (rank + 1) % size
+        try:
+            return load(self, param, *args, **kwargs)
+        finally:
+            for holder in holders:
+                holder.tp_rank = rank
+
+    loader.__harness_fault__ = True  # type: ignore[attr-defined]
+    return loader
+
+
+def _register_mla_kv_b_shard() -> None:
+    from vllm.model_executor.layers.linear import ColumnParallelLinear
+
+    for attr in ("weight_loader", "weight_loader_v2"):
+        current = vars(ColumnParallelLinear)[attr]
+        if not getattr(current, "__harness_fault__", False):
+            setattr(ColumnParallelLinear, attr, _wrong_kv_b_shard(current))
+    print(f"harness_vllm_fault: {FAULT_ENV}={MLA_KV_B_SHARD}: TP rank {FAULTY_RANK} loads another rank's kv_b_proj "
+          f"rows (MLA)", flush=True)
+
+
 def register() -> None:
     """vLLM calls this in every process (API server and workers) before the model is built."""
+    if os.environ.get(FAULT_ENV) == MLA_KV_B_SHARD:
+        _register_mla_kv_b_shard()
     if os.environ.get(FAULT_ENV) != KV_SHARD:
         return
     from vllm.model_executor.layers.linear import QKVParallelLinear

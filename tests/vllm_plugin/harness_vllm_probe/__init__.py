@@ -12,6 +12,9 @@ In each worker, after vLLM allocated its KV cache (Worker.initialize_from_config
   - a checksum of each held KV head's K and V weights (over all layers);
   - the KV cache as vLLM allocated it: blocks, block size, bytes per token (from the KV cache spec's page
     size), the bytes of the KV tensors bound to the attention layers, and the budget vLLM sized it from.
+MLA layers (DeepSeek-V2/V3: multi-head latent attention) report what mla.py finds instead of Q/K/V head ids: the
+Q heads whose Q weights (q_proj, kv_b's w_kc) a rank loaded, with checksums, the latent cache's row width and bytes,
+the latent projection's checksum as the one KV head every rank duplicates.
 When the folder also holds the harness's capture-cases.json, forward hooks capture each layer's hidden state
 and per-head attention output at the cases' probe positions (capture.py).
 The harness process never imports vLLM: it only reads these files.
@@ -25,6 +28,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any, Callable
+
+from harness_vllm_probe import mla
 
 PROBE_ENV = "HARNESS_VLLM_PROBE_DIR"
 SCHEMA = 1
@@ -145,6 +150,7 @@ def report(worker: Any, kv_cache_config: Any) -> dict[str, Any]:
     from vllm.model_executor.layers.linear import QKVParallelLinear
 
     model = worker.model_runner.get_model()
+    mla_found = mla.mla_layers(model)
     layers = []
     for name, module in model.named_modules():
         qkv, attn = getattr(module, "qkv_proj", None), getattr(module, "attn", None)
@@ -158,17 +164,22 @@ def report(worker: Any, kv_cache_config: Any) -> dict[str, Any]:
     per_layer_page = int(spec.page_size_bytes) if spec is not None else 0
     attn_layers = sum(len(g.layer_names) for g in groups)
     reports = [_layer_report(name, qkv, attn) for name, qkv, attn in layers]
+    mla_reports = [mla.layer_report(name, w, tp_rank) for name, w in mla_found]
+    extra = mla.rank_record(mla_found, mla_reports) if mla_reports else {}
+    bound = ([w.mla_attn for _, w in mla_found] if mla_found else [a for _, _, a in layers])
     return {
         "schema_version": SCHEMA, "pid": os.getpid(),
         "tp_rank": tp_rank, "tp_size": tp_size, "dcp_rank": dcp.rank_in_group, "dcp_size": dcp.world_size,
-        "dcp_members": list(dcp.ranks), "layers": reports,
+        "dcp_members": list(dcp.ranks), "layers": reports + mla_reports,
         "kv_weight_checksums": _kv_checksums(layers, next((r["k_heads"] for r in reports if r["k_heads"]),
                                                         reports[0]["claimed_kv_heads"] if reports else [])),
+        **extra,
         "kv_cache": {"num_blocks": int(kv_cache_config.num_blocks), "block_size": block_size,
                      "bytes_per_token": per_layer_page * attn_layers // block_size if block_size else None,
                      "tensor_bytes": sum(int(t.size) for t in kv_cache_config.kv_cache_tensors),
-                     "bound_bytes": _kv_tensor_bytes([a for _, _, a in layers]),
+                     "bound_bytes": _kv_tensor_bytes(bound),
                      "budget_bytes": getattr(worker, "_harness_kv_budget", None),
+                     "sizing": "blocks",  # vLLM allocates floor(budget / page bytes) blocks, not whole sequences
                      "max_model_len": int(worker.model_config.max_model_len)},
     }
 
@@ -186,12 +197,18 @@ def register() -> None:
     folder = os.environ.get(PROBE_ENV)
     if not folder:
         return
-    from vllm.model_executor.layers.linear import QKVParallelLinear
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
     from vllm.v1.worker.gpu_worker import Worker
 
     from harness_vllm_probe import capture
 
     capture.register(folder)
+    for cls, attrs in ((ColumnParallelLinear, ("weight_loader", "weight_loader_v2")),
+                       (ReplicatedLinear, ("weight_loader",))):
+        for attr in attrs:
+            current = vars(cls).get(attr)
+            if current is not None and not getattr(current, "__harness_probe__", False):
+                setattr(cls, attr, mla.recording(current))
     for attr in ("weight_loader", "weight_loader_v2"):
         current = getattr(QKVParallelLinear, attr)
         if not getattr(current, "__harness_probe__", False):

@@ -29,33 +29,44 @@ def _rank() -> int:
     return int(ps.get_tensor_model_parallel_rank())
 
 
+def _attention_types() -> tuple[type, ...]:
+    """vLLM's attention layers: Attention, and MLAAttention (multi-head latent attention: its output is each local
+    head's value-space output, [T, heads * v_head_dim], as Attention's is)."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    try:
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    except ImportError:  # a build without MLA
+        return (Attention,)
+    return (Attention, MLAAttention)
+
+
 def _decoder_layers(model: Any) -> tuple[Any, list[Any]]:
     """(the token embedding, the decoder layers in order) of a vLLM model: the ModuleList whose members each
     hold an attention layer, and the first vocab-parallel embedding that is not the LM head."""
     from torch import nn
-    from vllm.model_executor.layers.attention.attention import Attention
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     embed = next((m for _, m in model.named_modules()
                   if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)), None)
     if embed is None:
         raise RuntimeError("no token embedding (VocabParallelEmbedding) found in the model")
+    attention = _attention_types()
     for _, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) and all(
-                any(isinstance(sub, Attention) for sub in layer.modules()) for layer in module):
+                any(isinstance(sub, attention) for sub in layer.modules()) for layer in module):
             return embed, list(module)
     raise RuntimeError("no ModuleList of decoder layers with attention found in the model")
 
 
 def _hook(capture: Capture, model: Any) -> None:
-    from vllm.model_executor.layers.attention.attention import Attention
-
+    attention = _attention_types()
     embed, layers = _decoder_layers(model)
     capture.layers = len(layers)
     embed.register_forward_hook(lambda _m, _i, out: capture.on_hidden(0, out))
     for i, layer in enumerate(layers):
         layer.register_forward_hook(lambda _m, _i, out, i=i: capture.on_layer(i, out))
-        attn = next(m for m in layer.modules() if isinstance(m, Attention))
+        attn = next(m for m in layer.modules() if isinstance(m, attention))
         attn.register_forward_hook(lambda _m, _i, out, i=i, n=int(attn.num_heads): capture.on_attention(i, out, n))
     capture.hooked.add(id(model))
 
