@@ -126,8 +126,13 @@ def read_run(path: Path, with_tensors: bool = True) -> RunArtifacts:
         tensors = load_file(str(path / TENSORS_FILE)) if with_tensors else {}
     except (OSError, SafetensorError) as exc:
         raise RunError(f"{path / TENSORS_FILE}: unreadable tensors: {exc}") from exc
-    return RunArtifacts(path=path, manifest=manifest, layout=read_json(path / LAYOUT_FILE),
-                        cases=[Case.from_dict(c) for c in read_json(path / CASES_FILE)], tensors=tensors)
+    try:  # a case missing a field or of the wrong type is a damaged run, named, never a bare KeyError
+        cases = [Case.from_dict(c) for c in read_json(path / CASES_FILE)]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise RunError(f"{path / CASES_FILE}: malformed case ({type(exc).__name__}: {exc}); expected the fields "
+                       f"Case.to_dict writes") from exc
+    return RunArtifacts(path=path, manifest=manifest, layout=read_json(path / LAYOUT_FILE), cases=cases,
+                        tensors=tensors)
 
 
 def run_capabilities(run: RunArtifacts, default: Capabilities | None = None) -> Capabilities:
