@@ -117,6 +117,7 @@ class MoeShape:
     moe_ffn: int
     shared_ffn: int = 0
     first_dense: int = 0
+    redundant_experts: int = 0  # physical replicas beyond the logical experts (expert_map.py)
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
@@ -128,7 +129,9 @@ class MoeShape:
                               f"got top_k={self.top_k}, moe_ffn={self.moe_ffn}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+        """The fields; redundant_experts only when set (models without it keep their dict and cache keys)."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__
+                if name != "redundant_experts" or self.redundant_experts}
 
 
 def layer_kinds(layers: int, interval: int) -> tuple[str, ...]:
