@@ -59,7 +59,8 @@ class LayoutSettings:
     """Layout invariants have no tolerance; these switch optional parts off."""
 
     check_pool: bool = True        # KV pool bytes/blocks per rank as the planner sizes them
-    check_checksums: bool = True   # K/V weight checksums identical on every rank holding a KV head
+    check_checksums: bool = True   # K/V weight checksums identical on every rank holding a KV head, and every
+    #                                checkpoint tensor a rank holds as the plan slices it (compare/param_check.py)
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
