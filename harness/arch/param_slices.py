@@ -36,7 +36,7 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 def ranges_of(indices: Iterable[int]) -> Ranges:
     """Sorted, merged [lo, hi) ranges of a set of indices."""
     out: list[list[int]] = []
-    for i in sorted(set(indices)):
+    for i in sorted(set(indices)):  # noqa: C414
         if out and out[-1][1] == i:
             out[-1][1] = i + 1
         else:

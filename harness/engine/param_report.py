@@ -55,36 +55,41 @@ def held_params(shard: ShardFn, held: Any, full: dict[str, torch.Tensor], dtype:
     names = sorted(full)
     sizes = [full[n].numel() for n in names]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # [T + 1]
-    index = {n: (torch.arange(sizes[i], dtype=torch.float64) + float(offsets[i] + 1)).view(full[n].shape)
-             for i, n in enumerate(names)}
+    numbers = torch.arange(1, int(offsets[-1]) + 1, dtype=torch.float64)  # every element's number, once
+    index = {n: numbers[offsets[i]:offsets[i + 1]].view(full[n].shape) for i, n in enumerate(names)}
     traced = list(tensors_of(shard(index, torch.float64)))
     real = list(tensors_of(held))
     if [t.shape for _, t in traced] != [t.shape for _, t in real]:
         raise RuntimeError("the traced shard does not have the shape of the rank's weights")
-    ids_parts, value_parts = [], []
-    used: dict[int, set[int]] = {}  # tensor index -> the layers whose computation reads it
+    ids_parts, value_parts, layer_parts = [], [], []
     for (layer, t), (_, r) in zip(traced, real):
         flat = t.detach().cpu().flatten()
-        keep = (flat > 0.5) & (flat == flat.round())  # loaded unchanged from one checkpoint element
-        ids = flat[keep].to(torch.int64) - 1
-        ids_parts.append(ids)
+        ids = flat.to(torch.int64)
+        keep = (ids > 0) & (ids.to(torch.float64) == flat)  # loaded unchanged from one checkpoint element
+        ids_parts.append(ids[keep].numpy() - 1)
         value_parts.append(r.detach().cpu().flatten()[keep].float())
-        if layer >= 0 and ids.numel():
-            for t_index in np.unique(np.searchsorted(offsets, ids.numpy(), side="right") - 1):
-                used.setdefault(int(t_index), set()).add(layer)
-    ids = torch.cat(ids_parts).numpy() if ids_parts else np.zeros(0, dtype=np.int64)
-    values = torch.cat(value_parts) if value_parts else torch.zeros(0)
-    unique, first = np.unique(ids, return_index=True)  # sorted global ids, one value each
-    which = np.searchsorted(offsets, unique, side="right") - 1  # the tensor of each id
+        layer_parts.append(np.full(ids_parts[-1].size, layer, dtype=np.int64))
+    if not ids_parts:
+        return {}
+    ids, layers = np.concatenate(ids_parts), np.concatenate(layer_parts)
+    values = torch.cat(value_parts)
+    order = np.argsort(ids, kind="stable")
+    ids, layers, values = ids[order], layers[order], values[torch.from_numpy(order)]
+    first = np.concatenate([[True], ids[1:] != ids[:-1]])  # one value per element: its first copy
+    bounds = np.searchsorted(ids, offsets)  # each tensor's run of sorted ids
     out: dict[str, ParamShard] = {}
-    for t in np.unique(which):
-        name = names[int(t)]
-        sel = which == t
-        flat = unique[sel] - offsets[t]  # flat indices held, sorted
-        coords = np.unravel_index(flat, tuple(full[name].shape)) if full[name].dim() else ()
-        axes = tuple(ranges_of(int(i) for i in np.unique(c)) for c in coords)
+    for t, name in enumerate(names):
+        lo, hi = int(bounds[t]), int(bounds[t + 1])
+        if lo == hi:
+            continue
+        pick = first[lo:hi]
+        flat = ids[lo:hi][pick] - offsets[t]  # flat indices held, sorted
+        shape = tuple(full[name].shape)
+        coords = np.unravel_index(flat, shape) if shape else ()
+        axes = tuple(ranges_of(np.unique(c).tolist()) for c in coords)
         source = full[name].flatten()[torch.from_numpy(flat)].to(dtype)
-        out[name] = ParamShard(shape=tuple(full[name].shape), slice=axes, count=int(flat.size),
-                               checksum=_digest(values[torch.from_numpy(first[sel])]), source=_digest(source),
-                               used_in=tuple(sorted(used.get(int(t), ()))))
+        used = np.unique(layers[lo:hi])
+        out[name] = ParamShard(shape=shape, slice=axes, count=int(flat.size),
+                               checksum=_digest(values[lo:hi][torch.from_numpy(pick)]), source=_digest(source),
+                               used_in=tuple(int(x) for x in used if x >= 0))
     return out
