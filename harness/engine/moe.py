@@ -33,11 +33,8 @@ class MoeWeights:
 
 
 def route(h: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k expert ids [N, k] and their renormalized weights [N, k] (float32) for tokens h [N, H]. The
-    router logits are computed in float32 as serving engines do: in a half type their rounding moves with
-    the batch's composition and reduction order, so near-tied experts swap and a token's output jumps by a
-    whole expert (a clean bfloat16 MoE model's copies of one prompt diverged outside each other's top-5)."""
-    probs = torch.softmax(h.float() @ router.float().T, dim=-1)  # [N, E]
+    """Top-k expert ids [N, k] and their renormalized weights [N, k] (float32) for tokens h [N, H]."""
+    probs = torch.softmax((h @ router.T).float(), dim=-1)  # [N, E]
     weights, ids = torch.topk(probs, top_k, dim=-1)
     return ids, weights / weights.sum(-1, keepdim=True)
 
