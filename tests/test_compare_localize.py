@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from harness.compare.localize import localize, onset, relative_error
+from harness.compare.localize import localize, onset, output_head, relative_error
 from harness.compare.settings import LocalizationSettings
 from harness.partition.layout import plan_layout
 from tests.test_compare_support import GQA, synthetic_runs, with_tensors
@@ -72,6 +72,47 @@ def test_residual_divergence_with_clean_attention_points_past_attention(runs) ->
     loc, _ = localize(ref, perturb(par, layer=1, heads=None), noise, PLAN, ref.cases, LocalizationSettings())
     assert loc is not None and loc.layer == 1 and loc.heads == ()
     assert "MLP" in loc.summary
+
+
+# the layout check's metrics "params_off" (compare/param_check.py), as an o_proj offset and a norm taken from
+# another layer leave them
+O_PROJ_OFF = [{"rank": r, "param": "layers.1.o.weight", "layer": 1, "block": "attention output projection",
+               "used_in": [1]} for r in range(4)]
+NORM_OFF = [{"rank": 1, "param": "layers.0.mlp_norm.weight", "layer": 0, "block": "MLP input norm", "used_in": [1]},
+            {"rank": 1, "param": "layers.1.mlp_norm.weight", "layer": 1, "block": "MLP input norm", "used_in": [0]}]
+
+
+def test_a_residual_divergence_names_the_sub_block_whose_tensors_are_off_the_plan(runs) -> None:
+    """Heads within noise, residual diverging: the attention output projection (o_proj shards off the
+    plan) and the MLP's norm are told apart; tensors of other layers do not move the verdict."""
+    ref, noise, par = runs
+    bad = perturb(par, layer=1, heads=None)
+    loc, _ = localize(ref, bad, noise, PLAN, ref.cases, LocalizationSettings(), held_off=O_PROJ_OFF)
+    assert loc is not None and loc.layer == 1 and loc.ranks == (0, 1, 2, 3)
+    assert "the attention output projection: layers.1.o.weight held off the plan on ranks 0-3" in loc.summary
+    assert "MLP" not in loc.summary
+    loc, _ = localize(ref, bad, noise, PLAN, ref.cases, LocalizationSettings(), held_off=NORM_OFF)
+    assert loc is not None and "the MLP input norm: layers.0.mlp_norm.weight held off the plan on rank 1" in loc.summary
+    # negative: off-plan tensors of another layer only, or none, leave the generic wording
+    loc, _ = localize(ref, bad, noise, PLAN, ref.cases, LocalizationSettings(), held_off=O_PROJ_OFF[:0] + [
+        {**O_PROJ_OFF[0], "param": "layers.0.o.weight", "layer": 0, "used_in": [0]}])
+    assert loc is not None and loc.summary.endswith("MLP, norm or residual") and loc.ranks == ()
+    clean, _ = localize(ref, par, noise, PLAN, ref.cases, LocalizationSettings(), held_off=O_PROJ_OFF)
+    assert clean is None
+
+
+def test_no_diverging_layer_is_a_cache_route_unless_the_prefill_or_the_output_head_is_off() -> None:
+    """Every layer within bounds: the output head when the prefill logits FAIL or its tensors are off the
+    plan, a cache route when only what is read back from the cache diverges."""
+    errors = {"error": [1e-7, 2e-7, 3e-7], "threshold": [1e-6, 1e-6, 1e-6]}
+    route = output_head(errors, ["generation", "logits_decode"])
+    assert route.summary.startswith("a cache route:") and "not the output head" in route.summary
+    assert "generation, logits_decode diverge" in route.summary
+    head = output_head(errors, ["logits_prefill", "logits_decode"])
+    assert head.summary.startswith("output head:") and "0.30x" in head.summary
+    off = output_head(errors, ["logits_decode"], [{"rank": 2, "param": "lm_head.weight", "layer": None,
+                                                   "block": "output head", "used_in": []}])
+    assert off.summary.startswith("output head:") and "lm_head.weight held off the plan on rank 2" in off.summary
 
 
 def test_embedding_divergence_is_layer_minus_one(runs) -> None:

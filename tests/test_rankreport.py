@@ -21,6 +21,7 @@ from harness.records.rankreport import (
     LayoutSchemaError,
     LinearReport,
     MLAReport,
+    ParamShard,
     ProbeLayer,
     RankReport,
     SparseReport,
@@ -56,7 +57,9 @@ def full_report(rank: int = 1) -> RankReport:
                             cache_group_blocks={"kv": 16, "index_keys": 16}, block_size=16,
                             selected=(((0,), (0, 1)),), margins=((1.0, 0.25),)),
         layers=(ProbeLayer("model.layers.0.self_attn", (2, 3), (1,), None, (2, 3), (1,)),),
-        layers_differing=("model.layers.0.self_attn",))
+        layers_differing=("model.layers.0.self_attn",),
+        params={"layers.0.o.weight": ParamShard(shape=(8, 16), slice=(((0, 8),), ((4, 8), (12, 16))), count=64,
+                                                checksum="c", source="c", used_in=(0,))})
 
 
 def test_every_record_round_trips_through_json() -> None:
@@ -68,6 +71,7 @@ def test_every_record_round_trips_through_json() -> None:
                           *WIRE_ORDER[mla + 1:]]
     assert sorted(WIRE_ORDER) == sorted(f.name for f in fields(RankReport))
     assert data["hybrid"]["moe"]["expert_ffn_shard"] == [0, 32]
+    assert data["params"]["layers.0.o.weight"]["slice"] == [[[0, 8]], [[4, 8], [12, 16]]]
     required = [f.name for f in fields(RankReport) if f.default is not None]
     plain = RankReport.from_json({k: data[k] for k in required})
     assert plain.mla is None and plain.hybrid is None and list(plain.to_json()) == [k for k in WIRE_ORDER

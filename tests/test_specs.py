@@ -192,7 +192,7 @@ def test_catalog_yaml_error_names_the_file(tmp_path: Path) -> None:
 
 def test_shipped_catalog_sets_resolve() -> None:
     cat = load_catalog()
-    assert [t.name for t in cat.resolve("dcp-nightly")] == ["tp4dcp2", "tp4dcp4", "tp8dcp2", "tp8dcp4", "tp4dcp4i4",
+    assert [t.name for t in cat.resolve("dcp-nightly")] == ["tp4dcp2", "tp4dcp4", "tp8dcp2", "tp8dcp4", "tp4dcp2i4",
                                                        "tp4dcp2c"]
     assert cat.topologies["reference"].canonical_name == "tp1"
     for name in cat.sets:

@@ -23,14 +23,15 @@ import torch
 from harness import __version__
 from harness.backends.worker_pd import PD_ROLES, DecodeSide, run_prefill_world
 from harness.backends.workload_run import run_workloads, teacher_forced
-from harness.cases import build_cases, build_workload_cases, prompts_hash, workload_manifest
+from harness.cases import WorkloadCases, build_cases, build_workload_cases, prompts_hash, workload_manifest
 from harness.core.jsonio import write_json
 from harness.engine import ENGINE_VERSION
 from harness.engine.construct import build_engine
 from harness.engine.engine import Engine, Generation
 from harness.engine.parallel import ParallelState
 from harness.engine.scheduler import generate, run_speculative_cases
-from harness.engine.speculative import spec_manifest, spec_tensors
+from harness.engine.speculative import SpecResult, spec_manifest, spec_tensors
+from harness.engine.speculator import Speculator
 from harness.engine.tokenizer import Tokenizer, tokenizer_hash
 from harness.engine.weights import weights_hash
 from harness.records import contract as c_
@@ -127,8 +128,7 @@ def run_job(job: Job, topk_only: int | None = None, pd_role: str | None = None, 
                          loader=pd.loader("generation") if pd is not None else None))
     spec_result, spec_entry = None, None
     if speculator is not None:
-        spec_result = run_speculative_cases(engine, speculator, [list(c.prompt_ids) for c in cases],
-                                            spec_settings.k, job.max_new_tokens)
+        spec_result = _speculate(engine, speculator, groups, cases, spec_settings.k, job.max_new_tokens)
         spec_entry = speculator.layout_entry(state.gather_objects(speculator.layout_report()))
     gsm8k = _run_gsm8k(job, engine, tokenizer)
     t_run = time.time()
@@ -170,6 +170,19 @@ def run_job(job: Job, topk_only: int | None = None, pd_role: str | None = None, 
         pd.finish(Path(job.out_dir))
     state.barrier()
     state.shutdown()
+
+
+def _speculate(engine: Engine, speculator: Speculator, groups: Sequence[WorkloadCases], cases: Sequence[Case], k: int,
+               max_new_tokens: int) -> SpecResult:
+    """Greedy speculative generation of every case, each workload's cases for that workload's new tokens
+    (as its plain generation), in case order."""
+    batches = ([(g.cases, g.workload.new_tokens or max_new_tokens) for g in groups] if groups
+               else [(tuple(cases), max_new_tokens)])
+    parts = [run_speculative_cases(engine, speculator, [list(c.prompt_ids) for c in batch], k, n)
+             for batch, n in batches if batch]
+    return SpecResult(kind=parts[0].kind, k=parts[0].k, tokens=[t for p in parts for t in p.tokens],
+                      accepted=[a for p in parts for a in p.accepted], wall_s=sum(p.wall_s for p in parts),
+                      drafts=[d for p in parts for d in p.drafts])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -158,8 +158,10 @@ def generation(ctx: CellContext) -> list[CheckResult]:
 def localization(ctx: CellContext) -> list[CheckResult]:
     """No verdict of its own: explains a parity or collectives FAIL (ctx.localization) and adds the per-layer and
     per-head errors to the details."""
+    layout_result = ctx.result("layout")
+    held_off = layout_result.metrics.get("params_off", []) if layout_result is not None else []
     found, loc_details = localize(ctx.ref, ctx.par, ctx.noise, ctx.plan, ctx.ref.cases,
-                                  ctx.settings.of(LocalizationSettings), ctx.settings.of(CollectiveSettings))
+                                  ctx.settings.of(LocalizationSettings), ctx.settings.of(CollectiveSettings), held_off)
     if "layer_errors" in loc_details:
         ctx.details.layer_errors = LayerErrors(**loc_details["layer_errors"])
     if "head_errors" in loc_details:
@@ -171,10 +173,10 @@ def localization(ctx: CellContext) -> list[CheckResult]:
     if not any(r.name in (*PARITY_CHECKS, "collectives") and r.verdict is Verdict.FAIL for r in ctx.results):
         return []
     if found is None and "layer_errors" in loc_details:  # the logits fail, no layer does
-        found = output_head(loc_details["layer_errors"])
+        failing = [r.name for r in ctx.results if r.name in PARITY_CHECKS and r.verdict is Verdict.FAIL]
+        found = output_head(loc_details["layer_errors"], failing, held_off)
     if found is None:
         return []
-    layout_result = ctx.result("layout")
     selection = layout_result.metrics.get(SELECTION_KEY) if layout_result is not None else None
     if selection is not None and 0 <= selection["layer"] <= found.layer:  # the selection diverges first
         found = Localization(layer=selection["layer"], heads=(), ranks=(selection["rank"],), kv_heads=(),

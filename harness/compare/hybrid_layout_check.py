@@ -150,7 +150,7 @@ def check_hybrid_layout(plan: HybridPlan, actual: Mapping[str, Any], name: str =
                         speculator: LayoutPlan | None = None) -> CheckResult:
     """The full-attention layout (layout_check.check_layout, its pool replaced by the grouped capacity,
     whose groups include the speculator's KV pages when it runs) and the hybrid invariants above."""
-    base = check_layout(plan.attention, actual, None, name, check_checksums)
+    base = check_layout(plan.attention, actual, None, name, check_checksums, plan)
     if base.verdict is Verdict.ERROR:
         return base
     reports = reports_by_rank(actual)  # check_layout has read them: no schema error here

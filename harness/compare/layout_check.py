@@ -12,10 +12,12 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Mapping, Sequence
 
+from harness.compare.param_check import param_problems
 from harness.compare.placement_check import placement_problems, q_weight_problems
 from harness.core.errors import ConfigError
 from harness.core.fmt import id_ranges
 from harness.core.verdict import CheckResult, Verdict
+from harness.partition.hybrid_layout import HybridPlan
 from harness.partition.layout import (
     POOL_SIZINGS,
     LayoutPlan,
@@ -140,8 +142,10 @@ def reports_by_rank(actual: Mapping[str, Any]) -> dict[int, RankReport]:
 
 
 def check_layout(plan: LayoutPlan, actual: Mapping[str, Any], pool_expected: PoolCapacity | None,
-                 name: str = "layout", check_checksums: bool = True) -> CheckResult:
-    """Compare one model's actual per-rank layout with `plan`; `pool_expected` None skips the pool."""
+                 name: str = "layout", check_checksums: bool = True, hybrid: HybridPlan | None = None) -> CheckResult:
+    """Compare one model's actual per-rank layout with `plan`; `pool_expected` None skips the pool. With
+    `check_checksums`, every checkpoint tensor each rank holds against its planned slice (param_check.py;
+    `hybrid`: the linear-attention and MoE plan of a hybrid model)."""
     try:
         by_rank = reports_by_rank(actual)
     except LayoutSchemaError as exc:
@@ -165,13 +169,15 @@ def check_layout(plan: LayoutPlan, actual: Mapping[str, Any], pool_expected: Poo
         problems += _mapping_problems(plan, got, got.q_heads, got.q_to_kv, "Q head")
         if (got.group_q_heads, got.group_q_to_kv) != (got.q_heads, got.q_to_kv):
             problems += _mapping_problems(plan, got, got.group_q_heads, got.group_q_to_kv, "group Q head")
+    held_off = param_problems(plan, by_rank, hybrid) if check_checksums else []
     if check_checksums:
-        problems += _checksum_problems(by_rank)
+        problems += _checksum_problems(by_rank) + [p.text for p in held_off]
     problems += _replication_problems(plan, by_rank)
     problems += placement_problems(plan, by_rank) + q_weight_problems(plan, by_rank)
     if pool_expected is not None:
         problems += _pool_problems(pool_expected, by_rank)
     metrics: dict[str, Any] = {"problems": problems, "kv_ids_differ_in_groups": groups,
+                               "params_off": [p.to_dict() for p in held_off],
                                "tp": plan.tp, "dcp": plan.dcp, "kv_replicas": list(plan.kv_replicas),
                                "pool_expected": pool_expected.to_dict() if pool_expected else None}
     if problems:

@@ -17,7 +17,7 @@ the first one over its bound, whose errors all stand above onset_factor x their 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -136,12 +136,34 @@ def _head_summary(layer: int, heads: list[int], plan: LayoutPlan,
     return ranks, kv, summary
 
 
+def held_off_at(held_off: Sequence[Mapping[str, Any]], layer: int | None) -> tuple[list[str], list[int], list[str]]:
+    """(sub-blocks, ranks, tensors) of the layout check's tensors held off the plan (layout_check metrics
+    "params_off") that layer `layer`'s computation reads (None: those outside the layers)."""
+    hits = [p for p in held_off if (p.get("layer") == layer if layer is None
+                                    else layer in (p.get("used_in") or [p.get("layer")]))]
+    return (list(dict.fromkeys(str(p["block"]) for p in hits)), sorted({int(p["rank"]) for p in hits}),
+            list(dict.fromkeys(str(p["param"]) for p in hits)))
+
+
+def _sub_block_text(held_off: Sequence[Mapping[str, Any]], layer: int) -> str | None:
+    blocks, ranks, params = held_off_at(held_off, layer)
+    if not blocks:
+        return None
+    more = f" (+{len(params) - 2} more)" if len(params) > 2 else ""
+    return (f"the {' and the '.join(blocks)}: {', '.join(params[:2])}{more} held off the plan on "
+            f"rank{'s' if len(ranks) > 1 else ''} {id_ranges(ranks)}")
+
+
 def localize(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None, plan: LayoutPlan,
              cases: Sequence[Case], settings: LocalizationSettings,
-             collective_settings: CollectiveSettings | None = None) -> tuple[Localization | None, dict[str, Any]]:
+             collective_settings: CollectiveSettings | None = None,
+             held_off: Sequence[Mapping[str, Any]] = ()) -> tuple[Localization | None, dict[str, Any]]:
     """The first diverging layer and heads (None when every layer is within its bound) and the
     details: {"layer_errors": {error, noise, threshold}, "head_errors": {error, noise, threshold,
-    owner_ranks, kv_heads}} with one entry per hidden index / layer (non-finite values as None)."""
+    owner_ranks, kv_heads}} with one entry per hidden index / layer (non-finite values as None).
+    `held_off`: the layout check's tensors held off the plan (metrics "params_off"); where a layer's
+    residual stream diverges while its heads stay within noise, the sub-block whose tensors the layer
+    reads off the plan is named (e.g. the attention output projection, not the MLP)."""
     if not cases:
         return None, {"note": "no prompts"}
     try:
@@ -200,20 +222,35 @@ def localize(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None, p
     if kind is not None and not (kind == FULL and bad):  # a hybrid model: the layer's kind and sublayer
         return hybrid_localization(layer, kind, bool(bad), err), details
     if not bad:
-        return Localization(layer=layer, heads=(), ranks=(), kv_heads=(), summary=(
+        named = _sub_block_text(held_off, layer)
+        _, off_ranks, _ = held_off_at(held_off, layer)
+        return Localization(layer=layer, heads=(), ranks=tuple(off_ranks), kv_heads=(), summary=(
             f"layer {layer}: residual stream diverges ({err}) while its attention heads stay within "
-            f"noise: MLP, norm or residual")), details
+            f"noise: " + (named or "MLP, norm or residual"))), details
     ranks, kv, summary = _head_summary(layer, bad, plan, actual_reads(par, plan))
     return Localization(layer=layer, heads=tuple(bad), ranks=tuple(ranks), kv_heads=tuple(kv),
                         summary=summary), details
 
 
-def output_head(layer_errors: dict[str, Any]) -> Localization:
-    """A logits FAIL whose residual stream stays within its bound at every layer (`localize` found
-    nothing): the divergence is after the last layer, in the final norm, the vocab-parallel lm_head
-    shards or the logits all-gather. layer_errors: localize's details["layer_errors"]."""
+def output_head(layer_errors: dict[str, Any], failing: Sequence[str] = ("logits_prefill",),
+                held_off: Sequence[Mapping[str, Any]] = ()) -> Localization:
+    """A parity FAIL whose residual stream stays within its bound at every layer of the teacher-forced
+    prompts (`localize` found nothing). `failing`: the parity checks that FAIL; `held_off`: the layout
+    check's tensors held off the plan. The output head (final norm, vocab-parallel lm_head shards, logits
+    all-gather) when its tensors are held off the plan or the prefill logits themselves FAIL; otherwise a
+    cache route: the same prompts' logits agree when computed in one prefill, and only what is read back
+    from the KV cache or state (decode steps, prefix hits, reused slots) diverges, which the output head,
+    shared by both, cannot explain. layer_errors: localize's details["layer_errors"]."""
     errors, limits = layer_errors["error"], layer_errors["threshold"]
     worst = max((e / t for e, t in zip(errors, limits) if e is not None and t), default=0.0)
-    return Localization(layer=len(errors) - 1, heads=(), ranks=(), kv_heads=(), summary=(
-        f"output head: every layer's residual stream stays within its bound (at most {worst:.2f}x), so the "
-        "final norm, the vocab-parallel lm_head shards or the logits all-gather"))
+    blocks, ranks, params = held_off_at(held_off, None)
+    if "logits_prefill" in failing or params:
+        off = (f"; {', '.join(params[:2])} held off the plan on rank{'s' if len(ranks) > 1 else ''} "
+               f"{id_ranges(ranks)}" if params else "")
+        return Localization(layer=len(errors) - 1, heads=(), ranks=tuple(ranks), kv_heads=(), summary=(
+            f"output head: every layer's residual stream stays within its bound (at most {worst:.2f}x), so the "
+            f"final norm, the vocab-parallel lm_head shards or the logits all-gather{off}"))
+    return Localization(layer=-1, heads=(), ranks=(), kv_heads=(), summary=(
+        f"a cache route: every layer's residual stream (at most {worst:.2f}x its bound) and the prefill logits "
+        f"stay within bounds, only {', '.join(failing)} diverge: what is written to and read back from the KV "
+        f"cache or state (decode steps, prefix hits, reused slots), not the output head both share"))

@@ -59,7 +59,8 @@ class LayoutSettings:
     """Layout invariants have no tolerance; these switch optional parts off."""
 
     check_pool: bool = True        # KV pool bytes/blocks per rank as the planner sizes them
-    check_checksums: bool = True   # K/V weight checksums identical on every rank holding a KV head
+    check_checksums: bool = True   # K/V weight checksums identical on every rank holding a KV head, and every
+    #                                checkpoint tensor a rank holds as the plan slices it (compare/param_check.py)
     # sparse attention: a selected token set may differ from the reference's only where the reference's
     # indexer scores were a near tie (relative margin of its last selected over its first unselected token)
     # below max(selection_tie, selection_tie_factor x the largest such margin the noise run flipped at)

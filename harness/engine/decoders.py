@@ -4,23 +4,31 @@ hybrid layers (hybrid.py) or sparse attention with an indexer (sparse.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from harness.arch.plan import ModelPlan
 from harness.engine.faults import FaultFlags
-from harness.engine.hybrid import DataParallel, HybridParts, build_hybrid, hybrid_layout_report
+from harness.engine.hybrid import (
+    DataParallel,
+    HybridLayer,
+    HybridParts,
+    build_hybrid,
+    hybrid_layout_report,
+    shard_hybrid,
+)
 from harness.engine.kvcache import PagedKVCache
-from harness.engine.mla import MLAParts, build_mla, mla_report
+from harness.engine.mla import MLAParts, build_mla, mla_report, shard_mla_weights
 from harness.engine.model import Decoder, HeadMap, Hyper, LocalWeights
 from harness.engine.parallel import ParallelState
 from harness.engine.parallelize import engine_plan, head_map, shard_weights
+from harness.engine.param_report import ShardFn, held_params
 from harness.engine.sparse import SparseDecoder, shard_indexer, sparse_capacity, sparse_report
 from harness.partition.layout import LayoutPlan, PoolCapacity, RankLayout, pool_capacity
 from harness.partition.sparse_layout import INDEX_GROUP, kv_pool_of, sparse_cache_groups
-from harness.records.rankreport import HybridReport, MLAReport, SparseReport
+from harness.records.rankreport import HybridReport, MLAReport, ParamShard, SparseReport
 from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
 
@@ -79,6 +87,15 @@ class RankParts:
     weights: LocalWeights
     report: Callable[[], ModuleReport]
     own: MLAParts | HybridParts | None = None  # what the component's engine module built beyond these
+    params: dict[str, ParamShard] | None = None  # what it holds of every checkpoint tensor (param_report.py)
+
+
+CPU = torch.device("cpu")
+
+
+def _params(b: RankBuild, shard: ShardFn, held: object) -> dict[str, ParamShard]:
+    """What the rank holds of every checkpoint tensor: its own shard function traced (param_report.py)."""
+    return held_params(shard, held, b.full_weights, b.dtype)
 
 
 def _attention_plan(b: RankBuild) -> tuple[LayoutPlan, RankLayout, HeadMap, PoolCapacity]:
@@ -91,10 +108,11 @@ def _attention_plan(b: RankBuild) -> tuple[LayoutPlan, RankLayout, HeadMap, Pool
 
 def build_dense(b: RankBuild) -> RankParts:
     plan, rank_layout, heads, capacity = _attention_plan(b)
-    weights = shard_weights(b.full_weights, b.spec, rank_layout, b.dtype, b.state.device)
+    weights = shard_weights(b.full_weights, b.spec, rank_layout, b.dtype, b.state.device, b.flags)
     cache = PagedKVCache(capacity, b.spec.layers, heads.n_kv, b.spec.head_dim, b.dtype, b.state.device)
     decoder = Decoder(weights, heads, b.hyper, b.state.collectives(), cache, b.flags, b.topology.placement)
-    return RankParts(plan, rank_layout, heads, capacity, cache, decoder, weights, ModuleReport)
+    params = _params(b, lambda full, dtype: shard_weights(full, b.spec, rank_layout, dtype, CPU, b.flags), weights)
+    return RankParts(plan, rank_layout, heads, capacity, cache, decoder, weights, ModuleReport, params=params)
 
 
 def build_latent(b: RankBuild) -> RankParts:
@@ -102,8 +120,18 @@ def build_latent(b: RankBuild) -> RankParts:
     assert b.plan.latent is not None
     parts = build_mla(b.spec, b.full_weights, rank_layout, heads, b.state.collectives(), b.flags, capacity, b.dtype,
                       b.state.device, b.plan.latent, b.topology.placement)
+    params = _params(b, lambda full, dtype: shard_mla_weights(full, b.spec, rank_layout, parts.rank, b.flags, dtype,
+                                                              CPU), parts.weights)
     return RankParts(plan, rank_layout, heads, capacity, parts.cache, parts.decoder, parts.weights,
-                     lambda: _latent_report(parts, b.spec), parts)
+                     lambda: _latent_report(parts, b.spec), parts, params)
+
+
+def _by_layer(weights: LocalWeights, layers: list[HybridLayer]) -> dict[str, object]:
+    """A hybrid rank's weights with every layer's tensors under its global index (the full-attention
+    layers' LayerWeights sit in LocalWeights.layers by their own count)."""
+    return {"model": replace(weights, layers=[]),
+            "layers": [(layer, weights.layers[layer.full_index] if layer.full_index >= 0 else None)
+                       for layer in layers]}
 
 
 def build_hybrid_rank(b: RankBuild) -> RankParts:
@@ -116,9 +144,13 @@ def build_hybrid_rank(b: RankBuild) -> RankParts:
     parts = build_hybrid(b.spec, b.plan.model.hybrid_shape(), b.plan.hybrid_plan, b.full_weights, state.rank, b.flags,
                          b.budget_bytes, b.max_seq_len, b.block_size, b.hyper, comm, b.dtype,
                          state.device, b.plan.speculator, data_parallel)
+    hybrid_plan, shape = b.plan.hybrid_plan, b.plan.model.hybrid_shape()
+    params = _params(b, lambda full, dtype: _by_layer(*shard_hybrid(full, b.spec, shape, hybrid_plan, state.rank,
+                                                                     b.flags, dtype, CPU)),
+                     _by_layer(parts.weights, parts.layers))
     return RankParts(parts.plan.attention, parts.rank_layout, parts.heads, parts.capacity, parts.cache,
                      parts.decoder, parts.weights,
-                     lambda: ModuleReport(hybrid_record=hybrid_layout_report(parts, state.rank)), parts)
+                     lambda: ModuleReport(hybrid_record=hybrid_layout_report(parts, state.rank)), parts, params)
 
 
 def build_sparse(b: RankBuild) -> RankParts:

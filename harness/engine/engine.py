@@ -108,7 +108,7 @@ class Engine:
                                      pool.budget_bytes, pool.max_seq_len, pool.block_size, self.dtype))
         self.plan, self.rank_layout, self.heads = parts.plan, parts.rank_layout, parts.heads
         self.capacity, self.cache, self.decoder = parts.capacity, parts.cache, parts.decoder
-        self._weights, self._report = parts.weights, parts.report
+        self._weights, self._report, self._params = parts.weights, parts.report, parts.params
         self.parts = parts.own  # the MLA or hybrid module's own parts (None for dense attention)
 
     @property
@@ -120,7 +120,7 @@ class Engine:
         extra = self._report()  # what the attention component's engine module adds (decoders.py)
         return rank_report(self.rank_layout, self.heads, self._weights, self.spec, self.cache.pool_bytes,
                            self.capacity.blocks, extra.checksums, extra.kv_bytes_per_token, self._owner_probe,
-                           extra.mla_record, extra.hybrid_record, extra.sparse_record)
+                           extra.mla_record, extra.hybrid_record, extra.sparse_record, self._params)
 
     # -- building blocks ---------------------------------------------------------------------------
 

@@ -80,6 +80,14 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "an intermediate size that tp does not divide split as ffn // tp columns per rank: the last "
           "ffn % tp MLP columns are computed by no rank (an engine assuming divisibility); inert when tp "
           "divides the FFN width", needs_tp=True),
+    Fault("o-proj-shard-offset", "layout, logits",
+          "the row-parallel attention output projection loaded one head to the right of the rank's own Q "
+          "heads (columns of heads h + 1): every rank's attention output is projected through its "
+          "neighbour's columns, while the attention heads themselves stay right", needs_tp=True),
+    Fault("mlp-norm-other-layer", "layout, logits",
+          "on every rank but rank 0 the MLP input norm of layer i loaded from layer i + 1 (a replicated "
+          "weight taken from the wrong place on some ranks): the ranks normalize the MLP input differently; "
+          "inert on a one-layer model", needs_tp=True),
     Fault("dcp-rope-local-pos", "logits",
           "under DCP the keys are rotated (RoPE) by their index in the rank's local KV store (t // dcp) "
           "instead of their global position t, while the queries use global positions: relative "
@@ -275,6 +283,8 @@ class FaultFlags:
     vocab_floor_offset: bool = False    # vocab-shard-offset: vocab shard offsets by floor(vocab / tp)
     ffn_floor_split: bool = False       # ffn-floor-split: ffn // tp MLP columns per rank
     rope_local_positions: bool = False  # dcp-rope-local-pos: keys rotated by their local store index
+    o_proj_offset: bool = False         # o-proj-shard-offset: output projection columns of heads h + 1
+    mlp_norm_other_layer: bool = False  # mlp-norm-other-layer: ranks > 0 take layer i + 1's MLP norm
     # hybrid models (harness/engine/hybrid.py)
     linear_packed_contiguous: bool = False  # deltanet-packed-split: packed q|k|v rows split contiguously
     linear_state_dcp_split: bool = False    # deltanet-state-dcp-split: state updated by own DCP tokens only
@@ -389,6 +399,8 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         vocab_floor_offset=name == "vocab-shard-offset",
         ffn_floor_split=name == "ffn-floor-split",
         rope_local_positions=name == "dcp-rope-local-pos",
+        o_proj_offset=name == "o-proj-shard-offset",
+        mlp_norm_other_layer=name == "mlp-norm-other-layer",
         linear_packed_contiguous=name == "deltanet-packed-split",
         linear_state_dcp_split=name == "deltanet-state-dcp-split",
         shared_expert_every_rank=name == "moe-shared-every-rank",

@@ -34,7 +34,7 @@ from harness.engine.model import (
 )
 from harness.engine.moe import MoeRows, MoeWeights, moe_activations
 from harness.engine.parallel import Collectives
-from harness.engine.parallelize import head_map, vocab_rows
+from harness.engine.parallelize import head_map, mlp_norm_layer, o_heads, vocab_rows
 from harness.engine.statecache import SNAPSHOT_TOKENS, HybridCache
 from harness.partition.cache_groups import GroupedCapacity, grouped_capacity
 from harness.partition.hybrid_layout import (
@@ -146,8 +146,9 @@ def shard_hybrid(full: dict[str, torch.Tensor], spec: ModelSpec, h: HybridShape,
     lo, hi = attn.ffn_shard
     for i, kind in enumerate(plan.kinds):
         p = f"layers.{i}."
+        norm_layer = mlp_norm_layer(attn, i, len(plan.kinds), flags)
         layer = HybridLayer(kind=kind, attn_norm=cast(full[p + "attn_norm.weight"]),
-                            mlp_norm=cast(full[p + "mlp_norm.weight"]))
+                            mlp_norm=cast(full[f"layers.{norm_layer}.mlp_norm.weight"]))
         if kind == FULL:
             q_all = full[p + "q.weight"]
             gate = None
@@ -161,7 +162,8 @@ def shard_hybrid(full: dict[str, torch.Tensor], spec: ModelSpec, h: HybridShape,
                 attn_norm=layer.attn_norm, q=cast(_head_rows(q_all, attn.q_heads, hd)),
                 k=cast(_head_rows(full[p + "k.weight"], attn.kv_heads, hd)),
                 v=cast(_head_rows(full[p + "v.weight"], attn.kv_heads, hd)),
-                o=cast(_head_rows(full[p + "o.weight"].T, attn.q_heads, hd).T),  # [H, heads hd] -> own columns
+                # [H, heads hd] -> own columns
+                o=cast(_head_rows(full[p + "o.weight"].T, o_heads(attn, spec.heads, flags), hd).T),
                 mlp_norm=layer.mlp_norm, gate=empty, up=empty, down=empty.T))
         else:
             layer.linear_index = sum(1 for x in layers if x.kind != FULL)

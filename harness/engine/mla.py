@@ -38,7 +38,7 @@ from harness.engine.model import (
     split_key_attention,
 )
 from harness.engine.parallel import Collectives
-from harness.engine.parallelize import vocab_rows
+from harness.engine.parallelize import mlp_norm_layer, o_heads, vocab_rows
 from harness.partition.layout import ROUND_ROBIN, Placement, PoolCapacity, RankLayout, local_token_count, token_owner
 from harness.partition.mla_layout import MLAPlan, MLARank
 from harness.records.rankreport import MLAReport
@@ -112,14 +112,16 @@ def shard_mla_weights(full: dict[str, torch.Tensor], spec: ModelSpec, rank: Rank
         q_b = full[p + ("q_b.weight" if spec.q_lora_rank else "q.weight")]
         q_b = q_b.view(spec.heads, qk, -1)[src].reshape(len(src) * qk, -1)  # [heads*qk, in] -> held heads' rows
         kv_b = full[p + "kv_b.weight"].view(spec.heads, d.nope + d.v, d.kv_lora)  # [heads, nope + v, kv_lora]
-        o = full[p + "o.weight"].view(spec.hidden, spec.heads, d.v)[:, own].reshape(spec.hidden, len(own) * d.v)
+        o_own = list(o_heads(rank, spec.heads, flags))
+        o = full[p + "o.weight"].view(spec.hidden, spec.heads, d.v)[:, o_own].reshape(spec.hidden, len(own) * d.v)
         layers.append(MLALayerWeights(
             attn_norm=cast(full[p + "attn_norm.weight"]),
             q_a=cast(full[p + "q_a.weight"]) if spec.q_lora_rank else None,
             q_a_norm=cast(full[p + "q_a_norm.weight"]) if spec.q_lora_rank else None,
             q_b=cast(q_b), w_kc=cast(kv_b[src, : d.nope]), kv_a=cast(full[p + "kv_a.weight"]),
             kv_a_norm=cast(full[p + "kv_a_norm.weight"]), w_vc=cast(kv_b[own, d.nope:]), o=cast(o),
-            mlp_norm=cast(full[p + "mlp_norm.weight"]), gate=cast(full[p + "gate.weight"][lo:hi]),
+            mlp_norm=cast(full[f"layers.{mlp_norm_layer(rank, i, spec.layers, flags)}.mlp_norm.weight"]),
+            gate=cast(full[p + "gate.weight"][lo:hi]),
             up=cast(full[p + "up.weight"][lo:hi]), down=cast(full[p + "down.weight"][:, lo:hi])))
     embed = cast(vocab_rows(full["embed.weight"], rank.vocab_shard, rank.vocab_rows))
     lm_head = (embed if "lm_head.weight" not in full

@@ -13,7 +13,7 @@ from harness.arch.components import faulty_layout
 from harness.engine.faults import FaultFlags
 from harness.engine.model import HeadMap, LayerWeights, LocalWeights
 from harness.partition.layout import ROUND_ROBIN, LayoutPlan, Placement, RankLayout, group_kv_slots
-from harness.records.rankreport import HybridReport, MLAReport, RankReport, SparseReport, StoredPositions
+from harness.records.rankreport import HybridReport, MLAReport, ParamShard, RankReport, SparseReport, StoredPositions
 from harness.specs.model import ModelSpec
 
 
@@ -45,8 +45,21 @@ def vocab_rows(w: torch.Tensor, shard: tuple[int, int], rows: int) -> torch.Tens
     return out
 
 
+def o_heads(rank: RankLayout, heads: int, flags: FaultFlags) -> tuple[int, ...]:
+    """The heads whose output-projection columns the rank loads: its own (o-proj-shard-offset: h + 1)."""
+    if flags.o_proj_offset and len(rank.q_heads) < heads:
+        return tuple((h + 1) % heads for h in rank.q_heads)
+    return rank.q_heads
+
+
+def mlp_norm_layer(rank: RankLayout, layer: int, layers: int, flags: FaultFlags) -> int:
+    """The layer whose MLP input norm the rank loads for `layer` (mlp-norm-other-layer: the next one on
+    ranks > 0)."""
+    return (layer + 1) % layers if flags.mlp_norm_other_layer and rank.rank > 0 else layer
+
+
 def shard_weights(full: dict[str, torch.Tensor], spec: ModelSpec, rank: RankLayout,
-                  dtype: torch.dtype, device: torch.device) -> LocalWeights:
+                  dtype: torch.dtype, device: torch.device, flags: FaultFlags = FaultFlags()) -> LocalWeights:
     """Column-parallel Q/K/V/gate/up, row-parallel o/down, vocab-parallel embedding and lm_head
     (rank.vocab_shard, padded to ceil(vocab / tp) rows); norms replicated."""
     hd = spec.head_dim
@@ -63,8 +76,8 @@ def shard_weights(full: dict[str, torch.Tensor], spec: ModelSpec, rank: RankLayo
             k=cast(_rows(full[p + "k.weight"], rank.kv_heads, hd)),
             v=cast(_rows(full[p + "v.weight"], rank.kv_heads, hd)),
             # o: [H, heads * hd] -> columns of own heads
-            o=cast(_rows(full[p + "o.weight"].T, rank.q_heads, hd).T),
-            mlp_norm=cast(full[p + "mlp_norm.weight"]),
+            o=cast(_rows(full[p + "o.weight"].T, o_heads(rank, spec.heads, flags), hd).T),
+            mlp_norm=cast(full[f"layers.{mlp_norm_layer(rank, i, spec.layers, flags)}.mlp_norm.weight"]),
             gate=cast(full[p + "gate.weight"][lo:hi]),
             up=cast(full[p + "up.weight"][lo:hi]),
             down=cast(full[p + "down.weight"][:, lo:hi]),
@@ -95,10 +108,12 @@ def kv_checksums(weights: LocalWeights, rank: RankLayout, head_dim: int) -> dict
 def rank_report(rank: RankLayout, heads: HeadMap, weights: LocalWeights, spec: ModelSpec, pool_bytes: int,
                 pool_blocks: int, checksums: dict[str, str] | None = None, kv_bytes_per_token: int | None = None,
                 stored: StoredPositions | None = None, mla: MLAReport | None = None,
-                hybrid: HybridReport | None = None, sparse: SparseReport | None = None) -> RankReport:
+                hybrid: HybridReport | None = None, sparse: SparseReport | None = None,
+                params: dict[str, ParamShard] | None = None) -> RankReport:
     """What this rank really holds and reads, for the layout check (global ids throughout): the one place
     the embedded engine builds its rank reports (target and speculator). `checksums` replaces the K/V
-    weight checksums (an MLA rank's latent projection); the rest are the architecture's records."""
+    weight checksums (an MLA rank's latent projection); `params` what it holds of every checkpoint tensor
+    (param_report.held_params); the rest are the architecture's records."""
     group_reads = tuple(rank.kv_heads[j] for j in heads.group_q_to_local_kv)
     lo, hi = heads.own_slice
     return RankReport(
@@ -109,4 +124,4 @@ def rank_report(rank: RankLayout, heads: HeadMap, weights: LocalWeights, spec: M
         kv_weight_checksums=kv_checksums(weights, rank, spec.head_dim) if checksums is None else checksums,
         ffn_shard=rank.ffn_shard, vocab_shard=(weights.vocab_start, weights.vocab_start + weights.vocab_held),
         kv_bytes_per_token=kv_bytes_per_token, stored_positions=stored, mla=mla, hybrid=hybrid,
-        sparse=sparse)
+        sparse=sparse, params=params)

@@ -18,6 +18,7 @@ global; [lo, hi) ranges are two-element lists):
   sparse? {index_heads, index_weight_checksums, index_key_checksum, cache_group_blocks, block_size,
            selected [layer][query] -> positions, margins [layer][query]}
   layers?, layers_differing?                                     (an HTTP probe's per-layer heads)
+  params? {"<checkpoint tensor>": {shape, slice, count, checksum, source, used_in}}  (every weight the rank holds)
 
 A run folder whose layout.json has no schema key was written before the key existed, in the shape of
 schema 1, and reads as schema 1; any other version is refused (LayoutSchemaError).
@@ -46,6 +47,23 @@ class StoredPositions:
     length: int
     prompt_len: int
     positions: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """What a rank holds of one checkpoint tensor (canonical name): the tensor's full `shape`, the `slice` of
+    it the rank holds (per axis, the [lo, hi) ranges of the indices it holds some element of), `count`
+    elements held (the slice's size when the held part is a product of the axes' index sets), the
+    `checksum` of the held values as the rank computes with them (in global flat-index order, as float32),
+    the `source` checksum of the same elements of the checkpoint tensor cast to the run's dtype, and the
+    layers whose computation reads them (`used_in`; empty where the engine does not say)."""
+
+    shape: tuple[int, ...]
+    slice: tuple[tuple[tuple[int, int], ...], ...]
+    count: int
+    checksum: str
+    source: str
+    used_in: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -171,6 +189,7 @@ class RankReport:
     sparse: SparseReport | None = None
     layers: tuple[ProbeLayer, ...] | None = None    # an HTTP probe's per-layer heads
     layers_differing: tuple[str, ...] | None = None  # the probe's layers whose heads differ from the chosen ids
+    params: dict[str, ParamShard] | None = None     # every checkpoint tensor the rank holds part of (embedded engine)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object of layout.json's `ranks` list (WIRE_ORDER; None fields omitted)."""
@@ -208,7 +227,7 @@ WIRE_ORDER: tuple[str, ...] = (
     "rank", "q_heads", "kv_heads", "v_heads", "dcp_group", "dcp_rank", "dcp_members", "kv_tp_rank", "q_to_kv",
     "ffn_shard", "vocab_shard", "group_q_heads", "group_q_to_kv", "kv_pool_bytes", "kv_pool_blocks",
     "kv_block_size", "kv_bytes_per_token", "kv_weight_checksums", "stored_positions", "hybrid", "mla", "sparse",
-    "layers", "layers_differing")
+    "layers", "layers_differing", "params")
 
 
 @dataclass(frozen=True)
