@@ -118,12 +118,13 @@ def _hybrid_slice(local: str, shape: tuple[int, ...], rank: int, hybrid: HybridP
     if hybrid.moe is None:
         return None
     moe = hybrid.moe.ranks[rank]
+    held = moe.logical or moe.experts  # the checkpoint's (logical) experts behind its physical slots
     if local in ("experts.gate.weight", "experts.up.weight"):
-        s = list(_axis(shape, 0, moe.experts))
+        s = list(_axis(shape, 0, held))
         s[1] = ranges_of(range(*moe.expert_ffn_shard))
         return tuple(s)
     if local == "experts.down.weight":
-        s = list(_axis(shape, 0, moe.experts))
+        s = list(_axis(shape, 0, held))
         s[2] = ranges_of(range(*moe.expert_ffn_shard))
         return tuple(s)
     if local in ("shared.gate.weight", "shared.up.weight"):
