@@ -180,14 +180,17 @@ def test_merged_candidate_with_corrupted_workload_cells_is_blocked(shared_cache:
                  "--out", str(out)])
     printed = capsys.readouterr().out
     assert code == 1
-    assert printed.startswith("BLOCKED: 2 of 6 cells block the release: 2 new output corruption (2 silent)")
+    # the suite's 2-token prompt (fewer tokens than dcp) is in all three workloads: each faulted cell blocks
+    assert printed.startswith("BLOCKED: 3 of 6 cells block the release: 3 new output corruption (3 silent)")
     blocking = sorted(ln.split(" (")[0].strip() for ln in printed.splitlines() if ln.startswith("  blocking "))
     assert blocking == ["blocking dcp/tiny-gqa/tp4dcp4/dcp-empty-shard-nan/lengths/seed0",
+                        "blocking dcp/tiny-gqa/tp4dcp4/dcp-empty-shard-nan/prefix-cache/seed0",
                         "blocking dcp/tiny-gqa/tp4dcp4/dcp-empty-shard-nan/seed0"]
     doc = json.loads((out / "signoff.json").read_text())
-    assert doc["counts"]["cells"] == 6 and doc["counts"]["new_silent_corruption"] == 2
+    assert doc["counts"]["cells"] == 6 and doc["counts"]["new_silent_corruption"] == 3
     assert sorted((c["workload"], c["fault"]) for c in doc["cells"] if c["blocking"]) == [
-        ("lengths", "dcp-empty-shard-nan"), ("prompts", "dcp-empty-shard-nan")]
+        ("lengths", "dcp-empty-shard-nan"), ("prefix-cache", "dcp-empty-shard-nan"),
+        ("prompts", "dcp-empty-shard-nan")]
 
 
 def test_speculator_fault_is_performance_only(tmp_path: Path, shared_cache: Path,

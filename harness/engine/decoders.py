@@ -93,7 +93,7 @@ class RankParts:
 CPU = torch.device("cpu")
 
 
-def _params(b: RankBuild, shard: ShardFn, held: object) -> dict[str, ParamShard]:
+def _params(b: RankBuild, shard: ShardFn, held: object) -> dict[str, ParamShard] | None:
     """What the rank holds of every checkpoint tensor: its own shard function traced (param_report.py)."""
     return held_params(shard, held, b.full_weights, b.dtype)
 

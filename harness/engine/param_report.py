@@ -26,6 +26,11 @@ from harness.records.rankreport import ParamShard
 ShardFn = Callable[[dict[str, torch.Tensor], torch.dtype], Any]
 
 
+# the trace holds about 40 bytes per checkpoint element at its peak (index numbers, the traced shard, sorted ids):
+# above this many elements (a real checkpoint, e.g. smollm2-135m's 135M) it is not run and the rank reports no
+# per-tensor record (the layout check's other parts still run; docs/checks.md)
+TRACE_LIMIT_ELEMENTS = 16_000_000
+
 LAYERS = "layers"  # a list field or key of this name holds the model's layers by global index
 
 
@@ -49,9 +54,13 @@ def _digest(values: torch.Tensor) -> str:
     return hashlib.sha256(values.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
-def held_params(shard: ShardFn, held: Any, full: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, ParamShard]:
+def held_params(shard: ShardFn, held: Any, full: dict[str, torch.Tensor],
+                dtype: torch.dtype) -> dict[str, ParamShard] | None:
     """name -> ParamShard for every checkpoint tensor of `full` the rank holds an element of; `held` is
-    what shard(full, dtype) built (the rank's weights), `shard` is called again on index weights."""
+    what shard(full, dtype) built (the rank's weights), `shard` is called again on index weights. None for
+    a checkpoint of more than TRACE_LIMIT_ELEMENTS elements."""
+    if sum(t.numel() for t in full.values()) > TRACE_LIMIT_ELEMENTS:
+        return None
     names = sorted(full)
     sizes = [full[n].numel() for n in names]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # [T + 1]

@@ -34,6 +34,7 @@ from harness.engine.faults import FAULTS, LOAD_CONDITIONS, PERTURBATIONS, SHARED
 from harness.engine.tokenizer import Tokenizer, load_tokenizer
 from harness.flow.refcache import ReferenceCache, ReferenceFailed
 from harness.gsm8k.settings import GSM8KSettings
+from harness.launcher.launch import stop_all_launches
 from harness.launcher.nodes import NodeLaunch, Nodes
 from harness.records.artifacts import RunArtifacts, run_capabilities
 from harness.records.contract import (
@@ -298,6 +299,10 @@ class Runner:
                 ref = self._cached(model, seed, model.dtype, topo, fault=shared)
             except ReferenceFailed as exc:
                 self._failed_refs[key] = exc
+                raise
+            except BaseException:  # interrupted: the noise run beside it must not outlive the run
+                if noise is not None:
+                    stop_all_launches()
                 raise
             self._refs[key] = (ref, noise.result() if noise is not None
                                else self._noise_run(model, seed, self.reference_topology, shared))

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence, Union
@@ -35,6 +36,9 @@ TERM_GRACE_S = 35.0
 THREADS_ENV = "HARNESS_THREADS_PER_PROCESS"  # override of the per-process thread count
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 WAIT_POLICY_VAR = forkserver.WAIT_POLICY_VAR  # OMP_WAIT_POLICY
+# every launch still running, whatever thread started it (stop_all_launches)
+_LIVE: set["Process"] = set()
+_LIVE_LOCK = threading.Lock()
 LAUNCHER_ENV = "HARNESS_LAUNCHER"  # fork (default for CPU runs on one node) | torchrun
 LAUNCHERS = ("fork", "torchrun")
 
@@ -257,6 +261,15 @@ def stop_process_tree(proc: Process) -> None:
     _kill_group(proc)
 
 
+def stop_all_launches() -> None:
+    """Stop every launch still running, in any thread (a run interrupted in one thread while another thread's
+    launch goes on, e.g. the noise run beside an interrupted reference: its ranks never outlive the harness)."""
+    with _LIVE_LOCK:
+        running = list(_LIVE)
+    for proc in running:
+        _kill_group(proc)
+
+
 def launch(job: Job, timeout_s: float, module: str, env: dict[str, str] | None = None,
            worker_args: Sequence[str] = (), nodes: "NodeLaunch | None" = None,
            world_size: int | None = None) -> LaunchResult:
@@ -280,6 +293,8 @@ def launch(job: Job, timeout_s: float, module: str, env: dict[str, str] | None =
     timed_out = False
     proc = _start(job_path, world, log_dir, module, worker_args, nodes, launcher, child_env,
                   run_dir / (LAUNCHER_LOG if world > 1 else "rank0.log"))
+    with _LIVE_LOCK:
+        _LIVE.add(proc)
     try:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -288,6 +303,9 @@ def launch(job: Job, timeout_s: float, module: str, env: dict[str, str] | None =
     except BaseException:  # Ctrl-C or any error here: never leave ranks running
         _kill_group(proc)
         raise
+    finally:
+        with _LIVE_LOCK:
+            _LIVE.discard(proc)
     wall = time.time() - start
     tails = _collect_rank_logs(run_dir, log_dir, world) if world > 1 else {"rank0": _tail(run_dir / "rank0.log")}
     manifest_path = run_dir / MANIFEST_FILE
