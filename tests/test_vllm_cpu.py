@@ -255,8 +255,8 @@ def _mla_run(root: Path, name: str, topos: str, fault: str | None) -> dict[str, 
         else:
             env.delenv(FAULT, raising=False)
         code = main(["run", *MLA_RUN, "--topo", topos, "--out", str(out), "--cache-dir", str(root / "vllm-cache")])
-    cells = {(c["topology"], c.get("workload")): c for c in results_cells(out)}
-    return {"exit": code, "cells": cells, "shm_left": _vllm_shm(out, root / "vllm-cache")}
+    # a list (the answer is kept as JSON for the other xdist worker: no tuple keys)
+    return {"exit": code, "cells": results_cells(out), "shm_left": _vllm_shm(out, root / "vllm-cache")}
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +272,7 @@ def mla_fault(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def _mla_cell(run: dict, topo: str = "tp2") -> dict:
-    return next(c for (t, w), c in run["cells"].items() if t == topo and w in (None, "prompts"))
+    return next(c for c in run["cells"] if c["topology"] == topo and c.get("workload") in (None, "prompts"))
 
 
 def test_vllm_mla_layout_probe_passes_layout(mla_clean: dict) -> None:
