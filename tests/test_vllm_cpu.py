@@ -97,16 +97,23 @@ def _shared(root: Path, name: str, compute: Callable[[], dict[str, Any]]) -> dic
         return result
 
 
-def _run(root: Path, name: str, topos: str, fault: str | None) -> dict[str, Any]:
-    """One harness run of the spec suite at `topos` (the module's cache shared), with the plugin's fault or
-    without, and the shared-memory files its vLLM servers left behind."""
+def _harness_run(root: Path, name: str, argv: list[str], topos: str, fault: str | None) -> tuple[int, Path]:
+    """`harness run ARGV --topo TOPOS` into root/NAME (the module's cache shared), with the plugin's fault set
+    in the environment or cleared: its exit code and output folder."""
     out = root / name
     with pytest.MonkeyPatch.context() as env:
         if fault:
             env.setenv(FAULT, fault)
         else:
             env.delenv(FAULT, raising=False)
-        code = main(["run", *SPEC, "--topo", topos, "--out", str(out), "--cache-dir", str(root / "vllm-cache")])
+        code = main(["run", *argv, "--topo", topos, "--out", str(out), "--cache-dir", str(root / "vllm-cache")])
+    return code, out
+
+
+def _run(root: Path, name: str, topos: str, fault: str | None) -> dict[str, Any]:
+    """One harness run of the spec suite at `topos` (the module's cache shared), with the plugin's fault or
+    without, and the shared-memory files its vLLM servers left behind."""
+    code, out = _harness_run(root, name, SPEC, topos, fault)
     cells = {c["topology"]: c for c in results_cells(out)}
     servers = read_json(out / "results.json")["provenance"].get("servers", [])
     return {"exit": code, "cells": cells, "shm_left": _vllm_shm(out, root / "vllm-cache"),
@@ -248,13 +255,7 @@ MLA_FAULT = "mla-kv-b-shard"
 
 
 def _mla_run(root: Path, name: str, topos: str, fault: str | None) -> dict[str, Any]:
-    out = root / name
-    with pytest.MonkeyPatch.context() as env:
-        if fault:
-            env.setenv(FAULT, fault)
-        else:
-            env.delenv(FAULT, raising=False)
-        code = main(["run", *MLA_RUN, "--topo", topos, "--out", str(out), "--cache-dir", str(root / "vllm-cache")])
+    code, out = _harness_run(root, name, MLA_RUN, topos, fault)
     # a list (the answer is kept as JSON for the other xdist worker: no tuple keys)
     return {"exit": code, "cells": results_cells(out), "shm_left": _vllm_shm(out, root / "vllm-cache")}
 
