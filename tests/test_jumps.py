@@ -4,16 +4,19 @@ benign only where rounding-only comparisons jump as often; with no such evidence
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
+from harness.cli import main
 from harness.compare.generation import check_generation
 from harness.compare.jumps import JumpEvidence, JumpTest
 from harness.compare.schedule import Steps, compare_consistency, compare_schedules, evidence_of, grade
 from harness.compare.settings import ConsistencySettings, GenerationSettings, SelfConsistencySettings
 from harness.core.errors import ConfigError
 from harness.core.verdict import Verdict
+from harness.records.results import results_cells
 from tests.test_compare_generation import decode, diverge_at, runs  # noqa: F401 (fixture)
 
 NOISE_FREE = JumpEvidence((1e-5,), 300)  # rounding-only comparisons that differ only at a near tie
@@ -95,6 +98,30 @@ def test_generation_jump_against_evidence(runs) -> None:  # noqa: F811
     assert clean_engine.verdict is Verdict.FAIL and "(ref gap 5.0e-01 > near-tie 1.0e-03)" in clean_engine.reason
     routed, prompts = check_generation(ref_gap, par_gap, settings, decode=decode, evidence=ROUTING)
     assert routed.verdict is Verdict.PASS, routed.reason
-    assert "1 of them jump as often as rounding does" in routed.reason and prompts[0]["benign"] is False
+    assert "0 diverge at near ties" in routed.reason and "; 1 jump as often as rounding does" in routed.reason
+    assert prompts[0]["benign"] is False
     rare = JumpEvidence((math.inf,), 100_000)
     assert check_generation(ref_gap, par_gap, settings, decode=decode, evidence=rare)[0].verdict is Verdict.FAIL
+
+
+def _hybrid_bf16(tmp_path: Path, *extra: str) -> tuple[int, dict[str, dict[str, dict]]]:
+    out = tmp_path / "out"
+    code = main(["run", "--suite", "hybrid", "--model", "tiny-hybrid-bf16", "--topo", "tp2", "--seed", "0",
+                 "--out", str(out), "--cache-dir", str(tmp_path.parent / "cache"), *extra])
+    return code, {c["workload"]: {ch["name"]: ch for ch in c["checks"]} for c in results_cells(out)}
+
+
+def test_bf16_routing_flips_pass_and_a_stale_state_slot_still_fails(tmp_path: Path) -> None:
+    """tiny-hybrid-bf16 at tp2, seed 0: a copy's expert routing flips at a router near tie and its tokens jump
+    (outside the first copy's top-5) as the reference engine's own decode against re-prefill does: PASS
+    (negative control); the stale state slot the reference shares still FAILs self_consistency (positive)."""
+    code, cells = _hybrid_bf16(tmp_path / "clean")
+    assert code == 0, {w: [(n, c["reason"]) for n, c in ch.items() if c["verdict"] != "PASS"]
+                       for w, ch in cells.items()}
+    sc = cells["self-consistency"]
+    assert sc["decode_consistency"]["metrics"]["noise_jumps"] >= 1  # the engine jumps under rounding alone
+    assert sum(sc[n]["metrics"]["jumps"] for n in ("self_consistency", "decode_consistency", "generation")) >= 1
+    code, cells = _hybrid_bf16(tmp_path / "fault", "--fault", "state-slot-stale")
+    assert code == 1
+    check = cells["self-consistency"]["self_consistency"]
+    assert check["verdict"] == "FAIL", check["reason"]

@@ -190,8 +190,8 @@ def check_generation(ref: RunArtifacts, par: RunArtifacts, settings: GenerationS
         reason = f"{_describe(bad[0])}; {len(bad)}/{n} prompts diverge outside near ties{test.note()}"
     elif diverged:
         verdict = Verdict.PASS
-        jumps = f"; {len(jumped)} of them jump as often as rounding does ({test.describe()})" if jumped else ""
-        reason = (f"{n - len(diverged)}/{n} prompts identical; {len(diverged)} diverge at near ties "
+        jumps = f"; {len(jumped)} jump as often as rounding does ({test.describe()})" if jumped else ""
+        reason = (f"{n - len(diverged)}/{n} prompts identical; {len(diverged) - len(jumped)} diverge at near ties "
                   f"(first at token {diverged[0]['first_divergence']} of prompt {diverged[0]['index']}; {tie}){jumps}")
     else:
         verdict = Verdict.PASS
