@@ -181,7 +181,8 @@ def check_generation(ref: RunArtifacts, par: RunArtifacts, settings: GenerationS
     ev = evidence or JumpEvidence((), 0)
     steps = sum(min(p["ref_tokens"], p["par_tokens"]) if p["first_divergence"] is None else p["first_divergence"] + 1
                 for p in prompts)
-    test = JumpTest(len(jumped), steps, ev.jumps(bound.limit), ev.steps, settings.jumps_alpha)
+    noise_jumps, noise_steps = ev.counted(bound.limit, settings.jumps_alpha)
+    test = JumpTest(len(jumped), steps, noise_jumps, noise_steps, settings.jumps_alpha)
     bad = [] if test.benign else jumped
     n = len(prompts)
     tie = f"near-tie bound {bound.limit:.1e} {bound.describe()}"

@@ -4,14 +4,19 @@ A divergence outside the near-tie bound (a clear gap, or the other token outside
 jump. A continuous forward pass makes none from rounding: there a jump is a FAIL. An engine whose forward
 pass has discontinuities (top-k expert routing, top-k sparse-attention selection) makes some from rounding
 alone: a router near tie that a one-ulp difference of the hidden state flips sends a token to another expert,
-and a small model's next-token distribution can move by more than any near-tie bound; vLLM and SGLang route
-in the model dtype and behave the same. Whether the engine has them is measured, never assumed: the noise
-evidence (JumpEvidence) is every step where a rounding-only comparison of the reference engine chose other
-tokens with equal contexts (the reference against its noise run, and each of those runs' decode against its
-own re-prefill), with the gap at that step. Where that evidence holds no jump, every jump FAILs, as before;
-where it does, the jumps of the checked comparison are benign only while as frequent per compared step as the
-evidence's, by the exact conditional test of two Poisson rates (compare/tie_flips.py: the checked count k of
-n = k + m jumps is Binomial(n, N / (N + M)) under equal rates), failing at p < `jumps_alpha`.
+and a small model's next-token distribution can move by more than any near-tie bound (vLLM computes the router
+in the model dtype too). Whether the engine has them is measured, never assumed: the evidence (JumpEvidence)
+is every step where a rounding-only comparison of the reference engine chose other tokens with equal
+contexts, with the gap at that step: the reference against its noise run (both as scheduled: a bug the two
+share moves both alike), and each of those runs' decode against its own re-prefill (another batch
+composition, as the checked copies have). The latter is admitted only while its jumps are as frequent as the
+former's (the same test, no floor): a bug the reference shares on a route its re-prefills take (a stale
+state slot) makes them jump far more often, and then only the cross-run comparison counts.
+
+Where the evidence holds no jump, every jump FAILs, as before; where it does, the jumps of the checked
+comparison are benign only while as frequent per compared step as the evidence's, by the exact conditional
+test of two Poisson rates (compare/tie_flips.py: the checked count k of n = k + m jumps is
+Binomial(n, N / (N + M)) under equal rates), failing at p < `jumps_alpha`.
 """
 
 from __future__ import annotations
@@ -29,13 +34,25 @@ class JumpEvidence:
 
     gaps: tuple[float, ...]
     steps: int
+    own_gaps: tuple[float, ...] = ()  # each run against itself (decode vs re-prefill), admitted by counted()
+    own_steps: int = 0
 
     def jumps(self, limit: float) -> int:
-        """How many of the differing steps are outside the near-tie bound `limit` (NaN counts)."""
-        return sum(1 for g in self.gaps if not g <= limit)
+        """How many of the cross-run differing steps are outside the near-tie bound `limit` (NaN counts)."""
+        return _outside(self.gaps, limit)
 
-    def __add__(self, other: "JumpEvidence") -> "JumpEvidence":
-        return JumpEvidence(self.gaps + other.gaps, self.steps + other.steps)
+    def counted(self, limit: float, alpha: float) -> tuple[int, int]:
+        """(jumps, steps) the checked count is tested against: the cross-run comparison's, plus each run's
+        against itself where those jump as often per step as the cross-run one (one-sided p >= alpha)."""
+        cross, own = self.jumps(limit), _outside(self.own_gaps, limit)
+        if self.own_steps and (own == 0 or binomial_tail(own, own + cross, self.own_steps
+                                                          / (self.own_steps + max(self.steps, 1))) >= alpha):
+            return cross + own, self.steps + self.own_steps
+        return cross, self.steps
+
+
+def _outside(gaps: tuple[float, ...], limit: float) -> int:
+    return sum(1 for g in gaps if not g <= limit)
 
 
 NO_EVIDENCE = JumpEvidence((), 0)

@@ -172,14 +172,15 @@ def evidence_of(pairs: list[list[Pair]]) -> JumpEvidence:
 
 def engine_evidence(ref: RunArtifacts, noise: RunArtifacts | None) -> JumpEvidence:
     """The reference engine's jumps under rounding alone: the reference's generations against its noise run's
-    (both as scheduled) and each run's decode against its own re-prefill, where the runs hold them."""
-    measured: list[list[Pair]] = []
+    (both as scheduled), and apart each run's decode against its own re-prefill, where the runs hold them."""
+    cross: list[list[Pair]] = []
     if noise is not None and has_tensors(ref, GEN) and has_tensors(noise, GEN):
-        measured.append([compare_schedules(c.index, steps_of(ref, c.index, GEN), steps_of(noise, c.index, GEN))
-                         for c in ref.cases])
+        cross.append([compare_schedules(c.index, steps_of(ref, c.index, GEN), steps_of(noise, c.index, GEN))
+                      for c in ref.cases])
     kinds = (*GEN, REPREFILL_TOPK_IDS, REPREFILL_TOPK_LOGPROBS)
-    measured += [consistency_pairs(r) for r in (ref, noise) if r is not None and has_tensors(r, kinds)]
-    return evidence_of(measured)
+    own = evidence_of([consistency_pairs(r) for r in (ref, noise) if r is not None and has_tensors(r, kinds)])
+    found = evidence_of(cross)
+    return JumpEvidence(found.gaps, found.steps, own.gaps, own.steps)
 
 
 def _noise(pairs: list[list[Pair]]) -> tuple[float | None, float | None, int]:
@@ -203,7 +204,8 @@ def grade(name: str, pairs: list[Pair], noise: list[list[Pair]],
     ev = evidence_of(noise) if evidence is None else evidence
     jumps = {p.index: {s for s, g in p.diffs if not g <= tie.limit} for p in pairs}
     steps = sum(p.steps for p in pairs)
-    test = JumpTest(sum(len(v) for v in jumps.values()), steps, ev.jumps(tie.limit), ev.steps, settings.jumps_alpha)
+    noise_jumps, noise_steps = ev.counted(tie.limit, settings.jumps_alpha)
+    test = JumpTest(sum(len(v) for v in jumps.values()), steps, noise_jumps, noise_steps, settings.jumps_alpha)
     jumped = [p for p in pairs if jumps[p.index]]
     bad_div = [] if test.benign else jumped
     diffs = {p.index: (p.lp_without(jumps[p.index]) if test.benign else p.lp_diff) for p in pairs}
