@@ -13,7 +13,13 @@ from harness.cli import main
 from harness.compare.generation import check_generation
 from harness.compare.jumps import JumpEvidence, JumpTest
 from harness.compare.schedule import Steps, compare_consistency, compare_schedules, evidence_of, grade
-from harness.compare.settings import ConsistencySettings, GenerationSettings, SelfConsistencySettings
+from harness.compare.settings import (
+    ConsistencySettings,
+    GenerationSettings,
+    LosslessSettings,
+    SelfConsistencySettings,
+)
+from harness.compare.speculative import check_lossless
 from harness.core.errors import ConfigError
 from harness.core.verdict import Verdict
 from harness.records.results import results_cells
@@ -126,3 +132,21 @@ def test_bf16_routing_flips_pass_and_a_stale_state_slot_still_fails(tmp_path: Pa
     assert code == 1
     check = cells["prompts"]["decode_consistency"]
     assert check["verdict"] == "FAIL" and "outside its top-k" in check["reason"], check["reason"]
+
+
+def test_lossless_bound_follows_the_noise_and_jumps_the_evidence() -> None:
+    """lossless: a speculative token at a plain gap of 2.9 FAILs against the 1e-3 floor, is a near tie where
+    the noise run's top-2 gap error is 0.7 (bound 3.5); a token outside the plain top-k is a jump: FAIL
+    without evidence, PASS against an engine that jumps as often."""
+    plain = [[5, 6, 7, 8], [1, 2, 3, 4]]
+    ids = [torch.tensor([[5, 9], [6, 9], [7, 4], [8, 9]]), torch.tensor([[1, 0], [2, 0], [3, 0], [4, 0]])]
+    lps = [torch.tensor([[-0.1, -3.0]] * 4), torch.tensor([[-0.1, -3.0]] * 4)]
+    gap = [[5, 6, 4, 8], [1, 2, 3, 4]]
+    assert check_lossless(gap, plain, LosslessSettings(), ids, lps).verdict is Verdict.FAIL
+    noisy = check_lossless(gap, plain, LosslessSettings(), ids, lps, gap_noise=0.7)
+    assert noisy.verdict is Verdict.PASS and noisy.metrics["near_tie"] == pytest.approx(3.5), noisy.reason
+    outside = [[5, 6, 99, 8], [1, 2, 3, 4]]
+    assert check_lossless(outside, plain, LosslessSettings(), ids, lps, gap_noise=0.7,
+                          evidence=NOISE_FREE).verdict is Verdict.FAIL
+    routed = check_lossless(outside, plain, LosslessSettings(), ids, lps, gap_noise=0.7, evidence=ROUTING)
+    assert routed.verdict is Verdict.PASS and "1 jump as often as rounding does" in routed.reason, routed.reason

@@ -207,7 +207,7 @@ def collectives(ctx: CellContext) -> list[CheckResult]:
 
 
 def lossless(ctx: CellContext) -> list[CheckResult]:
-    return [lossless_from_run(ctx.par, ctx.settings.of(LosslessSettings))]
+    return [lossless_from_run(ctx.par, ctx.settings.of(LosslessSettings), ctx.ref, ctx.noise)]
 
 
 def speculative_logprobs(ctx: CellContext) -> list[CheckResult]:

@@ -158,9 +158,13 @@ class LosslessSettings:
     """Speculative vs plain greedy output of one run (suite `checks.lossless`)."""
 
     near_tie: float = 1e-3          # benign divergence: plain logprob gap to the speculative token <= this
+    near_tie_factor: float = 5.0    # x the noise run's top-2 gap error (bound = max of the two)
+    jumps_alpha: float = 1e-3       # divergences outside near ties FAIL unless as frequent as the rounding-only
+    #                                 comparisons' (compare/jumps.py): at p < this
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
+        _check_alpha(self, "jumps_alpha")
 
 
 @dataclass(frozen=True)
