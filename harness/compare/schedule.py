@@ -202,27 +202,27 @@ def grade(name: str, pairs: list[Pair], noise: list[list[Pair]],
     tie = Bound(settings.near_tie, settings.near_tie_factor, gap_noise)
     bound = Bound(settings.logprob_floor, settings.logprob_factor, lp_noise)
     ev = evidence_of(noise) if evidence is None else evidence
-    jumps = {p.index: {s for s, g in p.diffs if not g <= tie.limit} for p in pairs}
+    jumps = [{s for s, g in p.diffs if not g <= tie.limit} for p in pairs]  # per pair, its jumping steps
     steps = sum(p.steps for p in pairs)
     noise_jumps, noise_steps = ev.counted(tie.limit, settings.jumps_alpha)
-    test = JumpTest(sum(len(v) for v in jumps.values()), steps, noise_jumps, noise_steps, settings.jumps_alpha)
-    jumped = [p for p in pairs if jumps[p.index]]
+    test = JumpTest(sum(len(v) for v in jumps), steps, noise_jumps, noise_steps, settings.jumps_alpha)
+    jumped = [i for i, p in enumerate(pairs) if jumps[i]]
     bad_div = [] if test.benign else jumped
-    diffs = {p.index: (p.lp_without(jumps[p.index]) if test.benign else p.lp_diff) for p in pairs}
-    worst = max(pairs, key=lambda p: math.inf if math.isnan(diffs[p.index]) else diffs[p.index])
-    worst_diff = diffs[worst.index]
+    diffs = [p.lp_without(jumps[i]) if test.benign else p.lp_diff for i, p in enumerate(pairs)]
+    w = max(range(len(pairs)), key=lambda i: math.inf if math.isnan(diffs[i]) else diffs[i])
+    worst, worst_diff = pairs[w], diffs[w]
     lp_bad = bound.grade(worst_diff) is Verdict.FAIL
-    benign = [p for p in pairs if p.divergence is not None and not jumps[p.index]]
+    benign = [p for i, p in enumerate(pairs) if p.divergence is not None and not jumps[i]]
     metrics = {"prompts": len(pairs), "steps_compared": steps, "divergences": len(bad_div),
                "benign_divergences": len(benign), "benign_jumps": len(jumped) if test.benign else 0,
                "max_logprob_diff": json_float(worst_diff),
                "logprob_bound": bound.to_dict(), "near_tie_bound": tie.to_dict(), **test.metrics(),
-               "first_divergence": ({"prompt": bad_div[0].index, "step": min(jumps[bad_div[0].index])}
+               "first_divergence": ({"prompt": pairs[bad_div[0]].index, "step": min(jumps[bad_div[0]])}
                                     if bad_div else None),
                "noise_steps_unmeasured": unmeasured, **(extra or {})}
     if bad_div:
-        p = bad_div[0]
-        step = min(jumps[p.index])
+        p = pairs[bad_div[0]]
+        step = min(jumps[bad_div[0]])
         gap = dict(p.diffs)[step]
         gap_text = "outside its top-k" if math.isinf(gap) else f"gap {gap:.1e} > near-tie {tie.limit:.1e}"
         return CheckResult(name, Verdict.FAIL, f"prompt {p.index} {what} diverges at generation step {step} "
