@@ -1,13 +1,14 @@
 """Detection table: for every fault in the catalog, which default suite run flags it, and the
 false-positive rate of the clean default suites over seeds. Prints markdown; asserts nothing.
 
-    python benchmarks/bench_faults.py [--faults a,b] [--suites tp,dcp,gqa-odd,spec,hybrid,mla,moe-dp]
+    python benchmarks/bench_faults.py [--faults a,b] [--suites tp,dcp,...,hybrid:tiny-hybrid-bf16]
                                       [--clean-seeds 0,1,2,3,4] [--no-faults] [--no-clean]
                                       [--cache-dir DIR] [--work DIR] [--json FILE]
 
 Each fault is run as a user would: `harness run --suite S --topo all --fault F`, trying the default
 suites in order (only those whose topologies can express the fault: a speculator fault only `spec`,
-a DCP fault only suites with DCP cells) until one flags it (exit 1). A suite where the fault is inert
+a DCP fault only suites with DCP cells) until one flags it (exit 1); an entry SUITE:MODEL runs the suite
+with `--model MODEL`. A suite where the fault is inert
 in every cell answers exit 2 and the next one is tried. The clean part runs `harness run --suite S
 --topo all --seed N` for every suite and seed and counts the cells that are neither PASS nor SKIP
 (must be 0; a SKIP is a model that cannot split at that topology).
@@ -28,7 +29,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_SUITES: tuple[str, ...] = ("tp", "dcp", "gqa-odd", "spec", "hybrid", "mla", "moe-dp", "dsa")
+# an entry SUITE:MODEL runs the suite with --model MODEL (a shipped model no suite runs by default)
+DEFAULT_SUITES: tuple[str, ...] = ("tp", "dcp", "gqa-odd", "spec", "hybrid", "mla", "moe-dp", "dsa", "pd",
+                                   "hybrid:tiny-hybrid-bf16")
 
 
 @dataclass
@@ -61,7 +64,7 @@ def candidate_suites(fault: str, suites: tuple[str, ...]) -> list[str]:
     catalog = load_catalog()
     out = []
     for name in suites:
-        suite = load_suite(name)
+        suite = load_suite(name.split(":")[0])
         topologies = catalog.resolve(",".join(suite.topologies), all_names=suite.topologies)
         if any((not need.needs_dcp or t.dcp > 1) and (not need.needs_tp or t.tp > 1)
                and (not need.needs_speculator
@@ -76,10 +79,12 @@ def candidate_suites(fault: str, suites: tuple[str, ...]) -> list[str]:
 
 def run_suite(suite: str, fault: str | None, seed: int | None, cache_dir: Path, work: Path) -> SuiteRun:
     """Run one suite over all its topologies in a fresh process; read results.json."""
-    tag = f"{suite}-{fault or 'clean'}" + ("" if seed is None else f"-seed{seed}")
+    name, _, model = suite.partition(":")
+    tag = f"{suite.replace(':', '-')}-{fault or 'clean'}" + ("" if seed is None else f"-seed{seed}")
     out = work / tag
-    argv = [sys.executable, "-m", "harness", "run", "--suite", suite, "--topo", "all", "--out", str(out),
+    argv = [sys.executable, "-m", "harness", "run", "--suite", name, "--topo", "all", "--out", str(out),
             "--cache-dir", str(cache_dir)]
+    argv += ["--model", model] if model else []
     argv += ["--fault", fault] if fault else []
     argv += ["--seed", str(seed)] if seed is not None else []
     start = time.perf_counter()

@@ -38,14 +38,14 @@ def held(model: str, topo: str, fault: str | None = None) -> list[ParamProblem]:
         parts = build_rank(RankBuild(spec, plan, full, state, flags, 1 << 22, 64, 16, torch.float32))
         assert parts.params, "the engine reports what it holds of the checkpoint"
         reports[r] = rank_report(parts.rank_layout, parts.heads, parts.weights, spec, 0, 0, {}, params=parts.params)
-    return param_problems(plan.attention, reports, plan.hybrid_plan)
+    return param_problems(plan.attention, reports, plan.hybrid_plan, plan.indexer)
 
 
 @pytest.mark.parametrize(("model", "topo"), [
     ("tiny-gqa", "tp2"), ("tiny-gqa", "tp8dcp4"), ("tiny-kv6", "tp4"), ("tiny-9h3kv", "tp3dcp3"),
     ("tiny-fp16-big", "tp4"), ("tiny-bf16-big", "tp4dcp2i4"), ("tiny-mla", "tp4dcp2i4q"), ("tiny-mla-bf16", "tp4dcp4"),
     ("tiny-hybrid", "tp4dcp2ep4"), ("tiny-hybrid", "tp2"), (str(DATA / "mla-bf16-unshipped.yaml"), "tp4dcp4cq"),
-    (str(DATA / "gqa-fp16-unshipped.yaml"), "tp4dcp2")])
+    (str(DATA / "gqa-fp16-unshipped.yaml"), "tp4dcp2"), ("tiny-dsa", "tp4"), ("tiny-dsa-bf16", "tp4dcp2")])
 def test_every_rank_holds_exactly_its_planned_slices(model: str, topo: str) -> None:
     """Negative control: a correct engine holds every tensor as planned, its values the checkpoint's."""
     assert [p.text for p in held(model, topo)] == []
@@ -60,7 +60,8 @@ def test_every_rank_holds_exactly_its_planned_slices(model: str, topo: str) -> N
     ("tiny-mla", "tp4dcp2q", "q-replicated-own-slice", "layers.0.q_b.weight", "planned"),
     ("tiny-hybrid", "tp4", "deltanet-packed-split", "layers.0.lin_qkv.weight", "planned"),
     ("tiny-hybrid", "tp4", "moe-shared-every-rank", "layers.0.shared.gate.weight", "planned"),
-    ("tiny-hybrid", "tp4", "o-proj-shard-offset", "layers.3.o.weight", "planned")])
+    ("tiny-hybrid", "tp4", "o-proj-shard-offset", "layers.3.o.weight", "planned"),
+    ("tiny-dsa", "tp4", "dsa-indexer-weights-offset", "layers.0.index_w.weight", "planned rows")])
 def test_a_shard_off_the_plan_names_tensor_rank_and_slice(model: str, topo: str, fault: str, param: str,
                                                          says: str) -> None:
     """Positive controls: the o_proj shard offset, a norm taken from another layer on some ranks, and the

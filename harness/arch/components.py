@@ -135,7 +135,8 @@ class SparseAttention(Component):
     report_fields: ClassVar[tuple[str, ...]] = ATTENTION_FIELDS + ("sparse",)
     layout_check: ClassVar[str] = "sparse"  # attention, indexer, cache groups and the selection trace
     faults: ClassVar[frozenset[str]] = frozenset({"dsa-local-topk", "dsa-indexer-offset", "dsa-sinks-evicted",
-                                                  "dsa-planner-rows", "dsa-groups-unaligned"})
+                                                  "dsa-planner-rows", "dsa-groups-unaligned",
+                                                  "dsa-indexer-weights-offset"})
 
     def __init__(self, shape: SparseShape) -> None:
         self.shape = shape

@@ -13,7 +13,9 @@ an engine splits shows as a rank holding less than planned until a rule says how
 - column / row-parallel FFN: gate / up rows and down columns of its FFN shard;
 - linear attention: packed q|k|v in_proj and conv rows per component, z rows / b, a, A_log, dt_bias of its
   V heads, out-projection columns of the V heads whose output it adds;
-- MoE: its experts (axis 0) with their column shard, the shared expert's column shard.
+- MoE: its experts (axis 0) with their column shard, the shared expert's column shard;
+- sparse-attention indexer: Q rows (index_q) and head weights (index_w) of its index heads, the key
+  projection (index_k) whole.
 
 A slice is per axis a tuple of [lo, hi) index ranges (sorted, merged).
 """
@@ -26,6 +28,7 @@ from typing import Iterable, Mapping
 from harness.partition.hybrid_layout import HybridPlan
 from harness.partition.layout import LayoutPlan
 from harness.partition.mla_layout import q_weight_heads
+from harness.partition.sparse_layout import SparsePlan
 
 Ranges = tuple[tuple[int, int], ...]
 Slice = tuple[Ranges, ...]
@@ -73,9 +76,10 @@ def _axis(shape: tuple[int, ...], axis: int, indices: Iterable[int]) -> Slice:
 
 
 def planned_slice(name: str, shapes: Mapping[str, tuple[int, ...]], rank: int, plan: LayoutPlan,
-                  hybrid: HybridPlan | None = None) -> Slice:
+                  hybrid: HybridPlan | None = None, indexer: SparsePlan | None = None) -> Slice:
     """The slice of checkpoint tensor `name` (full shape shapes[name]) that `rank` should hold under `plan`
-    (the full-attention layout) and, for a hybrid model, `hybrid` (linear attention and MoE)."""
+    (the full-attention layout) and, for a hybrid model, `hybrid` (linear attention and MoE), for sparse
+    attention `indexer` (the indexer's heads)."""
     shape = shapes[name]
     match = _LAYER.match(name)
     local = match.group(2) if match else name
@@ -99,6 +103,9 @@ def planned_slice(name: str, shapes: Mapping[str, tuple[int, ...]], rank: int, p
         return _axis(shape, 0, range(*r.ffn_shard))
     if local == "down.weight":
         return _axis(shape, 1, range(*r.ffn_shard))
+    if indexer is not None and local in ("index_q.weight", "index_w.weight"):
+        own = indexer.ranks[rank].index_heads
+        return _axis(shape, 0, _blocks(own, shape[0] // indexer.shape.index_heads))
     if hybrid is not None:
         found = _hybrid_slice(local, shape, rank, hybrid)
         if found is not None:
@@ -138,7 +145,8 @@ def _hybrid_slice(local: str, shape: tuple[int, ...], rank: int, hybrid: HybridP
 _SUB_BLOCKS: tuple[tuple[str, str], ...] = (
     ("o.weight", "attention output projection"), ("lin_out.weight", "linear-attention output projection"),
     ("attn_norm.weight", "attention input norm"), ("mlp_norm.weight", "MLP input norm"),
-    ("router.weight", "MoE router"), ("shared.", "MoE shared expert"), ("experts.", "MoE routed experts"),
+    ("index_", "sparse-attention indexer"), ("router.weight", "MoE router"), ("shared.", "MoE shared expert"),
+    ("experts.", "MoE routed experts"),
     ("gate.weight", "MLP"), ("up.weight", "MLP"), ("down.weight", "MLP"), ("lin_", "linear attention"),
     ("q_a", "attention Q projection"), ("q.", "attention Q projection"), ("q_b.", "attention Q projection"),
     ("kv_a", "attention latent projection"), ("kv_b.", "attention latent projection"),

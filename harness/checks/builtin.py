@@ -13,6 +13,7 @@ from harness.compare.hybrid_layout_check import check_hybrid_layout
 from harness.compare.layout_check import check_kv_capacity, check_layout_with_pool, kv_groups_differ
 from harness.compare.localize import localize, output_head
 from harness.compare.logits import check_logits
+from harness.compare.schedule import engine_evidence
 from harness.compare.settings import (
     AcceptanceSettings,
     CollectiveSettings,
@@ -149,8 +150,12 @@ def logits_decode(ctx: CellContext) -> list[CheckResult]:
 
 
 def generation(ctx: CellContext) -> list[CheckResult]:
+    try:
+        evidence = engine_evidence(ctx.ref, ctx.noise)
+    except RunError:  # a run without usable generations: the generation check says so itself
+        evidence = None
     result, prompts = check_generation(ctx.ref, ctx.par, ctx.settings.of(GenerationSettings), noise=ctx.noise,
-                                       decode=ctx.decode)
+                                       decode=ctx.decode, evidence=evidence)
     ctx.prompt_rows["generation"] = prompts
     return [result]
 
@@ -202,7 +207,7 @@ def collectives(ctx: CellContext) -> list[CheckResult]:
 
 
 def lossless(ctx: CellContext) -> list[CheckResult]:
-    return [lossless_from_run(ctx.par, ctx.settings.of(LosslessSettings))]
+    return [lossless_from_run(ctx.par, ctx.settings.of(LosslessSettings), ctx.ref, ctx.noise)]
 
 
 def speculative_logprobs(ctx: CellContext) -> list[CheckResult]:

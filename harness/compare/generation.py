@@ -4,7 +4,9 @@ Per prompt, the first step where the greedy tokens differ is a divergence. It is
 where the parallel token is among the reference's top-k at that step with a reference logprob gap
 (top-1 minus that token) at or below the near-tie bound = max(near_tie, near_tie_factor x the
 noise run's top-2 gap error); so the reference's top-2 gap is a near tie too. Any other divergence
-(a clear gap, a token outside the reference's top-k, different lengths) FAILs the check.
+(a clear gap, a token outside the reference's top-k, different lengths) is a jump, and FAILs the check
+unless the reference engine's rounding-only comparisons (`evidence`, compare/jumps.py) jump as often:
+an engine with a discontinuous forward pass (top-k expert routing) jumps under rounding alone.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from harness.compare.bounds import Bound, json_float
+from harness.compare.jumps import JumpEvidence, JumpTest
 from harness.compare.logprob_values import BadLogprobs, check_finite
 from harness.compare.settings import GenerationSettings
 from harness.core.errors import RunError
@@ -150,9 +153,10 @@ def _describe(p: dict[str, Any]) -> str:
 
 
 def check_generation(ref: RunArtifacts, par: RunArtifacts, settings: GenerationSettings,
-                     noise: RunArtifacts | None = None,
-                     decode: Decoder | None = None) -> tuple[CheckResult, list[dict[str, Any]]]:
-    """Compare gen_tokens.{i} of every prompt; returns the check and one dict per prompt.
+                     noise: RunArtifacts | None = None, decode: Decoder | None = None,
+                     evidence: JumpEvidence | None = None) -> tuple[CheckResult, list[dict[str, Any]]]:
+    """Compare gen_tokens.{i} of every prompt; returns the check and one dict per prompt. `evidence`: the
+    reference engine's jumps under rounding (schedule.engine_evidence; None: none measured).
 
     `decode` turns token ids into text; without it texts come from each run's Case.generated_text
     and tokens show as [id]."""
@@ -173,23 +177,30 @@ def check_generation(ref: RunArtifacts, par: RunArtifacts, settings: GenerationS
     except RunError as exc:
         return CheckResult("generation", Verdict.ERROR, str(exc)), []
     diverged = [p for p in prompts if p["first_divergence"] is not None]
-    bad = [p for p in diverged if not p["benign"]]
+    jumped = [p for p in diverged if not p["benign"]]
+    ev = evidence or JumpEvidence((), 0)
+    steps = sum(min(p["ref_tokens"], p["par_tokens"]) if p["first_divergence"] is None else p["first_divergence"] + 1
+                for p in prompts)
+    noise_jumps, noise_steps = ev.counted(bound.limit, settings.jumps_alpha)
+    test = JumpTest(len(jumped), steps, noise_jumps, noise_steps, settings.jumps_alpha)
+    bad = [] if test.benign else jumped
     n = len(prompts)
     tie = f"near-tie bound {bound.limit:.1e} {bound.describe()}"
     if bad:
         verdict = Verdict.FAIL
-        reason = f"{_describe(bad[0])}; {len(bad)}/{n} prompts diverge outside near ties"
+        reason = f"{_describe(bad[0])}; {len(bad)}/{n} prompts diverge outside near ties{test.note()}"
     elif diverged:
         verdict = Verdict.PASS
-        reason = (f"{n - len(diverged)}/{n} prompts identical; {len(diverged)} diverge at near ties "
-                  f"(first at token {diverged[0]['first_divergence']} of prompt {diverged[0]['index']}; {tie})")
+        jumps = f"; {len(jumped)} jump as often as rounding does ({test.describe()})" if jumped else ""
+        reason = (f"{n - len(diverged)}/{n} prompts identical; {len(diverged) - len(jumped)} diverge at near ties "
+                  f"(first at token {diverged[0]['first_divergence']} of prompt {diverged[0]['index']}; {tie}){jumps}")
     else:
         verdict = Verdict.PASS
         reason = f"{n}/{n} prompts identical ({sum(p['ref_tokens'] for p in prompts)} tokens)"
     if note:
         reason += f"; {note}"
     metrics = {"prompts": n, "identical": n - len(diverged), "benign_divergences": len(diverged) - len(bad),
-               "divergences": len(bad), "near_tie_bound": bound.to_dict(), "noise_note": note,
+               "divergences": len(bad), "near_tie_bound": bound.to_dict(), "noise_note": note, **test.metrics(),
                "first_divergence": ({"prompt": (bad or diverged)[0]["index"],
                                      "position": (bad or diverged)[0]["first_divergence"]}
                                     if diverged else None)}

@@ -27,6 +27,7 @@ from harness.partition.layout import (
     pool_capacity,
     slot_pool,
 )
+from harness.partition.sparse_layout import SparsePlan
 from harness.records.rankreport import LayoutSchemaError, RankReport, read_ranks
 
 ENTRY = "layout entry"  # how a schema error names the entry it is in
@@ -142,10 +143,11 @@ def reports_by_rank(actual: Mapping[str, Any]) -> dict[int, RankReport]:
 
 
 def check_layout(plan: LayoutPlan, actual: Mapping[str, Any], pool_expected: PoolCapacity | None,
-                 name: str = "layout", check_checksums: bool = True, hybrid: HybridPlan | None = None) -> CheckResult:
+                 name: str = "layout", check_checksums: bool = True, hybrid: HybridPlan | None = None,
+                 indexer: SparsePlan | None = None) -> CheckResult:
     """Compare one model's actual per-rank layout with `plan`; `pool_expected` None skips the pool. With
     `check_checksums`, every checkpoint tensor each rank holds against its planned slice (param_check.py;
-    `hybrid`: the linear-attention and MoE plan of a hybrid model)."""
+    `hybrid`: the linear-attention and MoE plan of a hybrid model; `indexer`: a sparse-attention model's)."""
     try:
         by_rank = reports_by_rank(actual)
     except LayoutSchemaError as exc:
@@ -169,7 +171,7 @@ def check_layout(plan: LayoutPlan, actual: Mapping[str, Any], pool_expected: Poo
         problems += _mapping_problems(plan, got, got.q_heads, got.q_to_kv, "Q head")
         if (got.group_q_heads, got.group_q_to_kv) != (got.q_heads, got.q_to_kv):
             problems += _mapping_problems(plan, got, got.group_q_heads, got.group_q_to_kv, "group Q head")
-    held_off = param_problems(plan, by_rank, hybrid) if check_checksums else []
+    held_off = param_problems(plan, by_rank, hybrid, indexer) if check_checksums else []
     if check_checksums:
         problems += _checksum_problems(by_rank) + [p.text for p in held_off]
     problems += _replication_problems(plan, by_rank)

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from harness.arch.param_slices import Slice, planned_slice, slice_size, sub_block
 from harness.partition.hybrid_layout import HybridPlan
 from harness.partition.layout import LayoutPlan
+from harness.partition.sparse_layout import SparsePlan
 from harness.records.rankreport import RankReport
 
 
@@ -46,9 +47,10 @@ def describe_slice(s: Slice) -> str:
     return ", ".join(parts) or "the scalar"
 
 
-def param_problems(plan: LayoutPlan, by_rank: Mapping[int, RankReport],
-                   hybrid: HybridPlan | None = None) -> list[ParamProblem]:
-    """Each reporting rank's held slice and values of every checkpoint tensor against `plan` (and `hybrid`)."""
+def param_problems(plan: LayoutPlan, by_rank: Mapping[int, RankReport], hybrid: HybridPlan | None = None,
+                   indexer: SparsePlan | None = None) -> list[ParamProblem]:
+    """Each reporting rank's held slice and values of every checkpoint tensor against `plan` (and `hybrid`, or
+    the sparse-attention `indexer`)."""
     reporting = {r: got.params for r, got in sorted(by_rank.items()) if got.params is not None}
     shapes: dict[str, tuple[int, ...]] = {}
     for params in reporting.values():
@@ -58,7 +60,7 @@ def param_problems(plan: LayoutPlan, by_rank: Mapping[int, RankReport],
         if r >= len(plan.ranks):
             continue
         for name in sorted(shapes):
-            want = planned_slice(name, shapes, r, plan, hybrid)
+            want = planned_slice(name, shapes, r, plan, hybrid, indexer)
             layer, block = sub_block(name)
             got = params.get(name)
             if got is None:

@@ -12,7 +12,9 @@ Noise: the same differences measured in the reference run and between the refere
 (bounds.Bound: max(floor, factor x noise)). NaN anywhere is a FAIL. A noise measurement that is not finite
 at a position (the noise run's token outside its re-prefill's top-k, a -inf logprob) measures nothing
 there: the noise is the max over the finite positions, and the skipped ones are counted (never an inf
-noise, which would leave the bound at its floor).
+noise, which would leave the bound at its floor). A divergence outside the near ties (a jump) FAILs unless
+the reference engine's rounding-only comparisons make jumps as often (compare/jumps.py: a discontinuous
+forward pass, e.g. top-k expert routing); benign jumps are left out of the logprob difference.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch
 
 from harness.compare.bounds import Bound, json_float
 from harness.compare.generation import first_divergence, top2_gaps
-from harness.compare.settings import ConsistencySettings, ScheduleSettings
+from harness.compare.jumps import JumpEvidence, JumpTest
+from harness.compare.settings import ConsistencySettings, ScheduleSettings, SelfConsistencySettings
 from harness.core.errors import RunError
 from harness.core.verdict import CheckResult, Verdict
 from harness.records.artifacts import RunArtifacts
@@ -71,6 +74,12 @@ class Pair:
     lp_noise: float | None
     gap_noise: float | None
     unmeasured: int
+    diffs: tuple[tuple[int, float], ...] = ()  # (step, gap) of each step whose tokens differ with equal contexts
+    lps: tuple[float, ...] = ()  # the logprob difference per compared step
+
+    def lp_without(self, skip: set[int]) -> float:
+        """The max logprob difference over the steps not in `skip` (NaN if any is NaN, 0 when none)."""
+        return _max(torch.tensor([v for i, v in enumerate(self.lps) if i not in skip], dtype=torch.float64))
 
 
 def steps_of(run: RunArtifacts, index: int, kinds: tuple[str, str, str]) -> Steps:
@@ -94,10 +103,11 @@ def _finite_max(values: torch.Tensor) -> float | None:
     return float(finite.max()) if finite.numel() else None
 
 
-def _pair(index: int, steps: int, div: int | None, gap: float, lp: torch.Tensor, gaps: torch.Tensor) -> Pair:
+def _pair(index: int, steps: int, div: int | None, gap: float, lp: torch.Tensor, gaps: torch.Tensor,
+          diffs: tuple[tuple[int, float], ...]) -> Pair:
     """The Pair of per-step logprob differences `lp` [steps] and top-2 gap differences `gaps`."""
     return Pair(index, steps, div, gap, _max(lp), _max(gaps), _finite_max(lp), _finite_max(gaps),
-                int((~torch.isfinite(lp)).sum()))
+                int((~torch.isfinite(lp)).sum()), diffs, tuple(float(v) for v in lp.tolist()))
 
 
 def _gap_to(base: Steps, step: int, token: int) -> float:
@@ -117,7 +127,7 @@ def compare_schedules(index: int, base: Steps, other: Steps) -> Pair:
     gap = math.inf
     if div is not None and div < n and div < len(other.tokens):
         gap = _gap_to(base, div, other.tokens[div])
-    return _pair(index, n, div, gap, lp, gaps)
+    return _pair(index, n, div, gap, lp, gaps, () if div is None else ((div, gap),))
 
 
 def compare_consistency(index: int, decode: Steps, prefill: Steps) -> Pair:
@@ -131,7 +141,8 @@ def compare_consistency(index: int, decode: Steps, prefill: Steps) -> Pair:
     gaps = (top2_gaps(decode.lps[:n]) - top2_gaps(prefill.lps[:n])).abs()  # [n]
     gaps = gaps[torch.isfinite(top2_gaps(prefill.lps[:n])) | torch.isnan(gaps)]
     gap = _gap_to(prefill, div, decode.tokens[div]) if div is not None else math.inf
-    return _pair(index, n, div, gap, lp, gaps)
+    diffs = tuple((t, _gap_to(prefill, t, decode.tokens[t])) for t in range(n) if decode.tokens[t] != top[t])
+    return _pair(index, n, div, gap, lp, gaps, diffs)
 
 
 def schedule_pairs(run: RunArtifacts) -> list[Pair]:
@@ -153,6 +164,25 @@ def has_tensors(run: RunArtifacts, kinds: Sequence[str]) -> bool:
     return bool(run.cases) and all(tensor_key(k, c.index) in run.tensors for c in run.cases for k in kinds)
 
 
+def evidence_of(pairs: list[list[Pair]]) -> JumpEvidence:
+    """Every differing step of these rounding-only comparisons with its gap, over all their steps."""
+    flat = [p for group in pairs for p in group]
+    return JumpEvidence(tuple(g for p in flat for _, g in p.diffs), sum(p.steps for p in flat))
+
+
+def engine_evidence(ref: RunArtifacts, noise: RunArtifacts | None) -> JumpEvidence:
+    """The reference engine's jumps under rounding alone: the reference's generations against its noise run's
+    (both as scheduled), and apart each run's decode against its own re-prefill, where the runs hold them."""
+    cross: list[list[Pair]] = []
+    if noise is not None and has_tensors(ref, GEN) and has_tensors(noise, GEN):
+        cross.append([compare_schedules(c.index, steps_of(ref, c.index, GEN), steps_of(noise, c.index, GEN))
+                      for c in ref.cases])
+    kinds = (*GEN, REPREFILL_TOPK_IDS, REPREFILL_TOPK_LOGPROBS)
+    own = evidence_of([consistency_pairs(r) for r in (ref, noise) if r is not None and has_tensors(r, kinds)])
+    found = evidence_of(cross)
+    return JumpEvidence(found.gaps, found.steps, own.gaps, own.steps)
+
+
 def _noise(pairs: list[list[Pair]]) -> tuple[float | None, float | None, int]:
     """(logprob noise, top-2 gap noise, steps skipped): the max over the noise measurements' pairs of
     their finite steps (None without any), and how many steps' logprob difference was not finite."""
@@ -162,37 +192,52 @@ def _noise(pairs: list[list[Pair]]) -> tuple[float | None, float | None, int]:
     return max(lps, default=None), max(gaps, default=None), sum(p.unmeasured for p in flat)
 
 
-def grade(name: str, pairs: list[Pair], noise: list[list[Pair]], settings: ScheduleSettings | ConsistencySettings,
-          what: str, extra: dict[str, Any] | None = None) -> CheckResult:
-    """The verdict over every case's Pair: FAIL on a divergence outside the near-tie bound or a logprob
-    difference over its bound (NaN included)."""
+def grade(name: str, pairs: list[Pair], noise: list[list[Pair]],
+          settings: ScheduleSettings | ConsistencySettings | SelfConsistencySettings, what: str,
+          extra: dict[str, Any] | None = None, evidence: JumpEvidence | None = None) -> CheckResult:
+    """The verdict over every case's Pair: FAIL on a divergence outside the near-tie bound (a jump) unless the
+    jumps are as frequent as those of `evidence` (default: the noise comparisons), or on a logprob
+    difference over its bound (NaN included; benign jumps' steps left out)."""
     lp_noise, gap_noise, unmeasured = _noise(noise)
     tie = Bound(settings.near_tie, settings.near_tie_factor, gap_noise)
     bound = Bound(settings.logprob_floor, settings.logprob_factor, lp_noise)
-    bad_div = [p for p in pairs if p.divergence is not None and not p.gap <= tie.limit]
-    worst = max(pairs, key=lambda p: math.inf if math.isnan(p.lp_diff) else p.lp_diff)
-    lp_bad = bound.grade(worst.lp_diff) is Verdict.FAIL
+    ev = evidence_of(noise) if evidence is None else evidence
+    jumps = [{s for s, g in p.diffs if not g <= tie.limit} for p in pairs]  # per pair, its jumping steps
     steps = sum(p.steps for p in pairs)
-    benign = [p for p in pairs if p.divergence is not None and p.gap <= tie.limit]
+    noise_jumps, noise_steps = ev.counted(tie.limit, settings.jumps_alpha)
+    test = JumpTest(sum(len(v) for v in jumps), steps, noise_jumps, noise_steps, settings.jumps_alpha)
+    jumped = [i for i, p in enumerate(pairs) if jumps[i]]
+    bad_div = [] if test.benign else jumped
+    diffs = [p.lp_without(jumps[i]) if test.benign else p.lp_diff for i, p in enumerate(pairs)]
+    w = max(range(len(pairs)), key=lambda i: math.inf if math.isnan(diffs[i]) else diffs[i])
+    worst, worst_diff = pairs[w], diffs[w]
+    lp_bad = bound.grade(worst_diff) is Verdict.FAIL
+    benign = [p for i, p in enumerate(pairs) if p.divergence is not None and not jumps[i]]
     metrics = {"prompts": len(pairs), "steps_compared": steps, "divergences": len(bad_div),
-               "benign_divergences": len(benign), "max_logprob_diff": json_float(worst.lp_diff),
-               "logprob_bound": bound.to_dict(), "near_tie_bound": tie.to_dict(),
-               "first_divergence": ({"prompt": bad_div[0].index, "step": bad_div[0].divergence} if bad_div else None),
+               "benign_divergences": len(benign), "benign_jumps": len(jumped) if test.benign else 0,
+               "max_logprob_diff": json_float(worst_diff),
+               "logprob_bound": bound.to_dict(), "near_tie_bound": tie.to_dict(), **test.metrics(),
+               "first_divergence": ({"prompt": pairs[bad_div[0]].index, "step": min(jumps[bad_div[0]])}
+                                    if bad_div else None),
                "noise_steps_unmeasured": unmeasured, **(extra or {})}
     if bad_div:
-        p = bad_div[0]
-        gap = "outside its top-k" if math.isinf(p.gap) else f"gap {p.gap:.1e} > near-tie {tie.limit:.1e}"
-        return CheckResult(name, Verdict.FAIL, f"prompt {p.index} {what} diverges at generation step {p.divergence} "
-                           f"({gap}); {len(bad_div)}/{len(pairs)} prompts diverge outside near ties", metrics)
+        p = pairs[bad_div[0]]
+        step = min(jumps[bad_div[0]])
+        gap = dict(p.diffs)[step]
+        gap_text = "outside its top-k" if math.isinf(gap) else f"gap {gap:.1e} > near-tie {tie.limit:.1e}"
+        return CheckResult(name, Verdict.FAIL, f"prompt {p.index} {what} diverges at generation step {step} "
+                           f"({gap_text}); {len(bad_div)}/{len(pairs)} prompts diverge outside near ties"
+                           + test.note(), metrics)
     skipped = (f"; noise not finite at {unmeasured} step{'s' if unmeasured > 1 else ''}, skipped"
                if unmeasured else "")
     if lp_bad:
         label = f"prompt {worst.index} {what}: logprob difference"
-        return CheckResult(name, Verdict.FAIL, bound.compare(label, worst.lp_diff) + f" over {worst.steps} steps"
+        return CheckResult(name, Verdict.FAIL, bound.compare(label, worst_diff) + f" over {worst.steps} steps"
                            + skipped, metrics)
     ties = f"; {len(benign)} diverge at near ties" if benign else ""
+    ties += f"; {len(jumped)} jump as often as rounding does ({test.describe()})" if jumped else ""
     return CheckResult(name, Verdict.PASS, f"{len(pairs)} prompts, {steps} steps {what}: "
-                       + bound.compare("max logprob difference", worst.lp_diff) + ties + skipped, metrics)
+                       + bound.compare("max logprob difference", worst_diff) + ties + skipped, metrics)
 
 
 def check_schedule(name: str, run: RunArtifacts, ref: RunArtifacts, noise: RunArtifacts | None,
@@ -207,9 +252,10 @@ def check_schedule(name: str, run: RunArtifacts, ref: RunArtifacts, noise: RunAr
         if noise is not None and has_tensors(noise, GEN):
             measured.append([compare_schedules(c.index, steps_of(ref, c.index, GEN), steps_of(noise, c.index, GEN))
                              for c in ref.cases])
+        evidence = engine_evidence(ref, noise)
     except RunError as exc:
         return CheckResult(name, Verdict.ERROR, str(exc))
-    return grade(name, pairs, measured, settings, what, extra)
+    return grade(name, pairs, measured, settings, what, extra, evidence)
 
 
 def check_consistency(run: RunArtifacts, ref: RunArtifacts, noise: RunArtifacts | None,
@@ -221,6 +267,7 @@ def check_consistency(run: RunArtifacts, ref: RunArtifacts, noise: RunArtifacts 
     try:
         pairs = consistency_pairs(run)
         measured = [consistency_pairs(r) for r in (ref, noise) if r is not None and has_tensors(r, kinds)]
+        evidence = engine_evidence(ref, noise)
     except RunError as exc:
         return CheckResult(name, Verdict.ERROR, str(exc))
-    return grade(name, pairs, measured, settings, "decode vs re-prefill")
+    return grade(name, pairs, measured, settings, "decode vs re-prefill", evidence=evidence)

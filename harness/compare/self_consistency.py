@@ -7,6 +7,9 @@ tokens the same top-1 logprobs up to rounding (compare/schedule.py's comparison 
 generations). A state or slot that leaks from one sequence into the next one to use its slot makes the
 copies differ, whatever the reference does: the reference runs the same code, so it can carry the bug.
 
+A copy that jumps (diverges outside the near ties) FAILs unless the reference engine's rounding-only
+comparisons jump as often (compare/jumps.py).
+
 Bounds: max(floor, factor x noise) (SelfConsistencySettings), where the noise is how far the reference's
 generations of the same cases differ from its noise run's (both as scheduled): the same engine under
 another reduction order, so rounding only, even where both carry the bug (a fault in code the reference
@@ -18,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.compare.schedule import GEN, TWIN, Pair, compare_schedules, grade, has_tensors, steps_of
-from harness.compare.settings import ScheduleSettings, SelfConsistencySettings
+from harness.compare.schedule import GEN, TWIN, Pair, compare_schedules, engine_evidence, grade, has_tensors, steps_of
+from harness.compare.settings import SelfConsistencySettings
 from harness.core.errors import RunError
 from harness.core.verdict import CheckResult, Verdict
 from harness.records.artifacts import RunArtifacts
@@ -65,9 +68,8 @@ def check_self_consistency(run: RunArtifacts, ref: RunArtifacts | None, noise: R
     try:
         pairs = self_pairs(run)
         measured = noise_pairs(ref, noise)
+        evidence = engine_evidence(ref, noise) if ref is not None else None
     except RunError as exc:
         return CheckResult(NAME, Verdict.ERROR, str(exc))
-    bounds = ScheduleSettings(near_tie=settings.near_tie, near_tie_factor=settings.near_tie_factor,
-                              logprob_floor=settings.logprob_floor, logprob_factor=settings.logprob_factor)
     info = {"copies": {str(g[0]): g[1:] for g in groups}, **(extra or {})}
-    return grade(NAME, pairs, measured, bounds, WHAT, info)
+    return grade(NAME, pairs, measured, settings, WHAT, info, evidence)

@@ -54,6 +54,12 @@ def _coerce_fields(obj: Any) -> None:
             raise ConfigError(f"{where}: {f.name} must be true or false, got {value!r}")
 
 
+def _check_alpha(obj: Any, name: str) -> None:
+    value = getattr(obj, name)
+    if not 0 < value < 1:
+        raise ConfigError(f"{type(obj).__name__}: {name}={value} must be within (0, 1)")
+
+
 @dataclass(frozen=True)
 class LayoutSettings:
     """Layout invariants have no tolerance; these switch optional parts off."""
@@ -107,9 +113,12 @@ class GenerationSettings:
     near_tie: float = 1e-3         # logprob gap below which a reference step is a near tie
     near_tie_factor: float = 5.0   # x the noise run's top-2 gap error (bound = max of the two)
     context_tokens: int = 4        # tokens of text shown on each side of the first divergence
+    jumps_alpha: float = 1e-3      # divergences outside near ties FAIL unless as frequent as the rounding-only
+    #                                comparisons' (compare/jumps.py): at p < this
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
+        _check_alpha(self, "jumps_alpha")
 
 
 @dataclass(frozen=True)
@@ -149,9 +158,13 @@ class LosslessSettings:
     """Speculative vs plain greedy output of one run (suite `checks.lossless`)."""
 
     near_tie: float = 1e-3          # benign divergence: plain logprob gap to the speculative token <= this
+    near_tie_factor: float = 5.0    # x the noise run's top-2 gap error (bound = max of the two)
+    jumps_alpha: float = 1e-3       # divergences outside near ties FAIL unless as frequent as the rounding-only
+    #                                 comparisons' (compare/jumps.py): at p < this
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
+        _check_alpha(self, "jumps_alpha")
 
 
 @dataclass(frozen=True)
@@ -217,9 +230,12 @@ class ScheduleSettings:
     near_tie_factor: float = 5.0   # x the noise's top-2 gap error (bound = max of the two)
     logprob_floor: float = 1e-4    # smallest bound on the top-1 logprob difference
     logprob_factor: float = 20.0   # x the measured noise of that difference
+    jumps_alpha: float = 1e-3      # divergences outside near ties FAIL unless as frequent as the rounding-only
+    #                                comparisons' (compare/jumps.py): at p < this
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
+        _check_alpha(self, "jumps_alpha")
 
 
 @dataclass(frozen=True)
@@ -233,9 +249,12 @@ class ConsistencySettings:
     near_tie_factor: float = 5.0
     logprob_floor: float = 1e-4
     logprob_factor: float = 20.0
+    jumps_alpha: float = 1e-3      # divergences outside near ties FAIL unless as frequent as the rounding-only
+    #                                comparisons' (compare/jumps.py): at p < this
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
+        _check_alpha(self, "jumps_alpha")
 
 
 @dataclass(frozen=True)
@@ -250,9 +269,12 @@ class SelfConsistencySettings:
     near_tie_factor: float = 5.0   # x the noise's top-2 gap error (bound = max of the two)
     logprob_floor: float = 1e-4    # smallest bound on the top-1 logprob difference along the common tokens
     logprob_factor: float = 20.0   # x the noise of that difference
+    jumps_alpha: float = 1e-3      # divergences outside near ties FAIL unless as frequent as the rounding-only
+    #                                comparisons' (compare/jumps.py): at p < this
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
+        _check_alpha(self, "jumps_alpha")
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,7 @@ def check_sparse_layout(plan: LayoutPlan, indexer: SparsePlan, actual: Mapping[s
         except (KeyError, TypeError, ValueError) as exc:
             return CheckResult(name, Verdict.ERROR, f"layout entry has no usable 'pool' ({exc!r})")
     pool = kv_pool_of(grouped, int(actual["pool"]["block_size"])) if grouped is not None else None
-    base = check_layout(plan, actual, pool, name, check_checksums)
+    base = check_layout(plan, actual, pool, name, check_checksums, indexer=indexer)
     if base.verdict is Verdict.ERROR:
         return base
     reports = reports_by_rank(actual)

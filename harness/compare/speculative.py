@@ -41,13 +41,16 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from harness.compare.generation import first_divergence, top2_gaps
+from harness.compare.bounds import Bound
+from harness.compare.generation import first_divergence, noise_gap_error, top2_gaps
+from harness.compare.jumps import NO_EVIDENCE, JumpEvidence, JumpTest
 from harness.compare.schedule import (
     GEN,
     Pair,
     Steps,
     compare_consistency,
     compare_schedules,
+    engine_evidence,
     grade,
     has_tensors,
     steps_of,
@@ -99,34 +102,44 @@ def check_lossless(spec_tokens: Sequence[Sequence[int]], plain_tokens: Sequence[
                    settings: LosslessSettings = LosslessSettings(),
                    plain_topk_ids: Sequence[torch.Tensor] | None = None,
                    plain_topk_logprobs: Sequence[torch.Tensor] | None = None,
-                   indices: Sequence[int] | None = None) -> CheckResult:
-    """Speculative greedy tokens vs plain greedy tokens of the same run, prompt by prompt."""
+                   indices: Sequence[int] | None = None, gap_noise: float | None = None,
+                   evidence: JumpEvidence | None = None) -> CheckResult:
+    """Speculative greedy tokens vs plain greedy tokens of the same run, prompt by prompt: a divergence is
+    benign at a near tie of the plain run (gap <= max(near_tie, near_tie_factor x `gap_noise`, the noise
+    run's top-2 gap error)); one outside (a jump) FAILs unless as frequent as `evidence`'s (compare/jumps.py)."""
     if len(spec_tokens) != len(plain_tokens):
         return CheckResult("lossless", Verdict.ERROR, f"{len(spec_tokens)} speculative generations for "
                                                       f"{len(plain_tokens)} prompts")
     if not plain_tokens:
         return CheckResult("lossless", Verdict.SKIP, "no prompts")
     idx = list(indices) if indices is not None else list(range(len(plain_tokens)))
+    tie = Bound(settings.near_tie, settings.near_tie_factor, gap_noise).limit
     cases = [_lossless_case(i, list(s), list(p), plain_topk_ids[j] if plain_topk_ids else None,
-                            plain_topk_logprobs[j] if plain_topk_logprobs else None, settings.near_tie)
+                            plain_topk_logprobs[j] if plain_topk_logprobs else None, tie)
              for j, (i, s, p) in enumerate(zip(idx, spec_tokens, plain_tokens))]
     diverged = [c for c in cases if c["first_divergence"] is not None]
-    bad = [c for c in diverged if not c["benign"]]
+    jumped = [c for c in diverged if not c["benign"]]
+    steps = sum(c["tokens"] if c["first_divergence"] is None else c["first_divergence"] + 1 for c in cases)
+    noise_jumps, noise_steps = (evidence or NO_EVIDENCE).counted(tie, settings.jumps_alpha)
+    test = JumpTest(len(jumped), steps, noise_jumps, noise_steps, settings.jumps_alpha)
+    bad = [] if test.benign else jumped
     n = len(cases)
     metrics: dict[str, Any] = {"prompts": n, "identical": n - len(diverged), "divergences": len(bad),
-                               "benign_divergences": len(diverged) - len(bad), "near_tie": settings.near_tie,
-                               "tokens": sum(c["tokens"] for c in cases), "per_prompt": cases}
+                               "benign_divergences": len(diverged) - len(bad), "near_tie": tie,
+                               "tokens": sum(c["tokens"] for c in cases), "per_prompt": cases, **test.metrics()}
     if bad:
         c = bad[0]
         gap = ("not in the plain top-k" if c["gap"] is None
-               else f"plain logprob gap {c['gap']:.1e} > {settings.near_tie:.1e}")
+               else f"plain logprob gap {c['gap']:.1e} > {tie:.1e}")
         reason = (f"prompt {c['index']}: speculative output diverges from plain greedy at token "
                   f"{c['first_divergence']} ({c['spec_token']} vs {c['plain_token']}; {gap}); "
-                  f"{len(bad)}/{n} prompts not lossless")
+                  f"{len(bad)}/{n} prompts not lossless{test.note()}")
         return CheckResult("lossless", Verdict.FAIL, reason, metrics)
     if diverged:
+        jumps = f"; {len(jumped)} jump as often as rounding does ({test.describe()})" if jumped else ""
         return CheckResult("lossless", Verdict.PASS, f"{n - len(diverged)}/{n} prompts identical; "
-                           f"{len(diverged)} diverge only at near ties (gap <= {settings.near_tie:.1e})", metrics)
+                           f"{len(diverged) - len(jumped)} diverge only at near ties (gap <= {tie:.1e}){jumps}",
+                           metrics)
     return CheckResult("lossless", Verdict.PASS,
                        f"{n}/{n} prompts identical to plain greedy ({metrics['tokens']} tokens)", metrics)
 
@@ -234,8 +247,10 @@ def _tokens(run: RunArtifacts, kind: str) -> list[list[int]]:
     return [[int(t) for t in run.tensor(kind, c.index).tolist()] for c in run.cases]
 
 
-def lossless_from_run(par: RunArtifacts, settings: LosslessSettings = LosslessSettings()) -> CheckResult:
-    """The lossless check of one -draft / -mtp run directory."""
+def lossless_from_run(par: RunArtifacts, settings: LosslessSettings = LosslessSettings(),
+                      ref: RunArtifacts | None = None, noise: RunArtifacts | None = None) -> CheckResult:
+    """The lossless check of one -draft / -mtp run directory; the near-tie bound and the jump evidence from
+    the reference and its noise run where given (the plain generations' rounding)."""
     if speculative_manifest(par) is None:
         return CheckResult("lossless", Verdict.ERROR, "run has no speculative decoding results")
     try:
@@ -244,7 +259,14 @@ def lossless_from_run(par: RunArtifacts, settings: LosslessSettings = LosslessSe
         lps = [par.tensor(GEN_TOPK_LOGPROBS, c.index) for c in par.cases]
     except RunError as exc:
         return CheckResult("lossless", Verdict.ERROR, str(exc))
-    return check_lossless(spec, plain, settings, ids, lps, [c.index for c in par.cases])
+    gap_noise, evidence = None, None
+    if ref is not None:
+        gap_noise, _ = noise_gap_error(ref, noise)
+        try:
+            evidence = engine_evidence(ref, noise)
+        except RunError:
+            evidence = None
+    return check_lossless(spec, plain, settings, ids, lps, [c.index for c in par.cases], gap_noise, evidence)
 
 
 def has_traces(run: RunArtifacts) -> bool:

@@ -167,11 +167,18 @@ def build_sparse(b: RankBuild) -> RankParts:
     heads = head_map(rank_layout, b.flags)
     weights = shard_weights(b.full_weights, b.spec, rank_layout, b.dtype, b.state.device)
     cache = PagedKVCache(capacity, b.spec.layers, heads.n_kv, b.spec.head_dim, b.dtype, b.state.device)
+    index_weights = shard_indexer(b.full_weights, b.spec, indexer.shape, irank, b.dtype, b.state.device, b.flags)
     decoder = SparseDecoder(weights, heads, b.hyper, b.state.collectives(), cache, b.flags, t.placement,
-                            shard_indexer(b.full_weights, b.spec, indexer.shape, irank, b.dtype, b.state.device),
-                            indexer.shape, blocks[INDEX_GROUP])
+                            index_weights, indexer.shape, blocks[INDEX_GROUP])
+
+    def shard(full: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, object]:
+        """The attention weights and every layer's indexer (under "layers": the layer each reads from)."""
+        return {"indexer": {"layers": shard_indexer(full, b.spec, indexer.shape, irank, dtype, CPU, b.flags)},
+                "model": shard_weights(full, b.spec, rank_layout, dtype, CPU)}
+
+    params = _params(b, shard, {"indexer": {"layers": index_weights}, "model": weights})
     return RankParts(plan, rank_layout, heads, capacity, cache, decoder, weights,
-                     lambda: ModuleReport(sparse_record=sparse_report(decoder, irank, blocks)))
+                     lambda: ModuleReport(sparse_record=sparse_report(decoder, irank, blocks)), params=params)
 
 
 # the builder of each engine module an attention component names

@@ -215,6 +215,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "under DCP the indexer selects for contiguous shards of query rows but the attention reads row s's "
           "selection by a round-robin planner: rows take other rows' token sets, fluent and wrong (SGLang "
           "test_dsa_cp_indexer_row_agreement)", needs_dcp=True),
+    Fault("dsa-indexer-weights-offset", "layout, logits",
+          "each TP rank's indexer head weights (index_w, which sum its heads' scores) taken from the next rank's "
+          "heads while its Q rows are its own: every score weighs the wrong heads, the token selection drifts "
+          "(a wrong slice of a per-head parameter next to the one the layout check compared)", needs_tp=True),
     Fault("dsa-groups-unaligned", "layout",
           "the indexer-key cache group sized from an equal share of the budget in blocks, not the one slot "
           "count x its blocks per slot: its capacity is another number of slots than the KV group's, often "
@@ -317,6 +321,7 @@ class FaultFlags:
     dsa_sinks_evicted: bool = False     # dsa-sinks-evicted: sinks compete by score past index_topk
     dsa_row_rule: str = "contiguous"    # dsa-planner-rows: the attention's rule for the selection of a row
     dsa_groups_unaligned: bool = False  # dsa-groups-unaligned: the indexer-key group from its own budget share
+    dsa_weights_offset: bool = False    # dsa-indexer-weights-offset: index_w rows of the next rank's heads
     # disaggregated prefill/decode (harness/engine/pd_prefill.py, pd_connector.py)
     pd_head_offset: bool = False        # pd-head-offset: destination head slot = the source's slice index
     pd_naive_gqa: bool = False          # pd-gqa-replication: KV head h read from prefill rank h
@@ -431,6 +436,7 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         dsa_sinks_evicted=name == "dsa-sinks-evicted",
         dsa_row_rule="round-robin" if name == "dsa-planner-rows" else "contiguous",
         dsa_groups_unaligned=name == "dsa-groups-unaligned",
+        dsa_weights_offset=name == "dsa-indexer-weights-offset",
         pd_head_offset=name == "pd-head-offset",
         pd_naive_gqa=name == "pd-gqa-replication",
         pd_block_owner=name == "pd-block-owner",

@@ -55,15 +55,20 @@ class IndexerWeights:
 
 
 def shard_indexer(full: dict[str, torch.Tensor], spec: ModelSpec, shape: SparseShape, irank: IndexerRank,
-                  dtype: torch.dtype, device: torch.device) -> list[IndexerWeights]:
-    """Every layer's indexer rows of the heads `irank` holds (the key projection whole)."""
+                  dtype: torch.dtype, device: torch.device, flags: FaultFlags | None = None) -> list[IndexerWeights]:
+    """Every layer's indexer rows of the heads `irank` holds (the key projection whole); under the fault
+    dsa-indexer-weights-offset the head weights of the next len(heads) heads."""
     d, heads = shape.index_head_dim, list(irank.index_heads)
+    w_heads = heads
+    if flags is not None and flags.dsa_weights_offset:
+        w_heads = [(h + len(heads)) % shape.index_heads for h in heads]
     cast = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
     out = []
     for i in range(spec.layers):
         p = f"layers.{i}."
+        # [heads * d, H] -> [heads, d, H] -> own heads' rows [n_own * d, H]
         q = full[p + "index_q.weight"].view(shape.index_heads, d, -1)[heads].reshape(len(heads) * d, -1)
-        out.append(IndexerWeights(q=cast(q), w=cast(full[p + "index_w.weight"][heads]),
+        out.append(IndexerWeights(q=cast(q), w=cast(full[p + "index_w.weight"][w_heads]),
                                   k=cast(full[p + "index_k.weight"])))
     return out
 
