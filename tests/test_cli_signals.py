@@ -98,8 +98,9 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason=
 def test_sigterm_mid_run_stops_every_rank_and_reports_finished_cells(tmp_path: Path) -> None:
     h = Harness(tmp_path, hang_rank=3)  # tp2 and tp2dcp2 finish; rank 3 of the tp4 launch hangs
     hung = h.out / "runs" / "tiny-gqa" / "tp4" / "seed0" / "ranks" / "rank3.log"
-    h.wait_for(lambda: "injected failure: hang on rank 3" in (hung.read_text() if hung.exists() else ""),
-               "a running third cell")
+    # the third cell launches while the second's checks run: wait for both (its hang, the second's results)
+    h.wait_for(lambda: "injected failure: hang on rank 3" in (hung.read_text() if hung.exists() else "")
+               and any("tp2dcp2/seed0 concurrent: PASS" in line for line in h.lines), "a running third cell")
     h.proc.send_signal(signal.SIGTERM)
     rc, err = h.finish()
     assert rc == 128 + signal.SIGTERM == 143

@@ -37,10 +37,10 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import torch
@@ -91,6 +91,7 @@ from harness.specs.topology import Topology
 
 HOST = "127.0.0.1"
 SERVER_LOG = "server.log"
+_T = TypeVar("_T")  # what a caller of ask_server gets back from its server
 SPEC_SERVER_LOG = "server-speculative.log"
 DEFAULT_SPEC_K = 3
 VERSION_TIMEOUT_S = 60.0
@@ -192,7 +193,8 @@ def missing_modules(interpreter: str, modules: Sequence[str]) -> tuple[str, ...]
     if not modules:
         return ()
     if key not in _MISSING:
-        if Path(interpreter).resolve() == Path(sys.executable).resolve():
+        # the same path, not the same binary: two virtual environments' pythons link to one interpreter
+        if Path(interpreter).absolute() == Path(sys.executable).absolute():
             _MISSING[key] = tuple(m for m in modules if not _findable(m))
         else:
             try:
@@ -491,6 +493,14 @@ class HttpBackend(Backend):
             ready = lease.ready_s or wait_ready(lease.server, self.spec.health, ready_timeout)
             ready, answer, kv, url = self._ask(job, lease.server, ready, deadline, ask)
             return ready, answer, kv, {"url": url, **lease.record}
+
+    def ask_server(self, job: Job, log_path: Path, timeout_s: float, ask: Callable[[Dialect], _T]) -> tuple[float, _T]:
+        """`ask(dialect)` of the server of `job`'s configuration, leased as a run's (started, or reused within a
+        server pool session), and the server's seconds to ready: for a caller that drives the server through the
+        run's dialect itself (benchmarks/bench_gsm8k.py)."""
+        ready, answer, _, _ = self._serve(job, log_path, time.time() + timeout_s,
+                                          lambda j, client: ask(self._dialect(j, client)))
+        return ready, answer
 
     def _probe_cases(self, job: Job) -> tuple[list[list[Case]], int]:
         """What the probe of `job`'s server captures: the cases of every run seed the session's servers serve (the

@@ -404,27 +404,41 @@ class Runner:
 
     def run_cell(self, cell: CellPlan) -> CellResult | list[CellResult]:
         """The cell's launch and its checks: one result per workload, or one SKIP / ERROR for all of them."""
+        return self.launch_cell(cell)()
+
+    def launch_cell(self, cell: CellPlan) -> Callable[[], CellResult | list[CellResult]]:
+        """The cell's references and its launch, now; what it returns runs the checks (run_cell calls both). The
+        matrix runs one cell's checks while the next cell's launch is under way (Runner._run)."""
         base = self._identity(cell)
         if cell.skip_reason:
-            return CellResult(**base, checks=(CheckResult("cell", Verdict.SKIP, cell.skip_reason),), clean_exit=True)
+            skipped = CellResult(**base, checks=(CheckResult("cell", Verdict.SKIP, cell.skip_reason),), clean_exit=True)
+            return lambda: skipped
         try:
             ref, noise = self.references(cell.model, cell.seed, cell.topology.speculator, cell.fault)
         except ReferenceFailed as exc:
             if exc.refused:  # the engine refuses the model at the reference topology too: its own words, a SKIP
-                return CellResult(**base, checks=(CheckResult("cell", Verdict.SKIP, f"reference: {exc.refused}"),),
-                                  clean_exit=True)
-            return CellResult(**base, checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False,
-                              reference_dir=str(exc.run_dir) if exc.run_dir.exists() else "",
-                              error_log=format_tails(exc.log_tails))
+                refused = CellResult(**base, checks=(CheckResult("cell", Verdict.SKIP, f"reference: {exc.refused}"),),
+                                     clean_exit=True)
+                return lambda: refused
+            failed = CellResult(**base, checks=(CheckResult("run", Verdict.ERROR, str(exc)),), clean_exit=False,
+                                reference_dir=str(exc.run_dir) if exc.run_dir.exists() else "",
+                                error_log=format_tails(exc.log_tails))
+            return lambda: failed
         run_dir = self.req.out_dir / "runs" / cell.slug
         job = self.job(cell.model, cell.topology, cell.fault, cell.seed, run_dir)
         nodes = self._node_launch(cell)
         if nodes is None and self._reference_job(cell, job):
             self.progress(f"  {cell.topology.name}: the reference's own job on the same engine: its run is the "
                           f"reference run ({ref.path}), not launched again")
-            return self._checked(cell, base, ref, ref, noise, ref.path, 0.0)
+            return lambda: self._checked(cell, base, ref, ref, noise, ref.path, 0.0)
         result = (self.backend.run(job, self.req.timeout_s) if nodes is None
                   else self._on_nodes(job, nodes))
+        return lambda: self._after_launch(cell, base, ref, noise, run_dir, result)
+
+    def _after_launch(self, cell: CellPlan, base: dict[str, Any], ref: RunArtifacts, noise: RunArtifacts | None,
+                      run_dir: Path, result: LaunchResult) -> CellResult | list[CellResult]:
+        """The cell's results once its launch ended: a SKIP or ERROR for a refused or failed launch, else its
+        checks."""
         if not result.ok and result.refused:  # the engine cannot run this topology: its own words, a SKIP
             return CellResult(**base, checks=(CheckResult("cell", Verdict.SKIP, result.refused),), clean_exit=True,
                               run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=result.wall_s)
@@ -538,21 +552,50 @@ class Runner:
         order = serving_order(cells, self.reseeds)
         results = self.finished = []
         at: list[int] = []  # each result's cell's index in the plan
-        for i, index in enumerate(order, 1):
-            cell = cells[index]
-            self.servers.retain(self._server_needs([cells[j] for j in order[i - 1:]]))
-            self.progress(f"[{i}/{len(cells)}] {cell.slug} ...")
-            try:
-                got = self.run_cell(cell)
-            except Exception as exc:  # one broken cell (a harness bug included) never loses the others' results
-                if not isinstance(exc, HarnessError):
-                    exc = RunError(f"internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-                got = CellResult(**self._identity(cell), checks=(CheckResult("run", Verdict.ERROR, str(exc)),),
-                                 clean_exit=False)
-            for result in (got if isinstance(got, list) else self.per_workload(cell, got)):
-                self._record(i, len(cells), cell, result, results)
-                at.append(index)
+        ahead = self._launch_ahead()
+        launched: Beside | None = None  # the next cell's launch, under way while this cell's checks run
+        try:
+            for i, index in enumerate(order, 1):
+                cell = cells[index]
+                finish = launched.result() if launched is not None else self._launch(order, cells, i)
+                launched = Beside(self._launch, order, cells, i + 1) if ahead and i < len(order) else None
+                try:
+                    got = finish()
+                except Exception as exc:  # one broken cell (a harness bug included) never loses the others' results
+                    got = self._broken(cell, exc)
+                for result in (got if isinstance(got, list) else self.per_workload(cell, got)):
+                    self._record(i, len(cells), cell, result, results)
+                    at.append(index)
+        except BaseException:  # interrupted, or a full disk: the launch under way must not outlive the run
+            if launched is not None:
+                stop_all_launches()
+            raise
         return [r for _, r in sorted(zip(at, results), key=lambda pair: pair[0])]
+
+    def _launch_ahead(self) -> bool:
+        """Whether the next cell launches while a cell's checks run: where both engines' runs are independent
+        (each launch its own processes; an HTTP engine's server pool is planned one cell at a time) on one node.
+        The launches and the checks are the same as one after the other; only their overlap differs."""
+        return self.backend.independent_runs() and self.ref_backend.independent_runs() and self.req.nodes is None
+
+    def _launch(self, order: Sequence[int], cells: Sequence[CellPlan],
+                i: int) -> Callable[[], CellResult | list[CellResult]]:
+        """The `i`-th cell of `order` launched (launch_cell): what runs its checks, or gives its ERROR."""
+        cell = cells[order[i - 1]]
+        self.servers.retain(self._server_needs([cells[j] for j in order[i - 1:]]))
+        self.progress(f"[{i}/{len(cells)}] {cell.slug} ...")
+        try:
+            return self.launch_cell(cell)
+        except Exception as exc:  # one broken cell (a harness bug included) never loses the others' results
+            broken = self._broken(cell, exc)
+            return lambda: broken
+
+    def _broken(self, cell: CellPlan, exc: Exception) -> CellResult:
+        """The ERROR result of a cell whose launch or checks raised `exc`."""
+        if not isinstance(exc, HarnessError):
+            exc = RunError(f"internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        return CellResult(**self._identity(cell), checks=(CheckResult("run", Verdict.ERROR, str(exc)),),
+                          clean_exit=False)
 
     def _record(self, i: int, n: int, cell: CellPlan, result: CellResult, results: list[CellResult]) -> None:
         """Report one cell's result (a line of progress) and keep it; a full disk stops the run."""

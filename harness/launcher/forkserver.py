@@ -32,7 +32,9 @@ from typing import Any, Mapping, Sequence
 # Modules named, never imported here: the launcher and the CLI sit above this module.
 FORKRUN_MODULE = "harness.launcher.forkrun"
 CLI_MODULE = "harness.cli"
-PRELOAD = ["torch", FORKRUN_MODULE]  # and the first launch's worker module: what every launch would import again
+# and the first launch's worker module: what every launch would import again (numpy.random: imported on first use,
+# by the synthetic weights and the cases' generators, which every rank builds)
+PRELOAD = ["torch", "numpy.random", FORKRUN_MODULE]
 WAIT_POLICY_VAR = "OMP_WAIT_POLICY"  # read by OpenMP once, when torch is imported
 _lock = threading.Lock()
 _policy: list[str | None] = []  # the wait policy the forkserver started with (empty: not started)

@@ -26,6 +26,7 @@ schema 1, and reads as schema 1; any other version is refused (LayoutSchemaError
 
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import MISSING, dataclass, fields, is_dataclass, replace
 from typing import Any, Mapping, Sequence, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -302,20 +303,35 @@ def _from_json(cls: type[_D], data: Any, at: str, path: str) -> _D:
     if not isinstance(data, Mapping):
         what = path.rstrip(".") or cls.__name__
         raise LayoutSchemaError(f"{at}: field {what!r} is {_kind(data)}, expected an object")
-    hints = get_type_hints(cls)
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
+    schema = _schema(cls)
+    unknown = sorted(set(data) - schema.known)
     if unknown:
-        raise LayoutSchemaError(f"{at}: unknown field {path}{unknown[0]!r}; known: {', '.join(sorted(known))}")
+        raise LayoutSchemaError(f"{at}: unknown field {path}{unknown[0]!r}; known: {', '.join(sorted(schema.known))}")
     values: dict[str, Any] = {}
-    for f in fields(cls):
-        name = f"{path}{f.name}"
-        if f.name not in data:
-            if f.default is MISSING:
+    for field_name, hint, required in schema.fields:
+        name = f"{path}{field_name}"
+        if field_name not in data:
+            if required:
                 raise LayoutSchemaError(f"{at}: field {name!r} is missing")
             continue
-        values[f.name] = _value(hints[f.name], data[f.name], at, name)
+        values[field_name] = _value(hint, data[field_name], at, name)
     return cls(**values)
+
+
+@dataclass(frozen=True)
+class _Schema:
+    """A dataclass's fields as _from_json reads them: (name, type hint, required) in order, and their names."""
+
+    fields: tuple[tuple[str, Any, bool], ...]
+    known: frozenset[str]
+
+
+@functools.cache
+def _schema(cls: type) -> _Schema:
+    """`cls`'s fields and resolved type hints, once per class (resolving the hints is most of a parse's cost)."""
+    hints = get_type_hints(cls)
+    own = tuple((f.name, hints[f.name], f.default is MISSING) for f in fields(cls))
+    return _Schema(fields=own, known=frozenset(name for name, _, _ in own))
 
 
 def _value(hint: Any, value: Any, at: str, name: str) -> Any:
