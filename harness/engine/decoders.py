@@ -119,9 +119,9 @@ def build_latent(b: RankBuild) -> RankParts:
     plan, rank_layout, heads, capacity = _attention_plan(b)
     assert b.plan.latent is not None
     parts = build_mla(b.spec, b.full_weights, rank_layout, heads, b.state.collectives(), b.flags, capacity, b.dtype,
-                      b.state.device, b.plan.latent, b.topology.placement)
+                      b.state.device, b.plan.latent, b.topology.placement, b.plan.moe)
     params = _params(b, lambda full, dtype: shard_mla_weights(full, b.spec, rank_layout, parts.rank, b.flags, dtype,
-                                                              CPU), parts.weights)
+                                                              CPU, b.plan.moe), parts.weights)
     return RankParts(plan, rank_layout, heads, capacity, parts.cache, parts.decoder, parts.weights,
                      lambda: _latent_report(parts, b.spec), parts, params)
 
