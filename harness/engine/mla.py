@@ -45,7 +45,7 @@ from harness.engine.model import (
 from harness.engine.moe import MoeRows, MoeWeights, moe_activations
 from harness.engine.parallel import Collectives
 from harness.engine.parallelize import mlp_norm_layer, o_heads, vocab_rows
-from harness.partition.hybrid_layout import MoePlan
+from harness.partition.hybrid_layout import MoePlan, MoeRank
 from harness.partition.layout import ROUND_ROBIN, Placement, PoolCapacity, RankLayout, local_token_count, token_owner
 from harness.partition.mla_layout import MLAPlan, MLARank
 from harness.records.rankreport import MLAReport
@@ -270,6 +270,7 @@ class MLAParts:
     decoder: MLADecoder
     rank: MLARank
     q_mode: str
+    moe_rank: MoeRank | None = None  # the rank's part of the experts (a model with MoE layers)
 
 
 def build_mla(spec: ModelSpec, full: dict[str, torch.Tensor], rank: RankLayout, heads: HeadMap, comm: Collectives,
@@ -281,7 +282,8 @@ def build_mla(spec: ModelSpec, full: dict[str, torch.Tensor], rank: RankLayout, 
     cache = latent_cache(capacity, spec, dtype, device)
     decoder = MLADecoder(weights, heads, Hyper(spec.qk_rope_dim, spec.rope_theta, spec.norm_eps), comm, cache, flags,
                          mla_dims(spec), mla_plan.q_replicated, placement, spec.moe.top_k if spec.moe else 0)
-    return MLAParts(weights, cache, decoder, mla_rank, "replicated" if mla_plan.q_replicated else "split")
+    return MLAParts(weights, cache, decoder, mla_rank, "replicated" if mla_plan.q_replicated else "split",
+                    moe_plan.ranks[rank.rank] if moe_plan is not None else None)
 
 
 def mla_report(parts: MLAParts, spec: ModelSpec) -> tuple[MLAReport, dict[str, str], int]:
