@@ -35,9 +35,11 @@ def expert_problems(moe: MoePlan, by_rank: Mapping[int, ExpertsReport | None]) -
         shared += got.shared_columns
         for e in got.experts:
             holders[e].append(r)
-        if got.logical and planned.logical and got.logical != planned.logical:
+        want = planned.logical or planned.experts  # without replicas each slot loads its own expert
+        if got.logical and got.logical != want:
+            plans = "the expert map plans" if planned.logical else "planned"
             out.append(f"rank {r} loads logical experts {list(got.logical)} into its physical slots "
-                       f"{id_ranges(got.experts)}, the expert map plans {list(planned.logical)}")
+                       f"{id_ranges(got.experts)}, {plans} {list(want)}")
     if moe.shared_ffn and shared != moe.shared_ffn:
         out.append(f"the shared expert is counted {shared / moe.shared_ffn:.2g} times: its columns over all "
                    f"ranks sum to {shared}, its width is {moe.shared_ffn}")
