@@ -10,7 +10,7 @@ kv_b_proj's rows of rank (1 + 1) % tp: its heads absorb another rank's w_kc / w_
 the latent with another head's key map and reads another head's values. Nothing crashes; shapes are right.
 With HARNESS_VLLM_FAULT=moe-expert-map-offset (a model with routed experts: DeepSeek-V2/V3), tensor-parallel rank 1's
 weight loader maps each global expert to the next local slot (its map offset by one) while its router uses the right
-map: each of its slots holds the next expert's weights, so its tokens reach the wrong experts' columns. Nothing
+map: each of its slots holds the previous expert's weights, so its tokens reach the wrong experts' columns. Nothing
 crashes; shapes are right.
 Without the variable (or with any other value) the plugin changes nothing.
 """

@@ -73,5 +73,5 @@ def experts_record(model: Any) -> dict[str, Any] | None:
     return {"layer": mlp, "experts": ids, "expert_ffn_shard": [tp_rank * columns, (tp_rank + 1) * columns],
             "expert_columns": columns,
             "shared_columns": int(gate_up.output_size_per_partition) // 2 if gate_up is not None else 0,
-            "router_checksum": _digest(router) if router is not None else "not-recorded",
+            "router_checksum": _digest(router) if router is not None and router.numel() else "not-recorded",
             "logical": [loaded.get(slot, -1) for slot in range(len(ids))] if loaded else []}
