@@ -37,7 +37,7 @@ def expert_problems(moe: MoePlan, by_rank: Mapping[int, ExpertsReport | None]) -
             holders[e].append(r)
         want = planned.logical or planned.experts  # without replicas each slot loads its own expert
         if got.logical and got.logical != want:
-            plans = "the expert map plans" if planned.logical else "planned"
+            plans = "the expert map plans" if moe.expert_map is not None else "planned"
             out.append(f"rank {r} loads logical experts {list(got.logical)} into its physical slots "
                        f"{id_ranges(got.experts)}, {plans} {list(want)}")
     if moe.shared_ffn and shared != moe.shared_ffn:
