@@ -16,14 +16,15 @@ and the KV heads it holds; its forward hooks' hidden states and attention output
 heads 4-7 on rank 1.
 
 Three more for the exported DeepSeek-V2 model with experts (tiny-dsv2-moe: MLA, layer 1 four routed experts top-2
-and a shared expert) through the mla suite: tp2, tp2dcp2 and tp2ep2 clean, tp2 with HARNESS_VLLM_FAULT=mla-kv-b-shard,
+and a shared expert) through the mla suite: tp2 and tp2dcp2 clean, tp2 with HARNESS_VLLM_FAULT=mla-kv-b-shard,
 tp2 with HARNESS_VLLM_FAULT=moe-expert-map-offset. The clean tp2 cell PASSes every check against vLLM's own tp1 (the
 template runs RoPE by vLLM's PyTorch code: its CPU rotary kernel mis-rotates MLA's 3-D query, docs/engines.md). The
 probe's MLA report makes `layout` PASS at tp2 (the latent on both ranks, each rank's own heads' Q weights, the pool
 vLLM sized in whole blocks, each rank's experts and shared-expert columns), its hooks capture MLAAttention's
-per-head outputs, tp2dcp2 is a SKIP quoting vLLM's CPUMLAImpl refusal, tp2ep2 an ERROR whose reason is each
-worker's own cause, and each fault FAILs as silent corruption with `layout` naming rank 1 and what it holds off the
-plan (the heads whose kv_b rows, the experts whose weights)."""
+per-head outputs, tp2dcp2 is a SKIP quoting vLLM's CPUMLAImpl refusal, and each fault FAILs as silent corruption with `layout` naming rank 1 and what it holds off the
+plan (the heads whose kv_b rows, the experts whose weights). tp2ep2 is not run here: vLLM CPU's fused-MoE kernel
+segfaults in a worker at the first forward with expert parallel, leaving that worker's shared memory behind
+(docs/engines.md; its ERROR reason is unit-tested on the real log in tests/test_http_backend.py)."""
 
 from __future__ import annotations
 
@@ -251,9 +252,9 @@ def test_stopped_vllm_servers_leave_no_shared_memory(clean: dict, fault: dict) -
 
 
 # The exported DeepSeek-V2 model with experts (tiny-dsv2-moe: MLA with vLLM CPU's only latent width, 512 + 64, and
-# an MoE layer) through the mla suite: one clean run at tp2, tp2dcp2 and tp2ep2 (4 server configurations: tp1 for the
-# reference and its noise twin, tp2, tp2 with expert parallel; the tp2dcp2 server exits at its config validation)
-# and one per plugin fault at tp2 (2 servers each).
+# an MoE layer) through the mla suite: one clean run at tp2 and tp2dcp2 (3 server configurations: tp1 for the
+# reference and its noise twin, tp2; the tp2dcp2 server exits at its config validation) and one per plugin fault
+# at tp2 (2 servers each).
 MLA_RUN = ["--suite", "mla", "--model", "tiny-dsv2-moe", "--engine", "vllm", "--max-seq-len", "256", "--timeout",
            "900"]
 MLA_FAULT = "mla-kv-b-shard"
@@ -269,7 +270,7 @@ def _mla_run(root: Path, name: str, topos: str, fault: str | None) -> dict[str, 
 @pytest.fixture(scope="module")
 def mla_clean(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = _session_root(tmp_path_factory)
-    return _shared(root, "vllm-mla-clean", lambda: _mla_run(root, "vllm-mla-clean", "tp2,tp2dcp2,tp2ep2", None))
+    return _shared(root, "vllm-mla-clean", lambda: _mla_run(root, "vllm-mla-clean", "tp2,tp2dcp2", None))
 
 
 @pytest.fixture(scope="module")
