@@ -22,9 +22,10 @@ template runs RoPE by vLLM's PyTorch code: its CPU rotary kernel mis-rotates MLA
 probe's MLA report makes `layout` PASS at tp2 (the latent on both ranks, each rank's own heads' Q weights, the pool
 vLLM sized in whole blocks, each rank's experts and shared-expert columns), its hooks capture MLAAttention's
 per-head outputs, tp2dcp2 is a SKIP quoting vLLM's CPUMLAImpl refusal, and each fault FAILs as silent corruption
-with `layout` naming rank 1 and what it holds off the plan (the heads whose kv_b rows, the experts whose weights). tp2ep2 is not run here: vLLM CPU's fused-MoE kernel
-segfaults in a worker at the first forward with expert parallel, leaving that worker's shared memory behind
-(docs/engines.md; its ERROR reason is unit-tested on the real log in tests/test_http_backend.py)."""
+with `layout` naming rank 1 and what it holds off the plan (the heads whose kv_b rows, the experts whose weights).
+tp2ep2 is not run here: vLLM CPU's fused-MoE kernel segfaults in a worker at the first forward with expert
+parallel, leaving that worker's shared memory behind (docs/engines.md; its ERROR reason is unit-tested on the real
+log in tests/test_http_backend.py)."""
 
 from __future__ import annotations
 
