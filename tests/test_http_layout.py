@@ -144,3 +144,30 @@ def test_an_mla_rank_holding_another_ranks_kv_b_rows_fails_naming_its_q_weight_h
     assert result.verdict is Verdict.FAIL, result.reason
     assert ("rank 1 holds Q weights (q_b_proj, w_kc) of heads 0-1, planned 2-3 (Q split by tp)"
             in result.metrics["problems"]), result.metrics["problems"]
+
+
+MOE = load_model("tiny-dsv2-moe")  # tiny-dsv2 with layer 1 four routed experts of 128 columns and a shared expert
+
+
+def _moe_report(rank: int, logical: list[int] | None = None, experts: list[int] | None = None) -> dict:
+    """The MLA report of a tiny-dsv2-moe rank at tp2 with the probe's experts record (harness_vllm_probe/moe.py)."""
+    record = {"layer": "model.layers.1.mlp", "experts": experts or [0, 1, 2, 3],
+              "expert_ffn_shard": [64 * rank, 64 * rank + 64], "expert_columns": 64, "shared_columns": 64,
+              "router_checksum": "router", "logical": logical or [0, 1, 2, 3]}
+    return {**_mla_report(rank), "experts": record}
+
+
+def _moe_check(tmp_path: Path, *reports: dict) -> Any:
+    plan = plan_model(model_of(MOE), parse_topology_name("tp2"))
+    return check_layout_with_pool(plan.attention, probe_layout(_folder(tmp_path, *reports), 2), moe=plan.moe)
+
+
+def test_the_probe_s_experts_as_planned_pass_and_a_slot_loaded_with_another_expert_fails(tmp_path: Path) -> None:
+    """At tp2 (no EP) both ranks route every expert, each holding half of each expert's columns; the plugin's
+    moe-expert-map-offset fault (rank 1's loader puts expert e in slot e + 1) is named by rank and slots."""
+    assert _moe_check(tmp_path, _moe_report(0), _moe_report(1)).verdict is Verdict.PASS
+    result = _moe_check(tmp_path, _moe_report(0), _moe_report(1, logical=[3, 0, 1, 2]))
+    assert result.verdict is Verdict.FAIL and result.metrics["problems"] == [
+        "rank 1 loads logical experts [3, 0, 1, 2] into its physical slots 0-3, planned [0, 1, 2, 3]"]
+    split = _moe_check(tmp_path, _moe_report(0, experts=[0, 1]), _moe_report(1, experts=[2, 3]))
+    assert "rank 0 routes to its experts as ids 0-1, planned experts 0-3 (EP rank 0)" in split.metrics["problems"]

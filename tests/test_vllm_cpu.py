@@ -15,12 +15,17 @@ leave no vllm_dist_* shared memory behind. The layout probe's per-worker report 
 and the KV heads it holds; its forward hooks' hidden states and attention outputs localize the fault to layer 0,
 heads 4-7 on rank 1.
 
-Two more for the exported DeepSeek-V2 model (tiny-dsv2, MLA) through the mla suite: tp2 and tp2dcp2 clean, tp2
-with HARNESS_VLLM_FAULT=mla-kv-b-shard. The probe's MLA report makes `layout` PASS at tp2 (the latent on both
-ranks, each rank's own heads' Q weights, the pool vLLM sized in whole blocks), its hooks capture MLAAttention's
-per-head outputs, tp2dcp2 is a SKIP quoting vLLM's CPUMLAImpl refusal, and the fault FAILs as silent corruption
-with `layout` naming rank 1 and the heads whose kv_b rows it holds. The clean MLA cell's logits are not asserted:
-vLLM CPU's MLA does not agree with itself across batch compositions (docs/engines.md, vLLM on CPU)."""
+Three more for the exported DeepSeek-V2 model with experts (tiny-dsv2-moe: MLA, layer 1 four routed experts top-2
+and a shared expert) through the mla suite: tp2 and tp2dcp2 clean, tp2 with HARNESS_VLLM_FAULT=mla-kv-b-shard,
+tp2 with HARNESS_VLLM_FAULT=moe-expert-map-offset. The clean tp2 cell PASSes every check against vLLM's own tp1 (the
+template runs RoPE by vLLM's PyTorch code: its CPU rotary kernel mis-rotates MLA's 3-D query, docs/engines.md). The
+probe's MLA report makes `layout` PASS at tp2 (the latent on both ranks, each rank's own heads' Q weights, the pool
+vLLM sized in whole blocks, each rank's experts and shared-expert columns), its hooks capture MLAAttention's
+per-head outputs, tp2dcp2 is a SKIP quoting vLLM's CPUMLAImpl refusal, and each fault FAILs as silent corruption
+with `layout` naming rank 1 and what it holds off the plan (the heads whose kv_b rows, the experts whose weights).
+tp2ep2 is not run here: vLLM CPU's fused-MoE kernel segfaults in a worker at the first forward with expert
+parallel, leaving that worker's shared memory behind (docs/engines.md; its ERROR reason is unit-tested on the real
+log in tests/test_http_backend.py)."""
 
 from __future__ import annotations
 
@@ -247,11 +252,14 @@ def test_stopped_vllm_servers_leave_no_shared_memory(clean: dict, fault: dict) -
         assert run["shm_left"] == []
 
 
-# The exported DeepSeek-V2 model (tiny-dsv2: MLA with vLLM CPU's only latent width, 512 + 64) through the mla suite:
-# one clean run at tp2 and tp2dcp2 (2 server configurations: tp1 for the reference and its noise twin, tp2; the
-# tp2dcp2 server exits at its config validation) and one with the plugin's MLA fault at tp2 (2 servers).
-MLA_RUN = ["--suite", "mla", "--model", "tiny-dsv2", "--engine", "vllm", "--max-seq-len", "256", "--timeout", "900"]
+# The exported DeepSeek-V2 model with experts (tiny-dsv2-moe: MLA with vLLM CPU's only latent width, 512 + 64, and
+# an MoE layer) through the mla suite: one clean run at tp2 and tp2dcp2 (3 server configurations: tp1 for the
+# reference and its noise twin, tp2; the tp2dcp2 server exits at its config validation) and one per plugin fault
+# at tp2 (2 servers each).
+MLA_RUN = ["--suite", "mla", "--model", "tiny-dsv2-moe", "--engine", "vllm", "--max-seq-len", "256", "--timeout",
+           "900"]
 MLA_FAULT = "mla-kv-b-shard"
+MOE_FAULT = "moe-expert-map-offset"
 
 
 def _mla_run(root: Path, name: str, topos: str, fault: str | None) -> dict[str, Any]:
@@ -272,6 +280,12 @@ def mla_fault(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return _shared(root, "vllm-mla-fault", lambda: _mla_run(root, "vllm-mla-fault", "tp2", MLA_FAULT))
 
 
+@pytest.fixture(scope="module")
+def moe_fault(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = _session_root(tmp_path_factory)
+    return _shared(root, "vllm-moe-fault", lambda: _mla_run(root, "vllm-moe-fault", "tp2", MOE_FAULT))
+
+
 def _mla_cell(run: dict, topo: str = "tp2") -> dict:
     return next(c for c in run["cells"] if c["topology"] == topo and c.get("workload") in (None, "prompts"))
 
@@ -289,6 +303,21 @@ def test_vllm_mla_layout_probe_passes_layout(mla_clean: dict) -> None:
     assert all(r["latent_dim"] == 576 and r["kv_bytes_per_token"] == 2 * 576 * 4 and r["kv_heads"] == [0]
                for r in target["ranks"])
     assert target["pool"]["sizing"] == "blocks" and "KV pool 910 blocks" in layout["reason"]  # 64 MiB / (16 x 4608)
+
+
+def test_vllm_mla_moe_clean_cell_passes_every_check(mla_clean: dict) -> None:
+    """The clean tp2 cell against vLLM's own tp1: logits, decode and generation agree (RoPE by vLLM's PyTorch
+    code: the template's --compilation-config), and the probe reports each rank's experts as the MoE plan places
+    them (every expert on both ranks, each rank its half of every expert's and of the shared expert's columns,
+    each slot loaded with its own expert)."""
+    cell = _mla_cell(mla_clean)
+    assert cell["status"] == "PASS", [(c["name"], c["verdict"], c["reason"]) for c in cell["checks"]]
+    assert {c["name"] for c in cell["checks"] if c["verdict"] == "PASS"} >= {"logits_prefill", "logits_decode",
+                                                                              "generation", "layout"}
+    ranks = read_json(Path(cell["run_dir"]) / "layout.json")["target"]["ranks"]
+    assert [(r["experts"]["experts"], r["experts"]["expert_ffn_shard"], r["experts"]["logical"],
+             r["experts"]["shared_columns"]) for r in ranks] == [
+        ([0, 1, 2, 3], [0, 64], [0, 1, 2, 3], 64), ([0, 1, 2, 3], [64, 128], [0, 1, 2, 3], 64)]
 
 
 def test_vllm_mla_probe_captures_hidden_states_and_attention_outputs(mla_clean: dict) -> None:
@@ -323,6 +352,18 @@ def test_vllm_mla_plugin_fault_fails_layout_and_is_silent_corruption(mla_fault: 
     assert "loads another rank's kv_b_proj rows" in (Path(cell["run_dir"]) / "server.log").read_text()
 
 
-def test_stopped_vllm_mla_servers_leave_no_shared_memory(mla_clean: dict, mla_fault: dict) -> None:
-    for run in (mla_clean, mla_fault):
+def test_vllm_moe_plugin_fault_fails_layout_naming_the_experts_and_is_silent_corruption(moe_fault: dict) -> None:
+    """TP rank 1's loader maps each expert one slot on (its router keeps the right map): the probe finds slot j
+    holding expert j - 1; the cell FAILs as silent corruption, `layout` naming rank 1 and its slots' experts."""
+    cell = _mla_cell(moe_fault)
+    assert moe_fault["exit"] == 1 and cell["status"] == "FAIL" and cell["silent_corruption"], cell["checks"]
+    assert cell["fault"] == f"{FAULT}={MOE_FAULT}"
+    layout = next(c for c in cell["checks"] if c["name"] == "layout")
+    assert layout["verdict"] == "FAIL" and layout["metrics"]["problems"] == [
+        "rank 1 loads logical experts [3, 0, 1, 2] into its physical slots 0-3, planned [0, 1, 2, 3]"]
+    assert "loads each expert into the next slot" in (Path(cell["run_dir"]) / "server.log").read_text()
+
+
+def test_stopped_vllm_mla_servers_leave_no_shared_memory(mla_clean: dict, mla_fault: dict, moe_fault: dict) -> None:
+    for run in (mla_clean, mla_fault, moe_fault):
         assert run["shm_left"] == []

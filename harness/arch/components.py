@@ -222,19 +222,11 @@ class MoE(Component):
     faults: ClassVar[frozenset[str]] = frozenset({"moe-shared-every-rank", "moe-expert-offset",
                                                   "moe-router-local-renorm", *DP_FAULTS, "redundant-expert-twice"})
 
-    def __init__(self, shape: HybridShape | MoeShape, embedded: bool = True) -> None:
+    def __init__(self, shape: HybridShape | MoeShape) -> None:
         self.shape = shape
-        self.embedded = embedded  # whether the embedded engine runs these experts (its hybrid layers do)
 
     def plan(self, spec: ModelSpec, topo: Topology) -> dict[str, Any]:
         return {"moe": plan_moe(self.shape, topo.tp, topo.ep, topo.dp)}
-
-    def embedded_refusal(self, spec: ModelSpec) -> str | None:
-        if self.embedded:
-            return None
-        return (f"model {spec.name!r}: {self.shape.experts} routed experts beside multi-head latent attention; the "
-                f"embedded engine's MLA layers have a dense FFN (harness plan explains the layout; vllm / sglang "
-                f"serve it)")
 
     def inert_reason(self, site: FaultSite) -> str | None:
         h, topo, moe = self.shape, site.topology, site.parts["moe"]

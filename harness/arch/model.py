@@ -85,7 +85,7 @@ def model_of(spec: ModelSpec) -> Model:
         moe: tuple[Component, ...] = (MoE(h),) if h.experts else ()
         return Model(spec, (GatedAttention(h), *moe, GatedDeltaNet(h)), Speculator(copies_target=False))
     if spec.mla:
-        experts: tuple[Component, ...] = (MoE(spec.moe, embedded=False),) if spec.moe is not None else ()
+        experts: tuple[Component, ...] = (MoE(spec.moe),) if spec.moe is not None else ()
         return Model(spec, (LatentAttention(), *experts), Speculator())
     if spec.sparse is not None:
         return Model(spec, (SparseAttention(spec.sparse),), Speculator())

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from typing import Iterable, Mapping
 
-from harness.partition.hybrid_layout import HybridPlan
+from harness.partition.hybrid_layout import HybridPlan, MoePlan, MoeRank
 from harness.partition.layout import LayoutPlan
 from harness.partition.mla_layout import q_weight_heads
 from harness.partition.sparse_layout import SparsePlan
@@ -76,10 +76,11 @@ def _axis(shape: tuple[int, ...], axis: int, indices: Iterable[int]) -> Slice:
 
 
 def planned_slice(name: str, shapes: Mapping[str, tuple[int, ...]], rank: int, plan: LayoutPlan,
-                  hybrid: HybridPlan | None = None, indexer: SparsePlan | None = None) -> Slice:
+                  hybrid: HybridPlan | None = None, indexer: SparsePlan | None = None,
+                  moe: MoePlan | None = None) -> Slice:
     """The slice of checkpoint tensor `name` (full shape shapes[name]) that `rank` should hold under `plan`
     (the full-attention layout) and, for a hybrid model, `hybrid` (linear attention and MoE), for sparse
-    attention `indexer` (the indexer's heads)."""
+    attention `indexer` (the indexer's heads), for an MLA model with experts `moe`."""
     shape = shapes[name]
     match = _LAYER.match(name)
     local = match.group(2) if match else name
@@ -110,6 +111,10 @@ def planned_slice(name: str, shapes: Mapping[str, tuple[int, ...]], rank: int, p
         found = _hybrid_slice(local, shape, rank, hybrid)
         if found is not None:
             return found
+    if moe is not None:
+        found = _moe_slice(local, shape, moe.ranks[rank])
+        if found is not None:
+            return found
     return _whole(shape)
 
 
@@ -124,7 +129,10 @@ def _hybrid_slice(local: str, shape: tuple[int, ...], rank: int, hybrid: HybridP
         return _axis(shape, 1, _blocks(lin.out_v_heads, shape[1] // n_v))
     if hybrid.moe is None:
         return None
-    moe = hybrid.moe.ranks[rank]
+    return _moe_slice(local, shape, hybrid.moe.ranks[rank])
+
+
+def _moe_slice(local: str, shape: tuple[int, ...], moe: MoeRank) -> Slice | None:
     held = moe.logical or moe.experts  # the checkpoint's (logical) experts behind its physical slots
     if local in ("experts.gate.weight", "experts.up.weight"):
         s = list(_axis(shape, 0, held))

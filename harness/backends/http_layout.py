@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.core.errors import RunError
-from harness.records.rankreport import MLAReport, ProbeLayer, RankReport, entry_json
+from harness.records.rankreport import ExpertsReport, MLAReport, ProbeLayer, RankReport, entry_json
 
 PROBE_SCHEMA = 1
 
@@ -85,6 +85,17 @@ def _mla(record: dict[str, Any] | None) -> MLAReport | None:
                      latent_dim=int(record["latent_dim"]))
 
 
+def _experts(record: dict[str, Any] | None) -> ExpertsReport | None:
+    """The probe's record of a rank's routed experts (vLLM's RoutedExperts; harness_vllm_probe/moe.py)."""
+    if not record:
+        return None
+    lo, hi = record["expert_ffn_shard"]
+    return ExpertsReport(experts=tuple(int(e) for e in record["experts"]), expert_ffn_shard=(int(lo), int(hi)),
+                         expert_columns=int(record["expert_columns"]), shared_columns=int(record["shared_columns"]),
+                         router_checksum=str(record["router_checksum"]),
+                         logical=tuple(int(e) for e in record.get("logical") or ()))
+
+
 def probe_ranks(reports: list[dict[str, Any]]) -> list[RankReport]:
     """Each rank's RankReport from the probe's reports (read_probe) of one server, in rank order."""
     q_of = {int(r["tp_rank"]): _heads(r["layers"], "q_heads", "claimed_q_heads")[0] for r in reports}
@@ -106,7 +117,7 @@ def probe_ranks(reports: list[dict[str, Any]]) -> list[RankReport]:
             kv_pool_bytes=int(kv["bound_bytes"] or kv["tensor_bytes"]), kv_pool_blocks=int(kv["num_blocks"]),
             kv_block_size=_optional_int(kv["block_size"]), kv_bytes_per_token=_optional_int(kv["bytes_per_token"]),
             kv_weight_checksums={str(k): str(v) for k, v in r["kv_weight_checksums"].items()},
-            layers=tuple(_layer(layer) for layer in layers), mla=_mla(r.get("mla")),
+            layers=tuple(_layer(layer) for layer in layers), mla=_mla(r.get("mla")), experts=_experts(r.get("experts")),
             layers_differing=tuple(sorted(set(q_off + kv_off + v_off))) or None))
     return sorted(ranks, key=lambda e: e.rank)
 

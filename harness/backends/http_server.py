@@ -83,8 +83,36 @@ def log_line(line: str) -> str:
     return clean_reason(_bare(line))
 
 
+# a process's native crash report (no Python traceback of its own): the faulthandler / c10 / vLLM CPU signal
+# handlers' first lines, then the native frames ('  File "/src/x.cpp", line 242, in f')
+_NATIVE_CRASH = re.compile(r"Segfault encountered|Fatal Python error: (?:Segmentation fault|Aborted|Bus error|"
+                           r"Floating point exception|Illegal instruction)|\bSIG(?:SEGV|ABRT|BUS|FPE|ILL)\b")
+_NATIVE_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
+_DIED = re.compile(r"Worker proc \S+ died unexpectedly")
+
+
+def _native_crash(lines: list[str]) -> tuple[int, str] | None:
+    """(index, reason) of the first native crash report in `lines` (bare): its marker and its first frame in a
+    source file other than the C library's signal code, e.g. "Segfault encountered at csrc/cpu/x.cpp:242 in f";
+    the line saying which worker died is added where the log has one."""
+    found = next(((i, m) for i, line in enumerate(lines) if (m := _NATIVE_CRASH.search(line))), None)
+    if found is None:
+        return None
+    start, marker = found
+    reason = marker.group(0)
+    for line in lines[start + 1:start + 40]:
+        frame = _NATIVE_FRAME.match(line)
+        if frame and "sysdeps" not in frame["path"] and frame["path"] != "<unknown>":
+            reason += f" at {frame['path']}:{frame['line']} in {frame['func'].strip()[:100]}"
+            break
+    died = next((_DIED.search(line) for line in lines[start:] if _DIED.search(line)), None)
+    return start, reason + (f" ({died.group(0)})" if died else "")
+
+
 def root_cause(text: str) -> tuple[str, str] | None:
-    """The root cause of a crashed server in its log `text`: (the line, its context). The line is the
+    """The root cause of a crashed server in its log `text`: (the line, its context). A native crash report
+    (a segmentation fault and its first source frame: _native_crash) before the first traceback is the cause
+    (the tracebacks after it are its consequences: "RuntimeError: cancelled"). Otherwise the line is the
     exception of the first traceback with its own continuation lines (pydantic's "  Value error, ..."), as
     clean_reason gives it: a server that re-raises it later ("See root cause above") is not the cause.
     Without a traceback, the first error line. The context is the error line logged just before that
@@ -94,6 +122,10 @@ def root_cause(text: str) -> tuple[str, str] | None:
     raw = text.splitlines()
     lines = [_bare(line) for line in raw]
     start = next((i for i, line in enumerate(lines) if line.strip() == _TRACEBACK), None)
+    native = _native_crash(lines)
+    if native is not None and (start is None or native[0] < start):
+        at = native[0]
+        return native[1], "\n".join(lines[at:at + CAUSE_CONTEXT_LINES])
     if start is not None:
         end = next((j for j in range(start + 1, len(lines)) if _EXCEPTION_LINE.match(lines[j])), None)
         if end is not None:

@@ -76,7 +76,9 @@ def _layout(ctx: CellContext, entry: str, name: str) -> CheckResult:
 
 def _attention_layout(ctx: CellContext, plan: LayoutPlan, actual: dict[str, Any], name: str,
                       check_pool: bool) -> CheckResult:
-    return check_layout_with_pool(plan, actual, name, check_pool, ctx.settings.of(LayoutSettings).check_checksums)
+    moe = ctx.moe_plan if plan is ctx.plan else None  # the target's experts (an MLA model's MoE)
+    return check_layout_with_pool(plan, actual, name, check_pool, ctx.settings.of(LayoutSettings).check_checksums,
+                                  moe)
 
 
 def _hybrid_layout(ctx: CellContext, plan: LayoutPlan, actual: dict[str, Any], name: str,

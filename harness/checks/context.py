@@ -12,7 +12,7 @@ from harness.core.details import CellDetails
 from harness.core.paths import BASELINES_DIR
 from harness.core.verdict import CheckResult, Localization
 from harness.gsm8k.settings import GSM8KSettings
-from harness.partition.hybrid_layout import HybridPlan
+from harness.partition.hybrid_layout import HybridPlan, MoePlan
 from harness.partition.layout import LayoutPlan
 from harness.partition.pd_layout import PDPlan
 from harness.partition.sparse_layout import SparsePlan
@@ -52,6 +52,7 @@ class CellContext:
     info: CellInfo = field(default_factory=CellInfo)
     speculator_plan: LayoutPlan | None = None
     hybrid_plan: HybridPlan | None = None  # hybrid models: linear attention, MoE, cache groups
+    moe_plan: MoePlan | None = None  # the experts of a model whose attention is not hybrid (MLA + MoE)
     indexer_plan: SparsePlan | None = None  # sparse attention: the indexer's split
     pd_plan: PDPlan | None = None  # disaggregated cells: each decode rank's KV assembly from the prefill ranks
     layout_check: str = "attention"  # the check of the target's layout its attention component names

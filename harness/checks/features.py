@@ -122,8 +122,8 @@ def dp_feature(ctx: CellContext, topo: Topology, ranks: tuple[RankReport, ...] |
 def ep_feature(ctx: CellContext, topo: Topology, ranks: tuple[RankReport, ...] | None) -> Feature:
     if ranks is None:
         return _no_ranks(ctx, "ep")
-    experts = [report.hybrid.moe.experts for report in ranks
-               if report.hybrid is not None and report.hybrid.moe is not None]
+    held = [report.hybrid.moe if report.hybrid is not None else report.experts for report in ranks]
+    experts = [moe.experts for moe in held if moe is not None]
     if not experts:
         return Feature("ep", False, f"ep={topo.ep} requested; no rank reports routed experts")
     every = set().union(*map(set, experts))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Mapping
 
+from harness.compare.expert_check import expert_problems
 from harness.compare.layout_check import check_layout, reports_by_rank
 from harness.core.errors import ConfigError
 from harness.core.fmt import id_ranges
@@ -60,62 +61,7 @@ def _linear_problems(plan: HybridPlan, by_rank: Mapping[int, HybridReport]) -> l
 def _moe_problems(plan: HybridPlan, by_rank: Mapping[int, HybridReport]) -> list[str]:
     if plan.moe is None:
         return []
-    out: list[str] = []
-    holders: dict[int, list[int]] = defaultdict(list)
-    shared = 0
-    for planned in plan.moe.ranks:
-        got = by_rank[planned.rank].moe if planned.rank in by_rank else None
-        if got is None:
-            out.append(f"rank {planned.rank} reports no MoE layout")
-            continue
-        r = planned.rank
-        if got.experts != planned.experts:
-            out.append(f"rank {r} routes to its experts as ids {id_ranges(got.experts)}, planned experts "
-                       f"{id_ranges(planned.experts)} (EP rank {planned.ep_rank})")
-        lo, hi = planned.expert_ffn_shard
-        if got.expert_columns != hi - lo:
-            out.append(f"rank {r} holds {got.expert_columns} columns per expert, planned {hi - lo}")
-        s_lo, s_hi = planned.shared_ffn_shard
-        if got.shared_columns != s_hi - s_lo:
-            out.append(f"rank {r} holds {got.shared_columns} shared-expert columns, planned {s_hi - s_lo}")
-        shared += got.shared_columns
-        for e in got.experts:
-            holders[e].append(r)
-        if got.logical and planned.logical and got.logical != planned.logical:
-            out.append(f"rank {r} loads logical experts {list(got.logical)} into its physical slots "
-                       f"{id_ranges(got.experts)}, the expert map plans {list(planned.logical)}")
-    if plan.moe.shared_ffn and shared != plan.moe.shared_ffn:
-        out.append(f"the shared expert is counted {shared / plan.moe.shared_ffn:.2g} times: its columns over all "
-                   f"ranks sum to {shared}, its width is {plan.moe.shared_ffn}")
-    slot = "physical expert slot" if plan.moe.expert_map is not None else "expert"
-    for e in range(plan.moe.physical):
-        if len(holders[e]) != plan.moe.etp:
-            out.append(f"{slot} {e} held by ranks {id_ranges(holders[e]) or 'none'}, planned {plan.moe.etp} "
-                       f"(its expert-TP group)")
-    out += _replica_problems(plan, by_rank)
-    routers = {hybrid.moe.router_checksum for hybrid in by_rank.values() if hybrid.moe is not None}
-    if len(routers) > 1:
-        out.append(f"router weights differ between ranks ({len(routers)} versions); the router is replicated")
-    return out
-
-
-def _replica_problems(plan: HybridPlan, by_rank: Mapping[int, HybridReport]) -> list[str]:
-    """Every physical replica of one logical expert holds the same weights (per expert-TP column shard)."""
-    if plan.moe is None:
-        return []
-    sums: dict[tuple[int, tuple[int, int]], dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
-    for r, hybrid in sorted(by_rank.items()):
-        got = hybrid.moe
-        if got is None or len(got.slot_checksums) != len(got.experts) or len(got.logical) != len(got.experts):
-            continue
-        for p, logical, digest in zip(got.experts, got.logical, got.slot_checksums):
-            sums[(logical, got.expert_ffn_shard)][digest].append(f"rank {r} slot {p}")
-    out = []
-    for (logical, (lo, hi)), versions in sorted(sums.items()):
-        if len(versions) > 1:
-            out.append(f"the replicas of logical expert {logical} (columns {lo}-{hi - 1}) hold different weights: "
-                       + "; ".join(f"{', '.join(where)}: {d[:12]}" for d, where in versions.items()))
-    return out
+    return expert_problems(plan.moe, {r: hybrid.moe for r, hybrid in by_rank.items()})
 
 
 def _cache_problems(plan: HybridPlan, by_rank: Mapping[int, HybridReport], pool: Mapping[str, Any],

@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Mapping, Sequence
 
+from harness.compare.expert_check import expert_problems
 from harness.compare.param_check import param_problems
 from harness.compare.placement_check import placement_problems, q_weight_problems
 from harness.core.errors import ConfigError
 from harness.core.fmt import id_ranges
 from harness.core.verdict import CheckResult, Verdict
-from harness.partition.hybrid_layout import HybridPlan
+from harness.partition.hybrid_layout import HybridPlan, MoePlan
 from harness.partition.layout import (
     POOL_SIZINGS,
     LayoutPlan,
@@ -144,10 +145,11 @@ def reports_by_rank(actual: Mapping[str, Any]) -> dict[int, RankReport]:
 
 def check_layout(plan: LayoutPlan, actual: Mapping[str, Any], pool_expected: PoolCapacity | None,
                  name: str = "layout", check_checksums: bool = True, hybrid: HybridPlan | None = None,
-                 indexer: SparsePlan | None = None) -> CheckResult:
+                 indexer: SparsePlan | None = None, moe: MoePlan | None = None) -> CheckResult:
     """Compare one model's actual per-rank layout with `plan`; `pool_expected` None skips the pool. With
     `check_checksums`, every checkpoint tensor each rank holds against its planned slice (param_check.py;
-    `hybrid`: the linear-attention and MoE plan of a hybrid model; `indexer`: a sparse-attention model's)."""
+    `hybrid`: the linear-attention and MoE plan of a hybrid model; `indexer`: a sparse-attention model's).
+    `moe`: the experts of an MLA model, each rank's `experts` record against it (expert_check.py)."""
     try:
         by_rank = reports_by_rank(actual)
     except LayoutSchemaError as exc:
@@ -171,7 +173,9 @@ def check_layout(plan: LayoutPlan, actual: Mapping[str, Any], pool_expected: Poo
         problems += _mapping_problems(plan, got, got.q_heads, got.q_to_kv, "Q head")
         if (got.group_q_heads, got.group_q_to_kv) != (got.q_heads, got.q_to_kv):
             problems += _mapping_problems(plan, got, got.group_q_heads, got.group_q_to_kv, "group Q head")
-    held_off = param_problems(plan, by_rank, hybrid, indexer) if check_checksums else []
+    held_off = param_problems(plan, by_rank, hybrid, indexer=indexer, moe=moe) if check_checksums else []
+    if moe is not None:
+        problems += expert_problems(moe, {r: got.experts for r, got in by_rank.items()})
     if check_checksums:
         problems += _checksum_problems(by_rank) + [p.text for p in held_off]
     problems += _replication_problems(plan, by_rank)
@@ -195,7 +199,8 @@ def check_layout(plan: LayoutPlan, actual: Mapping[str, Any], pool_expected: Poo
 
 
 def check_layout_with_pool(plan: LayoutPlan, actual: Mapping[str, Any], name: str = "layout",
-                           check_pool: bool = True, check_checksums: bool = True) -> CheckResult:
+                           check_pool: bool = True, check_checksums: bool = True,
+                           moe: MoePlan | None = None) -> CheckResult:
     """check_layout with the expected pool sized from the budget the run reports; a budget the
     planner cannot fit one slot into is itself a problem (the run should have failed loudly)."""
     pool_note: str | None = None
@@ -207,7 +212,7 @@ def check_layout_with_pool(plan: LayoutPlan, actual: Mapping[str, Any], name: st
             pool_note = f"KV pool: {exc}"
         except (KeyError, TypeError, ValueError) as exc:
             return CheckResult(name, Verdict.ERROR, f"layout entry has no usable 'pool' ({exc!r})")
-    result = check_layout(plan, actual, pool, name, check_checksums)
+    result = check_layout(plan, actual, pool, name, check_checksums, moe=moe)
     if pool_note is None or result.verdict is Verdict.ERROR:
         return result
     problems = [pool_note, *result.metrics["problems"]]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from harness.arch.param_slices import Slice, planned_slice, slice_size, sub_block
-from harness.partition.hybrid_layout import HybridPlan
+from harness.partition.hybrid_layout import HybridPlan, MoePlan
 from harness.partition.layout import LayoutPlan
 from harness.partition.sparse_layout import SparsePlan
 from harness.records.rankreport import RankReport
@@ -48,9 +48,9 @@ def describe_slice(s: Slice) -> str:
 
 
 def param_problems(plan: LayoutPlan, by_rank: Mapping[int, RankReport], hybrid: HybridPlan | None = None,
-                   indexer: SparsePlan | None = None) -> list[ParamProblem]:
-    """Each reporting rank's held slice and values of every checkpoint tensor against `plan` (and `hybrid`, or
-    the sparse-attention `indexer`)."""
+                   indexer: SparsePlan | None = None, moe: MoePlan | None = None) -> list[ParamProblem]:
+    """Each reporting rank's held slice and values of every checkpoint tensor against `plan` (and `hybrid`, the
+    sparse-attention `indexer`, or the experts `moe` of an MLA model)."""
     reporting = {r: got.params for r, got in sorted(by_rank.items()) if got.params is not None}
     shapes: dict[str, tuple[int, ...]] = {}
     for params in reporting.values():
@@ -60,7 +60,7 @@ def param_problems(plan: LayoutPlan, by_rank: Mapping[int, RankReport], hybrid: 
         if r >= len(plan.ranks):
             continue
         for name in sorted(shapes):
-            want = planned_slice(name, shapes, r, plan, hybrid, indexer)
+            want = planned_slice(name, shapes, r, plan, hybrid, indexer=indexer, moe=moe)
             layer, block = sub_block(name)
             got = params.get(name)
             if got is None:

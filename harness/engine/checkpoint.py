@@ -3,7 +3,9 @@ harness/specs/checkpoint.py, which reads specs from checkpoints.
 
 Each engine module an attention component names (harness/arch/components.py) has its own Hugging Face
 architecture: dense models are Llama (Qwen2 with q/k/v biases), MLA models DeepSeek-V2
-(DeepseekV2ForCausalLM, the latent attention with a dense FFN in every layer). DeepSeek rotates its RoPE
+(DeepseekV2ForCausalLM: the latent attention, a dense FFN in every layer, or with experts (spec.moe) a dense
+FFN in the first moe.first_dense layers and routed experts plus a shared expert in the others, one tensor per
+expert in the file: `unstack_experts` / `stack_experts`). DeepSeek rotates its RoPE
 dimensions as interleaved pairs (x[2i], x[2i+1]) where the harness rotates halves (x[i], x[i + d/2]): the
 rope rows of q and kv_a are written in the interleaved order (`rope_rows_interleaved`) and read back in
 the halves order, so both engines compute the same scores from the same file.
@@ -12,13 +14,15 @@ the halves order, so both engines compute the same scores from the same file.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from harness.arch.model import model_of
-from harness.engine.names import hf_name
+from harness.core.errors import ConfigError
+from harness.engine.names import EXPERT_CANONICAL, expert_name, hf_name
 from harness.specs.model import ModelSpec
 
 Weights = dict[str, torch.Tensor]
@@ -44,9 +48,11 @@ def llama_config(spec: ModelSpec) -> dict[str, Any]:
 
 
 def deepseek_v2_config(spec: ModelSpec) -> dict[str, Any]:
-    """A DeepSeek-V2 config.json for an MLA `spec`: every layer dense (first_k_dense_replace = layers: its one
-    nominal routed expert is never built), plain RoPE."""
-    return {
+    """A DeepSeek-V2 config.json for an MLA `spec`, plain RoPE: without experts every layer dense
+    (first_k_dense_replace = layers: its one nominal routed expert is never built); with spec.moe its routed
+    experts (greedy top-k of a softmax, norm_topk_prob = moe.renormalize, no scaling) and one shared expert of
+    moe.shared_ffn columns (n_shared_experts = shared_ffn / moe_ffn) from layer moe.first_dense on."""
+    config = {
         "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_act": "silu",
         "vocab_size": spec.vocab, "hidden_size": spec.hidden, "intermediate_size": spec.ffn,
         "moe_intermediate_size": spec.ffn, "num_hidden_layers": spec.layers,
@@ -60,6 +66,53 @@ def deepseek_v2_config(spec: ModelSpec) -> dict[str, Any]:
         "attention_bias": False, "tie_word_embeddings": spec.tied_embeddings,
         "max_position_embeddings": spec.max_seq_len, "torch_dtype": "float32", "dtype": "float32",
     }
+    moe = spec.moe
+    if moe is not None:
+        if moe.shared_ffn % moe.moe_ffn or moe.redundant_experts:
+            raise ConfigError(f"model {spec.name!r}: DeepSeek-V2 holds shared experts of moe_intermediate_size "
+                              f"columns each and no redundant experts; moe.shared_ffn={moe.shared_ffn} must be a "
+                              f"multiple of moe.moe_ffn={moe.moe_ffn} and redundant_experts={moe.redundant_experts} 0")
+        config.update({"n_routed_experts": moe.experts, "num_experts_per_tok": moe.top_k,
+                       "moe_intermediate_size": moe.moe_ffn, "n_shared_experts": moe.shared_ffn // moe.moe_ffn,
+                       "first_k_dense_replace": moe.first_dense, "norm_topk_prob": moe.renormalize})
+    return config
+
+
+_STACKED = re.compile(r"(layers\.\d+\.)experts\.(gate|up|down)\.weight")
+_ONE_EXPERT = re.compile(r"(layers\.\d+\.)" + EXPERT_CANONICAL.pattern)
+
+
+def unstack_experts(weights: Weights) -> Weights:
+    """Canonical stacked expert tensors layers.{i}.experts.gate.weight [E, F, H] -> one per expert, as a
+    Hugging Face folder holds them: layers.{i}.experts.{e}.gate.weight [F, H] (down: [H, F])."""
+    out: Weights = {}
+    for name, t in weights.items():
+        match = _STACKED.fullmatch(name)
+        if match is None:
+            out[name] = t
+            continue
+        for e in range(t.shape[0]):
+            out[match.group(1) + expert_name(e, match.group(2))] = t[e]
+    return out
+
+
+def stack_experts(weights: Weights) -> Weights:
+    """The reverse of unstack_experts: each layer's experts 0..E-1 stacked in order (a gap in the expert
+    ids is a ConfigError naming it)."""
+    out: Weights = {}
+    found: dict[str, dict[int, torch.Tensor]] = {}
+    for name, t in weights.items():
+        match = _ONE_EXPERT.fullmatch(name)
+        if match is None:
+            out[name] = t
+        else:
+            found.setdefault(f"{match.group(1)}experts.{match.group(3)}.weight", {})[int(match.group(2))] = t
+    for name, experts in found.items():
+        if sorted(experts) != list(range(len(experts))):
+            missing = sorted(set(range(max(experts) + 1)) - set(experts))
+            raise ConfigError(f"{name}: the checkpoint holds experts {sorted(experts)}, missing {missing}")
+        out[name] = torch.stack([experts[e] for e in range(len(experts))])  # E x [F, H] -> [E, F, H]
+    return out
 
 
 def interleave_order(rope: int) -> torch.Tensor:
@@ -84,8 +137,8 @@ def _permute_rope_rows(spec: ModelSpec, weights: Weights, order: torch.Tensor) -
 
 
 def rope_rows_interleaved(spec: ModelSpec, weights: Weights) -> Weights:
-    """Canonical (halves RoPE) MLA weights -> DeepSeek's interleaved RoPE order."""
-    return _permute_rope_rows(spec, weights, interleave_order(spec.qk_rope_dim))
+    """Canonical (halves RoPE) MLA weights -> DeepSeek's interleaved RoPE order, each expert its own tensor."""
+    return unstack_experts(_permute_rope_rows(spec, weights, interleave_order(spec.qk_rope_dim)))
 
 
 def rope_rows_halves(spec: ModelSpec, weights: Weights) -> Weights:

@@ -16,6 +16,7 @@ from harness.engine.hybrid import (
     HybridLayer,
     HybridParts,
     build_hybrid,
+    experts_report,
     hybrid_layout_report,
     shard_hybrid,
 )
@@ -28,7 +29,7 @@ from harness.engine.param_report import ShardFn, held_params
 from harness.engine.sparse import SparseDecoder, shard_indexer, sparse_capacity, sparse_report
 from harness.partition.layout import LayoutPlan, PoolCapacity, RankLayout, pool_capacity
 from harness.partition.sparse_layout import INDEX_GROUP, kv_pool_of, sparse_cache_groups
-from harness.records.rankreport import HybridReport, MLAReport, ParamShard, SparseReport
+from harness.records.rankreport import ExpertsReport, HybridReport, MLAReport, ParamShard, SparseReport
 from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
 
@@ -66,11 +67,14 @@ class ModuleReport:
     mla_record: MLAReport | None = None
     hybrid_record: HybridReport | None = None
     sparse_record: SparseReport | None = None
+    experts_record: ExpertsReport | None = None  # experts beside MLA (DeepSeek's MoE)
 
 
 def _latent_report(parts: MLAParts, spec: ModelSpec) -> ModuleReport:
     record, sums, per_token = mla_report(parts, spec)
-    return ModuleReport(sums, per_token, mla_record=record)
+    moe = next((layer.moe for layer in parts.weights.layers if layer.moe is not None), None)
+    experts = experts_report(moe, parts.moe_rank) if moe is not None and parts.moe_rank is not None else None
+    return ModuleReport(sums, per_token, mla_record=record, experts_record=experts)
 
 
 @dataclass(frozen=True)
@@ -119,9 +123,9 @@ def build_latent(b: RankBuild) -> RankParts:
     plan, rank_layout, heads, capacity = _attention_plan(b)
     assert b.plan.latent is not None
     parts = build_mla(b.spec, b.full_weights, rank_layout, heads, b.state.collectives(), b.flags, capacity, b.dtype,
-                      b.state.device, b.plan.latent, b.topology.placement)
+                      b.state.device, b.plan.latent, b.topology.placement, b.plan.moe)
     params = _params(b, lambda full, dtype: shard_mla_weights(full, b.spec, rank_layout, parts.rank, b.flags, dtype,
-                                                              CPU), parts.weights)
+                                                              CPU, b.plan.moe), parts.weights)
     return RankParts(plan, rank_layout, heads, capacity, parts.cache, parts.decoder, parts.weights,
                      lambda: _latent_report(parts, b.spec), parts, params)
 

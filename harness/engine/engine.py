@@ -120,7 +120,8 @@ class Engine:
         extra = self._report()  # what the attention component's engine module adds (decoders.py)
         return rank_report(self.rank_layout, self.heads, self._weights, self.spec, self.cache.pool_bytes,
                            self.capacity.blocks, extra.checksums, extra.kv_bytes_per_token, self._owner_probe,
-                           extra.mla_record, extra.hybrid_record, extra.sparse_record, self._params)
+                           extra.mla_record, extra.hybrid_record, extra.sparse_record, self._params,
+                           extra.experts_record)
 
     # -- building blocks ---------------------------------------------------------------------------
 

@@ -431,6 +431,16 @@ def _slot_checksum(moe: MoeWeights, j: int) -> str:
     return _checksum([moe.gate[j], moe.up[j], moe.down[:, j * f:(j + 1) * f]])
 
 
+def experts_report(moe: MoeWeights, planned: MoeRank) -> ExpertsReport:
+    """What a rank holds of an MoE layer `moe` (its first): its experts (ids as it routes them) and columns, its
+    shared-expert columns, its router's checksum, the logical expert each slot loaded and each slot's checksum."""
+    return ExpertsReport(
+        experts=tuple(moe.expert_ids), expert_ffn_shard=planned.expert_ffn_shard, expert_columns=int(moe.gate.shape[1]),
+        shared_columns=int(moe.shared_gate.shape[0]) if moe.shared_gate is not None else 0,
+        router_checksum=_checksum([moe.router]), logical=tuple(moe.loaded),
+        slot_checksums=tuple(_slot_checksum(moe, j) for j in range(len(moe.expert_ids))))
+
+
 def hybrid_layout_report(parts: HybridParts, rank: int) -> HybridReport:
     """What this rank holds of the hybrid layers, for the layout check: the packed q|k|v rows it
     loaded, its V / K heads, the heads whose output it adds, a checksum of its linear weights (equal
@@ -441,14 +451,7 @@ def hybrid_layout_report(parts: HybridParts, rank: int) -> HybridReport:
     moe_layer = next((layer.moe for layer in parts.layers if layer.moe is not None), None)
     moe: ExpertsReport | None = None
     if moe_layer is not None and parts.plan.moe is not None:
-        planned = parts.plan.moe.ranks[rank]
-        moe = ExpertsReport(
-            experts=tuple(moe_layer.expert_ids), expert_ffn_shard=planned.expert_ffn_shard,
-            expert_columns=int(moe_layer.gate.shape[1]),
-            shared_columns=int(moe_layer.shared_gate.shape[0]) if moe_layer.shared_gate is not None else 0,
-            router_checksum=_checksum([moe_layer.router]), logical=tuple(moe_layer.loaded),
-            slot_checksums=tuple(_slot_checksum(layer.moe, j) for j in range(len(moe_layer.expert_ids))
-                                 for layer in parts.layers[:1] if layer.moe is not None))
+        moe = experts_report(moe_layer, parts.plan.moe.ranks[rank])
     cache = parts.cache
     linear = LinearReport(
         v_heads=tuple(lin.v_heads), k_heads=tuple(lin.k_heads), out_v_heads=tuple(lin.out_v_heads),

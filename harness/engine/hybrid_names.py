@@ -14,7 +14,7 @@ FFN: with experts, router.weight [E, H], experts.gate.weight / experts.up.weight
 
 from __future__ import annotations
 
-from harness.partition.hybrid_layout import FULL, HybridShape, layer_kinds
+from harness.partition.hybrid_layout import FULL, HybridShape, MoeShape, layer_kinds
 from harness.specs.model import ModelSpec
 
 Shape = tuple[int, ...]
@@ -40,14 +40,20 @@ def hybrid_layer_shapes(spec: ModelSpec, h: HybridShape, kind: str) -> dict[str,
                        "lin_A_log": (h.linear_v_heads,), "lin_dt_bias": (h.linear_v_heads,),
                        "lin_norm.weight": (h.linear_v_dim,), "lin_out.weight": (H, vd)})
     if h.experts:
-        shapes.update({"router.weight": (h.experts, H), "experts.gate.weight": (h.experts, h.moe_ffn, H),
-                       "experts.up.weight": (h.experts, h.moe_ffn, H),
-                       "experts.down.weight": (h.experts, H, h.moe_ffn)})
-        if h.shared_ffn:
-            shapes.update({"shared.gate.weight": (h.shared_ffn, H), "shared.up.weight": (h.shared_ffn, H),
-                           "shared.down.weight": (H, h.shared_ffn)})
+        shapes.update(expert_shapes(H, h))
     else:
         shapes.update({"gate.weight": (spec.ffn, H), "up.weight": (spec.ffn, H), "down.weight": (H, spec.ffn)})
+    return shapes
+
+
+def expert_shapes(hidden: int, h: HybridShape | MoeShape) -> dict[str, Shape]:
+    """Per-layer canonical suffix -> shape of an MoE layer's router, routed experts and shared expert."""
+    shapes: dict[str, Shape] = {
+        "router.weight": (h.experts, hidden), "experts.gate.weight": (h.experts, h.moe_ffn, hidden),
+        "experts.up.weight": (h.experts, h.moe_ffn, hidden), "experts.down.weight": (h.experts, hidden, h.moe_ffn)}
+    if h.shared_ffn:
+        shapes.update({"shared.gate.weight": (h.shared_ffn, hidden), "shared.up.weight": (h.shared_ffn, hidden),
+                       "shared.down.weight": (hidden, h.shared_ffn)})
     return shapes
 
 

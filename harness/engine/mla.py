@@ -7,6 +7,10 @@ scores are that against the latent rows, its output is softmax @ c_kv in latent 
 to the head's value width after the DCP merge. So a DCP group attends in latent space: each rank's
 partial is (latent output, LSE) over the latent rows it owns.
 
+With experts (spec.moe, DeepSeek-V2's MoE) the layers from moe.first_dense on run the MoE of
+harness/engine/moe.py instead of the dense FFN: the rank's experts and shared-expert columns from the MoE plan
+(harness/engine/hybrid.py's shard_moe), their partial outputs summed over TP like the dense FFN's.
+
 Q modes (harness/partition/mla_layout.py): "split" projects the rank's own heads' queries and all-gathers them in
 the DCP group (as GQA's DCP path does); "replicated" holds q_b / w_kc of every head of the DCP group
 and computes the group's queries locally. Faults: harness/engine/faults.py.
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 
 from harness.engine.faults import FaultFlags
+from harness.engine.hybrid import shard_moe
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.model import (
     Batch,
@@ -37,8 +42,10 @@ from harness.engine.model import (
     rms_norm,
     split_key_attention,
 )
+from harness.engine.moe import MoeRows, MoeWeights, moe_activations
 from harness.engine.parallel import Collectives
 from harness.engine.parallelize import mlp_norm_layer, o_heads, vocab_rows
+from harness.partition.hybrid_layout import MoePlan, MoeRank
 from harness.partition.layout import ROUND_ROBIN, Placement, PoolCapacity, RankLayout, local_token_count, token_owner
 from harness.partition.mla_layout import MLAPlan, MLARank
 from harness.records.rankreport import MLAReport
@@ -49,7 +56,8 @@ from harness.specs.model import ModelSpec
 class MLALayerWeights:
     """One layer's local shard. q_b: [n_qw * (nope + rope), q_in] and w_kc: [n_qw, nope, kv_lora] for the
     heads whose Q weights the rank holds (own heads, or the DCP group's when Q is replicated); w_vc:
-    [n_q, v, kv_lora] and o: [H, n_q * v] for its own heads; kv_a / kv_a_norm replicated."""
+    [n_q, v, kv_lora] and o: [H, n_q * v] for its own heads; kv_a / kv_a_norm replicated. An MoE layer holds
+    `moe` and empty gate / up [0, H] and down [H, 0]."""
 
     attn_norm: torch.Tensor
     q_a: torch.Tensor | None
@@ -64,6 +72,7 @@ class MLALayerWeights:
     gate: torch.Tensor
     up: torch.Tensor
     down: torch.Tensor
+    moe: MoeWeights | None = None
 
 
 @dataclass(frozen=True)
@@ -96,15 +105,31 @@ def q_weight_source(mla_rank: MLARank, flags: FaultFlags) -> tuple[int, ...]:
     return tuple(own[i % len(own)] for i in range(len(held)))
 
 
+def _ffn_weights(full: dict[str, torch.Tensor], spec: ModelSpec, rank: RankLayout, i: int, flags: FaultFlags,
+                 moe_plan: MoePlan | None, cast: Any) -> dict[str, Any]:
+    """Layer i's FFN fields of MLALayerWeights: the dense FFN's columns, or the rank's MoE shard (empty dense)."""
+    p = f"layers.{i}."
+    if moe_plan is None or p + "router.weight" not in full:
+        lo, hi = rank.ffn_shard
+        return {"gate": cast(full[p + "gate.weight"][lo:hi]), "up": cast(full[p + "up.weight"][lo:hi]),
+                "down": cast(full[p + "down.weight"][:, lo:hi])}
+    assert spec.moe is not None
+    moe = shard_moe(full, p, moe_plan.ranks[rank.rank], flags, moe_plan, cast)
+    moe.renormalize = spec.moe.renormalize
+    empty = cast(full[p + "router.weight"][:0])  # [0, H]
+    return {"gate": empty, "up": empty, "down": empty.T, "moe": moe}
+
+
 def shard_mla_weights(full: dict[str, torch.Tensor], spec: ModelSpec, rank: RankLayout, mla_rank: MLARank,
-                      flags: FaultFlags, dtype: torch.dtype, device: torch.device) -> LocalWeights:
+                      flags: FaultFlags, dtype: torch.dtype, device: torch.device,
+                      moe_plan: MoePlan | None = None) -> LocalWeights:
     """One rank's MLA weights: Q weights of mla_rank.q_weight_heads, w_vc / o of its own heads, the
-    latent projection replicated, FFN columns and vocab rows as the GQA shard takes them."""
+    latent projection replicated, FFN columns and vocab rows as the GQA shard takes them (an MoE layer's
+    experts as `moe_plan` places them)."""
     d = mla_dims(spec)
     qk = d.nope + d.rope
     src = list(q_weight_source(mla_rank, flags))
     own = list(rank.q_heads)
-    lo, hi = rank.ffn_shard
     cast = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
     layers: list[Any] = []
     for i in range(spec.layers):
@@ -121,8 +146,7 @@ def shard_mla_weights(full: dict[str, torch.Tensor], spec: ModelSpec, rank: Rank
             q_b=cast(q_b), w_kc=cast(kv_b[src, : d.nope]), kv_a=cast(full[p + "kv_a.weight"]),
             kv_a_norm=cast(full[p + "kv_a_norm.weight"]), w_vc=cast(kv_b[own, d.nope:]), o=cast(o),
             mlp_norm=cast(full[f"layers.{mlp_norm_layer(rank, i, spec.layers, flags)}.mlp_norm.weight"]),
-            gate=cast(full[p + "gate.weight"][lo:hi]),
-            up=cast(full[p + "up.weight"][lo:hi]), down=cast(full[p + "down.weight"][:, lo:hi])))
+            **_ffn_weights(full, spec, rank, i, flags, moe_plan, cast)))
     embed = cast(vocab_rows(full["embed.weight"], rank.vocab_shard, rank.vocab_rows))
     lm_head = (embed if "lm_head.weight" not in full
                else cast(vocab_rows(full["lm_head.weight"], rank.vocab_shard, rank.vocab_rows)))
@@ -141,7 +165,7 @@ class MLADecoder(Decoder):
 
     def __init__(self, weights: LocalWeights, heads: HeadMap, hyper: Hyper, comm: Collectives,
                  cache: PagedKVCache, flags: FaultFlags, dims: MLADims, q_replicated: bool,
-                 placement: Placement = ROUND_ROBIN) -> None:
+                 placement: Placement = ROUND_ROBIN, top_k: int = 0) -> None:
         super().__init__(weights, heads, hyper, comm, cache, flags, placement, fuse=False)
         self.dims = dims
         self.q_replicated = q_replicated and comm.dcp > 1
@@ -149,6 +173,18 @@ class MLADecoder(Decoder):
                                         gate_up=torch.cat((layer.gate, layer.up))) for layer in weights.layers]
         for layer, fused in zip(weights.layers, self._fused):  # gate/up as views of the fused matrix
             layer.gate, layer.up = fused.gate_up.split([layer.gate.shape[0], layer.up.shape[0]])
+        self.top_k = top_k  # experts per token of the MoE layers
+
+    def _mlp(self, i: int, layer: Any, h: torch.Tensor) -> torch.Tensor:
+        """Layer i's FFN of h [B, S, H] summed over TP: the dense FFN, or the MoE (routed experts and shared
+        expert) of an MoE layer."""
+        if layer.moe is None:
+            return super()._mlp(i, layer, h)
+        B, S, H = h.shape
+        # [B, S, H] -> [B * S, H] tokens -> activations [B * S, A] -> [B, S, A]
+        rows = MoeRows.all_real(B * S, h.device, self.flags.replica_local_first)
+        acts = moe_activations(h.reshape(B * S, H), layer.moe, self.top_k, self.flags.router_local_renorm, rows)
+        return self._row_parallel(acts.view(B, S, -1), layer.moe.down)
 
     def _slot_tables(self, batch: Batch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The mla-rope-local-slot fault's RoPE tables: each token rotated by its index in its owner's
@@ -234,18 +270,20 @@ class MLAParts:
     decoder: MLADecoder
     rank: MLARank
     q_mode: str
+    moe_rank: MoeRank | None = None  # the rank's part of the experts (a model with MoE layers)
 
 
 def build_mla(spec: ModelSpec, full: dict[str, torch.Tensor], rank: RankLayout, heads: HeadMap, comm: Collectives,
               flags: FaultFlags, capacity: PoolCapacity, dtype: torch.dtype, device: torch.device, mla_plan: MLAPlan,
-              placement: Placement) -> MLAParts:
-    """One rank's MLA weights, latent cache and decoder, from the planner's MLA plan."""
+              placement: Placement, moe_plan: MoePlan | None = None) -> MLAParts:
+    """One rank's MLA weights, latent cache and decoder, from the planner's MLA plan (and MoE plan)."""
     mla_rank = mla_plan.ranks[rank.rank]
-    weights = shard_mla_weights(full, spec, rank, mla_rank, flags, dtype, device)
+    weights = shard_mla_weights(full, spec, rank, mla_rank, flags, dtype, device, moe_plan)
     cache = latent_cache(capacity, spec, dtype, device)
     decoder = MLADecoder(weights, heads, Hyper(spec.qk_rope_dim, spec.rope_theta, spec.norm_eps), comm, cache, flags,
-                         mla_dims(spec), mla_plan.q_replicated, placement)
-    return MLAParts(weights, cache, decoder, mla_rank, "replicated" if mla_plan.q_replicated else "split")
+                         mla_dims(spec), mla_plan.q_replicated, placement, spec.moe.top_k if spec.moe else 0)
+    return MLAParts(weights, cache, decoder, mla_rank, "replicated" if mla_plan.q_replicated else "split",
+                    moe_plan.ranks[rank.rank] if moe_plan is not None else None)
 
 
 def mla_report(parts: MLAParts, spec: ModelSpec) -> tuple[MLAReport, dict[str, str], int]:

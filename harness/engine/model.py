@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -337,12 +337,15 @@ class Decoder:
             if capture is not None:
                 capture.attn.append(attn)
             x = x + self._row_parallel(attn.flatten(2), layer.o, attn_out=True)
-            h = rms_norm(x, layer.mlp_norm, self.hyper.norm_eps)
-            gate, up = (h @ self._fused[i].gate_up.T).split(layer.gate.shape[0], dim=-1)  # [B, S, 2F] -> 2 x [B, S, F]
-            x = x + self._row_parallel(F.silu(gate) * up, layer.down)
+            x = x + self._mlp(i, layer, rms_norm(x, layer.mlp_norm, self.hyper.norm_eps))
             self._capture_layer(capture, x)
         self._sites = None
         return x
+
+    def _mlp(self, i: int, layer: Any, h: torch.Tensor) -> torch.Tensor:
+        """Layer i's FFN of its normed input h [B, S, H], summed over the TP group -> [B, S, H]."""
+        gate, up = (h @ self._fused[i].gate_up.T).split(layer.gate.shape[0], dim=-1)  # [B, S, 2F] -> 2 x [B, S, F]
+        return self._row_parallel(F.silu(gate) * up, layer.down)
 
     def _capture_layer(self, capture: Capture | None, x: torch.Tensor) -> None:
         """Record a layer's output residual stream [B, S, H] and its collectives' errors [B, S, sites]."""

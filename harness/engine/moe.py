@@ -6,7 +6,8 @@ them (a mask: weight 0 for the others) and its shard of the shared expert; the c
 partials over the TP world with one all-reduce. This is the all-gather + mask form of expert
 parallel (tokens need no gather here, they are already on every rank), not all-to-all dispatch.
 
-Routing: softmax over all experts in float32, top-k, the k weights renormalized to sum to 1. With
+Routing: softmax over all experts in float32, top-k, the k weights renormalized to sum to 1 (DeepSeek-V2's
+norm_topk_prob; without it, MoeWeights.renormalize False, each weight stays its probability). With
 redundant experts (harness/partition/expert_map.py) a token routed to logical expert l goes to the one
 physical replica the map picks for its index in the MoE batch; a rank runs its physical slots.
 
@@ -40,6 +41,7 @@ class MoeWeights:
     expert_ids: tuple[int, ...]  # physical slots (= logical experts without replicas)
     expert_map: ExpertMap | None = None  # None: no replicas
     loaded: tuple[int, ...] = ()  # the logical expert whose weights each local slot holds
+    renormalize: bool = True  # the top-k weights rescaled to sum to 1 (MoeShape.renormalize)
 
 
 @dataclass(frozen=True)
@@ -77,11 +79,13 @@ def physical_ids(ids: torch.Tensor, w: MoeWeights, local_first: bool = False) ->
     return out
 
 
-def route(h: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k expert ids [N, k] and their renormalized weights [N, k] (float32) for tokens h [N, H]."""
+def route(h: torch.Tensor, router: torch.Tensor, top_k: int,
+          renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k expert ids [N, k] and their weights [N, k] (float32, renormalized to sum to 1 unless not
+    `renormalize`) for tokens h [N, H]."""
     probs = torch.softmax((h @ router.T).float(), dim=-1)  # [N, E]
     weights, ids = torch.topk(probs, top_k, dim=-1)
-    return ids, weights / weights.sum(-1, keepdim=True)
+    return ids, weights / weights.sum(-1, keepdim=True) if renormalize else weights
 
 
 def local_renormalized(ids: torch.Tensor, weights: torch.Tensor, held: tuple[int, ...]) -> torch.Tensor:
@@ -100,7 +104,7 @@ def moe_activations(h: torch.Tensor, w: MoeWeights, top_k: int, local_renorm: bo
     layer's output. `local_renorm` is the fault moe-router-local-renorm; `rows` (default: every row a
     real token) masks padding rows and routes dummy rows nowhere."""
     rows = rows or MoeRows.all_real(h.shape[0], h.device)
-    ids, weights = route(h, w.router, top_k)
+    ids, weights = route(h, w.router, top_k, w.renormalize)
     ids = ids.masked_fill(rows.dummy[:, None], -1)  # an idle DP rank's dummy token: top-k id -1
     routed = rows.real
     if rows.dummy_wrap:  # the -1 id read as the last expert, the dummy row kept

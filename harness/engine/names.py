@@ -8,7 +8,10 @@ Canonical names (all weights are [out, in] like torch.nn.Linear):
 MLA models (kv_lora_rank > 0; qk = qk_nope_dim + qk_rope_dim, v = head_dim) replace q/k/v with
   layers.{i}.q_a.weight [q_lora, H] and q_a_norm.weight [q_lora] (with a Q LoRA), then q_b.weight
   [heads*qk, q_lora], or q.weight [heads*qk, H] without; layers.{i}.kv_a.weight [kv_lora + qk_rope_dim, H];
-  kv_a_norm.weight [kv_lora]; kv_b.weight [heads*(qk_nope_dim + v), kv_lora]; o.weight [H, heads*v].
+  kv_a_norm.weight [kv_lora]; kv_b.weight [heads*(qk_nope_dim + v), kv_lora]; o.weight [H, heads*v]. With
+  experts (spec.moe) the layers from first_dense on replace gate/up/down with the MoE tensors of
+  harness/engine/hybrid_names.py (router, experts.* stacked [E, ...], shared.*); a Hugging Face folder holds
+  each expert apart (mlp.experts.{e}.gate_proj.weight: `expert_name`, harness/engine/checkpoint.py stacks them).
 Sparse-attention models add the indexer to the dense layer: layers.{i}.index_q.weight [index_heads*d, H],
   index_k.weight [d, H] (one key per token), index_w.weight [index_heads, H] (d = index_head_dim).
 """
@@ -19,7 +22,7 @@ import re
 from typing import Callable
 
 from harness.arch.model import Model, model_of
-from harness.engine.hybrid_names import hybrid_shapes
+from harness.engine.hybrid_names import expert_shapes, hybrid_shapes
 from harness.specs.model import ModelSpec
 
 Shape = tuple[int, ...]
@@ -44,7 +47,20 @@ HF_LAYER_NAMES: dict[str, str] = {
     "kv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
     "kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
     "kv_b.weight": "self_attn.kv_b_proj.weight",
+    # DeepSeek-V2's MoE layers (one tensor per expert in the file: EXPERT_HF below)
+    "router.weight": "mlp.gate.weight",
+    "shared.gate.weight": "mlp.shared_experts.gate_proj.weight",
+    "shared.up.weight": "mlp.shared_experts.up_proj.weight",
+    "shared.down.weight": "mlp.shared_experts.down_proj.weight",
 }
+# one routed expert's tensor: canonical per-layer suffix experts.{e}.gate.weight <-> HF mlp.experts.{e}.gate_proj.weight
+EXPERT_CANONICAL = re.compile(r"experts\.(\d+)\.(gate|up|down)\.weight")
+EXPERT_HF = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def expert_name(expert: int, part: str) -> str:
+    """The canonical per-layer suffix of routed expert `expert`'s `part` (gate, up or down) as a file holds it."""
+    return f"experts.{expert}.{part}.weight"
 HF_TOP_NAMES: dict[str, str] = {
     "embed.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -87,10 +103,14 @@ def mla_attention_shapes(spec: ModelSpec) -> dict[str, Shape]:
     return shapes
 
 
-def mla_layer_shapes(spec: ModelSpec) -> dict[str, Shape]:
-    """Per-layer canonical suffix -> shape of an MLA model."""
-    return {"attn_norm.weight": (spec.hidden,), **mla_attention_shapes(spec), "mlp_norm.weight": (spec.hidden,),
-            "gate.weight": (spec.ffn, spec.hidden), "up.weight": (spec.ffn, spec.hidden),
+def mla_layer_shapes(spec: ModelSpec, layer: int = 0) -> dict[str, Shape]:
+    """Per-layer canonical suffix -> shape of layer `layer` of an MLA model (a dense FFN, or from
+    moe.first_dense on the experts)."""
+    shapes: dict[str, Shape] = {"attn_norm.weight": (spec.hidden,), **mla_attention_shapes(spec),
+                                "mlp_norm.weight": (spec.hidden,)}
+    if spec.moe is not None and layer >= spec.moe.first_dense:
+        return {**shapes, **expert_shapes(spec.hidden, spec.moe)}
+    return {**shapes, "gate.weight": (spec.ffn, spec.hidden), "up.weight": (spec.ffn, spec.hidden),
             "down.weight": (spec.hidden, spec.ffn)}
 
 
@@ -127,11 +147,13 @@ def expected_shapes(spec: ModelSpec) -> dict[str, Shape]:
     return MODEL_SHAPES[model.attention.engine_module](model)
 
 
-def stacked_shapes(spec: ModelSpec, per_layer: dict[str, Shape]) -> dict[str, Shape]:
-    """Embedding, `per_layer` in every layer, final norm and (untied) lm_head."""
+def stacked_shapes(spec: ModelSpec,
+                   per_layer: dict[str, Shape] | Callable[[int], dict[str, Shape]]) -> dict[str, Shape]:
+    """Embedding, `per_layer` in every layer (or per_layer(i) in layer i), final norm and (untied) lm_head."""
     shapes: dict[str, Shape] = {"embed.weight": (spec.vocab, spec.hidden)}
     for i in range(spec.layers):
-        shapes.update({f"layers.{i}.{suffix}": shape for suffix, shape in per_layer.items()})
+        layer = per_layer(i) if callable(per_layer) else per_layer
+        shapes.update({f"layers.{i}.{suffix}": shape for suffix, shape in layer.items()})
     shapes["norm.weight"] = (spec.hidden,)
     if not spec.tied_embeddings:
         shapes["lm_head.weight"] = (spec.vocab, spec.hidden)
@@ -141,7 +163,7 @@ def stacked_shapes(spec: ModelSpec, per_layer: dict[str, Shape]) -> dict[str, Sh
 # the weight shapes of each engine module an attention component names (harness/arch/components.py)
 MODEL_SHAPES: dict[str, Callable[[Model], dict[str, Shape]]] = {
     "harness.engine.model": lambda m: stacked_shapes(m.spec, layer_shapes(m.spec)),
-    "harness.engine.mla": lambda m: stacked_shapes(m.spec, mla_layer_shapes(m.spec)),
+    "harness.engine.mla": lambda m: stacked_shapes(m.spec, lambda i: mla_layer_shapes(m.spec, i)),
     "harness.engine.hybrid": lambda m: hybrid_shapes(m.spec, m.hybrid_shape()),
     "harness.engine.sparse": lambda m: stacked_shapes(m.spec, {**layer_shapes(m.spec), **indexer_shapes(m)}),
 }
@@ -168,12 +190,20 @@ def _translate_back(name: str, top: dict[str, str], layer: dict[str, str], layer
 
 
 def hf_name(canonical: str) -> str:
-    """Canonical name -> Hugging Face parameter name."""
+    """Canonical name -> Hugging Face parameter name (a routed expert's own tensor: expert_name)."""
+    match = _LAYER_RE.fullmatch(canonical)
+    expert = EXPERT_CANONICAL.fullmatch(match.group(2)) if match else None
+    if match and expert:
+        return f"model.layers.{match.group(1)}.mlp.experts.{expert.group(1)}.{expert.group(2)}_proj.weight"
     return _translate(canonical, HF_TOP_NAMES, HF_LAYER_NAMES, "model.layers.")
 
 
 def canonical_from_hf(name: str) -> str | None:
     """Hugging Face parameter name -> canonical name, or None when it is not one we know."""
+    index, _, suffix = name.removeprefix("model.layers.").partition(".")
+    expert = EXPERT_HF.fullmatch(suffix) if name.startswith("model.layers.") and index.isdigit() else None
+    if expert:
+        return f"layers.{int(index)}.{expert_name(int(expert.group(1)), expert.group(2))}"
     return _translate_back(name, HF_TOP_NAMES, HF_LAYER_NAMES, "model.layers.")
 
 

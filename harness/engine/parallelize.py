@@ -13,7 +13,15 @@ from harness.arch.components import faulty_layout
 from harness.engine.faults import FaultFlags
 from harness.engine.model import HeadMap, LayerWeights, LocalWeights
 from harness.partition.layout import ROUND_ROBIN, LayoutPlan, Placement, RankLayout, group_kv_slots
-from harness.records.rankreport import HybridReport, MLAReport, ParamShard, RankReport, SparseReport, StoredPositions
+from harness.records.rankreport import (
+    ExpertsReport,
+    HybridReport,
+    MLAReport,
+    ParamShard,
+    RankReport,
+    SparseReport,
+    StoredPositions,
+)
 from harness.specs.model import ModelSpec
 
 
@@ -109,7 +117,7 @@ def rank_report(rank: RankLayout, heads: HeadMap, weights: LocalWeights, spec: M
                 pool_blocks: int, checksums: dict[str, str] | None = None, kv_bytes_per_token: int | None = None,
                 stored: StoredPositions | None = None, mla: MLAReport | None = None,
                 hybrid: HybridReport | None = None, sparse: SparseReport | None = None,
-                params: dict[str, ParamShard] | None = None) -> RankReport:
+                params: dict[str, ParamShard] | None = None, experts: ExpertsReport | None = None) -> RankReport:
     """What this rank really holds and reads, for the layout check (global ids throughout): the one place
     the embedded engine builds its rank reports (target and speculator). `checksums` replaces the K/V
     weight checksums (an MLA rank's latent projection); `params` what it holds of every checkpoint tensor
@@ -124,4 +132,4 @@ def rank_report(rank: RankLayout, heads: HeadMap, weights: LocalWeights, spec: M
         kv_weight_checksums=kv_checksums(weights, rank, spec.head_dim) if checksums is None else checksums,
         ffn_shard=rank.ffn_shard, vocab_shard=(weights.vocab_start, weights.vocab_start + weights.vocab_held),
         kv_bytes_per_token=kv_bytes_per_token, stored_positions=stored, mla=mla, hybrid=hybrid,
-        sparse=sparse, params=params)
+        sparse=sparse, params=params, experts=experts)

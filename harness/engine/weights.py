@@ -17,7 +17,7 @@ import torch
 
 from harness.arch.model import model_of
 from harness.core.errors import ConfigError
-from harness.engine.checkpoint import canonical_from_file
+from harness.engine.checkpoint import canonical_from_file, stack_experts
 from harness.engine.hybrid_names import synthetic_std
 from harness.engine.names import Shape, canonical_from_gguf, canonical_from_hf, expected_shapes
 from harness.specs.checkpoint import checkpoint_path, hf_config, read_json
@@ -89,7 +89,9 @@ def checkpoint_shapes(spec: ModelSpec, path: Path) -> dict[str, Shape]:
                             shapes[name] = tuple(handle.get_slice(key).get_shape())
             except (SafetensorError, OSError) as exc:
                 raise ConfigError(f"{file}: not a readable safetensors file: {exc}") from exc
-        return shapes
+        # per-expert tensors stacked as the loader stacks them (shapes only: meta tensors)
+        stacked = stack_experts({name: torch.empty(shape, device="meta") for name, shape in shapes.items()})
+        return {name: tuple(t.shape) for name, t in stacked.items()}
     reader = open_gguf(path)
     arch = architecture(reader)
     for tensor in reader.tensors:
@@ -210,6 +212,7 @@ def load_hf_folder(spec: ModelSpec, folder: Path) -> dict[str, torch.Tensor]:
             name = _canonical_hf(spec, key, path)
             if name is not None:
                 weights[name] = tensor.to(torch.float32).contiguous()
+    weights = stack_experts(weights)  # a DeepSeek folder's one tensor per routed expert -> [E, ...]
     check_weights(spec, weights, folder)
     return canonical_from_file(spec, weights)
 

@@ -489,6 +489,7 @@ class Runner:
         plan = plan_model(model_of(cell.model), topo)
         return CellContext(
             ref=ref, par=par, noise=noise, plan=plan.attention, hybrid_plan=plan.hybrid_plan,
+            moe_plan=plan.moe if plan.hybrid_plan is None else None,
             indexer_plan=plan.indexer,
             layout_check=plan.model.attention.layout_check,
             settings=CheckSettings.from_suite(suite, cell.model.dtype),

@@ -110,7 +110,9 @@ class HybridShape:
 class MoeShape:
     """The experts of a model whose attention is not hybrid (DeepSeek-V2/V3: MLA + MoE): `experts` routed experts
     of `moe_ffn` columns, top_k per token, a shared expert of `shared_ffn` columns (0: none), the first
-    `first_dense` layers dense (the `moe:` mapping of a model spec; read from a DeepSeek config.json)."""
+    `first_dense` layers dense (the `moe:` mapping of a model spec; read from a DeepSeek config.json).
+    `renormalize`: the top-k routing weights rescaled to sum to 1 (DeepSeek's norm_topk_prob; DeepSeek-V2 has it
+    off: each routed expert's weight is its softmax probability over all experts)."""
 
     experts: int
     top_k: int
@@ -118,9 +120,14 @@ class MoeShape:
     shared_ffn: int = 0
     first_dense: int = 0
     redundant_experts: int = 0  # physical replicas beyond the logical experts (expert_map.py)
+    renormalize: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.renormalize, bool):
+            raise ConfigError(f"moe: renormalize must be true or false, got {self.renormalize!r}")
         for name in self.__dataclass_fields__:
+            if name == "renormalize":
+                continue
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"moe: {name} must be a non-negative integer, got {value!r}")
@@ -129,9 +136,11 @@ class MoeShape:
                               f"got top_k={self.top_k}, moe_ffn={self.moe_ffn}")
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields; redundant_experts only when set (models without it keep their dict and cache keys)."""
+        """The fields; redundant_experts only when set, renormalize only when off (models without them keep their
+        dict and cache keys)."""
         return {name: getattr(self, name) for name in self.__dataclass_fields__
-                if name != "redundant_experts" or self.redundant_experts}
+                if (name != "redundant_experts" or self.redundant_experts) and (name != "renormalize"
+                                                                                 or not self.renormalize)}
 
 
 def layer_kinds(layers: int, interval: int) -> tuple[str, ...]:

@@ -191,6 +191,7 @@ class RankReport:
     layers: tuple[ProbeLayer, ...] | None = None    # an HTTP probe's per-layer heads
     layers_differing: tuple[str, ...] | None = None  # the probe's layers whose heads differ from the chosen ids
     params: dict[str, ParamShard] | None = None     # every checkpoint tensor the rank holds part of (embedded engine)
+    experts: ExpertsReport | None = None            # experts beside MLA (a hybrid model's are in hybrid.moe)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object of layout.json's `ranks` list (WIRE_ORDER; None fields omitted)."""
@@ -228,7 +229,7 @@ WIRE_ORDER: tuple[str, ...] = (
     "rank", "q_heads", "kv_heads", "v_heads", "dcp_group", "dcp_rank", "dcp_members", "kv_tp_rank", "q_to_kv",
     "ffn_shard", "vocab_shard", "group_q_heads", "group_q_to_kv", "kv_pool_bytes", "kv_pool_blocks",
     "kv_block_size", "kv_bytes_per_token", "kv_weight_checksums", "stored_positions", "hybrid", "mla", "sparse",
-    "layers", "layers_differing", "params")
+    "layers", "layers_differing", "params", "experts")
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,7 @@ def _mla_fields(config: dict[str, Any], where: Path) -> dict[str, Any]:
         moe_ffn = int(_config_value(config, "moe_intermediate_size", where))
         fields["moe"] = MoeShape(experts=experts, top_k=int(_config_value(config, "num_experts_per_tok", where)),
                                  moe_ffn=moe_ffn, shared_ffn=int(config.get("n_shared_experts") or 0) * moe_ffn,
-                                 first_dense=first_dense)
+                                 first_dense=first_dense, renormalize=bool(config.get("norm_topk_prob", False)))
     return fields
 
 
@@ -136,7 +136,22 @@ def _engine_gaps(config: dict[str, Any]) -> tuple[str, ...]:
         gaps.append(f"partial RoPE (partial_rotary_factor {config['partial_rotary_factor']})")
     if config.get("model_type") in HYBRID_MODEL_TYPES:
         gaps.append("Qwen3-Next's checkpoint tensors (the embedded hybrid engine runs synthetic weights)")
+    if config.get("model_type") in MLA_MODEL_TYPES and int(config.get("n_routed_experts") or 0):
+        gaps += _routing_gaps(config)
     return tuple(gaps)
+
+
+def _routing_gaps(config: dict[str, Any]) -> list[str]:
+    """The DeepSeek expert routing the embedded engine does not implement: it takes the greedy top-k of a softmax
+    over all experts (optionally renormalized), unscaled."""
+    gaps = []
+    if config.get("topk_method", "greedy") != "greedy":
+        gaps.append(f"topk_method {config['topk_method']!r} (expert groups)")
+    if config.get("scoring_func", "softmax") != "softmax":
+        gaps.append(f"scoring_func {config['scoring_func']!r}")
+    if float(config.get("routed_scaling_factor") or 1.0) != 1.0:
+        gaps.append(f"routed_scaling_factor {config['routed_scaling_factor']}")
+    return gaps
 
 
 def _max_seq_len(config: dict[str, Any]) -> int:

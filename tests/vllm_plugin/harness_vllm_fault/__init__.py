@@ -8,6 +8,10 @@ crashes and every shape is right; attention on rank 1 silently uses the wrong KV
 With HARNESS_VLLM_FAULT=mla-kv-b-shard (an MLA model: DeepSeek-V2/V3), tensor-parallel rank 1 loads
 kv_b_proj's rows of rank (1 + 1) % tp: its heads absorb another rank's w_kc / w_vc, so each of its Q heads scores
 the latent with another head's key map and reads another head's values. Nothing crashes; shapes are right.
+With HARNESS_VLLM_FAULT=moe-expert-map-offset (a model with routed experts: DeepSeek-V2/V3), tensor-parallel rank 1's
+weight loader maps each global expert to the next local slot (its map offset by one) while its router uses the right
+map: each of its slots holds the previous expert's weights, so its tokens reach the wrong experts' columns. Nothing
+crashes; shapes are right.
 Without the variable (or with any other value) the plugin changes nothing.
 """
 
@@ -20,6 +24,7 @@ from typing import Any, Callable
 FAULT_ENV = "HARNESS_VLLM_FAULT"
 KV_SHARD = "kv-shard"
 MLA_KV_B_SHARD = "mla-kv-b-shard"
+MOE_EXPERT_MAP_OFFSET = "moe-expert-map-offset"
 FAULTY_RANK = 1
 
 
@@ -79,10 +84,39 @@ def _register_mla_kv_b_shard() -> None:
           f"rows (MLA)", flush=True)
 
 
+def _offset_map(to_local: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap RoutedExperts' global -> local expert id map of the weight loader: on the faulty TP rank, one slot on."""
+
+    @functools.wraps(to_local)
+    def mapped(self: Any, expert_id: int) -> int:
+        from vllm.distributed import parallel_state as ps
+
+        local = to_local(self, expert_id)
+        if local < 0 or ps.get_tensor_model_parallel_world_size() < 2 or \
+                ps.get_tensor_model_parallel_rank() != FAULTY_RANK:
+            return local
+        return (local + 1) % int(self.expert_map_manager.local_num_experts)
+
+    mapped.__harness_fault__ = True  # type: ignore[attr-defined]
+    return mapped
+
+
+def _register_moe_expert_map_offset() -> None:
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    current = vars(RoutedExperts)["_map_global_expert_id_to_local_expert_id"]
+    if not getattr(current, "__harness_fault__", False):
+        RoutedExperts._map_global_expert_id_to_local_expert_id = _offset_map(current)
+    print(f"harness_vllm_fault: {FAULT_ENV}={MOE_EXPERT_MAP_OFFSET}: TP rank {FAULTY_RANK} loads each expert into the "
+          f"next slot (its loader's expert map offset by one)", flush=True)
+
+
 def register() -> None:
     """vLLM calls this in every process (API server and workers) before the model is built."""
     if os.environ.get(FAULT_ENV) == MLA_KV_B_SHARD:
         _register_mla_kv_b_shard()
+    if os.environ.get(FAULT_ENV) == MOE_EXPERT_MAP_OFFSET:
+        _register_moe_expert_map_offset()
     if os.environ.get(FAULT_ENV) != KV_SHARD:
         return
     from vllm.model_executor.layers.linear import QKVParallelLinear

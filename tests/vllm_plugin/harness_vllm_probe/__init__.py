@@ -29,7 +29,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from harness_vllm_probe import mla
+from harness_vllm_probe import mla, moe
 
 PROBE_ENV = "HARNESS_VLLM_PROBE_DIR"
 SCHEMA = 1
@@ -166,6 +166,9 @@ def report(worker: Any, kv_cache_config: Any) -> dict[str, Any]:
     reports = [_layer_report(name, qkv, attn) for name, qkv, attn in layers]
     mla_reports = [mla.layer_report(name, w, tp_rank) for name, w in mla_found]
     extra = mla.rank_record(mla_found, mla_reports) if mla_reports else {}
+    experts = moe.experts_record(model)
+    if experts is not None:
+        extra["experts"] = experts
     bound = ([w.mla_attn for _, w in mla_found] if mla_found else [a for _, _, a in layers])
     return {
         "schema_version": SCHEMA, "pid": os.getpid(),
@@ -203,6 +206,7 @@ def register() -> None:
     from harness_vllm_probe import capture
 
     capture.register(folder)
+    moe.register()
     for cls, attrs in ((ColumnParallelLinear, ("weight_loader", "weight_loader_v2")),
                        (ReplicatedLinear, ("weight_loader",))):
         for attr in attrs:
