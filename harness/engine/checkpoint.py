@@ -3,7 +3,8 @@ harness/specs/checkpoint.py, which reads specs from checkpoints.
 
 Each engine module an attention component names (harness/arch/components.py) has its own Hugging Face
 architecture: dense models are Llama (Qwen2 with q/k/v biases), MLA models DeepSeek-V2
-(DeepseekV2ForCausalLM, the latent attention with a dense FFN in every layer). DeepSeek rotates its RoPE
+(DeepseekV2ForCausalLM, the latent attention with a dense FFN in every layer), hybrid models Qwen3-Next
+(Qwen3NextForCausalLM, harness/engine/qwen3_next.py: packed and per-expert tensors, converted as whole files). DeepSeek rotates its RoPE
 dimensions as interleaved pairs (x[2i], x[2i+1]) where the harness rotates halves (x[i], x[i + d/2]): the
 rope rows of q and kv_a are written in the interleaved order (`rope_rows_interleaved`) and read back in
 the halves order, so both engines compute the same scores from the same file.
@@ -18,7 +19,8 @@ from typing import Any, Callable
 import torch
 
 from harness.arch.model import model_of
-from harness.engine.names import hf_name
+from harness.engine.names import Shape, hf_name
+from harness.engine.qwen3_next import from_qwen3_next, qwen3_next_config, qwen3_next_shapes, to_qwen3_next
 from harness.specs.model import ModelSpec
 
 Weights = dict[str, torch.Tensor]
@@ -102,7 +104,22 @@ HF_FORMATS: dict[str, tuple[Callable[[ModelSpec], dict[str, Any]], Callable[[Mod
                             Callable[[ModelSpec, Weights], Weights]]] = {
     "harness.engine.model": (llama_config, _same, _same),
     "harness.engine.mla": (deepseek_v2_config, rope_rows_interleaved, rope_rows_halves),
+    "harness.engine.hybrid": (qwen3_next_config, _same, _same),
 }
+# engine modules whose files pack several canonical tensors into one or split one per expert (Qwen3-Next): their
+# files are converted whole (canonical weights -> file names and tensors, and file tensors + where -> canonical)
+WHOLE_FILE_FORMATS: dict[str, tuple[Callable[[ModelSpec, Weights], Weights],
+                                    Callable[[ModelSpec, Weights, str], Weights],
+                                    Callable[[ModelSpec, dict[str, Shape]], dict[str, Shape]]]] = {
+    "harness.engine.hybrid": (to_qwen3_next, from_qwen3_next, qwen3_next_shapes),
+}
+
+
+def whole_file_format(spec: ModelSpec) -> tuple[Callable[[ModelSpec, Weights], Weights],
+                                                 Callable[[ModelSpec, Weights, str], Weights],
+                                                 Callable[[ModelSpec, dict[str, Shape]], dict[str, Shape]]] | None:
+    """(to file, from file, file shapes) of a model whose files are converted whole, else None (name by name)."""
+    return WHOLE_FILE_FORMATS.get(model_of(spec).attention.engine_module)
 
 
 def _format(spec: ModelSpec) -> tuple[Callable[[ModelSpec], dict[str, Any]], Callable[[ModelSpec, Weights], Weights],
@@ -111,7 +128,7 @@ def _format(spec: ModelSpec) -> tuple[Callable[[ModelSpec], dict[str, Any]], Cal
 
 
 def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
-    """The transformers config.json of `spec` (Llama, Qwen2 or DeepSeek-V2)."""
+    """The transformers config.json of `spec` (Llama, Qwen2, DeepSeek-V2 or Qwen3-Next)."""
     return _format(spec)[0](spec)
 
 
@@ -126,6 +143,8 @@ def save_hf_checkpoint(spec: ModelSpec, weights: Weights, folder: Path) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf_config_dict(spec), indent=2) + "\n")
-    tensors = {hf_name(name): t.contiguous() for name, t in _format(spec)[1](spec, weights).items()}
+    whole = whole_file_format(spec)
+    tensors = ({name: t.contiguous() for name, t in whole[0](spec, weights).items()} if whole is not None else
+               {hf_name(name): t.contiguous() for name, t in _format(spec)[1](spec, weights).items()})
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
