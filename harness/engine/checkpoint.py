@@ -4,10 +4,10 @@ harness/specs/checkpoint.py, which reads specs from checkpoints.
 Each engine module an attention component names (harness/arch/components.py) has its own Hugging Face
 architecture: dense models are Llama (Qwen2 with q/k/v biases), MLA models DeepSeek-V2
 (DeepseekV2ForCausalLM, the latent attention with a dense FFN in every layer), hybrid models Qwen3-Next
-(Qwen3NextForCausalLM, harness/engine/qwen3_next.py: packed and per-expert tensors, converted as whole files). DeepSeek rotates its RoPE
-dimensions as interleaved pairs (x[2i], x[2i+1]) where the harness rotates halves (x[i], x[i + d/2]): the
-rope rows of q and kv_a are written in the interleaved order (`rope_rows_interleaved`) and read back in
-the halves order, so both engines compute the same scores from the same file.
+(Qwen3NextForCausalLM, harness/engine/qwen3_next.py: packed and per-expert tensors, converted as whole files).
+DeepSeek rotates its RoPE dimensions as interleaved pairs (x[2i], x[2i+1]) where the harness rotates halves
+(x[i], x[i + d/2]): the rope rows of q and kv_a are written in the interleaved order (`rope_rows_interleaved`)
+and read back in the halves order, so both engines compute the same scores from the same file.
 """
 
 from __future__ import annotations

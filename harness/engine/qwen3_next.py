@@ -67,7 +67,8 @@ def qwen3_next_config(spec: ModelSpec) -> dict[str, Any]:
         "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_act": "silu",
         "vocab_size": spec.vocab, "hidden_size": spec.hidden, "intermediate_size": spec.ffn,
         "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads,
-        "head_dim": spec.head_dim, "layer_types": ["full_attention" if k == FULL else "linear_attention" for k in kinds],
+        "head_dim": spec.head_dim,
+        "layer_types": ["full_attention" if k == FULL else "linear_attention" for k in kinds],
         "full_attention_interval": h.full_attention_interval, "linear_conv_kernel_dim": h.conv_kernel,
         "linear_num_key_heads": h.linear_k_heads, "linear_num_value_heads": h.linear_v_heads,
         "linear_key_head_dim": h.linear_k_dim, "linear_value_head_dim": h.linear_v_dim,
@@ -161,7 +162,8 @@ def from_qwen3_next(spec: ModelSpec, tensors: Weights, where: str) -> Weights:
             ba = _take(f, fp + "linear_attn.in_proj_ba.weight", where).view(nk, -1, H)  # [nk, 2 r, H]
             b, a = ba.split(ba.shape[1] // 2, dim=1)
             w[p + "lin_b.weight"], w[p + "lin_a.weight"] = b.reshape(-1, H), a.reshape(-1, H)
-            w[p + "lin_conv.weight"] = _take(f, fp + "linear_attn.conv1d.weight", where).flatten(1)  # [C, 1, K] -> [C, K]
+            conv = _take(f, fp + "linear_attn.conv1d.weight", where)
+            w[p + "lin_conv.weight"] = conv.flatten(1)  # [C, 1, K] -> [C, K]
         for suffix, part in EXPERT_PARTS.items():
             w[p + suffix] = torch.stack([_take(f, f"{fp}mlp.experts.{e}.{part}.weight", where)
                                          for e in range(h.experts)])
