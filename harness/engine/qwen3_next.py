@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from harness.arch.model import model_of
 from harness.core.errors import ConfigError
 from harness.partition.hybrid_layout import FULL, HybridShape, layer_kinds
 from harness.specs.model import ModelSpec
@@ -54,9 +55,7 @@ IGNORED_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
 
 
 def hybrid_shape(spec: ModelSpec) -> HybridShape:
-    if spec.hybrid is None:
-        raise ConfigError(f"model {spec.name!r} is not hybrid: it has no Qwen3-Next form")
-    return spec.hybrid
+    return model_of(spec).hybrid_shape()
 
 
 def qwen3_next_config(spec: ModelSpec) -> dict[str, Any]:
