@@ -20,7 +20,13 @@ with HARNESS_VLLM_FAULT=mla-kv-b-shard. The probe's MLA report makes `layout` PA
 ranks, each rank's own heads' Q weights, the pool vLLM sized in whole blocks), its hooks capture MLAAttention's
 per-head outputs, tp2dcp2 is a SKIP quoting vLLM's CPUMLAImpl refusal, and the fault FAILs as silent corruption
 with `layout` naming rank 1 and the heads whose kv_b rows it holds. The clean MLA cell's logits are not asserted:
-vLLM CPU's MLA does not agree with itself across batch compositions (docs/engines.md, vLLM on CPU)."""
+vLLM CPU's MLA does not agree with itself across batch compositions (docs/engines.md, vLLM on CPU).
+
+Two more for the exported Qwen3-Next model (tiny-qwen3next: Gated DeltaNet, gated attention with q/k norm, MoE with
+a shared expert, bfloat16) through the hybrid suite: tp2 and tp2dcp2 clean, tp2 with
+HARNESS_VLLM_FAULT=gdn-head-shard. tp2 PASSes against vLLM's tp1 with the probe's hybrid record (linear-attention
+heads and conv rows as loaded, state heads and channels, experts and shared-expert columns) as planned; tp2dcp2 is a
+SKIP quoting vLLM's refusal; the fault FAILs as silent corruption with `layout` naming rank 1's V heads."""
 
 from __future__ import annotations
 
