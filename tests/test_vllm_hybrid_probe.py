@@ -41,8 +41,8 @@ def _hybrid(rank: int, shard: int) -> dict[str, Any]:
 
 def _report(rank: int, shard: int | None = None) -> dict[str, Any]:
     layer = {"layer": "model.layers.3.self_attn", "tp_rank": rank, "num_heads": 2, "num_kv_heads": 1,
-             "claimed_q_heads": [2 * rank, 2 * rank + 1], "claimed_kv_heads": [rank], "q_heads": [2 * rank, 2 * rank + 1],
-             "k_heads": [rank], "v_heads": [rank]}
+             "claimed_q_heads": [2 * rank, 2 * rank + 1], "claimed_kv_heads": [rank],
+             "q_heads": [2 * rank, 2 * rank + 1], "k_heads": [rank], "v_heads": [rank]}
     return {"schema_version": 1, "tp_rank": rank, "tp_size": 2, "dcp_rank": 0, "dcp_size": 1, "dcp_members": [rank],
             "layers": [layer], "kv_weight_checksums": {str(rank): f"kv{rank}"},
             "hybrid": _hybrid(rank, rank if shard is None else shard),

@@ -105,7 +105,8 @@ def _ids(first: int, count: int) -> list[int]:
 def _layer_report(name: str, qkv: Any, attn: Any) -> dict[str, Any]:
     """What one attention layer holds: global Q / KV head ids from its shard parameters, and as loaded."""
     replicas = max(1, int(getattr(qkv, "num_kv_head_replicas", 1)))
-    nq, nkv = int(qkv.num_heads), int(qkv.num_kv_heads)
+    # Q heads: the attention's (a gated attention's QKV projection also holds each head's gate rows: Qwen3-Next)
+    nq, nkv = int(getattr(attn, "num_heads", qkv.num_heads)), int(qkv.num_kv_heads)
     claimed_q = _ids(qkv.tp_rank * nq, nq)
     claimed_kv = _ids((qkv.tp_rank // replicas) * nkv, nkv)
     loaded = _LOADED.get(id(qkv), {})
@@ -161,10 +162,13 @@ def report(worker: Any, kv_cache_config: Any) -> dict[str, Any]:
             layers.append((name, qkv, attn))
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     dcp = ps.get_dcp_group()
-    groups = kv_cache_config.kv_cache_groups
+    # the attention layers' group(s): a hybrid model's state groups (Gated DeltaNet) hold no K/V heads, and vLLM pads
+    # their attention pages to the state page size (the unpadded page is what a token's K/V take)
+    groups = [g for g in kv_cache_config.kv_cache_groups if hasattr(g.kv_cache_spec, "num_kv_heads")] or list(
+        kv_cache_config.kv_cache_groups)
     spec = groups[0].kv_cache_spec if groups else None
     block_size = int(spec.block_size) if spec is not None else None
-    per_layer_page = int(spec.page_size_bytes) if spec is not None else 0
+    per_layer_page = int(getattr(spec, "unpadded_page_size_bytes", spec.page_size_bytes)) if spec is not None else 0
     attn_layers = sum(len(g.layer_names) for g in groups)
     reports = [_layer_report(name, qkv, attn) for name, qkv, attn in layers]
     mla_reports = [mla.layer_report(name, w, tp_rank) for name, w in mla_found]
