@@ -335,11 +335,13 @@ def test_stopped_vllm_mla_servers_leave_no_shared_memory(mla_clean: dict, mla_fa
 
 
 # The exported Qwen3-Next model (tiny-qwen3next: Gated DeltaNet heads of 128, attention heads of 64, bfloat16: the
-# shapes and dtype vLLM CPU's GDN and attention kernels take) through the hybrid suite: one clean run at tp2 and
-# tp2dcp2 (tp1 for the reference and its noise twin, tp2; the tp2dcp2 server exits at its config validation) and
-# one with the plugin's GDN fault at tp2 (2 servers).
-HYBRID_RUN = ["--suite", "hybrid", "--model", "tiny-qwen3next", "--engine", "vllm", "--max-seq-len", "256",
-              "--timeout", "900"]
+# shapes and dtype vLLM CPU's GDN and attention kernels take) through the hybrid suite's prompts, against the
+# embedded engine's tp1 on the same exported weights (--reference-engine embedded: its noise run, another reduction
+# order in bfloat16, measures the noise this model has; vLLM's own tp1 noise twin is bit-identical, docs/engines.md):
+# one clean run at tp2 and tp2dcp2 (a tp2 server; the tp2dcp2 server exits at its config validation) and one with
+# the plugin's GDN fault at tp2 (one server): 3 server starts.
+HYBRID_RUN = ["--suite", "hybrid", "--model", "tiny-qwen3next", "--engine", "vllm", "--reference-engine", "embedded",
+              "--workload", "prompts", "--max-seq-len", "256", "--timeout", "900"]
 HYBRID_FAULT = "gdn-head-shard"
 
 
@@ -358,14 +360,15 @@ def hybrid_fault(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_vllm_qwen3_next_tp2_passes_with_hybrid_layout_verdicts(hybrid_clean: dict) -> None:
-    """Qwen3-Next at tp2 against vLLM's own tp1: every check PASSes; the probe's hybrid record (GDN V / K heads
-    from in_proj_qkvz's loaded shard, conv rows per component, the recurrent state's heads, the experts through
-    vLLM's expert map with half of each expert's columns, half of the shared expert) is the planner's."""
+    """vLLM's Qwen3-Next at tp2 against the embedded engine's tp1 on the same exported checkpoint: every check
+    PASSes; the probe's hybrid record (GDN V / K heads from in_proj_qkvz's loaded shard, conv rows per component, the
+    recurrent state's heads, the experts through vLLM's expert map with half of each expert's columns, half of the
+    shared expert) is the planner's, the gated attention's Q heads without their gate rows."""
     cell = _mla_cell(hybrid_clean)
     assert cell["status"] == "PASS", cell["checks"]
     layout = next(c for c in cell["checks"] if c["name"] == "layout")
-    assert layout["verdict"] == "PASS" and "3 linear-attention layers as planned, 8 experts over ep=1" in layout[
-        "reason"], layout
+    assert layout["verdict"] == "PASS" and layout["reason"].startswith("2 ranks as planned: 2 Q / 1 KV heads per rank")
+    assert "3 linear-attention layers as planned, 8 experts over ep=1; cache groups in blocks" in layout["reason"]
     target = read_json(Path(cell["run_dir"]) / "layout.json")["target"]
     linear = [r["hybrid"]["linear"] for r in target["ranks"]]
     assert [r["v_heads"] for r in linear] == [[0, 1, 2], [3, 4, 5]] and [r["k_heads"] for r in linear] == [[0], [1]]
