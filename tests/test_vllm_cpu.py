@@ -25,7 +25,14 @@ per-head outputs, tp2dcp2 is a SKIP quoting vLLM's CPUMLAImpl refusal, and each 
 with `layout` naming rank 1 and what it holds off the plan (the heads whose kv_b rows, the experts whose weights).
 tp2ep2 is not run here: vLLM CPU's fused-MoE kernel segfaults in a worker at the first forward with expert
 parallel, leaving that worker's shared memory behind (docs/engines.md; its ERROR reason is unit-tested on the real
-log in tests/test_http_backend.py)."""
+log in tests/test_http_backend.py).
+
+Two more for the exported Qwen3-Next model (tiny-qwen3next: Gated DeltaNet, gated attention with q/k norm, MoE with
+a shared expert, bfloat16) through the hybrid suite: tp2 and tp2dcp2 clean, tp2 with
+HARNESS_VLLM_FAULT=gdn-head-shard. tp2 PASSes against the embedded engine's tp1 on the same exported weights
+(--reference-engine embedded: vLLM's own noise twin is bit-identical, docs/engines.md) with the probe's hybrid record (linear-attention
+heads and conv rows as loaded, state heads and channels, experts and shared-expert columns) as planned; tp2dcp2 is a
+SKIP quoting vLLM's refusal; the fault FAILs as silent corruption with `layout` naming rank 1's V heads."""
 
 from __future__ import annotations
 
@@ -262,8 +269,8 @@ MLA_FAULT = "mla-kv-b-shard"
 MOE_FAULT = "moe-expert-map-offset"
 
 
-def _mla_run(root: Path, name: str, topos: str, fault: str | None) -> dict[str, Any]:
-    code, out = _harness_run(root, name, MLA_RUN, topos, fault)
+def _mla_run(root: Path, name: str, topos: str, fault: str | None, argv: list[str] = MLA_RUN) -> dict[str, Any]:
+    code, out = _harness_run(root, name, argv, topos, fault)
     # a list (the answer is kept as JSON for the other xdist worker: no tuple keys)
     return {"exit": code, "cells": results_cells(out), "shm_left": _vllm_shm(out, root / "vllm-cache")}
 
@@ -366,4 +373,86 @@ def test_vllm_moe_plugin_fault_fails_layout_naming_the_experts_and_is_silent_cor
 
 def test_stopped_vllm_mla_servers_leave_no_shared_memory(mla_clean: dict, mla_fault: dict, moe_fault: dict) -> None:
     for run in (mla_clean, mla_fault, moe_fault):
+        assert run["shm_left"] == []
+
+
+# The exported Qwen3-Next model (tiny-qwen3next: Gated DeltaNet heads of 128, attention heads of 64, bfloat16: the
+# shapes and dtype vLLM CPU's GDN and attention kernels take) through the hybrid suite's prompts, against the
+# embedded engine's tp1 on the same exported weights (--reference-engine embedded: its noise run, another reduction
+# order in bfloat16, measures the noise this model has; vLLM's own tp1 noise twin is bit-identical, docs/engines.md):
+# one clean run at tp2 and tp2dcp2 (a tp2 server; the tp2dcp2 server exits at its config validation) and one with
+# the plugin's GDN fault at tp2 (one server): 3 server starts.
+HYBRID_RUN = ["--suite", "hybrid", "--model", "tiny-qwen3next", "--engine", "vllm", "--reference-engine", "embedded",
+              "--workload", "prompts", "--max-seq-len", "256", "--timeout", "900"]
+HYBRID_FAULT = "gdn-head-shard"
+
+
+@pytest.fixture(scope="module")
+def hybrid_clean(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = _session_root(tmp_path_factory)
+    return _shared(root, "vllm-hybrid-clean", lambda: _mla_run(root, "vllm-hybrid-clean", "tp2,tp2dcp2", None,
+                                                               HYBRID_RUN))
+
+
+@pytest.fixture(scope="module")
+def hybrid_fault(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = _session_root(tmp_path_factory)
+    return _shared(root, "vllm-hybrid-fault", lambda: _mla_run(root, "vllm-hybrid-fault", "tp2", HYBRID_FAULT,
+                                                               HYBRID_RUN))
+
+
+def test_vllm_qwen3_next_tp2_passes_with_hybrid_layout_verdicts(hybrid_clean: dict) -> None:
+    """vLLM's Qwen3-Next at tp2 against the embedded engine's tp1 on the same exported checkpoint: every check
+    PASSes; the probe's hybrid record (GDN V / K heads from in_proj_qkvz's loaded shard, conv rows per component, the
+    recurrent state's heads, the experts through vLLM's expert map with half of each expert's columns, half of the
+    shared expert) is the planner's, the gated attention's Q heads without their gate rows."""
+    cell = _mla_cell(hybrid_clean)
+    assert cell["status"] == "PASS", cell["checks"]
+    layout = next(c for c in cell["checks"] if c["name"] == "layout")
+    assert layout["verdict"] == "PASS" and layout["reason"].startswith("2 ranks as planned: 2 Q / 1 KV heads per rank")
+    assert "3 linear-attention layers as planned, 8 experts over ep=1; cache groups in blocks" in layout["reason"]
+    target = read_json(Path(cell["run_dir"]) / "layout.json")["target"]
+    linear = [r["hybrid"]["linear"] for r in target["ranks"]]
+    assert [r["v_heads"] for r in linear] == [[0, 1, 2], [3, 4, 5]] and [r["k_heads"] for r in linear] == [[0], [1]]
+    assert linear[1]["conv_rows"] == [[128, 256], [384, 512], [896, 1280]]
+    assert all(r["recurrent_heads"] == 3 and r["conv_channels"] == 640 for r in linear)
+    moe = [r["hybrid"]["moe"] for r in target["ranks"]]
+    assert all(m["experts"] == list(range(8)) and m["expert_columns"] == 32 and m["shared_columns"] == 64
+               for m in moe)
+
+
+def test_vllm_qwen3_next_probe_captures_every_layer(hybrid_clean: dict) -> None:
+    """The hooks find Qwen3-Next's decoder layers (3 Gated DeltaNet, 1 gated attention): hidden states of every
+    layer and per-head outputs (zeros for the linear layers, as the embedded engine records them)."""
+    from safetensors import safe_open
+
+    cell = _mla_cell(hybrid_clean)
+    cases = read_json(Path(cell["run_dir"]) / "cases.json")
+    with safe_open(str(Path(cell["run_dir"]) / "tensors.safetensors"), "pt") as f:
+        assert list(f.get_slice("hidden.0").get_shape()) == [5, len(cases[0]["probe_positions"]), 128]
+        attn = f.get_tensor("attn.0")
+    assert list(attn.shape) == [4, len(cases[0]["probe_positions"]), 4, 64]
+    assert not attn[:3].any() and attn[3].any()
+
+
+def test_vllm_cpu_refuses_qwen3_next_dcp_as_a_skip_with_its_own_line(hybrid_clean: dict) -> None:
+    cell = _mla_cell(hybrid_clean, "tp2dcp2")
+    assert cell["status"] == "SKIP", cell["checks"]
+    assert cell["checks"][0]["reason"].startswith("engine vllm refused tp2dcp2: "), cell["checks"][0]
+
+
+def test_vllm_gdn_plugin_fault_fails_layout_and_is_silent_corruption(hybrid_fault: dict) -> None:
+    """TP rank 1 loaded rank 0's in_proj_qkvz rows: the probe finds K-head group 0 in rank 1's projection; the cell
+    FAILs as silent corruption with `layout` naming rank 1 and the V / K heads it holds."""
+    cell = _mla_cell(hybrid_fault)
+    assert hybrid_fault["exit"] == 1 and cell["status"] == "FAIL" and cell["silent_corruption"], cell["checks"]
+    assert cell["fault"] == f"{FAULT}={HYBRID_FAULT}"
+    layout = next(c for c in cell["checks"] if c["name"] == "layout")
+    assert layout["verdict"] == "FAIL"
+    assert "rank 1 holds linear-attention v heads 0-2, planned 3-5" in layout["metrics"]["problems"], layout
+    assert "loads another rank's in_proj_qkvz rows" in (Path(cell["run_dir"]) / "server.log").read_text()
+
+
+def test_stopped_vllm_hybrid_servers_leave_no_shared_memory(hybrid_clean: dict, hybrid_fault: dict) -> None:
+    for run in (hybrid_clean, hybrid_fault):
         assert run["shm_left"] == []

@@ -202,13 +202,24 @@ class GatedAttention(Component):
         return layout_inert(site)
 
     def export_refusal(self, spec: ModelSpec) -> str | None:
-        return (f"model {spec.name!r} is hybrid (linear attention / MoE): harness export writes "
-                f"Llama/Qwen2-style checkpoints only; the embedded engine runs it directly")
+        """Exported as Qwen3-Next (harness/engine/qwen3_next.py) where the model computes Qwen3-Next's function."""
+        h = self.shape
+        missing = [what for what, ok in (("q_norm/k_norm (qk_norm: true)", h.qk_norm),
+                                         ("an output gate (attn_output_gate: true)", h.attn_output_gate),
+                                         ("routed experts (experts > 0)", h.experts > 0),
+                                         ("a shared expert (shared_ffn > 0)", h.shared_ffn > 0),
+                                         ("no redundant experts (redundant_experts: 0)", not h.redundant_experts))
+                   if not ok]
+        if not missing:
+            return None
+        return (f"model {spec.name!r} is hybrid but not Qwen3-Next's function, which harness export writes: "
+                f"Qwen3-Next has {', '.join(missing)}; export a hybrid model that has them (e.g. tiny-qwen3next)")
 
     def served_refusal(self, spec: ModelSpec, engine: str) -> str | None:
         if spec.source != "synthetic":
             return None
-        return f"engine {engine}: a synthetic hybrid model (linear attention / MoE) cannot be exported for it"
+        refusal = self.export_refusal(spec)
+        return None if refusal is None else f"engine {engine}: {refusal}"
 
 
 class MoE(Component):

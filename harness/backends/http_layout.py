@@ -10,7 +10,9 @@ own shard parameters where no shard matched), Q->KV reads by the engine's groupi
 local KV head i // (Q heads / KV heads)), K/V weight checksums, and the KV cache as the engine allocated
 it (blocks, block size, bytes per token, bytes); the pool is the budget the engine sized it from. An MLA rank
 (multi-head latent attention) also reports its MLA record: the heads whose Q weights it loaded, their checksums
-and the latent row width of its cache; its one "KV head" is the latent every TP rank holds.
+and the latent row width of its cache; its one "KV head" is the latent every TP rank holds. A hybrid rank
+(Qwen3-Next) reports its hybrid record as the embedded engine does: linear-attention heads and conv rows as
+loaded, their state as allocated (heads, channels, bytes per slot), experts and shared-expert columns.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.core.errors import RunError
-from harness.records.rankreport import ExpertsReport, MLAReport, ProbeLayer, RankReport, entry_json
+from harness.records.rankreport import ExpertsReport, MLAReport, ProbeLayer, RankReport, entry_json, hybrid_from_json
 
 PROBE_SCHEMA = 1
 
@@ -118,6 +120,7 @@ def probe_ranks(reports: list[dict[str, Any]]) -> list[RankReport]:
             kv_block_size=_optional_int(kv["block_size"]), kv_bytes_per_token=_optional_int(kv["bytes_per_token"]),
             kv_weight_checksums={str(k): str(v) for k, v in r["kv_weight_checksums"].items()},
             layers=tuple(_layer(layer) for layer in layers), mla=_mla(r.get("mla")), experts=_experts(r.get("experts")),
+            hybrid=hybrid_from_json(r["hybrid"], f"layout probe rank {rank}") if r.get("hybrid") else None,
             layers_differing=tuple(sorted(set(q_off + kv_off + v_off))) or None))
     return sorted(ranks, key=lambda e: e.rank)
 

@@ -36,6 +36,12 @@ def _linear_problems(plan: HybridPlan, by_rank: Mapping[int, HybridReport]) -> l
         if got.conv_rows != tuple(planned.conv_rows):
             out.append(f"rank {r} loads packed in_proj/conv rows {_ranges(got.conv_rows)}, planned per component "
                        f"(q|k|v) {_ranges(planned.conv_rows)}")
+        if got.recurrent_heads is not None and got.recurrent_heads != len(planned.v_heads):
+            out.append(f"rank {r}'s recurrent state holds {got.recurrent_heads} V heads, planned "
+                       f"{len(planned.v_heads)}")
+        channels = sum(hi - lo for lo, hi in planned.conv_rows)
+        if got.conv_channels is not None and got.conv_channels != channels:
+            out.append(f"rank {r}'s conv state holds {got.conv_channels} channels, planned {channels}")
     for members in dict.fromkeys(r.dcp_members for r in plan.linear.ranks):
         sums = {m: by_rank[m].linear.weight_checksum for m in members if m in by_rank}
         if len(set(sums.values())) > 1:
@@ -105,7 +111,8 @@ def check_hybrid_layout(plan: HybridPlan, actual: Mapping[str, Any], name: str =
     if missing:
         return CheckResult(name, Verdict.ERROR, f"layout ranks {id_ranges(missing)} report no 'hybrid' entry")
     problems = _linear_problems(plan, by_rank) + _moe_problems(plan, by_rank)
-    if check_pool:
+    block_sized = isinstance(actual.get("pool"), Mapping) and actual["pool"].get("sizing") == "blocks"
+    if check_pool and not block_sized:  # an engine that sizes its pool in blocks (vLLM) has no slot count to check
         try:
             problems += _cache_problems(plan, by_rank, actual["pool"], speculator)
         except (KeyError, TypeError, ValueError) as exc:
@@ -116,5 +123,7 @@ def check_hybrid_layout(plan: HybridPlan, actual: Mapping[str, Any], name: str =
         extra = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         return CheckResult(name, Verdict.FAIL, problems[0] + extra, metrics)
     moe = f", {plan.moe.experts} experts over ep={plan.moe.ep}" if plan.moe else ""
+    groups = ("cache groups in blocks (the engine's sizing; state heads and channels as planned)" if block_sized
+              else "cache groups from one slot count")
     return CheckResult(name, Verdict.PASS, f"{base.reason}; {plan.linear.layers} linear-attention layers as planned"
-                       f"{moe}; cache groups from one slot count", metrics)
+                       f"{moe}; {groups}", metrics)

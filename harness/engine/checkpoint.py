@@ -5,7 +5,8 @@ Each engine module an attention component names (harness/arch/components.py) has
 architecture: dense models are Llama (Qwen2 with q/k/v biases), MLA models DeepSeek-V2
 (DeepseekV2ForCausalLM: the latent attention, a dense FFN in every layer, or with experts (spec.moe) a dense
 FFN in the first moe.first_dense layers and routed experts plus a shared expert in the others, one tensor per
-expert in the file: `unstack_experts` / `stack_experts`). DeepSeek rotates its RoPE
+expert in the file: `unstack_experts` / `stack_experts`), hybrid models Qwen3-Next (Qwen3NextForCausalLM,
+harness/engine/qwen3_next.py: packed and per-expert tensors, converted as whole files). DeepSeek rotates its RoPE
 dimensions as interleaved pairs (x[2i], x[2i+1]) where the harness rotates halves (x[i], x[i + d/2]): the
 rope rows of q and kv_a are written in the interleaved order (`rope_rows_interleaved`) and read back in
 the halves order, so both engines compute the same scores from the same file.
@@ -22,7 +23,8 @@ import torch
 
 from harness.arch.model import model_of
 from harness.core.errors import ConfigError
-from harness.engine.names import EXPERT_CANONICAL, expert_name, hf_name
+from harness.engine.names import EXPERT_CANONICAL, Shape, expert_name, hf_name
+from harness.engine.qwen3_next import from_qwen3_next, qwen3_next_config, qwen3_next_shapes, to_qwen3_next
 from harness.specs.model import ModelSpec
 
 Weights = dict[str, torch.Tensor]
@@ -155,7 +157,22 @@ HF_FORMATS: dict[str, tuple[Callable[[ModelSpec], dict[str, Any]], Callable[[Mod
                             Callable[[ModelSpec, Weights], Weights]]] = {
     "harness.engine.model": (llama_config, _same, _same),
     "harness.engine.mla": (deepseek_v2_config, rope_rows_interleaved, rope_rows_halves),
+    "harness.engine.hybrid": (qwen3_next_config, _same, _same),
 }
+# engine modules whose files pack several canonical tensors into one or split one per expert (Qwen3-Next): their
+# files are converted whole (canonical weights -> file names and tensors, and file tensors + where -> canonical)
+WHOLE_FILE_FORMATS: dict[str, tuple[Callable[[ModelSpec, Weights], Weights],
+                                    Callable[[ModelSpec, Weights, str], Weights],
+                                    Callable[[ModelSpec, dict[str, Shape]], dict[str, Shape]]]] = {
+    "harness.engine.hybrid": (to_qwen3_next, from_qwen3_next, qwen3_next_shapes),
+}
+
+
+def whole_file_format(spec: ModelSpec) -> tuple[Callable[[ModelSpec, Weights], Weights],
+                                                 Callable[[ModelSpec, Weights, str], Weights],
+                                                 Callable[[ModelSpec, dict[str, Shape]], dict[str, Shape]]] | None:
+    """(to file, from file, file shapes) of a model whose files are converted whole, else None (name by name)."""
+    return WHOLE_FILE_FORMATS.get(model_of(spec).attention.engine_module)
 
 
 def _format(spec: ModelSpec) -> tuple[Callable[[ModelSpec], dict[str, Any]], Callable[[ModelSpec, Weights], Weights],
@@ -164,7 +181,7 @@ def _format(spec: ModelSpec) -> tuple[Callable[[ModelSpec], dict[str, Any]], Cal
 
 
 def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
-    """The transformers config.json of `spec` (Llama, Qwen2 or DeepSeek-V2)."""
+    """The transformers config.json of `spec` (Llama, Qwen2, DeepSeek-V2 or Qwen3-Next)."""
     return _format(spec)[0](spec)
 
 
@@ -179,6 +196,8 @@ def save_hf_checkpoint(spec: ModelSpec, weights: Weights, folder: Path) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf_config_dict(spec), indent=2) + "\n")
-    tensors = {hf_name(name): t.contiguous() for name, t in _format(spec)[1](spec, weights).items()}
+    whole = whole_file_format(spec)
+    tensors = ({name: t.contiguous() for name, t in whole[0](spec, weights).items()} if whole is not None else
+               {hf_name(name): t.contiguous() for name, t in _format(spec)[1](spec, weights).items()})
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder

@@ -164,7 +164,9 @@ def shard_hybrid(full: dict[str, torch.Tensor], spec: ModelSpec, h: HybridShape,
                 v=cast(_head_rows(full[p + "v.weight"], attn.kv_heads, hd)),
                 # [H, heads hd] -> own columns
                 o=cast(_head_rows(full[p + "o.weight"].T, o_heads(attn, spec.heads, flags), hd).T),
-                mlp_norm=layer.mlp_norm, gate=empty, up=empty, down=empty.T))
+                mlp_norm=layer.mlp_norm, gate=empty, up=empty, down=empty.T,
+                q_norm=cast(full[p + "q_norm.weight"]) if h.qk_norm else None,
+                k_norm=cast(full[p + "k_norm.weight"]) if h.qk_norm else None))
         else:
             layer.linear_index = sum(1 for x in layers if x.kind != FULL)
             layer.linear = shard_linear(full, p, h, plan.linear.ranks[rank], flags, cast)

@@ -6,7 +6,8 @@ Linear-attention layers (Gated DeltaNet):
   lin_z.weight [v_heads Dv, H] (output gate), lin_b.weight / lin_a.weight [v_heads, H] (beta, decay),
   lin_A_log / lin_dt_bias [v_heads], lin_norm.weight [Dv], lin_out.weight [H, v_heads Dv].
 Full-attention layers: q.weight [heads (1 + gate) hd, H] (per head: q rows, then gate rows), k.weight,
-  v.weight [kv hd, H], o.weight [H, heads hd].
+  v.weight [kv hd, H], o.weight [H, heads hd]; with qk_norm also q_norm.weight / k_norm.weight [hd] (per-head
+  RMSNorm of q and k before RoPE).
 FFN: with experts, router.weight [E, H], experts.gate.weight / experts.up.weight [E, F, H],
   experts.down.weight [E, H, F], shared.gate.weight / shared.up.weight [Fs, H], shared.down.weight [H, Fs];
   without, the dense gate/up/down of harness/engine/names.py.
@@ -33,6 +34,8 @@ def hybrid_layer_shapes(spec: ModelSpec, h: HybridShape, kind: str) -> dict[str,
         kv_rows = spec.kv_heads * spec.head_dim
         shapes.update({"q.weight": (q_rows, H), "k.weight": (kv_rows, H), "v.weight": (kv_rows, H),
                        "o.weight": (H, spec.heads * spec.head_dim)})
+        if h.qk_norm:
+            shapes.update({"q_norm.weight": (spec.head_dim,), "k_norm.weight": (spec.head_dim,)})
     else:
         C, vd = h.conv_channels, h.linear_v_heads * h.linear_v_dim
         shapes.update({"lin_qkv.weight": (C, H), "lin_conv.weight": (C, h.conv_kernel), "lin_z.weight": (vd, H),

@@ -41,6 +41,8 @@ class LayerWeights:
     q_bias: torch.Tensor | None = None
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [hd]: per-head RMSNorm weight of q before RoPE (Qwen3-Next), None: none
+    k_norm: torch.Tensor | None = None  # [hd]: the same for k
 
 
 @dataclass
@@ -475,6 +477,8 @@ class Decoder:
         q = q.reshape(B, S, hm.n_q, hd)  # [B, S, Hq_local, hd]
         k = k.reshape(B, S, hm.n_kv, hd)  # [B, S, Hkv_local, hd]
         v = v.reshape(B, S, hm.n_kv, hd)
+        if layer.q_norm is not None and layer.k_norm is not None:  # per-head RMSNorm over hd
+            q, k = rms_norm(q, layer.q_norm, self.hyper.norm_eps), rms_norm(k, layer.k_norm, self.hyper.norm_eps)
         q = apply_rope(q, tables)
         k = apply_rope(k, k_tables)
         self.cache.write_rows(i, write_rows, k[stored], v[stored])

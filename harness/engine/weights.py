@@ -10,14 +10,14 @@ import hashlib
 import json
 import zlib
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
 from harness.arch.model import model_of
 from harness.core.errors import ConfigError
-from harness.engine.checkpoint import canonical_from_file, stack_experts
+from harness.engine.checkpoint import canonical_from_file, stack_experts, whole_file_format
 from harness.engine.hybrid_names import synthetic_std
 from harness.engine.names import Shape, canonical_from_gguf, canonical_from_hf, expected_shapes
 from harness.specs.checkpoint import checkpoint_path, hf_config, read_json
@@ -80,15 +80,18 @@ def checkpoint_shapes(spec: ModelSpec, path: Path) -> dict[str, Shape]:
         if not path.is_dir():
             raise ConfigError(f"checkpoint folder {path} does not exist")
         hf_config(path)
+        whole = whole_file_format(spec)
         for file in safetensors_files(path):
             try:
                 with safe_open(str(file), framework="pt") as handle:
                     for key in handle.keys():
-                        name = _canonical_hf(spec, key, file)
+                        name = _canonical_hf(spec, key, file) if whole is None else key
                         if name is not None:
                             shapes[name] = tuple(handle.get_slice(key).get_shape())
             except (SafetensorError, OSError) as exc:
                 raise ConfigError(f"{file}: not a readable safetensors file: {exc}") from exc
+        if whole is not None:
+            return _whole_file_shapes(spec, shapes, whole[2], path)
         # per-expert tensors stacked as the loader stacks them (shapes only: meta tensors)
         stacked = stack_experts({name: torch.empty(shape, device="meta") for name, shape in shapes.items()})
         return {name: tuple(t.shape) for name, t in stacked.items()}
@@ -99,6 +102,30 @@ def checkpoint_shapes(spec: ModelSpec, path: Path) -> dict[str, Shape]:
         if name is not None:
             shapes[name] = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
     return shapes
+
+
+def _whole_file_shapes(spec: ModelSpec, found: dict[str, Shape],
+                       file_shapes: Callable[[ModelSpec, dict[str, Shape]], dict[str, Shape]],
+                       path: Path) -> dict[str, Shape]:
+    """A whole-file format's header shapes checked against the file form of the spec's shapes (one ConfigError
+    naming the first missing, unknown or misshapen tensor); the canonical shapes they stand for."""
+    expected = expected_shapes(spec)
+    wanted = file_shapes(spec, expected)
+    found = {k: v for k, v in found.items() if not k.endswith(IGNORED_HF_SUFFIXES)}
+    if spec.tied_embeddings:
+        found.pop("lm_head.weight", None)
+    missing = sorted(set(wanted) - set(found))
+    unknown = sorted(set(found) - set(wanted))
+    wrong = sorted(k for k in set(wanted) & set(found) if wanted[k] != found[k])
+    if missing:
+        raise ConfigError(f"checkpoint {path}: missing tensor {missing[0]!r} ({len(missing)} missing in all) "
+                          f"for model {spec.name!r}")
+    if unknown:
+        raise ConfigError(f"checkpoint {path}: unexpected tensor {unknown[0]!r} for model {spec.name!r}")
+    if wrong:
+        raise ConfigError(f"checkpoint {path}: tensor {wrong[0]!r} has shape {found[wrong[0]]}, model "
+                          f"{spec.name!r} expects {wanted[wrong[0]]}")
+    return expected
 
 
 def check_shapes(spec: ModelSpec, shapes: dict[str, Shape], path: Path) -> None:
@@ -207,6 +234,12 @@ def load_hf_folder(spec: ModelSpec, folder: Path) -> dict[str, torch.Tensor]:
         raise ConfigError(f"checkpoint folder {folder} does not exist")
     hf_config(folder)  # a folder without config.json is not a checkpoint
     weights: dict[str, torch.Tensor] = {}
+    whole = whole_file_format(spec)
+    if whole is not None:  # packed / per-expert tensors: the file's tensors converted together
+        found = {key: tensor for path in safetensors_files(folder) for key, tensor in _hf_tensors(path)}
+        weights = whole[1](spec, found, str(folder))
+        check_weights(spec, weights, folder)
+        return weights
     for path in safetensors_files(folder):
         for key, tensor in _hf_tensors(path):
             name = _canonical_hf(spec, key, path)

@@ -70,6 +70,7 @@ class HybridShape:
     shared_ffn: int = 0
     state_dtype_bytes: int = 4  # conv and recurrent state are kept in float32
     redundant_experts: int = 0  # physical replicas beyond the logical experts (expert_map.py)
+    qk_norm: bool = False  # per-head RMSNorm of the gated attention's q and k before RoPE (Qwen3-Next's q_norm/k_norm)
 
     def __post_init__(self) -> None:
         for name in ("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim",
@@ -77,6 +78,8 @@ class HybridShape:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"hybrid: {name} must be a positive integer, got {value!r}")
+        if not isinstance(self.qk_norm, bool):
+            raise ConfigError(f"hybrid: qk_norm must be true or false, got {self.qk_norm!r}")
         for name in ("experts", "top_k", "moe_ffn", "shared_ffn", "redundant_experts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -101,9 +104,10 @@ class HybridShape:
         return 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields; redundant_experts only when set (models without it keep their dict and cache keys)."""
+        """The fields; redundant_experts and qk_norm only when set (models without them keep their dict and cache
+        keys)."""
         return {name: getattr(self, name) for name in self.__dataclass_fields__
-                if name != "redundant_experts" or self.redundant_experts}
+                if name not in ("redundant_experts", "qk_norm") or getattr(self, name)}
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,9 @@ class LinearReport:
     conv_rows: tuple[tuple[int, int], ...]
     state_digests: tuple[str, ...]
     weight_checksum: str
+    recurrent_heads: int | None = None  # an HTTP probe: V heads the recurrent state tensor holds
+    conv_channels: int | None = None  # an HTTP probe: channels the conv state tensor holds
+    state_bytes_per_slot: int | None = None  # an HTTP probe: conv + recurrent state bytes of one sequence, all layers
 
 
 @dataclass(frozen=True)
@@ -249,6 +252,11 @@ def entry_json(ranks: Sequence[RankReport], pool: Mapping[str, int] | None,
     head = _to_json(speculator) if speculator is not None else {}
     return {**head, "ranks": [r.to_json() for r in sorted(ranks, key=lambda r: r.rank)],
             "pool": dict(pool) if pool is not None else None}
+
+
+def hybrid_from_json(data: Any, where: str) -> HybridReport:
+    """A hybrid record (an HTTP probe's `hybrid` object) parsed and validated as RankReport.hybrid is."""
+    return _from_json(HybridReport, data, where, "hybrid.")
 
 
 def read_ranks(entry: Any, where: str = "layout.json") -> tuple[RankReport, ...]:

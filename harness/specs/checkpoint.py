@@ -14,7 +14,7 @@ from harness.core.paths import MODELS_DIR
 from harness.partition.hybrid_layout import HybridShape, MoeShape
 from harness.specs.gguf_file import architecture, field, float32_decimal, open_gguf, tensor_index
 from harness.specs.loader import did_you_mean, load_yaml
-from harness.specs.model import ModelSpec, model_from_dict, shipped_models
+from harness.specs.model import DTYPES, ModelSpec, model_from_dict, shipped_models
 
 HF_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral", "deepseek_v2", "qwen3_next")
 MLA_MODEL_TYPES: tuple[str, ...] = ("deepseek_v2",)  # multi-head latent attention (harness export writes these)
@@ -121,10 +121,15 @@ def _hybrid_fields(config: dict[str, Any], where: Path) -> dict[str, Any]:
         linear_k_heads=value("linear_num_key_heads"), linear_v_heads=value("linear_num_value_heads"),
         linear_k_dim=value("linear_key_head_dim"), linear_v_dim=value("linear_value_head_dim"),
         full_attention_interval=value("full_attention_interval"),
-        conv_kernel=int(config.get("linear_conv_kernel_dim") or 4), attn_output_gate=True, experts=experts,
+        conv_kernel=int(config.get("linear_conv_kernel_dim") or 4), attn_output_gate=True, qk_norm=True,
+        experts=experts,
         top_k=value("num_experts_per_tok") if experts else 0, moe_ffn=value("moe_intermediate_size") if experts else 0,
         shared_ffn=int(config.get("shared_expert_intermediate_size") or 0) if experts else 0)
-    return {"hybrid": hybrid}
+    fields: dict[str, Any] = {"hybrid": hybrid}
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    if dtype in DTYPES:  # Qwen3-Next runs in its checkpoint's dtype (vLLM's CPU GDN kernel takes bfloat16 only)
+        fields["dtype"] = dtype
+    return fields
 
 
 def _engine_gaps(config: dict[str, Any]) -> tuple[str, ...]:
@@ -135,7 +140,10 @@ def _engine_gaps(config: dict[str, Any]) -> tuple[str, ...]:
     if float(config.get("partial_rotary_factor") or 1.0) != 1.0:
         gaps.append(f"partial RoPE (partial_rotary_factor {config['partial_rotary_factor']})")
     if config.get("model_type") in HYBRID_MODEL_TYPES:
-        gaps.append("Qwen3-Next's checkpoint tensors (the embedded hybrid engine runs synthetic weights)")
+        if int(config.get("decoder_sparse_step") or 1) != 1 or config.get("mlp_only_layers"):
+            gaps.append("dense MLP layers among the MoE layers (decoder_sparse_step / mlp_only_layers)")
+        if not int(config.get("num_experts") or 0):
+            gaps.append("a Qwen3-Next model without routed experts")
     if config.get("model_type") in MLA_MODEL_TYPES and int(config.get("n_routed_experts") or 0):
         gaps += _routing_gaps(config)
     return tuple(gaps)

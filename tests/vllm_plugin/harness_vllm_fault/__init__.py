@@ -12,6 +12,9 @@ With HARNESS_VLLM_FAULT=moe-expert-map-offset (a model with routed experts: Deep
 weight loader maps each global expert to the next local slot (its map offset by one) while its router uses the right
 map: each of its slots holds the previous expert's weights, so its tokens reach the wrong experts' columns. Nothing
 crashes; shapes are right.
+With HARNESS_VLLM_FAULT=gdn-head-shard (a hybrid model: Qwen3-Next), tensor-parallel rank 1 loads
+in_proj_qkvz's rows of rank (1 + 1) % tp: its Gated DeltaNet heads project q, k, v and the output gate z with
+another rank's K-head group while its conv, decay, beta and output projection are its own. Nothing crashes.
 Without the variable (or with any other value) the plugin changes nothing.
 """
 
@@ -25,6 +28,7 @@ FAULT_ENV = "HARNESS_VLLM_FAULT"
 KV_SHARD = "kv-shard"
 MLA_KV_B_SHARD = "mla-kv-b-shard"
 MOE_EXPERT_MAP_OFFSET = "moe-expert-map-offset"
+GDN_HEAD_SHARD = "gdn-head-shard"
 FAULTY_RANK = 1
 
 
@@ -51,14 +55,15 @@ def _wrong_kv_shard(load: Callable[..., Any]) -> Callable[..., Any]:
     return loader
 
 
-def _wrong_kv_b_shard(load: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a ColumnParallelLinear weight loader: on the faulty rank, an MLA layer's kv_b_proj is cut at the next
-    rank's offset (the v1 loader reads the layer's tp_rank, the v2 loader the parameter's)."""
+def _wrong_kv_b_shard(load: Callable[..., Any], projection: str = "kv_b_proj") -> Callable[..., Any]:
+    """Wrap a ColumnParallelLinear weight loader: on the faulty rank, the projection named `projection` (an MLA
+    layer's kv_b_proj, Qwen3-Next's in_proj_qkvz) is cut at the next rank's offset (the v1 loader reads the layer's
+    tp_rank, the v2 loader the parameter's)."""
 
     @functools.wraps(load)
     def loader(self: Any, param: Any, *args: Any, **kwargs: Any) -> Any:
         rank, size = getattr(self, "tp_rank", 0), getattr(self, "tp_size", 1)
-        if not str(getattr(self, "prefix", "")).endswith("kv_b_proj") or size < 2 or rank != FAULTY_RANK:
+        if not str(getattr(self, "prefix", "")).endswith(projection) or size < 2 or rank != FAULTY_RANK:
             return load(self, param, *args, **kwargs)
         holders = [self] + ([param] if hasattr(param, "tp_rank") else [])
         for holder in holders:
@@ -111,12 +116,25 @@ def _register_moe_expert_map_offset() -> None:
           f"next slot (its loader's expert map offset by one)", flush=True)
 
 
+def _register_gdn_head_shard() -> None:
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+
+    for attr in ("weight_loader", "weight_loader_v2"):
+        current = vars(MergedColumnParallelLinear)[attr]
+        if not getattr(current, "__harness_fault__", False):
+            setattr(MergedColumnParallelLinear, attr, _wrong_kv_b_shard(current, "in_proj_qkvz"))
+    print(f"harness_vllm_fault: {FAULT_ENV}={GDN_HEAD_SHARD}: TP rank {FAULTY_RANK} loads another rank's "
+          f"in_proj_qkvz rows (Gated DeltaNet)", flush=True)
+
+
 def register() -> None:
     """vLLM calls this in every process (API server and workers) before the model is built."""
     if os.environ.get(FAULT_ENV) == MLA_KV_B_SHARD:
         _register_mla_kv_b_shard()
     if os.environ.get(FAULT_ENV) == MOE_EXPERT_MAP_OFFSET:
         _register_moe_expert_map_offset()
+    if os.environ.get(FAULT_ENV) == GDN_HEAD_SHARD:
+        _register_gdn_head_shard()
     if os.environ.get(FAULT_ENV) != KV_SHARD:
         return
     from vllm.model_executor.layers.linear import QKVParallelLinear

@@ -15,6 +15,9 @@ In each worker, after vLLM allocated its KV cache (Worker.initialize_from_config
 MLA layers (DeepSeek-V2/V3: multi-head latent attention) report what mla.py finds instead of Q/K/V head ids: the
 Q heads whose Q weights (q_proj, kv_b's w_kc) a rank loaded, with checksums, the latent cache's row width and bytes,
 the latent projection's checksum as the one KV head every rank duplicates.
+Hybrid models (Qwen3-Next: Gated DeltaNet, gated attention, MoE with a shared expert) add a `hybrid` record
+(gdn.py): the linear-attention heads and conv rows as loaded, their conv and recurrent state as allocated, the
+experts and the shared expert each rank holds.
 When the folder also holds the harness's capture-cases.json, forward hooks capture each layer's hidden state
 and per-head attention output at the cases' probe positions (capture.py).
 The harness process never imports vLLM: it only reads these files.
@@ -29,7 +32,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from harness_vllm_probe import mla, moe
+from harness_vllm_probe import gdn, mla, moe
 
 PROBE_ENV = "HARNESS_VLLM_PROBE_DIR"
 SCHEMA = 1
@@ -102,7 +105,8 @@ def _ids(first: int, count: int) -> list[int]:
 def _layer_report(name: str, qkv: Any, attn: Any) -> dict[str, Any]:
     """What one attention layer holds: global Q / KV head ids from its shard parameters, and as loaded."""
     replicas = max(1, int(getattr(qkv, "num_kv_head_replicas", 1)))
-    nq, nkv = int(qkv.num_heads), int(qkv.num_kv_heads)
+    # Q heads: the attention's (a gated attention's QKV projection also holds each head's gate rows: Qwen3-Next)
+    nq, nkv = int(getattr(attn, "num_heads", qkv.num_heads)), int(qkv.num_kv_heads)
     claimed_q = _ids(qkv.tp_rank * nq, nq)
     claimed_kv = _ids((qkv.tp_rank // replicas) * nkv, nkv)
     loaded = _LOADED.get(id(qkv), {})
@@ -158,10 +162,13 @@ def report(worker: Any, kv_cache_config: Any) -> dict[str, Any]:
             layers.append((name, qkv, attn))
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     dcp = ps.get_dcp_group()
-    groups = kv_cache_config.kv_cache_groups
+    # the attention layers' group(s): a hybrid model's state groups (Gated DeltaNet) hold no K/V heads, and vLLM pads
+    # their attention pages to the state page size (the unpadded page is what a token's K/V take)
+    groups = [g for g in kv_cache_config.kv_cache_groups if hasattr(g.kv_cache_spec, "num_kv_heads")] or list(
+        kv_cache_config.kv_cache_groups)
     spec = groups[0].kv_cache_spec if groups else None
     block_size = int(spec.block_size) if spec is not None else None
-    per_layer_page = int(spec.page_size_bytes) if spec is not None else 0
+    per_layer_page = int(getattr(spec, "unpadded_page_size_bytes", spec.page_size_bytes)) if spec is not None else 0
     attn_layers = sum(len(g.layer_names) for g in groups)
     reports = [_layer_report(name, qkv, attn) for name, qkv, attn in layers]
     mla_reports = [mla.layer_report(name, w, tp_rank) for name, w in mla_found]
@@ -170,6 +177,9 @@ def report(worker: Any, kv_cache_config: Any) -> dict[str, Any]:
     if experts is not None:
         extra["experts"] = experts
     bound = ([w.mla_attn for _, w in mla_found] if mla_found else [a for _, _, a in layers])
+    gdn_found = gdn.gdn_layers(model)
+    if gdn_found:
+        extra["hybrid"] = _hybrid_record(gdn_found, model, tp_rank, kv_cache_config, bound)
     return {
         "schema_version": SCHEMA, "pid": os.getpid(),
         "tp_rank": tp_rank, "tp_size": tp_size, "dcp_rank": dcp.rank_in_group, "dcp_size": dcp.world_size,
@@ -185,6 +195,18 @@ def report(worker: Any, kv_cache_config: Any) -> dict[str, Any]:
                      "sizing": "blocks",  # vLLM allocates floor(budget / page bytes) blocks, not whole sequences
                      "max_model_len": int(worker.model_config.max_model_len)},
     }
+
+
+def _hybrid_record(gdn_found: list[tuple[str, Any]], model: Any, tp_rank: int, kv_cache_config: Any,
+                   bound: list[Any]) -> dict[str, Any]:
+    """The rank's hybrid record: linear attention and its state, experts, and the cache groups as vLLM allocated
+    them (one block count shared by the attention pages and the state slots)."""
+    linear, slots = gdn.linear_record(gdn_found, tp_rank)
+    state_bytes = sum(int(t.numel() * t.element_size()) for _, m in gdn_found for t in m.kv_cache[:2])
+    blocks = int(kv_cache_config.num_blocks)
+    groups = {"slots": slots, "attention_blocks": blocks, "attention_blocks_per_seq": 1, "state_slots": slots,
+              "state_bytes": state_bytes, "attention_bytes": _kv_tensor_bytes(bound)}
+    return {"linear": linear, "moe": gdn.moe_record(model), "cache_groups": groups}
 
 
 def _write(folder: Path, data: dict[str, Any]) -> None:
@@ -213,6 +235,18 @@ def register() -> None:
             current = vars(cls).get(attr)
             if current is not None and not getattr(current, "__harness_probe__", False):
                 setattr(cls, attr, mla.recording(current))
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+
+    for attr in ("weight_loader", "weight_loader_v2"):
+        current = vars(MergedColumnParallelLinear).get(attr)
+        if current is not None and not getattr(current, "__harness_probe__", False):
+            setattr(MergedColumnParallelLinear, attr, gdn.recording_merged(current))
+    try:  # Qwen3-Next's conv1d loader (vLLM's mamba sharded loader, looked up in its module when a layer is built)
+        from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as qgdn
+    except Exception:  # a build without it
+        qgdn = None
+    if qgdn is not None and not getattr(qgdn.mamba_v2_sharded_weight_loader, "__harness_probe__", False):
+        qgdn.mamba_v2_sharded_weight_loader = gdn.recording_conv_loader(qgdn.mamba_v2_sharded_weight_loader)
     for attr in ("weight_loader", "weight_loader_v2"):
         current = getattr(QKVParallelLinear, attr)
         if not getattr(current, "__harness_probe__", False):

@@ -54,9 +54,27 @@ def _decoder_layers(model: Any) -> tuple[Any, list[Any]]:
     attention = _attention_types()
     for _, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) and all(
-                any(isinstance(sub, attention) for sub in layer.modules()) for layer in module):
+                _linear_mixer(layer) is not None or any(isinstance(sub, attention) for sub in layer.modules())
+                for layer in module):
             return embed, list(module)
     raise RuntimeError("no ModuleList of decoder layers with attention found in the model")
+
+
+def _linear_mixer(layer: Any) -> Any:
+    """A hybrid decoder layer's linear-attention mixer (Qwen3-Next's Gated DeltaNet: `linear_attn`), else None."""
+    return getattr(layer, "linear_attn", None)
+
+
+def _zeros_like_heads(capture: Capture, layer: int, heads: int, head_dim: int) -> Callable[..., None]:
+    """A linear-attention layer's per-head capture: zeros [T, heads * head_dim] (its output is no per-head
+    attention; the embedded engine records zeros too where heads x head_dim is not the hidden size)."""
+
+    def hook(_m: Any, args: Any, kwargs: Any, _out: Any) -> None:
+        stream = kwargs.get("hidden_states", args[0] if args else None)
+        if stream is not None:
+            capture.on_attention(layer, stream.new_zeros(stream.shape[0], heads * head_dim), heads)
+
+    return hook
 
 
 def _hook(capture: Capture, model: Any) -> None:
@@ -64,8 +82,14 @@ def _hook(capture: Capture, model: Any) -> None:
     embed, layers = _decoder_layers(model)
     capture.layers = len(layers)
     embed.register_forward_hook(lambda _m, _i, out: capture.on_hidden(0, out))
+    full = next(m for layer in layers for m in layer.modules() if isinstance(m, attention))
     for i, layer in enumerate(layers):
         layer.register_forward_hook(lambda _m, _i, out, i=i: capture.on_layer(i, out))
+        mixer = _linear_mixer(layer)
+        if mixer is not None:
+            mixer.register_forward_hook(_zeros_like_heads(capture, i, int(full.num_heads), int(full.head_size)),
+                                        with_kwargs=True)
+            continue
         attn = next(m for m in layer.modules() if isinstance(m, attention))
         attn.register_forward_hook(lambda _m, _i, out, i=i, n=int(attn.num_heads): capture.on_attention(i, out, n))
     capture.hooked.add(id(model))
