@@ -46,8 +46,12 @@ def run_prefill_world(job: Job, store: Path) -> None:
     state = ParallelState.from_launcher(pre.tp, pre.dcp, job.device, job.collective_timeout_s)
     built = build_engine(state, job.model, pre, None, job.pool, job.dtype, SpeculativeSettings())
     cases = build_cases(job.prompts, built.tokenizer, job.seed, job.max_new_tokens, job.decode_prefix_tokens)
+    state_plan = plan_model(model_of(job.model), job.topology).pd_state_plan
+    # the prompt lengths the decode side loads: the decode path's start, all but the prompt's last token
+    cuts = [(c.decode_start, len(c.prompt_ids) - 1) for c in cases]
     record = run_prefill(built.engine, [list(c.prompt_ids) for c in cases], store, job.top_k,
-                         fault_flags(job.fault, job.topology))
+                         fault_flags(job.fault, job.topology), cuts,
+                         state_plan.prefill[state.rank] if state_plan is not None else None)
     ranks = state.gather_objects(record.to_dict())
     if state.rank == 0:
         write_json(store / PREFILL_RECORD, {"topology": pre.to_dict(), "ranks": ranks,
@@ -75,10 +79,10 @@ class DecodeSide:
         if job.workloads:
             raise ConfigError(f"a disaggregated topology ({job.topology.name}) runs the suite's prompts, not "
                               f"workloads ({', '.join(w.name for w in job.workloads)})")
-        pd = plan_model(model_of(job.model), job.topology).pd
-        if pd is None:
+        plan = plan_model(model_of(job.model), job.topology)
+        if plan.pd is None:
             raise ConfigError(f"--pd-role decode needs a disaggregated topology, got {job.topology.name}")
-        return cls(job, engine, store, KVConnector(engine, pd, store, LoadPolicy()))
+        return cls(job, engine, store, KVConnector(engine, plan.pd, store, LoadPolicy(), plan.pd_state_plan))
 
     def prefetch(self, requests: int) -> None:
         self.connector.prefetch(range(requests))
@@ -91,23 +95,27 @@ class DecodeSide:
     def finish(self, out_dir: Path) -> None:
         """Every rank's record and held digests to rank 0, which writes PD_RECORD and PD_TENSORS."""
         state = self.engine.state
-        ranks = state.gather_objects((self.connector.close(), self.connector.held))
+        ranks = state.gather_objects((self.connector.close(), self.connector.held, self.connector.held_state))
         if state.rank != 0:
             return
         prefill = read_json(self.store / PREFILL_RECORD)
         tensors: dict[str, torch.Tensor] = {}
-        for rec, held in ranks:
+        for rec, held, held_state in ranks:
             for key, (digests, positions) in held.items():
                 tensors[f"held.{key}.d{rec['rank']}"] = digests
                 tensors[f"held.{key}.d{rec['rank']}.pos"] = positions
+            for key, digests in held_state.items():
+                tensors[f"held_state.{key}.d{rec['rank']}"] = digests
         for req in prefill["requests"]:
             for r in range(self.job.topology.prefill.tp if self.job.topology.prefill else 0):
                 if done_marker(self.store, req["index"], r).exists():
                     entry = read_entry(self.store, req["index"], r)
                     tensors[f"sent.{req['index']}.p{r}"] = entry["digest"]
                     tensors[f"sent.{req['index']}.p{r}.pos"] = entry["pos"]
+                    tensors.update({f"sent_state.{req['index']}.p{r}.n{k.rsplit('.', 1)[1]}": t
+                                    for k, t in entry.items() if k.startswith("state.digest.")})
         tensors.update({f"prefill_only.{k}": t for k, t in load_file(str(self.store / PREFILL_ONLY)).items()})
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / PD_TENSORS))
         doc: dict[str, Any] = {"policy": self.connector.policy.to_dict(), "prefill": prefill,
-                               "decode": [rec for rec, _ in ranks], "block_size": self.engine.cache.block_size}
+                               "decode": [rec for rec, _, _ in ranks], "block_size": self.engine.cache.block_size}
         write_json(out_dir / PD_RECORD, doc)

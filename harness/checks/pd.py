@@ -31,7 +31,7 @@ def pd_transfer(ctx: CellContext) -> list[CheckResult]:
     if isinstance(got, CheckResult):
         return [got]
     assert ctx.pd_plan is not None  # a pd cell (driver.belongs)
-    return [check_transfer(ctx.pd_plan, *got)]
+    return [check_transfer(ctx.pd_plan, *got, ctx.pd_state_plan)]
 
 
 def pd_load(ctx: CellContext) -> list[CheckResult]:

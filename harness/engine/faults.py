@@ -252,6 +252,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("pd-decode-unloaded", "pd_load, pd_transfer",
           "with request 1's stored KV lost, the failed load is reported loaded and the decode computes on "
           "blocks that never loaded (LMCache #3388; rtp-llm decode on an errored stream)", needs_pd=True),
+    Fault("pd-state-conv-shift", "pd_transfer, logits_decode",
+          "a hybrid model's transferred conv state placed one token late on the decode side: the window's newest "
+          "input dropped, its oldest slot zero (an off-by-one in the state's cut between prefill and decode); "
+          "inert on a model without linear attention", needs_pd=True),
 )}
 # Conditions of a correct engine's surroundings, not bugs: the load path must absorb them (a clean cell
 # passes under them). pd-load-lost: request 1's stored KV never committed; pd-load-flaky: every first read fails.
@@ -326,6 +330,7 @@ class FaultFlags:
     pd_unbounded_retry: bool = False    # pd-unbounded-retry: failed loads retried without a bound
     pd_decode_unloaded: bool = False    # pd-decode-unloaded: a failed load reported loaded
     pd_error_under_lock: bool = False   # pd-error-under-lock: a failed attempt reported with the lock held
+    pd_state_conv_shift: bool = False   # pd-state-conv-shift: the received conv state placed one token late
     pd_lost_request: int = -1           # the request whose stored KV is never committed (-1: none)
     pd_flaky_reads: bool = False        # pd-load-flaky: every request's first read fails
 
@@ -439,6 +444,7 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         pd_unbounded_retry=name == "pd-unbounded-retry",
         pd_decode_unloaded=name == "pd-decode-unloaded",
         pd_error_under_lock=name == "pd-error-under-lock",
+        pd_state_conv_shift=name == "pd-state-conv-shift",
         pd_lost_request=PD_LOST_REQUEST if name in ("pd-recompute-offset", "pd-unbounded-retry",
                                                     "pd-decode-unloaded", "pd-error-under-lock") else -1,
     )
