@@ -116,12 +116,12 @@ def run_job(job: Job, topk_only: int | None = None, pd_role: str | None = None, 
     if pd is not None:
         pd.prefetch(len(cases))
     if groups:
-        prefill, decode = teacher_forced(engine, cases)
+        prefill, decode = teacher_forced(engine, cases, pd.loader("decode_path") if pd is not None else None)
     else:
         prefill = engine.prefill_logits(sequences)
         decode = engine.decode_path(sequences, [c.decode_start for c in cases], [c.probe_positions for c in cases],
                                     pd.loader("decode_path") if pd is not None else None)
-    served = run_workloads(engine, groups, job.top_k) if groups else None
+    served = run_workloads(engine, groups, job.top_k, pd.loader if pd is not None else None) if groups else None
     gen = (Generation([served.tokens[c.index] for c in cases], [served.topk_ids[c.index] for c in cases],
                       [served.topk_logprobs[c.index] for c in cases]) if served is not None
            else generate(engine, [list(c.prompt_ids) for c in cases], job.max_new_tokens, job.top_k,

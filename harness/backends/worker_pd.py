@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from harness.arch.model import model_of
 from harness.arch.plan import plan_model
-from harness.cases import build_cases
+from harness.cases import build_cases, build_workload_cases
 from harness.core.errors import ConfigError
 from harness.core.jsonio import read_json, write_json
 from harness.engine.construct import build_engine
@@ -32,6 +32,7 @@ from harness.engine.pd_prefill import run_prefill
 from harness.engine.pd_store import PREFILL_ONLY, PREFILL_RECORD, done_marker, read_entry
 from harness.records.contract import MANIFEST_FILE, PD_RECORD_FILE, PD_TENSORS_FILE, Job
 from harness.specs.speculative import SpeculativeSettings
+from harness.specs.workload import WorkloadPlan
 
 PD_ROLES: tuple[str, ...] = ("prefill", "decode")
 PD_RECORD, PD_TENSORS = PD_RECORD_FILE, PD_TENSORS_FILE
@@ -45,7 +46,9 @@ def run_prefill_world(job: Job, store: Path) -> None:
         raise ConfigError(f"--pd-role prefill needs a disaggregated topology, got {job.topology.name}")
     state = ParallelState.from_launcher(pre.tp, pre.dcp, job.device, job.collective_timeout_s)
     built = build_engine(state, job.model, pre, None, job.pool, job.dtype, SpeculativeSettings())
-    cases = build_cases(job.prompts, built.tokenizer, job.seed, job.max_new_tokens, job.decode_prefix_tokens)
+    cases = ([case for g in build_workload_cases(WorkloadPlan(job.workloads), job.prompts, built.tokenizer, job.seed,
+                                                 job.decode_prefix_tokens) for case in g.cases] if job.workloads
+             else build_cases(job.prompts, built.tokenizer, job.seed, job.max_new_tokens, job.decode_prefix_tokens))
     state_plan = plan_model(model_of(job.model), job.topology).pd_state_plan
     # the prompt lengths the decode side loads: the decode path's start, all but the prompt's last token
     cuts = [(c.decode_start, len(c.prompt_ids) - 1) for c in cases]
@@ -55,8 +58,8 @@ def run_prefill_world(job: Job, store: Path) -> None:
     ranks = state.gather_objects(record.to_dict())
     if state.rank == 0:
         write_json(store / PREFILL_RECORD, {"topology": pre.to_dict(), "ranks": ranks,
-                                            "requests": [{"index": c.index, "tokens": len(c.prompt_ids)}
-                                                         for c in cases]})
+                                            "requests": [{"index": i, "case": c.index, "tokens": len(c.prompt_ids)}
+                                                         for i, c in enumerate(cases)]})
         save_file({**{f"topk_ids.{i}": t for i, t in enumerate(record.topk_ids)},
                    **{f"topk_logprobs.{i}": t for i, t in enumerate(record.topk_logprobs)}}, str(store / PREFILL_ONLY))
         write_json(Path(job.out_dir) / MANIFEST_FILE, {"status": "ok", "error": None, "role": "prefill",
@@ -76,9 +79,6 @@ class DecodeSide:
 
     @classmethod
     def open(cls, job: Job, engine: Engine, store: Path) -> DecodeSide:
-        if job.workloads:
-            raise ConfigError(f"a disaggregated topology ({job.topology.name}) runs the suite's prompts, not "
-                              f"workloads ({', '.join(w.name for w in job.workloads)})")
         plan = plan_model(model_of(job.model), job.topology)
         if plan.pd is None:
             raise ConfigError(f"--pd-role decode needs a disaggregated topology, got {job.topology.name}")

@@ -322,10 +322,17 @@ class ServingLoop:
         req.seq_id = cache.open(1)[0]
         req.pending = req.prompt + req.new
         req.fed, req.rows = 0, 0
-        if lane.lane.loader is not None and not req.new:  # the prompt's KV from the prefill side, all but
-            req.fed = lane.lane.loader(req.seq_id, req.index, req.prompt[:-1])  # its last token (its logits)
-        if lane.prefix is None:
-            return
+        if lane.prefix is not None:
+            self._lookup(lane, req)
+        # the prompt's KV from the prefill side, all but its last token (its logits), unless the prefix cache
+        # served a prefix (a decode-side hit: the rest of the prompt is computed here)
+        if lane.lane.loader is not None and not req.new and req.fed == 0:
+            req.fed = lane.lane.loader(req.seq_id, req.index, req.prompt[:-1])
+
+    def _lookup(self, lane: _LaneState, req: _Request) -> None:
+        """Share the cached blocks of the longest cached prefix of the request's tokens (a prefix hit)."""
+        assert lane.prefix is not None
+        cache = self.engine.cache
         lane.stats.prefix_lookups += 1
         # the prefix-cache-never-hits fault: the lookup finds nothing (the route silently off)
         blocks = [] if self.engine.flags.prefix_never_hits else lane.prefix.lookup(req.pending)
