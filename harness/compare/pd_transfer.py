@@ -162,7 +162,7 @@ def check_transfer(plan: PDPlan, record: dict[str, Any], tensors: dict[str, torc
     if not loads:
         return CheckResult("pd_transfer", Verdict.SKIP, "no load placed any row (every request computed its prompt)",
                            metrics)
-    extra = f" and {slices} linear-attention state slices (each slice in each linear layer)" if state is not None else ""
+    extra = f" and {slices} linear-attention state slices (each in each linear layer)" if state is not None else ""
     return CheckResult("pd_transfer", Verdict.PASS, f"{rows} rows{extra} of {loads} loads on {plan.decode.tp} "
                        f"decode rank(s) equal what the prefill side sent, each where the plan puts it", metrics)
 
