@@ -18,7 +18,7 @@ from harness.engine.pd_state import assemble, state_digests
 from harness.partition.hybrid_layout import HybridShape, LinearRank, plan_hybrid
 from harness.partition.layout import AttentionShape
 from harness.partition.pd_layout import plan_pd, plan_pd_state
-from harness.partition.pd_state import plan_state_moves
+from harness.partition.pd_state import plan_state_moves, same_rank_moves
 from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 
@@ -69,10 +69,12 @@ def _cell(tamper: str = "") -> tuple[dict, dict[str, torch.Tensor], object, obje
         tensors[f"sent_state.0.p{r.rank}.n3"] = state_digests(*_local(r, conv, rec), plan.prefill[r.rank])
         tensors[f"sent.0.p{r.rank}"] = torch.zeros((1, 1, 0), dtype=torch.long)
         tensors[f"sent.0.p{r.rank}.pos"] = torch.zeros(0, dtype=torch.long)
+    sources = {r.rank: _local(r, conv, rec) for r in p.ranks}
     for r in d.ranks:
         held_conv, held_rec = _local(r, conv, rec)
-        if tamper == "rank" and r.rank == 1:  # V heads 3-5 taken from prefill rank 0's slice (heads 0-2)
-            held_rec = _local(p.ranks[0], conv, rec)[1]
+        if tamper == "rank":  # the pd-state-same-rank fault's moves: decode rank 1 reads prefill rank 1 (heads 0-2)
+            held_conv, held_rec = assemble(sources, plan.prefill, plan.decode[r.rank], same_rank_moves(plan, r.rank),
+                                           held_conv, held_rec)
         tensors[f"held_state.decode_path.0.d{r.rank}"] = state_digests(held_conv, held_rec, plan.decode[r.rank])
         tensors[f"held.decode_path.0.d{r.rank}"] = torch.zeros((1, 1, 0), dtype=torch.long)
         tensors[f"held.decode_path.0.d{r.rank}.pos"] = torch.zeros(0, dtype=torch.long)
@@ -89,9 +91,16 @@ def test_the_transfer_check_passes_a_clean_state_and_names_a_slice_from_the_wron
     record, tensors, pd, plan = _cell("rank")
     bad = check_transfer(pd, record, tensors, plan)
     assert bad.verdict == Verdict.FAIL
-    assert ("request 0 (decode_path) linear layer 0 state of V head 3, V head 4, V head 5 on decode rank 1: differs "
-            "from what prefill ranks 2 sent (the state after 3 tokens)") in bad.reason
-    assert bad.metrics["mismatches"] == LAYERS  # one per linear layer, K head 1's conv rows untouched
+    assert ("request 0 (decode_path) linear layer 0 state of V head 3, V head 4, V head 5, K head 1 on decode rank 1: "
+            "differs from what prefill ranks 2 sent (the state after 3 tokens)") in bad.reason
+    assert bad.metrics["mismatches"] == LAYERS  # one per linear layer; decode rank 0's state (prefill rank 0's) right
+
+
+def test_the_same_rank_moves_differ_only_where_the_prefill_rank_of_that_number_holds_other_heads() -> None:
+    for pre, dec, differs in ((4, 2, {1}), (2, 2, set()), (2, 1, set()), (1, 2, set()), (2, 4, {1})):
+        p, d = plan_hybrid(SHAPE, HYB, pre).linear, plan_hybrid(SHAPE, HYB, dec).linear
+        plan = plan_state_moves(HYB, p, d, plan_pd_state(p, d))
+        assert {r for r in range(dec) if same_rank_moves(plan, r) != plan.moves[r]} == differs, (pre, dec)
 
 
 def test_the_conv_shift_fault_acts_on_linear_attention_only() -> None:

@@ -36,7 +36,7 @@ from harness.engine.pd_store import read_entry, sequence_digests
 from harness.engine.statecache import HybridCache
 from harness.partition.layout import Placement, token_owner
 from harness.partition.pd_layout import HeadSource, PDPlan, naive_head_sources
-from harness.partition.pd_state import PDStatePlan
+from harness.partition.pd_state import PDStatePlan, same_rank_moves
 
 WAITING, LOADING, LOADED, FAILED = "waiting", "loading", "loaded", "failed"
 HANG_GRACE_S = 30.0  # a load still running this long past its deadline is a hang: stacks dumped, the rank exits
@@ -188,7 +188,8 @@ class KVConnector:
         if self.state_plan is None or self.state_cache is None:
             return {}
         plan, cache = self.state_plan, self.state_cache
-        moves = plan.moves[self.rank]
+        # the pd-state-same-rank fault: the state read from the prefill rank of this rank's number
+        moves = same_rank_moves(plan, self.rank) if self.flags.pd_state_same_rank else plan.moves[self.rank]
         cuts = [int(k.rsplit(".", 1)[1]) for k in entries[moves[0].src_rank] if k.startswith("state.conv.")]
         out = {}
         for n in cuts:

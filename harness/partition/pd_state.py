@@ -94,6 +94,22 @@ def plan_state_moves(h: HybridShape, prefill: LinearPlan, decode: LinearPlan,
     return PDStatePlan(prefill=pre, decode=dec, moves=tuple(moves))
 
 
+def same_rank_moves(plan: PDStatePlan, rank: int) -> tuple[StateMove, ...]:
+    """The buggy moves (fault pd-state-same-rank): decode rank r reads its state from prefill rank r as if both
+    sides split it alike, its i-th V (K) head slice from that rank's i-th V (K) head slice, where that rank has
+    one; the plan's move otherwise. Equal to the plan's moves where prefill rank r holds the same heads."""
+    if rank >= len(plan.prefill):
+        return plan.moves[rank]
+    pre, mine = plan.prefill[rank], plan.decode[rank]
+    out = []
+    for move in plan.moves[rank]:
+        kind = mine.names[move.dest].split(" head ")[0]  # "V" or "K"
+        same_kind = [j for j, name in enumerate(pre.names) if name.startswith(f"{kind} head")]
+        nth = [j for j, name in enumerate(mine.names) if name.startswith(f"{kind} head")].index(move.dest)
+        out.append(StateMove(move.dest, rank, same_kind[nth]) if nth < len(same_kind) else move)
+    return tuple(out)
+
+
 def _find(pre: tuple[StateSlices, ...], rank: int, name: str) -> int:
     if name not in pre[rank].names:
         raise ConfigError(f"prefill rank {rank} holds no linear-attention state of {name} (it holds "
