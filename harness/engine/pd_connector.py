@@ -36,7 +36,7 @@ from harness.engine.pd_store import read_entry, sequence_digests
 from harness.engine.statecache import HybridCache
 from harness.partition.layout import Placement, token_owner
 from harness.partition.pd_layout import HeadSource, PDPlan, naive_head_sources
-from harness.partition.pd_state import PDStatePlan, same_rank_moves
+from harness.partition.pd_state import PDStatePlan, StateMove, same_rank_moves
 
 WAITING, LOADING, LOADED, FAILED = "waiting", "loading", "loaded", "failed"
 HANG_GRACE_S = 30.0  # a load still running this long past its deadline is a hang: stacks dumped, the rank exits
@@ -149,7 +149,7 @@ class KVConnector:
             raise OSError(f"transient read error of request {index} (first attempt)")
         ranks = {s for h in self.heads for s in h.sources}
         if self.state_plan is not None:
-            ranks |= {m.src_rank for m in self.state_plan.moves[self.rank]}
+            ranks |= {m.src_rank for m in self._state_moves()}
         entries = {r: read_entry(self.store, index, r) for r in sorted(ranks)}
         first = next(iter(entries.values()))
         tokens = first["tokens"].tolist()
@@ -182,14 +182,21 @@ class KVConnector:
                 v_out.append(v)
         return _Loaded(tokens, owned, k_out, v_out, self._assemble_state(entries))
 
+    def _state_moves(self) -> tuple[StateMove, ...]:
+        """Where this rank's state slices are read (the pd-state-same-rank fault: from the prefill rank of this
+        rank's number, as if both sides split the state alike)."""
+        assert self.state_plan is not None
+        if self.flags.pd_state_same_rank:
+            return same_rank_moves(self.state_plan, self.rank)
+        return self.state_plan.moves[self.rank]
+
     def _assemble_state(self, entries: dict[int, dict[str, torch.Tensor]]
                         ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """This rank's linear-attention state at every cut the entries hold, assembled by the state plan."""
         if self.state_plan is None or self.state_cache is None:
             return {}
         plan, cache = self.state_plan, self.state_cache
-        # the pd-state-same-rank fault: the state read from the prefill rank of this rank's number
-        moves = same_rank_moves(plan, self.rank) if self.flags.pd_state_same_rank else plan.moves[self.rank]
+        moves = self._state_moves()
         cuts = [int(k.rsplit(".", 1)[1]) for k in entries[moves[0].src_rank] if k.startswith("state.conv.")]
         out = {}
         for n in cuts:
