@@ -1,7 +1,7 @@
 """Detection table: for every fault in the catalog, which default suite run flags it, and the
 false-positive rate of the clean default suites over seeds. Prints markdown; asserts nothing.
 
-    python benchmarks/bench_faults.py [--faults a,b] [--suites tp,dcp,gqa-odd,spec,hybrid,mla,moe-dp]
+    python benchmarks/bench_faults.py [--faults a,b] [--suites tp,dcp,gqa-odd,spec,hybrid,mla,moe-dp,dsa,pd]
                                       [--clean-seeds 0,1,2,3,4] [--no-faults] [--no-clean]
                                       [--cache-dir DIR] [--work DIR] [--json FILE]
 
@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_SUITES: tuple[str, ...] = ("tp", "dcp", "gqa-odd", "spec", "hybrid", "mla", "moe-dp", "dsa")
+DEFAULT_SUITES: tuple[str, ...] = ("tp", "dcp", "gqa-odd", "spec", "hybrid", "mla", "moe-dp", "dsa", "pd")
 
 
 @dataclass
@@ -69,6 +69,7 @@ def candidate_suites(fault: str, suites: tuple[str, ...]) -> list[str]:
                and (not need.needs_placement or (t.placement.kind == need.needs_placement and (
                    need.needs_placement != "interleave" or t.placement.size > 1)))
                and (not need.needs_q_replicated or t.q_replicated)
+               and (not need.needs_pd or t.prefill is not None)
                for t in topologies):
             out.append(name)
     return out
