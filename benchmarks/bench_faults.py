@@ -72,6 +72,7 @@ def candidate_suites(fault: str, suites: tuple[str, ...]) -> list[str]:
                and (not need.needs_placement or (t.placement.kind == need.needs_placement and (
                    need.needs_placement != "interleave" or t.placement.size > 1)))
                and (not need.needs_q_replicated or t.q_replicated)
+               and (not need.needs_pd or t.prefill is not None)
                for t in topologies):
             out.append(name)
     return out

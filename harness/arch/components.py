@@ -281,7 +281,8 @@ class GatedDeltaNet(Component):
     prefix_cacheable: ClassVar[bool] = False  # the recurrent state of a position is not kept: no prefix hits
     takes_dp: ClassVar[bool] = True  # each DP rank holds every linear head for its own requests
     faults: ClassVar[frozenset[str]] = frozenset({"deltanet-packed-split", "deltanet-state-dcp-split",
-                                                  "cache-groups-own-budget", "state-slot-stale"})
+                                                  "cache-groups-own-budget", "state-slot-stale", "pd-state-conv-shift",
+                                                  "pd-state-same-rank"})
 
     def __init__(self, shape: HybridShape) -> None:
         self.shape = shape

@@ -13,6 +13,7 @@ from harness.partition.hybrid_layout import HybridPlan, LinearPlan, MoePlan
 from harness.partition.layout import LayoutPlan
 from harness.partition.mla_layout import MLAPlan
 from harness.partition.pd_layout import PDPlan, StateSource, plan_pd, plan_pd_state
+from harness.partition.pd_state import PDStatePlan, plan_state_moves
 from harness.partition.sparse_layout import SparsePlan
 from harness.specs.topology import Topology
 
@@ -34,6 +35,7 @@ class ModelPlan:
     speculator: LayoutPlan | None = None
     pd: PDPlan | None = None                # disaggregated: the decode ranks' KV assembly from the prefill ranks
     pd_state: tuple[StateSource, ...] = ()  # ... and their linear-attention state (hybrid models)
+    pd_state_plan: PDStatePlan | None = None  # ... that state's slices and each decode slice's source
 
     @property
     def hybrid_plan(self) -> HybridPlan | None:
@@ -64,6 +66,8 @@ def plan_model(model: Model, topology: Topology) -> ModelPlan:
         parts["pd"] = plan_pd(prefill.attention, parts["attention"])
         if prefill.linear is not None and parts.get("linear") is not None:
             parts["pd_state"] = plan_pd_state(prefill.linear, parts["linear"])
+            parts["pd_state_plan"] = plan_state_moves(model.hybrid_shape(), prefill.linear, parts["linear"],
+                                                      parts["pd_state"])
     return ModelPlan(model=model, topology=topology, **parts)
 
 

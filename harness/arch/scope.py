@@ -17,6 +17,8 @@ from harness.specs.topology import Topology
 ABSENT: tuple[tuple[frozenset[str], tuple[type[Component], ...], str], ...] = (
     (GatedDeltaNet.faults | MoE.faults, (GatedDeltaNet, MoE), "it is a dense model (no linear attention or MoE)"),
     (MoE.faults, (MoE,), "no experts"),
+    (frozenset({"pd-state-conv-shift", "pd-state-same-rank"}), (GatedDeltaNet,),
+     "it acts on linear-attention state, and the model has none"),
     (LatentAttention.faults, (LatentAttention,), "it acts on MLA attention, and the model has none"),
     (SparseAttention.faults, (SparseAttention,), "it acts on sparse attention (an indexer), and the model has none"),
 )

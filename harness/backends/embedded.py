@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.arch.model import model_of
+from harness.arch.plan import plan_model
 from harness.backends.base import stamp_manifest
 from harness.backends.identity import code_hash
 from harness.core.errors import ConfigError
@@ -76,9 +77,10 @@ class EmbeddedBackend(Backend):
     disaggregated = True  # runs PREFILL>DECODE topologies (two worlds, the KV store between them)
 
     def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
-        if topology.prefill is not None and not model_of(model).prefix_cacheable:
-            return ("the embedded KV connector moves paged attention KV only; this model also keeps per-sequence "
-                    "state outside the KV blocks (linear attention), planned by harness plan but not transferred")
+        if topology.prefill is not None and not model_of(model).prefix_cacheable \
+                and plan_model(model_of(model), topology).pd_state_plan is None:
+            return ("the embedded KV connector moves paged attention KV and linear-attention state; this model keeps "
+                    "other per-sequence state outside the KV blocks, which no transfer plan covers")
         return None  # every layout the planner accepts (the runner checks that first)
 
     def noise_strategy(self) -> str:

@@ -27,7 +27,7 @@ from harness.cases import WorkloadCases, build_cases, build_workload_cases, prom
 from harness.core.jsonio import write_json
 from harness.engine import ENGINE_VERSION
 from harness.engine.construct import build_engine
-from harness.engine.engine import Engine, Generation
+from harness.engine.engine import Engine, Generation, PrefixLoader
 from harness.engine.parallel import ParallelState
 from harness.engine.scheduler import generate, run_speculative_cases
 from harness.engine.speculative import SpecResult, spec_manifest, spec_tensors
@@ -116,19 +116,20 @@ def run_job(job: Job, topk_only: int | None = None, pd_role: str | None = None, 
     if pd is not None:
         pd.prefetch(len(cases))
     if groups:
-        prefill, decode = teacher_forced(engine, cases)
+        prefill, decode = teacher_forced(engine, cases, pd.loader("decode_path") if pd is not None else None)
     else:
         prefill = engine.prefill_logits(sequences)
         decode = engine.decode_path(sequences, [c.decode_start for c in cases], [c.probe_positions for c in cases],
                                     pd.loader("decode_path") if pd is not None else None)
-    served = run_workloads(engine, groups, job.top_k) if groups else None
+    served = run_workloads(engine, groups, job.top_k, pd.loader if pd is not None else None) if groups else None
     gen = (Generation([served.tokens[c.index] for c in cases], [served.topk_ids[c.index] for c in cases],
                       [served.topk_logprobs[c.index] for c in cases]) if served is not None
            else generate(engine, [list(c.prompt_ids) for c in cases], job.max_new_tokens, job.top_k,
                          loader=pd.loader("generation") if pd is not None else None))
     spec_result, spec_entry = None, None
     if speculator is not None:
-        spec_result = _speculate(engine, speculator, groups, cases, spec_settings.k, job.max_new_tokens)
+        spec_result = _speculate(engine, speculator, groups, cases, spec_settings.k, job.max_new_tokens,
+                                 pd.loader("speculative") if pd is not None else None)
         spec_entry = speculator.layout_entry(state.gather_objects(speculator.layout_report()))
     gsm8k = _run_gsm8k(job, engine, tokenizer)
     t_run = time.time()
@@ -173,16 +174,25 @@ def run_job(job: Job, topk_only: int | None = None, pd_role: str | None = None, 
 
 
 def _speculate(engine: Engine, speculator: Speculator, groups: Sequence[WorkloadCases], cases: Sequence[Case], k: int,
-               max_new_tokens: int) -> SpecResult:
+               max_new_tokens: int, loader: PrefixLoader | None = None) -> SpecResult:
     """Greedy speculative generation of every case, each workload's cases for that workload's new tokens
-    (as its plain generation), in case order."""
+    (as its plain generation), in case order (`loader`: a disaggregated run's KV source, by case position)."""
     batches = ([(g.cases, g.workload.new_tokens or max_new_tokens) for g in groups] if groups
                else [(tuple(cases), max_new_tokens)])
-    parts = [run_speculative_cases(engine, speculator, [list(c.prompt_ids) for c in batch], k, n)
+    at = {c.index: j for j, c in enumerate(cases)}
+    parts = [run_speculative_cases(engine, speculator, [list(c.prompt_ids) for c in batch], k, n,
+                                   loader=_at_positions(loader, [at[c.index] for c in batch]) if loader else None)
              for batch, n in batches if batch]
     return SpecResult(kind=parts[0].kind, k=parts[0].k, tokens=[t for p in parts for t in p.tokens],
                       accepted=[a for p in parts for a in p.accepted], wall_s=sum(p.wall_s for p in parts),
                       drafts=[d for p in parts for d in p.drafts])
+
+
+def _at_positions(loader: PrefixLoader, positions: list[int]) -> PrefixLoader:
+    """`loader` for a batch of some cases: its prompt i is the case at positions[i] among every case."""
+    def load(seq_id: int, index: int, tokens: list[int]) -> int:
+        return loader(seq_id, positions[index], tokens)
+    return load
 
 
 def main(argv: Sequence[str] | None = None) -> int:

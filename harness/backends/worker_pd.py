@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from harness.arch.model import model_of
 from harness.arch.plan import plan_model
-from harness.cases import build_cases
+from harness.cases import build_cases, build_workload_cases
 from harness.core.errors import ConfigError
 from harness.core.jsonio import read_json, write_json
 from harness.engine.construct import build_engine
@@ -32,6 +32,7 @@ from harness.engine.pd_prefill import run_prefill
 from harness.engine.pd_store import PREFILL_ONLY, PREFILL_RECORD, done_marker, read_entry
 from harness.records.contract import MANIFEST_FILE, PD_RECORD_FILE, PD_TENSORS_FILE, Job
 from harness.specs.speculative import SpeculativeSettings
+from harness.specs.workload import WorkloadPlan
 
 PD_ROLES: tuple[str, ...] = ("prefill", "decode")
 PD_RECORD, PD_TENSORS = PD_RECORD_FILE, PD_TENSORS_FILE
@@ -45,14 +46,20 @@ def run_prefill_world(job: Job, store: Path) -> None:
         raise ConfigError(f"--pd-role prefill needs a disaggregated topology, got {job.topology.name}")
     state = ParallelState.from_launcher(pre.tp, pre.dcp, job.device, job.collective_timeout_s)
     built = build_engine(state, job.model, pre, None, job.pool, job.dtype, SpeculativeSettings())
-    cases = build_cases(job.prompts, built.tokenizer, job.seed, job.max_new_tokens, job.decode_prefix_tokens)
+    cases = ([case for g in build_workload_cases(WorkloadPlan(job.workloads), job.prompts, built.tokenizer, job.seed,
+                                                 job.decode_prefix_tokens) for case in g.cases] if job.workloads
+             else build_cases(job.prompts, built.tokenizer, job.seed, job.max_new_tokens, job.decode_prefix_tokens))
+    state_plan = plan_model(model_of(job.model), job.topology).pd_state_plan
+    # the prompt lengths the decode side loads: the decode path's start, all but the prompt's last token
+    cuts = [(c.decode_start, len(c.prompt_ids) - 1) for c in cases]
     record = run_prefill(built.engine, [list(c.prompt_ids) for c in cases], store, job.top_k,
-                         fault_flags(job.fault, job.topology))
+                         fault_flags(job.fault, job.topology), cuts,
+                         state_plan.prefill[state.rank] if state_plan is not None else None)
     ranks = state.gather_objects(record.to_dict())
     if state.rank == 0:
         write_json(store / PREFILL_RECORD, {"topology": pre.to_dict(), "ranks": ranks,
-                                            "requests": [{"index": c.index, "tokens": len(c.prompt_ids)}
-                                                         for c in cases]})
+                                            "requests": [{"index": i, "case": c.index, "tokens": len(c.prompt_ids)}
+                                                         for i, c in enumerate(cases)]})
         save_file({**{f"topk_ids.{i}": t for i, t in enumerate(record.topk_ids)},
                    **{f"topk_logprobs.{i}": t for i, t in enumerate(record.topk_logprobs)}}, str(store / PREFILL_ONLY))
         write_json(Path(job.out_dir) / MANIFEST_FILE, {"status": "ok", "error": None, "role": "prefill",
@@ -72,13 +79,10 @@ class DecodeSide:
 
     @classmethod
     def open(cls, job: Job, engine: Engine, store: Path) -> DecodeSide:
-        if job.workloads:
-            raise ConfigError(f"a disaggregated topology ({job.topology.name}) runs the suite's prompts, not "
-                              f"workloads ({', '.join(w.name for w in job.workloads)})")
-        pd = plan_model(model_of(job.model), job.topology).pd
-        if pd is None:
+        plan = plan_model(model_of(job.model), job.topology)
+        if plan.pd is None:
             raise ConfigError(f"--pd-role decode needs a disaggregated topology, got {job.topology.name}")
-        return cls(job, engine, store, KVConnector(engine, pd, store, LoadPolicy()))
+        return cls(job, engine, store, KVConnector(engine, plan.pd, store, LoadPolicy(), plan.pd_state_plan))
 
     def prefetch(self, requests: int) -> None:
         self.connector.prefetch(range(requests))
@@ -91,23 +95,27 @@ class DecodeSide:
     def finish(self, out_dir: Path) -> None:
         """Every rank's record and held digests to rank 0, which writes PD_RECORD and PD_TENSORS."""
         state = self.engine.state
-        ranks = state.gather_objects((self.connector.close(), self.connector.held))
+        ranks = state.gather_objects((self.connector.close(), self.connector.held, self.connector.held_state))
         if state.rank != 0:
             return
         prefill = read_json(self.store / PREFILL_RECORD)
         tensors: dict[str, torch.Tensor] = {}
-        for rec, held in ranks:
+        for rec, held, held_state in ranks:
             for key, (digests, positions) in held.items():
                 tensors[f"held.{key}.d{rec['rank']}"] = digests
                 tensors[f"held.{key}.d{rec['rank']}.pos"] = positions
+            for key, digests in held_state.items():
+                tensors[f"held_state.{key}.d{rec['rank']}"] = digests
         for req in prefill["requests"]:
             for r in range(self.job.topology.prefill.tp if self.job.topology.prefill else 0):
                 if done_marker(self.store, req["index"], r).exists():
                     entry = read_entry(self.store, req["index"], r)
                     tensors[f"sent.{req['index']}.p{r}"] = entry["digest"]
                     tensors[f"sent.{req['index']}.p{r}.pos"] = entry["pos"]
+                    tensors.update({f"sent_state.{req['index']}.p{r}.n{k.rsplit('.', 1)[1]}": t
+                                    for k, t in entry.items() if k.startswith("state.digest.")})
         tensors.update({f"prefill_only.{k}": t for k, t in load_file(str(self.store / PREFILL_ONLY)).items()})
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / PD_TENSORS))
         doc: dict[str, Any] = {"policy": self.connector.policy.to_dict(), "prefill": prefill,
-                               "decode": [rec for rec, _ in ranks], "block_size": self.engine.cache.block_size}
+                               "decode": [rec for rec, _, _ in ranks], "block_size": self.engine.cache.block_size}
         write_json(out_dir / PD_RECORD, doc)

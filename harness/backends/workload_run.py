@@ -8,12 +8,12 @@ scheduled generation is then re-prefilled (prompt + new tokens, one forward) for
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from harness.cases import WorkloadCases
-from harness.engine.engine import DecodePath, Engine, length_buckets
+from harness.engine.engine import DecodePath, Engine, PrefixLoader, length_buckets
 from harness.engine.scheduler import Lane, ServeSettings, ServingLoop
 from harness.records import contract as c_
 from harness.records.artifacts import Case
@@ -26,14 +26,16 @@ def topk_of(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return top.indices.to(torch.long), top.values.to(torch.float32)
 
 
-def teacher_forced(engine: Engine, cases: Sequence[Case]) -> tuple[list[torch.Tensor], list[DecodePath]]:
-    """engine.prefill_logits of every case batched by length_buckets, and engine.decode_path in one batch."""
+def teacher_forced(engine: Engine, cases: Sequence[Case],
+                   loader: PrefixLoader | None = None) -> tuple[list[torch.Tensor], list[DecodePath]]:
+    """engine.prefill_logits of every case batched by length_buckets, and engine.decode_path in one batch
+    (`loader`: a disaggregated run's source of each decode start's KV, by position in `cases`)."""
     prefill: list[torch.Tensor | None] = [None] * len(cases)
     for bucket in length_buckets([len(c.sequence_ids) for c in cases]):
         for i, logits in zip(bucket, engine.prefill_logits([list(cases[i].sequence_ids) for i in bucket])):
             prefill[i] = logits
     decode = engine.decode_path([list(c.sequence_ids) for c in cases], [c.decode_start for c in cases],
-                                [c.probe_positions for c in cases])  # one batch: one decode step per token
+                                [c.probe_positions for c in cases], loader)  # one batch: one step per token
     return [p for p in prefill if p is not None], decode
 
 
@@ -49,16 +51,23 @@ class WorkloadGeneration:
     stats: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-def run_workloads(engine: Engine, groups: Sequence[WorkloadCases], top_k: int) -> WorkloadGeneration:
+def run_workloads(engine: Engine, groups: Sequence[WorkloadCases], top_k: int,
+                  loader_of: Callable[[str], PrefixLoader] | None = None) -> WorkloadGeneration:
     """One serving loop over every lane at once: the twin (every case, plain settings) and each workload
-    with an engine route of its own; the engine batches all their rows per step, as a server would."""
+    with an engine route of its own; the engine batches all their rows per step, as a server would.
+    `loader_of` (a disaggregated run): the KV source of a route's prompts (the twin's route "generation",
+    a routed workload's its name), each request named by its position among every group's cases."""
     key = c_.tensor_key
     cases = [case for g in groups for case in g.cases]
     new = {case.index: len(case.sequence_ids) - len(case.prompt_ids) for case in cases}
     routed = [g for g in groups if ServeSettings.from_mapping(g.workload.engine_settings()) != ServeSettings()]
-    lanes = [Lane([list(c.prompt_ids) for c in cases], [new[c.index] for c in cases], ServeSettings(split_long=True))]
+    at = {case.index: j for j, case in enumerate(cases)}
+    lanes = [Lane([list(c.prompt_ids) for c in cases], [new[c.index] for c in cases], ServeSettings(split_long=True),
+                  loader=loader_of("generation") if loader_of is not None else None)]
     lanes += [Lane([list(c.prompt_ids) for c in g.cases], [new[c.index] for c in g.cases],
-                   replace(ServeSettings.from_mapping(g.workload.engine_settings()), split_long=True)) for g in routed]
+                   replace(ServeSettings.from_mapping(g.workload.engine_settings()), split_long=True),
+                   loader=_by_position(loader_of(g.workload.name), [at[c.index] for c in g.cases])
+                   if loader_of is not None else None) for g in routed]
     (twin, twin_stats), *served = ServingLoop(engine).run(lanes, top_k)
     out = WorkloadGeneration()
     position = {case.index: j for j, case in enumerate(cases)}
@@ -80,6 +89,13 @@ def run_workloads(engine: Engine, groups: Sequence[WorkloadCases], top_k: int) -
         out.stats[g.workload.name] = {"twin": False, **stats.to_dict()}
     _reprefill(engine, cases, out, top_k)
     return out
+
+
+def _by_position(loader: PrefixLoader, positions: list[int]) -> PrefixLoader:
+    """`loader` for a lane of some cases: its request i is the case at positions[i] among every case."""
+    def load(seq_id: int, index: int, tokens: list[int]) -> int:
+        return loader(seq_id, positions[index], tokens)
+    return load
 
 
 def _reprefill(engine: Engine, cases: Sequence[Any], out: WorkloadGeneration, top_k: int) -> None:

@@ -15,6 +15,7 @@ from harness.gsm8k.settings import GSM8KSettings
 from harness.partition.hybrid_layout import HybridPlan, MoePlan
 from harness.partition.layout import LayoutPlan
 from harness.partition.pd_layout import PDPlan
+from harness.partition.pd_state import PDStatePlan
 from harness.partition.sparse_layout import SparsePlan
 from harness.records.artifacts import RunArtifacts
 from harness.records.contract import Capabilities
@@ -55,6 +56,7 @@ class CellContext:
     moe_plan: MoePlan | None = None  # the experts of a model whose attention is not hybrid (MLA + MoE)
     indexer_plan: SparsePlan | None = None  # sparse attention: the indexer's split
     pd_plan: PDPlan | None = None  # disaggregated cells: each decode rank's KV assembly from the prefill ranks
+    pd_state_plan: PDStatePlan | None = None  # ... and a hybrid model's linear-attention state assembly
     layout_check: str = "attention"  # the check of the target's layout its attention component names
     decode: Decoder | None = None
     gsm8k: GSM8KSettings | None = None

@@ -31,7 +31,7 @@ def pd_transfer(ctx: CellContext) -> list[CheckResult]:
     if isinstance(got, CheckResult):
         return [got]
     assert ctx.pd_plan is not None  # a pd cell (driver.belongs)
-    return [check_transfer(ctx.pd_plan, *got)]
+    return [check_transfer(ctx.pd_plan, *got, ctx.pd_state_plan)]
 
 
 def pd_load(ctx: CellContext) -> list[CheckResult]:
@@ -44,9 +44,10 @@ def pd_consistency(ctx: CellContext) -> list[CheckResult]:
     if isinstance(got, CheckResult):
         return [got]
     record, tensors = got
-    indices = [int(r["index"]) for r in record["prefill"]["requests"]]
+    # request i of the store is the run's case r["case"] (the same number unless a record predates it)
+    requests = [(int(r["index"]), int(r.get("case", r["index"]))) for r in record["prefill"]["requests"]]
     prefill_only = [(tensors[f"prefill_only.topk_ids.{i}"], tensors[f"prefill_only.topk_logprobs.{i}"])
-                    for i in indices]
-    decoded = [(ctx.par.tensor(c.GEN_TOPK_IDS, i)[:1].flatten(), ctx.par.tensor(c.GEN_TOPK_LOGPROBS, i)[:1].flatten())
-               for i in indices]
+                    for i, _ in requests]
+    decoded = [(ctx.par.tensor(c.GEN_TOPK_IDS, k)[:1].flatten(), ctx.par.tensor(c.GEN_TOPK_LOGPROBS, k)[:1].flatten())
+               for _, k in requests]
     return [check_consistency(prefill_only, decoded)]

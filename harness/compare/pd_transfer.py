@@ -26,6 +26,7 @@ from harness.core.fmt import id_ranges
 from harness.core.verdict import CheckResult, Verdict
 from harness.partition.layout import token_owner
 from harness.partition.pd_layout import PDPlan
+from harness.partition.pd_state import PDStatePlan
 
 MAX_NAMED = 4             # mismatches named in a reason (the metrics hold them all, up to MAX_LISTED)
 MAX_LISTED = 50
@@ -64,18 +65,54 @@ def _describe(m: dict[str, Any]) -> str:
     if m["kind"] == "positions":
         return (f"request {m['request']} ({m['route']}) decode rank {m['rank']} holds positions "
                 f"{id_ranges(m['held'])}, the plan gives it {id_ranges(m['planned'])}")
+    if m["kind"] in ("state", "state-unsent"):
+        ranks = f"prefill ranks {id_ranges(m['prefill_ranks'])}"
+        what = f"differs from what {ranks} sent" if m["kind"] == "state" else f"never sent by {ranks}"
+        return (f"request {m['request']} ({m['route']}) linear layer {m['layer']} state of {', '.join(m['slices'])} "
+                f"on decode rank {m['rank']}: {what} (the state after {m['tokens']} tokens)")
     if m["kind"] == "unsent":
         return f"{where}: rows the prefill side never sent (prefill ranks {id_ranges(m['prefill_ranks'])})"
     return (f"{where}: digest differs from what prefill ranks {id_ranges(m['prefill_ranks'])} sent "
             f"(positions {id_ranges(m['positions'])})")
 
 
-def check_transfer(plan: PDPlan, record: dict[str, Any], tensors: dict[str, torch.Tensor]) -> CheckResult:
-    """Every placed row of every load against the prefill side's digest (see the module docstring)."""
+def _check_state(state: PDStatePlan, rank: int, load: dict[str, Any], tensors: dict[str, torch.Tensor],
+                 found: _Mismatches) -> int:
+    """A placed load's linear-attention state slices on decode rank `rank` against the digests the prefill
+    ranks the state plan names took of them; returns the number of slices compared."""
+    req, route, n = int(load["request"]), load["route"], int(load["tokens"])
+    held = tensors[f"held_state.{route}.{req}.d{rank}"]  # [Ll, slices]
+    names = state.decode[rank].names
+    bad: dict[tuple[int, str], dict[str, Any]] = {}
+    compared = 0
+    for move in state.moves[rank]:
+        sent = tensors.get(f"sent_state.{req}.p{move.src_rank}.n{n}")
+        for layer in range(held.shape[0]):
+            compared += 1
+            if sent is None:
+                kind = "state-unsent"
+            elif int(sent[layer, move.src]) != int(held[layer, move.dest]):
+                kind = "state"
+            else:
+                continue
+            m = bad.setdefault((layer, kind), {"kind": kind, "request": req, "route": route, "rank": rank,
+                                               "layer": layer, "block": -1, "heads": [], "slices": [],
+                                               "prefill_ranks": [], "tokens": n})
+            m["slices"].append(names[move.dest])
+            m["prefill_ranks"] = sorted(set(m["prefill_ranks"]) | {move.src_rank})
+    for m in bad.values():
+        found.add(m)
+    return compared
+
+
+def check_transfer(plan: PDPlan, record: dict[str, Any], tensors: dict[str, torch.Tensor],
+                   state: PDStatePlan | None = None) -> CheckResult:
+    """Every placed row of every load against the prefill side's digest (see the module docstring); with
+    a `state` plan (a hybrid model) also every placed linear-attention state slice."""
     lengths = {int(r["index"]): int(r["tokens"]) for r in record["prefill"]["requests"]}
     block = int(record["block_size"])
     found = _Mismatches()
-    rows = loads = 0
+    rows = loads = slices = 0
     for rank_rec in record["decode"]:
         rank = int(rank_rec["rank"])
         kv_heads = plan.decode.ranks[rank].kv_heads
@@ -114,17 +151,20 @@ def check_transfer(plan: PDPlan, record: dict[str, Any], tensors: dict[str, torc
                         m["positions"] = sorted(set(m["positions"]) | {t})
             for m in bad.values():
                 found.add(m)
+            if state is not None:
+                slices += _check_state(state, rank, load, tensors, found)
     metrics = {"loads_checked": loads, "rows_checked": rows, "mismatches": found.count,
-               "first_mismatches": found.items}
+               "first_mismatches": found.items, **({"state_slices_checked": slices} if state is not None else {})}
     if found.count:
         named = "; ".join(_describe(m) for m in found.items[:MAX_NAMED])
-        return CheckResult("pd_transfer", Verdict.FAIL, f"{found.count} transferred block(s) differ from what the "
-                           f"prefill side sent: {named}", metrics)
+        return CheckResult("pd_transfer", Verdict.FAIL, f"{found.count} transferred block(s) or state slice(s) differ "
+                           f"from what the prefill side sent: {named}", metrics)
     if not loads:
         return CheckResult("pd_transfer", Verdict.SKIP, "no load placed any row (every request computed its prompt)",
                            metrics)
-    return CheckResult("pd_transfer", Verdict.PASS, f"{rows} rows of {loads} loads on {plan.decode.tp} decode "
-                       f"rank(s) equal what the prefill side sent, each where the plan puts it", metrics)
+    extra = f" and {slices} linear-attention state slices (each in each linear layer)" if state is not None else ""
+    return CheckResult("pd_transfer", Verdict.PASS, f"{rows} rows{extra} of {loads} loads on {plan.decode.tp} "
+                       f"decode rank(s) equal what the prefill side sent, each where the plan puts it", metrics)
 
 
 def check_load(record: dict[str, Any]) -> CheckResult:

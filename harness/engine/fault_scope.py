@@ -8,6 +8,7 @@ from harness.arch.plan import plan_model
 from harness.arch.scope import inert_reason as component_inert_reason
 from harness.engine.faults import fault_flags
 from harness.partition.pd_layout import naive_head_sources
+from harness.partition.pd_state import same_rank_moves
 from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
 
@@ -26,6 +27,11 @@ def inert_reason(name: str | None, spec: ModelSpec, topology: Topology) -> str |
         why = _pd_inert(name, spec, topology, flags.pd_head_offset)
         if why:
             return why
+    if flags.pd_state_same_rank:
+        state = plan_model(model_of(spec), topology).pd_state_plan
+        if state is not None and all(same_rank_moves(state, r) == m for r, m in enumerate(state.moves)):
+            return (f"fault {name} is inert on {spec.name} at {topology.name}: every decode rank's prefill rank of the "
+                    f"same number holds its linear-attention heads in the same order")
     return component_inert_reason(name, model_of(spec), topology, flags)
 
 

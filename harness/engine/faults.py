@@ -256,6 +256,15 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("pd-decode-unloaded", "pd_load, pd_transfer",
           "with request 1's stored KV lost, the failed load is reported loaded and the decode computes on "
           "blocks that never loaded (LMCache #3388; rtp-llm decode on an errored stream)", needs_pd=True),
+    Fault("pd-state-conv-shift", "pd_transfer, logits_decode",
+          "a hybrid model's transferred conv state placed one token late on the decode side: the window's newest "
+          "input dropped, its oldest slot zero (an off-by-one in the state's cut between prefill and decode); "
+          "inert on a model without linear attention", needs_pd=True),
+    Fault("pd-state-same-rank", "pd_transfer, logits_decode",
+          "a hybrid model's linear-attention state read by decode rank r from prefill rank r, its i-th V (K) head "
+          "slice from that rank's i-th, as if both sides split the V heads alike (the head slice taken from the "
+          "wrong prefill rank under heterogeneous TP); inert where prefill rank r holds decode rank r's heads",
+          needs_pd=True),
 )}
 # Conditions of a correct engine's surroundings, not bugs: the load path must absorb them (a clean cell
 # passes under them). pd-load-lost: request 1's stored KV never committed; pd-load-flaky: every first read fails.
@@ -331,6 +340,8 @@ class FaultFlags:
     pd_unbounded_retry: bool = False    # pd-unbounded-retry: failed loads retried without a bound
     pd_decode_unloaded: bool = False    # pd-decode-unloaded: a failed load reported loaded
     pd_error_under_lock: bool = False   # pd-error-under-lock: a failed attempt reported with the lock held
+    pd_state_conv_shift: bool = False   # pd-state-conv-shift: the received conv state placed one token late
+    pd_state_same_rank: bool = False    # pd-state-same-rank: decode rank r's state read from prefill rank r
     pd_lost_request: int = -1           # the request whose stored KV is never committed (-1: none)
     pd_flaky_reads: bool = False        # pd-load-flaky: every request's first read fails
 
@@ -445,6 +456,8 @@ def fault_flags(name: str | None, topology: Topology) -> FaultFlags:
         pd_unbounded_retry=name == "pd-unbounded-retry",
         pd_decode_unloaded=name == "pd-decode-unloaded",
         pd_error_under_lock=name == "pd-error-under-lock",
+        pd_state_conv_shift=name == "pd-state-conv-shift",
+        pd_state_same_rank=name == "pd-state-same-rank",
         pd_lost_request=PD_LOST_REQUEST if name in ("pd-recompute-offset", "pd-unbounded-retry",
                                                     "pd-decode-unloaded", "pd-error-under-lock") else -1,
     )

@@ -31,9 +31,12 @@ import torch
 
 from harness.core.errors import RunError
 from harness.engine.engine import Engine
+from harness.engine.pd_state import assemble, capture, place, state_digests, state_keys
 from harness.engine.pd_store import read_entry, sequence_digests
+from harness.engine.statecache import HybridCache
 from harness.partition.layout import Placement, token_owner
 from harness.partition.pd_layout import HeadSource, PDPlan, naive_head_sources
+from harness.partition.pd_state import PDStatePlan, StateMove, same_rank_moves
 
 WAITING, LOADING, LOADED, FAILED = "waiting", "loading", "loaded", "failed"
 HANG_GRACE_S = 30.0  # a load still running this long past its deadline is a hang: stacks dumped, the rank exits
@@ -87,13 +90,19 @@ class _Loaded:
     positions: list[int]
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    state: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # n -> (conv, recurrent)
 
 
 class KVConnector:
     """One decode rank's connector (every rank of the decode world has one; they act in lockstep)."""
 
-    def __init__(self, engine: Engine, plan: PDPlan, store: Path, policy: LoadPolicy = LoadPolicy()) -> None:
+    def __init__(self, engine: Engine, plan: PDPlan, store: Path, policy: LoadPolicy = LoadPolicy(),
+                 state: PDStatePlan | None = None) -> None:
         self.engine, self.plan, self.store, self.policy = engine, plan, store, policy
+        cache = engine.cache
+        # a model with linear-attention state: its transfer plan (pd_state.py) and this rank's state cache
+        self.state_plan, self.state_cache = (state, cache) if state is not None and isinstance(cache, HybridCache) \
+            else (None, None)
         self.rank = engine.state.rank
         self.flags = engine.flags
         self.heads = self._heads()
@@ -103,6 +112,7 @@ class KVConnector:
         self.records: list[LoadRecord] = []
         # "{route}.{request}" -> (digests [layers, kv_local, stored], positions [stored]) right after placement
         self.held: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.held_state: dict[str, torch.Tensor] = {}  # "{route}.{request}" -> state digests [Ll, slices] placed
         self.free_start = engine.cache.free_blocks
         self._lock = threading.Lock()  # guards the records (the readers' threads and the loop report into them)
 
@@ -137,7 +147,10 @@ class KVConnector:
         """Read the entries of the prefill ranks this rank's heads come from and assemble its rows."""
         if self.flags.pd_flaky_reads and attempt == 1:
             raise OSError(f"transient read error of request {index} (first attempt)")
-        entries = {r: read_entry(self.store, index, r) for r in sorted({s for h in self.heads for s in h.sources})}
+        ranks = {s for h in self.heads for s in h.sources}
+        if self.state_plan is not None:
+            ranks |= {m.src_rank for m in self._state_moves()}
+        entries = {r: read_entry(self.store, index, r) for r in sorted(ranks)}
         first = next(iter(entries.values()))
         tokens = first["tokens"].tolist()
         owned = self.owned(len(tokens))
@@ -167,7 +180,36 @@ class KVConnector:
             k_out.append(k)
             if v is not None:
                 v_out.append(v)
-        return _Loaded(tokens, owned, k_out, v_out)
+        return _Loaded(tokens, owned, k_out, v_out, self._assemble_state(entries))
+
+    def _state_moves(self) -> tuple[StateMove, ...]:
+        """Where this rank's state slices are read (the pd-state-same-rank fault: from the prefill rank of this
+        rank's number, as if both sides split the state alike)."""
+        assert self.state_plan is not None
+        if self.flags.pd_state_same_rank:
+            return same_rank_moves(self.state_plan, self.rank)
+        return self.state_plan.moves[self.rank]
+
+    def _assemble_state(self, entries: dict[int, dict[str, torch.Tensor]]
+                        ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's linear-attention state at every cut the entries hold, assembled by the state plan."""
+        if self.state_plan is None or self.state_cache is None:
+            return {}
+        plan, cache = self.state_plan, self.state_cache
+        moves = self._state_moves()
+        cuts = [int(k.rsplit(".", 1)[1]) for k in entries[moves[0].src_rank] if k.startswith("state.conv.")]
+        out = {}
+        for n in cuts:
+            conv_key, rec_key, _ = state_keys(n)
+            if not all(conv_key in entries[m.src_rank] for m in moves):
+                continue
+            conv, rec = assemble({r: (e[conv_key], e[rec_key]) for r, e in entries.items() if conv_key in e},
+                                 plan.prefill, plan.decode[self.rank], moves, cache.conv[0], cache.recurrent[0])
+            if self.flags.pd_state_conv_shift:  # the fault: the conv window one token late (newest input lost)
+                conv[..., 1:] = conv[..., :-1].clone()
+                conv[..., 0] = 0
+            out[n] = (conv, rec)
+        return out
 
     # -- placing (every rank, in lockstep) ---------------------------------------------------------
 
@@ -197,6 +239,8 @@ class KVConnector:
             m = len(owned)
             for layer in range(len(cache.k)):
                 cache.write_rows(layer, rows, data.k[layer][:m], data.v[layer][:m] if data.v else None)
+            if self.state_cache is not None:
+                place(self.state_cache, seq_id, *data.state[n], n)
             rec.state, rec.outcome = LOADED, "loaded"
             self._keep(rec, seq_id)
             return n
@@ -229,6 +273,9 @@ class KVConnector:
                 data = self._futures[index].result(timeout=left)
                 if data.tokens[:len(tokens)] != list(tokens):
                     raise ValueError(f"the store entry of request {index} holds other prompt tokens")
+                if self.state_cache is not None and len(tokens) not in data.state:
+                    raise ValueError(f"the store entry of request {index} holds no linear-attention state after "
+                                     f"{len(tokens)} tokens (it holds cuts {sorted(data.state)})")
             except Exception as exc:  # any failed read is a failed attempt (named in the record)
                 error = f"{type(exc).__name__}: {exc}"[:200]
             ok = agree(not error)
@@ -256,6 +303,9 @@ class KVConnector:
         self.held[f"{rec.route}.{rec.request}"] = (
             sequence_digests(self.engine.cache, seq_id),
             torch.tensor(self.engine.cache.positions(seq_id), dtype=torch.long))
+        if self.state_plan is not None and self.state_cache is not None:
+            self.held_state[f"{rec.route}.{rec.request}"] = state_digests(
+                *capture(self.state_cache, seq_id), self.state_plan.decode[self.rank])
 
     def close(self) -> dict[str, Any]:
         """Stop the readers; this rank's record: its loads and its pool's free blocks before and after."""

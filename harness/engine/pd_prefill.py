@@ -21,7 +21,10 @@ from harness.core.errors import ConfigError
 from harness.engine.engine import Engine
 from harness.engine.faults import FaultFlags
 from harness.engine.kvcache import PagedKVCache
+from harness.engine.pd_state import capture, state_digests, state_keys
 from harness.engine.pd_store import layer_rows, pool_rows, sequence_digests, write_entry
+from harness.engine.statecache import HybridCache
+from harness.partition.pd_state import StateSlices
 
 
 @dataclass
@@ -34,6 +37,7 @@ class _Sent:
     positions: list[int]
     tokens: list[int]
     digests: torch.Tensor  # [layers, kv_local, n] int64
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # a hybrid model's state at its cuts (pd_state.py)
     released: bool = False
 
 
@@ -60,7 +64,7 @@ def _send(cache: PagedKVCache, store: Path, rank: int, item: _Sent, lost: bool) 
     rows = pool_rows(cache, item.blocks, len(item.positions))
     tensors: dict[str, torch.Tensor] = {"pos": torch.tensor(item.positions, dtype=torch.long),
                                         "tokens": torch.tensor(item.tokens, dtype=torch.long),
-                                        "digest": item.digests}
+                                        "digest": item.digests, **item.state}
     for layer in range(len(cache.k)):
         k, v = layer_rows(cache, layer, rows)
         tensors[f"k.{layer}"] = k
@@ -71,9 +75,12 @@ def _send(cache: PagedKVCache, store: Path, rank: int, item: _Sent, lost: bool) 
 
 @torch.no_grad()
 def run_prefill(engine: Engine, prompts: Sequence[Sequence[int]], store: Path, top_k: int,
-                flags: FaultFlags = FaultFlags()) -> PrefillRecord:
+                flags: FaultFlags = FaultFlags(), cuts: Sequence[Sequence[int]] = (),
+                slices: StateSlices | None = None) -> PrefillRecord:
     """Prefill every prompt (in order) and send its KV to `store`; returns this rank's record. `flags`: the
-    transfer faults (pd-early-release; a lost entry), not the model's."""
+    transfer faults (pd-early-release; a lost entry), not the model's. A model with linear-attention state
+    (`slices`: this rank's state slices) is prefilled in chunks ending at each of cuts[i] (prompt lengths
+    the decode side loads) and sends its state after each with its per-slice digests."""
     cache = engine.cache
     if engine.capacity.slots < 2:
         raise ConfigError(f"the prefill world needs a KV pool of at least 2 sequence slots (a request's blocks are "
@@ -84,14 +91,18 @@ def run_prefill(engine: Engine, prompts: Sequence[Sequence[int]], store: Path, t
     pending: _Sent | None = None
     for index, prompt in enumerate(prompts):
         seq = cache.open(1)[0]
-        logits, _ = engine.extend([seq], [list(prompt)], [0])  # [1, P, V]
-        lp = torch.log_softmax(logits[0, len(prompt) - 1].double(), dim=-1)  # [V]
+        lin_state: dict[str, torch.Tensor] = {}
+        if slices is not None and isinstance(cache, HybridCache):
+            logits, lin_state = _prefill_with_state(engine, cache, seq, list(prompt), cuts[index], slices)
+        else:
+            logits, _ = engine.extend([seq], [list(prompt)], [0])  # [1, P, V]
+        lp = torch.log_softmax(logits[0, -1].double(), dim=-1)  # [V]
         top = lp.topk(min(top_k, lp.shape[-1]))
         record.topk_ids.append(top.indices.cpu())
         record.topk_logprobs.append(top.values.float().cpu())
         state = cache.seqs[seq]
         item = _Sent(index, seq, list(state.blocks), list(state.positions), list(prompt),
-                     sequence_digests(cache, seq))  # digests [L, kv, n] at compute time
+                     sequence_digests(cache, seq), lin_state)  # digests [L, kv, n] at compute time
         if flags.pd_early_release:  # the fault: blocks back to the pool before their send completed
             cache.close([seq])
             item.released = True
@@ -110,3 +121,20 @@ def _complete(cache: PagedKVCache, store: Path, rank: int, item: _Sent, record: 
     (record.lost if item.index == lost else record.sent).append(item.index)
     if not item.released:
         cache.close([item.seq_id])
+
+
+def _prefill_with_state(engine: Engine, cache: HybridCache, seq: int, prompt: list[int], cuts: Sequence[int],
+                        slices: StateSlices) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Prefill `prompt` in chunks ending at each cut (and its end), keeping the state after each cut with its
+    digests; returns the last chunk's logits [1, S, V] and the state tensors."""
+    ends = sorted({c for c in cuts if 0 < c < len(prompt)} | {len(prompt)})
+    state: dict[str, torch.Tensor] = {}
+    start = 0
+    logits = torch.empty(0)
+    for end in ends:
+        logits, _ = engine.extend([seq], [prompt[start:end]], [start])  # [1, end - start, V]
+        conv, rec = capture(cache, seq)
+        conv_key, rec_key, digest_key = state_keys(end)
+        state.update({conv_key: conv, rec_key: rec, digest_key: state_digests(conv, rec, slices)})
+        start = end
+    return logits, state

@@ -322,10 +322,17 @@ class ServingLoop:
         req.seq_id = cache.open(1)[0]
         req.pending = req.prompt + req.new
         req.fed, req.rows = 0, 0
-        if lane.lane.loader is not None and not req.new:  # the prompt's KV from the prefill side, all but
-            req.fed = lane.lane.loader(req.seq_id, req.index, req.prompt[:-1])  # its last token (its logits)
-        if lane.prefix is None:
-            return
+        if lane.prefix is not None:
+            self._lookup(lane, req)
+        # the prompt's KV from the prefill side, all but its last token (its logits), unless the prefix cache
+        # served a prefix (a decode-side hit: the rest of the prompt is computed here)
+        if lane.lane.loader is not None and not req.new and req.fed == 0:
+            req.fed = lane.lane.loader(req.seq_id, req.index, req.prompt[:-1])
+
+    def _lookup(self, lane: _LaneState, req: _Request) -> None:
+        """Share the cached blocks of the longest cached prefix of the request's tokens (a prefix hit)."""
+        assert lane.prefix is not None
+        cache = self.engine.cache
         lane.stats.prefix_lookups += 1
         # the prefix-cache-never-hits fault: the lookup finds nothing (the route silently off)
         blocks = [] if self.engine.flags.prefix_never_hits else lane.prefix.lookup(req.pending)
@@ -434,7 +441,10 @@ class ServingLoop:
         if stepping:
             decoder.step([r.spec for r in stepping if r.spec is not None])
         if admitted:
-            for req, seq in zip(admitted, decoder.start([r.prompt for r in admitted])):
+            loader = lane.lane.loader
+            load = (None if loader is None else  # a disaggregated run: each prompt's KV but its last token's
+                    lambda b, seq_id: loader(seq_id, admitted[b].index, admitted[b].prompt[:-1]))
+            for req, seq in zip(admitted, decoder.start([r.prompt for r in admitted], load)):
                 req.spec, req.seq_id = seq, seq.target_id
         if stepping or admitted:
             lane.stats.steps += 1
@@ -559,18 +569,22 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: i
 
 
 def speculate(decoder: SpeculativeDecoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-              stop_token_ids: frozenset[int] = frozenset(), abandoned: Abandoned | None = None) -> SpecResult:
-    """Greedy speculative generation of every prompt: the serving loop with one speculative lane."""
+              stop_token_ids: frozenset[int] = frozenset(), abandoned: Abandoned | None = None,
+              loader: PrefixLoader | None = None) -> SpecResult:
+    """Greedy speculative generation of every prompt: the serving loop with one speculative lane
+    (`loader`: a disaggregated run's KV source of each prompt)."""
     t0 = time.time()
     lane = Lane(prompts, [max_new_tokens] * len(prompts), stop_token_ids=stop_token_ids, abandoned=abandoned,
-                speculative=decoder)
+                speculative=decoder, loader=loader)
     gen = ServingLoop(decoder.target).run([lane])[0][0]
     return SpecResult(kind=decoder.spec.kind, k=decoder.k, tokens=gen.tokens, accepted=gen.accepted,
                       wall_s=time.time() - t0, drafts=gen.drafts)
 
 
 def run_speculative_cases(target: Engine, speculator: Speculator, prompts: Sequence[Sequence[int]], k: int,
-                          max_new_tokens: int, stop_token_ids: frozenset[int] = frozenset()) -> SpecResult:
+                          max_new_tokens: int, stop_token_ids: frozenset[int] = frozenset(),
+                          loader: PrefixLoader | None = None) -> SpecResult:
     """What a -draft / -mtp run's worker calls (every rank, in lockstep): greedy speculative generation of
     each prompt with `speculator`, k draft tokens per step, on the same topology as `target`."""
-    return speculate(SpeculativeDecoder(target, speculator, k), prompts, max_new_tokens, stop_token_ids)
+    return speculate(SpeculativeDecoder(target, speculator, k), prompts, max_new_tokens, stop_token_ids,
+                     loader=loader)

@@ -25,7 +25,7 @@ spec-verify-last-draft bounds the accept loop by k - 1 (in the reference too: it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -117,15 +117,22 @@ class SpeculativeDecoder:
 
     # -- sequences -------------------------------------------------------------------------------------------
 
-    def start(self, prompts: Sequence[Sequence[int]]) -> list[SeqState]:
+    def start(self, prompts: Sequence[Sequence[int]],
+              load: Callable[[int, int], int] | None = None) -> list[SeqState]:
         """Prefill the target with each prompt and commit its first greedy token. The speculator's cache
-        starts empty; the first step's catch-up feeds it the prompt."""
+        starts empty; the first step's catch-up feeds it the prompt. `load(b, target_seq_id)` (a
+        disaggregated run) places prompt b's KV but its last token's and returns how many tokens it placed;
+        the target computes the rest."""
         if any(len(p) == 0 for p in prompts):
             raise ConfigError("speculative decoding needs non-empty prompts")
         t_ids = self.target.open_sequences(len(prompts))
         s_ids = self.spec.open_sequences(len(prompts))
-        logits, hidden = self.target.extend(t_ids, prompts, [0] * len(prompts))
-        first = _pick(torch.stack([logits[b, len(p) - 1] for b, p in enumerate(prompts)]))  # [B, V] -> B ids
+        done = [load(b, t) for b, t in enumerate(t_ids)] if load is not None else [0] * len(prompts)
+        if any(done) and self.spec.uses_hidden:
+            raise ConfigError("a speculator reading the target's hidden states needs the prompt computed, not loaded")
+        logits, hidden = self.target.extend(t_ids, [p[n:] for p, n in zip(prompts, done)], done)
+        # [B, S, V] rows of each prompt's last token -> B ids
+        first = _pick(torch.stack([logits[b, len(p) - 1 - done[b]] for b, p in enumerate(prompts)]))
         seqs = []
         for b, p in enumerate(prompts):
             s = SeqState(prompt_len=len(p), tokens=[*p, first[b]], target_id=t_ids[b], spec_id=s_ids[b],

@@ -499,7 +499,7 @@ class Runner:
                           engine=self.backend.name, reference_engine=self.ref_backend.name,
                           report_dir=str(self.req.out_dir), baselines_dir=self.req.baselines_dir, workload=workload,
                           workloads_run=self.workload_names != (SUITE_PROMPTS,)),
-            speculator_plan=plan.speculator, pd_plan=plan.pd,
+            speculator_plan=plan.speculator, pd_plan=plan.pd, pd_state_plan=plan.pd_state_plan,
             decode=self._decoder(cell.model), gsm8k=self.req.gsm8k, enabled=suite.check_enabled)
 
     def planned(self) -> list[CellPlan]:

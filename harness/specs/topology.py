@@ -18,8 +18,8 @@ _NAME_RE = re.compile(r"^tp(?P<tp>\d+)(?:dcp(?P<dcp>\d+)(?:i(?P<interleave>\d+)|
 LAYOUT_GRAMMAR = "tp<N>[dcp<M>[i<K>|c][q]][dp<D>][ep<E>]"
 PD_SEP = ">"  # prefill layout > decode layout (disaggregated prefill/decode)
 GRAMMAR = f"{LAYOUT_GRAMMAR}[-draft|-mtp] | {LAYOUT_GRAMMAR}{PD_SEP}{LAYOUT_GRAMMAR}"
-PD_GRAMMAR = (f"PREFILL{PD_SEP}DECODE, each side {LAYOUT_GRAMMAR} without a speculator, e.g. tp4>tp2dcp2 "
-              "(prefill on tp4, its KV moved to a tp2dcp2 decode world)")
+PD_GRAMMAR = (f"PREFILL{PD_SEP}DECODE[-draft], each side {LAYOUT_GRAMMAR}, the decode side optionally with a draft "
+              "speculator, e.g. tp4>tp2dcp2 (prefill on tp4, its KV moved to a tp2dcp2 decode world) or tp2>tp2-draft")
 NAME_GRAMMAR = (f"{GRAMMAR}, e.g. tp1, tp4, tp4dcp4, tp4dcp4i16 (DCP tokens "
                 "interleaved in chunks of 16), tp4dcp4c (contiguous blocks per sequence), tp4dcp4q (Q replicated "
                 "in the DCP group), tp4dcp2ep4 (experts over 4 ranks), tp4dp4ep4 (attention data parallel: 4 DP "
@@ -92,10 +92,15 @@ class Topology:
         pre = self.prefill
         if not isinstance(pre, Topology) or pre.prefill is not None:
             raise ConfigError(f"{where}: prefill={pre!r} must be one plain layout; expected {PD_GRAMMAR}")
+        if pre.speculator != "none":
+            raise ConfigError(f"{where}: the prefill layout has speculator {pre.speculator!r}; the speculator runs in "
+                              f"the decode world (e.g. tp2>tp2-draft); expected {PD_GRAMMAR}")
+        if self.speculator not in ("none", "draft"):
+            raise ConfigError(f"{where}: the decode layout has speculator {self.speculator!r}; a disaggregated "
+                              f"topology takes -draft (its own cache computed on the decode side), not -mtp (its "
+                              f"catch-up needs the prompt's hidden states, which the connector does not move); "
+                              f"expected {PD_GRAMMAR}")
         for side, topo in (("prefill", pre), ("decode", self)):
-            if topo.speculator != "none":
-                raise ConfigError(f"{where}: the {side} layout has speculator {topo.speculator!r}; a disaggregated "
-                                  f"topology takes none; expected {PD_GRAMMAR}")
             if topo.dp > 1:
                 raise ConfigError(f"{where}: the {side} layout has dp={topo.dp}; the KV connector moves one "
                                   f"world's KV, not a DP rank's own requests; expected {PD_GRAMMAR} with dp=1")
