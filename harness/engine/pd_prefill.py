@@ -71,9 +71,10 @@ def _send(cache: PagedKVCache, store: Path, rank: int, item: _Sent, lost: bool) 
 
 @torch.no_grad()
 def run_prefill(engine: Engine, prompts: Sequence[Sequence[int]], store: Path, top_k: int,
-                flags: FaultFlags = FaultFlags()) -> PrefillRecord:
+                flags: FaultFlags = FaultFlags(), indices: Sequence[int] | None = None) -> PrefillRecord:
     """Prefill every prompt (in order) and send its KV to `store`; returns this rank's record. `flags`: the
-    transfer faults (pd-early-release; a lost entry), not the model's."""
+    transfer faults (pd-early-release; a lost entry), not the model's. `indices`: each prompt's request index in
+    the store (default 0, 1, ...; a prefill server gets them from its requests)."""
     cache = engine.cache
     if engine.capacity.slots < 2:
         raise ConfigError(f"the prefill world needs a KV pool of at least 2 sequence slots (a request's blocks are "
@@ -82,7 +83,7 @@ def run_prefill(engine: Engine, prompts: Sequence[Sequence[int]], store: Path, t
     rank = engine.state.rank
     record = PrefillRecord(free_start=cache.free_blocks, free_end=-1)
     pending: _Sent | None = None
-    for index, prompt in enumerate(prompts):
+    for index, prompt in zip(indices if indices is not None else range(len(prompts)), prompts):
         seq = cache.open(1)[0]
         logits, _ = engine.extend([seq], [list(prompt)], [0])  # [1, P, V]
         lp = torch.log_softmax(logits[0, len(prompt) - 1].double(), dim=-1)  # [V]
