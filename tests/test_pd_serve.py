@@ -11,8 +11,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from harness.cli import main
+from harness.records.pd_files import damage_store
 from harness.records.results import results_cells
 from harness.serve.dialects import BadRequest, Limits, Vocabulary, parse_completions
 from harness.serve.protocol import KVTransfer
@@ -129,3 +133,25 @@ def test_serve_refuses_a_disaggregated_topology_without_a_role(capsys: pytest.Ca
     assert "serve it as one side, --pd-role prefill or --pd-role decode (got none)" in capsys.readouterr().err
     assert main(["serve", "--model", "tiny-gqa", "--topo", "tp2", "--pd-role", "decode", "--port", "0"]) == 2
     assert "--pd-role/--pd-store need a disaggregated topology" in capsys.readouterr().err
+
+
+def test_store_damage_deletes_cuts_or_rotates_only_the_kv_tensors(tmp_path: Path) -> None:
+    k = torch.arange(32, dtype=torch.float32).reshape(4, 2, 4)  # [n, kv, d]
+    tokens = torch.arange(4)
+    for condition in ("pd-store-missing", "pd-store-truncated", "pd-store-corrupt"):
+        store = tmp_path / condition
+        (store / "req0").mkdir(parents=True)
+        save_file({"k.0": k, "tokens": tokens}, str(store / "req0" / "p0.safetensors"))
+        assert damage_store(store, condition) == ["req0/p0.safetensors"]
+        path = store / "req0" / "p0.safetensors"
+        if condition == "pd-store-missing":
+            assert not path.exists()
+        elif condition == "pd-store-truncated":
+            with pytest.raises(SafetensorError):
+                load_file(str(path))
+        else:
+            got = load_file(str(path))
+            assert torch.equal(got["tokens"], tokens)  # only the KV tensors change
+            assert torch.equal(got["k.0"].flatten(), k.flatten().roll(-16))  # half its length: other rows' values
+    with pytest.raises(ValueError, match="unknown store damage 'pd-store-x'; valid: pd-store-missing"):
+        damage_store(tmp_path, "pd-store-x")

@@ -86,6 +86,7 @@ from harness.engine.tokenizer import load_tokenizer
 from harness.records import contract as c
 from harness.records.artifacts import Case, write_run
 from harness.records.contract import Backend, Capabilities, Job, LaunchResult
+from harness.records.pd_files import STORE_DAMAGE, damage_store
 from harness.specs.engine import load_engine
 from harness.specs.model import ModelSpec
 from harness.specs.pool import PoolSettings
@@ -485,7 +486,9 @@ class HttpBackend(Backend):
             return self._failed(job, f"a disaggregated topology ({job.topology.name}) runs the suite's prompts, not "
                                 f"workloads, GSM8K or a request schedule", "", time.time() - start)
         harness_store = self.spec.pd_store == "harness"
-        root = self._pd_root(job)
+        damage = job.fault if job.fault in STORE_DAMAGE else None  # the harness damages the store between the phases
+        served = replace(job, fault=None) if damage else job  # ... so the servers run clean
+        root = self._pd_root(served)
         namespace = http_pd.new_namespace()
         if not harness_store:
             http_pd.clear(root)
@@ -510,9 +513,12 @@ class HttpBackend(Backend):
             return dialect(client).generate([case.prompt_ids for case in cases], job.max_new_tokens, job.top_k,
                                             together)
 
+        damaged: list[str] = []
         try:
-            _, (scored, first), _, served_prefill = self._serve(job, logs[0], deadline, prefill, "prefill")
-            ready, generated, kv, served = self._serve(job, logs[1], deadline, decode, "decode")
+            _, (scored, first), _, by_prefill = self._serve(served, logs[0], deadline, prefill, "prefill")
+            if damage:
+                damaged = damage_store(root / namespace if harness_store else root, damage)
+            ready, generated, kv, by_decode = self._serve(served, logs[1], deadline, decode, "decode")
         except (RunError, ConfigError) as exc:
             tail = exc.tail if isinstance(exc, ServerError) else "\n".join(log_tail(p) for p in logs)
             line = refusal(self.spec.refuses, logs) if isinstance(exc, RunError) else None
@@ -520,11 +526,13 @@ class HttpBackend(Backend):
             return self._failed(job, str(exc) + self._log_cause(exc, logs), tail, time.time() - start, refused)
         collected = collect_answers(job, cases, scored, generated, tokenizer)
         self._write(job, collected, {"plain": kv, "speculative": None}, None,
-                    {**served, "ready_s": ready, "template": self.name, "prefill": served_prefill}, start)
+                    {**by_decode, "ready_s": ready, "template": self.name, "prefill": by_prefill}, start)
         if harness_store:
             http_pd.write_harness_record(root, namespace, run_dir, job.topology.prefill, cases, first)
         else:
             http_pd.write_shared_storage_record(root, run_dir, job.topology.prefill, cases, first)
+        if damage:
+            http_pd.note_damage(run_dir, damage, damaged)
         stamp_manifest(run_dir, self)
         return LaunchResult(True, 0, time.time() - start, "", {"server": log_tail(logs[-1])})
 

@@ -136,3 +136,11 @@ def clear(root: Path) -> None:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
 
+
+
+def note_damage(run_dir: Path, condition: str, files: list[str]) -> None:
+    """The store damage the run applied between its phases, in its PD_RECORD (`store_damage`)."""
+    path = run_dir / PD_RECORD_FILE
+    doc = json.loads(path.read_text())
+    doc["store_damage"] = {"condition": condition, "files": files}
+    path.write_text(json.dumps(doc))
