@@ -111,7 +111,7 @@ def test_error_under_lock_over_http_is_an_error_naming_the_hang(tmp_path: Path, 
     out = tmp_path / "r"
     _run(out, suite_file, cache_dir, "--fault", "pd-error-under-lock", "--topo", "tp2>tp2")
     (cell,) = results_cells(out)
-    assert cell["status"] == "error", cell["status"]
+    assert cell["status"] == "ERROR", cell["status"]
     log = next((out / "runs").rglob("server.log")).read_text()
     assert "KVLoadHangError: the KV load of request 1 (generation)" in log
     assert "_report" in log  # the stuck thread's stack, in the lock's holder

@@ -533,7 +533,11 @@ class HttpBackend(Backend):
             http_pd.write_shared_storage_record(root, run_dir, job.topology.prefill, cases, first)
         if damage:
             http_pd.note_damage(run_dir, damage, damaged)
-        stamp_manifest(run_dir, self)
+        # the probe's layout report and captures are not read from a server pair (the layout check and localization
+        # are a SKIP saying the run lacks them)
+        caps = self.capabilities()
+        stamp_manifest(run_dir, self, replace(caps, provides=frozenset(caps.provides - {
+            c.LAYOUT_REPORT, *self.spec.probe_captures})))
         return LaunchResult(True, 0, time.time() - start, "", {"server": log_tail(logs[-1])})
 
     def _attached_capabilities(self) -> Capabilities:
