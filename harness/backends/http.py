@@ -516,6 +516,7 @@ class HttpBackend(Backend):
         damaged: list[str] = []
         try:
             _, (scored, first), _, by_prefill = self._serve(served, logs[0], deadline, prefill, "prefill")
+            sent = http_pd.sent_digests(root, namespace, job.topology.prefill, cases) if harness_store else {}
             if damage:
                 damaged = damage_store(root / namespace if harness_store else root, damage)
             ready, generated, kv, by_decode = self._serve(served, logs[1], deadline, decode, "decode")
@@ -528,7 +529,7 @@ class HttpBackend(Backend):
         self._write(job, collected, {"plain": kv, "speculative": None}, None,
                     {**by_decode, "ready_s": ready, "template": self.name, "prefill": by_prefill}, start)
         if harness_store:
-            http_pd.write_harness_record(root, namespace, run_dir, job.topology.prefill, cases, first)
+            http_pd.write_harness_record(root, namespace, run_dir, job.topology.prefill, cases, first, sent)
         else:
             http_pd.write_shared_storage_record(root, run_dir, job.topology.prefill, cases, first)
         if damage:

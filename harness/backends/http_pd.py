@@ -70,8 +70,22 @@ def _prefill_only(cases: Sequence[Case], first: Sequence[Generation]) -> dict[st
     return out
 
 
+def sent_digests(root: Path, namespace: str, prefill: Topology, cases: Sequence[Case]) -> dict[str, torch.Tensor]:
+    """The digests (and positions) each prefill rank committed per request, read once the prefill phase ended
+    (before any store damage): what the prefill side sent."""
+    ns = root / namespace
+    out: dict[str, torch.Tensor] = {}
+    for case in cases:
+        for r in range(prefill.tp):
+            if entry_done(ns, case.index, r).exists():
+                entry = load_file(str(entry_file(ns, case.index, r)))
+                out[f"sent.{case.index}.p{r}"] = entry["digest"]
+                out[f"sent.{case.index}.p{r}.pos"] = entry["pos"]
+    return out
+
+
 def write_harness_record(root: Path, namespace: str, run_dir: Path, prefill: Topology, cases: Sequence[Case],
-                         first: Sequence[Generation]) -> None:
+                         first: Sequence[Generation], sent: dict[str, torch.Tensor]) -> None:
     """PD_RECORD / PD_TENSORS of a run on a `harness` store from the servers' per-rank files; the namespace folder
     moves into the run directory (PD_STORE_DIR), as the embedded engine keeps its store."""
     ns = root / namespace
@@ -95,12 +109,7 @@ def write_harness_record(root: Path, namespace: str, run_dir: Path, prefill: Top
         mine["loads"] += rec["loads"]
         mine["pool"] = {**mine["pool"], "free_end": rec["pool"]["free_end"]}  # the first batch's start, last's end
         tensors.update(load_file(str(path.with_suffix(".safetensors"))))
-    for case in cases:
-        for r in range(prefill.tp):
-            if entry_done(ns, case.index, r).exists():
-                entry = load_file(str(entry_file(ns, case.index, r)))
-                tensors[f"sent.{case.index}.p{r}"] = entry["digest"]
-                tensors[f"sent.{case.index}.p{r}.pos"] = entry["pos"]
+    tensors.update(sent)
     (ns / PREFILL_RECORD).write_text(json.dumps(prefill_record))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(run_dir / PD_TENSORS_FILE))
     doc = {"policy": policy, "prefill": prefill_record, "decode": [decode[r] for r in sorted(decode)],

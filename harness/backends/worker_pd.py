@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from harness.arch.model import model_of
@@ -103,7 +104,10 @@ class DecodeSide:
         for req in prefill["requests"]:
             for r in range(self.job.topology.prefill.tp if self.job.topology.prefill else 0):
                 if done_marker(self.store, req["index"], r).exists():
-                    entry = read_entry(self.store, req["index"], r)
+                    try:
+                        entry = read_entry(self.store, req["index"], r)
+                    except (OSError, SafetensorError):  # damaged after the prefill (pd-store-*): its loads failed
+                        continue
                     tensors[f"sent.{req['index']}.p{r}"] = entry["digest"]
                     tensors[f"sent.{req['index']}.p{r}.pos"] = entry["pos"]
         tensors.update({f"prefill_only.{k}": t for k, t in load_file(str(self.store / PREFILL_ONLY)).items()})
