@@ -51,8 +51,9 @@ def _kv_ranges(data: bytes) -> list[tuple[int, int]]:
 
 def damage_store(store: Path, condition: str) -> list[str]:
     """Damage every stored KV file (`*.safetensors` in a folder under `store`: a request's entry) by `condition`
-    (STORE_DAMAGE): delete it, cut it to half its size, or rotate each KV tensor's bytes by half its length (whole 8-byte words: the file parses, every
-    value is a real KV value of another row); the files damaged, relative to `store`."""
+    (STORE_DAMAGE): delete it, cut it to half its size, or rotate each KV tensor's bytes by half its length (whole
+    8-byte words: the file parses, every value is a real KV value of another row); the files damaged, relative to
+    `store`."""
     if condition not in STORE_DAMAGE:
         raise ValueError(f"unknown store damage {condition!r}; valid: {', '.join(STORE_DAMAGE)}")
     done = []
