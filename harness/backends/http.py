@@ -612,7 +612,7 @@ class HttpBackend(Backend):
                                                for s in cases]
         key = server_pool.digest({"argv": argv, "env": env, "engine_env": self.engine_env(),
                                   "python": self.spec.interpreter(), "weights": weights_key(job.model),
-                                  "captures": captured})
+                                  "captures": captured, **({"pd_role": role} if role else {})})
         dtype = job.dtype or job.model.dtype
         return server_pool.ServerConfig(key=key, need=server_pool.server_need(job.model, dtype, job.topology),
                                         health=self.spec.health,
