@@ -20,7 +20,10 @@ with HARNESS_VLLM_FAULT=mla-kv-b-shard. The probe's MLA report makes `layout` PA
 ranks, each rank's own heads' Q weights, the pool vLLM sized in whole blocks), its hooks capture MLAAttention's
 per-head outputs, tp2dcp2 is a SKIP quoting vLLM's CPUMLAImpl refusal, and the fault FAILs as silent corruption
 with `layout` naming rank 1 and the heads whose kv_b rows it holds. The clean MLA cell's logits are not asserted:
-vLLM CPU's MLA does not agree with itself across batch compositions (docs/engines.md, vLLM on CPU)."""
+vLLM CPU's MLA does not agree with itself across batch compositions (docs/engines.md, vLLM on CPU).
+
+One more for disaggregated prefill/decode through vLLM's ExampleConnector (docs/pd.md): tp1>tp1 PASSes parity and
+pd_consistency with the decode server loading the stored KV ("External Cache Hit!"), tp2>tp1 is a SKIP."""
 
 from __future__ import annotations
 
