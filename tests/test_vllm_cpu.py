@@ -32,7 +32,10 @@ a shared expert, bfloat16) through the hybrid suite: tp2 and tp2dcp2 clean, tp2 
 HARNESS_VLLM_FAULT=gdn-head-shard. tp2 PASSes against the embedded engine's tp1 on the same exported weights
 (--reference-engine embedded: vLLM's own noise twin is bit-identical, docs/engines.md) with the probe's hybrid record (linear-attention
 heads and conv rows as loaded, state heads and channels, experts and shared-expert columns) as planned; tp2dcp2 is a
-SKIP quoting vLLM's refusal; the fault FAILs as silent corruption with `layout` naming rank 1's V heads."""
+SKIP quoting vLLM's refusal; the fault FAILs as silent corruption with `layout` naming rank 1's V heads.
+
+One more for disaggregated prefill/decode through vLLM's ExampleConnector (docs/pd.md): tp1>tp1 PASSes parity and
+pd_consistency with the decode server loading the stored KV ("External Cache Hit!"), tp2>tp1 is a SKIP."""
 
 from __future__ import annotations
 
@@ -456,3 +459,42 @@ def test_vllm_gdn_plugin_fault_fails_layout_and_is_silent_corruption(hybrid_faul
 def test_stopped_vllm_hybrid_servers_leave_no_shared_memory(hybrid_clean: dict, hybrid_fault: dict) -> None:
     for run in (hybrid_clean, hybrid_fault):
         assert run["shm_left"] == []
+
+
+# -- disaggregated prefill/decode through vLLM's ExampleConnector (3 server starts: the tp1 reference, the prefill
+# and the decode server of tp1>tp1; tp2>tp1 is a SKIP before any server starts) --------------------------------
+
+PD = ["--suite", "pd", "--model", "tiny-hd64", "--engine", "vllm", "--max-seq-len", "256", "--timeout", "900"]
+
+
+@pytest.fixture(scope="module")
+def pd_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = _session_root(tmp_path_factory)
+
+    def run() -> dict[str, Any]:
+        code, out = _harness_run(root, "vllm-pd", PD, "tp1>tp1,tp2>tp1", None)
+        run_dir = out / "runs" / "tiny-hd64" / "tp1>tp1" / "seed0"
+        servers = read_json(out / "results.json")["provenance"].get("servers", [])
+        return {"exit": code, "cells": {c["topology"]: c for c in results_cells(out)},
+                "decode_log": (run_dir / "server.log").read_text(errors="replace"),
+                "pd": read_json(run_dir / "pd.json"), "starts": sum(1 for s in servers if s["origin"] == "started")}
+    return _shared(root, "vllm-pd", run)
+
+
+def test_vllm_example_connector_pd_passes_parity_and_consistency(pd_run: dict) -> None:
+    checks = {ch["name"]: ch for ch in pd_run["cells"]["tp1>tp1"]["checks"]}
+    for name in ("logits_prefill", "logits_decode", "generation", "pd_consistency"):
+        assert checks[name]["verdict"] == "PASS", (name, checks[name]["reason"])
+    for name in ("pd_transfer", "pd_load"):  # vLLM keeps no record of its loads the harness reads
+        assert checks[name]["verdict"] == "SKIP" and "keeps no per-rank record" in checks[name]["reason"]
+    assert "External Cache Hit!" in pd_run["decode_log"]  # the decode server loaded the stored KV
+    stored = pd_run["pd"]["stored_files"]
+    assert stored and all(f["file"].endswith(".safetensors") for f in stored)
+    assert pd_run["starts"] == 3
+
+
+def test_vllm_example_connector_tp_pairs_are_a_skip_quoting_its_file_name(pd_run: dict) -> None:
+    cell = pd_run["cells"]["tp2>tp1"]
+    assert cell["status"] == "SKIP"
+    (reason,) = [ch["reason"] for ch in cell["checks"]]
+    assert "runs tp1>tp1 only, not tp2>tp1" in reason and 'f"{layer_name}.safetensors"' in reason

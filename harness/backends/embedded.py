@@ -24,6 +24,7 @@ from harness.launcher.launch import launch
 from harness.launcher.nodes import NodeLaunch
 from harness.records import contract as c
 from harness.records.contract import Backend, Capabilities, Job, LaunchResult
+from harness.records.pd_files import STORE_DAMAGE, damage_store
 from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
 
@@ -113,6 +114,8 @@ class EmbeddedBackend(Backend):
                                                 "topology": job.topology.to_dict(), "fault": job.fault,
                                                 "log_tails": first.log_tails})
             return replace(first, error=error)
+        if job.fault in STORE_DAMAGE:  # a load condition: the stored KV damaged between the two worlds
+            damage_store(store, job.fault)
         result = launch(job, timeout_s, WORKER_MODULE,
                         worker_args=[*self.worker_args(), "--pd-role", "decode", "--pd-store", str(store)])
         stamp_manifest(out, self)

@@ -48,16 +48,17 @@ import yaml
 
 from harness import __version__
 from harness.arch.model import model_of
-from harness.backends import server_pool
+from harness.backends import http_pd, server_pool
 from harness.backends.base import stamp_manifest
 from harness.backends.build import check_label
 from harness.backends.embedded import weights_key
 from harness.backends.http_capture import capture_offsets, read_captures, write_probe_cases
-from harness.backends.http_collect import Collected, collect
+from harness.backends.http_collect import Collected, collect, collect_answers
 from harness.backends.http_dialects import (
     DIALECTS,
     Dialect,
     Generation,
+    Scored,
     parse_position_counters,
     parse_spec_counters,
     post_json,
@@ -75,6 +76,7 @@ from harness.backends.http_server import (
 )
 from harness.backends.http_workloads import case_groups, collect_workloads, reprefill_rows
 from harness.backends.server_pool import probe_folder as probe_dir
+from harness.cases import build_cases
 from harness.core.acceptance import histogram_from_positions
 from harness.core.errors import ConfigError, RunError
 from harness.core.fmt import id_ranges
@@ -84,6 +86,7 @@ from harness.engine.tokenizer import load_tokenizer
 from harness.records import contract as c
 from harness.records.artifacts import Case, write_run
 from harness.records.contract import Backend, Capabilities, Job, LaunchResult
+from harness.records.pd_files import STORE_DAMAGE, damage_store
 from harness.specs.engine import load_engine
 from harness.specs.model import ModelSpec
 from harness.specs.pool import PoolSettings
@@ -310,7 +313,26 @@ class HttpBackend(Backend):
         return {"engine": self.name, "version": self.version(), "template": template,
                 "weights": weights_key(job.model), "engine_env": self.engine_env(), **build}
 
+    @property
+    def disaggregated(self) -> bool:
+        """Whether the template runs PREFILL>DECODE topologies (a prefill and a decode server: pd_argv)."""
+        return bool(self.spec.pd_argv)
+
+    def _pd_skip(self, topology: Topology) -> str | None:
+        pre = topology.prefill
+        if pre is None:
+            return None
+        if self.spec.pd_topologies and topology.name not in self.spec.pd_topologies:
+            return (f"engine {self.name}'s KV connector runs {', '.join(self.spec.pd_topologies)} only, not "
+                    f"{topology.name}" + (f": {self.spec.pd_refusal}" if self.spec.pd_refusal else ""))
+        if pre.dcp > 1 and not self.spec.supports_dcp:
+            return f"engine {self.name} cannot run decode context parallelism on the prefill side (dcp={pre.dcp})"
+        return self._missing_axis(pre)
+
     def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
+        pd = self._pd_skip(topology)
+        if pd is not None:
+            return pd
         if topology.dcp > 1 and not self.spec.supports_dcp:
             return f"engine {self.name} cannot run decode context parallelism (dcp={topology.dcp})"
         refusal = model_of(model).served_refusal(self.name)  # it reads the Hugging Face folder harness export writes
@@ -357,22 +379,25 @@ class HttpBackend(Backend):
 
     # -- a run ------------------------------------------------------------------------------------------
 
-    def _values(self, job: Job, model: ModelSpec, model_path: str, port: int) -> dict[str, str]:
+    def _values(self, job: Job, model: ModelSpec, model_path: str, port: int, layout: Topology,
+                pd_store: str) -> dict[str, str]:
         pool = job.pool
         return {"python": self.spec.interpreter(), "model_path": model_path, "model_name": model.name,
-                "tp": str(job.topology.tp), "dcp": str(job.topology.dcp), "topology": job.topology.name,
+                "tp": str(layout.tp), "dcp": str(layout.dcp), "topology": job.topology.name,
                 "port": str(port), "host": HOST, "dtype": job.dtype or model.dtype, "seed": str(job.seed),
                 "max_logprobs": str(self.spec.max_logprobs), "max_model_len": str(pool.max_seq_len),
                 "kv_budget_mib": str(server_budget_bytes(pool) >> 20), "block_size": str(pool.block_size),
                 "fault": job.fault or "", "spec_k": str(_spec_k(job)),
-                "cpu_bind": cpu_bind(job.topology.tp), "interleave": str(job.topology.interleave),
-                "ep": str(job.topology.ep)}
+                "cpu_bind": cpu_bind(layout.tp), "interleave": str(layout.interleave),
+                "ep": str(layout.ep), "pd_store": pd_store}
 
-    def command(self, job: Job, model_path: str, port: int) -> tuple[list[str], dict[str, str]]:
-        """The server's argv and extra environment for `job` (placeholders filled)."""
-        values = self._values(job, job.model, model_path, port)
+    def command(self, job: Job, model_path: str, port: int, role: str = "",
+                pd_store: str = "") -> tuple[list[str], dict[str, str]]:
+        """The server's argv and extra environment for `job` (placeholders filled); `role` (a disaggregated
+        topology): the prefill server (at the prefill layout) or the decode server, both on store `pd_store`."""
+        topo = job.topology.prefill if role == "prefill" and job.topology.prefill is not None else job.topology
+        values = self._values(job, job.model, model_path, port, topo, pd_store)
         argv = list(self.spec.argv)
-        topo = job.topology
         if topo.dcp > 1:
             argv += self.spec.dcp_argv
         if topo.interleave != 1:
@@ -383,6 +408,8 @@ class HttpBackend(Backend):
             argv += self.spec.ep_argv
         if job.topology.speculator != "none":
             argv += self.spec.speculator_argv[job.topology.speculator]
+        if role:
+            argv += self.spec.pd_argv[role]
         env = {k: v for k, v in self.spec.env.items() if k not in os.environ}  # the caller's environment wins
         if job.fault:
             if not self.spec.can_fault():
@@ -410,6 +437,8 @@ class HttpBackend(Backend):
         write_json(run_dir / c.JOB_FILE, job.to_dict())
         start = time.time()
         deadline = start + timeout_s
+        if job.topology.prefill is not None:
+            return self._run_pd(job, start, deadline)
         speculative = job.topology.speculator != "none"
         # the plain server of the same setting; a fault that lives in the speculator has nothing to break there
         fault = FAULTS.get(job.fault or "")
@@ -444,6 +473,76 @@ class HttpBackend(Backend):
         stamp_manifest(run_dir, self, self._attached_capabilities() if attached else None)
         return LaunchResult(True, 0, time.time() - start, "", {"server": log_tail(logs[-1])})
 
+    def _pd_root(self, job: Job) -> Path:
+        """The KV store folder of `job`'s server pair (both started with it; keyed by the pair's configuration)."""
+        keys = [self._server_config(job, None, role).key for role in ("prefill", "decode")]
+        return http_pd.store_root(server_pool.digest(keys))
+
+    def _run_pd(self, job: Job, start: float, deadline: float) -> LaunchResult:
+        """A disaggregated topology (harness/backends/http_pd.py): the prefill server scores the cases and
+        prefills each prompt into the store (its first new token: the prefill-only result), then the decode
+        server generates from the loaded KV; the store's records become the run's PD_RECORD / PD_TENSORS."""
+        run_dir = Path(job.out_dir)
+        assert job.topology.prefill is not None
+        if job.workloads or job.gsm8k or job.request_schedule is not None:
+            return self._failed(job, f"a disaggregated topology ({job.topology.name}) runs the suite's prompts, not "
+                                f"workloads, GSM8K or a request schedule", "", time.time() - start)
+        harness_store = self.spec.pd_store == "harness"
+        damage = job.fault if job.fault in STORE_DAMAGE else None  # the harness damages the store between the phases
+        served = replace(job, fault=None) if damage else job  # ... so the servers run clean
+        root = self._pd_root(served)
+        namespace = http_pd.new_namespace()
+        if not harness_store:
+            http_pd.clear(root)
+        tokenizer = load_tokenizer(job.model)
+        cases = build_cases(job.prompts, tokenizer, job.seed, job.max_new_tokens, job.decode_prefix_tokens)
+        index_of = {tuple(case.prompt_ids): case.index for case in cases}
+        together = job.schedule == c.SCHEDULE_BATCHED
+        logs = [run_dir / http_pd.PREFILL_SERVER_LOG, run_dir / SERVER_LOG]
+
+        def dialect(client: httpx.Client) -> Dialect:
+            post = post_json(client)
+            if harness_store:
+                post = http_pd.kv_post(post, namespace, index_of)
+            return DIALECTS[self.spec.dialect](post, job.model.name, job.seed)
+
+        def prefill(job: Job, client: httpx.Client) -> tuple[list[Scored], list[Generation]]:
+            d = dialect(client)
+            return (d.score([case.sequence_ids for case in cases], self.spec.max_logprobs, together),
+                    d.generate([case.prompt_ids for case in cases], 1, job.top_k, together))
+
+        def decode(job: Job, client: httpx.Client) -> list[Generation]:
+            return dialect(client).generate([case.prompt_ids for case in cases], job.max_new_tokens, job.top_k,
+                                            together)
+
+        damaged: list[str] = []
+        try:
+            _, (scored, first), _, by_prefill = self._serve(served, logs[0], deadline, prefill, "prefill")
+            sent = http_pd.sent_digests(root, namespace, job.topology.prefill, cases) if harness_store else {}
+            if damage:
+                damaged = damage_store(root / namespace if harness_store else root, damage)
+            ready, generated, kv, by_decode = self._serve(served, logs[1], deadline, decode, "decode")
+        except (RunError, ConfigError) as exc:
+            tail = exc.tail if isinstance(exc, ServerError) else "\n".join(log_tail(p) for p in logs)
+            line = refusal(self.spec.refuses, logs) if isinstance(exc, RunError) else None
+            refused = f"engine {self.name} refused {job.topology.name}: {line}" if line else ""
+            return self._failed(job, str(exc) + self._log_cause(exc, logs), tail, time.time() - start, refused)
+        collected = collect_answers(job, cases, scored, generated, tokenizer)
+        self._write(job, collected, {"plain": kv, "speculative": None}, None,
+                    {**by_decode, "ready_s": ready, "template": self.name, "prefill": by_prefill}, start)
+        if harness_store:
+            http_pd.write_harness_record(root, namespace, run_dir, job.topology.prefill, cases, first, sent)
+        else:
+            http_pd.write_shared_storage_record(root, run_dir, job.topology.prefill, cases, first)
+        if damage:
+            http_pd.note_damage(run_dir, damage, damaged)
+        # the probe's layout report and captures are not read from a server pair (the layout check and localization
+        # are a SKIP saying the run lacks them)
+        caps = self.capabilities()
+        stamp_manifest(run_dir, self, replace(caps, provides=frozenset(caps.provides - {
+            c.LAYOUT_REPORT, *self.spec.probe_captures})))
+        return LaunchResult(True, 0, time.time() - start, "", {"server": log_tail(logs[-1])})
+
     def _attached_capabilities(self) -> Capabilities:
         """What a run on an attached server (--attach) provides: what the HTTP API gives, without what the harness
         reads from a server it started (the KV capacity in its log, its layout probe's report and captures)."""
@@ -464,8 +563,8 @@ class HttpBackend(Backend):
                 return f"; the server's log: {cause[0]}"
         return ""
 
-    def _serve(self, job: Job, log_path: Path, deadline: float,
-               ask: Any) -> tuple[float, Any, dict[str, int] | None, dict[str, Any]]:
+    def _serve(self, job: Job, log_path: Path, deadline: float, ask: Any,
+               role: str = "") -> tuple[float, Any, dict[str, int] | None, dict[str, Any]]:
         """Lease the server of `job`'s configuration (harness/backends/server_pool.py: started, or reused from an
         earlier run of this harness run), or attach to the template's URL; wait until ready, `ask(job, client)`.
         Returns (seconds to ready, ask's answer, the KV capacity it logged, its record: URL, server id, argv hash,
@@ -477,10 +576,11 @@ class HttpBackend(Backend):
                                               deadline, ask)
             return ready, answer, kv, {"url": url}
         cases = self._probe_cases(job)[0] if self.spec.probe_env() and self.spec.probe_captures else None
-        config = self._server_config(job, cases)
+        config = self._server_config(job, cases, role)
 
         def launch(server_log: Path, port: int) -> tuple[list[str], dict[str, str]]:
-            argv, env = self.command(job, self._model_path(job, server_log.parent), port)
+            argv, env = self.command(job, self._model_path(job, server_log.parent), port, role,
+                                     str(self._pd_root(job)) if role else "")
             if self.spec.probe_env():  # where the server's probe writes rank<R>.json and its captures
                 folder = probe_dir(server_log)
                 shutil.rmtree(folder, ignore_errors=True)
@@ -512,19 +612,21 @@ class HttpBackend(Backend):
                 for seed in seeds]
         return sets, capture_offsets(sets)[seeds.index(job.seed)]
 
-    def _server_config(self, job: Job, cases: list[list[Case]] | None) -> server_pool.ServerConfig:
+    def _server_config(self, job: Job, cases: list[list[Case]] | None,
+                       role: str = "") -> server_pool.ServerConfig:
         """The engine configuration `job` runs on: its server's argv and environment without the port and the
         model's path (the model is keyed by its spec and weights), the engine's own variables, the interpreter,
         and the cases its probe captures (every seed's: one server serves them all)."""
-        argv, env = self.command(job, "{model}", 0)
+        argv, env = self.command(job, "{model}", 0, role, "{pd_store}" if role else "")
         captured = None if cases is None else [[(c.index, list(c.sequence_ids), list(c.probe_positions)) for c in s]
                                                for s in cases]
         key = server_pool.digest({"argv": argv, "env": env, "engine_env": self.engine_env(),
                                   "python": self.spec.interpreter(), "weights": weights_key(job.model),
-                                  "captures": captured})
+                                  "captures": captured, **({"pd_role": role} if role else {})})
         dtype = job.dtype or job.model.dtype
         return server_pool.ServerConfig(key=key, need=server_pool.server_need(job.model, dtype, job.topology),
-                                        health=self.spec.health, topology=job.topology.name)
+                                        health=self.spec.health,
+                                        topology=f"{job.topology.name}:{role}" if role else job.topology.name)
 
     def _ask(self, job: Job, server: Server, ready: float, deadline: float,
              ask: Any) -> tuple[float, Any, dict[str, int] | None, str]:

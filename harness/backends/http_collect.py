@@ -12,7 +12,7 @@ import torch
 from harness.backends.http_dialects import Dialect, Generation, Scored
 from harness.backends.http_send import SendLog, SendSchedule, send
 from harness.cases import build_cases, prompts_hash
-from harness.engine.tokenizer import load_tokenizer, tokenizer_hash
+from harness.engine.tokenizer import Tokenizer, load_tokenizer, tokenizer_hash
 from harness.engine.weights import load_weights, weights_hash
 from harness.records import contract as c
 from harness.records.artifacts import Case
@@ -41,6 +41,13 @@ def collect(job: Job, model: ModelSpec, dialect: Dialect, k: int, together: bool
     cases = build_cases(job.prompts, tokenizer, job.seed, job.max_new_tokens, job.decode_prefix_tokens)
     log = SendLog(schedule) if schedule is not None else None
     scored, generated = send_cases(dialect, cases, k, job.max_new_tokens, job.top_k, together, log)
+    return collect_answers(job, cases, scored, generated, tokenizer, log)
+
+
+def collect_answers(job: Job, cases: Sequence[Case], scored: Sequence[Scored], generated: Sequence[Generation],
+                    tokenizer: Tokenizer, log: SendLog | None = None) -> Collected:
+    """The run's tensors and cases from each case's scores and generation (however they were asked)."""
+    model = job.model
     tensors: dict[str, torch.Tensor] = {}
     done = []
     nonfinite = [{"case": case.index, "kind": kind, **bad} for case, s, g in zip(cases, scored, generated)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from harness.arch.model import model_of
@@ -109,7 +110,10 @@ class DecodeSide:
         for req in prefill["requests"]:
             for r in range(self.job.topology.prefill.tp if self.job.topology.prefill else 0):
                 if done_marker(self.store, req["index"], r).exists():
-                    entry = read_entry(self.store, req["index"], r)
+                    try:
+                        entry = read_entry(self.store, req["index"], r)
+                    except (OSError, SafetensorError):  # damaged after the prefill (pd-store-*): its loads failed
+                        continue
                     tensors[f"sent.{req['index']}.p{r}"] = entry["digest"]
                     tensors[f"sent.{req['index']}.p{r}.pos"] = entry["pos"]
                     tensors.update({f"sent_state.{req['index']}.p{r}.n{k.rsplit('.', 1)[1]}": t

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from harness.arch.model import model_of
@@ -16,6 +17,7 @@ from harness.arch.plan import plan_model
 from harness.core.errors import ConfigError
 from harness.engine.faults import fault_flags
 from harness.serve.listen import check_listen
+from harness.serve.pd import PD_SERVE_ROLES, check_pd_role
 from harness.specs.checkpoint import load_model
 from harness.specs.loader import did_you_mean
 from harness.specs.pool import PoolSettings
@@ -47,6 +49,10 @@ def add_parser(sub: Any) -> None:
                    help=f"lse (default) or no-lse: an attention without log-sum-exp output, which refuses "
                         f"DCP at startup like vLLM's CPU backend (default from ${ATTENTION_ENV})")
     p.add_argument("--spec-k", type=int, default=None, help="draft tokens per verify step (-draft/-mtp)")
+    p.add_argument("--pd-role", choices=PD_SERVE_ROLES, default="",
+                   help="a disaggregated --topo PREFILL>DECODE: serve its prefill side (prompts' KV into --pd-store) "
+                        "or its decode side (generations load it from there); see docs/pd.md")
+    p.add_argument("--pd-store", default="", help="the KV store folder the prefill and decode servers share")
     p.set_defaults(func=run)
 
 
@@ -116,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     plan_model(model_of(model), topo)  # an impossible layout (of any component) is one clear error
     refuse_unsupported(args.attention_backend, topo.dcp)
     fault_flags(args.fault, topo)
+    check_pd_role(args.pd_role, args.pd_store, topo.prefill is not None, topo.name)
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port {args.port} is not a port number (0..65535)")
     check_listen(args.host, args.port)  # a taken port or a bad host: one line, exit 2, before any rank starts
@@ -123,7 +130,9 @@ def run(args: argparse.Namespace) -> int:
                          fault=args.fault, dtype=args.dtype, device=args.device,
                          pool=PoolSettings(budget_bytes=args.kv_budget_mib * MIB, max_seq_len=args.max_seq_len),
                          served_model_name=args.served_model_name, max_logprobs=args.max_logprobs,
-                         speculative=SpeculativeSettings(k=args.spec_k) if args.spec_k else SpeculativeSettings())
+                         speculative=SpeculativeSettings(k=args.spec_k) if args.spec_k else SpeculativeSettings(),
+                         pd_role=args.pd_role, pd_store=str(Path(args.pd_store).resolve()) if args.pd_store else "")
     from harness.launcher.launch import LAUNCHER_ENV, launcher_choice
 
-    return start_ranks(config.to_json(), topo.tp, launcher_choice(args.device, False, os.environ.get(LAUNCHER_ENV)))
+    world = config.world.tp  # a prefill server's ranks: the prefill layout's
+    return start_ranks(config.to_json(), world, launcher_choice(args.device, False, os.environ.get(LAUNCHER_ENV)))

@@ -271,6 +271,13 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
 LOAD_CONDITIONS: dict[str, str] = {
     "pd-load-lost": "request 1's stored KV never committed: its loads fail, are retried, then recomputed from 0",
     "pd-load-flaky": "every request's first read of the KV store fails: the retry loads it",
+    # store damage between the two phases (harness/records/pd_files.py damage_store; applied by the backend)
+    "pd-store-missing": "every stored KV file deleted between prefill and decode: the decode side must compute the "
+                        "prompts itself, never decode on KV it did not load",
+    "pd-store-truncated": "every stored KV file cut to half its size between prefill and decode: its load fails",
+    "pd-store-corrupt": "every stored KV tensor's bytes rotated by half its length between prefill and decode (the "
+                        "file parses, the values are other rows' KV): a decode side that loads it decodes on wrong "
+                        "KV, which the checks must flag",
 }
 PD_LOST_REQUEST = 1  # the request whose stored KV the lost-entry faults and condition lose
 BLOCK_TABLE_WIDTH = 2  # block-table-wrap: blocks per sequence the faulty table holds

@@ -25,7 +25,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -134,7 +134,7 @@ class KVConnector:
 
     # -- reading (thread pool) ---------------------------------------------------------------------
 
-    def prefetch(self, requests: range) -> None:
+    def prefetch(self, requests: Iterable[int]) -> None:
         """Start reading every request's entry now (waiting -> loading happens at admission)."""
         for index in requests:
             self._submit(index)

@@ -76,11 +76,12 @@ def _send(cache: PagedKVCache, store: Path, rank: int, item: _Sent, lost: bool) 
 @torch.no_grad()
 def run_prefill(engine: Engine, prompts: Sequence[Sequence[int]], store: Path, top_k: int,
                 flags: FaultFlags = FaultFlags(), cuts: Sequence[Sequence[int]] = (),
-                slices: StateSlices | None = None) -> PrefillRecord:
+                slices: StateSlices | None = None, indices: Sequence[int] | None = None) -> PrefillRecord:
     """Prefill every prompt (in order) and send its KV to `store`; returns this rank's record. `flags`: the
     transfer faults (pd-early-release; a lost entry), not the model's. A model with linear-attention state
     (`slices`: this rank's state slices) is prefilled in chunks ending at each of cuts[i] (prompt lengths
-    the decode side loads) and sends its state after each with its per-slice digests."""
+    the decode side loads) and sends its state after each with its per-slice digests. `indices`: each prompt's
+    request index in the store (default 0, 1, ...; a prefill server gets them from its requests)."""
     cache = engine.cache
     if engine.capacity.slots < 2:
         raise ConfigError(f"the prefill world needs a KV pool of at least 2 sequence slots (a request's blocks are "
@@ -89,11 +90,11 @@ def run_prefill(engine: Engine, prompts: Sequence[Sequence[int]], store: Path, t
     rank = engine.state.rank
     record = PrefillRecord(free_start=cache.free_blocks, free_end=-1)
     pending: _Sent | None = None
-    for index, prompt in enumerate(prompts):
+    for pos, (index, prompt) in enumerate(zip(indices if indices is not None else range(len(prompts)), prompts)):
         seq = cache.open(1)[0]
         lin_state: dict[str, torch.Tensor] = {}
         if slices is not None and isinstance(cache, HybridCache):
-            logits, lin_state = _prefill_with_state(engine, cache, seq, list(prompt), cuts[index], slices)
+            logits, lin_state = _prefill_with_state(engine, cache, seq, list(prompt), cuts[pos], slices)
         else:
             logits, _ = engine.extend([seq], [list(prompt)], [0])  # [1, P, V]
         lp = torch.log_softmax(logits[0, -1].double(), dim=-1)  # [V]

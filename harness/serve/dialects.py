@@ -9,12 +9,13 @@ Pure functions: a bad request raises BadRequest with the message the client gets
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from harness.serve.protocol import Completion, CompletionResult, TokenLogprob
+from harness.serve.protocol import Completion, CompletionResult, KVTransfer, TokenLogprob
 
 DEFAULT_MAX_TOKENS_VLLM = 16
 DEFAULT_MAX_TOKENS_SGLANG = 128
@@ -90,6 +91,27 @@ def _check(prompt: list[int], max_tokens: int, top_k: int, limits: Limits) -> No
         raise BadRequest(f"requested {top_k} logprobs; the server allows at most max_logprobs={limits.max_logprobs}")
 
 
+def _kv_transfer(body: dict[str, Any], prompts: int) -> list[KVTransfer | None]:
+    """`kv_transfer_params` (vLLM's request field for P/D; here {"namespace": NAME, "requests": [index per prompt]}):
+    each prompt's entry in a disaggregated server's KV store; None per prompt without the field."""
+    value = body.get("kv_transfer_params")
+    if value is None:
+        return [None] * prompts
+    if not isinstance(value, dict):
+        raise BadRequest(f"kv_transfer_params must be an object {{\"namespace\": NAME, \"requests\": [index per "
+                         f"prompt]}}, got {value!r}")
+    namespace, requests = value.get("namespace"), value.get("requests")
+    if (not isinstance(namespace, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", namespace)
+            or namespace in (".", "..")):
+        raise BadRequest(f"kv_transfer_params.namespace={namespace!r} must be a folder name (letters, digits, "
+                         f"'_', '.', '-'; not '.' or '..')")
+    if (not isinstance(requests, list) or len(requests) != prompts
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in requests)):
+        raise BadRequest(f"kv_transfer_params.requests={requests!r} must list one request index >= 0 per prompt "
+                         f"({prompts} prompts)")
+    return [KVTransfer(namespace, i) for i in requests]
+
+
 # ---- vLLM / OpenAI /v1/completions -------------------------------------------------------------------------
 
 
@@ -107,11 +129,11 @@ def parse_completions(body: dict[str, Any], vocab: Vocabulary, limits: Limits) -
     wants_prompt = prompt_top_k is not None or (echo and body.get("logprobs") is not None)
     stop = _stop_ids(body, limits)
     out = []
-    for p in prompts:
+    for p, kv in zip(prompts, _kv_transfer(body, len(prompts))):
         _check(p, max_tokens, max(top_k, prompt_top_k or 0), limits)
         out.append(Completion(prompt=p, max_tokens=max_tokens, top_k=top_k,
                               prompt_top_k=max(prompt_top_k or 0, top_k, 1) if wants_prompt else 0,
-                              ignore_eos=bool(body.get("ignore_eos", False)), stop_token_ids=stop))
+                              ignore_eos=bool(body.get("ignore_eos", False)), stop_token_ids=stop, kv=kv))
     return out
 
 

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from harness.engine.engine import Engine
+from harness.engine.engine import Engine, PrefixLoader
 from harness.engine.scheduler import generate, speculate
 from harness.engine.speculative import SpeculativeDecoder
 from harness.serve.protocol import Completion, CompletionResult, TokenLogprob, TopK
@@ -65,9 +65,18 @@ def _stop(c: Completion, eos_id: int | None) -> frozenset[int]:
     return eos | frozenset(c.stop_token_ids)
 
 
-def _plain(engine: Engine, group: list[Completion], stop: frozenset[int], gone: Abandoned) -> list[Generated]:
+# a generation group's KV source of each prompt (a disaggregated decode server: harness/serve/pd.py), or None
+Loaders = Callable[[list[Completion]], PrefixLoader | None]
+
+
+def _no_loader(group: list[Completion]) -> PrefixLoader | None:
+    return None
+
+
+def _plain(engine: Engine, group: list[Completion], stop: frozenset[int], gone: Abandoned,
+           loader: PrefixLoader | None = None) -> list[Generated]:
     gen = generate(engine, [c.prompt for c in group], group[0].max_tokens, max(c.top_k for c in group) or 1, stop,
-                   abandoned=gone)
+                   abandoned=gone, loader=loader)
     out = []
     for c, toks, ids, lps in zip(group, gen.tokens, gen.topk_ids, gen.topk_logprobs):
         steps = [TokenLogprob(token=t, logprob=float(lp[0]), rank=1,
@@ -101,10 +110,11 @@ def _speculative(engine: Engine, decoder: SpeculativeDecoder, group: list[Comple
 
 def execute(engine: Engine, batch: Sequence[Completion], eos_id: int | None,
             decoder: SpeculativeDecoder | None = None,
-            abandoned: Abandoned = _nothing_abandoned) -> list[CompletionResult]:
+            abandoned: Abandoned = _nothing_abandoned, loaders: Loaders = _no_loader) -> list[CompletionResult]:
     """Every completion of `batch`; generations batched by (max_tokens, stop tokens). `abandoned()` (asked
     before the prompt pass and every generation step, alike on every rank) names completions nobody waits for:
-    they are skipped or stopped at that step, and their results are partial."""
+    they are skipped or stopped at that step, and their results are partial. `loaders(group)`: the KV source of a
+    plain generation group's prompts (a disaggregated decode server's connector), or None to compute them."""
     prompt_lps = _prompt_logprobs(engine, batch, abandoned())
     generated: dict[int, Generated] = {}
     key = lambda i: (batch[i].max_tokens, sorted(_stop(batch[i], eos_id)))  # noqa: E731
@@ -122,7 +132,7 @@ def execute(engine: Engine, batch: Sequence[Completion], eos_id: int | None,
         elif decoder is not None:
             done = _speculative(engine, decoder, group, stop, local)
         else:
-            done = _plain(engine, group, stop, local)
+            done = _plain(engine, group, stop, local, loaders(group))
         generated.update(zip(index, done))
     results = []
     for i, c in enumerate(batch):

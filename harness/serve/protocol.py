@@ -18,6 +18,16 @@ class Completion:
     prompt_top_k: int = 0
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()  # generation also ends at these (kept, as vLLM's stop_token_ids)
+    kv: KVTransfer | None = None  # a disaggregated server's KV store entry of this prompt (kv_transfer_params)
+
+
+@dataclass(frozen=True)
+class KVTransfer:
+    """Where a prompt's KV goes (a prefill server) or comes from (a decode server) in the store both servers share
+    (`harness serve --pd-store ROOT`): entry `request` of folder `namespace` under ROOT (one folder per run)."""
+
+    namespace: str
+    request: int
 
 
 @dataclass(frozen=True)

@@ -10,15 +10,19 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from harness.arch.model import model_of
+from harness.arch.plan import plan_model
 from harness.core.errors import ConfigError, HarnessError, RunError
 from harness.core.limits import COLLECTIVE_TIMEOUT_S
 from harness.core.verdict import ExitCode
 from harness.engine.construct import build_engine
 from harness.engine.engine import Engine
+from harness.engine.faults import fault_flags
 from harness.engine.parallel import ParallelState
 from harness.engine.speculative import SpeculativeDecoder
 from harness.engine.speculator import Speculator
@@ -27,7 +31,8 @@ from harness.records.rankreport import entry_json
 from harness.serve.dialects import Limits, Vocabulary
 from harness.serve.executor import execute
 from harness.serve.listen import ListenError, address, bind_socket
-from harness.serve.lockstep import Lockstep
+from harness.serve.lockstep import Executor, Lockstep
+from harness.serve.pd import DecodeServer, PrefillServer, check_pd_role
 from harness.specs.model import ModelSpec, model_from_dict
 from harness.specs.pool import PoolSettings
 from harness.specs.speculative import SpeculativeSettings
@@ -66,6 +71,15 @@ class ServeConfig:
     served_model_name: str = ""
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     speculative: SpeculativeSettings = SpeculativeSettings()
+    pd_role: str = ""   # a disaggregated topology: "prefill" or "decode" (harness/serve/pd.py)
+    pd_store: str = ""  # ... the KV store folder both servers share
+
+    @property
+    def world(self) -> Topology:
+        """The layout this server's ranks run: the prefill side's for a prefill server, else the topology's."""
+        if self.pd_role == "prefill" and self.topology.prefill is not None:
+            return self.topology.prefill
+        return self.topology
 
     def to_json(self) -> str:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -136,11 +150,27 @@ def _listen(state: ParallelState, config: ServeConfig) -> tuple[socket.socket | 
     return None, False
 
 
+def _executor(config: ServeConfig, engine: Engine, eos_id: int | None,
+              decoder: SpeculativeDecoder | None) -> Executor:
+    """What runs a batch: the plain executor, or a P/D side's (harness/serve/pd.py)."""
+    if config.pd_role == "prefill":
+        side = PrefillServer(engine, Path(config.pd_store), fault_flags(config.fault, config.topology))
+        return lambda batch, abandoned: side.execute(batch, eos_id, abandoned)
+    if config.pd_role == "decode":
+        pd = plan_model(model_of(config.model), config.topology).pd
+        assert pd is not None  # a disaggregated topology (check_pd_role)
+        decode = DecodeServer(engine, pd, Path(config.pd_store))
+        return lambda batch, abandoned: decode.execute(batch, eos_id, abandoned)
+    return lambda batch, abandoned: execute(engine, batch, eos_id, decoder, abandoned)
+
+
 def serve(config: ServeConfig) -> None:
     from harness.serve.app import build_app  # FastAPI only where it is used
 
     topo = config.topology
-    state = ParallelState.from_launcher(topo.tp, topo.dcp, config.device, config.collective_timeout_s)
+    check_pd_role(config.pd_role, config.pd_store, topo.prefill is not None, topo.name)
+    world = config.world
+    state = ParallelState.from_launcher(world.tp, world.dcp, config.device, config.collective_timeout_s)
     sock, listening = _listen(state, config)
     if not listening:
         return
@@ -149,10 +179,12 @@ def serve(config: ServeConfig) -> None:
             signal.signal(sig, signal.SIG_IGN)
     spec = config.model
     settings = config.speculative
-    built = build_engine(state, spec, topo, config.fault, config.pool, config.dtype, settings)
+    # a prefill server runs the prefill layout with a correct model (the fault acts on the transfer: its flags)
+    prefill = config.pd_role == "prefill"
+    built = build_engine(state, spec, world, None if prefill else config.fault, config.pool, config.dtype, settings)
     engine, tokenizer, weights, speculator = built.engine, built.tokenizer, built.weights, built.speculator
     decoder = SpeculativeDecoder(engine, speculator, settings.k) if speculator is not None else None
-    lockstep = Lockstep(state, lambda batch, abandoned: execute(engine, batch, tokenizer.eos_id, decoder, abandoned))
+    lockstep = Lockstep(state, _executor(config, engine, tokenizer.eos_id, decoder))
     layouts = state.gather_objects(engine.layout_report())
     threads = state.gather_objects(torch.get_num_threads())  # every rank's intra-op threads, rank order
     if state.rank == 0:

@@ -45,8 +45,13 @@ DIALECT_NAMES: tuple[str, ...] = ("vllm", "sglang", "openai")
 MODEL_FORMATS: tuple[str, ...] = ("hf", "spec")  # what {model_path} is: an HF folder, or a harness model spec
 PLACEHOLDERS: tuple[str, ...] = ("python", "model_path", "model_name", "tp", "dcp", "topology", "port", "host",
                                  "dtype", "seed", "max_logprobs", "max_model_len", "kv_budget_mib", "block_size",
-                                 "fault", "spec_k", "cpu_bind", "interleave", "ep")
+                                 "fault", "spec_k", "cpu_bind", "interleave", "ep", "pd_store")
 SPECULATOR_KINDS: tuple[str, ...] = ("draft", "mtp")
+PD_ROLES: tuple[str, ...] = ("prefill", "decode")  # the two servers of a disaggregated topology (pd_argv)
+# how a template's P/D servers use the store folder {pd_store}: "harness" (harness serve: a folder per run named in
+# each request's kv_transfer_params, the ranks' load records and digests beside the KV: harness/serve/pd.py),
+# "shared-storage" (vLLM's ExampleConnector: one safetensors file per layer in a folder per prompt hash)
+PD_STORES: tuple[str, ...] = ("harness", "shared-storage")
 KV_GROUPS: tuple[str, ...] = ("tokens", "blocks", "bytes")
 # what a server's probe may capture (the contract's capability names: contract.HIDDEN_STATES, ATTENTION_OUTPUTS)
 PROBE_CAPTURES: tuple[str, ...] = ("hidden_states", "attention_outputs")
@@ -125,6 +130,13 @@ class EngineSpec:
     # one missing makes the engine unavailable before any cell runs, saying `install` (how to get them)
     requires: tuple[str, ...] = ()
     install: str = ""
+    # disaggregated prefill/decode (PREFILL>DECODE topologies): the arguments of the prefill and of the decode server
+    # (each started at its own layout; {pd_store}: the KV store folder they share), how they use the store
+    # (PD_STORES), and the topologies the connector runs (empty: every pair); another pair is a SKIP saying why
+    pd_argv: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    pd_store: str = "harness"
+    pd_topologies: tuple[str, ...] = ()
+    pd_refusal: str = ""
 
     def __post_init__(self) -> None:
         where = f"engine {self.name!r}"
@@ -148,6 +160,15 @@ class EngineSpec:
                                   f"{did_you_mean(str(kind), SPECULATOR_KINDS)}; valid: {', '.join(SPECULATOR_KINDS)}")
             spec_argv[kind] = _strings(where, f"speculator_argv.{kind}", argv)
         object.__setattr__(self, "speculator_argv", spec_argv)
+        pd_argv = dict(self.pd_argv)
+        if pd_argv and set(pd_argv) != set(PD_ROLES):
+            raise ConfigError(f"{where}: pd_argv needs exactly the roles {', '.join(PD_ROLES)}, got "
+                              f"{', '.join(map(str, pd_argv)) or 'none'}")
+        object.__setattr__(self, "pd_argv", {k: _strings(where, f"pd_argv.{k}", v) for k, v in pd_argv.items()})
+        if self.pd_store not in PD_STORES:
+            raise ConfigError(f"{where}: pd_store={self.pd_store!r} is not one of {', '.join(PD_STORES)}"
+                              f"{did_you_mean(self.pd_store, PD_STORES)}")
+        object.__setattr__(self, "pd_topologies", _strings(where, "pd_topologies", self.pd_topologies))
         for key in ("env", "fault_env"):
             mapping = getattr(self, key)
             if not isinstance(mapping, Mapping):
