@@ -30,9 +30,10 @@ log in tests/test_http_backend.py).
 Two more for the exported Qwen3-Next model (tiny-qwen3next: Gated DeltaNet, gated attention with q/k norm, MoE with
 a shared expert, bfloat16) through the hybrid suite: tp2 and tp2dcp2 clean, tp2 with
 HARNESS_VLLM_FAULT=gdn-head-shard. tp2 PASSes against the embedded engine's tp1 on the same exported weights
-(--reference-engine embedded: vLLM's own noise twin is bit-identical, docs/engines.md) with the probe's hybrid record (linear-attention
-heads and conv rows as loaded, state heads and channels, experts and shared-expert columns) as planned; tp2dcp2 is a
-SKIP quoting vLLM's refusal; the fault FAILs as silent corruption with `layout` naming rank 1's V heads.
+(--reference-engine embedded: vLLM's own noise twin is bit-identical, docs/engines.md) with the probe's hybrid
+record (linear-attention heads and conv rows as loaded, state heads and channels, experts and shared-expert
+columns) as planned; tp2dcp2 is a SKIP quoting vLLM's refusal; the fault FAILs as silent corruption with `layout`
+naming rank 1's V heads.
 
 One more for disaggregated prefill/decode through vLLM's ExampleConnector (docs/pd.md): tp1>tp1 PASSes parity and
 pd_consistency with the decode server loading the stored KV ("External Cache Hit!"), tp2>tp1 is a SKIP."""
