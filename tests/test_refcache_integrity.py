@@ -128,7 +128,8 @@ def test_implausible_noise_run_warns_and_bounds_fall_back(tmp_path: Path) -> Non
     warn, _ = check_logits("prefill", ref, par, broken, settings)
     assert warn.verdict == Verdict.WARN and warn.metrics["noise_implausible"]
     assert f"noise run {tmp_path / 'noise-broken'} implausible: max abs 1.0e+01" in warn.reason
-    assert warn.metrics["abs_bound"]["noise"] is None  # floors, not a bound scaled from the broken run
+    assert warn.metrics["abs_bound"]["noise"] is None  # not a bound scaled from the broken run: the dtype's limit
+    assert warn.metrics["abs_bound"]["floor"] == NoiseLimit("float32", 10.0).abs_limit
     wrong = _run(tmp_path, "par-wrong", "float32", [[9.9, 2.0, -3.0], [1.0, 8.0, 0.5]])
     fail, _ = check_logits("prefill", ref, wrong, broken, settings)
     assert fail.verdict == Verdict.FAIL  # the broken floor no longer excuses a real error

@@ -18,6 +18,7 @@ class Bound:
     factor: float
     noise: float | None
     fail_ratio: float = 1.0
+    no_noise: str = "no noise run"  # why `noise` is None, as describe() says it
 
     @property
     def limit(self) -> float:
@@ -44,7 +45,7 @@ class Bound:
         """Where the bound comes from, e.g. '(noise 4.0e-08 x 50)', '(floor; no noise run)' or, for a
         non-finite noise, '(floor; noise inf unusable)'."""
         if self.noise is None:
-            return "(floor; no noise run)"
+            return f"(floor; {self.no_noise})"
         if not math.isfinite(self.noise):
             return f"(floor; noise {self.noise} unusable)"
         if self.factor * self.noise > self.floor:

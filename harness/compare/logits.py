@@ -10,7 +10,7 @@ Verdict (bounds from LogitsSettings, noise-scaled, see bounds.Bound):
 - WARN: max KL or max abs error between its bound and fail_ratio x bound, or mean top-k overlap
   below topk_warn, or a noise run implausible for the dtype (its max abs difference from the reference
   beyond what rounding explains, bounds.NoiseLimit): the reason names it, and the bounds then fall back
-  to their floors instead of scaling from a broken noise floor.
+  to that rounding limit (or their floors, if larger) instead of scaling from the implausible run.
 - PASS otherwise; ERROR when a run lacks the tensors; SKIP without prompts.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from harness.compare.bounds import Bound, json_float, noise_limit
+from harness.compare.bounds import Bound, NoiseLimit, json_float, noise_limit
 from harness.compare.settings import LogitsSettings
 from harness.compare.tie_flips import tie_flip_test
 from harness.core.errors import RunError
@@ -110,6 +110,7 @@ class _Noise:
     positions: int = 0  # positions compared (0 without a usable noise run)
     note: str | None = None
     implausible: bool = False  # measured, but beyond rounding in the dtype: not used (a WARN)
+    rounding: NoiseLimit | None = None  # with `implausible`: the largest noise rounding in the dtype explains
 
 
 class _NoiseMemo:
@@ -166,7 +167,8 @@ def _measure_noise(kind: str, ref: RunArtifacts, noise: RunArtifacts, k: int) ->
     problem = limit.problem(max_abs, max_kl) if limit is not None else None
     if problem:
         return _Noise(note=f"noise run {noise.path} implausible: {problem}, far beyond rounding; "
-                           f"bounds fall back to their floors", implausible=True)
+                           f"bounds fall back to the largest rounding the dtype explains", implausible=True,
+                      rounding=limit)
     return _Noise(kl=max_kl, abs=max_abs, flips=flips, positions=positions)
 
 
@@ -211,8 +213,15 @@ def check_logits(path: str, ref: RunArtifacts, par: RunArtifacts, noise: RunArti
     except RunError as exc:
         return CheckResult(name, Verdict.ERROR, f"{path}: {exc}"), []
     measured = _noise_levels(kind, ref, noise, settings.topk)
-    kl = Bound(settings.kl_floor, settings.kl_factor, measured.kl, settings.fail_ratio)
-    abs_ = Bound(settings.abs_floor, settings.abs_factor, measured.abs, settings.fail_ratio)
+    # a noise run beyond rounding measured nothing usable (an isolated discontinuity such as an MoE routing tie, or a
+    # broken run): the bounds are what rounding alone can explain in the dtype (bounds.NoiseLimit), never scaled
+    # from that run
+    kl_floor, abs_floor, why = settings.kl_floor, settings.abs_floor, "no noise run"
+    if measured.rounding is not None:
+        kl_floor, abs_floor = max(kl_floor, measured.rounding.kl_limit), max(abs_floor, measured.rounding.abs_limit)
+        why = f"the noise run implausible: rounding in {measured.rounding.dtype}"
+    kl = Bound(kl_floor, settings.kl_factor, measured.kl, settings.fail_ratio, why)
+    abs_ = Bound(abs_floor, settings.abs_factor, measured.abs, settings.fail_ratio, why)
     tie_bound = max(settings.top1_tie_floor, 2.0 * abs_.fail_limit)
     prompts = [_prompt_dict(c, kl, abs_, tie_bound) for c in cases]
     return _verdict(name, path, cases, prompts, kl, abs_, tie_bound, settings, measured), prompts
