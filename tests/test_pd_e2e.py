@@ -9,46 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli import main
-from harness.records.results import results_cells
+from tests.pd_support import PD_CHECKS, cache_fixture, checks_of, pd_suite, run_cells, suite_fixture
 
-SUITE = """
-name: pdt
-version: 1
-models: [tiny-gqa, tiny-mla]
-topologies: ["tp4>tp2dcp2"]
-max_new_tokens: 6
-decode_prefix_tokens: 3
-kv_budget_mib: 8
-max_seq_len: 256
-prompts:
-  - "The capital of France is"
-  - "Once upon a time, in a land far away, there lived a king who had three daughters and a dog"
-  - "Q: 17 + 25 = ?\\nA:"
-checks: {layout: {}, logits: {}, generation: {}}
-"""
-PD_CHECKS = ("pd_transfer", "pd_load", "pd_consistency")
-
-
-@pytest.fixture(scope="module")
-def suite_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("suite") / "pdt.yaml"
-    path.write_text(SUITE)
-    return path
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("cache")
-
-
-def _run(out: Path, suite: Path, cache: Path, *extra: str) -> tuple[int, list[dict]]:
-    code = main(["run", "--suite", str(suite), "--out", str(out), "--cache-dir", str(cache), *extra])
-    return code, results_cells(out)
-
-
-def _checks(cell: dict) -> dict[str, dict]:
-    return {ch["name"]: ch for ch in cell["checks"]}
+suite_file = suite_fixture(pd_suite("pdt", ["tiny-gqa", "tiny-mla"], ["tp4>tp2dcp2"]), "pdt")
+cache_dir = cache_fixture()
+_run, _checks = run_cells, checks_of
 
 
 def test_clean_pd_cells_pass_every_check(tmp_path: Path, suite_file: Path, cache_dir: Path) -> None:

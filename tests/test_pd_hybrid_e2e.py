@@ -10,42 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli import main
-from harness.records.results import results_cells
+from tests.pd_support import cache_fixture, checks_of, pd_suite, run_cells, suite_fixture
 
-SUITE = """
-name: pdh
-version: 1
-models: [tiny-hybrid]
-topologies: ["tp4>tp2"]
-max_new_tokens: 6
-decode_prefix_tokens: 3
-kv_budget_mib: 8
-max_seq_len: 256
-prompts:
-  - "The capital of France is"
-  - "Once upon a time, in a land far away, there lived a king who had three daughters and a dog"
-  - "Q: 17 + 25 = ?\\nA:"
-checks: {layout: {}, logits: {}, generation: {}}
-"""
-
-
-@pytest.fixture(scope="module")
-def suite_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("suite") / "pdh.yaml"
-    path.write_text(SUITE)
-    return path
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+suite_file = suite_fixture(pd_suite("pdh", ["tiny-hybrid"], ["tp4>tp2"]), "pdh")
+cache_dir = cache_fixture()
 
 
 def _run(out: Path, suite: Path, cache: Path, *extra: str) -> tuple[int, dict[str, dict]]:
-    code = main(["run", "--suite", str(suite), "--out", str(out), "--cache-dir", str(cache), *extra])
-    (cell,) = results_cells(out)
-    return code, {ch["name"]: ch for ch in cell["checks"]}
+    code, (cell,) = run_cells(out, suite, cache, *extra)
+    return code, checks_of(cell)
 
 
 def test_a_hybrid_model_s_state_moves_to_another_tp_and_passes(tmp_path: Path, suite_file: Path,

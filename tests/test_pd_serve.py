@@ -20,45 +20,15 @@ from harness.records.pd_files import damage_store
 from harness.records.results import results_cells
 from harness.serve.dialects import BadRequest, Limits, Vocabulary, parse_completions
 from harness.serve.protocol import KVTransfer
+from tests.pd_support import PD_CHECKS, cache_fixture, checks_of, pd_suite, run_cells, suite_fixture
 
-SUITE = """
-name: pds
-version: 1
-models: [tiny-gqa]
-topologies: ["tp2>tp1", "tp2>tp2"]
-max_new_tokens: 6
-decode_prefix_tokens: 3
-kv_budget_mib: 8
-max_seq_len: 256
-prompts:
-  - "The capital of France is"
-  - "Once upon a time, in a land far away, there lived a king who had three daughters and a dog"
-  - "Q: 17 + 25 = ?\\nA:"
-checks: {layout: {}, logits: {}, generation: {}}
-"""
-PD_CHECKS = ("pd_transfer", "pd_load", "pd_consistency")
-
-
-@pytest.fixture(scope="module")
-def suite_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("suite") / "pds.yaml"
-    path.write_text(SUITE)
-    return path
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+suite_file = suite_fixture(pd_suite("pds", ["tiny-gqa"], ["tp2>tp1", "tp2>tp2"]), "pds")
+cache_dir = cache_fixture()
+_checks = checks_of
 
 
 def _run(out: Path, suite: Path, cache: Path, *extra: str) -> tuple[int, list[dict]]:
-    code = main(["run", "--suite", str(suite), "--engine", "harness-serve", "--out", str(out), "--cache-dir",
-                 str(cache), *extra])
-    return code, results_cells(out)
-
-
-def _checks(cell: dict) -> dict[str, dict]:
-    return {ch["name"]: ch for ch in cell["checks"]}
+    return run_cells(out, suite, cache, "--engine", "harness-serve", *extra)
 
 
 def _manifests(out: Path) -> list[dict]:

@@ -11,28 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli import main
 from harness.core.errors import ConfigError
-from harness.records.results import results_cells
 from harness.specs.topology import parse_topology_name
+from tests.pd_support import PROMPTS, cache_fixture, checks_of, pd_suite, run_cells, suite_fixture
 
-SUITE = """
-name: pds
-version: 1
-models: [tiny-gqa]
-topologies: ["tp4>tp2-draft"]
-reference: tp1
-max_new_tokens: 16
-decode_prefix_tokens: 4
-kv_budget_mib: 8
-max_seq_len: 256
-prompts:
-  - "The capital of France is"
-  - "Once upon a time, in a land far away, there lived a"
-  - "Q: 17 + 25 = ?\\nA:"
-speculative: {k: 3, draft_noise: 0.1}
-checks: {layout: {}, speculator_layout: {}, logits: {}, generation: {}, lossless: {}, acceptance: {}}
-"""
+SUITE = pd_suite("pds", ["tiny-gqa"], ["tp4>tp2-draft"],
+                 ["The capital of France is", "Once upon a time, in a land far away, there lived a", PROMPTS[2]],
+                 max_new_tokens=16, decode_prefix_tokens=4,
+                 checks="{layout: {}, speculator_layout: {}, logits: {}, generation: {}, lossless: {}, acceptance: {}}",
+                 extra="reference: tp1\nspeculative: {k: 3, draft_noise: 0.1}\n")
 
 
 def test_the_decode_side_takes_a_draft_speculator_and_names_the_form_otherwise() -> None:
@@ -44,22 +31,13 @@ def test_the_decode_side_takes_a_draft_speculator_and_names_the_form_otherwise()
         parse_topology_name("tp2-draft>tp2")
 
 
-@pytest.fixture(scope="module")
-def suite_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("suite") / "pds.yaml"
-    path.write_text(SUITE)
-    return path
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+suite_file = suite_fixture(SUITE, "pds")
+cache_dir = cache_fixture()
 
 
 def _run(out: Path, suite: Path, cache: Path, *extra: str) -> tuple[int, dict[str, dict]]:
-    code = main(["run", "--suite", str(suite), "--out", str(out), "--cache-dir", str(cache), *extra])
-    (cell,) = results_cells(out)
-    return code, {ch["name"]: ch for ch in cell["checks"]}
+    code, (cell,) = run_cells(out, suite, cache, *extra)
+    return code, checks_of(cell)
 
 
 def test_acceptance_through_pd_equals_the_reference_s(tmp_path: Path, suite_file: Path, cache_dir: Path) -> None:

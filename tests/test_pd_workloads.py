@@ -9,43 +9,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
+from tests.pd_support import PROMPTS, cache_fixture, checks_of, pd_suite, run_cells, suite_fixture
 
-from harness.cli import main
-from harness.records.results import results_cells
-
-SUITE = """
-name: pdw
-version: 1
-models: [tiny-gqa]
-topologies: ["tp4>tp2"]
-max_new_tokens: 6
-decode_prefix_tokens: 3
-kv_budget_mib: 8
-max_seq_len: 256
-prompts:
-  - "The capital of France is"
-  - "Q: 17 + 25 = ?\\nA:"
-checks: {layout: {}, logits: {}, generation: {}}
-"""
-
-
-@pytest.fixture(scope="module")
-def suite_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("suite") / "pdw.yaml"
-    path.write_text(SUITE)
-    return path
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+suite_file = suite_fixture(pd_suite("pdw", ["tiny-gqa"], ["tp4>tp2"], PROMPTS[::2]), "pdw")
+cache_dir = cache_fixture()
 
 
 def _run(out: Path, suite: Path, cache: Path, *extra: str) -> tuple[int, dict[str, dict[str, dict]]]:
-    code = main(["run", "--suite", str(suite), "--out", str(out), "--cache-dir", str(cache),
-                 "--workload", "concurrent,prefix-cache", *extra])
-    return code, {c["workload"]: {ch["name"]: ch for ch in c["checks"]} for c in results_cells(out)}
+    code, cells = run_cells(out, suite, cache, "--workload", "concurrent,prefix-cache", *extra)
+    return code, {c["workload"]: checks_of(c) for c in cells}
 
 
 def test_workloads_load_their_prompts_and_hit_the_decode_side_prefix_cache(tmp_path: Path, suite_file: Path,
