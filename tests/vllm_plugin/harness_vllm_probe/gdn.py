@@ -16,24 +16,13 @@ import functools
 import hashlib
 from typing import Any, Callable
 
+from harness_vllm_probe.mla import which_shard
+
 # id(in_proj_qkvz linear) -> the checkpoint row shard its weight equals (None: none); its rows as loaded
 _QKVZ_SHARD: dict[int, int | None] = {}
 _ROWS: dict[int, Any] = {}
 # id(conv1d weight parameter) -> (the checkpoint conv tensor [C, 1, K], the rows the rank holds [C_local, 1, K])
 _CONV: dict[int, tuple[Any, Any]] = {}
-
-
-def _which_shard(param: Any, loaded_weight: Any) -> int | None:
-    import torch
-
-    data = getattr(param, "data", param)
-    rows = int(data.shape[0])
-    if rows == 0 or loaded_weight.dim() != data.dim() or loaded_weight.shape[0] % rows:
-        return None
-    for index in range(loaded_weight.shape[0] // rows):
-        if torch.equal(loaded_weight.narrow(0, index * rows, rows).to(data.dtype), data):
-            return index
-    return None
 
 
 def recording_merged(load: Callable[..., Any]) -> Callable[..., Any]:
@@ -44,7 +33,7 @@ def recording_merged(load: Callable[..., Any]) -> Callable[..., Any]:
         out = load(self, param, loaded_weight, *args, **kwargs)
         if str(getattr(self, "prefix", "")).endswith("in_proj_qkvz") and param is getattr(self, "weight", None):
             try:
-                _QKVZ_SHARD[id(self)] = _which_shard(param, loaded_weight)
+                _QKVZ_SHARD[id(self)] = which_shard(param, loaded_weight)
                 _ROWS[id(self)] = param.data.detach().float().clone()
             except Exception:  # the probe never breaks a load
                 _QKVZ_SHARD[id(self)] = None

@@ -21,7 +21,8 @@ _ROWS: dict[int, Any] = {}
 MLA_PROJECTIONS = ("q_proj", "q_b_proj", "kv_b_proj", "kv_a_proj_with_mqa")
 
 
-def _which_shard(param: Any, loaded_weight: Any) -> int | None:
+def which_shard(param: Any, loaded_weight: Any) -> int | None:
+    """The index of the checkpoint row shard (of `param`'s row count) that `param` now equals, or None."""
     import torch
 
     data = getattr(param, "data", param)
@@ -43,7 +44,7 @@ def recording(load: Callable[..., Any]) -> Callable[..., Any]:
         if str(getattr(self, "prefix", "")).rsplit(".", 1)[-1] in MLA_PROJECTIONS and param is getattr(
                 self, "weight", None):
             try:
-                _SHARD[id(self)] = _which_shard(param, loaded_weight)
+                _SHARD[id(self)] = which_shard(param, loaded_weight)
                 _ROWS[id(self)] = param.data.detach().float().clone()
             except Exception:  # the probe never breaks a load
                 _SHARD[id(self)] = None
