@@ -44,6 +44,8 @@ def full_report(rank: int = 1) -> RankReport:
         q_to_kv=(1, 1), group_q_heads=(0, 1, 2, 3), group_q_to_kv=(0, 0, 1, 1), kv_pool_bytes=4096,
         kv_pool_blocks=16, kv_weight_checksums={"1": "abc"}, v_heads=(1,), ffn_shard=(8, 16), vocab_shard=(96, 192),
         kv_block_size=16, kv_bytes_per_token=64, stored_positions=StoredPositions(9, 3, (1, 3, 5, 7)),
+        experts=ExpertsReport(experts=(2, 3), expert_ffn_shard=(0, 32), expert_columns=32, shared_columns=16,
+                              router_checksum="r", logical=(2, 3), slot_checksums=("s2", "s3")),
         hybrid=HybridReport(
             linear=LinearReport(v_heads=(2, 3), k_heads=(1,), out_v_heads=(3,), conv_rows=((4, 8), (12, 16), (30, 36)),
                                 state_digests=("d0", "d1"), weight_checksum="w"),

@@ -465,7 +465,8 @@ def test_stopped_vllm_hybrid_servers_leave_no_shared_memory(hybrid_clean: dict, 
 # -- disaggregated prefill/decode through vLLM's ExampleConnector (3 server starts: the tp1 reference, the prefill
 # and the decode server of tp1>tp1; tp2>tp1 is a SKIP before any server starts) --------------------------------
 
-PD = ["--suite", "pd", "--model", "tiny-hd64", "--engine", "vllm", "--max-seq-len", "256", "--timeout", "900"]
+PD = ["--suite", "pd", "--model", "tiny-hd64", "--engine", "vllm", "--workload", "prompts", "--max-seq-len", "512",
+      "--timeout", "900"]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from harness.arch.plan import plan_model
 from harness.core.errors import ConfigError
 from harness.engine.faults import fault_flags
 from harness.serve.listen import check_listen
-from harness.serve.pd import PD_SERVE_ROLES, check_pd_role
+from harness.serve.protocol import PD_SERVE_ROLES, check_pd_role
 from harness.specs.checkpoint import load_model
 from harness.specs.loader import did_you_mean
 from harness.specs.pool import PoolSettings

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from harness.core.errors import ConfigError
 from harness.engine.engine import Engine, PrefixLoader
 from harness.engine.faults import FaultFlags
 from harness.engine.pd_connector import KVConnector, LoadPolicy
@@ -39,20 +38,7 @@ from harness.records.pd_files import decode_record, prefill_log
 from harness.serve.executor import Abandoned, execute
 from harness.serve.protocol import Completion, CompletionResult, KVTransfer, TokenLogprob
 
-PD_SERVE_ROLES: tuple[str, ...] = ("prefill", "decode")
 ROUTE = "generation"  # the only route a server loads on (HTTP has no teacher-forced decode path)
-
-
-def check_pd_role(role: str, store: str, has_prefill: bool, topology: str) -> None:
-    """A serve configuration's P/D options agree with its topology: one clear error otherwise."""
-    if has_prefill and role not in PD_SERVE_ROLES:
-        raise ConfigError(f"--topo {topology!r} is disaggregated: serve it as one side, --pd-role prefill or "
-                          f"--pd-role decode (got {role or 'none'}), with --pd-store ROOT shared by both servers")
-    if not has_prefill and (role or store):
-        raise ConfigError(f"--pd-role/--pd-store need a disaggregated topology PREFILL>DECODE (e.g. tp2>tp1), "
-                          f"got {topology!r}")
-    if has_prefill and not store:
-        raise ConfigError(f"--pd-role {role} needs --pd-store ROOT (the KV store folder both servers share)")
 
 
 def _split(batch: list[Completion]) -> tuple[list[int], list[int]]:

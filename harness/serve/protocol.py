@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from harness.core.errors import ConfigError
+
 TopK = list[tuple[int, float]]  # (token id, logprob), best first
 
 
@@ -52,3 +54,18 @@ class CompletionResult:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     accepted_per_step: list[int] = field(default_factory=list)
+
+
+PD_SERVE_ROLES: tuple[str, ...] = ("prefill", "decode")
+
+
+def check_pd_role(role: str, store: str, has_prefill: bool, topology: str) -> None:
+    """A serve configuration's P/D options agree with its topology: one clear error otherwise."""
+    if has_prefill and role not in PD_SERVE_ROLES:
+        raise ConfigError(f"--topo {topology!r} is disaggregated: serve it as one side, --pd-role prefill or "
+                          f"--pd-role decode (got {role or 'none'}), with --pd-store ROOT shared by both servers")
+    if not has_prefill and (role or store):
+        raise ConfigError(f"--pd-role/--pd-store need a disaggregated topology PREFILL>DECODE (e.g. tp2>tp1), "
+                          f"got {topology!r}")
+    if has_prefill and not store:
+        raise ConfigError(f"--pd-role {role} needs --pd-store ROOT (the KV store folder both servers share)")

@@ -32,7 +32,8 @@ from harness.serve.dialects import Limits, Vocabulary
 from harness.serve.executor import execute
 from harness.serve.listen import ListenError, address, bind_socket
 from harness.serve.lockstep import Executor, Lockstep
-from harness.serve.pd import DecodeServer, PrefillServer, check_pd_role
+from harness.serve.pd import DecodeServer, PrefillServer
+from harness.serve.protocol import check_pd_role
 from harness.specs.model import ModelSpec, model_from_dict
 from harness.specs.pool import PoolSettings
 from harness.specs.speculative import SpeculativeSettings
