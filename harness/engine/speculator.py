@@ -34,32 +34,37 @@ import numpy as np
 import torch
 
 from harness.arch.model import model_of
+from harness.arch.plan import plan_model
 from harness.core.errors import ConfigError
+from harness.engine.decoders import ModuleReport, RankBuild, build_rank
 from harness.engine.engine import TORCH_DTYPES, Engine, build_batch
 from harness.engine.faults import FaultFlags
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.model import Decoder, HeadMap, Hyper, LocalWeights, rms_norm
 from harness.engine.parallel import ParallelState
 from harness.engine.parallelize import head_map, rank_report, shard_weights
-from harness.engine.weights import seeded_generator, synthetic_weights
+from harness.engine.weights import load_mtp_weights, seeded_generator, synthetic_weights
 from harness.partition.layout import LayoutPlan, plan_layout, plan_speculator, slot_pool
 from harness.records.rankreport import RankReport, SpeculatorReport, entry_json
 from harness.specs.model import ModelSpec
 from harness.specs.pool import PoolSettings
 from harness.specs.speculative import SpeculativeSettings
+from harness.specs.topology import Topology
 
 SPECULATOR_KINDS: tuple[str, ...] = ("draft", "mtp")
 NOISE_SALT = 0x5EED_D2AF  # keeps the draft's noise independent of the synthetic init's draws
 MTP_EXTRA: tuple[str, ...] = ("eh_proj.weight", "hnorm.weight", "enorm.weight")
+DENSE_MODULE = "harness.engine.model"  # the engine module of dense/GQA attention (arch/components.py)
 
 
 # ---- weights ---------------------------------------------------------------------------------------------
 
 
 def speculator_spec(spec: ModelSpec) -> ModelSpec:
-    """The speculator's architecture: the target's with `speculator_layers` layers (a hybrid target's
-    speculator: dense full-attention layers with the target's heads and FFN width)."""
-    return dataclasses.replace(spec, layers=spec.speculator_layers, hybrid=None)
+    """The speculator's architecture: the target's with `speculator_layers` dense-FFN layers (a hybrid target's
+    speculator: dense full-attention layers with the target's heads and FFN width; an MLA target's: latent
+    attention layers, as DeepSeek-V3's MTP layer), holding no MTP layers of its own."""
+    return dataclasses.replace(spec, layers=spec.speculator_layers, hybrid=None, moe=None, nextn_layers=0)
 
 
 def _noise(seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -130,8 +135,12 @@ def mtp_weights(spec: ModelSpec, target: Mapping[str, torch.Tensor], hidden_mix:
 
 def speculator_weights(kind: str, spec: ModelSpec, target: Mapping[str, torch.Tensor],
                        settings: SpeculativeSettings) -> dict[str, torch.Tensor]:
+    """The speculator's full (unsharded) weights: a checkpoint's own MTP layer where it holds one
+    (spec.nextn_layers: harness/engine/mtp_checkpoint.py), else built from the target's (above)."""
     if kind == "draft":
         return draft_weights(spec, target, settings.draft_noise)
+    if kind == "mtp" and spec.nextn_layers and spec.source == "hf":
+        return {**_shared(spec, target), **load_mtp_weights(spec)}
     if kind == "mtp":
         return mtp_weights(spec, target, settings.mtp_hidden_mix)
     raise ConfigError(f"unknown speculator kind {kind!r}; valid: {', '.join(SPECULATOR_KINDS)}")
@@ -173,13 +182,24 @@ class Speculator:
         self.granted = slot_pool(self.expected_plan, slots, pool.max_seq_len, pool.block_size)
         self.capacity = slot_pool(self.plan, slots, pool.max_seq_len, pool.block_size)
         full = speculator_weights(kind, spec, target_weights, settings)
-        self._weights: LocalWeights = shard_weights(full, self.spec, self.rank_layout, self.dtype, state.device)
         self._extra = {n: full[n].to(device=state.device, dtype=self.dtype) for n in MTP_EXTRA if n in full}
-        self.cache = PagedKVCache(self.capacity, self.spec.layers, self.heads.n_kv, spec.head_dim, self.dtype,
-                                  state.device)
+        # DeepSeek's MTP reads final-normed hidden states: the target's by its final norm (model_of: deepseek_mtp)
+        self.deepseek_mtp = model_of(spec).speculator.deepseek_mtp
+        self._target_norm = target_weights["norm.weight"].to(device=state.device, dtype=self.dtype)
         tp_only = dataclasses.replace(state, dcp=1, dcp_group=None)  # same TP group, no DCP group
-        self.decoder = Decoder(self._weights, self.heads, Hyper(spec.head_dim, spec.rope_theta, spec.norm_eps),
-                               tp_only.collectives(), self.cache, FaultFlags())
+        self._module_report: ModuleReport | None = None
+        if model_of(self.spec).attention.engine_module == DENSE_MODULE:
+            self._weights: LocalWeights = shard_weights(full, self.spec, self.rank_layout, self.dtype, state.device)
+            self.cache = PagedKVCache(self.capacity, self.spec.layers, self.heads.n_kv, spec.head_dim, self.dtype,
+                                      state.device)
+            self.decoder = Decoder(self._weights, self.heads, Hyper(spec.head_dim, spec.rope_theta, spec.norm_eps),
+                                   tp_only.collectives(), self.cache, FaultFlags())
+        else:  # another attention (MLA): built by its engine module, as the target is, on the plain TP layout
+            parts = build_rank(RankBuild(self.spec, plan_model(model_of(self.spec), Topology(tp=state.tp)), full,
+                                         tp_only, FaultFlags(), self.capacity.budget_bytes, pool.max_seq_len,
+                                         pool.block_size, self.dtype))
+            self._weights, self.cache, self.decoder = parts.weights, parts.cache, parts.decoder
+            self._module_report = parts.report()
 
     @property
     def uses_hidden(self) -> bool:
@@ -214,23 +234,39 @@ class Speculator:
             if hidden is None or hidden.shape[:2] != batch.ids.shape:
                 raise ValueError(f"MTP needs a hidden state per token: {tuple(batch.ids.shape)}, got "
                                  f"{None if hidden is None else tuple(hidden.shape)}")
-            embeds = self._mtp_input(hidden.to(self.dtype), batch.ids)
+            embeds = self._mtp_input(hidden.to(self.dtype), batch.ids, batch.positions)
         x = self.decoder.hidden(batch, embeds=embeds)
-        return self.decoder.logits(x).float(), x
+        return self.decoder.logits(x).float(), self.recycled(x)
 
-    def _mtp_input(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """eh_proj @ concat[hnorm(hidden); enorm(embed(ids))]: [B, S, 2H] -> [B, S, H]."""
+    def target_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the MTP module reads of the target's last-layer residual states [..., H]: DeepSeek's MTP the
+        target's final-normed output (vLLM's and SGLang's target models return it), the harness's the states."""
+        return rms_norm(hidden, self._target_norm, self.spec.norm_eps) if self.deepseek_mtp else hidden
+
+    def recycled(self, x: torch.Tensor) -> torch.Tensor:
+        """What the next proposal step reads of this module's output x [B, S, H]: DeepSeek's MTP its own
+        final-normed (shared head norm) output, the harness's the residual state."""
+        return rms_norm(x, self._weights.norm, self.spec.norm_eps) if self.deepseek_mtp else x
+
+    def _mtp_input(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """eh_proj @ concat[hnorm(hidden); enorm(embed(ids))]: [B, S, 2H] -> [B, S, H]. DeepSeek's MTP zeroes the
+        token embedding of its first entry (position 1, paired with the target's hidden state at position 0: vLLM
+        runs that entry at position 0 and masks it; RoPE sees the same relative positions)."""
         eps = self.spec.norm_eps
         h = rms_norm(hidden, self._extra["hnorm.weight"], eps)
-        e = rms_norm(self.decoder.embed(ids), self._extra["enorm.weight"], eps)
+        embeds = self.decoder.embed(ids)  # [B, S, H]
+        if self.deepseek_mtp:
+            embeds = embeds.masked_fill((positions == 1)[..., None], 0.0)
+        e = rms_norm(embeds, self._extra["enorm.weight"], eps)
         return torch.cat([h, e], dim=-1) @ self._extra["eh_proj.weight"].T
 
     # -- layout report -----------------------------------------------------------------------------------
 
     def layout_report(self) -> RankReport:
         """This rank's actual speculator layout (a plain TP layout; parallelize.rank_report)."""
+        extra = self._module_report or ModuleReport()
         return rank_report(self.rank_layout, self.heads, self._weights, self.spec, self.cache.pool_bytes,
-                           self.capacity.blocks)
+                           self.capacity.blocks, extra.checksums, extra.kv_bytes_per_token, mla=extra.mla_record)
 
     def layout_entry(self, ranks: Sequence[RankReport]) -> dict[str, Any]:
         """layout.json's "speculator" entry from every rank's layout_report(), in rank order. Its "pool"
