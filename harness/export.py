@@ -24,7 +24,7 @@ from harness.arch.model import model_of
 from harness.core.errors import ConfigError
 from harness.engine.checkpoint import save_hf_checkpoint
 from harness.engine.mtp_checkpoint import to_deepseek_mtp
-from harness.engine.speculator import mtp_weights
+from harness.engine.spec_weights import mtp_weights
 from harness.engine.tokenizer import BYTE_BOS, BYTE_EOS, TokenizersTokenizer, load_tokenizer
 from harness.engine.weights import load_weights
 from harness.specs.model import ModelSpec

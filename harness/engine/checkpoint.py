@@ -50,7 +50,8 @@ def llama_config(spec: ModelSpec) -> dict[str, Any]:
 
 
 def deepseek_v2_config(spec: ModelSpec) -> dict[str, Any]:
-    """A DeepSeek-V2 config.json for an MLA `spec` (DeepSeek-V3's with spec.nextn_layers MTP layers), plain RoPE: without experts every layer dense
+    """A DeepSeek-V2 config.json for an MLA `spec` (DeepSeek-V3's with spec.nextn_layers MTP layers, numbered
+    after the target's layers), plain RoPE: without experts every layer dense
     (first_k_dense_replace = layers: its one nominal routed expert is never built); with spec.moe its routed
     experts (greedy top-k of a softmax, norm_topk_prob = moe.renormalize, no scaling) and one shared expert of
     moe.shared_ffn columns (n_shared_experts = shared_ffn / moe_ffn) from layer moe.first_dense on."""

@@ -4,7 +4,7 @@ DeepSeek-V3 keeps its MTP module as decoder layer `num_hidden_layers` of the che
 `num_nextn_predict_layers`): `model.layers.{L}.` + the layer's own attention / MLP / norm tensors under their usual
 names, plus `enorm`, `hnorm`, `eh_proj` (acting on concat[enorm(embedding); hnorm(hidden)]), `shared_head.norm`
 (its final norm), `shared_head.head` (its lm_head) and `embed_tokens` (a copy of the target's). The embedded
-engine's MTP weights (harness/engine/speculator.py: `layers.0.*`, `eh_proj.weight` on concat[hidden; embedding],
+engine's MTP weights (harness/engine/spec_weights.py: `layers.0.*`, `eh_proj.weight` on concat[hidden; embedding],
 `hnorm.weight`, `enorm.weight`, `norm.weight`, `lm_head.weight`) are written with eh_proj's two column blocks
 swapped and the latent attention's RoPE rows interleaved as the target's (checkpoint.py), and read back the same
 way, so a folder's MTP layer is the module the embedded engine ran before the export.
@@ -59,7 +59,7 @@ def check_exportable(spec: ModelSpec) -> None:
 
 
 def to_deepseek_mtp(spec: ModelSpec, mtp: Weights) -> Weights:
-    """The embedded engine's MTP weights (speculator.mtp_weights) -> DeepSeek-V3's MTP layer tensors by file name."""
+    """The embedded engine's MTP weights (spec_weights.mtp_weights) -> DeepSeek-V3's MTP layer tensors by file name."""
     check_exportable(spec)
     prefix = mtp_prefix(spec)
     layer = rope_rows_interleaved(_one_layer(spec), {n: t for n, t in mtp.items() if n.startswith("layers.")})

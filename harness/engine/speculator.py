@@ -7,9 +7,12 @@
       x_p = eh_proj @ concat[hnorm(h_{p-1}); enorm(embed(token_p))],   eh_proj: [H, 2H]
   where h_{p-1} is the target's last-layer residual state at position p-1 (the MTP module's own output
   during a proposal chain); its output at p, through its own final norm and the target's (shared)
-  embedding and lm_head, predicts token p+1. Synthetic init: copies of the target's first layers, and an
+  embedding and lm_head, predicts token p+1. An MLA target's MTP is DeepSeek-V3's as vLLM and SGLang run it
+  (arch: Speculator.deepseek_mtp): latent-attention layers, h the target's final-normed output (its own
+  final-normed output in a chain), and the embedding of its first entry (position 1, paired with h_0) zeroed.
+  A checkpoint's own MTP layer (spec.nextn_layers: DeepSeek-V3's format) replaces the synthetic one. Synthetic init: copies of the target's first layers, and an
   eh_proj passing the token embedding at the target's embedding scale plus `mtp_hidden_mix` x the
-  hidden state (see `mtp_weights`).
+  hidden state (see `mtp_weights`, harness/engine/spec_weights.py).
 
 Agreement on synthetic models. A random target's next token is a chaotic function of its whole
 depth: a speculator with fewer layers than the target (or one that must predict from the hidden state
@@ -30,12 +33,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-import numpy as np
 import torch
 
 from harness.arch.model import model_of
 from harness.arch.plan import plan_model
-from harness.core.errors import ConfigError
 from harness.engine.decoders import ModuleReport, RankBuild, build_rank
 from harness.engine.engine import TORCH_DTYPES, Engine, build_batch
 from harness.engine.faults import FaultFlags
@@ -43,7 +44,7 @@ from harness.engine.kvcache import PagedKVCache
 from harness.engine.model import Decoder, HeadMap, Hyper, LocalWeights, rms_norm
 from harness.engine.parallel import ParallelState
 from harness.engine.parallelize import head_map, rank_report, shard_weights
-from harness.engine.weights import load_mtp_weights, seeded_generator, synthetic_weights
+from harness.engine.spec_weights import speculator_spec, speculator_weights
 from harness.partition.layout import LayoutPlan, plan_layout, plan_speculator, slot_pool
 from harness.records.rankreport import RankReport, SpeculatorReport, entry_json
 from harness.specs.model import ModelSpec
@@ -51,99 +52,8 @@ from harness.specs.pool import PoolSettings
 from harness.specs.speculative import SpeculativeSettings
 from harness.specs.topology import Topology
 
-SPECULATOR_KINDS: tuple[str, ...] = ("draft", "mtp")
-NOISE_SALT = 0x5EED_D2AF  # keeps the draft's noise independent of the synthetic init's draws
 MTP_EXTRA: tuple[str, ...] = ("eh_proj.weight", "hnorm.weight", "enorm.weight")
 DENSE_MODULE = "harness.engine.model"  # the engine module of dense/GQA attention (arch/components.py)
-
-
-# ---- weights ---------------------------------------------------------------------------------------------
-
-
-def speculator_spec(spec: ModelSpec) -> ModelSpec:
-    """The speculator's architecture: the target's with `speculator_layers` dense-FFN layers (a hybrid target's
-    speculator: dense full-attention layers with the target's heads and FFN width; an MLA target's: latent
-    attention layers, as DeepSeek-V3's MTP layer), holding no MTP layers of its own."""
-    return dataclasses.replace(spec, layers=spec.speculator_layers, hybrid=None, moe=None, nextn_layers=0)
-
-
-def _noise(seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """Standard normal noise that depends only on (seed, name): identical in every process."""
-    gen = seeded_generator(seed, name, NOISE_SALT)
-    return torch.from_numpy(gen.standard_normal(shape).astype(np.float32))
-
-
-def _shared(spec: ModelSpec, target: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Embedding, final norm and lm_head, shared with the target."""
-    out = {"embed.weight": target["embed.weight"], "norm.weight": target["norm.weight"].clone()}
-    if "lm_head.weight" in target:
-        out["lm_head.weight"] = target["lm_head.weight"]
-    return out
-
-
-HYBRID_MTP_OUT_SCALE = 0.1
-
-
-def hybrid_mtp_layers(spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """A hybrid target's speculator layers: seeded dense layers (its own layers are linear attention and
-    MoE) whose output projections (o, down) are scaled by HYBRID_MTP_OUT_SCALE, so the speculator stays
-    close to the path the target's residual stream carries from the token embedding to the logits and
-    agrees with the target on some tokens (a fully random layer agrees on none)."""
-    dense = synthetic_weights(speculator_spec(spec))
-    return {name: t * HYBRID_MTP_OUT_SCALE if name.endswith((".o.weight", ".down.weight")) else t
-            for name, t in dense.items() if name.startswith("layers.")}
-
-
-def _layers(spec: ModelSpec, target: Mapping[str, torch.Tensor], noise: float) -> dict[str, torch.Tensor]:
-    """Copies of the target's first speculator_layers layers; with noise, each tensor t gets
-    t + noise * rms(t) * N(0, 1), seeded by (spec.seed, name)."""
-    if spec.speculator_layers > spec.layers:
-        raise ConfigError(f"model {spec.name!r}: speculator_layers={spec.speculator_layers} exceeds "
-                          f"layers={spec.layers}")
-    if not model_of(spec).speculator.copies_target:  # a hybrid target's layers: seeded dense layers instead
-        target = hybrid_mtp_layers(spec)
-    out = {}
-    for name, t in target.items():
-        if not name.startswith("layers.") or int(name.split(".")[1]) >= spec.speculator_layers:
-            continue
-        if noise > 0:
-            rms = t.pow(2).mean().sqrt()
-            t = t + noise * rms * _noise(spec.seed, name, tuple(t.shape))
-        out[name] = t.clone()
-    return out
-
-
-def draft_weights(spec: ModelSpec, target: Mapping[str, torch.Tensor], noise: float) -> dict[str, torch.Tensor]:
-    """The draft model: target's first layers (+ noise), final norm and lm_head; canonical names."""
-    return {**_shared(spec, target), **_layers(spec, target, noise)}
-
-
-def mtp_weights(spec: ModelSpec, target: Mapping[str, torch.Tensor], hidden_mix: float) -> dict[str, torch.Tensor]:
-    """The MTP module: decoder layer(s) copied from the target's first layers, its own final norm (a copy
-    of the target's), shared embedding and lm_head, and eh_proj [H, 2H] acting on
-    concat[hnorm(h); enorm(e)] (both norms unit weight, so each half has rms ~1):
-        eh_proj = [hidden_mix * s * I | s * I],   s = rms of the target's embedding matrix,
-    i.e. the MTP input is the token embedding at the scale the first layer expects, plus the target's
-    hidden state mixed in with relative weight hidden_mix."""
-    embed = target["embed.weight"]
-    scale = float(embed.pow(2).mean().sqrt())
-    eye = torch.eye(spec.hidden, dtype=torch.float32)
-    return {**_shared(spec, target), **_layers(spec, target, 0.0),
-            "eh_proj.weight": torch.cat([hidden_mix * scale * eye, scale * eye], dim=1),  # [H, 2H]
-            "hnorm.weight": torch.ones(spec.hidden), "enorm.weight": torch.ones(spec.hidden)}
-
-
-def speculator_weights(kind: str, spec: ModelSpec, target: Mapping[str, torch.Tensor],
-                       settings: SpeculativeSettings) -> dict[str, torch.Tensor]:
-    """The speculator's full (unsharded) weights: a checkpoint's own MTP layer where it holds one
-    (spec.nextn_layers: harness/engine/mtp_checkpoint.py), else built from the target's (above)."""
-    if kind == "draft":
-        return draft_weights(spec, target, settings.draft_noise)
-    if kind == "mtp" and spec.nextn_layers and spec.source == "hf":
-        return {**_shared(spec, target), **load_mtp_weights(spec)}
-    if kind == "mtp":
-        return mtp_weights(spec, target, settings.mtp_hidden_mix)
-    raise ConfigError(f"unknown speculator kind {kind!r}; valid: {', '.join(SPECULATOR_KINDS)}")
 
 
 # ---- layout and pool ---------------------------------------------------------------------------------------

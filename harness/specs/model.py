@@ -143,7 +143,7 @@ class ModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("hybrid", "sparse", "moe", "engine_gaps")}
+               if f.name not in ("hybrid", "sparse", "moe", "engine_gaps", "nextn_layers")}
         if self.hybrid is not None:  # dense models keep their dict (and their cache keys) unchanged
             out["hybrid"] = self.hybrid.to_dict()
         if self.sparse is not None:
@@ -152,6 +152,8 @@ class ModelSpec:
             out["moe"] = self.moe.to_dict()
         if self.engine_gaps:
             out["engine_gaps"] = list(self.engine_gaps)
+        if self.nextn_layers:  # a model without MTP layers keeps its dict (and cache keys)
+            out["nextn_layers"] = self.nextn_layers
         return out
 
 
