@@ -83,13 +83,18 @@ def _wrong_kv_b_shard(load: Callable[..., Any], projection: str = "kv_b_proj") -
     return loader
 
 
+def _patch(cls: Any, attr: str, wrap: Callable[[Any], Any]) -> None:
+    """cls.attr replaced by wrap(cls.attr) once: a wrapper marked __harness_fault__ is not wrapped again."""
+    current = vars(cls)[attr]
+    if not getattr(current, "__harness_fault__", False):
+        setattr(cls, attr, wrap(current))
+
+
 def _register_mla_kv_b_shard() -> None:
     from vllm.model_executor.layers.linear import ColumnParallelLinear
 
     for attr in ("weight_loader", "weight_loader_v2"):
-        current = vars(ColumnParallelLinear)[attr]
-        if not getattr(current, "__harness_fault__", False):
-            setattr(ColumnParallelLinear, attr, _wrong_kv_b_shard(current))
+        _patch(ColumnParallelLinear, attr, _wrong_kv_b_shard)
     print(f"harness_vllm_fault: {FAULT_ENV}={MLA_KV_B_SHARD}: TP rank {FAULTY_RANK} loads another rank's kv_b_proj "
           f"rows (MLA)", flush=True)
 
@@ -114,9 +119,7 @@ def _offset_map(to_local: Callable[..., Any]) -> Callable[..., Any]:
 def _register_moe_expert_map_offset() -> None:
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
-    current = vars(RoutedExperts)["_map_global_expert_id_to_local_expert_id"]
-    if not getattr(current, "__harness_fault__", False):
-        RoutedExperts._map_global_expert_id_to_local_expert_id = _offset_map(current)
+    _patch(RoutedExperts, "_map_global_expert_id_to_local_expert_id", _offset_map)
     print(f"harness_vllm_fault: {FAULT_ENV}={MOE_EXPERT_MAP_OFFSET}: TP rank {FAULTY_RANK} loads each expert into the "
           f"next slot (its loader's expert map offset by one)", flush=True)
 
@@ -125,9 +128,7 @@ def _register_gdn_head_shard() -> None:
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 
     for attr in ("weight_loader", "weight_loader_v2"):
-        current = vars(MergedColumnParallelLinear)[attr]
-        if not getattr(current, "__harness_fault__", False):
-            setattr(MergedColumnParallelLinear, attr, _wrong_kv_b_shard(current, "in_proj_qkvz"))
+        _patch(MergedColumnParallelLinear, attr, lambda load: _wrong_kv_b_shard(load, "in_proj_qkvz"))
     print(f"harness_vllm_fault: {FAULT_ENV}={GDN_HEAD_SHARD}: TP rank {FAULTY_RANK} loads another rank's "
           f"in_proj_qkvz rows (Gated DeltaNet)", flush=True)
 
@@ -155,9 +156,7 @@ def _swapped_eh_proj(load: Callable[..., Any]) -> Callable[..., Any]:
 def _register_mtp_eh_proj_swap() -> None:
     from vllm.model_executor.models.deepseek_mtp import DeepSeekMTP
 
-    current = vars(DeepSeekMTP)["load_weights"]
-    if not getattr(current, "__harness_fault__", False):
-        DeepSeekMTP.load_weights = _swapped_eh_proj(current)
+    _patch(DeepSeekMTP, "load_weights", _swapped_eh_proj)
     print(f"harness_vllm_fault: {FAULT_ENV}={MTP_EH_PROJ_SWAP}: the MTP layer's eh_proj is loaded with its "
           f"[embedding | hidden] column halves swapped", flush=True)
 
