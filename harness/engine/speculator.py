@@ -10,9 +10,10 @@
   embedding and lm_head, predicts token p+1. An MLA target's MTP is DeepSeek-V3's as vLLM and SGLang run it
   (arch: Speculator.deepseek_mtp): latent-attention layers, h the target's final-normed output (its own
   final-normed output in a chain), and the embedding of its first entry (position 1, paired with h_0) zeroed.
-  A checkpoint's own MTP layer (spec.nextn_layers: DeepSeek-V3's format) replaces the synthetic one. Synthetic init: copies of the target's first layers, and an
-  eh_proj passing the token embedding at the target's embedding scale plus `mtp_hidden_mix` x the
-  hidden state (see `mtp_weights`, harness/engine/spec_weights.py).
+  A checkpoint's own MTP layer (spec.nextn_layers: DeepSeek-V3's format) replaces the synthetic one.
+  Synthetic init: copies of the target's first layers, and an eh_proj passing the token embedding at the
+  target's embedding scale plus `mtp_hidden_mix` x the hidden state (see `mtp_weights`,
+  harness/engine/spec_weights.py).
 
 Agreement on synthetic models. A random target's next token is a chaotic function of its whole
 depth: a speculator with fewer layers than the target (or one that must predict from the hidden state
@@ -136,8 +137,8 @@ class Speculator:
                hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed tokens chunks[b] at positions starts[b].. through the speculator's cache. An MTP module also
         takes `hidden` [B, S, H]: the hidden state paired with each token (the target's at the position
-        before, or its own output during a proposal chain). Returns float32 logits [B, S, V] and its own
-        last residual state [B, S, H] (right-padded)."""
+        before through target_hidden, or its own output during a proposal chain). Returns float32 logits
+        [B, S, V] and what its next proposal step reads of its output, recycled(x) [B, S, H] (right-padded)."""
         batch = build_batch(seq_ids, chunks, starts, self.state.device)
         embeds = None
         if self.uses_hidden:
