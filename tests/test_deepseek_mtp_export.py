@@ -26,8 +26,6 @@ from harness.specs.checkpoint import load_model, spec_from_hf
 from harness.specs.model import ModelSpec
 from harness.specs.pool import PoolSettings
 
-pytest.importorskip("tokenizers")
-
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Q: 17 + 25 = ?\nA:", "Layout bugs hide in decode"]
 POOL = PoolSettings(budget_bytes=16 << 20, max_seq_len=128)
 MTP_TENSORS = {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
