@@ -23,9 +23,12 @@ from typing import Any
 from harness.arch.model import model_of
 from harness.core.errors import ConfigError
 from harness.engine.checkpoint import save_hf_checkpoint
+from harness.engine.mtp_checkpoint import to_deepseek_mtp
+from harness.engine.spec_weights import mtp_weights
 from harness.engine.tokenizer import BYTE_BOS, BYTE_EOS, TokenizersTokenizer, load_tokenizer
 from harness.engine.weights import load_weights
 from harness.specs.model import ModelSpec
+from harness.specs.speculative import SpeculativeSettings
 
 BOS_TEXT = "<s>"
 EOS_TEXT = "</s>"
@@ -131,8 +134,20 @@ def export_model(spec: ModelSpec, out: Path) -> Path:
     return out
 
 
+def add_tensors(file: Path, tensors: dict[str, Any]) -> None:
+    """Rewrite safetensors `file` with `tensors` added."""
+    from safetensors.torch import load_file, save_file
+
+    save_file({**load_file(str(file)), **{k: t.contiguous() for k, t in tensors.items()}}, str(file),
+              metadata={"format": "pt"})
+
+
 def _write_folder(spec: ModelSpec, out: Path) -> None:
-    save_hf_checkpoint(spec, load_weights(spec), out)
+    weights = load_weights(spec)
+    save_hf_checkpoint(spec, weights, out)
+    if spec.nextn_layers:  # the MTP speculator's layer beside the target's (DeepSeek-V3's format)
+        add_tensors(out / "model.safetensors",
+                    to_deepseek_mtp(spec, mtp_weights(spec, weights, SpeculativeSettings().mtp_hidden_mix)))
     bos_id, eos_id = write_tokenizer(spec, out)
     config = json.loads((out / "config.json").read_text())
     config.update({"bos_token_id": bos_id, "eos_token_id": eos_id})

@@ -206,6 +206,18 @@ def test_registry_options_and_skips(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert "no -mtp speculator" in str(no_dcp.skip_reason(model, parse_topology_name("tp2-mtp")))
 
 
+def test_an_hf_engine_runs_the_checkpoints_own_mtp_layer(tmp_path: Path) -> None:
+    """An engine fed the exported folder runs the MTP layer the folder holds: -mtp of a model without one
+    (nextn_layers 0) is a SKIP saying so; tiny-dsv3-mtp (DeepSeek-V3 with its MTP layer) runs; an engine fed the
+    model spec (harness serve) builds its own MTP for any model."""
+    hf = HttpBackend(_template(tmp_path, "pass", model_format="hf", speculator_argv={"mtp": ["--mtp"]}))
+    mtp = parse_topology_name("tp1-mtp")
+    assert "holds no MTP layer (nextn_layers 0" in str(hf.skip_reason(load_model("tiny-dsv2"), mtp))
+    assert hf.skip_reason(load_model("tiny-dsv3-mtp"), mtp) is None
+    spec_fed = HttpBackend(_template(tmp_path, "pass", speculator_argv={"mtp": ["--mtp"]}))
+    assert spec_fed.skip_reason(load_model("tiny-gqa"), mtp) is None
+
+
 def test_command_fills_placeholders_and_fault_flags(tmp_path: Path) -> None:
     serve = HttpBackend("harness-serve")
     job = Job(model=load_model("tiny-gqa"), topology=parse_topology_name("tp2dcp2"),

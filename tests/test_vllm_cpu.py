@@ -35,6 +35,12 @@ record (linear-attention heads and conv rows as loaded, state heads and channels
 columns) as planned; tp2dcp2 is a SKIP quoting vLLM's refusal; the fault FAILs as silent corruption with `layout`
 naming rank 1's V heads.
 
+Two more for DeepSeek's MTP speculator (tiny-dsv3-mtp: a one-layer MLA model exported as DeepSeek-V3 with its MTP
+layer) at tp1-mtp against the embedded engine's tp1-mtp on the same weights (--reference-engine embedded: the
+embedded engine's MTP is DeepSeek's): clean, the acceptance equals the embedded engine's and the speculative output
+is lossless; with HARNESS_VLLM_FAULT=mtp-eh-proj-swap (vLLM's MTP loader swaps eh_proj's halves) acceptance FAILs
+while the target's output stays. 4 server starts (plain tp1 and tp1-mtp per run).
+
 One more for disaggregated prefill/decode through vLLM's ExampleConnector (docs/pd.md): tp1>tp1 PASSes parity and
 pd_consistency with the decode server loading the stored KV ("External Cache Hit!"), tp2>tp1 is a SKIP."""
 
@@ -378,6 +384,63 @@ def test_vllm_moe_plugin_fault_fails_layout_naming_the_experts_and_is_silent_cor
 def test_stopped_vllm_mla_servers_leave_no_shared_memory(mla_clean: dict, mla_fault: dict, moe_fault: dict) -> None:
     for run in (mla_clean, mla_fault, moe_fault):
         assert run["shm_left"] == []
+
+
+# DeepSeek's MTP speculator on the exported DeepSeek-V3 model (tiny-dsv3-mtp: its MTP layer model.layers.1.*) through
+# the spec suite at tp1-mtp, against the embedded engine's tp1-mtp on the same weights (vLLM's own tp1-mtp would be
+# the cell itself): a plain tp1 server and a speculative one per run (vLLM --speculative-config method mtp), clean
+# and with the plugin's MTP fault: 4 server starts.
+MTP_RUN = ["--suite", "spec", "--model", "tiny-dsv3-mtp", "--engine", "vllm", "--reference-engine", "embedded",
+           "--max-seq-len", "256", "--timeout", "900"]
+MTP_FAULT = "mtp-eh-proj-swap"
+
+
+@pytest.fixture(scope="module")
+def mtp_clean(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = _session_root(tmp_path_factory)
+    return _shared(root, "vllm-mtp-clean", lambda: _mla_run(root, "vllm-mtp-clean", "tp1-mtp", None, MTP_RUN))
+
+
+@pytest.fixture(scope="module")
+def mtp_fault(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = _session_root(tmp_path_factory)
+    return _shared(root, "vllm-mtp-fault", lambda: _mla_run(root, "vllm-mtp-fault", "tp1-mtp", MTP_FAULT, MTP_RUN))
+
+
+def _checks(cell: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in cell["checks"]}
+
+
+def test_vllm_deepseek_mtp_acceptance_equals_the_embedded_engines(mtp_clean: dict) -> None:
+    """vLLM's MTP speculator (the exported MTP layer, not n-gram) proposes as the embedded engine's on the same
+    weights: the same mean accepted length from vLLM's spec-decode counters (1.797 at k=3 on this box), every draft
+    position's rate at or above the reference's threshold, the speculative output equal to the plain server's."""
+    cell = _mla_cell(mtp_clean, "tp1-mtp")
+    checks = _checks(cell)
+    assert {checks[n]["verdict"] for n in ("lossless", "acceptance", "acceptance_per_position", "layout")} == {"PASS"}
+    metrics = checks["acceptance"]["metrics"]
+    assert metrics["source"] == "the engines' spec-decode counters" and metrics["k"] == 3
+    assert abs(metrics["mean_accepted_length"] - metrics["reference_mean_accepted_length"]) < 0.02
+    assert metrics["reference_mean_accepted_length"] > 1.5  # the MTP layer agrees with its target
+    run_dir = Path(cell["run_dir"])
+    argv = json.loads((run_dir / "server-speculative.argv.json").read_text())
+    assert argv[argv.index("--speculative-config") + 1] == '{"method": "mtp", "num_speculative_tokens": 3}'
+    assert "SpeculativeConfig(method='mtp'" in (run_dir / "server-speculative.log").read_text(errors="replace")
+    assert not any(c["verdict"] in ("FAIL", "ERROR") for c in cell["checks"]), cell["checks"]
+    assert mtp_clean["shm_left"] == []
+
+
+def test_vllm_mtp_plugin_fault_fails_acceptance_only(mtp_fault: dict) -> None:
+    """vLLM's MTP loader swapping eh_proj's halves: the drafts go wrong (acceptance FAILs against the embedded
+    engine's MTP), the target's output does not (lossless, generation and logits PASS)."""
+    cell = _mla_cell(mtp_fault, "tp1-mtp")
+    checks = _checks(cell)
+    assert checks["acceptance"]["verdict"] == "FAIL", checks["acceptance"]
+    metrics = checks["acceptance"]["metrics"]
+    assert metrics["drop"] > metrics["floor"]
+    assert checks["lossless"]["verdict"] == "PASS" and checks["generation"]["verdict"] == "PASS"
+    assert cell["fault"] == f"HARNESS_VLLM_FAULT={MTP_FAULT}"
+    assert mtp_fault["shm_left"] == []
 
 
 # The exported Qwen3-Next model (tiny-qwen3next: Gated DeltaNet heads of 128, attention heads of 64, bfloat16: the

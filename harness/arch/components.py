@@ -310,8 +310,12 @@ class Speculator(Component):
     engine_module: ClassVar[str] = "harness.engine.speculator"
     report_fields: ClassVar[tuple[str, ...]] = ATTENTION_FIELDS
 
-    def __init__(self, copies_target: bool = True) -> None:
+    def __init__(self, copies_target: bool = True, deepseek_mtp: bool = False) -> None:
         self.copies_target = copies_target
+        # DeepSeek-V3's MTP (an MLA target's, as vLLM and SGLang run it): it reads the target's final-normed hidden
+        # state (its own shared-head-normed output in a proposal chain) and its first entry (the target's hidden
+        # state at position 0) has its token embedding zeroed; else the harness's: the residual states as they are
+        self.deepseek_mtp = deepseek_mtp
 
     def plan(self, spec: ModelSpec, topo: Topology) -> dict[str, Any]:
         return {"speculator": plan_speculator(spec.speculator_shape, topo.tp)}

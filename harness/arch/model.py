@@ -86,7 +86,7 @@ def model_of(spec: ModelSpec) -> Model:
         return Model(spec, (GatedAttention(h), *moe, GatedDeltaNet(h)), Speculator(copies_target=False))
     if spec.mla:
         experts: tuple[Component, ...] = (MoE(spec.moe),) if spec.moe is not None else ()
-        return Model(spec, (LatentAttention(), *experts), Speculator())
+        return Model(spec, (LatentAttention(), *experts), Speculator(deepseek_mtp=True))
     if spec.sparse is not None:
         return Model(spec, (SparseAttention(spec.sparse),), Speculator())
     return Model(spec, (Attention(),), Speculator())

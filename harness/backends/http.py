@@ -343,6 +343,11 @@ class HttpBackend(Backend):
             return axis
         if topology.speculator != "none" and topology.speculator not in self.spec.speculator_argv:
             return f"engine {self.name} has no -{topology.speculator} speculator in its template"
+        # an engine fed a Hugging Face folder runs the folder's MTP layer (one fed the model spec builds its own)
+        if topology.speculator == "mtp" and self.spec.model_format == "hf" and not model.nextn_layers:
+            return (f"model {model.name} holds no MTP layer (nextn_layers 0; harness export writes one for a model "
+                    f"with nextn_layers, e.g. tiny-dsv3-mtp): engine {self.name}'s MTP speculator runs the "
+                    f"checkpoint's own")
         if not self.spec.url and model.dtype not in self.spec.dtypes:  # an attached server runs what it runs
             return (f"engine {self.name} does not run dtype {model.dtype} "
                     f"(template dtypes: {', '.join(self.spec.dtypes)})")

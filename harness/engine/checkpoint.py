@@ -50,7 +50,8 @@ def llama_config(spec: ModelSpec) -> dict[str, Any]:
 
 
 def deepseek_v2_config(spec: ModelSpec) -> dict[str, Any]:
-    """A DeepSeek-V2 config.json for an MLA `spec`, plain RoPE: without experts every layer dense
+    """A DeepSeek-V2 config.json for an MLA `spec` (DeepSeek-V3's with spec.nextn_layers MTP layers, numbered
+    after the target's layers), plain RoPE: without experts every layer dense
     (first_k_dense_replace = layers: its one nominal routed expert is never built); with spec.moe its routed
     experts (greedy top-k of a softmax, norm_topk_prob = moe.renormalize, no scaling) and one shared expert of
     moe.shared_ffn columns (n_shared_experts = shared_ffn / moe_ffn) from layer moe.first_dense on."""
@@ -68,6 +69,10 @@ def deepseek_v2_config(spec: ModelSpec) -> dict[str, Any]:
         "attention_bias": False, "tie_word_embeddings": spec.tied_embeddings,
         "max_position_embeddings": spec.max_seq_len, "torch_dtype": "float32", "dtype": "float32",
     }
+    if spec.nextn_layers:  # DeepSeek-V3 with its MTP layer(s) numbered after the target's (mtp_checkpoint.py)
+        config.update({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                       "num_nextn_predict_layers": spec.nextn_layers,
+                       "first_k_dense_replace": spec.layers + spec.nextn_layers})  # the MTP layer dense too
     moe = spec.moe
     if moe is not None:
         if moe.shared_ffn % moe.moe_ffn or moe.redundant_experts:

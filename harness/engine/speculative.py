@@ -138,7 +138,7 @@ class SpeculativeDecoder:
             s = SeqState(prompt_len=len(p), tokens=[*p, first[b]], target_id=t_ids[b], spec_id=s_ids[b],
                          spec_valid=1 if self.spec.uses_hidden else 0)
             if self.spec.uses_hidden:
-                s.hidden = {pos: hidden[b, pos] for pos in range(len(p))}
+                s.hidden = {pos: self.spec.target_hidden(hidden[b, pos]) for pos in range(len(p))}
             seqs.append(s)
         return seqs
 
@@ -174,7 +174,7 @@ class SpeculativeDecoder:
             self.spec.truncate(s.spec_id, s.spec_valid)
         if self.spec.uses_hidden:
             for j in range(a + 1):
-                s.hidden[n - 1 + j] = hidden[j]  # target hidden at positions n-1 .. n-1+a
+                s.hidden[n - 1 + j] = self.spec.target_hidden(hidden[j])  # target hidden at positions n-1 .. n-1+a
             oldest = s.spec_valid - 1 - self.hidden_shift - (self.owner_dcp - 1)
             s.hidden = {p: h for p, h in s.hidden.items() if p >= oldest}
         s.tokens += new

@@ -7,9 +7,13 @@
       x_p = eh_proj @ concat[hnorm(h_{p-1}); enorm(embed(token_p))],   eh_proj: [H, 2H]
   where h_{p-1} is the target's last-layer residual state at position p-1 (the MTP module's own output
   during a proposal chain); its output at p, through its own final norm and the target's (shared)
-  embedding and lm_head, predicts token p+1. Synthetic init: copies of the target's first layers, and an
-  eh_proj passing the token embedding at the target's embedding scale plus `mtp_hidden_mix` x the
-  hidden state (see `mtp_weights`).
+  embedding and lm_head, predicts token p+1. An MLA target's MTP is DeepSeek-V3's as vLLM and SGLang run it
+  (arch: Speculator.deepseek_mtp): latent-attention layers, h the target's final-normed output (its own
+  final-normed output in a chain), and the embedding of its first entry (position 1, paired with h_0) zeroed.
+  A checkpoint's own MTP layer (spec.nextn_layers: DeepSeek-V3's format) replaces the synthetic one.
+  Synthetic init: copies of the target's first layers, and an eh_proj passing the token embedding at the
+  target's embedding scale plus `mtp_hidden_mix` x the hidden state (see `mtp_weights`,
+  harness/engine/spec_weights.py).
 
 Agreement on synthetic models. A random target's next token is a chaotic function of its whole
 depth: a speculator with fewer layers than the target (or one that must predict from the hidden state
@@ -30,111 +34,27 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-import numpy as np
 import torch
 
 from harness.arch.model import model_of
-from harness.core.errors import ConfigError
+from harness.arch.plan import plan_model
+from harness.engine.decoders import ModuleReport, RankBuild, build_rank
 from harness.engine.engine import TORCH_DTYPES, Engine, build_batch
 from harness.engine.faults import FaultFlags
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.model import Decoder, HeadMap, Hyper, LocalWeights, rms_norm
 from harness.engine.parallel import ParallelState
 from harness.engine.parallelize import head_map, rank_report, shard_weights
-from harness.engine.weights import seeded_generator, synthetic_weights
+from harness.engine.spec_weights import speculator_spec, speculator_weights
 from harness.partition.layout import LayoutPlan, plan_layout, plan_speculator, slot_pool
 from harness.records.rankreport import RankReport, SpeculatorReport, entry_json
 from harness.specs.model import ModelSpec
 from harness.specs.pool import PoolSettings
 from harness.specs.speculative import SpeculativeSettings
+from harness.specs.topology import Topology
 
-SPECULATOR_KINDS: tuple[str, ...] = ("draft", "mtp")
-NOISE_SALT = 0x5EED_D2AF  # keeps the draft's noise independent of the synthetic init's draws
 MTP_EXTRA: tuple[str, ...] = ("eh_proj.weight", "hnorm.weight", "enorm.weight")
-
-
-# ---- weights ---------------------------------------------------------------------------------------------
-
-
-def speculator_spec(spec: ModelSpec) -> ModelSpec:
-    """The speculator's architecture: the target's with `speculator_layers` layers (a hybrid target's
-    speculator: dense full-attention layers with the target's heads and FFN width)."""
-    return dataclasses.replace(spec, layers=spec.speculator_layers, hybrid=None)
-
-
-def _noise(seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """Standard normal noise that depends only on (seed, name): identical in every process."""
-    gen = seeded_generator(seed, name, NOISE_SALT)
-    return torch.from_numpy(gen.standard_normal(shape).astype(np.float32))
-
-
-def _shared(spec: ModelSpec, target: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Embedding, final norm and lm_head, shared with the target."""
-    out = {"embed.weight": target["embed.weight"], "norm.weight": target["norm.weight"].clone()}
-    if "lm_head.weight" in target:
-        out["lm_head.weight"] = target["lm_head.weight"]
-    return out
-
-
-HYBRID_MTP_OUT_SCALE = 0.1
-
-
-def hybrid_mtp_layers(spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """A hybrid target's speculator layers: seeded dense layers (its own layers are linear attention and
-    MoE) whose output projections (o, down) are scaled by HYBRID_MTP_OUT_SCALE, so the speculator stays
-    close to the path the target's residual stream carries from the token embedding to the logits and
-    agrees with the target on some tokens (a fully random layer agrees on none)."""
-    dense = synthetic_weights(speculator_spec(spec))
-    return {name: t * HYBRID_MTP_OUT_SCALE if name.endswith((".o.weight", ".down.weight")) else t
-            for name, t in dense.items() if name.startswith("layers.")}
-
-
-def _layers(spec: ModelSpec, target: Mapping[str, torch.Tensor], noise: float) -> dict[str, torch.Tensor]:
-    """Copies of the target's first speculator_layers layers; with noise, each tensor t gets
-    t + noise * rms(t) * N(0, 1), seeded by (spec.seed, name)."""
-    if spec.speculator_layers > spec.layers:
-        raise ConfigError(f"model {spec.name!r}: speculator_layers={spec.speculator_layers} exceeds "
-                          f"layers={spec.layers}")
-    if not model_of(spec).speculator.copies_target:  # a hybrid target's layers: seeded dense layers instead
-        target = hybrid_mtp_layers(spec)
-    out = {}
-    for name, t in target.items():
-        if not name.startswith("layers.") or int(name.split(".")[1]) >= spec.speculator_layers:
-            continue
-        if noise > 0:
-            rms = t.pow(2).mean().sqrt()
-            t = t + noise * rms * _noise(spec.seed, name, tuple(t.shape))
-        out[name] = t.clone()
-    return out
-
-
-def draft_weights(spec: ModelSpec, target: Mapping[str, torch.Tensor], noise: float) -> dict[str, torch.Tensor]:
-    """The draft model: target's first layers (+ noise), final norm and lm_head; canonical names."""
-    return {**_shared(spec, target), **_layers(spec, target, noise)}
-
-
-def mtp_weights(spec: ModelSpec, target: Mapping[str, torch.Tensor], hidden_mix: float) -> dict[str, torch.Tensor]:
-    """The MTP module: decoder layer(s) copied from the target's first layers, its own final norm (a copy
-    of the target's), shared embedding and lm_head, and eh_proj [H, 2H] acting on
-    concat[hnorm(h); enorm(e)] (both norms unit weight, so each half has rms ~1):
-        eh_proj = [hidden_mix * s * I | s * I],   s = rms of the target's embedding matrix,
-    i.e. the MTP input is the token embedding at the scale the first layer expects, plus the target's
-    hidden state mixed in with relative weight hidden_mix."""
-    embed = target["embed.weight"]
-    scale = float(embed.pow(2).mean().sqrt())
-    eye = torch.eye(spec.hidden, dtype=torch.float32)
-    return {**_shared(spec, target), **_layers(spec, target, 0.0),
-            "eh_proj.weight": torch.cat([hidden_mix * scale * eye, scale * eye], dim=1),  # [H, 2H]
-            "hnorm.weight": torch.ones(spec.hidden), "enorm.weight": torch.ones(spec.hidden)}
-
-
-def speculator_weights(kind: str, spec: ModelSpec, target: Mapping[str, torch.Tensor],
-                       settings: SpeculativeSettings) -> dict[str, torch.Tensor]:
-    if kind == "draft":
-        return draft_weights(spec, target, settings.draft_noise)
-    if kind == "mtp":
-        return mtp_weights(spec, target, settings.mtp_hidden_mix)
-    raise ConfigError(f"unknown speculator kind {kind!r}; valid: {', '.join(SPECULATOR_KINDS)}")
+DENSE_MODULE = "harness.engine.model"  # the engine module of dense/GQA attention (arch/components.py)
 
 
 # ---- layout and pool ---------------------------------------------------------------------------------------
@@ -173,13 +93,24 @@ class Speculator:
         self.granted = slot_pool(self.expected_plan, slots, pool.max_seq_len, pool.block_size)
         self.capacity = slot_pool(self.plan, slots, pool.max_seq_len, pool.block_size)
         full = speculator_weights(kind, spec, target_weights, settings)
-        self._weights: LocalWeights = shard_weights(full, self.spec, self.rank_layout, self.dtype, state.device)
         self._extra = {n: full[n].to(device=state.device, dtype=self.dtype) for n in MTP_EXTRA if n in full}
-        self.cache = PagedKVCache(self.capacity, self.spec.layers, self.heads.n_kv, spec.head_dim, self.dtype,
-                                  state.device)
+        # DeepSeek's MTP reads final-normed hidden states: the target's by its final norm (model_of: deepseek_mtp)
+        self.deepseek_mtp = model_of(spec).speculator.deepseek_mtp
+        self._target_norm = target_weights["norm.weight"].to(device=state.device, dtype=self.dtype)
         tp_only = dataclasses.replace(state, dcp=1, dcp_group=None)  # same TP group, no DCP group
-        self.decoder = Decoder(self._weights, self.heads, Hyper(spec.head_dim, spec.rope_theta, spec.norm_eps),
-                               tp_only.collectives(), self.cache, FaultFlags())
+        self._module_report: ModuleReport | None = None
+        if model_of(self.spec).attention.engine_module == DENSE_MODULE:
+            self._weights: LocalWeights = shard_weights(full, self.spec, self.rank_layout, self.dtype, state.device)
+            self.cache = PagedKVCache(self.capacity, self.spec.layers, self.heads.n_kv, spec.head_dim, self.dtype,
+                                      state.device)
+            self.decoder = Decoder(self._weights, self.heads, Hyper(spec.head_dim, spec.rope_theta, spec.norm_eps),
+                                   tp_only.collectives(), self.cache, FaultFlags())
+        else:  # another attention (MLA): built by its engine module, as the target is, on the plain TP layout
+            parts = build_rank(RankBuild(self.spec, plan_model(model_of(self.spec), Topology(tp=state.tp)), full,
+                                         tp_only, FaultFlags(), self.capacity.budget_bytes, pool.max_seq_len,
+                                         pool.block_size, self.dtype))
+            self._weights, self.cache, self.decoder = parts.weights, parts.cache, parts.decoder
+            self._module_report = parts.report()
 
     @property
     def uses_hidden(self) -> bool:
@@ -206,31 +137,47 @@ class Speculator:
                hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed tokens chunks[b] at positions starts[b].. through the speculator's cache. An MTP module also
         takes `hidden` [B, S, H]: the hidden state paired with each token (the target's at the position
-        before, or its own output during a proposal chain). Returns float32 logits [B, S, V] and its own
-        last residual state [B, S, H] (right-padded)."""
+        before through target_hidden, or its own output during a proposal chain). Returns float32 logits
+        [B, S, V] and what its next proposal step reads of its output, recycled(x) [B, S, H] (right-padded)."""
         batch = build_batch(seq_ids, chunks, starts, self.state.device)
         embeds = None
         if self.uses_hidden:
             if hidden is None or hidden.shape[:2] != batch.ids.shape:
                 raise ValueError(f"MTP needs a hidden state per token: {tuple(batch.ids.shape)}, got "
                                  f"{None if hidden is None else tuple(hidden.shape)}")
-            embeds = self._mtp_input(hidden.to(self.dtype), batch.ids)
+            embeds = self._mtp_input(hidden.to(self.dtype), batch.ids, batch.positions)
         x = self.decoder.hidden(batch, embeds=embeds)
-        return self.decoder.logits(x).float(), x
+        return self.decoder.logits(x).float(), self.recycled(x)
 
-    def _mtp_input(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """eh_proj @ concat[hnorm(hidden); enorm(embed(ids))]: [B, S, 2H] -> [B, S, H]."""
+    def target_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the MTP module reads of the target's last-layer residual states [..., H]: DeepSeek's MTP the
+        target's final-normed output (vLLM's and SGLang's target models return it), the harness's the states."""
+        return rms_norm(hidden, self._target_norm, self.spec.norm_eps) if self.deepseek_mtp else hidden
+
+    def recycled(self, x: torch.Tensor) -> torch.Tensor:
+        """What the next proposal step reads of this module's output x [B, S, H]: DeepSeek's MTP its own
+        final-normed (shared head norm) output, the harness's the residual state."""
+        return rms_norm(x, self._weights.norm, self.spec.norm_eps) if self.deepseek_mtp else x
+
+    def _mtp_input(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """eh_proj @ concat[hnorm(hidden); enorm(embed(ids))]: [B, S, 2H] -> [B, S, H]. DeepSeek's MTP zeroes the
+        token embedding of its first entry (position 1, paired with the target's hidden state at position 0: vLLM
+        runs that entry at position 0 and masks it; RoPE sees the same relative positions)."""
         eps = self.spec.norm_eps
         h = rms_norm(hidden, self._extra["hnorm.weight"], eps)
-        e = rms_norm(self.decoder.embed(ids), self._extra["enorm.weight"], eps)
+        embeds = self.decoder.embed(ids)  # [B, S, H]
+        if self.deepseek_mtp:
+            embeds = embeds.masked_fill((positions == 1)[..., None], 0.0)
+        e = rms_norm(embeds, self._extra["enorm.weight"], eps)
         return torch.cat([h, e], dim=-1) @ self._extra["eh_proj.weight"].T
 
     # -- layout report -----------------------------------------------------------------------------------
 
     def layout_report(self) -> RankReport:
         """This rank's actual speculator layout (a plain TP layout; parallelize.rank_report)."""
+        extra = self._module_report or ModuleReport()
         return rank_report(self.rank_layout, self.heads, self._weights, self.spec, self.cache.pool_bytes,
-                           self.capacity.blocks)
+                           self.capacity.blocks, extra.checksums, extra.kv_bytes_per_token, mla=extra.mla_record)
 
     def layout_entry(self, ranks: Sequence[RankReport]) -> dict[str, Any]:
         """layout.json's "speculator" entry from every rank's layout_report(), in rank order. Its "pool"

@@ -19,6 +19,7 @@ from harness.arch.model import model_of
 from harness.core.errors import ConfigError
 from harness.engine.checkpoint import canonical_from_file, stack_experts, whole_file_format
 from harness.engine.hybrid_names import synthetic_std
+from harness.engine.mtp_checkpoint import from_deepseek_mtp, is_mtp_tensor
 from harness.engine.names import Shape, canonical_from_gguf, canonical_from_hf, expected_shapes
 from harness.specs.checkpoint import checkpoint_path, hf_config, read_json
 from harness.specs.gguf_file import architecture, dequantize, open_gguf, unpermute_rows
@@ -220,6 +221,8 @@ def _canonical_hf(spec: ModelSpec, key: str, path: Path) -> str | None:
     """The canonical name of HF tensor `key`, None for tensors to skip; unknown tensors are an error."""
     if key.endswith(IGNORED_HF_SUFFIXES) or (key == "lm_head.weight" and spec.tied_embeddings):
         return None
+    if is_mtp_tensor(spec, key):  # the checkpoint's MTP layer: the -mtp speculator's (load_mtp_weights)
+        return None
     name = canonical_from_hf(key)
     if name is None:
         raise ConfigError(f"{path}: tensor {key!r} is not part of a Llama/Qwen2/Mistral model "
@@ -248,6 +251,15 @@ def load_hf_folder(spec: ModelSpec, folder: Path) -> dict[str, torch.Tensor]:
     weights = stack_experts(weights)  # a DeepSeek folder's one tensor per routed expert -> [E, ...]
     check_weights(spec, weights, folder)
     return canonical_from_file(spec, weights)
+
+
+def load_mtp_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """The MTP layer a DeepSeek-V3 folder holds (spec.nextn_layers) as the embedded engine's MTP weights
+    (mtp_checkpoint.from_deepseek_mtp)."""
+    folder = checkpoint_path(spec)
+    found = {key: tensor for path in safetensors_files(folder) for key, tensor in _hf_tensors(path)
+             if is_mtp_tensor(spec, key)}
+    return from_deepseek_mtp(spec, found, str(folder))
 
 
 # ---- GGUF ----------------------------------------------------------------------------------------------

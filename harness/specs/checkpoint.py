@@ -16,8 +16,9 @@ from harness.specs.gguf_file import architecture, field, float32_decimal, open_g
 from harness.specs.loader import did_you_mean, load_yaml
 from harness.specs.model import DTYPES, ModelSpec, model_from_dict, shipped_models
 
-HF_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral", "deepseek_v2", "qwen3_next")
-MLA_MODEL_TYPES: tuple[str, ...] = ("deepseek_v2",)  # multi-head latent attention (harness export writes these)
+HF_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral", "deepseek_v2", "deepseek_v3", "qwen3_next")
+# multi-head latent attention (harness export writes these; DeepSeek-V3 with its MTP layer)
+MLA_MODEL_TYPES: tuple[str, ...] = ("deepseek_v2", "deepseek_v3")
 HYBRID_MODEL_TYPES: tuple[str, ...] = ("qwen3_next",)  # Gated DeltaNet + gated attention + MoE
 # model types whose checkpoints may hold what the embedded engine does not implement (scaled or partial RoPE,
 # routed experts beside MLA, Qwen3-Next's tensors): read into a spec with those as engine_gaps (planned, served
@@ -101,7 +102,8 @@ def _mla_fields(config: dict[str, Any], where: Path) -> dict[str, Any]:
         "kv_lora_rank": int(_config_value(config, "kv_lora_rank", where)),
         "q_lora_rank": int(config.get("q_lora_rank") or 0),
         "qk_rope_dim": int(_config_value(config, "qk_rope_head_dim", where)),
-        "qk_nope_dim": int(_config_value(config, "qk_nope_head_dim", where))}
+        "qk_nope_dim": int(_config_value(config, "qk_nope_head_dim", where)),
+        "nextn_layers": int(config.get("num_nextn_predict_layers") or 0)}  # DeepSeek-V3's MTP layers
     layers, first_dense = int(_config_value(config, "num_hidden_layers", where)), int(
         config.get("first_k_dense_replace") or 0)
     experts = int(config.get("n_routed_experts") or 0)
@@ -175,7 +177,7 @@ def _has_chat_template(folder: Path) -> bool:
 
 
 def spec_from_hf(folder: Path) -> ModelSpec:
-    """A ModelSpec from config.json of a Llama / Qwen2 / Mistral / dense DeepSeek-V2 checkpoint folder."""
+    """A ModelSpec from config.json of a Llama / Qwen2 / Mistral / DeepSeek-V2 / DeepSeek-V3 / Qwen3-Next folder."""
     config = hf_config(folder)
     _check_hf_supported(config, folder)
     heads = int(_config_value(config, "num_attention_heads", folder))

@@ -45,6 +45,10 @@ class ModelSpec:
     max_seq_len: int = 2048
     chat_template: bool = False
     speculator_layers: int = 1
+    # MTP layers the checkpoint holds (DeepSeek-V3's num_nextn_predict_layers; 0: none). An MLA model with
+    # nextn_layers 1 is exported as DeepSeek-V3 with its MTP layer (model.layers.{layers}.*: the embedded engine's
+    # MTP speculator), and a DeepSeek-V3 folder's MTP layer is what the embedded engine's -mtp speculator runs
+    nextn_layers: int = 0
     hybrid: HybridShape | None = None  # linear attention, gated attention, MoE (harness/partition/hybrid_layout.py)
     moe: MoeShape | None = None  # experts of an MLA model (DeepSeek-V2/V3); a hybrid model's are in `hybrid`
     # what the checkpoint has that the embedded engine does not implement (e.g. YaRN RoPE): such a model is planned
@@ -63,7 +67,7 @@ class ModelSpec:
         check_path_name(where, "name", self.name)  # names run folders and cache entries
         for name in ("heads", "kv_heads", "head_dim", "hidden", "layers", "ffn", "vocab", "max_seq_len"):
             expect_int(where, name, getattr(self, name), minimum=1)
-        for name in ("kv_lora_rank", "q_lora_rank", "qk_rope_dim", "qk_nope_dim"):
+        for name in ("kv_lora_rank", "q_lora_rank", "qk_rope_dim", "qk_nope_dim", "nextn_layers"):
             expect_int(where, name, getattr(self, name), minimum=0)
         if self.mla:
             self._check_mla(where)
@@ -130,9 +134,8 @@ class ModelSpec:
 
     @property
     def speculator_shape(self) -> AttentionShape:
-        """The draft / MTP module: the target's head layout with `speculator_layers` layers."""
-        if self.mla:
-            raise ConfigError(f"model {self.name!r}: the embedded engine has no draft / MTP speculator for MLA models")
+        """The draft / MTP module: the target's head layout with `speculator_layers` layers (an MLA target's:
+        latent attention, as DeepSeek-V3's MTP layer)."""
         return replace(self.attention_shape, layers=self.speculator_layers)
 
     def with_dtype(self, dtype: str) -> "ModelSpec":
@@ -140,7 +143,7 @@ class ModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("hybrid", "sparse", "moe", "engine_gaps")}
+               if f.name not in ("hybrid", "sparse", "moe", "engine_gaps", "nextn_layers")}
         if self.hybrid is not None:  # dense models keep their dict (and their cache keys) unchanged
             out["hybrid"] = self.hybrid.to_dict()
         if self.sparse is not None:
@@ -149,6 +152,8 @@ class ModelSpec:
             out["moe"] = self.moe.to_dict()
         if self.engine_gaps:
             out["engine_gaps"] = list(self.engine_gaps)
+        if self.nextn_layers:  # a model without MTP layers keeps its dict (and cache keys)
+            out["nextn_layers"] = self.nextn_layers
         return out
 
 

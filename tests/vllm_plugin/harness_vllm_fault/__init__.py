@@ -15,6 +15,10 @@ crashes; shapes are right.
 With HARNESS_VLLM_FAULT=gdn-head-shard (a hybrid model: Qwen3-Next), tensor-parallel rank 1 loads
 in_proj_qkvz's rows of rank (1 + 1) % tp: its Gated DeltaNet heads project q, k, v and the output gate z with
 another rank's K-head group while its conv, decay, beta and output projection are its own. Nothing crashes.
+With HARNESS_VLLM_FAULT=mtp-eh-proj-swap (a model with an MTP layer: DeepSeek-V3), the MTP module's loader swaps
+eh_proj's two column blocks (the concat order of [enorm(embedding); hnorm(hidden)] mixed up): the MTP reads the token
+embedding through the hidden state's weights and back. The target model is untouched (its output stays), only the
+MTP's drafts change: a speculator bug that only acceptance sees.
 Without the variable (or with any other value) the plugin changes nothing.
 """
 
@@ -29,6 +33,7 @@ KV_SHARD = "kv-shard"
 MLA_KV_B_SHARD = "mla-kv-b-shard"
 MOE_EXPERT_MAP_OFFSET = "moe-expert-map-offset"
 GDN_HEAD_SHARD = "gdn-head-shard"
+MTP_EH_PROJ_SWAP = "mtp-eh-proj-swap"
 FAULTY_RANK = 1
 
 
@@ -78,13 +83,18 @@ def _wrong_kv_b_shard(load: Callable[..., Any], projection: str = "kv_b_proj") -
     return loader
 
 
+def _patch(cls: Any, attr: str, wrap: Callable[[Any], Any]) -> None:
+    """cls.attr replaced by wrap(cls.attr) once: a wrapper marked __harness_fault__ is not wrapped again."""
+    current = vars(cls)[attr]
+    if not getattr(current, "__harness_fault__", False):
+        setattr(cls, attr, wrap(current))
+
+
 def _register_mla_kv_b_shard() -> None:
     from vllm.model_executor.layers.linear import ColumnParallelLinear
 
     for attr in ("weight_loader", "weight_loader_v2"):
-        current = vars(ColumnParallelLinear)[attr]
-        if not getattr(current, "__harness_fault__", False):
-            setattr(ColumnParallelLinear, attr, _wrong_kv_b_shard(current))
+        _patch(ColumnParallelLinear, attr, _wrong_kv_b_shard)
     print(f"harness_vllm_fault: {FAULT_ENV}={MLA_KV_B_SHARD}: TP rank {FAULTY_RANK} loads another rank's kv_b_proj "
           f"rows (MLA)", flush=True)
 
@@ -109,9 +119,7 @@ def _offset_map(to_local: Callable[..., Any]) -> Callable[..., Any]:
 def _register_moe_expert_map_offset() -> None:
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
-    current = vars(RoutedExperts)["_map_global_expert_id_to_local_expert_id"]
-    if not getattr(current, "__harness_fault__", False):
-        RoutedExperts._map_global_expert_id_to_local_expert_id = _offset_map(current)
+    _patch(RoutedExperts, "_map_global_expert_id_to_local_expert_id", _offset_map)
     print(f"harness_vllm_fault: {FAULT_ENV}={MOE_EXPERT_MAP_OFFSET}: TP rank {FAULTY_RANK} loads each expert into the "
           f"next slot (its loader's expert map offset by one)", flush=True)
 
@@ -120,11 +128,37 @@ def _register_gdn_head_shard() -> None:
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 
     for attr in ("weight_loader", "weight_loader_v2"):
-        current = vars(MergedColumnParallelLinear)[attr]
-        if not getattr(current, "__harness_fault__", False):
-            setattr(MergedColumnParallelLinear, attr, _wrong_kv_b_shard(current, "in_proj_qkvz"))
+        _patch(MergedColumnParallelLinear, attr, lambda load: _wrong_kv_b_shard(load, "in_proj_qkvz"))
     print(f"harness_vllm_fault: {FAULT_ENV}={GDN_HEAD_SHARD}: TP rank {FAULTY_RANK} loads another rank's "
           f"in_proj_qkvz rows (Gated DeltaNet)", flush=True)
+
+
+def _swapped_eh_proj(load: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap an MTP model's load_weights: each eh_proj.weight [H, 2H] arrives with its column halves swapped."""
+
+    @functools.wraps(load)
+    def loader(self: Any, weights: Any) -> Any:
+        import torch
+
+        def swapped() -> Any:
+            for name, tensor in weights:
+                if name.endswith("eh_proj.weight"):
+                    half = tensor.shape[1] // 2
+                    tensor = torch.cat([tensor[:, half:], tensor[:, :half]], dim=1)  # [H, 2H], halves swapped
+                yield name, tensor
+
+        return load(self, swapped())
+
+    loader.__harness_fault__ = True  # type: ignore[attr-defined]
+    return loader
+
+
+def _register_mtp_eh_proj_swap() -> None:
+    from vllm.model_executor.models.deepseek_mtp import DeepSeekMTP
+
+    _patch(DeepSeekMTP, "load_weights", _swapped_eh_proj)
+    print(f"harness_vllm_fault: {FAULT_ENV}={MTP_EH_PROJ_SWAP}: the MTP layer's eh_proj is loaded with its "
+          f"[embedding | hidden] column halves swapped", flush=True)
 
 
 def register() -> None:
@@ -135,6 +169,8 @@ def register() -> None:
         _register_moe_expert_map_offset()
     if os.environ.get(FAULT_ENV) == GDN_HEAD_SHARD:
         _register_gdn_head_shard()
+    if os.environ.get(FAULT_ENV) == MTP_EH_PROJ_SWAP:
+        _register_mtp_eh_proj_swap()
     if os.environ.get(FAULT_ENV) != KV_SHARD:
         return
     from vllm.model_executor.layers.linear import QKVParallelLinear
