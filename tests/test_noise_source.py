@@ -3,11 +3,14 @@ nothing (absent, failed, bit-identical to its reference: a deterministic HTTP en
 and a noise run measured against another engine's reference on the same checkpoint (CellContext.noise_ref) sets the
 bounds, with the source named in every noise-scaled check's reason. Positive controls: a parallel run far beyond the
 borrowed noise still FAILs, and a near tie read from the parallel side excuses nothing where the reference's token is
-outside the parallel top-k too. The same on a real vLLM server: tests/test_vllm_cpu.py (the Qwen3-Next cells)."""
+outside the parallel top-k too. On a real HTTP engine (harness-serve answering one prompt: its scheduling twin is
+bit-identical) the runner borrows the embedded engine's pair, caches it, names it, a clean tp2 PASSes and a fault
+FAILs under it (2 runs, 3 server starts, about 45 s); on vLLM: tests/test_vllm_cpu.py (the Qwen3-Next cells)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ import torch
 from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks
 from harness.checks.settings import CheckSettings
+from harness.cli import main
 from harness.compare.generation import check_generation
 from harness.compare.noise_source import measures_nothing
 from harness.compare.settings import GenerationSettings, LogitsSettings
@@ -22,6 +26,7 @@ from harness.compare.topk import check_topk
 from harness.core.verdict import Verdict
 from harness.partition.layout import plan_layout
 from harness.records.contract import FULL_ARTIFACTS, Capabilities
+from harness.records.results import results_cells
 from tests.test_compare_support import GQA, synthetic_runs, with_tensors
 
 PLAN = plan_layout(GQA, 4, 4)
@@ -113,3 +118,56 @@ def test_a_token_outside_the_reference_top_k_is_a_near_tie_only_as_the_parallel_
     assert result.verdict is Verdict.FAIL and "par token not in the reference top-k" in result.reason
     result, _ = check_generation(ref, tie, GenerationSettings(), noise=ref)
     assert result.verdict is Verdict.FAIL and "a near tie only under a bound of 3.0e+00" in result.reason
+
+
+# -- the runner's choice on a real HTTP engine: `harness serve` answering one prompt alone or in a batch gives the
+# same bits, so its scheduling twin measures nothing and the embedded engine's pair on the same weights stands in
+
+ONE_PROMPT = """
+name: one-prompt
+version: 1
+models: [tiny-gqa]
+topologies: [tp2]
+max_new_tokens: 4
+decode_prefix_tokens: 2
+prompts: ["The capital of France is"]
+"""
+SERVE_SOURCE = (f"{SOURCE} (harness-serve's scheduling noise run was bit-identical to its reference in all 5 tensors "
+                "both hold)")
+
+
+@pytest.fixture(scope="module")
+def one_prompt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("noise-source")
+    (root / "one.yaml").write_text(ONE_PROMPT)
+    return root
+
+
+def _serve_run(root: Path, name: str, *extra: str) -> tuple[int, dict]:
+    code = main(["run", "--suite", str(root / "one.yaml"), "--engine", "harness-serve", "--topo", "tp2",
+                 "--kv-budget-mib", "8", "--max-seq-len", "128", "--out", str(root / name), "--cache-dir",
+                 str(root / "cache"), *extra])
+    (cell,) = results_cells(root / name)
+    return code, cell
+
+
+@pytest.mark.slow
+def test_a_bit_identical_scheduling_twin_borrows_the_embedded_engines_noise(one_prompt: Path) -> None:
+    code, cell = _serve_run(one_prompt, "clean")
+    checks = {c["name"]: c for c in cell["checks"]}
+    assert code == 0 and cell["status"] == "PASS", cell["checks"]
+    for name in ("logits_prefill", "logits_decode", "generation"):
+        assert checks[name]["reason"].endswith(f"; {SERVE_SOURCE}"), checks[name]["reason"]
+    assert checks["logits_prefill"]["metrics"]["kl_bound"]["noise"] > 0  # measured, not the twin's 0
+    entries = sorted(p.name for p in (one_prompt / "cache" / "runs").iterdir())
+    assert [e.rsplit("-", 1)[0] for e in entries] == [  # the embedded pair cached beside the engine's own runs
+        "harness-serve-tiny-gqa-tp1-float32", "harness-serve-tiny-gqa-tp1-float32-r", "tiny-gqa-tp1-float32",
+        "tiny-gqa-tp1-float32-noise-reduction-order"]
+
+
+@pytest.mark.slow
+def test_a_fault_still_fails_under_the_borrowed_noise(one_prompt: Path) -> None:
+    code, cell = _serve_run(one_prompt, "fault", "--fault", "o-proj-shard-offset")
+    checks = {c["name"]: c for c in cell["checks"]}
+    assert code == 1 and cell["status"] == "FAIL" and checks["logits_prefill"]["verdict"] == "FAIL", cell["checks"]
+    assert SERVE_SOURCE in checks["logits_prefill"]["reason"]
