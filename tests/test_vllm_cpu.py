@@ -330,6 +330,8 @@ def test_vllm_mla_moe_clean_cell_passes_every_check(mla_clean: dict) -> None:
     assert [(r["experts"]["experts"], r["experts"]["expert_ffn_shard"], r["experts"]["logical"],
              r["experts"]["shared_columns"]) for r in ranks] == [
         ([0, 1, 2, 3], [0, 64], [0, 1, 2, 3], 64), ([0, 1, 2, 3], [64, 128], [0, 1, 2, 3], 64)]
+    routers = {r["experts"]["router_checksum"] for r in ranks}  # the router as loaded, replicated
+    assert len(routers) == 1 and "not-recorded" not in routers
 
 
 def test_vllm_mla_probe_captures_hidden_states_and_attention_outputs(mla_clean: dict) -> None:
@@ -441,6 +443,8 @@ def test_vllm_qwen3_next_tp2_passes_with_hybrid_layout_verdicts(hybrid_clean: di
     moe = [r["hybrid"]["moe"] for r in target["ranks"]]
     assert all(m["experts"] == list(range(8)) and m["expert_columns"] == 32 and m["shared_columns"] == 64
                for m in moe)
+    # the router as loaded (vLLM CPU repacks it, leaving the module's weight empty): one checksum on both ranks
+    assert len({m["router_checksum"] for m in moe}) == 1 and moe[0]["router_checksum"] != "not-recorded"
 
 
 def test_vllm_qwen3_next_probe_captures_every_layer(hybrid_clean: dict) -> None:
