@@ -94,7 +94,8 @@ def _sparse_layout(ctx: CellContext, plan: LayoutPlan, actual: dict[str, Any], n
     if ctx.indexer_plan is None:
         return CheckResult(name, Verdict.ERROR, "the cell's plan has no indexer to check its layout against")
     settings = ctx.settings.of(LayoutSettings)
-    noise = ctx.noise.layout.get("target") if ctx.noise is not None else None
+    # the noise run's selection ties hold against the reference's only where it is the reference engine's own run
+    noise = ctx.noise.layout.get("target") if ctx.noise is not None and ctx.noise_ref is None else None
     return check_sparse_layout(plan, ctx.indexer_plan, actual, ctx.ref.layout.get("target"), name, check_pool,
                                settings.check_checksums, settings.selection_tie, noise, settings.selection_tie_factor)
 
@@ -126,9 +127,11 @@ def speculator_layout(ctx: CellContext) -> list[CheckResult]:
 
 def _logits(ctx: CellContext, path: str) -> list[CheckResult]:
     if ctx.both_have(c.FULL_LOGITS):
-        result, prompts = check_logits(path, ctx.ref, ctx.par, ctx.noise, ctx.settings.of(LogitsSettings))
+        result, prompts = check_logits(path, ctx.ref, ctx.par, ctx.noise, ctx.settings.of(LogitsSettings),
+                                       ctx.noise_ref)
     else:
-        result, prompts = check_topk(path, ctx.ref, ctx.par, ctx.noise, ctx.settings.of(LogitsSettings), ctx.top_k)
+        result, prompts = check_topk(path, ctx.ref, ctx.par, ctx.noise, ctx.settings.of(LogitsSettings), ctx.top_k,
+                                     ctx.noise_ref)
     ctx.prompt_rows[path] = prompts
     return [result]
 
@@ -146,18 +149,19 @@ def logits_decode(ctx: CellContext) -> list[CheckResult]:
     if lacking:  # one run has a decode path, the other only a generation, or neither
         return [CheckResult("logits_decode", Verdict.SKIP, f"{lacking}, and not both give {c.DECODE_PATH}: "
                             "logits_decode unavailable")]
-    result, prompts = check_decode_walk(ctx.ref, ctx.par, ctx.noise, ctx.settings.of(LogitsSettings), ctx.top_k)
+    result, prompts = check_decode_walk(ctx.ref, ctx.par, ctx.noise, ctx.settings.of(LogitsSettings), ctx.top_k,
+                                        ctx.noise_ref)
     ctx.prompt_rows["decode"] = prompts
     return [result]
 
 
 def generation(ctx: CellContext) -> list[CheckResult]:
     try:
-        evidence = engine_evidence(ctx.ref, ctx.noise)
+        evidence = engine_evidence(ctx.noise_base, ctx.noise)
     except RunError:  # a run without usable generations: the generation check says so itself
         evidence = None
     result, prompts = check_generation(ctx.ref, ctx.par, ctx.settings.of(GenerationSettings), noise=ctx.noise,
-                                       decode=ctx.decode, evidence=evidence)
+                                       decode=ctx.decode, evidence=evidence, noise_ref=ctx.noise_ref)
     ctx.prompt_rows["generation"] = prompts
     return [result]
 
@@ -168,7 +172,8 @@ def localization(ctx: CellContext) -> list[CheckResult]:
     layout_result = ctx.result("layout")
     held_off = layout_result.metrics.get("params_off", []) if layout_result is not None else []
     found, loc_details = localize(ctx.ref, ctx.par, ctx.noise, ctx.plan, ctx.ref.cases,
-                                  ctx.settings.of(LocalizationSettings), ctx.settings.of(CollectiveSettings), held_off)
+                                  ctx.settings.of(LocalizationSettings), ctx.settings.of(CollectiveSettings), held_off,
+                                  ctx.noise_ref)
     if "layer_errors" in loc_details:
         ctx.details.layer_errors = LayerErrors(**loc_details["layer_errors"])
     if "head_errors" in loc_details:
@@ -209,7 +214,7 @@ def collectives(ctx: CellContext) -> list[CheckResult]:
 
 
 def lossless(ctx: CellContext) -> list[CheckResult]:
-    return [lossless_from_run(ctx.par, ctx.settings.of(LosslessSettings), ctx.ref, ctx.noise)]
+    return [lossless_from_run(ctx.par, ctx.settings.of(LosslessSettings), ctx.noise_base, ctx.noise)]
 
 
 def speculative_logprobs(ctx: CellContext) -> list[CheckResult]:

@@ -63,6 +63,8 @@ class CheckSpec:
     #                                        its own: the suite's prompts, lengths; a route workload's cell
     #                                        judges its generation route), "pd" (disaggregated PREFILL>DECODE cells)
     performance_only: bool = False         # measures speed, not outputs: its FAIL is a performance regression
+    reads_noise: bool = False              # its bounds scale from the noise run: its reason names the cell's noise
+    #                                        source where that is not the reference engine's own noise run
 
     def __post_init__(self) -> None:
         unknown = [x for x in (*self.requires, *self.requires_any) if x not in c.ALL_CAPABILITIES]
@@ -93,14 +95,15 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("logits_prefill", "logits", f"{_B}:logits_prefill",
               "teacher-forced prefill logits: KL, abs/logprob error, top-1/top-k agreement, near ties",
               settings=LogitsSettings, requires=(c.PROMPT_LOGPROBS,), requires_any=(c.FULL_LOGITS, c.TOPK_LOGPROBS),
-              cells="teacher_forced"),
+              cells="teacher_forced", reads_noise=True),
     CheckSpec("logits_decode", "logits", f"{_B}:logits_decode",
               "teacher-forced one-token decode steps through the KV cache, as logits_prefill; from engines "
               "without a decode path (HTTP), the generations' top-k along the common greedy prefix",
-              settings=LogitsSettings, requires_any=(c.DECODE_PATH, c.GENERATION), cells="teacher_forced"),
+              settings=LogitsSettings, requires_any=(c.DECODE_PATH, c.GENERATION), cells="teacher_forced",
+              reads_noise=True),
     CheckSpec("generation", "generation", f"{_B}:generation",
               "greedy tokens; a divergence is benign only at a near tie of the reference",
-              settings=GenerationSettings, requires=(c.GENERATION,)),
+              settings=GenerationSettings, requires=(c.GENERATION,), reads_noise=True),
     CheckSpec("collectives", "collectives", f"{_B}:collectives",
               "each all-reduce, DCP Q gather and LSE merge against an exact recompute from its own inputs, "
               "bounded by the model dtype's rounding (catches a collective done in a lower precision)",
@@ -108,10 +111,10 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("localization", "localization", f"{_B}:localization",
               "when a parity or collectives check fails: the first diverging layer or collective, its heads, "
               "their ranks and KV heads",
-              settings=LocalizationSettings, requires=(c.HIDDEN_STATES,), cells="teacher_forced"),
+              settings=LocalizationSettings, requires=(c.HIDDEN_STATES,), cells="teacher_forced", reads_noise=True),
     CheckSpec("lossless", "lossless", f"{_B}:lossless",
               "speculative greedy output equals plain greedy output of the same run",
-              settings=LosslessSettings, requires=(c.GENERATION,), cells="speculative"),
+              settings=LosslessSettings, requires=(c.GENERATION,), cells="speculative", reads_noise=True),
     CheckSpec("speculative_logprobs", "speculative_output", f"{_B}:speculative_logprobs",
               "what a speculative server returns per step (tokens, top-k logprobs) against the plain server of the "
               "same setting, and (speculative_consistency) its decode-time top-k against its own re-prefill",
@@ -132,7 +135,7 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
     *(CheckSpec(name, "schedule", f"{_W}:{name}",
                 f"the run against itself, {what}: greedy tokens equal but at near ties, logprobs within noise "
                 f"(the {route} workload)", settings=ScheduleSettings, requires=(c.GENERATION, c.SCHEDULE_TWIN),
-                cells="route")
+                cells="route", reads_noise=True)
       for name, what, route in (
           ("batch_invariance", "staggered into a running batch vs one batch", "concurrent"),
           ("prefix_cache", "from cached prefix blocks vs computed", "prefix-cache"),
@@ -141,7 +144,8 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("self_consistency", "self_consistency", f"{_W}:self_consistency",
               "the run against itself, no reference: each prompt sent again into reused slots and state pages, "
               "in another order and alone, against its first copy and its one-batch twin (the self-consistency "
-              "workload)", settings=SelfConsistencySettings, requires=(c.GENERATION, c.SCHEDULE_TWIN), cells="route"),
+              "workload)", settings=SelfConsistencySettings, requires=(c.GENERATION, c.SCHEDULE_TWIN), cells="route",
+              reads_noise=True),
     CheckSpec("pd_transfer", "pd", "harness.checks.pd:pd_transfer",
               "disaggregated cells: every KV row each decode rank holds after placement against the digest the prefill "
               "side took when it computed it, where the transfer plan puts it (heads, DCP token rows, MLA latent); a "
@@ -157,7 +161,7 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("decode_consistency", "decode_consistency", f"{_W}:decode_consistency",
               "each generated step's decode-time top-k against a re-prefill of prompt + generated tokens of the "
               "same run (no reference needed)", settings=ConsistencySettings, requires=(c.GENERATION, c.REPREFILL),
-              cells="workloads"),
+              cells="workloads", reads_noise=True),
 )
 
 def _specs_of(entry: str, obj: Any) -> list[CheckSpec]:

@@ -51,6 +51,8 @@ class CellContext:
     par_caps: Capabilities
     ref_caps: Capabilities
     info: CellInfo = field(default_factory=CellInfo)
+    noise_ref: RunArtifacts | None = None  # the run `noise` is measured against (None: `ref`; compare/noise_source.py)
+    noise_source: str = ""  # where the noise comes from when not the reference engine's own noise run
     speculator_plan: LayoutPlan | None = None
     hybrid_plan: HybridPlan | None = None  # hybrid models: linear attention, MoE, cache groups
     moe_plan: MoePlan | None = None  # the experts of a model whose attention is not hybrid (MLA + MoE)
@@ -65,6 +67,11 @@ class CellContext:
     details: CellDetails = field(default_factory=CellDetails)      # the report's drill-down (harness/core/details.py)
     prompt_rows: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # per path: each check's prompt rows
     localization: Localization | None = None
+
+    @property
+    def noise_base(self) -> RunArtifacts:
+        """The run the noise run is measured against: the reference, or the run the noise source names."""
+        return self.ref if self.noise_ref is None else self.noise_ref
 
     @property
     def top_k(self) -> int:

@@ -65,7 +65,16 @@ def run_check(spec: CheckSpec, ctx: CellContext) -> list[CheckResult]:
     except Exception as exc:  # a broken check must not take the cell's other verdicts with it
         return [CheckResult(spec.name, Verdict.ERROR, f"check raised {type(exc).__name__}: {exc}",
                             {"traceback": traceback.format_exc()})]
-    return [replace(r, performance_only=True) for r in results] if spec.performance_only else results
+    if spec.performance_only:
+        results = [replace(r, performance_only=True) for r in results]
+    return [_sourced(r, ctx.noise_source) for r in results] if spec.reads_noise and ctx.noise_source else results
+
+
+def _sourced(result: CheckResult, source: str) -> CheckResult:
+    """A verdict whose bounds scaled from the cell's noise, naming where that noise came from (reason and metrics)."""
+    if result.verdict not in (Verdict.PASS, Verdict.WARN, Verdict.FAIL):
+        return result
+    return replace(result, reason=f"{result.reason}; {source}", metrics={**result.metrics, "noise_source": source})
 
 
 def run_checks(ctx: CellContext) -> list[CheckResult]:

@@ -38,14 +38,14 @@ def _route(ctx: CellContext, name: str) -> list[CheckResult]:
         return [CheckResult(name, Verdict.SKIP, f"workload {ctx.info.workload} takes no {name} route")]
     stats = entry.get("stats") or {}
     if stat not in stats:  # an engine behind HTTP: what it did inside (batches, hits, chunks) is not reported
-        return [unknown_route(name, stat, stats, check_schedule(name, ctx.par, ctx.ref, ctx.noise,
+        return [unknown_route(name, stat, stats, check_schedule(name, ctx.par, ctx.noise_base, ctx.noise,
                                                                  ctx.settings.of(ScheduleSettings), what))]
     taken = stats.get(stat, 0) > (1 if stat == "max_running" else 0)
     if not taken:
         return [CheckResult(name, Verdict.SKIP, f"the engine took no {name} route on workload "
                             f"{ctx.info.workload} ({stat} = {stats.get(stat)})")]
     extra = {"route": {k: stats[k] for k in (stat, "steps") if k in stats}}
-    return [check_schedule(name, ctx.par, ctx.ref, ctx.noise, ctx.settings.of(ScheduleSettings), what, extra)]
+    return [check_schedule(name, ctx.par, ctx.noise_base, ctx.noise, ctx.settings.of(ScheduleSettings), what, extra)]
 
 
 def unknown_route(name: str, stat: str, stats: dict[str, Any], result: CheckResult) -> CheckResult:
@@ -83,10 +83,10 @@ def self_consistency(ctx: CellContext) -> list[CheckResult]:
         return [CheckResult("self_consistency", Verdict.SKIP, f"workload {ctx.info.workload} sends no copies")]
     stats = entry.get("stats") or {}
     extra = {"route": {k: stats[k] for k in ("steps", "max_running") if k in stats}}
-    return [check_self_consistency(ctx.par, ctx.ref, ctx.noise, ctx.settings.of(SelfConsistencySettings), extra)]
+    return [check_self_consistency(ctx.par, ctx.noise_base, ctx.noise, ctx.settings.of(SelfConsistencySettings), extra)]
 
 
 def decode_consistency(ctx: CellContext) -> list[CheckResult]:
     if workload_entry(ctx) is None:
         return [CheckResult("decode_consistency", Verdict.SKIP, "the run holds no workload re-prefill")]
-    return [check_consistency(ctx.par, ctx.ref, ctx.noise, ctx.settings.of(ConsistencySettings))]
+    return [check_consistency(ctx.par, ctx.noise_base, ctx.noise, ctx.settings.of(ConsistencySettings))]

@@ -16,7 +16,9 @@ Near-tie flips are benign only while as frequent as the noise run's, as on the t
 (compare/tie_flips.py): the flips over the compared steps are tested against the noise walk's flips over
 its own steps (the walks of the two comparisons have different lengths); a fault on the decode path
 makes the walks diverge early and often, so many flips in few steps. A token missing from
-the other run's top-k at the divergence FAILs.
+the other run's top-k at the divergence FAILs, unless only one of the two is missing, the other run's top-k holds
+both within the near-tie bound and the top-k it is missing from spans at most that bound (topk.crossed_tie: the
+top-k does not exclude the tie; a bfloat16 model whose noise is wider than its top-5).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from harness.compare.logprob_values import BadLogprobs, check_finite
 from harness.compare.settings import LogitsSettings
 from harness.compare.tie_flips import tie_flip_test
-from harness.compare.topk import TopkMetrics, grade_topk, topk_metrics
+from harness.compare.topk import TopkMetrics, crossed_tie, grade_topk, topk_metrics
 from harness.core.errors import RunError
 from harness.core.verdict import CheckResult, Verdict, worst
 from harness.records.artifacts import RunArtifacts
@@ -47,6 +49,7 @@ class Walk:
     steps: int                  # steps compared: the common prefix, plus the diverging step
     diverged_at: int | None     # the first step whose greedy tokens differ (None: none within both)
     missing: str | None         # at the divergence, a run's token absent from the other run's top-k
+    tie_at: float | None        # with `missing` on one side only: the near-tie bound that excuses it (topk.crossed_tie)
     width: int                  # k of the compared top-k (the narrower run's)
     metrics: TopkMetrics        # over the compared steps, each tensor [steps]
 
@@ -77,7 +80,7 @@ def walk_case(ref: RunArtifacts, other: RunArtifacts, index: int, k: int, who: s
     r_ids, r_lp, o_ids, o_lp = r_ids[:, :width], r_lp[:, :width], o_ids[:, :width], o_lp[:, :width]
     div = _first_difference(r_tok, o_tok)
     steps = min(r_tok.numel(), o_tok.numel()) if div is None else div + 1
-    missing = None
+    missing, tie_at = None, None
     if div is not None:
         r_token, o_token = int(r_tok[div]), int(o_tok[div])
         absent = [f"{name} token {token} not in the {other_name} top-{width}"
@@ -85,8 +88,13 @@ def walk_case(ref: RunArtifacts, other: RunArtifacts, index: int, k: int, who: s
                                                        (who, o_token, "reference", r_ids[div]))
                   if not bool((top == token).any())]
         missing = f"prompt {index} step {div}: " + " and ".join(absent) if absent else None
+        if len(absent) == 1:  # the tie seen from the side that holds both tokens
+            other_missing = not bool((r_ids[div] == o_token).any())
+            tie_at = (crossed_tie(r_ids[div], r_lp[div], o_ids[div], o_lp[div], r_token) if other_missing
+                      else crossed_tie(o_ids[div], o_lp[div], r_ids[div], r_lp[div], o_token))
     prompt_len = next((len(c.prompt_ids) for c in ref.cases if c.index == index), 0)
-    return Walk(index=index, prompt_tokens=prompt_len, steps=steps, diverged_at=div, missing=missing, width=width,
+    return Walk(index=index, prompt_tokens=prompt_len, steps=steps, diverged_at=div, missing=missing, tie_at=tie_at,
+                width=width,
                 metrics=topk_metrics(r_ids[:steps], r_lp[:steps], o_ids[:steps], o_lp[:steps]))
 
 
@@ -117,8 +125,9 @@ def _noise(ref: RunArtifacts, noise: RunArtifacts | None, k: int) -> _Noise:
 
 
 def check_decode_walk(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None, settings: LogitsSettings,
-                      k: int) -> tuple[CheckResult, list[dict[str, Any]]]:
-    """The `logits_decode` check from the greedy generations' top-k; returns the check and one row per prompt."""
+                      k: int, noise_ref: RunArtifacts | None = None) -> tuple[CheckResult, list[dict[str, Any]]]:
+    """The `logits_decode` check from the greedy generations' top-k; returns the check and one row per prompt. The
+    noise is `noise` walked against `noise_ref` (default: `ref`; compare/noise_source.py)."""
     if not ref.cases:
         return CheckResult(NAME, Verdict.SKIP, "decode: no prompts"), []
     try:
@@ -131,14 +140,16 @@ def check_decode_walk(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts 
     compared = [w for w in walks if w.steps]
     if not compared:
         return CheckResult(NAME, Verdict.SKIP, "decode (greedy walk): no generated tokens to compare"), []
-    measured = _noise(ref, noise, k)
+    measured = _noise(ref if noise_ref is None else noise_ref, noise, k)
     cases = [(w.index, w.prompt_tokens - 1, w.metrics) for w in compared]
     verdicts, parts, metrics, prompts = grade_topk("decode", cases, measured.kl, measured.err, measured.note,
                                                    settings, k)
     steps = sum(w.steps for w in compared)
     decode_steps = sum(w.steps - 1 for w in compared)
     diverged = [w for w in walks if w.diverged_at is not None]
-    missing = [w.missing for w in walks if w.missing]
+    # a token outside the other run's top-k FAILs unless the other side places the two tokens within the tie bound
+    missing = [w.missing for w in walks
+               if w.missing and not (w.tie_at is not None and w.tie_at <= metrics["tie_bound"])]
     head = (f"{steps} greedy steps compared along the common greedy prefixes of {len(walks)} prompts "
             f"({decode_steps} decode steps; step 0 is the prefill's last position); "
             f"{len(diverged)} prompt(s) diverge")

@@ -3,8 +3,11 @@
 Per prompt, the first step where the greedy tokens differ is a divergence. It is benign only
 where the parallel token is among the reference's top-k at that step with a reference logprob gap
 (top-1 minus that token) at or below the near-tie bound = max(near_tie, near_tie_factor x the
-noise run's top-2 gap error); so the reference's top-2 gap is a near tie too. Any other divergence
-(a clear gap, a token outside the reference's top-k, different lengths) is a jump, and FAILs the check
+noise run's top-2 gap error); so the reference's top-2 gap is a near tie too. A parallel token outside the
+reference's top-k is a near tie only where that top-k spans at most the bound (it does not exclude one) and the
+reference's token sits in the parallel top-k within the bound (the same tie seen from the other run:
+topk.crossed_tie). Any other divergence (a clear gap, a token outside the reference's top-k otherwise,
+different lengths) is a jump, and FAILs the check
 unless the reference engine's rounding-only comparisons (`evidence`, compare/jumps.py) jump as often:
 an engine with a discontinuous forward pass (top-k expert routing) jumps under rounding alone.
 """
@@ -19,6 +22,7 @@ from harness.compare.bounds import Bound, json_float
 from harness.compare.jumps import JumpEvidence, JumpTest
 from harness.compare.logprob_values import BadLogprobs, check_finite
 from harness.compare.settings import GenerationSettings
+from harness.compare.topk import crossed_tie
 from harness.core.errors import RunError
 from harness.core.verdict import CheckResult, Verdict
 from harness.records.artifacts import Case, RunArtifacts
@@ -115,6 +119,11 @@ def _compare_case(index: int, ref: RunArtifacts, par: RunArtifacts, par_case: Ca
             gap = float(lps[pos, 0] - lps[pos, int(hits[0, 0])])
             out["par_token_gap"] = json_float(gap)
             out["benign"] = gap <= bound
+        elif pos < par.tensor(GEN_TOPK_IDS, index).shape[0]:  # outside the reference's top-k: the other side's view
+            tie = crossed_tie(ids[pos], lps[pos], par.tensor(GEN_TOPK_IDS, index)[pos],
+                              par.tensor(GEN_TOPK_LOGPROBS, index)[pos].to(torch.float64), ref_ids[pos])
+            out["crossed_tie"] = None if tie is None else json_float(tie)
+            out["benign"] = tie is not None and tie <= bound
     return out
 
 
@@ -146,7 +155,8 @@ def _describe(p: dict[str, Any]) -> str:
         why = f"lengths differ: ref {p['ref_tokens']} vs par {p['par_tokens']} tokens"
     elif p["par_token_gap"] is None:
         gap = "nan" if p["ref_gap"] is None else f"{p['ref_gap']:.1e}"
-        why = f"par token not in the reference top-k; ref top-2 gap {gap}"
+        crossed = "" if p.get("crossed_tie") is None else f"; a near tie only under a bound of {p['crossed_tie']:.1e}"
+        why = f"par token not in the reference top-k; ref top-2 gap {gap}{crossed}"
     else:
         why = f"ref gap {p['par_token_gap']:.1e} > near-tie {p['near_tie_bound']:.1e}"
     return f"prompt {p['index']} diverges at token {p['first_divergence']}: ref {ref_t} vs par {par_t} ({why})"
@@ -154,15 +164,17 @@ def _describe(p: dict[str, Any]) -> str:
 
 def check_generation(ref: RunArtifacts, par: RunArtifacts, settings: GenerationSettings,
                      noise: RunArtifacts | None = None, decode: Decoder | None = None,
-                     evidence: JumpEvidence | None = None) -> tuple[CheckResult, list[dict[str, Any]]]:
+                     evidence: JumpEvidence | None = None,
+                     noise_ref: RunArtifacts | None = None) -> tuple[CheckResult, list[dict[str, Any]]]:
     """Compare gen_tokens.{i} of every prompt; returns the check and one dict per prompt. `evidence`: the
-    reference engine's jumps under rounding (schedule.engine_evidence; None: none measured).
+    reference engine's jumps under rounding (schedule.engine_evidence; None: none measured). The noise is `noise`
+    against `noise_ref` (default: `ref`; compare/noise_source.py).
 
     `decode` turns token ids into text; without it texts come from each run's Case.generated_text
     and tokens show as [id]."""
     if not ref.cases:
         return CheckResult("generation", Verdict.SKIP, "no prompts"), []
-    gap_err, note = noise_gap_error(ref, noise)
+    gap_err, note = noise_gap_error(ref if noise_ref is None else noise_ref, noise)
     bound = Bound(settings.near_tie, settings.near_tie_factor, gap_err)
     par_cases = {c.index: c for c in par.cases}
     try:

@@ -157,20 +157,23 @@ def _sub_block_text(held_off: Sequence[Mapping[str, Any]], layer: int) -> str | 
 def localize(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None, plan: LayoutPlan,
              cases: Sequence[Case], settings: LocalizationSettings,
              collective_settings: CollectiveSettings | None = None,
-             held_off: Sequence[Mapping[str, Any]] = ()) -> tuple[Localization | None, dict[str, Any]]:
+             held_off: Sequence[Mapping[str, Any]] = (),
+             noise_ref: RunArtifacts | None = None) -> tuple[Localization | None, dict[str, Any]]:
     """The first diverging layer and heads (None when every layer is within its bound) and the
     details: {"layer_errors": {error, noise, threshold}, "head_errors": {error, noise, threshold,
     owner_ranks, kv_heads}} with one entry per hidden index / layer (non-finite values as None).
     `held_off`: the layout check's tensors held off the plan (metrics "params_off"); where a layer's
     residual stream diverges while its heads stay within noise, the sub-block whose tensors the layer
-    reads off the plan is named (e.g. the attention output projection, not the MLP)."""
+    reads off the plan is named (e.g. the attention output projection, not the MLP). The noise is `noise` against
+    `noise_ref` (default: `ref`; compare/noise_source.py)."""
+    base = ref if noise_ref is None else noise_ref
     if not cases:
         return None, {"note": "no prompts"}
     try:
         hidden = layer_errors(ref, par, cases)  # [L+1]
     except (RunError, RuntimeError) as exc:
         return None, {"note": f"no hidden states to localize with: {exc}"}
-    hidden_noise = _noise(layer_errors, ref, noise, cases)
+    hidden_noise = _noise(layer_errors, base, noise, cases)
     hidden_limit = _bounds(len(hidden), hidden_noise, settings)
     details: dict[str, Any] = {"layer_errors": {
         "error": _floats(hidden), "noise": None if hidden_noise is None else _floats(hidden_noise),
@@ -182,7 +185,7 @@ def localize(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None, p
         details["note"] = f"no attention outputs: {exc}"
     head_limit: list[float] = []
     if heads is not None:
-        head_noise = _noise(head_errors, ref, noise, cases)
+        head_noise = _noise(head_errors, base, noise, cases)
         head_limit = _bounds(heads.shape[0], None if head_noise is None else head_noise.amax(dim=-1), settings)
         all_heads = range(heads.shape[-1])
         details["head_errors"] = {

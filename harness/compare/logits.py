@@ -200,8 +200,10 @@ def _prompt_dict(case: _Case, kl: Bound, abs_: Bound, tie_bound: float) -> dict[
 
 
 def check_logits(path: str, ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None,
-                 settings: LogitsSettings) -> tuple[CheckResult, list[dict[str, Any]]]:
-    """Compare `{path}_logits.{i}` of every prompt; returns the check and one dict per prompt."""
+                 settings: LogitsSettings, noise_ref: RunArtifacts | None = None,
+                 ) -> tuple[CheckResult, list[dict[str, Any]]]:
+    """Compare `{path}_logits.{i}` of every prompt; returns the check and one dict per prompt. The noise is `noise`
+    against `noise_ref` (default: `ref`; compare/noise_source.py)."""
     if path not in LOGITS_PATHS:
         raise ValueError(f"logits path {path!r} is not one of {LOGITS_PATHS}")
     name, kind = f"logits_{path}", f"{path}_logits"
@@ -212,7 +214,7 @@ def check_logits(path: str, ref: RunArtifacts, par: RunArtifacts, noise: RunArti
                                c.decode_start if path == "decode" else 0, settings.topk) for c in ref.cases]
     except RunError as exc:
         return CheckResult(name, Verdict.ERROR, f"{path}: {exc}"), []
-    measured = _noise_levels(kind, ref, noise, settings.topk)
+    measured = _noise_levels(kind, ref if noise_ref is None else noise_ref, noise, settings.topk)
     # a noise run beyond rounding measured nothing usable (an isolated discontinuity such as an MoE routing tie, or a
     # broken run): the bounds are what rounding alone can explain in the dtype (bounds.NoiseLimit), never scaled
     # from that run

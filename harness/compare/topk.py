@@ -91,6 +91,19 @@ def topk_metrics(ref_ids: torch.Tensor, ref_lp: torch.Tensor, par_ids: torch.Ten
                        flip_gap=flip_gap, overlap=shared.sum(dim=-1).to(torch.float64) / k)
 
 
+def crossed_tie(ref_ids: torch.Tensor, ref_lp: torch.Tensor, other_ids: torch.Tensor, other_lp: torch.Tensor,
+                ref_token: int) -> float | None:
+    """A divergence where the other run's top-1 lies outside the reference's top-k ([k] ids best first, logprobs):
+    the smallest near-tie bound under which it is a near tie, read from the other side: the reference's token
+    `ref_token` in the other run's top-k, its gap there (the same tie seen from the other run), and at least the
+    span of the reference's top-k (the least gap a token outside it has: a wider top-k excludes the tie). None
+    where the reference's token is outside the other run's top-k too (a jump at any bound)."""
+    hits = (other_ids == ref_token).nonzero()
+    if not hits.numel():
+        return None
+    return max(float(ref_lp[0] - ref_lp[-1]), float(other_lp[0] - other_lp[int(hits[0, 0])]))
+
+
 def _case_metrics(path: str, ref: RunArtifacts, other: RunArtifacts, index: int, k: int) -> TopkMetrics:
     r_ids, r_lp = run_topk(ref, path, index, k)
     o_ids, o_lp = run_topk(other, path, index, k)
@@ -125,8 +138,10 @@ def _noise(path: str, ref: RunArtifacts, noise: RunArtifacts | None,
 
 
 def check_topk(path: str, ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None,
-               settings: LogitsSettings, k: int) -> tuple[CheckResult, list[dict[str, Any]]]:
-    """The `logits_{path}` check from top-k logprobs; returns the check and one dict per prompt."""
+               settings: LogitsSettings, k: int,
+               noise_ref: RunArtifacts | None = None) -> tuple[CheckResult, list[dict[str, Any]]]:
+    """The `logits_{path}` check from top-k logprobs; returns the check and one dict per prompt. The noise is
+    `noise` against `noise_ref` (default: `ref`; compare/noise_source.py)."""
     if path not in TOPK_KINDS:
         raise ValueError(f"logits path {path!r} is not one of {tuple(TOPK_KINDS)}")
     name = f"logits_{path}"
@@ -138,7 +153,7 @@ def check_topk(path: str, ref: RunArtifacts, par: RunArtifacts, noise: RunArtifa
     except RunError as exc:
         bad = isinstance(exc, BadLogprobs) or "shape" in str(exc)
         return CheckResult(name, Verdict.FAIL if bad else Verdict.ERROR, f"{path} (top-{k}): {exc}"), []
-    noise_kl, noise_err, note = _noise(path, ref, noise, k)
+    noise_kl, noise_err, note = _noise(path, ref if noise_ref is None else noise_ref, noise, k)
     verdicts, parts, metrics, prompts = grade_topk(path, cases, noise_kl, noise_err, note, settings, k)
     return CheckResult(name, worst(verdicts), f"{path} (top-{k}): " + "; ".join(parts), metrics), prompts
 

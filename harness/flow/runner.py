@@ -25,6 +25,7 @@ from harness.backends.server_pool import STATE_FILE, ServerPool, server_need
 from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks
 from harness.checks.settings import CheckSettings
+from harness.compare.noise_source import NoiseRuns, measures_nothing
 from harness.core.errors import ConfigError, DiskFull, HarnessError, RunError
 from harness.core.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, RUN_DIR_MIN_BYTES, free_bytes
 from harness.core.paths import BASELINES_DIR
@@ -212,7 +213,7 @@ class Runner:
                 progress(line)
 
         self.progress = say
-        self._refs: dict[tuple[str, int, str], tuple[RunArtifacts, RunArtifacts | None]] = {}
+        self._refs: dict[tuple[str, int, str], tuple[RunArtifacts, NoiseRuns]] = {}
         self.reference_topology = parse_topology_name(req.suite.reference).without_speculator()
         self._commit = git_commit()
         self._failed_refs: dict[tuple[str, int, str], ReferenceFailed] = {}
@@ -222,6 +223,8 @@ class Runner:
         self.ref_backend = with_build(get_backend(req.ref_engine),
                                       req.engine_build if req.ref_engine == req.engine else None)
         self.cache = ReferenceCache(req.cache_dir, self.ref_backend, req.timeout_s, self.progress)
+        # the embedded engine's runs on the same checkpoint, where the reference engine's noise run measures nothing
+        self.noise_cache = ReferenceCache(req.cache_dir, EmbeddedBackend(), req.timeout_s, self.progress)
         # a run seed reseeds synthetic weights only where both engines do (the reference's weights are the cell's)
         self.reseeds = self.backend.reseeds_weights() and self.ref_backend.reseeds_weights()
         self.finished: list[CellResult] = []  # the cells done so far (what an interrupted run reports)
@@ -264,26 +267,31 @@ class Runner:
         return [replace(result, workload=w, command=self.command(cell, w)) for w in self.workload_names]
 
     def _cached(self, model: ModelSpec, seed: int, dtype: str, topo: Topology, repeat: bool = False,
-                perturbation: str | None = None, fault: str | None = None) -> RunArtifacts:
-        """A reference-topology run of `model` in `dtype` on the reference engine, from the
+                perturbation: str | None = None, fault: str | None = None,
+                cache: ReferenceCache | None = None, purpose: str = "") -> RunArtifacts:
+        """A reference-topology run of `model` in `dtype` on the reference engine (or `cache`'s), from the
         content-keyed cache (harness/flow/refcache.py) or launched now; `repeat` is a second, independent run
-        of the same job; `perturbation` an engine perturbation of the reduction order (the noise run)."""
+        of the same job; `perturbation` an engine perturbation of the reduction order (the noise run); `purpose`
+        is said in its progress line."""
+        cache = cache or self.cache
         job = self.job(model, topo, perturbation or fault, seed, Path("."), dtype)
         if repeat:  # the scheduling-noise twin: the same cases sent one at a time (GSM8K is not noise)
             job = replace(job, schedule=SCHEDULE_SEQUENTIAL, gsm8k=None)
         noise = perturbation or repeat or dtype != model.dtype  # the noise run, by any strategy
         label = (f"{'noise' if noise else 'reference'} {model.name} {topo.name} {dtype} seed {seed}"
-                 + (f" ({self.ref_backend.name})" if self.ref_backend.name != DEFAULT_ENGINE else "")
+                 + (f" ({cache.backend.name})" if cache.backend.name != DEFAULT_ENGINE or cache is not self.cache
+                    else "")
                  + (", cases sent one at a time" if repeat else "")
-                 + (f" with shared fault {fault}" if fault else ""))
+                 + (f" with shared fault {fault}" if fault else "") + (f", {purpose}" if purpose else ""))
         name = (f"{model.name}-{topo.name}-{dtype}{'-r' if repeat else ''}"
                 f"{'-' + (perturbation or fault) if perturbation or fault else ''}")
-        return self.cache.get(job, name, label, repeat)
+        return cache.get(job, name, label, repeat)
 
     def references(self, model: ModelSpec, seed: int, speculator: str = "none",
-                   fault: str | None = None) -> tuple[RunArtifacts, RunArtifacts | None]:
+                   fault: str | None = None) -> tuple[RunArtifacts, NoiseRuns]:
         """The reference (the suite's reference topology with the cell's speculator) and its noise-floor
-        run (same topology and dtype, another reduction order, no speculator; see noise_run). A failed reference
+        run (same topology and dtype, another reduction order, no speculator; see noise_run), or where that run
+        measures nothing the embedded engine's pair on the same checkpoint (_noise_of). A failed reference
         is launched once: later cells get the same ReferenceFailed. A failed twin leaves the tolerance floors in charge.
         A fault in code the reference runs too (Fault.shared) is injected into the reference as well."""
         topo, shared = self._reference_of(speculator, fault)
@@ -304,9 +312,49 @@ class Runner:
                 if noise is not None:
                     stop_all_launches()
                 raise
-            self._refs[key] = (ref, noise.result() if noise is not None
-                               else self._noise_run(model, seed, self.reference_topology, shared))
+            twin = (noise.result() if noise is not None
+                    else self._noise_run(model, seed, self.reference_topology, shared))
+            self._refs[key] = (ref, self._noise_of(model, seed, ref, twin, shared))
         return self._refs[key]
+
+    def _noise_of(self, model: ModelSpec, seed: int, ref: RunArtifacts, twin: RunArtifacts | None,
+                  shared: str | None) -> NoiseRuns:
+        """The noise a cell's bounds scale from: the reference engine's own noise run `twin`, unless it measures
+        nothing (absent, failed, or bit-identical to the reference: compare/noise_source.measures_nothing) on an
+        engine other than the embedded one. Then the embedded engine's reference-topology run and its
+        reduction-order noise run of the same checkpoint, in the model's dtype (cached like any reference), where
+        it runs the model; where it does not, `twin` as it is (the floors), and the source says why."""
+        base = self.reference_topology
+        why = None if _embedded(self.ref_backend) else measures_nothing(ref, twin)
+        if why is None:
+            return NoiseRuns(twin)
+        own = f"{self.ref_backend.name}'s {self.ref_backend.noise_strategy()} noise run was {why}"
+        refused = skip_reason(model, base, None) or self.noise_cache.backend.skip_reason(model, base)
+        if refused is None:
+            dtype, perturbation = noise_run(model)
+            if shared and not FAULTS[shared].needs_speculator:  # the embedded pair carries the shared fault too
+                perturbation = f"{perturbation}{SHARED_JOIN}{shared}"
+            purpose = f"the noise source ({own})"
+            beside = Beside(self._cached, model, seed, dtype, base, False, perturbation, None, self.noise_cache,
+                            purpose)  # the noise run beside its reference: the embedded engine's runs are independent
+            against: RunArtifacts | ReferenceFailed
+            try:
+                against = self._cached(model, seed, model.dtype, base, fault=shared, cache=self.noise_cache,
+                                       purpose=purpose)
+            except ReferenceFailed as exc:
+                against = exc
+            try:
+                borrowed = beside.result()
+                if isinstance(against, ReferenceFailed):
+                    raise against
+                return NoiseRuns(borrowed, against, f"noise: the embedded engine's reduction-order noise run "
+                                                    f"against its {base.name} {model.dtype} run of the same "
+                                                    f"checkpoint ({own})")
+            except ReferenceFailed as exc:
+                refused = str(exc)
+        self.progress(f"  noise of {model.name} seed {seed}: {own}; the embedded engine cannot stand in ({refused})")
+        return NoiseRuns(twin, None, f"noise: {own}, so the bounds are their floors; the embedded engine cannot "
+                                     f"run the model to measure it ({refused})")
 
     def _reference_key(self, model: ModelSpec, seed: int, speculator: str, fault: str | None) -> tuple[str, int, str]:
         shared = self._reference_of(speculator, fault)[1]
@@ -435,7 +483,7 @@ class Runner:
                   else self._on_nodes(job, nodes))
         return lambda: self._after_launch(cell, base, ref, noise, run_dir, result)
 
-    def _after_launch(self, cell: CellPlan, base: dict[str, Any], ref: RunArtifacts, noise: RunArtifacts | None,
+    def _after_launch(self, cell: CellPlan, base: dict[str, Any], ref: RunArtifacts, noise: NoiseRuns,
                       run_dir: Path, result: LaunchResult) -> CellResult | list[CellResult]:
         """The cell's results once its launch ended: a SKIP or ERROR for a refused or failed launch, else its
         checks."""
@@ -459,12 +507,12 @@ class Runner:
         return self._checked(cell, base, ref, par, noise, run_dir, result.wall_s)
 
     def _checked(self, cell: CellPlan, base: dict[str, Any], ref: RunArtifacts, par: RunArtifacts,
-                 noise: RunArtifacts | None, run_dir: Path, wall_s: float) -> list[CellResult]:
+                 noise: NoiseRuns, run_dir: Path, wall_s: float) -> list[CellResult]:
         """The cell's checks of `par` (read from `run_dir`) against the reference: one result per workload,
         each over that workload's cases (harness/records/workload_views.py)."""
         out = []
-        for name, (r, p, n) in workload_views(self.workloads, ref, par, noise).items():
-            ctx = self.context(cell, r, p, n, name)
+        for name, (r, p, n, against) in workload_views(self.workloads, ref, par, noise.run, noise.against).items():
+            ctx = self.context(cell, r, p, NoiseRuns(n, against, noise.source), name)
             out.append(CellResult(**{**base, "workload": name, "command": self.command(cell, name)},
                                   checks=tuple(run_checks(ctx)), clean_exit=True, localization=ctx.localization,
                                   run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=wall_s,
@@ -481,14 +529,15 @@ class Runner:
         ref_job = self.job(cell.model, topo, shared, cell.seed, Path("."), cell.model.dtype)
         return self.cache.key(replace(job, dtype=job.dtype or cell.model.dtype)) == self.cache.key(ref_job)
 
-    def context(self, cell: CellPlan, ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None,
+    def context(self, cell: CellPlan, ref: RunArtifacts, par: RunArtifacts, noise: NoiseRuns,
                 workload: str = SUITE_PROMPTS) -> CellContext:
         """Everything the checks of `cell` read."""
         suite = self.req.suite
         topo = cell.topology
         plan = plan_model(model_of(cell.model), topo)
         return CellContext(
-            ref=ref, par=par, noise=noise, plan=plan.attention, hybrid_plan=plan.hybrid_plan,
+            ref=ref, par=par, noise=noise.run, noise_ref=noise.against, noise_source=noise.source,
+            plan=plan.attention, hybrid_plan=plan.hybrid_plan,
             moe_plan=plan.moe if plan.hybrid_plan is None else None,
             indexer_plan=plan.indexer,
             layout_check=plan.model.attention.layout_check,
@@ -649,6 +698,11 @@ def serving_order(cells: Sequence[CellPlan], reseeds: bool = True) -> list[int]:
     keys = [(rank(c.model.name), c.seed if reseeds and c.model.source == "synthetic" else 0,
              rank((c.topology.tp, c.topology.dcp)), c.seed, i) for i, c in enumerate(cells)]
     return [k[-1] for k in sorted(keys)]
+
+
+def _embedded(backend: Backend) -> bool:
+    """Whether `backend` is the embedded engine (or a build-labelled one): its own noise run is the one to use."""
+    return isinstance(backend.inner if isinstance(backend, LabelledBackend) else backend, EmbeddedBackend)
 
 
 def format_tails(tails: dict[str, str]) -> str:

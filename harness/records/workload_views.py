@@ -10,7 +10,7 @@ from harness.core.errors import RunError
 from harness.records.artifacts import RunArtifacts
 from harness.specs.workload import Workload
 
-Views = dict[str, tuple[RunArtifacts, RunArtifacts, RunArtifacts | None]]
+Views = dict[str, tuple[RunArtifacts, RunArtifacts, RunArtifacts | None, RunArtifacts | None]]
 
 
 def workload_indices(workloads: Sequence[Workload], run: RunArtifacts) -> dict[str, tuple[int, ...]]:
@@ -41,10 +41,12 @@ def view(run: RunArtifacts, indices: Sequence[int]) -> RunArtifacts:
 
 
 def workload_views(workloads: Sequence[Workload], ref: RunArtifacts, par: RunArtifacts,
-                   noise: RunArtifacts | None) -> Views:
-    """Per workload: (reference, parallel, noise) views over its cases; one workload: the runs themselves."""
+                   noise: RunArtifacts | None, noise_ref: RunArtifacts | None = None) -> Views:
+    """Per workload: (reference, parallel, noise, the run the noise is measured against where not the reference)
+    views over its cases; one workload: the runs themselves."""
     if len(workloads) == 1:
-        return {workloads[0].name: (ref, par, noise)}
+        return {workloads[0].name: (ref, par, noise, noise_ref)}
     indices = workload_indices(workloads, ref if ref.cases else par)
-    return {name: (view(ref, idx), view(par, idx), view(noise, idx) if noise is not None else None)
+    return {name: (view(ref, idx), view(par, idx), view(noise, idx) if noise is not None else None,
+                   view(noise_ref, idx) if noise_ref is not None else None)
             for name, idx in indices.items()}

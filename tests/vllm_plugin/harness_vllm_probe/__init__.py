@@ -234,6 +234,8 @@ def register() -> None:
         for attr in attrs:
             current = vars(cls).get(attr)
             if current is not None and not getattr(current, "__harness_probe__", False):
+                if cls is ReplicatedLinear:  # an MoE router (replicated): its weight as loaded, for its checksum
+                    current = mla.recording(current, moe.is_router, moe.ROUTER_SHARDS, moe.ROUTER_ROWS)
                 setattr(cls, attr, mla.recording(current))
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 

@@ -16,7 +16,8 @@ import functools
 import hashlib
 from typing import Any, Callable
 
-from harness_vllm_probe.mla import which_shard
+from harness_vllm_probe.mla import recording
+from harness_vllm_probe.moe import router_checksum
 
 # id(in_proj_qkvz linear) -> the checkpoint row shard its weight equals (None: none); its rows as loaded
 _QKVZ_SHARD: dict[int, int | None] = {}
@@ -26,21 +27,9 @@ _CONV: dict[int, tuple[Any, Any]] = {}
 
 
 def recording_merged(load: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap MergedColumnParallelLinear's loader: an in_proj_qkvz keeps the checkpoint shard its rows equal."""
-
-    @functools.wraps(load)
-    def loader(self: Any, param: Any, loaded_weight: Any, *args: Any, **kwargs: Any) -> Any:
-        out = load(self, param, loaded_weight, *args, **kwargs)
-        if str(getattr(self, "prefix", "")).endswith("in_proj_qkvz") and param is getattr(self, "weight", None):
-            try:
-                _QKVZ_SHARD[id(self)] = which_shard(param, loaded_weight)
-                _ROWS[id(self)] = param.data.detach().float().clone()
-            except Exception:  # the probe never breaks a load
-                _QKVZ_SHARD[id(self)] = None
-        return out
-
-    loader.__harness_probe__ = True  # type: ignore[attr-defined]
-    return loader
+    """Wrap MergedColumnParallelLinear's loader (mla.recording): an in_proj_qkvz keeps the checkpoint shard its rows
+    equal and its rows."""
+    return recording(load, lambda prefix: prefix.endswith("in_proj_qkvz"), _QKVZ_SHARD, _ROWS)
 
 
 def recording_conv_loader(make: Callable[..., Any]) -> Callable[..., Any]:
@@ -154,7 +143,6 @@ def moe_record(model: Any) -> dict[str, Any] | None:
     shared = getattr(block, "shared_expert", None)
     gate_up = getattr(shared, "gate_up_proj", None) if shared is not None else None
     shared_columns = int(gate_up.output_size_per_partition) // 2 if gate_up is not None else 0
-    router = getattr(block.gate, "weight", None)
     return {"experts": _expert_ids(experts), "expert_ffn_shard": [moe_tp_rank * columns, (moe_tp_rank + 1) * columns],
             "expert_columns": columns, "shared_columns": shared_columns,
-            "router_checksum": _digest([router]) if router is not None and router.numel() else "not-recorded"}
+            "router_checksum": router_checksum(block.gate)}

@@ -35,19 +35,26 @@ def which_shard(param: Any, loaded_weight: Any) -> int | None:
     return None
 
 
-def recording(load: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a ColumnParallelLinear / ReplicatedLinear loader: an MLA projection's weight keeps its shard and rows."""
+def is_projection(prefix: str) -> bool:
+    """Whether the linear at `prefix` is one of an MLA layer's projections (MLA_PROJECTIONS)."""
+    return prefix.rsplit(".", 1)[-1] in MLA_PROJECTIONS
+
+
+def recording(load: Callable[..., Any], matches: Callable[[str], bool] = is_projection,
+              shards: dict[int, int | None] = _SHARD, rows: dict[int, Any] = _ROWS) -> Callable[..., Any]:
+    """Wrap a column-parallel (or replicated) linear's weight loader: the weight of a linear whose prefix `matches`
+    keeps, by the linear's id, the checkpoint row shard it equals (which_shard; None: none) in `shards` and its rows
+    as loaded in `rows`. MLA's projections by default; the GDN in_proj_qkvz (gdn.py) through the same wrapper."""
 
     @functools.wraps(load)
     def loader(self: Any, param: Any, loaded_weight: Any, *args: Any, **kwargs: Any) -> Any:
         out = load(self, param, loaded_weight, *args, **kwargs)
-        if str(getattr(self, "prefix", "")).rsplit(".", 1)[-1] in MLA_PROJECTIONS and param is getattr(
-                self, "weight", None):
+        if matches(str(getattr(self, "prefix", ""))) and param is getattr(self, "weight", None):
             try:
-                _SHARD[id(self)] = which_shard(param, loaded_weight)
-                _ROWS[id(self)] = param.data.detach().float().clone()
+                shards[id(self)] = which_shard(param, loaded_weight)
+                rows[id(self)] = param.data.detach().float().clone()
             except Exception:  # the probe never breaks a load
-                _SHARD[id(self)] = None
+                shards[id(self)] = None
         return out
 
     loader.__harness_probe__ = True  # type: ignore[attr-defined]

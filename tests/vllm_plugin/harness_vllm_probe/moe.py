@@ -15,6 +15,25 @@ from typing import Any, Callable
 
 # id(RoutedExperts) -> local slot -> the checkpoint expert whose gate_proj (w1) rows it loaded
 _LOADED: dict[int, dict[int, int]] = {}
+# id(router linear) -> the checkpoint row shard it equals (0: replicated) and its weight as loaded: the CPU backend
+# repacks linear weights after loading, leaving the module's own `weight` empty (mla.recording keeps them)
+ROUTER_SHARDS: dict[int, int | None] = {}
+ROUTER_ROWS: dict[int, Any] = {}
+
+
+def is_router(prefix: str) -> bool:
+    """Whether the linear at `prefix` is an MoE block's router (DeepSeek-V2's and Qwen3-Next's `mlp.gate`)."""
+    return prefix.endswith(".gate")
+
+
+def router_checksum(router: Any) -> str:
+    """A checksum of the router linear's weight as loaded (its own weight where the load was not seen), or
+    'not-recorded' without either."""
+    rows = ROUTER_ROWS.get(id(router)) if router is not None else None
+    if rows is None:
+        weight = getattr(router, "weight", None)
+        rows = weight if weight is not None and weight.numel() else None
+    return _digest(rows) if rows is not None else "not-recorded"
 
 
 def recording(load: Callable[..., Any]) -> Callable[..., Any]:
@@ -69,9 +88,9 @@ def experts_record(model: Any) -> dict[str, Any] | None:
     mlp = name.rsplit(".experts", 1)[0]  # ...layers.{i}.mlp(.experts.routed_experts) -> ...layers.{i}.mlp
     shared = modules.get(mlp + ".shared_experts")
     gate_up = getattr(shared, "gate_up_proj", None)
-    router = getattr(modules.get(mlp + ".gate"), "weight", None)
+    router = modules.get(mlp + ".gate")
     return {"layer": mlp, "experts": ids, "expert_ffn_shard": [tp_rank * columns, (tp_rank + 1) * columns],
             "expert_columns": columns,
             "shared_columns": int(gate_up.output_size_per_partition) // 2 if gate_up is not None else 0,
-            "router_checksum": _digest(router) if router is not None and router.numel() else "not-recorded",
+            "router_checksum": router_checksum(router),
             "logical": [loaded.get(slot, -1) for slot in range(len(ids))] if loaded else []}
