@@ -186,6 +186,29 @@ def test_show_filters_and_bad_input(runs: dict[str, Path], tmp_path: Path, capsy
     assert "cannot be opened as a harness history database" in capsys.readouterr().err
 
 
+def test_damaged_rows_and_schema_are_one_error(runs: dict[str, Path], tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A store whose row does not parse (noise multiples that are no JSON) or whose schema text is not UTF-8 is one
+    error naming the store or row, never a traceback (hypothesis found both in tests/test_fuzz_inputs.py)."""
+    import sqlite3
+
+    db = tmp_path / "row.db"
+    shutil.copy(runs["db"], db)
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE checks SET noise_multiples = '{\"a\": 1 2}' WHERE rowid = (SELECT MIN(rowid) FROM checks)")
+    assert main(["history", "show", "--history", str(db)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "of the checks table" in err[0] and "is damaged" in err[0], err
+    schema = tmp_path / "schema.db"
+    raw = bytearray(runs["db"].read_bytes())
+    at = raw.index(b"CREATE TABLE")
+    raw[at + 2] = 0xEC  # inside sqlite_master's SQL text
+    schema.write_bytes(bytes(raw))
+    assert main(["history", "show", "--history", str(schema)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(schema) in err[0], err
+
+
 def test_corrupt_history_is_refused_before_the_run(tmp_path: Path, shared_cache: Path,
                                                    capsys: pytest.CaptureFixture[str],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:

@@ -181,7 +181,7 @@ def connect(path: Path, create: bool = True) -> sqlite3.Connection:
             conn.commit()
         found = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         version = found[0] if found else None
-    except sqlite3.DatabaseError as exc:
+    except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:  # damaged pages; a schema text that is not UTF-8
         raise ConfigError(_store_error(path, exc)) from exc
     if version != str(SCHEMA_VERSION):
         raise ConfigError(f"history {path} has schema_version {version}; this harness reads {SCHEMA_VERSION}")
@@ -198,11 +198,11 @@ def reading_store(path: Path) -> Iterator[None]:
     its pages are read) is one ConfigError naming it."""
     try:
         yield
-    except sqlite3.DatabaseError as exc:
+    except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:
         raise ConfigError(_store_error(path, exc)) from exc
 
 
-def _store_error(path: Path, exc: sqlite3.Error) -> str:
+def _store_error(path: Path, exc: sqlite3.Error | UnicodeDecodeError) -> str:
     """Why the store at `path` cannot be opened or written, as one line."""
     if isinstance(exc, sqlite3.OperationalError) and not path.exists():
         return f"history {path} cannot be created ({exc}); give a path in a folder you can write to"
@@ -364,11 +364,15 @@ def query(conn: sqlite3.Connection, suite: str | None = None, cells: Iterable[st
     sql += " ORDER BY created, run_id, suite, model, topology, seed, rowid"
     patterns = list(cells)
     out = []
-    for rec in conn.execute(sql, args).fetchall():
-        row = Row(run_id=rec[0], created=rec[1], suite=rec[2], model=rec[3], topology=rec[4], seed=int(rec[5]),
-                  fault=rec[6], cell_status=rec[7], check=rec[8], verdict=rec[9], reason=rec[10],
-                  key_metric=rec[11], key_value=rec[12], noise_multiples=json.loads(rec[13]),
-                  max_noise_multiple=rec[14], git_commit=rec[15], engine_version=rec[16], build_label=rec[17])
+    for n, rec in enumerate(conn.execute(sql, args).fetchall()):
+        try:
+            row = Row(run_id=rec[0], created=rec[1], suite=rec[2], model=rec[3], topology=rec[4], seed=int(rec[5]),
+                      fault=rec[6], cell_status=rec[7], check=rec[8], verdict=rec[9], reason=rec[10],
+                      key_metric=rec[11], key_value=rec[12], noise_multiples=json.loads(rec[13]),
+                      max_noise_multiple=rec[14], git_commit=rec[15], engine_version=rec[16], build_label=rec[17])
+        except (ValueError, TypeError) as exc:  # a damaged row: a seed or noise multiples that do not parse
+            raise ConfigError(f"history row {n + 1} of the checks table (run {rec[0]!r}) is damaged ({exc}); "
+                              f"record the runs into a new database (harness history add RUN_DIR)") from None
         if not patterns or any(_matches(p, row) for p in patterns):
             out.append(row)
     return drop_merge_repeats(out, _merged_from(conn))
