@@ -146,6 +146,24 @@ def apply_rope(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> to
     return x * cos + rotated * sin
 
 
+def rope_qk(q: torch.Tensor, k: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor],
+            k_tables: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rope of q [B, S, Hq, hd] by `tables` and of k [B, S, Hkv, hd] by `k_tables`. Where both share
+    the tables and are views of one row (a fused projection's output, q's heads then k's), one rotation
+    of the joint [B, S, Hq + Hkv, hd] view: the same arithmetic on every element, half the kernels."""
+    if k_tables is not tables or not _adjacent_heads(q, k):
+        return apply_rope(q, tables), apply_rope(k, k_tables)
+    qk = q.as_strided((*q.shape[:2], q.shape[2] + k.shape[2], q.shape[3]), q.stride())  # [B, S, Hq + Hkv, hd]
+    return apply_rope(qk, tables).split([q.shape[2], k.shape[2]], dim=2)
+
+
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """True when k's heads follow q's in memory, one head stride apart, with the same strides."""
+    return (q.stride() == k.stride() and q.dtype == k.dtype and q.device == k.device and q.shape[3] == k.shape[3]
+            and q.stride(3) == 1 and q.stride(2) == q.shape[3]
+            and k.data_ptr() == q.data_ptr() + q.shape[2] * q.stride(2) * q.element_size())
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate-half RoPE (Hugging Face Llama convention). x: [B, S, heads, hd], positions: [B, S]."""
     return apply_rope(x, rope_tables(positions, x.shape[-1], theta, x.dtype))
@@ -291,6 +309,7 @@ class Decoder:
         self._sites: dict[str, torch.Tensor] | None = None  # collective errors of the layer being captured
         self._rope = RopeCache(hyper.head_dim, hyper.rope_theta)
         self._fused = [fuse_projections(layer) for layer in weights.layers] if fuse else []
+        self._fresh = False  # this forward's keys are its new tokens (_fresh_prefill)
 
     def forward(self, batch: Batch, capture: Capture | None = None) -> torch.Tensor:
         """Logits [B, S, V] for every new token; stores the new tokens' K/V first."""
@@ -330,6 +349,7 @@ class Decoder:
         # the DCP path's fused-kernel mask, made once for every layer: [B, 1, S, L]
         bias = (additive_mask(visible, x.dtype) if self.comm.dcp > 1 and kind == "mask" and x.device.type == "cpu"
                 else None)
+        self._fresh = self._fresh_prefill(batch, stored_mask)
         if capture is not None:
             capture.hidden.append(x)
         for i, layer in enumerate(self.w.layers):
@@ -342,7 +362,19 @@ class Decoder:
             x = x + self._mlp(i, layer, rms_norm(x, layer.mlp_norm, self.hyper.norm_eps))
             self._capture_layer(capture, x)
         self._sites = None
+        self._fresh = False
         return x
+
+    def _fresh_prefill(self, batch: Batch, stored: torch.Tensor) -> bool:
+        """True when the keys each sequence attends to in this forward are exactly its new tokens, stored in
+        batch order (a first forward of every sequence at DCP 1: nothing stored before, every valid token
+        stored here): the new K/V [B, S, Hkv, hd] then equal what reading them back from the pool gives at
+        every visible key, so attention can take them as they are (the padded keys differ, and are masked).
+        Off under a fault that changes what the pool's rows hold or where they are read."""
+        if self.comm.dcp != 1 or self.flags.block_table_width or not torch.equal(stored, batch.valid):
+            return False
+        counts = batch.valid.sum(dim=1).tolist()
+        return all(len(self.cache.seqs[s].positions) == n for s, n in zip(batch.seq_ids, counts))
 
     def _mlp(self, i: int, layer: Any, h: torch.Tensor) -> torch.Tensor:
         """Layer i's FFN of its normed input h [B, S, H], summed over the TP group -> [B, S, H]."""
@@ -479,12 +511,16 @@ class Decoder:
         v = v.reshape(B, S, hm.n_kv, hd)
         if layer.q_norm is not None and layer.k_norm is not None:  # per-head RMSNorm over hd
             q, k = rms_norm(q, layer.q_norm, self.hyper.norm_eps), rms_norm(k, layer.k_norm, self.hyper.norm_eps)
-        q = apply_rope(q, tables)
-        k = apply_rope(k, k_tables)
-        self.cache.write_rows(i, write_rows, k[stored], v[stored])
-        # pool [blocks, block, Hkv, hd] -> [blocks * block, Hkv, hd] -> rows `flat` -> [B, L, Hkv_local, hd]
-        k_all = self.cache.k[i].flatten(0, 1).index_select(0, flat).view(B, -1, hm.n_kv, hd)
-        v_all = self.cache.v[i].flatten(0, 1).index_select(0, flat).view(B, -1, hm.n_kv, hd)
+        q, k = rope_qk(q, k, tables, k_tables)
+        if bool(stored.all()):  # every new token stored here: [B, S, Hkv, hd] -> [B * S, Hkv, hd] in row order
+            self.cache.write_rows(i, write_rows, k.flatten(0, 1), v.flatten(0, 1))
+        else:
+            self.cache.write_rows(i, write_rows, k[stored], v[stored])
+        if self._fresh:  # the keys are the new tokens: attend to them as they are, [B, S, Hkv_local, hd]
+            k_all, v_all = k, v
+        else:  # pool [blocks, block, Hkv, hd] -> [blocks * block, Hkv, hd] -> rows `flat` -> [B, L, Hkv_local, hd]
+            k_all = self.cache.k[i].flatten(0, 1).index_select(0, flat).view(B, -1, hm.n_kv, hd)
+            v_all = self.cache.v[i].flatten(0, 1).index_select(0, flat).view(B, -1, hm.n_kv, hd)
         if self.comm.dcp == 1 and self.flags.split_reduction > 1:
             return split_key_attention(q, k_all, v_all, visible, hm.group_q_to_local_kv, self.flags.split_reduction,
                                        attention_with_lse)
