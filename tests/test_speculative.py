@@ -353,3 +353,22 @@ def test_check_acceptance_constructed() -> None:
     assert check_acceptance([[]], [[]], 3).verdict is Verdict.SKIP
     assert check_acceptance(ref, [[4], [0]], 3).verdict is Verdict.ERROR
     assert total_variation([1, 0], [0, 1]) == 1.0 and total_variation([2, 2], [1, 1]) == 0.0
+
+
+def test_acceptance_traces_after_the_outputs_diverged_are_not_the_speculators() -> None:
+    """A trace that differs at a verify step whose context the two outputs no longer share (the target took
+    another token first, a near tie of a bf16 model: lossless and generation judge it) does not count; the same
+    trace difference on a shared context still FAILs."""
+    ref = [[1, 0, 0, 0], [0, 1, 0], [1, 1]]
+    par = [[1, 0, 1, 0], [0, 1, 0], [1, 1]]  # prompt 0 differs at verify step 2 (its context: tokens 0-3)
+    same = [list(range(10)), list(range(10))]
+    other = [list(range(10)), [0, 1, 2, 99, 4, 5, 6, 7, 8, 9]]  # token 3 differs: step 2's context differs
+    outputs_same = [(same[0], same[1])] * 3
+    outputs_other = [(other[0], other[1])] + [(same[0], same[1])] * 2
+    strict = AcceptanceSettings(trace_fail_fraction=0.25)
+    failed = check_acceptance(ref, par, 3, strict, outputs=outputs_same)
+    assert failed.verdict is Verdict.FAIL and failed.metrics["traces_differ"] == 1
+    passed = check_acceptance(ref, par, 3, strict, outputs=outputs_other)
+    assert passed.verdict is not Verdict.FAIL and passed.metrics["traces_differ"] == 0  # WARN: tv on 9 steps
+    assert passed.metrics["traces_after_output_divergence"] == 1
+    assert "1 more differ only after the outputs diverged" in passed.reason

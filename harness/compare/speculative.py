@@ -150,10 +150,13 @@ def check_lossless(spec_tokens: Sequence[Sequence[int]], plain_tokens: Sequence[
 def check_acceptance(ref_accepted: Sequence[Sequence[int]], par_accepted: Sequence[Sequence[int]], k: int,
                      settings: AcceptanceSettings = AcceptanceSettings(),
                      indices: Sequence[int] | None = None,
-                     describe: Callable[[int, int], dict[str, Any]] | None = None) -> CheckResult:
+                     describe: Callable[[int, int], dict[str, Any]] | None = None,
+                     outputs: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None) -> CheckResult:
     """Mean accepted length, histogram and per-prompt accept traces of a parallel run vs the reference.
     describe(j, step): what each run did at the first differing verify step of the j-th prompt
-    (trace_step_detail), shown in the metrics and the FAIL reason."""
+    (trace_step_detail), shown in the metrics and the FAIL reason. outputs: each prompt's committed tokens
+    (reference, parallel); a trace that differs only at a verify step whose context the two outputs no longer
+    share (the target diverged first: lossless and generation judge that) is not the speculator's difference."""
     if len(ref_accepted) != len(par_accepted):
         return CheckResult("acceptance", Verdict.ERROR,
                            f"reference has {len(ref_accepted)} prompts, parallel {len(par_accepted)}")
@@ -166,6 +169,13 @@ def check_acceptance(ref_accepted: Sequence[Sequence[int]], par_accepted: Sequen
         return CheckResult("acceptance", Verdict.SKIP, "no verify steps (max_new_tokens too small?)")
     idx = list(indices) if indices is not None else list(range(len(ref_accepted)))
     traces = [(i, first_divergence(list(r), list(p))) for i, r, p in zip(idx, ref_accepted, par_accepted)]
+    if outputs is not None:  # a verify step on another context than the reference's compares nothing
+        shared = [step is None or _same_context(ref_accepted[j], outputs[j], step)
+                  for j, (_, step) in enumerate(traces)]
+        traces = [(i, step if same else None) for (i, step), same in zip(traces, shared)]
+        after_output = len(shared) - sum(shared)
+    else:
+        after_output = 0
     diverged = [(i, step) for i, step in traces if step is not None]
     floor = settings.floor(ref_mean)
     drop = ref_mean - par_mean
@@ -181,11 +191,12 @@ def check_acceptance(ref_accepted: Sequence[Sequence[int]], par_accepted: Sequen
         "drop": drop, "floor": floor, "histogram": par_hist, "reference_histogram": ref_hist,
         "total_variation": tv, "steps": sum(par_hist), "reference_steps": sum(ref_hist),
         "acceptance_rate": (par_mean - 1) / k, "reference_acceptance_rate": (ref_mean - 1) / k,
-        "traces_differ": len(diverged), "prompts": len(traces),
+        "traces_differ": len(diverged), "prompts": len(traces), "traces_after_output_divergence": after_output,
         "first_trace_divergence": first, "source": "traces"}
     means = f"mean accepted length {par_mean:.3f} vs reference {ref_mean:.3f}"
     traces_text = f"{len(diverged)}/{len(traces)} prompts' accept traces differ" + (
-        f" (first: {divergence_text(first)})" if first is not None else "")
+        f" (first: {divergence_text(first)})" if first is not None else "") + (
+        f"; {after_output} more differ only after the outputs diverged" if after_output else "")
     if drop > floor:
         return CheckResult("acceptance", Verdict.FAIL, f"{means}: drop {drop:.3f} > floor {floor:.3f} "
                            f"(max({settings.abs_floor:g}, {settings.rel_floor:g} x ref)); {traces_text}", metrics)
@@ -196,6 +207,13 @@ def check_acceptance(ref_accepted: Sequence[Sequence[int]], par_accepted: Sequen
         return CheckResult("acceptance", Verdict.WARN, f"{means}; histogram total-variation distance "
                            f"{tv:.3f} > {settings.tv_warn:g}; {traces_text}", metrics)
     return CheckResult("acceptance", Verdict.PASS, f"{means} (floor {floor:.3f}); {traces_text}", metrics)
+
+
+def _same_context(accepted: Sequence[int], outputs: tuple[Sequence[int], Sequence[int]], step: int) -> bool:
+    """Whether verify step `step` (the traces agree before it) ran on the same committed tokens in both runs."""
+    start = 1 + sum(int(a) + 1 for a in accepted[:step])  # the prefill's token, then accepted + 1 per step
+    ref, par = outputs
+    return [int(t) for t in ref[:start]] == [int(t) for t in par[:start]]
 
 
 def trace_step_detail(accepted: Sequence[int], tokens: Sequence[int], drafts: torch.Tensor | None,
@@ -324,7 +342,8 @@ def acceptance_from_runs(ref: RunArtifacts, par: RunArtifacts,
         return {"position": r.pop("start"), "prompt_tokens": len(cases[j].prompt_ids),
                 "reference": r, "parallel": {n: v for n, v in p.items() if n != "start"}}
 
-    return check_acceptance(ref_acc, par_acc, k, settings, [c.index for c in cases], describe)
+    return check_acceptance(ref_acc, par_acc, k, settings, [c.index for c in cases], describe,
+                            list(zip(ref_tok, par_tok)))
 
 
 def speculator_details(acceptance: CheckResult, kind: str, baseline: CheckResult | None = None,
