@@ -66,6 +66,7 @@ class DecodePath:
 PrefixLoader = Callable[[int, int, list[int]], int]
 
 LONG_SEQUENCE = 128  # a prefill batch mixing sequences longer than this with shorter ones runs as two batches
+FORWARD_TOKENS = 4096  # padded tokens one forward of a generation step holds at most (token_groups)
 
 
 def length_buckets(lengths: Sequence[int], limit: int = LONG_SEQUENCE) -> list[list[int]]:
@@ -74,6 +75,22 @@ def length_buckets(lengths: Sequence[int], limit: int = LONG_SEQUENCE) -> list[l
     short = [i for i, n in enumerate(lengths) if n <= limit]
     long = [i for i, n in enumerate(lengths) if n > limit]
     return [b for b in (short, long) if b]
+
+
+def token_groups(indices: Sequence[int], lengths: Sequence[int], limit: int = FORWARD_TOKENS) -> list[list[int]]:
+    """`indices` (into `lengths`) in consecutive groups of at most `limit` padded tokens each (rows x the
+    group's longest; a longer row alone): one forward per group keeps its activations small enough for the
+    CPU's caches (smollm2-135m, 16 prompts of 1280 tokens: 57 s in one forward, 44 s in forwards of 2-4)."""
+    groups: list[list[int]] = []
+    widest = 0
+    for i in indices:
+        if groups and (len(groups[-1]) + 1) * max(widest, lengths[i]) <= limit:
+            groups[-1].append(i)
+            widest = max(widest, lengths[i])
+        else:
+            groups.append([i])
+            widest = lengths[i]
+    return groups
 
 
 def build_batch(seq_ids: Sequence[int], chunks: Sequence[Sequence[int]], starts: Sequence[int],
@@ -171,7 +188,7 @@ class Engine:
 
     # -- what a run asks -----------------------------------------------------------------------------
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def prefill_logits(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Logits [T_i, V] of each whole sequence from one batched prefill forward."""
         self.check_lengths([len(s) for s in sequences])
@@ -184,7 +201,7 @@ class Engine:
             self.cache.close(ids)
         return out
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def decode_path(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
                     probes: Sequence[Sequence[int]], loader: PrefixLoader | None = None) -> list[DecodePath]:
         """Prefill each sequence's first starts[i] tokens (those a `loader` places are loaded, not computed),

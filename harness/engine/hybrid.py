@@ -277,7 +277,7 @@ class HybridDecoder(Decoder):
         visible = key_valid[:, None, :] & (key_pos[:, None, :] <= batch.positions[:, :, None])  # [B, S, L]
         x = self.embed(batch.ids) if embeds is None else embeds  # [B, S, H]
         tables = self._rope.tables(batch.positions, x.dtype)
-        kind = mask_kind(visible)
+        kind = mask_kind(visible, batch.valid if self.comm.dcp == 1 else None)  # the DCP path merges every row
         bias = (additive_mask(visible, x.dtype) if self.comm.dcp > 1 and kind == "mask" and x.device.type == "cpu"
                 else None)
         updates = self._state_mask(batch)

@@ -24,6 +24,7 @@ class SequenceState:
     blocks: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     prompt_len: int = 0  # tokens of the sequence's first forward (the contiguous DCP placement deals them)
+    dense: bool = True  # positions == [0, 1, ..., stored - 1] (storage slot j holds position j)
 
     @property
     def stored(self) -> int:
@@ -105,6 +106,7 @@ class PagedKVCache:
         self.pin(blocks)
         state.blocks.extend(blocks)
         state.positions.extend(positions)
+        state.dense = positions == list(range(len(positions)))
 
     @property
     def free_blocks(self) -> int:
@@ -126,6 +128,7 @@ class PagedKVCache:
         for _ in range(max(0, missing)):
             state.blocks.append(self._free.pop())
         state.positions.extend(positions)
+        state.dense = state.dense and positions == list(range(first, end))
         bs, blocks = self.block_size, state.blocks
         return [(blocks[i // bs], i % bs) for i in range(first, end)]
 

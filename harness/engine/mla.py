@@ -34,6 +34,7 @@ from harness.engine.model import (
     FusedProjections,
     HeadMap,
     Hyper,
+    LayerLinears,
     LocalWeights,
     apply_rope,
     local_attention,
@@ -173,6 +174,7 @@ class MLADecoder(Decoder):
                                         gate_up=torch.cat((layer.gate, layer.up))) for layer in weights.layers]
         for layer, fused in zip(weights.layers, self._fused):  # gate/up as views of the fused matrix
             layer.gate, layer.up = fused.gate_up.split([layer.gate.shape[0], layer.up.shape[0]])
+        self._mats = [LayerLinears.of(f, layer) for f, layer in zip(self._fused, weights.layers)]
         self.top_k = top_k  # experts per token of the MoE layers
 
     def _mlp(self, i: int, layer: Any, h: torch.Tensor) -> torch.Tensor:

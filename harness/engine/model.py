@@ -18,11 +18,13 @@ import torch.nn.functional as F
 
 from harness.engine.faults import FaultFlags
 from harness.engine.kvcache import PagedKVCache
+from harness.engine.linear import Linear
 from harness.engine.parallel import Collectives
 from harness.partition.layout import ROUND_ROBIN, Placement, local_positions, token_owner
 from harness.records.contract import COLLECTIVE_SITES
 
 TORCH_REDUCE_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+FULL_PRECISION = (torch.float32, torch.float64)  # dtypes torch's norm kernels compute in their own precision
 
 
 @dataclass
@@ -101,7 +103,9 @@ class Batch:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    var = x.pow(2).mean(-1, keepdim=True)
+    if x.dtype in FULL_PRECISION:  # torch's kernel: the same operations in x's dtype (the same bits), one call
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    var = x.pow(2).mean(-1, keepdim=True)  # in x's dtype (torch's kernel would compute a half dtype in float32)
     return x * torch.rsqrt(var + eps) * weight
 
 
@@ -224,16 +228,21 @@ def grouped_kv(kv_index: tuple[int, ...], n_kv: int) -> bool:
     return n_q % n_kv == 0 and kv_index == tuple(h // (n_q // n_kv) for h in range(n_q))
 
 
-def mask_kind(visible: torch.Tensor) -> str:
+def mask_kind(visible: torch.Tensor, queries: torch.Tensor | None = None) -> str:
     """How the fused kernel can take `visible` [B, S, L]: "all" (every key visible to every query: no
-    mask), "causal" (query s sees keys 0..s, S == L: the kernel's own causal mask) or "mask"."""
+    mask), "causal" (query s sees keys 0..s, S == L: the kernel's own causal mask) or "mask". With
+    `queries` [B, S] (the batch's real tokens, True; padding False) only the real queries' rows must be
+    causal: a right-padded first forward, whose padding queries' outputs nothing reads, is "causal" too."""
     if bool(visible.all()):
         return "all"
     S, L = visible.shape[1:]
-    if S == L and torch.equal(visible, torch.ones(S, L, dtype=torch.bool, device=visible.device).tril()
-                              .expand_as(visible)):
-        return "causal"
-    return "mask"
+    if S != L:
+        return "mask"
+    causal = torch.ones(S, L, dtype=torch.bool, device=visible.device).tril().expand_as(visible)
+    if queries is None:
+        return "causal" if torch.equal(visible, causal) else "mask"
+    rows = queries[:, :, None]  # [B, S, 1]
+    return "causal" if torch.equal(visible & rows, causal & rows) else "mask"
 
 
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -309,6 +318,8 @@ class Decoder:
         self._sites: dict[str, torch.Tensor] | None = None  # collective errors of the layer being captured
         self._rope = RopeCache(hyper.head_dim, hyper.rope_theta)
         self._fused = [fuse_projections(layer) for layer in weights.layers] if fuse else []
+        self._mats = [LayerLinears.of(f, layer) for f, layer in zip(self._fused, weights.layers)]
+        self._lm_head = Linear(weights.lm_head)
         self._fresh = False  # this forward's keys are its new tokens (_fresh_prefill)
 
     def forward(self, batch: Batch, capture: Capture | None = None) -> torch.Tensor:
@@ -318,12 +329,14 @@ class Decoder:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and column-parallel lm_head of last-layer residual states x [B, S, H] -> [B, S, V]:
         each rank's [B, S, vocab_rows] shard, all-gathered over TP, with the padding cut."""
-        local = rms_norm(x, self.w.norm, self.hyper.norm_eps) @ self.w.lm_head.T  # [B, S, vocab_rows]
+        local = self._lm_head(rms_norm(x, self.w.norm, self.hyper.norm_eps))  # [B, S, vocab_rows]
         return self.comm.gather_tp(local, dim=-1)[..., : self.w.vocab]  # [B, S, tp * vocab_rows] -> [B, S, V]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel embedding of ids [B, S] -> [B, S, H]: each rank looks up the ids of its shard
         (zero for the others), and the TP all-reduce sums the one non-zero row per token."""
+        if self.comm.tp == 1 and self.w.vocab_start == 0 and int(ids.max()) < self.w.vocab_held:
+            return self.w.embed[ids]  # the whole table here and every id in it: the rows themselves
         local = ids - self.w.vocab_start  # [B, S]
         held = (local >= 0) & (local < self.w.vocab_held)
         rows = self.w.embed[local.clamp(0, self.w.embed.shape[0] - 1)]  # [B, S, H]
@@ -345,7 +358,7 @@ class Decoder:
         k_tables = tables
         if self.flags.rope_local_positions and self.comm.dcp > 1:  # the dcp-rope-local-pos fault: keys rotated
             k_tables = self._rope.tables(batch.positions // self.comm.dcp, x.dtype)  # by their local store index
-        kind = mask_kind(visible)
+        kind = mask_kind(visible, batch.valid if self.comm.dcp == 1 else None)  # the DCP path merges every row
         # the DCP path's fused-kernel mask, made once for every layer: [B, 1, S, L]
         bias = (additive_mask(visible, x.dtype) if self.comm.dcp > 1 and kind == "mask" and x.device.type == "cpu"
                 else None)
@@ -358,7 +371,7 @@ class Decoder:
                                    write_rows, stored_mask, flat, (visible, kind, bias), tables, k_tables)
             if capture is not None:
                 capture.attn.append(attn)
-            x = x + self._row_parallel(attn.flatten(2), layer.o, attn_out=True)
+            x = x + self._row_parallel(attn.flatten(2), layer.o, attn_out=True, linear=self._mats[i].o)
             x = x + self._mlp(i, layer, rms_norm(x, layer.mlp_norm, self.hyper.norm_eps))
             self._capture_layer(capture, x)
         self._sites = None
@@ -378,8 +391,8 @@ class Decoder:
 
     def _mlp(self, i: int, layer: Any, h: torch.Tensor) -> torch.Tensor:
         """Layer i's FFN of its normed input h [B, S, H], summed over the TP group -> [B, S, H]."""
-        gate, up = (h @ self._fused[i].gate_up.T).split(layer.gate.shape[0], dim=-1)  # [B, S, 2F] -> 2 x [B, S, F]
-        return self._row_parallel(F.silu(gate) * up, layer.down)
+        gate, up = self._mats[i].gate_up(h).split(layer.gate.shape[0], dim=-1)  # [B, S, 2F] -> 2 x [B, S, F]
+        return self._row_parallel(F.silu(gate) * up, layer.down, linear=self._mats[i].down)
 
     def _capture_layer(self, capture: Capture | None, x: torch.Tensor) -> None:
         """Record a layer's output residual stream [B, S, H] and its collectives' errors [B, S, sites]."""
@@ -405,8 +418,10 @@ class Decoder:
             err = diff.norm(dim=-1) / (unit * exact.to(torch.float64).flatten(2).norm(dim=-1)).clamp_min(1e-300)
         self._sites[name] = torch.nan_to_num(err, nan=float("inf"))
 
-    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, attn_out: bool = False) -> torch.Tensor:
-        """x [B, S, K_local] @ w.T [K_local, H], summed over the TP group -> [B, S, H].
+    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, attn_out: bool = False,
+                      linear: Linear | None = None) -> torch.Tensor:
+        """x [B, S, K_local] @ w.T [K_local, H], summed over the TP group -> [B, S, H]; `linear` is w's
+        Linear where the caller has one.
 
         Hooks (harness/engine/faults.py): `split_reduction` (the noise perturbation) computes the
         contraction as that many partial sums in the model dtype, added last-first, as a TP split would;
@@ -418,7 +433,7 @@ class Decoder:
             for part in reversed(parts[:-1]):
                 y = y + part
         else:
-            y = x @ w.T
+            y = linear(x) if linear is not None else x @ w.T
         # every rank's partial, taken before the (in-place) all-reduce, when captured: [tp, B, S, H]
         parts64 = self.comm.gather_tp(y.unsqueeze(0), dim=0).to(torch.float64) if self._sites is not None else None
         if self.flags.reduce_dtype is not None and (attn_out or not self.flags.reduce_attn_only):
@@ -431,14 +446,19 @@ class Decoder:
                              parts64.abs().sum(dim=0))
         return out
 
-    def _prompt_lens(self, batch: Batch) -> torch.Tensor:
-        """Each sequence's first-forward length [B, 1] (recorded on its first forward), which the
-        contiguous placement deals; the dcp-contiguous-global-len fault deals by the whole batch's tokens."""
-        counts = batch.valid.sum(dim=1).tolist()
+    def _record_prompt_lens(self, batch: Batch) -> list[int]:
+        """Record each sequence's first-forward length on its first forward; returns the batch's valid counts."""
+        counts: list[int] = batch.valid.sum(dim=1).tolist()
         for seq_id, n in zip(batch.seq_ids, counts):
             state = self.cache.seqs[seq_id]
             if state.prompt_len == 0 and not state.positions:
                 state.prompt_len = n
+        return counts
+
+    def _prompt_lens(self, batch: Batch) -> torch.Tensor:
+        """Each sequence's first-forward length [B, 1] (recorded on its first forward), which the
+        contiguous placement deals; the dcp-contiguous-global-len fault deals by the whole batch's tokens."""
+        counts = self._record_prompt_lens(batch)
         lens = [sum(counts) if self.flags.contiguous_global_len else self.cache.seqs[s].prompt_len
                 for s in batch.seq_ids]
         return torch.tensor(lens, device=batch.positions.device)[:, None]
@@ -451,9 +471,13 @@ class Decoder:
         decode_step = batch.ids.shape[1] == 1
         store_all = self.flags.store_on_all_dcp_ranks and decode_step
         valid = batch.valid | (self.flags.store_padding and dcp > 1)  # the dcp-store-padding fault
-        placement = ROUND_ROBIN if self.flags.interleave_per_token else self.placement
-        owner = token_owner(batch.positions, dcp, placement, self._prompt_lens(batch))  # [B, S]
-        stored = valid & ((owner == me) | store_all)  # [B, S]
+        if dcp == 1:  # one owner of every token
+            self._record_prompt_lens(batch)
+            stored = valid
+        else:
+            placement = ROUND_ROBIN if self.flags.interleave_per_token else self.placement
+            owner = token_owner(batch.positions, dcp, placement, self._prompt_lens(batch))  # [B, S]
+            stored = valid & ((owner == me) | store_all)  # [B, S]
         slots: list[tuple[int, int]] = []
         for seq_id, row, keep in zip(batch.seq_ids, batch.positions.tolist(), stored.tolist()):
             slots += self.cache.reserve(seq_id, [p for p, k in zip(row, keep) if k])
@@ -484,12 +508,15 @@ class Decoder:
         stored = torch.tensor([len(p) for p in local])  # [B]
         table = torch.tensor([(st.blocks + [0] * n_blocks)[:n_blocks] for st in states],
                              dtype=torch.long).view(len(states), n_blocks)  # [B, n_blocks]
-        pos = torch.tensor([p + [0] * (length - len(p)) for p in local],
-                           dtype=torch.long).view(len(states), length)  # [B, L]
         j = torch.arange(length)  # storage index
+        valid = j[None, :] < stored[:, None]  # [B, L]
+        if self.comm.dcp == 1 and all(st.dense for st in states):  # every slot j holds position j
+            pos = j.expand(len(states), length).masked_fill(~valid, 0)  # [B, L], as the lists padded with 0
+        else:
+            pos = torch.tensor([p + [0] * (length - len(p)) for p in local],
+                               dtype=torch.long).view(len(states), length)  # [B, L]
         entry = j // bs if not self.flags.block_table_width else (j // bs) % self.flags.block_table_width
         rows = table[:, entry] * bs + j % bs  # [B, L]; entry wraps under the block-table-wrap fault
-        valid = j[None, :] < stored[:, None]  # [B, L]
         dev = self.cache.k[0].device
         return rows.to(dev), pos.to(dev), valid.to(dev)
 
@@ -505,7 +532,7 @@ class Decoder:
         visible, kind, bias = mask
         fused = self._fused[i]
         # [B, S, (Hq + 2 Hkv) * hd] -> q, k, v
-        q, k, v = _proj(h, fused.qkv, fused.qkv_bias).split([hm.n_q * hd, hm.n_kv * hd, hm.n_kv * hd], dim=-1)
+        q, k, v = _proj(h, self._mats[i].qkv, fused.qkv_bias).split([hm.n_q * hd, hm.n_kv * hd, hm.n_kv * hd], dim=-1)
         q = q.reshape(B, S, hm.n_q, hd)  # [B, S, Hq_local, hd]
         k = k.reshape(B, S, hm.n_kv, hd)  # [B, S, Hkv_local, hd]
         v = v.reshape(B, S, hm.n_kv, hd)
@@ -569,6 +596,20 @@ def fuse_projections(layer: LayerWeights) -> FusedProjections:
     return FusedProjections(qkv, qkv_bias, gate_up)
 
 
-def _proj(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    y = x @ w.T
+@dataclass(frozen=True)
+class LayerLinears:
+    """One layer's Linear of each projection matrix (the fused Q/K/V and gate/up, the output and down)."""
+
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+
+    @classmethod
+    def of(cls, fused: FusedProjections, layer: LayerWeights) -> "LayerLinears":
+        return cls(Linear(fused.qkv), Linear(layer.o), Linear(fused.gate_up), Linear(layer.down))
+
+
+def _proj(x: torch.Tensor, w: Linear, b: torch.Tensor | None) -> torch.Tensor:
+    y = w(x)
     return y + b if b is not None else y

@@ -142,6 +142,10 @@ class Collectives:
         self._state = state
 
     @property
+    def tp(self) -> int:
+        return self._state.tp
+
+    @property
     def dcp(self) -> int:
         return self._state.dcp
 

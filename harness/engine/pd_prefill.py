@@ -73,7 +73,7 @@ def _send(cache: PagedKVCache, store: Path, rank: int, item: _Sent, lost: bool) 
     write_entry(store, item.index, rank, tensors)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def run_prefill(engine: Engine, prompts: Sequence[Sequence[int]], store: Path, top_k: int,
                 flags: FaultFlags = FaultFlags(), cuts: Sequence[Sequence[int]] = (),
                 slices: StateSlices | None = None, indices: Sequence[int] | None = None) -> PrefillRecord:

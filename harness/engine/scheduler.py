@@ -27,7 +27,15 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import torch
 
 from harness.core.errors import ConfigError
-from harness.engine.engine import Engine, Generation, PrefixLoader, build_batch, length_buckets
+from harness.engine.engine import (
+    FORWARD_TOKENS,
+    Engine,
+    Generation,
+    PrefixLoader,
+    build_batch,
+    length_buckets,
+    token_groups,
+)
 from harness.engine.kvcache import PagedKVCache
 from harness.engine.model import Batch
 from harness.engine.speculative import SeqState, SpecResult, SpeculativeDecoder
@@ -381,15 +389,17 @@ class ServingLoop:
 
     def _forward(self, rows: list[tuple[_Request, list[int], list[int]]], split: list[bool]) -> torch.Tensor:
         """The step's forward of every row: rows of split_long lanes by length bucket (engine.length_buckets),
-        the others' decode rows and prefill rows as two batches; float32 logits [B, V] at each row's last token."""
+        the others' decode rows and prefill rows as two batches, each in forwards of at most FORWARD_TOKENS padded
+        tokens (token_groups); float32 logits [B, V] at each row's last token."""
         batches: dict[tuple[str, int], list[int]] = {}
         for b, bucket in enumerate(length_buckets([len(ids) for _, ids, _ in rows])):
             for i in bucket:
                 key = ("length", b) if split[i] else ("kind", int(rows[i][0].prefilling))
                 batches.setdefault(key, []).append(i)
         out: list[torch.Tensor | None] = [None] * len(rows)
-        for batch in batches.values():
-            for i, logits in zip(batch, self._batch_forward([rows[i] for i in batch])):
+        lengths = [len(ids) for _, ids, _ in rows]
+        for group in (g for batch in batches.values() for g in token_groups(batch, lengths, FORWARD_TOKENS)):
+            for i, logits in zip(group, self._batch_forward([rows[i] for i in group])):
                 out[i] = logits
         return torch.stack([t for t in out if t is not None])  # [B, V]
 
@@ -458,7 +468,7 @@ class ServingLoop:
 
     # -- the run ----------------------------------------------------------------------------------
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def run(self, lanes: Sequence[Lane], top_k: int = 5) -> list[tuple[Generation, ServeStats]]:
         """Every lane served together, one forward per engine step (and one draft + verify step per
         speculative lane); per lane its generation and stats."""

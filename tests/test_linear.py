@@ -1,0 +1,70 @@
+"""The engine's matmuls against fixed weights (harness/engine/linear.py) and its bounded forwards
+(token_groups): the packed oneDNN path computes x @ w.T (to rounding) where its rule sends a call, torch's
+matmul (the same bits) elsewhere, and a generation split into more forwards gives the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import harness.engine.scheduler as scheduler
+from harness.engine.engine import Engine, token_groups
+from harness.engine.linear import PACK_MIN, PACK_ONE_ROW_MIN, PACK_WORK, Linear
+from harness.engine.parallel import ParallelState
+from harness.engine.scheduler import generate
+from harness.engine.weights import load_weights
+from harness.specs.checkpoint import load_model
+from harness.specs.pool import PoolSettings
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(96, 64), (640, 512), (4096, 288)])
+def test_packed_matmul_is_x_times_w_transposed(shape: tuple[int, int]) -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(shape, generator=g)
+    lin = Linear(w)
+    assert lin.packed is not None
+    for rows in (1, 3, 16, 1024):
+        x = torch.randn(rows, 2, shape[1], generator=g)[:, 1]  # [rows, K], a strided view
+        got, want = lin(x), x @ w.T
+        n = w.numel()
+        routed = rows * n >= PACK_WORK or (rows > 1 and n >= PACK_MIN) or n >= PACK_ONE_ROW_MIN
+        assert lin.packs(rows) == routed
+        if routed:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * shape[1] ** 0.5)
+        else:
+            assert torch.equal(got, want)  # torch's own matmul
+    batched = torch.randn(2, 5, shape[1], generator=g)  # [B, S, K] -> [B, S, N]
+    torch.testing.assert_close(lin(batched), batched @ w.T, rtol=1e-5, atol=1e-5 * shape[1] ** 0.5)
+
+
+def test_other_dtypes_keep_torch_matmul() -> None:
+    w = torch.randn(640, 512).bfloat16()
+    lin = Linear(w)
+    x = torch.randn(16, 512).bfloat16()
+    assert lin.packed is None and torch.equal(lin(x), x @ w.T)
+
+
+def test_token_groups_bound_each_forward() -> None:
+    lengths = [100, 900, 30, 2000, 5000, 40, 40]
+    groups = token_groups(range(len(lengths)), lengths, limit=2048)
+    assert [i for g in groups for i in g] == list(range(len(lengths)))  # every row once, in order
+    for g in groups:
+        assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= 2048  # a longer row alone
+    assert [4] in groups and token_groups([0, 2], lengths, limit=2048) == [[0, 2]]
+
+
+def test_more_forwards_give_the_same_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = load_model("tiny-gqa")
+    engine = Engine(spec, load_weights(spec), ParallelState.single("cpu"),
+                    pool=PoolSettings(budget_bytes=1 << 26, max_seq_len=128))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (37, 64, 5, 50, 2, 64)]
+    whole = generate(engine, prompts, 8)
+    monkeypatch.setattr(scheduler, "FORWARD_TOKENS", 64)  # every prefill row in a forward of its own
+    split = generate(engine, prompts, 8)
+    assert split.tokens == whole.tokens
+    for a, b in zip(split.topk_logprobs, whole.topk_logprobs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # rounding: other row counts per matmul
