@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from harness.cli import main
@@ -133,6 +134,38 @@ def test_implausible_noise_run_warns_and_bounds_fall_back(tmp_path: Path) -> Non
     wrong = _run(tmp_path, "par-wrong", "float32", [[9.9, 2.0, -3.0], [1.0, 8.0, 0.5]])
     fail, _ = check_logits("prefill", ref, wrong, broken, settings)
     assert fail.verdict == Verdict.FAIL  # the broken floor no longer excuses a real error
+
+
+def test_a_noise_discontinuity_is_measured_before_it(tmp_path: Path) -> None:
+    """A noise run that goes beyond rounding from one position on (an MoE routing tie resolved the other way,
+    carried by the later positions) measures the noise before it: no WARN, bounds scaled from those positions;
+    one beyond rounding from the start of most positions stays implausible."""
+    settings = parse_section(LogitsSettings, "logits", {}, "float32")
+    g = torch.Generator().manual_seed(0)
+    base = (torch.randn(10, 6, generator=g) * 4).tolist()
+    late = [[x + (1e-6 if t < 7 else 0.5) * (-1) ** j for j, x in enumerate(row)] for t, row in enumerate(base)]
+    ref, par = _run(tmp_path, "ref", "float32", base), _run(tmp_path, "par", "float32", base)
+    noise = _run(tmp_path, "noise-late", "float32", late)
+    ok, _ = check_logits("prefill", ref, par, noise, settings)
+    assert ok.verdict == Verdict.PASS and not ok.metrics["noise_implausible"]
+    assert "prompt 0 from compared position 7 on" in ok.metrics["noise_note"]
+    assert "on the 7 positions before it" in ok.reason
+    assert ok.metrics["abs_bound"]["noise"] == pytest.approx(1e-6, rel=0.1)  # the first 7 positions' noise
+    limit = NoiseLimit("float32", max(abs(x) for row in base for x in row)).abs_limit
+
+    def shifted(name: str, row: int, by: float) -> RunArtifacts:
+        return _run(tmp_path, name, "float32", [[x + (by if t == row else 0.0) for x in r] for t, r in enumerate(base)])
+
+    tail_ok, _ = check_logits("prefill", ref, shifted("par-tail", 8, 0.5 * limit), noise, settings)
+    assert tail_ok.verdict == Verdict.PASS and tail_ok.metrics["tail_rows"] == 3  # rows 7-9: the rounding limit
+    assert "3 rows after the noise run's discontinuity" in tail_ok.reason
+    tail_bad, _ = check_logits("prefill", ref, shifted("par-tail-bad", 8, 0.1), noise, settings)
+    assert tail_bad.verdict == Verdict.FAIL  # beyond rounding after the discontinuity too
+    wrong = shifted("par-wrong", 2, 0.01)
+    assert check_logits("prefill", ref, wrong, noise, settings)[0].verdict == Verdict.FAIL  # positive control
+    early = [[x + (1e-6 if t < 4 else 0.5) * (-1) ** j for j, x in enumerate(row)] for t, row in enumerate(base)]
+    warn, _ = check_logits("prefill", ref, par, _run(tmp_path, "noise-early", "float32", early), settings)
+    assert warn.verdict == Verdict.WARN and warn.metrics["noise_implausible"]  # 4 of 10 plausible: not a tail
 
 
 def test_default_cache_dir_is_private_and_per_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

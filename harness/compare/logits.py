@@ -8,9 +8,11 @@ Verdict (bounds from LogitsSettings, noise-scaled, see bounds.Bound):
   test at tie_flips_alpha; systematic flips are not excused as ties). Each metric is also reported
   as a multiple of the measured noise.
 - WARN: max KL or max abs error between its bound and fail_ratio x bound, or mean top-k overlap
-  below topk_warn, or a noise run implausible for the dtype (its max abs difference from the reference
-  beyond what rounding explains, bounds.NoiseLimit): the reason names it, and the bounds then fall back
-  to that rounding limit (or their floors, if larger) instead of scaling from the implausible run.
+  below topk_warn, or a noise run implausible for the dtype (its difference from the reference beyond
+  what rounding explains, bounds.NoiseLimit, at more than half the positions; a prompt that goes beyond
+  from one position on, a discontinuity such as an MoE routing tie, is measured before it): the reason
+  names it, and the bounds then fall back to that rounding limit (or their floors, if larger) instead of
+  scaling from the implausible run.
 - PASS otherwise; ERROR when a run lacks the tensors; SKIP without prompts.
 """
 
@@ -100,6 +102,9 @@ def _compare_case(kind: str, ref: RunArtifacts, other: RunArtifacts, who: str, i
     return _Case(index=index, offset=offset, metrics=position_metrics(a, b, k), problem=None)
 
 
+NOISE_KEEP_SHARE = 0.5  # a noise run whose plausible positions are fewer than this share of all is implausible
+
+
 @dataclass(frozen=True)
 class _Noise:
     """What the noise run differs from the reference by (Nones without a usable noise run)."""
@@ -111,6 +116,8 @@ class _Noise:
     note: str | None = None
     implausible: bool = False  # measured, but beyond rounding in the dtype: not used (a WARN)
     rounding: NoiseLimit | None = None  # with `implausible`: the largest noise rounding in the dtype explains
+    cuts: tuple[tuple[int, int], ...] = ()  # (prompt index, first row beyond rounding): a discontinuity's tail
+    tail_limit: NoiseLimit | None = None  # with `cuts`: the rounding limit the tails' rows are held to
 
 
 class _NoiseMemo:
@@ -143,33 +150,54 @@ def _noise_levels(kind: str, ref: RunArtifacts, noise: RunArtifacts | None, k: i
 
 
 def _measure_noise(kind: str, ref: RunArtifacts, noise: RunArtifacts, k: int) -> _Noise:
-    """_noise_levels of a noise run, measured."""
+    """_noise_levels of a noise run, measured. A prompt whose noise goes beyond rounding from some position on
+    (a discontinuity: an MoE routing tie the other reduction order resolves the other way, carried by the later
+    positions' attention or a recurrent state) is measured before that position; where that leaves fewer than
+    NOISE_KEEP_SHARE of the positions, the run is implausible (a WARN)."""
     if not noise.ok:
         return _Noise(note="noise run failed")
-    kls: list[float] = []
-    abss: list[float] = []
+    measured: list[tuple[int, PositionMetrics]] = []
     magnitude = 0.0
-    flips = positions = 0
     try:
         for case in ref.cases:
             got = _compare_case(kind, ref, noise, "noise", case.index, 0, k)
             if got.metrics is None:
                 return _Noise(note=f"noise run unusable: {got.problem}")
-            kls.append(_max(got.metrics.kl))
-            abss.append(_max(got.metrics.max_abs))
-            flips += int((~got.metrics.top1_match).sum())
-            positions += int(got.metrics.kl.numel())
+            measured.append((case.index, got.metrics))
             magnitude = max(magnitude, _max(ref.tensor(kind, case.index).abs()))
     except RunError as exc:
         return _Noise(note=f"noise run unusable: {exc}")
-    max_kl, max_abs = max(kls, default=0.0), max(abss, default=0.0)
     limit = noise_limit(ref.manifest.get("dtype"), magnitude)
-    problem = limit.problem(max_abs, max_kl) if limit is not None else None
-    if problem:
+    kept = [(index, m, _plausible_prefix(m, limit)) for index, m in measured]
+    total, plausible = sum(int(m.kl.numel()) for _, m in measured), sum(n for _, _, n in kept)
+    if limit is not None and plausible < NOISE_KEEP_SHARE * total:
+        max_kl = max((_max(m.kl) for _, m in measured), default=0.0)
+        max_abs = max((_max(m.max_abs) for _, m in measured), default=0.0)
+        problem = limit.problem(max_abs, max_kl) or f"beyond rounding at {total - plausible} of {total} positions"
         return _Noise(note=f"noise run {noise.path} implausible: {problem}, far beyond rounding; "
                            f"bounds fall back to the largest rounding the dtype explains", implausible=True,
                       rounding=limit)
-    return _Noise(kl=max_kl, abs=max_abs, flips=flips, positions=positions)
+    note = None
+    cut = [(index, n) for index, m, n in kept if n < m.kl.numel()]
+    if cut:
+        where = ", ".join(f"prompt {index} from compared position {n}" for index, n in cut)
+        note = (f"noise run beyond rounding at {total - plausible} of {total} positions ({where} on: a discontinuity "
+                f"such as an MoE routing tie, carried by the later positions); noise measured on the "
+                f"{plausible} positions before it")
+    return _Noise(kl=max((_max(m.kl[:n]) for _, m, n in kept), default=0.0),
+                  abs=max((_max(m.max_abs[:n]) for _, m, n in kept), default=0.0),
+                  flips=sum(int((~m.top1_match[:n]).sum()) for _, m, n in kept), positions=plausible, note=note,
+                  cuts=tuple(cut), tail_limit=limit if cut else None)
+
+
+def _plausible_prefix(m: PositionMetrics, limit: NoiseLimit | None) -> int:
+    """Positions of one prompt before its first beyond the rounding limit (all of them without a limit)."""
+    if limit is None:
+        return int(m.kl.numel())
+    finite = torch.isfinite(m.max_abs) & torch.isfinite(m.kl)  # [T]
+    beyond = ~finite | (m.max_abs > limit.abs_limit) | (m.kl > limit.kl_limit)  # [T]
+    first = beyond.nonzero()
+    return int(first[0, 0]) if first.numel() else int(m.kl.numel())
 
 
 def _max(t: torch.Tensor) -> float:
@@ -180,13 +208,16 @@ def _mean(t: torch.Tensor, empty: float = 0.0) -> float:
     return float(t.to(torch.float64).mean()) if t.numel() else empty
 
 
-def _prompt_dict(case: _Case, kl: Bound, abs_: Bound, tie_bound: float) -> dict[str, Any]:
+def _prompt_dict(case: _Case, kl: Bound, abs_: Bound, tie_bound: float, tails: "_Tails",
+                 tail: torch.Tensor | None) -> dict[str, Any]:
     if case.metrics is None:
         return {"index": case.index, "problem": case.problem, "positions": 0, "first_diverging_position": None}
     m = case.metrics
     flips = ~m.top1_match
     bad_flips = flips & (m.flip_gap > tie_bound)
-    diverging = (m.kl > kl.limit) | (m.max_abs > abs_.limit) | bad_flips  # [T]
+    kl_limit = kl.limit if tail is None else torch.where(tail, tails.kl.limit, kl.limit)  # [T] or a scalar
+    abs_limit = abs_.limit if tail is None else torch.where(tail, tails.abs.limit, abs_.limit)
+    diverging = (m.kl > kl_limit) | (m.max_abs > abs_limit) | bad_flips  # [T]
     rows = diverging.nonzero()
     return {
         "index": case.index, "problem": None, "positions": int(m.kl.numel()), "offset": case.offset,
@@ -224,16 +255,51 @@ def check_logits(path: str, ref: RunArtifacts, par: RunArtifacts, noise: RunArti
         why = f"the noise run implausible: rounding in {measured.rounding.dtype}"
     kl = Bound(kl_floor, settings.kl_factor, measured.kl, settings.fail_ratio, why)
     abs_ = Bound(abs_floor, settings.abs_factor, measured.abs, settings.fail_ratio, why)
-    tie_bound = max(settings.top1_tie_floor, 2.0 * abs_.fail_limit)
-    prompts = [_prompt_dict(c, kl, abs_, tie_bound) for c in cases]
-    return _verdict(name, path, cases, prompts, kl, abs_, tie_bound, settings, measured), prompts
+    # each prompt's first sequence position beyond rounding in the noise run (a row of the noise comparison is the
+    # same row of this path's tensor, whose row 0 is at the case's offset)
+    offsets = {c.index: c.offset for c in cases}
+    cuts, limit = {i: offsets[i] + row for i, row in measured.cuts if i in offsets}, measured.tail_limit
+    if path == "decode":  # a discontinuity of the prefill noise marks the same positions of the decode path
+        prefill = _noise_levels("prefill_logits", ref if noise_ref is None else noise_ref, noise, settings.topk)
+        for index, position in prefill.cuts:
+            cuts[index] = min(cuts.get(index, position), position)
+        limit = limit or prefill.tail_limit
+    tails = _Tails.of(cases, cuts, limit, kl, abs_, settings.fail_ratio)
+    tie_bound = max(settings.top1_tie_floor, 2.0 * max(abs_.fail_limit, tails.abs.fail_limit))
+    prompts = [_prompt_dict(c, kl, abs_, tie_bound, tails, tail) for c, tail in zip(cases, tails.masks)]
+    return _verdict(name, path, cases, prompts, kl, abs_, tie_bound, settings, measured, tails), prompts
+
+
+@dataclass(frozen=True)
+class _Tails:
+    """The rows of each prompt from its noise run's discontinuity on (`masks`, [T] bool per case, None where it
+    has none): the noise run says nothing about them but that rounding is exceeded there, so they are held to the
+    dtype's rounding limit (or the noise-scaled bound, if larger), the others to the noise-scaled bounds. `cuts`:
+    per prompt index, the first sequence position of its tail."""
+
+    masks: tuple[torch.Tensor | None, ...]
+    kl: Bound
+    abs: Bound
+
+    @classmethod
+    def of(cls, cases: list[_Case], cuts: dict[int, int], limit: NoiseLimit | None, kl: Bound, abs_: Bound,
+           fail_ratio: float) -> "_Tails":
+        masks = tuple(None if c.metrics is None or c.index not in cuts or limit is None
+                      else c.offset + torch.arange(c.metrics.kl.numel()) >= cuts[c.index] for c in cases)  # [T]
+        if limit is None:
+            return cls(masks, kl, abs_)
+        why = f"rounding in {limit.dtype} (after the noise run's discontinuity)"
+        return cls(masks, Bound(max(kl.limit, limit.kl_limit), 1.0, None, fail_ratio, why),
+                   Bound(max(abs_.limit, limit.abs_limit), 1.0, None, fail_ratio, why))
 
 
 def _verdict(name: str, path: str, cases: list[_Case], prompts: list[dict[str, Any]], kl: Bound,
-             abs_: Bound, tie_bound: float, settings: LogitsSettings, measured: _Noise) -> CheckResult:
+             abs_: Bound, tie_bound: float, settings: LogitsSettings, measured: _Noise, tails: _Tails) -> CheckResult:
     noise_note = measured.note
     problems = [c.problem for c in cases if c.problem]
     valid = [c.metrics for c in cases if c.metrics is not None]
+    tail_rows = [t if t is not None else torch.zeros(c.metrics.kl.numel(), dtype=torch.bool)
+                 for c, t in zip(cases, tails.masks) if c.metrics is not None]
     verdicts: list[Verdict] = [Verdict.FAIL] if problems else []
     parts = [problems[0] + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")] if problems else []
     metrics: dict[str, Any] = {"path": path, "problems": problems, "k": settings.topk, "tie_bound": tie_bound,
@@ -246,7 +312,8 @@ def _verdict(name: str, path: str, cases: list[_Case], prompts: list[dict[str, A
         def cat(attr: str) -> torch.Tensor:
             return torch.cat([getattr(m, attr) for m in valid])  # [T] per prompt -> [sum of T]
 
-        max_kl, max_abs = _max(cat("kl")), _max(cat("max_abs"))
+        tail = torch.cat(tail_rows)  # [sum of T]: rows from a noise discontinuity on, held to tails' bounds
+        max_kl, max_abs = _max(cat("kl")[~tail]), _max(cat("max_abs")[~tail])
         top1, topk = _mean(cat("top1_match"), 1.0), _mean(cat("topk_overlap"), 1.0)
         flips = sum(p.get("top1_flips", 0) for p in prompts)
         bad = flips - sum(p.get("benign_flips", 0) for p in prompts)
@@ -254,6 +321,12 @@ def _verdict(name: str, path: str, cases: list[_Case], prompts: list[dict[str, A
                       if p["first_diverging_position"] is not None), None)
         verdicts += [kl.grade(max_kl), abs_.grade(max_abs)]
         parts += [kl.compare("max KL", max_kl), abs_.compare("max abs", max_abs), f"top-1 agreement {top1:.2f}"]
+        if bool(tail.any()):
+            tail_kl, tail_abs = _max(cat("kl")[tail]), _max(cat("max_abs")[tail])
+            verdicts += [tails.kl.grade(tail_kl), tails.abs.grade(tail_abs)]
+            parts.append(f"{int(tail.sum())} rows after the noise run's discontinuity: "
+                         f"{tails.kl.compare('max KL', tail_kl)}, {tails.abs.compare('max abs', tail_abs)}")
+            metrics.update({"tail_rows": int(tail.sum()), "tail_max_kl": tail_kl, "tail_max_abs": tail_abs})
         positions = int(cat("kl").numel())
         ties = tie_flip_test(settings, flips - bad, positions, measured.flips, measured.positions)
         metrics.update(ties.metrics())

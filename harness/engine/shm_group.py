@@ -102,7 +102,10 @@ class ShmGroup:
     def __init__(self, segment: mmap.mmap, ranks: tuple[int, ...], index: int, timeout_s: float,
                  name: str = "group") -> None:
         self._segment = segment  # kept: the tensor below views its memory
-        self._bytes = torch.frombuffer(segment, dtype=torch.uint8)  # [segment_bytes(members)]
+        # a normal tensor even when the group is made inside an engine call (torch.inference_mode): collectives
+        # outside one (`harness serve`'s lockstep agreement) write into views of it
+        with torch.inference_mode(False):
+            self._bytes = torch.frombuffer(segment, dtype=torch.uint8)  # [segment_bytes(members)]
         self.ranks = ranks
         self.members = len(ranks)
         self.index = index
@@ -197,9 +200,10 @@ class ShmGroup:
         key = (half, numel, dtype)
         if key not in self._views:
             size = dtype.itemsize
-            whole = self._bytes[: self._bytes.numel() // size * size].view(dtype)  # the segment as dtype
-            start = (self.members * WORD_STRIDE + half * self.members * SLOT_BYTES) // size
-            self._views[key] = whole.as_strided((self.members, numel), (SLOT_BYTES // size, 1), start)
+            with torch.inference_mode(False):  # kept views: normal tensors wherever first made (see __init__)
+                whole = self._bytes[: self._bytes.numel() // size * size].view(dtype)  # the segment as dtype
+                start = (self.members * WORD_STRIDE + half * self.members * SLOT_BYTES) // size
+                self._views[key] = whole.as_strided((self.members, numel), (SLOT_BYTES // size, 1), start)
         return self._views[key]
 
     def _wait_for(self, member: int, k: int) -> None:
