@@ -1,6 +1,6 @@
 """Milliseconds per collective on the CPU: torch.distributed's own all_reduce / all_gather on gloo against
-the engine's Collectives (harness/engine/parallel.py) on each of its paths: `shm`, shared memory among
-the ranks of one machine (harness/engine/shm_group.py, the default, headers checked), and `gloo`
+the engine's Collectives (harness/engine/runtime/parallel.py) on each of its paths: `shm`, shared memory among
+the ranks of one machine (harness/engine/runtime/shm_group.py, the default, headers checked), and `gloo`
 (HARNESS_SHM_COLLECTIVES=0: a gather at the group's first member, for an all-reduce a member-order sum there, and
 one broadcast, on gloo), per world size and
 message size, ranks forked by the fork launcher. Prints numbers; asserts nothing.
@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
-    from harness.engine.parallel import ParallelState
+    from harness.engine.runtime.parallel import ParallelState
 
     worlds_kib, repeats, path = [float(k) for k in argv[0].split(",")], int(argv[1]), argv[2]
     world = int(os.environ["WORLD_SIZE"])

@@ -20,11 +20,11 @@ import torch
 
 
 def _rank_main(args: argparse.Namespace) -> None:
-    from harness.engine.engine import Engine
-    from harness.engine.parallel import ParallelState
-    from harness.engine.scheduler import generate
-    from harness.engine.weights import load_weights
-    from harness.specs.checkpoint import load_model
+    from harness.engine.runtime.engine import Engine
+    from harness.engine.runtime.parallel import ParallelState
+    from harness.engine.runtime.scheduler import generate
+    from harness.formats.locate import load_model
+    from harness.formats.weights import load_weights
     from harness.specs.pool import PoolSettings
 
     spec = load_model(args.model)

@@ -20,12 +20,12 @@ from typing import Any, Callable
 
 import torch
 
-from harness.engine.checkpoint import save_hf_checkpoint
-from harness.engine.engine import TORCH_DTYPES, Engine
-from harness.engine.parallel import ParallelState
-from harness.engine.scheduler import generate
-from harness.engine.weights import load_weights
-from harness.specs.checkpoint import load_model
+from harness.engine.runtime.engine import TORCH_DTYPES, Engine
+from harness.engine.runtime.parallel import ParallelState
+from harness.engine.runtime.scheduler import generate
+from harness.formats.checkpoint import save_hf_checkpoint
+from harness.formats.locate import load_model
+from harness.formats.weights import load_weights
 from harness.specs.pool import PoolSettings
 
 PROMPT_LEN = 64

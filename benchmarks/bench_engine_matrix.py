@@ -8,7 +8,7 @@ in requests and in the harness's own work, from what the run records. Prints mar
 The arguments are `harness run`'s (add --server-per-run to measure a server per run). The matrix runs in this
 process; each run it launches (a cell's, a reference's, a noise twin's) is charged to the cell during which it
 ran (the runner resolves a cell's references before its own run). Per run the manifest records its wall time and
-its servers (harness/backends/server_pool.py: started or reused, seconds to ready): a started server's seconds to
+its servers (harness/backends/http/pool.py: started or reused, seconds to ready): a started server's seconds to
 ready are "start", the rest of the run's wall time is "requests", and what is left of the cell's wall time
 (references looked up, checks, the report's inputs) is "harness".
 """

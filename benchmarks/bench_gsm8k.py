@@ -1,14 +1,16 @@
 """GSM8K questions per minute of the tp1 embedded engine, transformers' `generate` and vLLM's server, side by
 side in one process, on the same questions, batch, dtype and stop rules. Prints markdown; asserts nothing.
 
-    python benchmarks/bench_gsm8k.py [harness.gsm8k.bench's options] [--no-vllm] [--order engine,vllm,hf]
+    python benchmarks/bench_gsm8k.py [harness.backends.embedded.gsm8k_bench's options] [--no-vllm]
+        [--order engine,vllm,hf]
     HARNESS_VLLM_PYTHON=/work/main/.venv-vllm/bin/python python benchmarks/bench_gsm8k.py --limit 16 --batch 16 \\
         --num-fewshot 5 --max-new-tokens 256 --max-seq-len 1536 --no-hf
 
-The engine and transformers run as `python -m harness.gsm8k.bench` runs them (its `measure`); vLLM, when its
+The engine and transformers run as `python -m harness.backends.embedded.gsm8k_bench` runs them (its `measure`);
+vLLM, when its
 interpreter is found (engines/vllm.yaml: `HARNESS_VLLM_PYTHON`), is one server of the model at tp1 in the engine's
 dtype, started before its timing begins (its start-up is printed apart), each batch of --batch prompts one
-request of token ids through the harness's vLLM dialect (harness/backends/http_gsm8k.py), stopped at the same
+request of token ids through the harness's vLLM dialect (harness/backends/http/gsm8k.py), stopped at the same
 stop tokens and cut at the same stop strings. `--order` runs the generators in that order (a loaded box drifts).
 """
 
@@ -23,16 +25,16 @@ from typing import Any
 
 import torch
 
-from harness.backends.http import HttpBackend, missing_modules
-from harness.backends.http_dialects import Dialect
-from harness.backends.http_gsm8k import HttpGenerator
+from harness.backends.embedded.gsm8k_bench import GIB, _hf_generator, measure, parse_args
+from harness.backends.http.backend import HttpBackend, missing_modules
+from harness.backends.http.dialects import Dialect
+from harness.backends.http.gsm8k import HttpGenerator
 from harness.core.errors import HarnessError
-from harness.engine.single import LocalGenerator
-from harness.gsm8k.bench import GIB, _hf_generator, measure, parse_args
+from harness.engine.runtime.single import LocalGenerator
+from harness.formats.locate import load_model
 from harness.gsm8k.records import GSM8KResult
 from harness.gsm8k.stats import agreement_rate
 from harness.records.contract import Job
-from harness.specs.checkpoint import load_model
 from harness.specs.pool import PoolSettings
 from harness.specs.topology import Topology
 

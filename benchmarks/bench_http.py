@@ -2,7 +2,7 @@
 
 1. `harness run --suite dcp --engine harness-serve --topo T` wall seconds per topology set, and the
    milliseconds of the checks that read the runs: `logits_decode` (the greedy walk over the generations'
-   top-k, harness/compare/decode_walk.py) next to `logits_prefill` (top-k of the teacher-forced prefill),
+   top-k, harness/compare/parity/decode_walk.py) next to `logits_prefill` (top-k of the teacher-forced prefill),
    each timed on the run folders that run left (reference, noise and parallel).
 2. One job of the dcp suite's prompts sent to one `harness serve` (tiny-gqa at --serve-topo) by each request
    schedule: the backend's run wall seconds and each phase's span (first send to last answer), with the
@@ -21,16 +21,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from harness.backends.http import HttpBackend
-from harness.backends.http_server import free_port, running_server, wait_ready
+from harness.backends.http.backend import HttpBackend
+from harness.backends.http.server import free_port, running_server, wait_ready
 from harness.cli import main as harness_main
-from harness.compare.decode_walk import check_decode_walk
+from harness.compare.parity.decode_walk import check_decode_walk
+from harness.compare.parity.topk import check_topk
 from harness.compare.settings import LogitsSettings
-from harness.compare.topk import check_topk
 from harness.core.jsonio import read_json
+from harness.formats.locate import load_model
 from harness.records.artifacts import read_run
 from harness.records.contract import Job
-from harness.specs.checkpoint import load_model
 from harness.specs.send_schedule import SendSchedule
 from harness.specs.suite import read_suite
 from harness.specs.topology import parse_topology_name

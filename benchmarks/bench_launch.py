@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.backends.embedded import WORKER_MODULE
+from harness.backends.embedded.backend import WORKER_MODULE
+from harness.formats.locate import load_model
 from harness.launcher.launch import LAUNCHER_ENV, LAUNCHERS, launch
 from harness.records.contract import Job
-from harness.specs.checkpoint import load_model
 from harness.specs.pool import PoolSettings
 from harness.specs.topology import parse_topology_name
 

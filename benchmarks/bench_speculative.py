@@ -4,7 +4,7 @@ process, on a synthetic model. Prints numbers; asserts nothing.
     python benchmarks/bench_speculative.py [--model tiny-gqa] [--batches 1 8] [--k 1 3 5]
 
 The tiny models' speculator is as deep as the target (speculator_layers = layers; see
-harness/engine/speculator.py), so a step costs about k speculator forwards plus one target forward:
+harness/engine/speculative/speculator.py), so a step costs about k speculator forwards plus one target forward:
 speculation pays off only when the accepted length outweighs that. Both columns time whole
 generations (prefill included) of the same prompts; speculative output equals plain greedy output.
 """
@@ -18,12 +18,12 @@ from typing import Callable, TypeVar
 
 import torch
 
-from harness.engine.engine import Engine
-from harness.engine.parallel import ParallelState
-from harness.engine.scheduler import generate, run_speculative_cases
-from harness.engine.speculator import speculator_for
-from harness.engine.weights import load_weights
-from harness.specs.checkpoint import load_model
+from harness.engine.runtime.engine import Engine
+from harness.engine.runtime.parallel import ParallelState
+from harness.engine.runtime.scheduler import generate, run_speculative_cases
+from harness.engine.speculative.speculator import speculator_for
+from harness.formats.locate import load_model
+from harness.formats.weights import load_weights
 from harness.specs.pool import PoolSettings
 from harness.specs.speculative import SpeculativeSettings
 

@@ -25,12 +25,12 @@ from typing import Callable
 import torch
 
 from harness.cases import build_workload_cases
-from harness.engine.engine import Engine
-from harness.engine.parallel import ParallelState
-from harness.engine.scheduler import ServeSettings, ServingLoop
-from harness.engine.tokenizer import load_tokenizer
-from harness.engine.weights import load_weights
-from harness.specs.checkpoint import load_model
+from harness.engine.runtime.engine import Engine
+from harness.engine.runtime.parallel import ParallelState
+from harness.engine.runtime.scheduler import ServeSettings, ServingLoop
+from harness.formats.locate import load_model
+from harness.formats.tokenizer import load_tokenizer
+from harness.formats.weights import load_weights
 from harness.specs.pool import PoolSettings
 from harness.specs.workload import WORKLOADS, WorkloadPlan
 

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from harness.engine.tokenizer import Tokenizer
+from harness.formats.tokenizer import Tokenizer
 from harness.records.artifacts import Case
 from harness.specs.workload import Workload, WorkloadPlan
 

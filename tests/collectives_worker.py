@@ -1,5 +1,5 @@
 """A rank of tests/test_parallel_collectives.py, run by the fork launcher: the engine's collectives
-(harness/engine/parallel.py) on fixed inputs, written to OUT/rank{r}.safetensors, with `shm` = 1 when the
+(harness/engine/runtime/parallel.py) on fixed inputs, written to OUT/rank{r}.safetensors, with `shm` = 1 when the
 run's collectives went through shared memory. Argument `hang` instead makes the last rank skip the first
 all-reduce (it sleeps, then exits); `mismatch KIND` makes rank ODD_RANK (DCP: the last rank) bring another
 collective than the others after a few matching ones (KIND: op, size, dtype, dcp; `same`: no odd one), and
@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 from harness.core.errors import RunError
-from harness.engine.parallel import Collectives, ParallelState
-from harness.engine.shm_group import SLOT_BYTES
+from harness.engine.runtime.parallel import Collectives, ParallelState
+from harness.engine.runtime.shm_group import SLOT_BYTES
 
 SIZES = ("small", "large")  # within one shared-memory slot and over it (two pieces)
 HANG_TIMEOUT_S = 2.0

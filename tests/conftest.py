@@ -49,10 +49,10 @@ def launch_run(out_dir: Path, model: str, topo: str, fault: str | None = None, p
                dtype: str | None = None, env: dict[str, str] | None = None, timeout_s: float = TEST_LAUNCH_TIMEOUT_S,
                collective_timeout_s: float = 60.0) -> RunArtifacts:
     """Launch one real run (torchrun on gloo for world size > 1) and read its run directory."""
-    from harness.backends.embedded import WORKER_MODULE
+    from harness.backends.embedded.backend import WORKER_MODULE
+    from harness.formats.locate import load_model
     from harness.launcher.launch import launch
     from harness.records.contract import Job
-    from harness.specs.checkpoint import load_model
     from harness.specs.pool import PoolSettings
     from harness.specs.topology import parse_topology_name
 

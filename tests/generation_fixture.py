@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from harness.core.limits import COLLECTIVE_TIMEOUT_S
-from harness.engine.engine import Engine
 from harness.engine.faults import FaultFlags
-from harness.engine.parallel import ParallelState
-from harness.engine.scheduler import ServeSettings, ServingLoop, generate, run_speculative_cases
-from harness.engine.speculator import speculator_for
-from harness.engine.weights import load_weights
+from harness.engine.runtime.engine import Engine
+from harness.engine.runtime.parallel import ParallelState
+from harness.engine.runtime.scheduler import ServeSettings, ServingLoop, generate, run_speculative_cases
+from harness.engine.speculative.speculator import speculator_for
+from harness.formats.locate import load_model
+from harness.formats.weights import load_weights
 from harness.launcher.launch import thread_env
-from harness.specs.checkpoint import load_model
 from harness.specs.pool import PoolSettings
 from harness.specs.speculative import SpeculativeSettings
 from harness.specs.topology import parse_topology_name

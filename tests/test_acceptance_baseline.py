@@ -155,7 +155,7 @@ def test_trace_localization_names_step_position_and_what_each_accepted() -> None
 
 
 def test_vllm_spec_decode_counters_parse_summed_over_label_sets() -> None:
-    from harness.backends.http_dialects import parse_spec_counters
+    from harness.backends.http.dialects import parse_spec_counters
 
     text = ("# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.\n"
             "# TYPE vllm:spec_decode_num_drafts_total counter\n"
@@ -187,8 +187,8 @@ def test_per_position_counts_and_histogram_are_inverse() -> None:
 
 
 def test_vllm_per_position_counters_parse_and_give_a_histogram() -> None:
-    from harness.backends.http import POSITION_KEY, counters_delta
-    from harness.backends.http_dialects import parse_position_counters
+    from harness.backends.http.backend import POSITION_KEY, counters_delta
+    from harness.backends.http.dialects import parse_position_counters
 
     text = ('vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 9.0\n'
             'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="0"} 1.0\n'

@@ -26,16 +26,16 @@ from harness.arch.components import (
 from harness.arch.model import model_of
 from harness.arch.plan import plan_model
 from harness.arch.scope import OWNED_FAULTS
-from harness.cli.plan import plan_document
+from harness.cli.plan.command import plan_document
 from harness.core.errors import ConfigError
-from harness.engine.engine import Engine
 from harness.engine.faults import FAULTS
-from harness.engine.parallel import ParallelState
-from harness.engine.weights import load_weights
+from harness.engine.runtime.engine import Engine
+from harness.engine.runtime.parallel import ParallelState
+from harness.formats.locate import load_model
+from harness.formats.weights import load_weights
 from harness.partition.hybrid_layout import plan_hybrid
 from harness.partition.layout import plan_layout, plan_speculator
 from harness.partition.mla_layout import plan_mla
-from harness.specs.checkpoint import load_model
 from harness.specs.model import shipped_models
 from harness.specs.pool import PoolSettings
 from harness.specs.topology import load_catalog

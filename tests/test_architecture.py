@@ -78,4 +78,22 @@ def test_import_contracts_are_kept() -> None:
     done = subprocess.run([str(lint), "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "Contracts: 6 kept, 0 broken." in done.stdout
+    assert "Contracts: 7 kept, 0 broken." in done.stdout
+
+
+MAX_MODULES_PER_FOLDER = 15
+MAX_LAYERS = 10
+
+
+def test_no_folder_holds_more_than_fifteen_modules() -> None:
+    """A package's name says what is inside: a folder of harness/ holds at most 15 modules (docs/architecture.md)."""
+    crowded = {str(d.relative_to(ROOT)): n for d in (ROOT / "harness").rglob("*") if d.is_dir()
+               if (n := len([f for f in d.glob("*.py") if f.name != "__init__.py"])) > MAX_MODULES_PER_FOLDER}
+    assert crowded == {}
+
+
+def test_layers_stay_at_most_ten() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    layers = text[text.index("layers = [\n"):]
+    layers = layers[:layers.index("]\n")]
+    assert 1 < len([line for line in layers.splitlines() if line.strip().startswith('"harness.')]) <= MAX_LAYERS

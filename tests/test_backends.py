@@ -14,8 +14,8 @@ from harness.backends.identity import code_hash, import_closure
 from harness.backends.registry import ENTRY_POINT_GROUP, available, get_backend
 from harness.core.errors import ConfigError
 from harness.core.paths import PROJECT_ROOT
+from harness.formats.locate import load_model
 from harness.records.contract import Backend, Job
-from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 
 
@@ -35,7 +35,7 @@ def test_builtins_are_backends_and_unknown_names_are_one_error() -> None:
 def test_a_package_registers_a_backend_through_the_entry_point_group(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "team_backend.py").write_text(
-        "from harness.backends.embedded import EmbeddedBackend\n"
+        "from harness.backends.embedded.backend import EmbeddedBackend\n"
         "class TeamBackend(EmbeddedBackend):\n    name = 'team-engine'\n")
     dist = tmp_path / "team_backend-0.1.dist-info"
     dist.mkdir()
@@ -94,17 +94,18 @@ def _copy_package(tmp_path: Path) -> Path:
 
 def test_editing_a_check_keeps_the_engine_identity_editing_the_engine_changes_it(tmp_path: Path) -> None:
     root = _copy_package(tmp_path)
-    files = {p.relative_to(root).as_posix() for p in import_closure("harness.backends.embedded_worker", root)}
-    assert "harness/engine/model.py" in files and "harness/partition/layout.py" in files and "harness/cases.py" in files
+    files = {p.relative_to(root).as_posix() for p in import_closure("harness.backends.embedded.worker", root)}
+    assert "harness/engine/layers/dense.py" in files and "harness/partition/layout.py" in files
+    assert "harness/cases.py" in files
     assert not any(f.startswith(("harness/compare/", "harness/report/", "harness/cli/")) for f in files)
-    before = code_hash("harness.backends.embedded_worker", root)
-    for check in ("compare/logits.py", "compare/generation.py", "compare/cell.py", "report/html.py"):
+    before = code_hash("harness.backends.embedded.worker", root)
+    for check in ("compare/parity/logits.py", "compare/parity/generation.py", "compare/cell.py", "report/html.py"):
         with open(root / "harness" / check, "a") as f:
             f.write("\n# a tolerance tweak\n")
-    assert code_hash("harness.backends.embedded_worker", root) == before
-    with open(root / "harness" / "engine" / "model.py", "a") as f:
+    assert code_hash("harness.backends.embedded.worker", root) == before
+    with open(root / "harness" / "engine" / "layers" / "dense.py", "a") as f:
         f.write("\n# an engine change\n")
-    assert code_hash("harness.backends.embedded_worker", root) != before
+    assert code_hash("harness.backends.embedded.worker", root) != before
 
 
 def test_embedded_identity_names_engine_version_and_weights() -> None:

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from harness.core.errors import ConfigError
-from harness.engine.weights import load_weights
-from harness.specs.checkpoint import checkpoint_path, load_model, package_gguf, spec_from_checkpoint
+from harness.formats.locate import checkpoint_path, load_model, package_gguf, spec_from_checkpoint
+from harness.formats.weights import load_weights
 from harness.specs.model import ModelSpec
 from tests.ckpt_helpers import save_hf, smollm2_gguf, tiny_llama, tiny_qwen2, write_gguf
 

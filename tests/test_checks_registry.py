@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.backends.embedded import TOPK_ONLY
+from harness.backends.embedded.backend import TOPK_ONLY
 from harness.checks.catalog import registered_checks, sections
 from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks

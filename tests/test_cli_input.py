@@ -95,8 +95,8 @@ def test_max_seq_len_counts_each_prompts_own_tokens(tmp_path: Path, capsys: pyte
     """The longest sequence of a run (a prompt's own tokens + what it generates, per workload) must fit a KV
     slot: the suite's prompts are counted by their tokens, not as empty; the error names it and the limit."""
     from harness.checks.settings import load_suite
-    from harness.engine.tokenizer import load_tokenizer
-    from harness.specs.checkpoint import load_model
+    from harness.formats.locate import load_model
+    from harness.formats.tokenizer import load_tokenizer
 
     suite, tokenizer = load_suite("dcp"), load_tokenizer(load_model("tiny-gqa"))
     longest = max(len(tokenizer.encode(p)) for p in suite.prompts) + suite.max_new_tokens

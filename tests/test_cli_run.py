@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.backends.embedded_worker import INJECT_ENV
+from harness.backends.embedded.worker import INJECT_ENV
 from harness.cli import main
 from harness.records.results import read_results, results_cells
 from tests.conftest import TEST_LAUNCH_TIMEOUT_S, TEST_LAUNCHES_PER_TEST
@@ -259,9 +259,9 @@ def test_bad_checkpoint_is_one_error_before_any_rank(tmp_path: Path, suite_file:
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """A checkpoint folder without a tokenizer, then with a truncated safetensors file: each is one
     exit-2 line from `harness run --model DIR`, and nothing is launched or written."""
-    from harness.engine.checkpoint import save_hf_checkpoint
-    from harness.engine.weights import load_weights
-    from harness.specs.checkpoint import load_model
+    from harness.formats.checkpoint import save_hf_checkpoint
+    from harness.formats.locate import load_model
+    from harness.formats.weights import load_weights
 
     spec = load_model("tiny-gqa")
     folder = save_hf_checkpoint(spec, load_weights(spec), tmp_path / "ckpt")

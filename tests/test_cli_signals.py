@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.backends.embedded_worker import INJECT_ENV
+from harness.backends.embedded.worker import INJECT_ENV
 
 SUITE = """
 name: sig

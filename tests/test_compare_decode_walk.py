@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from harness.compare.decode_walk import check_decode_walk, walk_case
+from harness.compare.parity.decode_walk import check_decode_walk, walk_case
 from harness.compare.settings import LogitsSettings
 from harness.core.verdict import Verdict
 from harness.partition.layout import plan_layout

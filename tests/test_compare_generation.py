@@ -8,7 +8,7 @@ from typing import Sequence
 import pytest
 import torch
 
-from harness.compare.generation import check_generation, first_divergence
+from harness.compare.parity.generation import check_generation, first_divergence
 from harness.compare.settings import GenerationSettings
 from harness.core.verdict import Verdict
 from harness.partition.layout import plan_layout

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import json
 
-from harness.compare.layout_check import check_layout, check_layout_with_pool, expected_pool
+from harness.compare.layout.attention import check_layout, check_layout_with_pool, expected_pool
 from harness.core.verdict import Verdict
 from harness.partition.layout import AttentionShape, plan_layout, plan_speculator
 from tests.test_compare_support import BLOCK, BUDGET, GQA, MAX_SEQ, layout_entry
@@ -159,7 +159,7 @@ def _served(**logged: dict) -> dict:
 
 
 def test_logged_kv_capacity_as_planned_passes_and_a_speculator_pool_split_like_dcp_fails() -> None:
-    from harness.compare.layout_check import check_kv_capacity, predicted_kv_capacity
+    from harness.compare.layout.attention import check_kv_capacity, predicted_kv_capacity
     plan, spec_plan = plan_layout(GQA, 4, 4), plan_speculator(GQA, 4)
     pool = _served()["pool"]
     shown = ("tokens", "blocks", "bytes")

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from harness.compare.localize import localize, onset, output_head, relative_error
+from harness.compare.parity.localize import localize, onset, output_head, relative_error
 from harness.compare.settings import LocalizationSettings
 from harness.partition.layout import plan_layout
 from tests.test_compare_support import GQA, synthetic_runs, with_tensors
@@ -74,7 +74,7 @@ def test_residual_divergence_with_clean_attention_points_past_attention(runs) ->
     assert "MLP" in loc.summary
 
 
-# the layout check's metrics "params_off" (compare/param_check.py), as an o_proj offset and a norm taken from
+# the layout check's metrics "params_off" (compare/layout/params.py), as an o_proj offset and a norm taken from
 # another layer leave them
 O_PROJ_OFF = [{"rank": r, "param": "layers.1.o.weight", "layer": 1, "block": "attention output projection",
                "used_in": [1]} for r in range(4)]

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from harness.compare.logits import check_logits, position_metrics
+from harness.compare.parity.logits import check_logits, position_metrics
 from harness.compare.settings import LogitsSettings
 from harness.core.fmt import multiple as times_text
 from harness.core.verdict import Verdict

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.compare.topk import topk_metrics
+from harness.compare.parity.topk import topk_metrics
 
 
 def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from harness.cli import main
-from harness.engine.checkpoint import interleave_order
-from harness.engine.engine import Engine
-from harness.engine.parallel import ParallelState
-from harness.engine.weights import load_weights, weights_hash
-from harness.specs.checkpoint import load_model
+from harness.engine.runtime.engine import Engine
+from harness.engine.runtime.parallel import ParallelState
+from harness.formats.checkpoint import interleave_order
+from harness.formats.locate import load_model
+from harness.formats.weights import load_weights, weights_hash
 
 IDS = [list(b"The capital of France is"), list(b"def f(x):\n    return x * 2")]
 

@@ -13,11 +13,11 @@ import torch
 
 from harness.cli import main
 from harness.core.errors import ConfigError
-from harness.engine.checkpoint import stack_experts, unstack_experts
-from harness.engine.engine import Engine
-from harness.engine.parallel import ParallelState
-from harness.engine.weights import checkpoint_shapes, load_weights, weights_hash
-from harness.specs.checkpoint import load_model
+from harness.engine.runtime.engine import Engine
+from harness.engine.runtime.parallel import ParallelState
+from harness.formats.checkpoint import stack_experts, unstack_experts
+from harness.formats.locate import load_model
+from harness.formats.weights import checkpoint_shapes, load_weights, weights_hash
 
 MODEL = "tiny-dsv2-moe"
 IDS = [list(b"The capital of France is"), list(b"def f(x):\n    return x * 2")]

@@ -14,15 +14,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness.core.errors import ConfigError
-from harness.engine.engine import Engine
-from harness.engine.parallel import ParallelState
-from harness.engine.scheduler import run_speculative_cases
-from harness.engine.speculative import SpecResult
-from harness.engine.speculator import SpeculativeSettings, speculator_for
-from harness.engine.tokenizer import load_tokenizer
-from harness.engine.weights import load_weights
-from harness.export import export_model
-from harness.specs.checkpoint import load_model, spec_from_hf
+from harness.engine.runtime.engine import Engine
+from harness.engine.runtime.parallel import ParallelState
+from harness.engine.runtime.scheduler import run_speculative_cases
+from harness.engine.speculative.decoding import SpecResult
+from harness.engine.speculative.speculator import SpeculativeSettings, speculator_for
+from harness.formats.export import export_model
+from harness.formats.locate import load_model, spec_from_hf
+from harness.formats.tokenizer import load_tokenizer
+from harness.formats.weights import load_weights
 from harness.specs.model import ModelSpec
 from harness.specs.pool import PoolSettings
 

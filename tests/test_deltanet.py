@@ -1,4 +1,4 @@
-"""Gated DeltaNet (harness/engine/deltanet.py) against naive per-head, per-token loops."""
+"""Gated DeltaNet (harness/engine/layers/deltanet.py) against naive per-head, per-token loops."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ import math
 import torch
 import torch.nn.functional as F
 
-from harness.engine.deltanet import LinearHeads, LinearWeights, causal_conv, delta_rule, empty_state, linear_attention
+from harness.engine.layers.deltanet import (
+    LinearHeads,
+    LinearWeights,
+    causal_conv,
+    delta_rule,
+    empty_state,
+    linear_attention,
+)
 
 
 def naive_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -9,17 +9,17 @@ import pytest
 import torch
 
 from harness.cases import ragged_decode_start
-from harness.compare.collectives import check_collectives
-from harness.compare.localize import localize
+from harness.compare.parity.collectives import check_collectives
+from harness.compare.parity.localize import localize
 from harness.compare.settings import CollectiveSettings, LocalizationSettings
 from harness.core.errors import ConfigError
 from harness.core.verdict import Verdict
 from harness.engine.fault_scope import inert_reason
 from harness.engine.faults import FAULTS, PERTURBATIONS, fault_flags
-from harness.engine.model import COLLECTIVE_SITES
+from harness.engine.layers.dense import COLLECTIVE_SITES
 from harness.flow.runner import noise_run
+from harness.formats.locate import load_model
 from harness.partition.layout import plan_layout
-from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 from tests.test_compare_support import GQA, synthetic_runs, with_tensors
 

@@ -13,13 +13,13 @@ import yaml
 
 from harness.backends.base import backend_record
 from harness.backends.build import check_label, with_build
-from harness.backends.http import HttpBackend
+from harness.backends.http.backend import HttpBackend
 from harness.cli import main
 from harness.core.errors import ConfigError
 from harness.core.jsonio import read_json
+from harness.formats.locate import load_model
 from harness.records.contract import Job
 from harness.records.results import results_cells
-from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 
 ROOT = Path(__file__).resolve().parents[1]

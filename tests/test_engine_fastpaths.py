@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import harness.engine.model as model
-from harness.engine.engine import Engine
+import harness.engine.layers.dense as model
 from harness.engine.faults import FaultFlags, fault_flags
-from harness.engine.model import apply_rope, mask_kind, rms_norm, rope_qk, rope_tables
-from harness.engine.parallel import ParallelState
-from harness.engine.weights import load_weights
-from harness.specs.checkpoint import load_model
+from harness.engine.layers.dense import apply_rope, mask_kind, rms_norm, rope_qk, rope_tables
+from harness.engine.runtime.engine import Engine
+from harness.engine.runtime.parallel import ParallelState
+from harness.formats.locate import load_model
+from harness.formats.weights import load_weights
 from harness.specs.pool import PoolSettings
 from harness.specs.topology import Topology
 
@@ -107,7 +107,7 @@ def test_padded_first_forward_takes_the_causal_mask(monkeypatch: pytest.MonkeyPa
             return mask_kind(visible)  # the queries' rows ignored: padding makes it an explicit mask
 
         monkeypatch.setattr(model, "mask_kind", general)
-        monkeypatch.setattr("harness.engine.hybrid.mask_kind", general)
+        monkeypatch.setattr("harness.engine.layers.hybrid.mask_kind", general)
         want = _engine(model_name).prefill_logits(seqs)
         monkeypatch.undo()
         assert "causal" in kinds

@@ -11,10 +11,7 @@ import json
 import pytest
 import torch
 
-from harness.engine.engine import Engine
-from harness.engine.generator import EngineGenerator
-from harness.engine.kvcache import PagedKVCache
-from harness.engine.model import (
+from harness.engine.layers.dense import (
     RopeCache,
     attention_with_lse,
     fused_attention,
@@ -23,13 +20,16 @@ from harness.engine.model import (
     mask_kind,
     rope_tables,
 )
-from harness.engine.parallel import ParallelState
-from harness.engine.scheduler import ServeSettings, generate, shared_prefix_length
-from harness.engine.speculative import SpeculativeDecoder
-from harness.engine.tokenizer import load_tokenizer
-from harness.engine.weights import load_weights
+from harness.engine.runtime.engine import Engine
+from harness.engine.runtime.generator import EngineGenerator
+from harness.engine.runtime.kvcache import PagedKVCache
+from harness.engine.runtime.parallel import ParallelState
+from harness.engine.runtime.scheduler import ServeSettings, generate, shared_prefix_length
+from harness.engine.speculative.decoding import SpeculativeDecoder
+from harness.formats.locate import load_model
+from harness.formats.tokenizer import load_tokenizer
+from harness.formats.weights import load_weights
 from harness.gsm8k.lm import cut_at_stop
-from harness.specs.checkpoint import load_model
 from harness.specs.pool import PoolSettings
 from tests.generation_fixture import CASES, FIXTURE, record
 

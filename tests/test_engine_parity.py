@@ -88,7 +88,7 @@ def test_dcp_faults_cannot_reach_a_run_without_dcp(fault: str) -> None:
     """A DCP fault cannot be injected where there is no DCP group (the tp1 reference, or plain TP):
     the cell is a SKIP naming why, so no reference is ever run with it."""
     from harness.flow.runner import skip_reason
-    from harness.specs.checkpoint import load_model
+    from harness.formats.locate import load_model
     from harness.specs.topology import Topology
 
     model = load_model("tiny-gqa")

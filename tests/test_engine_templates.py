@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.backends.http import HttpBackend
+from harness.backends.http.backend import HttpBackend
 from harness.backends.registry import BUILTIN, HTTP_BACKEND, available, get_backend
 from harness.cli import main
 from harness.core.errors import ConfigError

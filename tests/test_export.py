@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from harness.cli import main
-from harness.engine.engine import Engine
-from harness.engine.parallel import ParallelState
-from harness.engine.tokenizer import load_tokenizer
-from harness.engine.weights import load_weights, weights_hash
-from harness.specs.checkpoint import load_model
+from harness.engine.runtime.engine import Engine
+from harness.engine.runtime.parallel import ParallelState
+from harness.formats.locate import load_model
+from harness.formats.tokenizer import load_tokenizer
+from harness.formats.weights import load_weights, weights_hash
 
 TEXTS = ["The capital of France is", "héllo wörld\n\tdef f(x): return x"]
 

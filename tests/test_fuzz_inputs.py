@@ -20,14 +20,14 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.backends.http_dialects import DIALECTS
+from harness.backends.http.dialects import DIALECTS
 from harness.baselines.acceptance_baseline import read_acceptance
 from harness.baselines.baseline import read_baselines
 from harness.checks.settings import load_suite
 from harness.cli import main
 from harness.core.errors import ConfigError, RunError
 from harness.core.paths import BASELINES_DIR, MODELS_DIR, PROJECT_ROOT, SUITES_DIR, TOPOLOGIES_DIR
-from harness.specs.checkpoint import load_model
+from harness.formats.locate import load_model
 from harness.specs.engine import EngineSpec, load_engine
 from harness.specs.model import ModelSpec
 from harness.specs.suite import Suite, read_suite

@@ -11,18 +11,18 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("harness.engine.single")
+pytest.importorskip("harness.engine.runtime.single")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 
 from harness.core.errors import ConfigError  # noqa: E402
-from harness.engine.single import LocalGenerator  # noqa: E402
+from harness.engine.runtime.single import LocalGenerator  # noqa: E402
+from harness.formats.locate import load_model  # noqa: E402
 from harness.gsm8k.data import ENV_VAR  # noqa: E402
 from harness.gsm8k.lm import HarnessLM, cut_at_stop, cut_at_stop_token  # noqa: E402
 from harness.gsm8k.records import FILTERS, INVALID  # noqa: E402
 from harness.gsm8k.tasks import evaluate_with  # noqa: E402
-from harness.specs.checkpoint import load_model  # noqa: E402
 from harness.specs.pool import PoolSettings  # noqa: E402
 from tests.ckpt_helpers import smollm2_gguf  # noqa: E402
 
@@ -149,7 +149,7 @@ def test_smollm2_gsm8k_three_questions() -> None:
 
 def test_engine_run_records_the_batch_its_kv_pool_allows(capsys: pytest.CaptureFixture[str]) -> None:
     """batch_size 3 asked, a pool of two max-length slots: two at a time, said in the log and the result."""
-    from harness.gsm8k.engine_eval import evaluate_engine
+    from harness.backends.embedded.gsm8k import evaluate_engine
     from harness.gsm8k.settings import gsm8k_settings
     from tests.conftest import GSM8K_FIXTURE
 

@@ -69,8 +69,8 @@ def test_shipped_gsm8k_profiles_kv_budget_holds_their_batch(profile: str) -> Non
     """Every model of the shipped gsm8k suite gets batch_size sequences of max_seq_len at once at the
     reference topology (its KV pool would otherwise cap the batch the profile asks for)."""
     from harness.checks.settings import load_suite
+    from harness.formats.locate import load_model
     from harness.partition.layout import plan_layout, pool_capacity
-    from harness.specs.checkpoint import load_model
     from harness.specs.suite import with_profile
     from harness.specs.topology import parse_topology_name
 

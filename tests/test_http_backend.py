@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.backends.http import HttpBackend, counters_delta, kv_capacity, refusal
-from harness.backends.http_server import BIND_ATTEMPTS
+from harness.backends.http.backend import HttpBackend, counters_delta, kv_capacity, refusal
+from harness.backends.http.server import BIND_ATTEMPTS
 from harness.backends.registry import get_backend
 from harness.core.errors import ConfigError
 from harness.core.jsonio import read_json
+from harness.formats.locate import load_model
 from harness.launcher.launch import free_port
 from harness.records.contract import Backend, Job
 from harness.records.results import results_cells
-from harness.specs.checkpoint import load_model
 from harness.specs.engine import load_engine
 from harness.specs.pool import PoolSettings
 from harness.specs.topology import parse_topology_name
@@ -89,7 +89,7 @@ def test_harness_serve_on_a_taken_port_is_an_error_naming_it(tmp_path: Path, mon
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        monkeypatch.setattr("harness.backends.http_server.free_port", lambda *_: port)  # every pick: the taken one
+        monkeypatch.setattr("harness.backends.http.server.free_port", lambda *_: port)  # every pick: the taken one
         start = time.monotonic()
         result = get_backend("harness-serve").run(_job(tmp_path, "tp2"), timeout_s=300)
         took = time.monotonic() - start
@@ -113,7 +113,7 @@ def test_a_port_taken_between_its_pick_and_the_bind_is_picked_again(tmp_path: Pa
             picks.append(free_port(host) if picks else taken)
             return picks[-1]
 
-        monkeypatch.setattr("harness.backends.http_server.free_port", pick)
+        monkeypatch.setattr("harness.backends.http.server.free_port", pick)
         result = get_backend("harness-serve").run(_job(tmp_path, "tp1"), timeout_s=300)
     assert result.ok, (result.error, picks)
     assert len(picks) == 2 and picks[0] == taken and picks[1] != taken, picks
@@ -241,7 +241,7 @@ def test_kv_capacity_and_spec_counters() -> None:
 
 
 def test_cpu_bind_splits_cores_per_rank() -> None:
-    from harness.backends.http import cpu_bind
+    from harness.backends.http.backend import cpu_bind
     assert cpu_bind(2, 2) == "0|1" and cpu_bind(2, 8) == "0-3|4-7" and cpu_bind(1, 4) == "0-3"
     assert cpu_bind(4, 2) == "0|1|0|1"  # more ranks than cores: shared round-robin
 
@@ -338,7 +338,7 @@ def test_a_worker_that_dies_silently_is_named_beside_its_peers_error() -> None:
     """vLLM CPU at tp2 with expert parallel: one worker dies in its first forward without a line of its own, the
     other reports gloo's "Connection closed by peer". The reason names every process's own cause, so the silent
     death shows beside the survivor's error (a log of one process adds nothing)."""
-    from harness.backends.http_server import _with_processes, process_causes
+    from harness.backends.http.server import _with_processes, process_causes
 
     log = "\n".join([
         "(APIServer pid=10) INFO 12-02 10:00:00 [api_server.py:1] vLLM API server version 0.32.0",
@@ -395,7 +395,7 @@ def test_a_worker_s_native_crash_is_the_root_cause_not_the_engine_s_later_traceb
     --enable-expert-parallel): worker 0 segfaults in the CPU fused-MoE kernel at its first forward, with native
     frames and no Python traceback of its own; the engine core's traceback that follows ("RuntimeError:
     cancelled") is a consequence. The cause names the crash, its first source frame and the worker that died."""
-    from harness.backends.http_server import root_cause
+    from harness.backends.http.server import root_cause
 
     cause, context = root_cause((VLLM_LOGS / "crashed-ep-segfault.server.log").read_text()) or ("", "")
     assert cause == ("Segfault encountered at /tmp/vllm/csrc/cpu/cpu_fused_moe.cpp:242 in fused_moe_impl<float, "

@@ -15,15 +15,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from harness.backends.http_capture import CAPTURE_DIR, CASES_FILE, read_captures, write_probe_cases
-from harness.backends.http_layout import probe_layout
-from harness.compare.localize import localize
+from harness.backends.http.capture import CAPTURE_DIR, CASES_FILE, read_captures, write_probe_cases
+from harness.backends.http.layout import probe_layout
+from harness.compare.parity.localize import localize
 from harness.compare.settings import LocalizationSettings
 from harness.core.errors import RunError
+from harness.formats.locate import load_model
 from harness.partition.layout import plan_layout
 from harness.records import contract as c
 from harness.records.artifacts import Case, RunArtifacts
-from harness.specs.checkpoint import load_model
 from harness.specs.engine import PROBE_CAPTURES
 from harness.specs.topology import parse_topology_name
 
@@ -153,7 +153,7 @@ def test_the_sglang_template_runs_the_probe_through_sglangs_forward_hooks(monkey
     names the probe's folder variable, so its runs declare hidden states and attention outputs."""
     import harness_sglang_probe
 
-    from harness.backends.http import HttpBackend
+    from harness.backends.http.backend import HttpBackend
 
     monkeypatch.setenv("HARNESS_SGLANG_PYTHON", sys.executable)
     backend = HttpBackend("sglang")

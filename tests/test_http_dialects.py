@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from harness.backends.http_dialects import DIALECTS, SglangDialect, VllmDialect, token_id, topk_rows
+from harness.backends.http.dialects import DIALECTS, SglangDialect, VllmDialect, token_id, topk_rows
 from harness.core.errors import RunError
 from harness.serve.dialects import BadRequest, Limits, Vocabulary, parse_completions, parse_generate
 from harness.specs.engine import DIALECT_NAMES

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.backends.http import HttpBackend
+from harness.backends.http.backend import HttpBackend
+from harness.formats.locate import load_model
 from harness.records.contract import Job
-from harness.specs.checkpoint import load_model
 from harness.specs.engine import load_engine
 from harness.specs.pool import PoolSettings
 from harness.specs.topology import parse_topology_name
@@ -29,7 +29,7 @@ def test_cpu_bind_honours_the_process_cpu_affinity() -> None:
     """A process pinned to its last allowed CPU (taskset, a container's cpuset) binds every rank there, not to
     CPUs 0..n-1 of the machine."""
     last = max(os.sched_getaffinity(0))
-    code = ("import os, sys; os.sched_setaffinity(0, {%d}); from harness.backends.http import cpu_bind; "
+    code = ("import os, sys; os.sched_setaffinity(0, {%d}); from harness.backends.http.backend import cpu_bind; "
             "print(cpu_bind(1), cpu_bind(2))" % last)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.split()
@@ -37,7 +37,7 @@ def test_cpu_bind_honours_the_process_cpu_affinity() -> None:
 
 
 def test_cpu_bind_splits_the_allowed_cpus_by_id() -> None:
-    from harness.backends.http import cpu_bind
+    from harness.backends.http.backend import cpu_bind
     assert cpu_bind(2, [2, 3, 6, 7]) == "2-3|6-7" and cpu_bind(3, [1, 2, 3, 4, 5, 6, 7]) == "1-2|3-4|5-7"
 
 

@@ -14,12 +14,12 @@ import pytest
 
 from harness.arch.model import model_of
 from harness.arch.plan import plan_model
-from harness.backends.http_layout import probe_layout
-from harness.compare.layout_check import check_layout_with_pool
+from harness.backends.http.layout import probe_layout
+from harness.compare.layout.attention import check_layout_with_pool
 from harness.core.errors import RunError
 from harness.core.verdict import Verdict
+from harness.formats.locate import load_model
 from harness.partition.layout import plan_layout
-from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 
 SHAPE = load_model("tiny-hd64").attention_shape  # 8 Q heads, 4 KV heads, head_dim 64, 2 layers, float32

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from harness.backends.http_server import Server
+from harness.backends.http.server import Server
 from harness.cli import main
 from harness.core.jsonio import read_json
 from harness.records.results import results_cells

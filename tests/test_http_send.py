@@ -1,4 +1,4 @@
-"""The HTTP backend sends a job's requests as its request schedule says (harness/backends/http_send.py),
+"""The HTTP backend sends a job's requests as its request schedule says (harness/backends/http/send.py),
 against a real `harness serve` on 127.0.0.1: all at once they overlap (the recorded send and answer
 times say so) and the server batches them, one at a time they never do, staggered they leave in waves;
 the answers come back in case order and agree with one-at-a-time's. Without a schedule the run sends
@@ -11,15 +11,15 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from harness.backends.http import HttpBackend
-from harness.backends.http_send import SendLog, SendSchedule, send
+from harness.backends.http.backend import HttpBackend
+from harness.backends.http.send import SendLog, SendSchedule, send
 from harness.core.details import CellDetails
 from harness.core.errors import ConfigError
 from harness.core.verdict import CellResult, CheckResult, Verdict
+from harness.formats.locate import load_model
 from harness.records.artifacts import read_run
 from harness.records.contract import SCHEDULE_SEQUENTIAL, Job
 from harness.report.html import render_html
-from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 from tests.test_serve import serving
 

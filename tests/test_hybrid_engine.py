@@ -13,15 +13,15 @@ import torch
 
 from harness.cli import main
 from harness.core.errors import RunError
-from harness.engine.engine import Engine
 from harness.engine.faults import FaultFlags
-from harness.engine.hybrid import HybridParts, shard_moe
-from harness.engine.moe import moe_activations
-from harness.engine.parallel import ParallelState
-from harness.engine.weights import load_weights
+from harness.engine.layers.hybrid import HybridParts, shard_moe
+from harness.engine.layers.moe import moe_activations
+from harness.engine.runtime.engine import Engine
+from harness.engine.runtime.parallel import ParallelState
+from harness.formats.locate import load_model
+from harness.formats.weights import load_weights
 from harness.partition.hybrid_layout import plan_moe
 from harness.records.results import results_cells
-from harness.specs.checkpoint import load_model
 from harness.specs.pool import PoolSettings
 
 SUITE = """

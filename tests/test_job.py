@@ -11,8 +11,8 @@ import pytest
 from harness.backends.replay import ReplayBackend
 from harness.core.errors import ConfigError
 from harness.core.jsonio import write_json
+from harness.formats.locate import load_model
 from harness.records.contract import JOB_FILE, MANIFEST_FILE, GSM8KJob, Job
-from harness.specs.checkpoint import load_model
 from harness.specs.pool import PoolSettings
 from harness.specs.send_schedule import SendSchedule
 from harness.specs.speculative import SpeculativeSettings

@@ -1,4 +1,4 @@
-"""Jumps (divergences outside near ties) against the reference engine's own jump rate (compare/jumps.py):
+"""Jumps (divergences outside near ties) against the reference engine's own jump rate (compare/parity/jumps.py):
 benign only where rounding-only comparisons jump as often; with no such evidence every jump FAILs."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from harness.cli import main
-from harness.compare.generation import check_generation
-from harness.compare.jumps import JumpEvidence, JumpTest
-from harness.compare.schedule import Steps, compare_consistency, compare_schedules, evidence_of, grade
+from harness.compare.parity.generation import check_generation
+from harness.compare.parity.jumps import JumpEvidence, JumpTest
+from harness.compare.parity.schedule import Steps, compare_consistency, compare_schedules, evidence_of, grade
 from harness.compare.settings import (
     ConsistencySettings,
     GenerationSettings,

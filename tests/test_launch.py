@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.backends.embedded import WORKER_MODULE
-from harness.backends.embedded_worker import INJECT_ENV
+from harness.backends.embedded.backend import WORKER_MODULE
+from harness.backends.embedded.worker import INJECT_ENV
 from harness.core.jsonio import write_json
+from harness.formats.locate import load_model
 from harness.launcher import forkserver
 from harness.launcher.launch import LAUNCHER_ENV, descendants, thread_env
 from harness.records.artifacts import read_run
 from harness.records.contract import Job
-from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 from tests.conftest import TEST_PROMPTS, launch_run
 from tests.test_cli_signals import processes_naming
@@ -143,7 +143,7 @@ def test_an_engine_server_forked_first_leaves_later_launches_warm(tmp_path: Path
 import os, sys
 os.environ.pop("OMP_WAIT_POLICY", None)
 from pathlib import Path
-from harness.backends.http_server import running_server
+from harness.backends.http.server import running_server
 from harness.launcher import forkserver
 from harness.launcher.launch import thread_env
 with running_server([sys.executable, "-m", "harness", "--version"], {{}}, Path({str(tmp_path)!r}) / "server.log",

@@ -1,4 +1,4 @@
-"""The engine's matmuls against fixed weights (harness/engine/linear.py) and its bounded forwards
+"""The engine's matmuls against fixed weights (harness/engine/layers/linear.py) and its bounded forwards
 (token_groups): the packed oneDNN path computes x @ w.T (to rounding) where its rule sends a call, torch's
 matmul (the same bits) elsewhere, and a generation split into more forwards gives the same tokens."""
 
@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import harness.engine.scheduler as scheduler
-from harness.engine.engine import Engine, token_groups
-from harness.engine.linear import PACK_MIN, PACK_ONE_ROW_MIN, PACK_WORK, Linear
-from harness.engine.parallel import ParallelState
-from harness.engine.scheduler import generate
-from harness.engine.weights import load_weights
-from harness.specs.checkpoint import load_model
+import harness.engine.runtime.scheduler as scheduler
+from harness.engine.layers.linear import PACK_MIN, PACK_ONE_ROW_MIN, PACK_WORK, Linear
+from harness.engine.runtime.engine import Engine, token_groups
+from harness.engine.runtime.parallel import ParallelState
+from harness.engine.runtime.scheduler import generate
+from harness.formats.locate import load_model
+from harness.formats.weights import load_weights
 from harness.specs.pool import PoolSettings
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness.backends.http import missing_modules
+from harness.backends.http.backend import missing_modules
 
 
 def test_a_venv_sharing_this_interpreter_binary_is_asked_for_its_own_packages(tmp_path: Path) -> None:

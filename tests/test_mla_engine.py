@@ -14,8 +14,8 @@ import torch
 from harness.cli import main
 from harness.engine.fault_scope import inert_reason
 from harness.flow.runner import skip_reason
+from harness.formats.locate import load_model
 from harness.partition.layout import local_positions
-from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 from tests.test_engine_parity import ATOL, _max_err
 
@@ -143,7 +143,7 @@ def test_cells_a_fault_or_mode_cannot_act_on_are_skips(fault: str | None, model:
 def test_http_engines_skip_the_placements_their_templates_cannot_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     """An MLA model is served from its DeepSeek-V2 export (tests/test_deepseek_export.py); a placement or Q mode the
     template has no option for is a SKIP naming the axis, never a run with another layout."""
-    from harness.backends.http import HttpBackend
+    from harness.backends.http.backend import HttpBackend
 
     backend = HttpBackend("harness-serve")
     assert backend.skip_reason(load_model("tiny-mla"), parse_topology_name("tp2")) is None

@@ -15,18 +15,18 @@ from harness.arch.model import model_of
 from harness.arch.plan import plan_model
 from harness.arch.scope import inert_reason
 from harness.cli import main
-from harness.compare.hybrid_layout_check import check_hybrid_layout
+from harness.compare.layout.hybrid import check_hybrid_layout
 from harness.core.errors import ConfigError
 from harness.core.verdict import Verdict
-from harness.engine.dp_moe import DpSplit, combine, gathered_rows
 from harness.engine.faults import FAULTS, FaultFlags, fault_flags
-from harness.engine.hybrid import shard_moe
-from harness.engine.moe import MoeRows, moe_activations
-from harness.engine.weights import load_weights
+from harness.engine.layers.dp_moe import DpSplit, combine, gathered_rows
+from harness.engine.layers.hybrid import shard_moe
+from harness.engine.layers.moe import MoeRows, moe_activations
+from harness.formats.locate import load_model
+from harness.formats.weights import load_weights
 from harness.partition.expert_map import expert_map, local_first_pick
 from harness.partition.hybrid_layout import plan_moe
 from harness.records.results import results_cells
-from harness.specs.checkpoint import load_model
 from harness.specs.topology import GRAMMAR, Topology, parse_topology_name
 
 DP_FAULTS = ("dp-pad-local-count", "dp-dummy-topk-wrap", "redundant-expert-twice", "dp-shared-unreduced")

@@ -1,11 +1,12 @@
-"""Where a cell's noise comes from (harness/compare/noise_source.py), on in-memory runs: a noise run that measures
-nothing (absent, failed, bit-identical to its reference: a deterministic HTTP engine's scheduling twin) is detected,
-and a noise run measured against another engine's reference on the same checkpoint (CellContext.noise_ref) sets the
-bounds, with the source named in every noise-scaled check's reason. Positive controls: a parallel run far beyond the
-borrowed noise still FAILs, and a near tie read from the parallel side excuses nothing where the reference's token is
-outside the parallel top-k too. On a real HTTP engine (harness-serve answering one prompt: its scheduling twin is
-bit-identical) the runner borrows the embedded engine's pair, caches it, names it, a clean tp2 PASSes and a fault
-FAILs under it (2 runs, 3 server starts, about 45 s); on vLLM: tests/test_vllm_cpu.py (the Qwen3-Next cells)."""
+"""Where a cell's noise comes from (harness/compare/parity/noise_source.py), on in-memory runs: a noise run that
+measures nothing (absent, failed, bit-identical to its reference: a deterministic HTTP engine's scheduling twin) is
+detected, and a noise run measured against another engine's reference on the same checkpoint (CellContext.noise_ref)
+sets the bounds, with the source named in every noise-scaled check's reason. Positive controls: a parallel run far
+beyond the borrowed noise still FAILs, and a near tie read from the parallel side excuses nothing where the
+reference's token is outside the parallel top-k too. On a real HTTP engine (harness-serve answering one prompt: its
+scheduling twin is bit-identical) the runner borrows the embedded engine's pair, caches it, names it, a clean tp2
+PASSes and a fault FAILs under it (2 runs, 3 server starts, about 45 s); on vLLM: tests/test_vllm_cpu.py (the
+Qwen3-Next cells)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks
 from harness.checks.settings import CheckSettings
 from harness.cli import main
-from harness.compare.generation import check_generation
-from harness.compare.noise_source import measures_nothing
+from harness.compare.parity.generation import check_generation
+from harness.compare.parity.noise_source import measures_nothing
+from harness.compare.parity.topk import check_topk
 from harness.compare.settings import GenerationSettings, LogitsSettings
-from harness.compare.topk import check_topk
 from harness.core.verdict import Verdict
 from harness.partition.layout import plan_layout
 from harness.records.contract import FULL_ARTIFACTS, Capabilities

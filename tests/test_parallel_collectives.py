@@ -1,5 +1,5 @@
-"""The engine's collectives on the CPU (harness/engine/parallel.py), in real forked ranks, on both paths:
-shared memory among the ranks of one machine (the default; harness/engine/shm_group.py) and gloo
+"""The engine's collectives on the CPU (harness/engine/runtime/parallel.py), in real forked ranks, on both paths:
+shared memory among the ranks of one machine (the default; harness/engine/runtime/shm_group.py) and gloo
 (HARNESS_SHM_COLLECTIVES=0: gloo's all_gather, and for an all-reduce a sum of it in member order). Both
 give every rank the same all-reduce, within the rounding of tp - 1 additions in the tensor's dtype of the
 exact sum, and exactly the member-order sum (slot-sized pieces and all), so the two paths are
@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from harness.core.errors import ConfigError
-from harness.engine import shm_group
+from harness.engine.runtime import shm_group
 from harness.partition.layout import dcp_members_of
 from tests.collectives_worker import HANG_TIMEOUT_S, LARGE, MATCHED, MISMATCH_TIMEOUT_S, SIZES
 

@@ -1,5 +1,5 @@
-"""Every checkpoint tensor a rank holds against the plan's slice (harness/engine/param_report.py traces the
-engine's own shard code; harness/arch/param_slices.py plans; harness/compare/param_check.py compares): every
+"""Every checkpoint tensor a rank holds against the plan's slice (harness/engine/runtime/param_report.py traces the
+engine's own shard code; harness/arch/param_slices.py plans; harness/compare/layout/params.py compares): every
 rank of every shipped model (and the unshipped test shapes) at topologies of each kind holds exactly its
 planned slices, and layout faults of every architecture show as named tensors held off the plan."""
 
@@ -12,14 +12,14 @@ import torch
 
 from harness.arch.model import model_of
 from harness.arch.plan import plan_model
-from harness.compare.param_check import ParamProblem, param_problems
-from harness.engine.decoders import RankBuild, build_rank
+from harness.compare.layout.params import ParamProblem, param_problems
 from harness.engine.faults import fault_flags
-from harness.engine.parallel import ParallelState
-from harness.engine.parallelize import rank_report
-from harness.engine.weights import load_weights
+from harness.engine.runtime.decoders import RankBuild, build_rank
+from harness.engine.runtime.parallel import ParallelState
+from harness.engine.runtime.parallelize import rank_report
+from harness.formats.locate import load_model
+from harness.formats.weights import load_weights
 from harness.records.rankreport import RankReport
-from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 
 DATA = Path(__file__).parent / "data" / "models"

@@ -10,7 +10,7 @@ import torch
 
 from harness.compare.pd_transfer import check_consistency, check_load
 from harness.core.verdict import Verdict
-from harness.engine.pd_store import row_digest
+from harness.engine.pd.store import row_digest
 
 POLICY = {"max_attempts": 3, "deadline_s": 10.0, "backoff_s": 0.05, "on_failure": "recompute"}
 

@@ -14,12 +14,12 @@ from harness.arch.model import model_of
 from harness.compare.pd_transfer import check_transfer
 from harness.core.verdict import Verdict
 from harness.engine.fault_scope import inert_reason
-from harness.engine.pd_state import assemble, state_digests
+from harness.engine.pd.state import assemble, state_digests
+from harness.formats.locate import load_model
 from harness.partition.hybrid_layout import HybridShape, LinearRank, plan_hybrid
 from harness.partition.layout import AttentionShape
 from harness.partition.pd_layout import plan_pd, plan_pd_state
 from harness.partition.pd_state import plan_state_moves, same_rank_moves
-from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 
 SHAPE = AttentionShape(heads=12, kv_heads=2, head_dim=4, layers=8, dtype_bytes=4)

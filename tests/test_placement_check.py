@@ -6,8 +6,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from harness.compare.layout_check import check_layout, reports_by_rank
-from harness.compare.placement_check import placement_problems, q_weight_problems
+from harness.compare.layout.attention import check_layout, reports_by_rank
+from harness.compare.layout.placement import placement_problems, q_weight_problems
 from harness.core.verdict import Verdict
 from harness.partition.layout import AttentionShape, LayoutPlan, Placement, local_positions, plan_layout
 

@@ -13,11 +13,11 @@ import torch
 
 from harness.cli import main
 from harness.core.errors import ConfigError
-from harness.engine.engine import Engine
-from harness.engine.parallel import ParallelState
-from harness.engine.weights import load_weights, validate_checkpoint
-from harness.export import export_model
-from harness.specs.checkpoint import load_model
+from harness.engine.runtime.engine import Engine
+from harness.engine.runtime.parallel import ParallelState
+from harness.formats.export import export_model
+from harness.formats.locate import load_model
+from harness.formats.weights import load_weights, validate_checkpoint
 
 IDS = [list(b"The capital of France is"), list(b"def f(x):\n    return x * 2")]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from harness.backends.http_layout import probe_layout
+from harness.backends.http.layout import probe_layout
 from harness.records.rankreport import (
     WIRE_ORDER,
     CacheGroupsReport,

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.cli.plan import plan_document
+from harness.cli.plan.command import plan_document
 from harness.core.errors import ConfigError
-from harness.engine.weights import load_weights
-from harness.specs.checkpoint import load_model
+from harness.formats.locate import load_model
+from harness.formats.weights import load_weights
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 DSV2_LITE = str(CONFIGS / "deepseek-v2-lite")

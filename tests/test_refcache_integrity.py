@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness.cli import main
-from harness.compare.bounds import NOISE_PLAUSIBLE_ROUNDOFFS, UNIT_ROUNDOFF, NoiseLimit
-from harness.compare.logits import check_logits
+from harness.compare.parity.bounds import NOISE_PLAUSIBLE_ROUNDOFFS, UNIT_ROUNDOFF, NoiseLimit
+from harness.compare.parity.logits import check_logits
 from harness.compare.settings import LogitsSettings, parse_section
 from harness.core.errors import ConfigError
 from harness.core.paths import CACHE_NAME, default_cache_dir

@@ -108,7 +108,7 @@ def test_export_without_the_real_extra_says_what_to_install(tmp_path: Path) -> N
 def test_failed_export_leaves_no_folder_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     """A failure after the weights are written (here: the tokenizer step) removes the staging folder."""
-    import harness.export as export
+    import harness.formats.export as export
 
     def broken(spec: object, folder: Path) -> None:
         raise OSError(28, "No space left on device")

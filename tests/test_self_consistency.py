@@ -1,4 +1,4 @@
-"""self_consistency (harness/compare/self_consistency.py) and its workload: the same prompts sent again
+"""self_consistency (harness/compare/parity/self_consistency.py) and its workload: the same prompts sent again
 into reused slots and state, in another order and alone, held against their first copy without any
 reference. Unit controls on synthetic runs; end to end on tiny-hybrid at tp2 (real gloo ranks): clean
 PASS (negative control), and the shared state-slot-stale fault FAILs self_consistency while every
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.compare.self_consistency import check_self_consistency, copies
+from harness.compare.parity.self_consistency import check_self_consistency, copies
 from harness.compare.settings import SelfConsistencySettings
 from harness.core.errors import ConfigError
 from harness.core.verdict import Verdict

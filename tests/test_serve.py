@@ -13,14 +13,14 @@ import httpx
 import pytest
 import torch
 
-from harness.backends.http_dialects import SglangDialect, VllmDialect, post_json
-from harness.backends.http_server import Server, free_port, running_server, wait_ready
-from harness.engine.engine import Engine
-from harness.engine.parallel import ParallelState
-from harness.engine.scheduler import generate
-from harness.engine.weights import load_weights
+from harness.backends.http.dialects import SglangDialect, VllmDialect, post_json
+from harness.backends.http.server import Server, free_port, running_server, wait_ready
+from harness.engine.runtime.engine import Engine
+from harness.engine.runtime.parallel import ParallelState
+from harness.engine.runtime.scheduler import generate
+from harness.formats.locate import load_model
+from harness.formats.weights import load_weights
 from harness.launcher.launch import THREADS_ENV, available_cores, threads_per_process
-from harness.specs.checkpoint import load_model
 
 SEQUENCES = [[72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100], [81, 58, 32, 49, 55]]
 K = 5

@@ -16,9 +16,9 @@ from typing import Iterator
 import httpx
 import pytest
 
-from harness.backends.http_server import Server
+from harness.backends.http.server import Server
+from harness.formats.locate import load_model
 from harness.serve.worker import ServeConfig
-from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 from tests.test_serve import serving
 

@@ -1,4 +1,4 @@
-"""One engine server per engine configuration for a whole `harness run` (harness/backends/server_pool.py), over
+"""One engine server per engine configuration for a whole `harness run` (harness/backends/http/pool.py), over
 the harness's own HTTP server (`--engine harness-serve`, real servers on loopback): the reference, its noise
 twin and every cell of one configuration share a server; the verdicts equal those of a server per run; kept
 servers (--keep-servers) are reused by the next run and stopped by a run without the flag; a server that dies
@@ -17,16 +17,16 @@ from typing import Any
 
 import pytest
 
-from harness.backends.http import HttpBackend
-from harness.backends.http_capture import CASES_FILE, write_probe_cases
-from harness.backends.http_server import free_port, running_server, wait_ready
-from harness.backends.server_pool import PID_FILE, STATE_FILE, pid_alive, stop_kept
+from harness.backends.http.backend import HttpBackend
+from harness.backends.http.capture import CASES_FILE, write_probe_cases
+from harness.backends.http.pool import PID_FILE, STATE_FILE, pid_alive, stop_kept
+from harness.backends.http.server import free_port, running_server, wait_ready
 from harness.cli import build_parser, main
 from harness.cli.run import build_request
 from harness.core.jsonio import read_json
 from harness.flow.runner import CellPlan, Runner, serving_order
+from harness.formats.locate import load_model
 from harness.records.results import results_cells
-from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 
 TP = ["run", "--suite", "tp", "--model", "tiny-gqa", "--engine", "harness-serve", "--topo", "tp2,tp4",

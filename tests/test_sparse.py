@@ -1,4 +1,5 @@
-"""Sparse attention (harness/partition/sparse_layout.py, harness/engine/sparse.py, harness/compare/sparse_check.py):
+"""Sparse attention (harness/partition/sparse_layout.py, harness/engine/layers/sparse.py,
+harness/compare/layout/sparse.py):
 the indexer's split and row planners against brute force, cache groups sized as one slot count with named
 errors, the selection check's positive and negative controls, and the dsa faults end to end (each a silent
 corruption FAIL of a real multi-process run, the clean cells passing)."""
@@ -13,12 +14,13 @@ import pytest
 import torch
 
 from harness.cli import main
-from harness.cli.plan import plan_document, render_table
-from harness.compare.sparse_check import near_tie_bound, selection_problems
+from harness.cli.plan.command import plan_document, render_table
+from harness.compare.layout.sparse import near_tie_bound, selection_problems
 from harness.core.errors import ConfigError
 from harness.engine.fault_scope import inert_reason
 from harness.engine.faults import FAULTS, fault_flags
-from harness.engine.sparse import top_tokens
+from harness.engine.layers.sparse import top_tokens
+from harness.formats.locate import load_model
 from harness.partition.cache_groups import (
     CacheBudgetExhausted,
     CacheGroup,
@@ -39,7 +41,6 @@ from harness.partition.sparse_layout import (
     sparse_cache_groups,
 )
 from harness.records.rankreport import SparseReport
-from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 from tests.test_engine_parity import ATOL, _max_err
 

@@ -9,7 +9,7 @@ import pytest
 from harness.checks.catalog import sections as registered_sections
 from harness.checks.settings import load_suite
 from harness.core.errors import ConfigError
-from harness.specs.checkpoint import load_model
+from harness.formats.locate import load_model
 from harness.specs.model import ModelSpec, model_from_dict, shipped_models
 from harness.specs.suite import Suite, shipped_suites
 from harness.specs.topology import Topology, load_catalog, parse_topology_name

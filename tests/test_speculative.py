@@ -7,29 +7,29 @@ import dataclasses
 import pytest
 import torch
 
-from harness.compare.layout_check import check_layout_with_pool
+from harness.compare.layout.attention import check_layout_with_pool
 from harness.compare.settings import AcceptanceSettings, LosslessSettings
 from harness.compare.speculative import check_acceptance, check_lossless
 from harness.core.acceptance import histogram, mean_accepted_length, total_variation
 from harness.core.errors import ConfigError, RunError
 from harness.core.verdict import Verdict
-from harness.engine.engine import Engine
 from harness.engine.faults import FAULTS, FaultFlags, fault_flags
-from harness.engine.kvcache import PagedKVCache
-from harness.engine.parallel import ParallelState
-from harness.engine.scheduler import generate, run_speculative_cases, speculate
-from harness.engine.speculative import SpecResult, SpeculativeDecoder, spec_manifest, spec_tensors
-from harness.engine.speculator import (
+from harness.engine.runtime.engine import Engine
+from harness.engine.runtime.kvcache import PagedKVCache
+from harness.engine.runtime.parallel import ParallelState
+from harness.engine.runtime.scheduler import generate, run_speculative_cases, speculate
+from harness.engine.speculative.decoding import SpecResult, SpeculativeDecoder, spec_manifest, spec_tensors
+from harness.engine.speculative.speculator import (
     SpeculativeSettings,
     Speculator,
     speculator_for,
     speculator_plan,
     speculator_weights,
 )
-from harness.engine.tokenizer import load_tokenizer
-from harness.engine.weights import load_weights
+from harness.formats.locate import load_model
+from harness.formats.tokenizer import load_tokenizer
+from harness.formats.weights import load_weights
 from harness.partition.layout import plan_layout, plan_speculator, pool_capacity, slot_pool
-from harness.specs.checkpoint import load_model
 from harness.specs.model import ModelSpec
 from harness.specs.pool import PoolSettings
 from harness.specs.topology import Topology, parse_topology_name

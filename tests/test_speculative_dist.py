@@ -15,18 +15,18 @@ from typing import Any
 
 import pytest
 
-from harness.compare.layout_check import check_layout_with_pool
+from harness.compare.layout.attention import check_layout_with_pool
 from harness.compare.speculative import check_acceptance, check_lossless
 from harness.core.verdict import Verdict
-from harness.engine.engine import Engine
-from harness.engine.parallel import ParallelState
-from harness.engine.scheduler import generate, run_speculative_cases
-from harness.engine.speculator import speculator_for
-from harness.engine.tokenizer import load_tokenizer
-from harness.engine.weights import load_weights
+from harness.engine.runtime.engine import Engine
+from harness.engine.runtime.parallel import ParallelState
+from harness.engine.runtime.scheduler import generate, run_speculative_cases
+from harness.engine.speculative.speculator import speculator_for
+from harness.formats.locate import load_model
+from harness.formats.tokenizer import load_tokenizer
+from harness.formats.weights import load_weights
 from harness.launcher.launch import thread_env
 from harness.partition.layout import plan_layout, plan_speculator, slot_pool
-from harness.specs.checkpoint import load_model
 from harness.specs.pool import PoolSettings
 from harness.specs.speculative import SpeculativeSettings
 from tests.conftest import TEST_LAUNCH_TIMEOUT_S
@@ -69,7 +69,7 @@ def dist(spec_and_prompts, tmp_path_factory: pytest.TempPathFactory) -> dict[str
               "out": str(folder / "out.json")}
     (folder / "config.json").write_text(json.dumps(config))
     cmd = [sys.executable, "-m", "harness.launcher.forkrun", f"--nproc={TP}",  # torchrun's environment, one import
-           "--module=harness.engine.speculative_selftest", "--", str(folder / "config.json")]
+           "--module=harness.engine.speculative.selftest", "--", str(folder / "config.json")]
     env = {**os.environ, **thread_env(TP, dict(os.environ))}  # as launch() gives its ranks: no oversubscription
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TEST_LAUNCH_TIMEOUT_S, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

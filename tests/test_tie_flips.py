@@ -1,4 +1,4 @@
-"""The near-tie flip test (harness/compare/tie_flips.py): exact binomial tail, limit, prior and floor."""
+"""The near-tie flip test (harness/compare/parity/tie_flips.py): exact binomial tail, limit, prior and floor."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from harness.compare.parity.tie_flips import binomial_tail, tie_flip_test
 from harness.compare.settings import LogitsSettings
-from harness.compare.tie_flips import binomial_tail, tie_flip_test
 from harness.core.errors import ConfigError
 
 

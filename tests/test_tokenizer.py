@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from harness.core.errors import ConfigError
-from harness.engine.tokenizer import ByteTokenizer, TokenizersTokenizer, gguf_tokenizer, load_tokenizer
-from harness.engine.weights import load_weights
-from harness.specs.checkpoint import load_model
+from harness.formats.locate import load_model
+from harness.formats.tokenizer import ByteTokenizer, TokenizersTokenizer, gguf_tokenizer, load_tokenizer
+from harness.formats.weights import load_weights
 from harness.specs.model import ModelSpec
 from tests.ckpt_helpers import smollm2_gguf, write_gguf
 
@@ -155,11 +155,11 @@ def test_gguf_tokenizer_matches_transformers(smollm2_tokenizers: tuple[Tokenizer
 
 def test_gguf_tokenizer_from_the_conversion_cache_equals_a_fresh_parse(
         smollm2_tokenizers: tuple[TokenizersTokenizer, Any]) -> None:
-    """load_tokenizer reads the converted tokenizer (harness/engine/gguf_cache.py), not the GGUF's 49k-entry
+    """load_tokenizer reads the converted tokenizer (harness/formats/gguf/cache.py), not the GGUF's 49k-entry
     metadata; it must be the same tokenizer as parsing the file now."""
-    from harness.engine.gguf_cache import cache_folder
-    from harness.engine.tokenizer import parse_gguf_tokenizer
-    from harness.specs.checkpoint import checkpoint_path
+    from harness.formats.gguf.cache import cache_folder
+    from harness.formats.locate import checkpoint_path
+    from harness.formats.tokenizer import parse_gguf_tokenizer
 
     ours, _ = smollm2_tokenizers
     path = checkpoint_path(load_model("smollm2-135m"))

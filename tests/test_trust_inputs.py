@@ -19,7 +19,7 @@ from harness.cli import main
 from harness.core.errors import ConfigError
 from harness.core.paths import MODELS_DIR, PROJECT_ROOT, SUITES_DIR
 from harness.core.verdict import ExitCode
-from harness.specs.checkpoint import load_model
+from harness.formats.locate import load_model
 from harness.specs.engine import load_engine
 from harness.specs.topology import load_catalog
 from tests.conftest import mounted_tmpfs
@@ -331,7 +331,7 @@ def test_an_engine_template_with_a_stray_brace_is_one_config_error(tmp_path: Pat
 @pytest.mark.parametrize("dialect, answer", [("sglang", [{"text": ""}]), ("vllm", {"choices": [[1]]}),
                                              ("openai", {"choices": [{"logprobs": {"tokens": 5}}]})])
 def test_a_malformed_server_answer_is_one_run_error(dialect: str, answer: object) -> None:
-    from harness.backends.http_dialects import DIALECTS
+    from harness.backends.http.dialects import DIALECTS
     from harness.core.errors import RunError
     client = DIALECTS[dialect](lambda path, body: answer, "m")
     with pytest.raises(RunError, match=f"not a {dialect} dialect's answer"):

@@ -2,7 +2,7 @@
 installs it into .venv-vllm, or set HARNESS_VLLM_PYTHON), on a model vLLM can load (tiny-hd64: head_dim 64).
 
 Two harness runs for the whole module (each vLLM server start costs tens of seconds), each starting one server
-per engine configuration (harness/backends/server_pool.py): the spec suite at tp2, tp4, tp2dcp2 and tp2-draft (one
+per engine configuration (harness/backends/http/pool.py): the spec suite at tp2, tp4, tp2dcp2 and tp2-draft (one
 reference and noise twin for all; 6 servers: tp1 for the reference, its noise twin and the tp1-draft reference's
 plain run, tp2 for the tp2 cell and tp2-draft's plain run, tp4, tp2dcp2, and the two speculative ones), and the
 same tp2 with the test plugin's fault (HARNESS_VLLM_FAULT=kv-shard: TP rank 1 loads another rank's K/V shard; 2

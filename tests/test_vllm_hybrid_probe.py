@@ -15,11 +15,11 @@ import pytest
 
 from harness.arch.model import model_of
 from harness.arch.plan import plan_model
-from harness.backends.http_layout import probe_layout
-from harness.compare.hybrid_layout_check import check_hybrid_layout
+from harness.backends.http.layout import probe_layout
+from harness.compare.layout.hybrid import check_hybrid_layout
 from harness.core.verdict import Verdict
+from harness.formats.locate import load_model
 from harness.records.rankreport import LayoutSchemaError
-from harness.specs.checkpoint import load_model
 from harness.specs.topology import parse_topology_name
 
 SPEC = load_model("tiny-qwen3next")  # 4 Q / 2 KV heads of 64; GDN 2 K / 6 V heads of 128; 8 experts of 64

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from harness.core.errors import ConfigError
-from harness.engine.checkpoint import save_hf_checkpoint
-from harness.engine.names import expected_shapes, hf_name
-from harness.engine.weights import load_weights, weights_hash
-from harness.specs.checkpoint import load_model, spec_from_checkpoint
-from harness.specs.gguf_file import unpermute_rows
+from harness.formats.checkpoint import save_hf_checkpoint
+from harness.formats.gguf.file import unpermute_rows
+from harness.formats.locate import load_model, spec_from_checkpoint
+from harness.formats.names import expected_shapes, hf_name
+from harness.formats.weights import load_weights, weights_hash
 from harness.specs.model import ModelSpec, shipped_models
 from tests.ckpt_helpers import llama_cpp_permute, save_hf, smollm2_gguf, tiny_llama, tiny_qwen2, write_gguf
 
@@ -70,7 +70,7 @@ def test_synthetic_tensors_do_not_depend_on_creation_order() -> None:
 
 
 def test_synthetic_weights_are_identical_in_separate_processes() -> None:
-    code = ("from harness.specs.checkpoint import load_model; from harness.engine.weights import load_weights, "
+    code = ("from harness.formats.locate import load_model; from harness.formats.weights import load_weights, "
             "weights_hash; print(weights_hash(load_weights(load_model('tiny-kv6'))))")
     hashes = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
               for _ in range(2)}
@@ -148,7 +148,7 @@ def test_bfloat16_checkpoint_is_loaded_as_float32(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2-tied"])
 def test_reference_logits_match_transformers(build: Any, tmp_path: Path) -> None:
-    single = pytest.importorskip("harness.engine.single")
+    single = pytest.importorskip("harness.engine.runtime.single")
     model = build()
     spec = spec_from_checkpoint(save_hf(model, tmp_path / "ckpt"))
     ids = [5, 17, 250, 3, 99, 42, 7, 180, 64, 2]
@@ -192,12 +192,12 @@ def test_gguf_quantized_q_and_k_are_dequantized_and_unpermuted(tmp_path: Path) -
 
 def test_gguf_conversion_is_cached_per_file_and_equals_a_fresh_dequantize(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """A GGUF is dequantized once into CACHE/gguf (harness/engine/gguf_cache.py); later loads read the
+    """A GGUF is dequantized once into CACHE/gguf (harness/formats/gguf/cache.py); later loads read the
     converted safetensors, bit-identical to a fresh dequantize; a rewritten file gets a new entry."""
     import os
 
-    from harness.engine.gguf_cache import cache_folder
-    from harness.engine.weights import dequantize_gguf_file
+    from harness.formats.gguf.cache import cache_folder
+    from harness.formats.weights import dequantize_gguf_file
 
     monkeypatch.setenv("HARNESS_CACHE_DIR", str(tmp_path / "cache"))
     spec = dataclasses.replace(SMALL, tied_embeddings=True)
@@ -263,7 +263,7 @@ def test_smollm2_q_k_are_not_left_in_gguf_order(
 @pytest.mark.xdist_group("smollm2-transformers")  # one load of the model (~25 s)
 def test_smollm2_reference_logits_match_transformers(smollm2_ours: dict[str, torch.Tensor],
                                                      smollm2_model: Any) -> None:
-    single = pytest.importorskip("harness.engine.single")
+    single = pytest.importorskip("harness.engine.runtime.single")
     ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 28]
     logits = single.reference_logits(load_model("smollm2-135m"), smollm2_ours, ids)
     with torch.no_grad():

@@ -14,17 +14,18 @@ import torch
 
 from harness.cases import build_workload_cases, workload_manifest
 from harness.cli import main
-from harness.compare.bounds import Bound
-from harness.compare.schedule import check_consistency, check_schedule
+from harness.compare.parity.bounds import Bound
+from harness.compare.parity.schedule import check_consistency, check_schedule
 from harness.compare.settings import ConsistencySettings, ScheduleSettings
 from harness.core.errors import ConfigError
 from harness.core.verdict import Verdict
-from harness.engine.engine import Engine
 from harness.engine.faults import fault_flags
-from harness.engine.parallel import ParallelState
-from harness.engine.scheduler import Lane, ServeSettings, ServingLoop
-from harness.engine.tokenizer import load_tokenizer
-from harness.engine.weights import load_weights
+from harness.engine.runtime.engine import Engine
+from harness.engine.runtime.parallel import ParallelState
+from harness.engine.runtime.scheduler import Lane, ServeSettings, ServingLoop
+from harness.formats.locate import load_model
+from harness.formats.tokenizer import load_tokenizer
+from harness.formats.weights import load_weights
 from harness.records.artifacts import Case, RunArtifacts
 from harness.records.contract import (
     GEN_TOKENS,
@@ -37,7 +38,6 @@ from harness.records.contract import (
     TWIN_TOPK_LOGPROBS,
     tensor_key,
 )
-from harness.specs.checkpoint import load_model
 from harness.specs.pool import PoolSettings
 from harness.specs.suite import Suite
 from harness.specs.topology import Topology

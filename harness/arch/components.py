@@ -39,7 +39,7 @@ from harness.partition.sparse_layout import SparseShape, plan_sparse
 from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
 
-# what a rank says it holds of its attention (engine/parallelize.py actual_layout; layout_check.py reads them)
+# what a rank says it holds of its attention (engine/runtime/parallelize.py actual_layout; layout_check.py reads them)
 ATTENTION_FIELDS: tuple[str, ...] = ("q_heads", "kv_heads", "dcp_group", "dcp_rank", "dcp_members", "kv_tp_rank",
                                      "q_to_kv", "ffn_shard", "vocab_shard", "group_q_heads", "group_q_to_kv",
                                      "kv_pool_bytes", "kv_pool_blocks", "kv_weight_checksums")
@@ -94,7 +94,7 @@ class Attention(Component):
     """Dense multi-head / grouped-query attention with decode context parallel (layout.py)."""
 
     name: ClassVar[str] = "attention"
-    engine_module: ClassVar[str] = "harness.engine.model"
+    engine_module: ClassVar[str] = "harness.engine.layers.dense"
     report_fields: ClassVar[tuple[str, ...]] = ATTENTION_FIELDS
 
     def plan(self, spec: ModelSpec, topo: Topology) -> dict[str, Any]:
@@ -110,7 +110,7 @@ class LatentAttention(Component):
     (mla_layout.py), Q split or replicated over the DCP group."""
 
     name: ClassVar[str] = "mla"
-    engine_module: ClassVar[str] = "harness.engine.mla"
+    engine_module: ClassVar[str] = "harness.engine.layers.mla"
     report_fields: ClassVar[tuple[str, ...]] = ATTENTION_FIELDS + ("q_mode", "q_weight_heads", "q_weight_checksums",
                                                                    "latent_dim", "kv_bytes_per_token")
     faults: ClassVar[frozenset[str]] = frozenset({"mla-rope-local-slot", "q-replicated-own-slice"})
@@ -122,7 +122,7 @@ class LatentAttention(Component):
     def inert_reason(self, site: FaultSite) -> str | None:
         return layout_inert(site)
 
-    # exported as DeepSeek-V2 (harness/engine/checkpoint.py): no refusal
+    # exported as DeepSeek-V2 (harness/formats/checkpoint.py): no refusal
 
 
 class SparseAttention(Component):
@@ -131,7 +131,7 @@ class SparseAttention(Component):
     DCP token placement, its query rows are selected in shards over the DCP group (sparse_layout.py)."""
 
     name: ClassVar[str] = "sparse_attention"
-    engine_module: ClassVar[str] = "harness.engine.sparse"
+    engine_module: ClassVar[str] = "harness.engine.layers.sparse"
     report_fields: ClassVar[tuple[str, ...]] = ATTENTION_FIELDS + ("sparse",)
     layout_check: ClassVar[str] = "sparse"  # attention, indexer, cache groups and the selection trace
     faults: ClassVar[frozenset[str]] = frozenset({"dsa-local-topk", "dsa-indexer-offset", "dsa-sinks-evicted",
@@ -172,7 +172,7 @@ class GatedAttention(Component):
     output gate split with Q (hybrid_layout.py); they alone hold KV pages."""
 
     name: ClassVar[str] = "gated_attention"
-    engine_module: ClassVar[str] = "harness.engine.hybrid"
+    engine_module: ClassVar[str] = "harness.engine.layers.hybrid"
     report_fields: ClassVar[tuple[str, ...]] = ATTENTION_FIELDS
     layout_check: ClassVar[str] = "hybrid"  # attention, linear attention, MoE and cache groups together
     takes_dp: ClassVar[bool] = True  # each DP rank holds the whole attention (replicate_dp)
@@ -202,7 +202,7 @@ class GatedAttention(Component):
         return layout_inert(site)
 
     def export_refusal(self, spec: ModelSpec) -> str | None:
-        """Exported as Qwen3-Next (harness/engine/qwen3_next.py) where the model computes Qwen3-Next's function."""
+        """Exported as Qwen3-Next (harness/formats/hf/qwen3_next.py) where the model computes Qwen3-Next's function."""
         h = self.shape
         missing = [what for what, ok in (("q_norm/k_norm (qk_norm: true)", h.qk_norm),
                                          ("an output gate (attn_output_gate: true)", h.attn_output_gate),
@@ -226,7 +226,7 @@ class MoE(Component):
     """Mixture of experts with expert parallel: experts over ep ranks, their columns over tp // ep."""
 
     name: ClassVar[str] = "moe"
-    engine_module: ClassVar[str] = "harness.engine.moe"
+    engine_module: ClassVar[str] = "harness.engine.layers.moe"
     report_fields: ClassVar[tuple[str, ...]] = ("hybrid.moe",)
     takes_ep: ClassVar[bool] = True
     takes_dp: ClassVar[bool] = True  # tokens of every DP rank gathered (padded) for the experts
@@ -276,7 +276,7 @@ class GatedDeltaNet(Component):
     kept whole under DCP (hybrid_layout.py)."""
 
     name: ClassVar[str] = "linear_attention"
-    engine_module: ClassVar[str] = "harness.engine.deltanet"
+    engine_module: ClassVar[str] = "harness.engine.layers.deltanet"
     report_fields: ClassVar[tuple[str, ...]] = ("hybrid.linear", "hybrid.cache_groups")
     prefix_cacheable: ClassVar[bool] = False  # the recurrent state of a position is not kept: no prefix hits
     takes_dp: ClassVar[bool] = True  # each DP rank holds every linear head for its own requests
@@ -307,7 +307,7 @@ class Speculator(Component):
     target's first layers (else seeded dense layers: a hybrid target's layers are not attention)."""
 
     name: ClassVar[str] = "speculator"
-    engine_module: ClassVar[str] = "harness.engine.speculator"
+    engine_module: ClassVar[str] = "harness.engine.speculative.speculator"
     report_fields: ClassVar[tuple[str, ...]] = ATTENTION_FIELDS
 
     def __init__(self, copies_target: bool = True, deepseek_mtp: bool = False) -> None:

@@ -1,6 +1,6 @@
 """The slice of every checkpoint tensor each rank should hold, from the layout plans.
 
-One rule per sharding pattern, matched on the tensor's canonical name (harness/engine/names.py) without its
+One rule per sharding pattern, matched on the tensor's canonical name (harness/formats/names.py) without its
 `layers.<i>.` prefix; a tensor no rule names is replicated (every rank holds all of it), so a new tensor that
 an engine splits shows as a rank holding less than planned until a rule says how it splits. Rules:
 

@@ -1,6 +1,6 @@
 """What keys a cached reference run: the engine's own code and weights, never the compare code.
 
-`code_hash` follows the imports of an entry module (`harness.backends.embedded_worker` for the embedded engine)
+`code_hash` follows the imports of an entry module (`harness.backends.embedded.worker` for the embedded engine)
 through the package, statically, so the hash covers exactly the modules that produce the artifacts;
 editing a check, the report or the CLI leaves every cached reference valid.
 """

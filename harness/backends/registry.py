@@ -31,15 +31,15 @@ ENTRY_POINT_GROUP = "harness.backends"
 DEFAULT_ENGINE = "embedded"
 TEMPLATE_SUFFIXES: tuple[str, ...] = (".yaml", ".yml")
 # the backend of every engine template: called as HttpBackend(template path, option)
-HTTP_BACKEND = "harness.backends.http:HttpBackend"
+HTTP_BACKEND = "harness.backends.http.backend:HttpBackend"
 
 Factory = Callable[[str | None], Backend]
 TemplateFactory = Callable[[str, str | None], Backend]
 
 # the backends that are not an engine template: name -> "module:attribute" of a factory, imported only when asked for
 BUILTIN: dict[str, str] = {
-    "embedded": "harness.backends.embedded:EmbeddedBackend",
-    "embedded-topk": "harness.backends.embedded:TopkOnlyBackend",
+    "embedded": "harness.backends.embedded.backend:EmbeddedBackend",
+    "embedded-topk": "harness.backends.embedded.backend:TopkOnlyBackend",
     "replay": "harness.backends.replay:ReplayBackend",
 }
 

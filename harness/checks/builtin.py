@@ -7,13 +7,15 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from harness.checks.context import CellContext
-from harness.compare.decode_walk import check_decode_walk
-from harness.compare.generation import check_generation
-from harness.compare.hybrid_layout_check import check_hybrid_layout
-from harness.compare.layout_check import check_kv_capacity, check_layout_with_pool, kv_groups_differ
-from harness.compare.localize import localize, output_head
-from harness.compare.logits import check_logits
-from harness.compare.schedule import engine_evidence
+from harness.compare.layout.attention import check_kv_capacity, check_layout_with_pool, kv_groups_differ
+from harness.compare.layout.hybrid import check_hybrid_layout
+from harness.compare.layout.sparse import SELECTION_KEY, check_sparse_layout
+from harness.compare.parity.decode_walk import check_decode_walk
+from harness.compare.parity.generation import check_generation
+from harness.compare.parity.localize import localize, output_head
+from harness.compare.parity.logits import check_logits
+from harness.compare.parity.schedule import engine_evidence
+from harness.compare.parity.topk import check_topk
 from harness.compare.settings import (
     AcceptanceSettings,
     CollectiveSettings,
@@ -24,14 +26,12 @@ from harness.compare.settings import (
     LosslessSettings,
     SpeculativeOutputSettings,
 )
-from harness.compare.sparse_check import SELECTION_KEY, check_sparse_layout
 from harness.compare.speculative import (
     acceptance_from_runs,
     check_speculative_output,
     lossless_from_run,
     speculator_details,
 )
-from harness.compare.topk import check_topk
 from harness.core.checkmetrics import PARITY_CHECKS
 from harness.core.details import HeadErrors, LayerErrors, LayoutDetails, PromptDetails, SpeculatorDetails
 from harness.core.errors import RunError
@@ -142,7 +142,7 @@ def logits_prefill(ctx: CellContext) -> list[CheckResult]:
 
 def logits_decode(ctx: CellContext) -> list[CheckResult]:
     """The teacher-forced decode path where both runs have one; else (an HTTP engine) the decode steps of
-    the greedy generations, walked along their common prefix (harness/compare/decode_walk.py)."""
+    the greedy generations, walked along their common prefix (harness/compare/parity/decode_walk.py)."""
     if ctx.both_have(c.DECODE_PATH):
         return _logits(ctx, "decode")
     lacking = ctx.missing((c.GENERATION,), ())
@@ -209,7 +209,7 @@ def localization(ctx: CellContext) -> list[CheckResult]:
 
 
 def collectives(ctx: CellContext) -> list[CheckResult]:
-    from harness.compare.collectives import check_collectives
+    from harness.compare.parity.collectives import check_collectives
     return [check_collectives(ctx.par, ctx.ref.cases, ctx.plan.tp, ctx.plan.dcp, ctx.settings.of(CollectiveSettings))]
 
 

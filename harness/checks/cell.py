@@ -9,7 +9,7 @@ from typing import Any
 from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks
 from harness.checks.settings import CheckSettings
-from harness.compare.generation import Decoder
+from harness.compare.parity.generation import Decoder
 from harness.core.verdict import CheckResult, Localization
 from harness.partition.layout import LayoutPlan
 from harness.records.artifacts import RunArtifacts, run_capabilities

@@ -51,7 +51,8 @@ class CellContext:
     par_caps: Capabilities
     ref_caps: Capabilities
     info: CellInfo = field(default_factory=CellInfo)
-    noise_ref: RunArtifacts | None = None  # the run `noise` is measured against (None: `ref`; compare/noise_source.py)
+    # the run `noise` is measured against (None: `ref`; compare/parity/noise_source.py)
+    noise_ref: RunArtifacts | None = None
     noise_source: str = ""  # where the noise comes from when not the reference engine's own noise run
     speculator_plan: LayoutPlan | None = None
     hybrid_plan: HybridPlan | None = None  # hybrid models: linear attention, MoE, cache groups

@@ -10,7 +10,7 @@ proof comes from:
   stored of the probe sequence (RankReport.stored_positions), no rank whose placement share is less than
   the whole sequence stored all of it (a probe inside one interleave chunk cannot show the split: SKIP);
 - placement (dcp > 1, with stored positions): what each rank stored is the placement's share
-  (harness/compare/placement_check.py);
+  (harness/compare/layout/placement.py);
 - ep (ep > 1): the MoE ranks route different experts and none routes them all (RankReport.hybrid.moe);
 - the cell's workload route (prefix_cache, chunked_prefill, preemption, batch_invariance): the engine's
   stat for it in the manifest's workload entry (prefix_hits, chunked_prompts, preemptions, max_running > 1);
@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 from harness.checks.context import CellContext
 from harness.checks.workload_checks import ROUTES, workload_entry
-from harness.compare.placement_check import placement_problems
+from harness.compare.layout.placement import placement_problems
 from harness.compare.speculative import has_traces, speculative_manifest
 from harness.core.errors import ConfigError, RunError
 from harness.core.verdict import CheckResult, Verdict

@@ -16,7 +16,7 @@ from harness.core.jsonio import read_json
 from harness.core.verdict import CheckResult, Verdict
 from harness.records import contract as c
 
-PD_RECORD, PD_TENSORS = c.PD_RECORD_FILE, c.PD_TENSORS_FILE  # written by harness/backends/worker_pd.py
+PD_RECORD, PD_TENSORS = c.PD_RECORD_FILE, c.PD_TENSORS_FILE  # written by harness/backends/embedded/worker_pd.py
 
 
 def _read(ctx: CellContext, name: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | CheckResult:

@@ -1,14 +1,14 @@
-"""The checks a workload cell runs against itself (harness/compare/schedule.py): the route checks, each
+"""The checks a workload cell runs against itself (harness/compare/parity/schedule.py): the route checks, each
 for the workload whose route it names (Workload.route), self_consistency for the workload that sends
-prompts several times (harness/compare/self_consistency.py), and decode_consistency for every workload."""
+prompts several times (harness/compare/parity/self_consistency.py), and decode_consistency for every workload."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from harness.checks.context import CellContext
-from harness.compare.schedule import check_consistency, check_schedule
-from harness.compare.self_consistency import check_self_consistency
+from harness.compare.parity.schedule import check_consistency, check_schedule
+from harness.compare.parity.self_consistency import check_self_consistency
 from harness.compare.settings import ConsistencySettings, ScheduleSettings, SelfConsistencySettings
 from harness.core.verdict import CheckResult, Verdict
 

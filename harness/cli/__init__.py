@@ -14,7 +14,8 @@ from harness.core.verdict import ExitCode
 
 
 def _subcommands() -> list[ModuleType]:
-    from harness.cli import baseline, cache, export, history, list_cmd, plan, report, run, serve, signoff, validate
+    from harness.cli import baseline, cache, export, history, list_cmd, report, run, serve, signoff, validate
+    from harness.cli.plan import command as plan
     return [plan, list_cmd, run, report, baseline, cache, history, signoff, validate, export, serve]
 
 

@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
 
 def kept_servers(cache_dir: Path, stop: bool) -> int:
     """List the kept engine servers (id, pid, URL, whether it still runs), or stop them all."""
-    from harness.backends.server_pool import STATE_FILE, kept, pid_alive, stop_kept
+    from harness.backends.http.pool import STATE_FILE, kept, pid_alive, stop_kept
 
     state = cache_dir / "servers" / STATE_FILE
     if stop:

@@ -115,7 +115,7 @@ def require_device(device: str, world_sizes: list[int]) -> None:
 
 def require_launch_settings(env: dict[str, str]) -> None:
     """HARNESS_LAUNCHER, HARNESS_THREADS_PER_PROCESS and HARNESS_SHM_COLLECTIVES, checked before anything runs."""
-    from harness.engine.shm_group import SHM_ENV, enabled
+    from harness.engine.runtime.shm_group import SHM_ENV, enabled
     from harness.launcher.launch import LAUNCHER_ENV, THREADS_ENV, launcher_choice, threads_per_process
 
     launcher_choice("cpu", False, env.get(LAUNCHER_ENV))

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.cli.checks import require_writable_dir
-from harness.specs.checkpoint import load_model
+from harness.formats.locate import load_model
 
 
 def add_parser(sub: Any) -> None:
@@ -19,7 +19,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.export import export_model  # heavy imports only for this command
+    from harness.formats.export import export_model  # heavy imports only for this command
 
     require_writable_dir(args.out, "--out")
     out = export_model(load_model(args.model), args.out)

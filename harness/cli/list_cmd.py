@@ -6,7 +6,7 @@ import argparse
 from typing import Any, Callable
 
 from harness.checks.settings import load_suite
-from harness.specs.checkpoint import load_model
+from harness.formats.locate import load_model
 from harness.specs.loader import load_yaml
 from harness.specs.model import shipped_models
 from harness.specs.suite import shipped_suites

@@ -25,18 +25,18 @@ from harness.cli.checks import (
 from harness.core.errors import ConfigError, DiskFull, RunError
 from harness.core.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, free_bytes
 from harness.core.paths import BASELINES_DIR, REPORTS_DIR
+from harness.formats.locate import load_model
 from harness.launcher.nodes import check_engine, parse_nodes
 from harness.records.contract import WORKLOADS, Backend
 from harness.records.history import check_store, history_path
 from harness.records.shard import parse_shard
-from harness.specs.checkpoint import load_model
 from harness.specs.suite import Suite, with_profile
 from harness.specs.topology import Topology, load_catalog, parse_topology_name
 from harness.specs.workload import SUITE_PROMPTS, check_workload_names
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a run is asked for
-    from harness.engine.tokenizer import Tokenizer
     from harness.flow.runner import Runner, RunRequest
+    from harness.formats.tokenizer import Tokenizer
 
 MIB = 1024 ** 2
 
@@ -127,9 +127,9 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     """Resolve and validate everything a run needs; every bad input is one ConfigError, before launching."""
     from harness.checks.settings import CheckSettings
     from harness.core.paths import default_cache_dir
-    from harness.engine.tokenizer import load_tokenizer
-    from harness.engine.weights import validate_checkpoint
     from harness.flow.runner import RunRequest
+    from harness.formats.tokenizer import load_tokenizer
+    from harness.formats.weights import validate_checkpoint
     from harness.gsm8k.data import resolve_source
     from harness.gsm8k.settings import gsm8k_settings
     from harness.specs.speculative import SpeculativeSettings
@@ -200,7 +200,7 @@ def attached_servers(given: list[str] | None, engines: list[Backend], topologies
                      reference: str) -> tuple[tuple[str, str], ...]:
     """--attach TOPO=URL items (comma lists, repeatable) validated: TOPO a topology the run serves (a cell's, the
     plain one of a -draft / -mtp cell, or the reference's), URL http(s)://, an engine that starts servers."""
-    from harness.backends.http import HttpBackend
+    from harness.backends.http.backend import HttpBackend
 
     items = [i.strip() for g in given or [] for i in g.split(",") if i.strip()]
     if not items:

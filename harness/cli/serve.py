@@ -16,9 +16,9 @@ from harness.arch.model import model_of
 from harness.arch.plan import plan_model
 from harness.core.errors import ConfigError
 from harness.engine.faults import fault_flags
+from harness.formats.locate import load_model
 from harness.serve.listen import check_listen
 from harness.serve.protocol import PD_SERVE_ROLES, check_pd_role
-from harness.specs.checkpoint import load_model
 from harness.specs.loader import did_you_mean
 from harness.specs.pool import PoolSettings
 from harness.specs.speculative import SpeculativeSettings

@@ -66,7 +66,7 @@ class LayoutSettings:
 
     check_pool: bool = True        # KV pool bytes/blocks per rank as the planner sizes them
     check_checksums: bool = True   # K/V weight checksums identical on every rank holding a KV head, and every
-    #                                checkpoint tensor a rank holds as the plan slices it (compare/param_check.py)
+    #                                checkpoint tensor a rank holds as the plan slices it (compare/layout/params.py)
     # sparse attention: a selected token set may differ from the reference's only where the reference's
     # indexer scores were a near tie (relative margin of its last selected over its first unselected token)
     # below max(selection_tie, selection_tie_factor x the largest such margin the noise run flipped at)
@@ -91,7 +91,7 @@ class LogitsSettings:
     top1_tie_floor: float = 1e-4   # a top-1 flip is benign where the reference logprob gap between
     #                                the two tokens is <= max(this, 2 x the max-abs FAIL bound)
     tie_flips_floor: int = 2       # near-tie flips are benign only while as rare as the noise run's
-    #                                (compare/tie_flips.py): never FAIL at or below this many,
+    #                                (compare/parity/tie_flips.py): never FAIL at or below this many,
     tie_flips_alpha: float = 1e-3  # FAIL where the one-sided p-value of the count under the noise run's
     #                                flip rate is below this (the false-positive level per check),
     tie_flips_prior: int = 1       # the noise run's flips counted with this many pseudo-flips added
@@ -114,7 +114,7 @@ class GenerationSettings:
     near_tie_factor: float = 5.0   # x the noise run's top-2 gap error (bound = max of the two)
     context_tokens: int = 4        # tokens of text shown on each side of the first divergence
     jumps_alpha: float = 1e-3      # divergences outside near ties FAIL unless as frequent as the rounding-only
-    #                                comparisons' (compare/jumps.py): at p < this
+    #                                comparisons' (compare/parity/jumps.py): at p < this
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -160,7 +160,7 @@ class LosslessSettings:
     near_tie: float = 1e-3          # benign divergence: plain logprob gap to the speculative token <= this
     near_tie_factor: float = 5.0    # x the noise run's top-2 gap error (bound = max of the two)
     jumps_alpha: float = 1e-3       # divergences outside near ties FAIL unless as frequent as the rounding-only
-    #                                 comparisons' (compare/jumps.py): at p < this
+    #                                 comparisons' (compare/parity/jumps.py): at p < this
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -231,7 +231,7 @@ class ScheduleSettings:
     logprob_floor: float = 1e-4    # smallest bound on the top-1 logprob difference
     logprob_factor: float = 20.0   # x the measured noise of that difference
     jumps_alpha: float = 1e-3      # divergences outside near ties FAIL unless as frequent as the rounding-only
-    #                                comparisons' (compare/jumps.py): at p < this
+    #                                comparisons' (compare/parity/jumps.py): at p < this
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -250,7 +250,7 @@ class ConsistencySettings:
     logprob_floor: float = 1e-4
     logprob_factor: float = 20.0
     jumps_alpha: float = 1e-3      # divergences outside near ties FAIL unless as frequent as the rounding-only
-    #                                comparisons' (compare/jumps.py): at p < this
+    #                                comparisons' (compare/parity/jumps.py): at p < this
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -270,7 +270,7 @@ class SelfConsistencySettings:
     logprob_floor: float = 1e-4    # smallest bound on the top-1 logprob difference along the common tokens
     logprob_factor: float = 20.0   # x the noise of that difference
     jumps_alpha: float = 1e-3      # divergences outside near ties FAIL unless as frequent as the rounding-only
-    #                                comparisons' (compare/jumps.py): at p < this
+    #                                comparisons' (compare/parity/jumps.py): at p < this
 
     def __post_init__(self) -> None:
         _coerce_fields(self)

@@ -1,6 +1,6 @@
 """Checks of speculative decoding (-draft / -mtp cells): lossless output and acceptance.
 
-Run-directory inputs (written by the worker; see harness.engine.speculative):
+Run-directory inputs (written by the worker; see harness.engine.speculative.decoding):
   tensors  spec_tokens.{i}    [N] int64   greedy tokens generated with the speculator
            spec_accepted.{i}  [S] int64   accepted draft tokens (0..k) at each verify step
            spec_drafts.{i}    [S, k] int64 the proposals of each verify step (optional: localization)
@@ -31,7 +31,7 @@ speculative_logprobs / speculative_consistency (an HTTP speculative server's ans
   same setting (gen_*: tokens equal but at near ties of the plain run, top-1 logprob within the bound along
   the common tokens), and against a re-prefill of prompt + those tokens on the speculative server itself
   (the decode-time top-k that verification returned vs the prefill path's: the same context, so the same
-  distribution). Noise: the same comparisons in the reference run (harness/compare/schedule.py grade).
+  distribution). Noise: the same comparisons in the reference run (harness/compare/parity/schedule.py grade).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from harness.compare.bounds import Bound
-from harness.compare.generation import first_divergence, noise_gap_error, top2_gaps
-from harness.compare.jumps import NO_EVIDENCE, JumpEvidence, JumpTest
-from harness.compare.schedule import (
+from harness.compare.parity.bounds import Bound
+from harness.compare.parity.generation import first_divergence, noise_gap_error, top2_gaps
+from harness.compare.parity.jumps import NO_EVIDENCE, JumpEvidence, JumpTest
+from harness.compare.parity.schedule import (
     GEN,
     Pair,
     Steps,
@@ -106,7 +106,7 @@ def check_lossless(spec_tokens: Sequence[Sequence[int]], plain_tokens: Sequence[
                    evidence: JumpEvidence | None = None) -> CheckResult:
     """Speculative greedy tokens vs plain greedy tokens of the same run, prompt by prompt: a divergence is
     benign at a near tie of the plain run (gap <= max(near_tie, near_tie_factor x `gap_noise`, the noise
-    run's top-2 gap error)); one outside (a jump) FAILs unless as frequent as `evidence`'s (compare/jumps.py)."""
+    run's top-2 gap error)); one outside (a jump) FAILs unless as frequent as `evidence`'s (compare/parity/jumps.py)."""
     if len(spec_tokens) != len(plain_tokens):
         return CheckResult("lossless", Verdict.ERROR, f"{len(spec_tokens)} speculative generations for "
                                                       f"{len(plain_tokens)} prompts")

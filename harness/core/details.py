@@ -100,7 +100,7 @@ class CellDetails:
     gsm8k: dict[str, Any] | None = None
     collectives: dict[str, Any] | None = None  # per layer and site, the collectives' error (localize)
     requests: dict[str, Any] | None = None  # {"parallel", "reference"}: how an HTTP run's requests were sent
-    #                                         (its manifest's `requests`, harness/backends/http_send.py)
+    #                                         (its manifest's `requests`, harness/backends/http/send.py)
     note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:

@@ -92,7 +92,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "under DCP the keys are rotated (RoPE) by their index in the rank's local KV store (t // dcp) "
           "instead of their global position t, while the queries use global positions: relative "
           "positions are wrong for every key but the first", needs_dcp=True),
-    # -- hybrid models: Gated DeltaNet, MoE with expert parallel, grouped caches (harness/engine/hybrid.py) --
+    # -- hybrid models: Gated DeltaNet, MoE with expert parallel, grouped caches (harness/engine/layers/hybrid.py) --
     Fault("deltanet-packed-split", "layout, logits",
           "the packed q|k|v in_proj and conv1d rows of a linear-attention layer split as one contiguous "
           "slice per rank instead of per component, so ranks mix q, k and v channels of other heads "
@@ -110,7 +110,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("moe-router-local-renorm", "logits",
           "the top-k routing weights renormalized per EP rank over the experts that rank holds, not over "
           "all k chosen experts: tokens split across EP ranks get weights that sum past 1; inert at ep=1"),
-    # -- attention data parallel and redundant experts (harness/engine/dp_moe.py, docs/moe-dp.md) --
+    # -- attention data parallel and redundant experts (harness/engine/layers/dp_moe.py, docs/moe-dp.md) --
     Fault("dp-pad-local-count", "logits, generation",
           "under attention DP the gathered MoE buffer masked with this rank's local token count instead of each "
           "DP rank's own count within the padded (global) batch: tokens of DP ranks with more tokens lose this "
@@ -148,7 +148,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "(q - q % dcp) instead of q, the same wrong state on every rank, as a draft built for dcp=1 would "
           "(local-inference-lab vLLM #72): every cross-rank comparison agrees, greedy output stays lossless, "
           "the proposals change", needs_dcp=True, needs_speculator="mtp"),
-    # -- MLA and the DCP token placements (harness/engine/mla.py, layout.token_owner) --
+    # -- MLA and the DCP token placements (harness/engine/layers/mla.py, layout.token_owner) --
     Fault("mla-rope-local-slot", "logits",
           "under DCP the MLA latent's decoupled RoPE key rotated by the token's slot in its owner's local "
           "latent cache instead of its global position (queries keep global positions)", needs_dcp=True),
@@ -198,7 +198,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "a DCP rank that holds no token of a sequence returns NaN partial outputs (a kernel dividing by "
           "an empty softmax sum) instead of 0 with LSE -inf, and the merge spreads the NaN; only sequences "
           "shorter than dcp (vLLM PR #47541)", needs_dcp=True),
-    # -- sparse attention (DeepSeek-V3.2 DSA style, harness/engine/sparse.py) --
+    # -- sparse attention (DeepSeek-V3.2 DSA style, harness/engine/layers/sparse.py) --
     Fault("dsa-local-topk", "layout, logits",
           "under DCP each rank attends the top-k of the tokens it stores itself, its local candidates taken "
           "as the global selection (no merge over the DCP group): the merged attention reads dcp x k tokens, "
@@ -223,7 +223,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "the indexer-key cache group sized from an equal share of the budget in blocks, not the one slot "
           "count x its blocks per slot: its capacity is another number of slots than the KV group's, often "
           "no whole number (seed 004's fallback capacities); output unchanged"),
-    # -- disaggregated prefill/decode: the KV transfer and its load path (harness/engine/pd_connector.py) --
+    # -- disaggregated prefill/decode: the KV transfer and its load path (harness/engine/pd/connector.py) --
     Fault("pd-head-offset", "pd_transfer, logits_decode",
           "heterogeneous TP: a decode rank writes each received KV head at the slice index it had on its prefill "
           "rank instead of its own index for that head (SGLang #22145: wrong destination head offset); inert "
@@ -305,7 +305,7 @@ class FaultFlags:
     rope_local_positions: bool = False  # dcp-rope-local-pos: keys rotated by their local store index
     o_proj_offset: bool = False         # o-proj-shard-offset: output projection columns of heads h + 1
     mlp_norm_other_layer: bool = False  # mlp-norm-other-layer: ranks > 0 take layer i + 1's MLP norm
-    # hybrid models (harness/engine/hybrid.py)
+    # hybrid models (harness/engine/layers/hybrid.py)
     linear_packed_contiguous: bool = False  # deltanet-packed-split: packed q|k|v rows split contiguously
     linear_state_dcp_split: bool = False    # deltanet-state-dcp-split: state updated by own DCP tokens only
     shared_expert_every_rank: bool = False  # moe-shared-every-rank: the whole shared expert on every rank
@@ -331,14 +331,14 @@ class FaultFlags:
     resume_gap: int = 0                 # preempt-resume-position: recomputed new tokens shifted this far
     block_table_width: int = 0          # block-table-wrap: block-table entries per sequence (0: unbounded)
     empty_shard_nan: bool = False       # dcp-empty-shard-nan: an empty DCP shard returns NaN
-    # sparse attention (harness/engine/sparse.py)
+    # sparse attention (harness/engine/layers/sparse.py)
     dsa_local_topk: bool = False        # dsa-local-topk: each DCP rank's own top-k used as the selection
     dsa_index_shift: int = 0            # dsa-indexer-offset: the indexer's key range shifted this many positions
     dsa_sinks_evicted: bool = False     # dsa-sinks-evicted: sinks compete by score past index_topk
     dsa_row_rule: str = "contiguous"    # dsa-planner-rows: the attention's rule for the selection of a row
     dsa_groups_unaligned: bool = False  # dsa-groups-unaligned: the indexer-key group from its own budget share
     dsa_weights_offset: bool = False    # dsa-indexer-weights-offset: index_w rows of the next rank's heads
-    # disaggregated prefill/decode (harness/engine/pd_prefill.py, pd_connector.py)
+    # disaggregated prefill/decode (harness/engine/pd/prefill.py, pd_connector.py)
     pd_head_offset: bool = False        # pd-head-offset: destination head slot = the source's slice index
     pd_naive_gqa: bool = False          # pd-gqa-replication: KV head h read from prefill rank h
     pd_block_owner: bool = False        # pd-block-owner: received tokens dealt to DCP ranks by whole blocks

@@ -19,21 +19,21 @@ from harness.arch.model import model_of
 from harness.arch.plan import plan_model
 from harness.backends.base import backend_record
 from harness.backends.build import LabelledBackend, with_build
-from harness.backends.embedded import EmbeddedBackend
+from harness.backends.embedded.backend import EmbeddedBackend
+from harness.backends.http.pool import STATE_FILE, ServerPool, server_need
 from harness.backends.registry import DEFAULT_ENGINE, get_backend
-from harness.backends.server_pool import STATE_FILE, ServerPool, server_need
 from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks
 from harness.checks.settings import CheckSettings
-from harness.compare.noise_source import NoiseRuns, measures_nothing
+from harness.compare.parity.noise_source import NoiseRuns, measures_nothing
 from harness.core.errors import ConfigError, DiskFull, HarnessError, RunError
 from harness.core.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, RUN_DIR_MIN_BYTES, free_bytes
 from harness.core.paths import BASELINES_DIR
 from harness.core.verdict import NOT_RUN_CHECK, CellResult, CheckResult, ExitCode, Verdict
 from harness.engine.fault_scope import inert_reason
 from harness.engine.faults import FAULTS, LOAD_CONDITIONS, PERTURBATIONS, SHARED_JOIN, fault_flags
-from harness.engine.tokenizer import Tokenizer, load_tokenizer
 from harness.flow.refcache import ReferenceCache, ReferenceFailed
+from harness.formats.tokenizer import Tokenizer, load_tokenizer
 from harness.gsm8k.settings import GSM8KSettings
 from harness.launcher.launch import stop_all_launches
 from harness.launcher.nodes import NodeLaunch, Nodes
@@ -104,7 +104,7 @@ class RunRequest:
         return self.reference_engine or self.engine
     shard: Shard | None = None  # run only this share of the cells (harness/records/shard.py)
     nodes: Nodes | None = None  # this machine's place in a multi-node run (harness/launcher/nodes.py)
-    keep_servers: bool = False  # leave HTTP engines' servers up for later runs (harness/backends/server_pool.py)
+    keep_servers: bool = False  # leave HTTP engines' servers up for later runs (harness/backends/http/pool.py)
     server_per_run: bool = False  # a fresh HTTP engine server for every run (no server serves two runs)
     attach: tuple[tuple[str, str], ...] = ()  # topology name -> the URL of a server the user runs (--attach)
 

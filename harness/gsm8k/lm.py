@@ -17,7 +17,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.defaults import DEFAULT_MAX_GEN_TOKS
 
 from harness.core.errors import ConfigError, RunError
-from harness.engine.tokenizer import Tokenizer
+from harness.formats.tokenizer import Tokenizer
 from harness.gsm8k.data import resolve_source
 from harness.gsm8k.records import GSM8KResult
 from harness.gsm8k.settings import GSM8KSettings
@@ -194,7 +194,7 @@ class HarnessLM(LM):
 def evaluate_generator(generator: Generator, settings: GSM8KSettings, data_path: str | Path | None,
                        max_length: int) -> GSM8KResult:
     """GSM8K (the suite's settings) through any Generator (the engine in engine_eval.py, a server in
-    backends/http_gsm8k.py), per-question records included."""
+    backends/http/gsm8k.py), per-question records included."""
     lm = HarnessLM(generator, batch_size=settings.batch_size, max_gen_toks=settings.max_new_tokens,
                    max_length=max_length)
     return evaluate_with(lm, settings.task, resolve_source(data_path), limit=settings.limit,

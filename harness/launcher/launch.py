@@ -205,7 +205,7 @@ def exit_text(launcher_log: str, returncode: int) -> str:
 
 
 _ABSENT = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:[\w.]+Error: )?(.*waiting for member \d+ of \d+ \(rank (\d+)\b.*)$",
-                     re.M)  # harness/engine/shm_group.py's timeout
+                     re.M)  # harness/engine/runtime/shm_group.py's timeout
 
 
 def absent_rank(tails: dict[str, str]) -> tuple[int, str] | None:

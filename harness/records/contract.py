@@ -68,9 +68,10 @@ TENSORS_FILE = "tensors.safetensors"
 LAYOUT_FILE = "layout.json"
 CASES_FILE = "cases.json"
 GSM8K_FILE = "gsm8k.json"
-PD_RECORD_FILE = "pd.json"            # disaggregated runs: the KV loads, pools, policy (harness/backends/worker_pd.py)
+# disaggregated runs: the KV loads, pools, policy (harness/backends/embedded/worker_pd.py)
+PD_RECORD_FILE = "pd.json"
 PD_TENSORS_FILE = "pd.safetensors"    # ... the digests sent and held, the prefill world's first-token top-k
-PD_STORE_DIR = "kvstore"              # ... the KV store between its two worlds (harness/engine/pd_store.py)
+PD_STORE_DIR = "kvstore"              # ... the KV store between its two worlds (harness/engine/pd/store.py)
 JOB_FILE = "job.json"
 LAUNCHER_LOG = "launcher.log"
 RUN_FILES: tuple[str, ...] = (MANIFEST_FILE, TENSORS_FILE, LAYOUT_FILE, CASES_FILE, GSM8K_FILE, LAUNCHER_LOG)
@@ -200,7 +201,7 @@ class Job:
     # how the topology's speculator speculates; None when the topology has none
     speculative: SpeculativeSettings | None = None
     schedule: str = SCHEDULE_BATCHED
-    # how an HTTP run sends the cases' requests (harness/backends/http_send.py: one-at-a-time, all-at-once,
+    # how an HTTP run sends the cases' requests (harness/backends/http/send.py: one-at-a-time, all-at-once,
     # staggered, with parameters); None: all cases in one request (one at a time for the noise twin)
     request_schedule: SendSchedule | None = None
     # the workloads whose cases the run holds, in case order, resolved; each names how its requests are

@@ -1,5 +1,5 @@
 """File names of disaggregated prefill/decode's KV store that both sides and the client read (no engine code):
-a prefill rank's committed entry of a request (as harness/engine/pd_store.py writes it) and the per-rank
+a prefill rank's committed entry of a request (as harness/engine/pd/store.py writes it) and the per-rank
 records a `harness serve` P/D pair leaves in its run's namespace folder (harness/serve/pd.py)."""
 
 from __future__ import annotations

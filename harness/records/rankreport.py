@@ -2,8 +2,8 @@
 
 Every engine writes one RankReport per rank into each entry of layout.json ("target", and "speculator"
 with the draft/MTP model's ranks); the layout checks and the report read them back with `read_ranks`.
-The embedded engine builds them in harness/engine/parallelize.py (rank_report), an HTTP engine's layout
-probe in harness/backends/http_layout.py. This module is the schema: its fields, their JSON names and its
+The embedded engine builds them in harness/engine/runtime/parallelize.py (rank_report), an HTTP engine's layout
+probe in harness/backends/http/layout.py. This module is the schema: its fields, their JSON names and its
 version (RANK_REPORT_SCHEMA, recorded in layout.json as contract.LAYOUT_SCHEMA_KEY).
 
 JSON shape of one rank (schema 1; keys in this order, optional ones omitted when absent; head ids are
@@ -134,7 +134,7 @@ class HybridReport:
 
 @dataclass(frozen=True)
 class SparseReport:
-    """A sparse-attention rank (harness/engine/sparse.py): the indexer heads whose Q / weight rows it holds
+    """A sparse-attention rank (harness/engine/layers/sparse.py): the indexer heads whose Q / weight rows it holds
     with their checksums, the replicated indexer key projection's checksum, the blocks each cache group
     holds (its block_size tokens per block) and the selection trace of the engine's first forward's first
     sequence: per layer, per query position, the token positions the attention read (sorted) and the

@@ -340,7 +340,7 @@ def provenance_items(provenance: dict[str, Any]) -> list[tuple[str, str]]:
 
 def server_items(provenance: dict[str, Any]) -> list[tuple[str, str]]:
     """("engine servers", "3 started, 0 kept from an earlier run, for 8 runs") when HTTP engine servers served the
-    run (provenance `servers`, harness/backends/server_pool.py), then which server served which run: ("server ID",
+    run (provenance `servers`, harness/backends/http/pool.py), then which server served which run: ("server ID",
     "started tp2 http://127.0.0.1:PORT: tiny-gqa/tp2/seed0, tiny-gqa/tp2/seed1"), a run named by its folder under
     runs/ (a cell's MODEL/TOPO/seedN, a cached reference's entry name)."""
     servers = [s for s in provenance.get("servers") or [] if isinstance(s, dict)]

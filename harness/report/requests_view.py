@@ -1,5 +1,5 @@
 """The report's view of how an HTTP run's requests were sent (details `requests`: each run's manifest
-`requests`, harness/backends/http_send.py): the schedule, the most requests open at once per phase, and
+`requests`, harness/backends/http/send.py): the schedule, the most requests open at once per phase, and
 per request its case, phase, send and answer order and times."""
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from harness.engine.engine import Engine, PrefixLoader
-from harness.engine.scheduler import generate, speculate
-from harness.engine.speculative import SpeculativeDecoder
+from harness.engine.runtime.engine import Engine, PrefixLoader
+from harness.engine.runtime.scheduler import generate, speculate
+from harness.engine.speculative.decoding import SpeculativeDecoder
 from harness.serve.protocol import Completion, CompletionResult, TokenLogprob, TopK
 
 

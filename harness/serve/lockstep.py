@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from harness.engine.parallel import ParallelState
+from harness.engine.runtime.parallel import ParallelState
 from harness.serve.protocol import Completion, CompletionResult
 
 HEARTBEAT_S = 5.0

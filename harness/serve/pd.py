@@ -1,5 +1,5 @@
 """`harness serve` as one side of disaggregated prefill/decode (`--pd-role prefill|decode --pd-store ROOT`, a
-PREFILL>DECODE topology): the embedded engine's own P/D path (harness/engine/pd_prefill.py, pd_connector.py)
+PREFILL>DECODE topology): the embedded engine's own P/D path (harness/engine/pd/prefill.py, pd_connector.py)
 behind HTTP, the two servers sharing the KV store folder ROOT.
 
 A completion that carries `kv_transfer_params` {"namespace": NS, "requests": [index per prompt]} (vLLM's P/D
@@ -12,7 +12,7 @@ request field; the client names one folder per run) is a P/D request:
 A completion without it runs as on any server (prompt logprobs, plain generation).
 
 Each rank leaves its own record of every batch in ROOT/NS (no collective: the client assembles them,
-harness/backends/http_pd.py): the prefill ranks `prefill.p{rank}.jsonl` (one line per batch: pool free blocks
+harness/backends/http/pd.py): the prefill ranks `prefill.p{rank}.jsonl` (one line per batch: pool free blocks
 before and after, requests sent and lost), the decode ranks `decode/d{rank}.b{batch}.json` (the connector's
 record: loads, pool, policy, block size) and `decode/d{rank}.b{batch}.safetensors` (the digests of the rows it
 held right after placement, with their positions).
@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from harness.engine.engine import Engine, PrefixLoader
 from harness.engine.faults import FaultFlags
-from harness.engine.pd_connector import KVConnector, LoadPolicy
-from harness.engine.pd_prefill import run_prefill
+from harness.engine.pd.connector import KVConnector, LoadPolicy
+from harness.engine.pd.prefill import run_prefill
+from harness.engine.runtime.engine import Engine, PrefixLoader
 from harness.partition.pd_layout import PDPlan
 from harness.records.pd_files import decode_record, prefill_log
 from harness.serve.executor import Abandoned, execute

@@ -20,13 +20,13 @@ from harness.arch.plan import plan_model
 from harness.core.errors import ConfigError, HarnessError, RunError
 from harness.core.limits import COLLECTIVE_TIMEOUT_S
 from harness.core.verdict import ExitCode
-from harness.engine.construct import build_engine
-from harness.engine.engine import Engine
 from harness.engine.faults import fault_flags
-from harness.engine.parallel import ParallelState
-from harness.engine.speculative import SpeculativeDecoder
-from harness.engine.speculator import Speculator
-from harness.engine.weights import weights_hash
+from harness.engine.runtime.construct import build_engine
+from harness.engine.runtime.engine import Engine
+from harness.engine.runtime.parallel import ParallelState
+from harness.engine.speculative.decoding import SpeculativeDecoder
+from harness.engine.speculative.speculator import Speculator
+from harness.formats.weights import weights_hash
 from harness.records.rankreport import entry_json
 from harness.serve.dialects import Limits, Vocabulary
 from harness.serve.executor import execute

@@ -39,7 +39,7 @@ from harness.core.paths import PROJECT_ROOT
 from harness.specs.loader import build, check_path_name, did_you_mean, load_yaml
 
 ENGINES_DIR: Path = PROJECT_ROOT / "engines"
-# the request dialects, by name: each is one client class in harness/backends/http_dialects.py (DIALECTS maps
+# the request dialects, by name: each is one client class in harness/backends/http/dialects.py (DIALECTS maps
 # these names to them; tests/test_http_dialects.py asserts the two are the same names)
 DIALECT_NAMES: tuple[str, ...] = ("vllm", "sglang", "openai")
 MODEL_FORMATS: tuple[str, ...] = ("hf", "spec")  # what {model_path} is: an HF folder, or a harness model spec
@@ -120,7 +120,7 @@ class EngineSpec:
     # the variable through which a server's probe is told its folder when it writes no layout report
     probe_dir_env: str = ""
     # what that probe (layout_report_env's or probe_dir_env's) captures at the cases' probe positions (written into
-    # its folder, read by harness/backends/http_capture.py): hidden_states (residual stream per layer),
+    # its folder, read by harness/backends/http/capture.py): hidden_states (residual stream per layer),
     # attention_outputs (per head)
     probe_captures: tuple[str, ...] = ()
     # the template's own build command (placeholder {python} only): its first output line is the engine's build

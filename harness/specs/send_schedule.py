@@ -1,5 +1,5 @@
 """SendSchedule: how an HTTP run sends a job's requests, one request per case (a job's `request_schedule`;
-harness/backends/http_send.py sends them and documents the schedules). Engine-neutral and torch-free, so the
+harness/backends/http/send.py sends them and documents the schedules). Engine-neutral and torch-free, so the
 run contract's Job can hold it typed."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ _PARAMS: dict[str, tuple[str, ...]] = {ONE_AT_A_TIME: (), ALL_AT_ONCE: ("max_in_
 
 @dataclass(frozen=True)
 class SendSchedule:
-    """A parsed schedule (the schedules: harness/backends/http_send.py)."""
+    """A parsed schedule (the schedules: harness/backends/http/send.py)."""
 
     name: str
     max_in_flight: int = 8

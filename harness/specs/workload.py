@@ -3,7 +3,7 @@
 A workload names its prompts (the suite's own prompts, or seeded prompts of exact token lengths, some
 sharing a prefix), how many tokens each generates, how its requests are scheduled (`SCHEDULES`) and
 which serving route of the engine it exercises (prefix cache, chunked prefill, preemption under a small
-KV pool). The embedded engine runs every route itself (harness/engine/scheduler.py); an HTTP backend
+KV pool). The embedded engine runs every route itself (harness/engine/runtime/scheduler.py); an HTTP backend
 reads `schedule` / `join_per_step` from the job and sends the requests accordingly.
 """
 

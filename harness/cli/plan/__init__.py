@@ -1,0 +1,1 @@
+"""`harness plan`: the command and its per-architecture sections."""

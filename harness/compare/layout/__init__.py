@@ -1,0 +1,1 @@
+"""Layout checks: each rank's actual heads, shards, caches, placements and experts against the plan."""

@@ -1,0 +1,1 @@
+"""Parity of outputs: logits, top-k, generations, jumps, noise, schedules, localization."""

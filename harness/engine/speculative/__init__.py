@@ -1,0 +1,1 @@
+"""Speculative decoding: speculators (draft, MTP), their weights, draft + verify."""

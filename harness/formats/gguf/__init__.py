@@ -1,0 +1,1 @@
+"""GGUF files: the metadata reader and the per-file conversion cache."""
