@@ -129,6 +129,10 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
               "stored baseline's histogram, else 0.95 x the reference's, by GSM8K's one-sided test",
               settings=AcceptanceSettings, requires_any=(c.ACCEPT_TRACES, c.ACCEPTANCE_AGGREGATE), cells="speculative",
               performance_only=True),
+    CheckSpec("reference_baseline", "reference_baseline", f"{_B}:reference_baseline",
+              "the reference against its recording from an earlier build (baselines/references.yaml): top-k "
+              "logprobs of both paths, greedy tokens, draft proposals and accept counts, per-layer summaries, within "
+              "the dtype's rounding; a difference is 'the reference changed since build X'"),
     CheckSpec("gsm8k", "gsm8k", f"{_B}:gsm8k",
               "gsm8k_paired (McNemar, answer agreement) and gsm8k_baseline (hypothesis test) per cell",
               requires=(c.GSM8K,), cells="gsm8k"),

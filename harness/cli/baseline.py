@@ -1,4 +1,5 @@
-"""`harness baseline`: record GSM8K and speculative-acceptance baselines from a run (diff first), or show them."""
+"""`harness baseline`: record GSM8K, speculative-acceptance and reference baselines from a run (diff first), accept an
+intended change of a reference's numerics (with a reason), or show them."""
 
 from __future__ import annotations
 
@@ -24,6 +25,15 @@ from harness.baselines.baseline import (
     write_baselines,
 )
 from harness.baselines.baseline_store import BaselineSet
+from harness.baselines.reference_baseline import (
+    Candidate,
+    ReferenceBaselines,
+    candidates,
+    load_references,
+    references_path,
+    updates,
+    write_candidates,
+)
 from harness.core.errors import ConfigError
 from harness.core.fmt import table
 from harness.core.jsonio import read_json
@@ -33,8 +43,9 @@ from harness.records.results import RESULTS_FILE, read_results
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("baseline", help="record or show GSM8K baselines (baselines/<suite>.yaml) and acceptance "
-                                        "baselines (baselines/acceptance.yaml)")
+    p = sub.add_parser("baseline", help="record or show GSM8K baselines (baselines/<suite>.yaml), acceptance "
+                                        "baselines (baselines/acceptance.yaml) and recorded references "
+                                        "(baselines/references.yaml)")
     actions = p.add_subparsers(dest="baseline_action", required=True)
     up = actions.add_parser("update", help="write baselines from a run's results.json, showing the diff first")
     up.add_argument("--from", dest="run_dir", required=True, help="run folder holding results.json (or the file)")
@@ -42,19 +53,32 @@ def add_parser(sub: Any) -> None:
     up.add_argument("--yes", action="store_true", help="write without asking")
     up.add_argument("--dir", dest="folder", type=Path, default=BASELINES_DIR, help="baselines folder")
     up.set_defaults(func=run)
+    acc = actions.add_parser("accept", help="record the references of a run that changed beyond rounding since "
+                                            "their recording: an intended numerics change, with its reason")
+    acc.add_argument("--from", dest="run_dir", required=True, help="run folder holding results.json (or the file)")
+    acc.add_argument("--suite", default=None, help="only this suite's cells (needed when the run holds several)")
+    acc.add_argument("--reason", required=True, help="why the reference's numerics changed (shown in sign-offs)")
+    acc.add_argument("--yes", action="store_true", help="write without asking")
+    acc.add_argument("--dir", dest="folder", type=Path, default=BASELINES_DIR, help="baselines folder")
+    acc.set_defaults(func=run)
     show = actions.add_parser("show", help="print a suite's baselines, or the acceptance baselines")
     which = show.add_mutually_exclusive_group(required=True)
     which.add_argument("--suite", help="this suite's GSM8K baselines")
     which.add_argument("--acceptance", action="store_true", help="the speculative acceptance baselines")
+    which.add_argument("--references", action="store_true", help="the recorded references")
     show.add_argument("--dir", dest="folder", type=Path, default=BASELINES_DIR, help="baselines folder")
     show.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.baseline_action == "show":
+        if args.references:
+            return _show_references(load_references(args.folder))
         if args.acceptance:
             return _show_acceptance(load_acceptance(args.folder))
         return _show(load_baselines(args.suite, args.folder))
+    if args.baseline_action == "accept":
+        return _accept(Path(args.run_dir), args.suite, args.reason, args.yes, args.folder)
     return _update(Path(args.run_dir), args.suite, args.yes, args.folder)
 
 
@@ -79,6 +103,19 @@ def _show_acceptance(baselines: AcceptanceBaselines) -> int:
             for e in baselines.entries]
     print(table(["model", "engine", "speculator", "k", "dtype", "prompts", "new tokens", "mean accepted length",
                  "histogram", "date"], rows))
+    return 0
+
+
+def _show_references(baselines: ReferenceBaselines) -> int:
+    if not baselines.entries:
+        print("no recorded references")
+        return 0
+    rows = [[e.key.model, f"{e.key.engine} {e.key.engine_version}", e.key.topology, e.key.dtype,
+             e.key.weights_hash[:12], e.key.prompts_hash[:12], str(e.cases), str(e.bytes),
+             str(e.provenance.get("git_commit", ""))[:12], str(e.provenance.get("date", "")),
+             str(e.accepted.get("reason")) if e.accepted else "-"] for e in baselines.entries]
+    print(table(["model", "engine", "topology", "dtype", "weights", "prompts", "cases", "bytes", "commit", "date",
+                 "accepted change"], rows))
     return 0
 
 
@@ -133,8 +170,13 @@ def _update(run_dir: Path, suite_arg: str | None, yes: bool, folder: Path) -> in
     acc_entries, acc_skipped = acceptance_entries(cells, provenance, run_id, created)
     for line in acc_skipped:
         print(line)
-    if not entries and not acc_entries:
-        print(f"{run_dir}: no cell of suite {suite!r} holds a GSM8K score or a speculative acceptance to record")
+    found, ref_skipped = candidates(cells, provenance, run_id, created, folder)
+    refs, notes = updates(found, folder, None)
+    for line in ref_skipped + notes:
+        print(line)
+    if not entries and not acc_entries and not refs:
+        print(f"{run_dir}: no cell of suite {suite!r} holds a GSM8K score, a speculative acceptance or a reference "
+              f"to record")
         return 1
     status = 0
     if entries:
@@ -143,7 +185,38 @@ def _update(run_dir: Path, suite_arg: str | None, yes: bool, folder: Path) -> in
     if acc_entries and status == 0:
         status = _write(acceptance_path(folder), "speculative acceptance", load_acceptance(folder), acc_entries, yes,
                         write_acceptance)
+    if refs and status == 0:
+        status = _write_references(folder, "recorded references", refs, yes)
     return status
+
+
+def _accept(run_dir: Path, suite_arg: str | None, reason: str, yes: bool, folder: Path) -> int:
+    """The references of a run that differ beyond rounding from their recordings, recorded with `reason`."""
+    if not reason.strip():
+        raise ConfigError("--reason '': say why the reference's numerics changed (it is shown in sign-offs)")
+    all_cells, provenance, run_id = read_results(run_dir)
+    suite = _suite_of(all_cells, suite_arg)
+    results_path = run_dir if run_dir.is_file() else run_dir / RESULTS_FILE
+    created = str(read_json(results_path).get("created", ""))
+    found, skipped = candidates([c for c in all_cells if c.suite == suite], provenance, run_id, created, folder)
+    for line in skipped:
+        print(line)
+    refs, _ = updates(found, folder, reason.strip())
+    if not refs:
+        print(f"{run_dir}: no reference of suite {suite!r} differs from its recording beyond rounding; nothing to "
+              f"accept")
+        return 1
+    for cand in refs:
+        assert cand.changed is not None and cand.changed.difference is not None
+        print(f"accepting {cand.entry.label}: {cand.changed.difference.text()}")
+    return _write_references(folder, f"recorded references, accepted: {reason.strip()}", refs, yes)
+
+
+def _write_references(folder: Path, what: str, refs: list[Candidate], yes: bool) -> int:
+    """The store's diff of the recorded references, then their record files and index."""
+    path = references_path(folder)
+    return _write(path, what, load_references(folder), [c.entry for c in refs], yes,
+                  lambda old, p: write_candidates(refs, old, p))
 
 
 S = TypeVar("S", bound=BaselineSet[Any])
