@@ -395,3 +395,23 @@ def write_candidates(written: list[Candidate], baselines: ReferenceBaselines, pa
     for cand in written:
         store_record(cand.entry.record, cand.data, path.parent)
     write_references(baselines.merged([c.entry for c in written]), path)
+
+
+def recheck(cell: CellResult, folder: Path, run_dir: str) -> CellResult:
+    """`cell` with its reference compared with the recorded references in `folder` now (`harness signoff`): where
+    its run had none to compare with (reference_baseline SKIP or absent) and its reference run is still on disk.
+    Otherwise the cell as its run judged it."""
+    current = next((c for c in cell.checks if c.name == CHECK), None)
+    if (current is not None and current.verdict is not Verdict.SKIP) or not cell.reference_dir \
+            or not (Path(cell.reference_dir) / JOB_FILE).is_file():
+        return cell
+    ref = read_run(Path(cell.reference_dir))
+    if not ref.ok:
+        return cell
+    found = gate_reference(load_references(folder), folder, ref, cell.model,
+                           f"harness baseline update --from {run_dir} --suite {cell.suite}", run_dir, cell.suite)
+    if found.verdict is Verdict.SKIP and current is not None:
+        return cell
+    checks = tuple(found if c.name == CHECK else c for c in cell.checks) if current is not None \
+        else (*cell.checks, found)
+    return replace(cell, checks=checks)

@@ -2,7 +2,9 @@
 
 Compares a candidate build's run folders with the last signed-off build's: SIGN-OFF or BLOCKED at
 the top (with the blocking cells), old vs new verdicts, metric deltas as multiples of noise, GSM8K
-scores with the paired test and the minimum detectable drop, acceptance lengths, both builds'
+scores with the paired test and the minimum detectable drop, acceptance lengths, the cells whose reference
+changed since its recording or whose recording carries an accepted numerics change (the candidate's references are
+compared with baselines/references.yaml where its run had none to compare with), both builds'
 provenance and every skipped or unavailable check. The first line counts the blocking cells by
 category: new output corruption (silent or not), new performance-only, new ERROR (infrastructure:
 PASS->ERROR is not a new FAIL), still failing, not run (a cell the candidate's run never reached). Every
@@ -17,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from harness.core.errors import ConfigError
-from harness.core.paths import REPORTS_DIR
+from harness.core.paths import BASELINES_DIR, REPORTS_DIR
 from harness.core.verdict import ExitCode
 
 
@@ -33,10 +36,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--baseline", nargs="+", type=Path, required=True, metavar="RUN_DIR",
                    help="run folders of the last signed-off build")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: reports/signoff-<time>/)")
+    p.add_argument("--baselines-dir", type=Path, default=BASELINES_DIR,
+                   help="baselines folder: the candidate's references are compared with the recorded ones there "
+                        "where its run had none to compare with")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from harness.baselines.reference_baseline import recheck
     from harness.cli.checks import require_writable_dir, writing_into
     from harness.signoff.compare import compare_builds, load_build, same_run
     from harness.signoff.render import header, write_signoff
@@ -44,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or REPORTS_DIR / ("signoff-" + time.strftime("%Y%m%d-%H%M%S"))
     require_writable_dir(out, "--out")
     candidate, baseline = load_build(args.candidate, "candidate"), load_build(args.baseline, "baseline")
+    where = str(args.candidate[0])
+    candidate = replace(candidate, cells={k: recheck(c, args.baselines_dir, where) for k, c in candidate.cells.items()})
     why = same_run(candidate, baseline)
     if why:
         raise ConfigError(f"{why}: sign off a candidate against the last signed-off build's runs")

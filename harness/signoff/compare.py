@@ -32,6 +32,7 @@ from harness.report.merge import CellKey, cell_key, key_label, merge
 CellId = CellKey
 FAILING = (Verdict.FAIL, Verdict.ERROR)
 PAIRED, GATE, ACCEPTANCE = "gsm8k_paired", "gsm8k_baseline", "acceptance"
+REFERENCE = "reference_baseline"  # the cell's reference against its recording (harness/baselines/reference_baseline.py)
 NEW_OUTPUT, NEW_PERFORMANCE, NEW_ERROR = "new output corruption", "new performance-only", "new ERROR"
 STILL_FAILING, NOT_RUN = "still failing", "not run"
 # the blocking categories, in the order the page and signoff.json count them: (change, signoff.json key)
@@ -107,6 +108,18 @@ class AcceptanceRow:
 
 
 @dataclass(frozen=True)
+class ReferenceRow:
+    """A candidate cell whose reference changed since its recording (FAIL), or whose recording carries an accepted
+    numerics change (an intended change, with its reason)."""
+
+    cell: CellId
+    verdict: str
+    recorded_by: str
+    accepted: str   # "" or "DATE: REASON (replaced build COMMIT)"
+    reason: str
+
+
+@dataclass(frozen=True)
 class Unchecked:
     cell: CellId
     check: str
@@ -122,6 +135,7 @@ class Signoff:
     gsm8k: tuple[Gsm8kRow, ...]
     acceptance: tuple[AcceptanceRow, ...]
     unchecked: tuple[Unchecked, ...]
+    references: tuple[ReferenceRow, ...] = ()
 
     @property
     def blocking(self) -> tuple[CellChange, ...]:
@@ -299,6 +313,22 @@ def acceptance_row(cid: CellId, old: CellResult | None, new: CellResult) -> Acce
                          verdict=new_check.verdict.value)
 
 
+def reference_row(cid: CellId, new: CellResult) -> ReferenceRow | None:
+    """The candidate cell's recorded-reference row: where its reference changed, or its recording was accepted."""
+    check = _checks(new).get(REFERENCE)
+    if check is None:
+        return None
+    accepted = check.metrics.get("accepted_change")
+    if check.verdict is not Verdict.FAIL and not accepted:
+        return None
+    text = ""
+    if isinstance(accepted, dict):
+        replaced = accepted.get("replaced") or {}
+        text = (f"{accepted.get('date')}: {accepted.get('reason')} (replaced the recording of build "
+                f"{str(replaced.get('git_commit') or '?')[:12]})")
+    return ReferenceRow(cid, check.verdict.value, str(check.metrics.get("recorded_by", "")), text, check.reason)
+
+
 def unchecked(cid: CellId, old: CellResult | None, new: CellResult) -> list[Unchecked]:
     """Checks the candidate skipped, and checks the baseline had that the candidate lacks."""
     if new.not_run:
@@ -315,7 +345,7 @@ def compare_builds(candidate: Build, baseline: Build) -> Signoff:
     why = coverage_problem(candidate, baseline)
     if why:
         raise ConfigError(why)
-    changes, deltas, gsm8k, acceptance, skipped = [], [], [], [], []
+    changes, deltas, gsm8k, acceptance, skipped, references = [], [], [], [], [], []
     for cid, new in candidate.cells.items():
         base = counterpart(cid, baseline.cells)
         old = baseline.cells[base] if base is not None else None
@@ -332,8 +362,11 @@ def compare_builds(candidate: Build, baseline: Build) -> Signoff:
         acc = acceptance_row(cid, old, new)
         if acc is not None:
             acceptance.append(acc)
+        ref = reference_row(cid, new)
+        if ref is not None:
+            references.append(ref)
     return Signoff(candidate, baseline, tuple(changes), tuple(sort_deltas(deltas)), tuple(gsm8k),
-                   tuple(acceptance), tuple(skipped))
+                   tuple(acceptance), tuple(skipped), tuple(references))
 
 
 def delta_changed(d: MetricDelta) -> bool:

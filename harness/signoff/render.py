@@ -15,6 +15,9 @@ signoff.json (SIGNOFF_SCHEMA_VERSION 1):
                  "new_error": 0,                             #   ERROR (infrastructure): PASS->ERROR, FAIL->ERROR
                  "still_failing": 0,                         #   failing with the same class as in the baseline
                  "not_run": 6},                              #   a cell the candidate's run never reached
+      "references": [{"cell": "...", "verdict": "FAIL" | "PASS",   # cells whose reference changed since its
+                      "recorded_by": "...", "accepted": "...",    #   recording, or whose recording carries an
+                      "reason": "..."}],                           #   accepted numerics change (with its reason)
       "candidate": {"run_id": "...", "dirs": ["..."], "git_commit": "...", "report": "../cand/index.html"},
       "baseline": {...same keys...},
       "cells": [{"cell": "dcp/tiny-gqa/tp4dcp4/lengths/seed0",    # one per candidate cell (key_label)
@@ -200,6 +203,11 @@ def render_markdown(s: Signoff, out_dir: Path = Path(".")) -> str:
         lines += _table(["cell", "baseline build", "candidate", "reference topology", "verdict"],
                         [[cell_label(a.cell), num(a.old), num(a.new), num(a.reference), a.verdict]
                          for a in s.acceptance]) + [""]
+    if s.references:
+        lines += ["## Recorded references: changed or accepted", ""]
+        lines += _table(["cell", "verdict", "recorded by build", "accepted numerics change", "reason"],
+                        [[cell_label(r.cell), r.verdict, r.recorded_by, r.accepted or "-", r.reason]
+                         for r in s.references]) + [""]
     lines += ["## Provenance", ""]
     base = dict(provenance_rows(s.baseline))
     rows = [[k, base.get(k, "-"), v] for k, v in provenance_rows(s.candidate)]
@@ -230,7 +238,9 @@ def signoff_document(s: Signoff, out_dir: Path = Path(".")) -> dict[str, Any]:
     return {"schema_version": SIGNOFF_SCHEMA_VERSION, "verdict": head.title, "signed_off": s.signed_off,
             "summary": head.text, "counts": s.counts(),
             "candidate": build(side("candidate", s.candidate, out_dir), s.candidate),
-            "baseline": build(side("baseline", s.baseline, out_dir), s.baseline), "cells": cells}
+            "baseline": build(side("baseline", s.baseline, out_dir), s.baseline), "cells": cells,
+            "references": [{"cell": cell_label(r.cell), "verdict": r.verdict, "recorded_by": r.recorded_by,
+                            "accepted": r.accepted or None, "reason": r.reason} for r in s.references]}
 
 
 def write_signoff(out_dir: Path, s: Signoff) -> dict[str, Path]:
