@@ -211,9 +211,9 @@ def record_file(record: Record) -> tuple[str, str, bytes]:
 
 
 def store_record(rel: str, data: bytes, folder: Path) -> None:
-    """Write a record file (atomically; an identical one already there is kept)."""
+    """Write a record file (atomically; an identical one already there is kept, a damaged one replaced)."""
     path = folder / rel
-    if not path.is_file():
+    if not path.is_file() or path.read_bytes() != data:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".partial")
         tmp.write_bytes(data)

@@ -174,7 +174,7 @@ def _update(run_dir: Path, suite_arg: str | None, yes: bool, folder: Path) -> in
     refs, notes = updates(found, folder, None)
     for line in ref_skipped + notes:
         print(line)
-    if not entries and not acc_entries and not refs:
+    if not entries and not acc_entries and not refs and not notes:
         print(f"{run_dir}: no cell of suite {suite!r} holds a GSM8K score, a speculative acceptance or a reference "
               f"to record")
         return 1
@@ -187,7 +187,10 @@ def _update(run_dir: Path, suite_arg: str | None, yes: bool, folder: Path) -> in
                         write_acceptance)
     if refs and status == 0:
         status = _write_references(folder, "recorded references", refs, yes)
-    return status
+    refused = [line for line in notes if line.startswith("refused")]
+    if refused:
+        print(f"{len(refused)} reference(s) changed since their recording and were not written")
+    return status or (1 if refused else 0)
 
 
 def _accept(run_dir: Path, suite_arg: str | None, reason: str, yes: bool, folder: Path) -> int:
