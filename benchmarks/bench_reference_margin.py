@@ -30,7 +30,7 @@ def pairs(cache: Path) -> list[tuple[RunArtifacts, RunArtifacts]]:
             continue
         stem = ref.path.name.rsplit("-", 1)[0]
         noise = next((r for r in runs if r.path.name.startswith(stem + NOISE)
-                      and r.manifest.get("seed") == ref.manifest.get("seed")), None)
+                      and all(r.manifest.get(f) == ref.manifest.get(f) for f in ("seed", "prompts_hash"))), None)
         if noise is not None:
             out.append((ref, noise))
     return out

@@ -8,7 +8,8 @@ A record holds, per case i of the run (its own case index; tensors of a safetens
                                                   top-k-only engines: 1 + the top-k's spread)
     decode_ids.i, decode_logprobs.i, decode_scale.i   the same over the one-token decode steps [T-D, k]
     gen_tokens.i                        [N]       greedy generation
-    gen_ids.i, gen_logprobs.i, gen_scale.i        its top-k at each step [N, k]
+    gen_ids.i, gen_logprobs.i, gen_scale.i        its top-k at each step [N, k]; the scale: the top-k's spread, or
+                                                  the case's largest prefill/decode scale where that is larger
     spec_tokens.i, spec_accepted.i, spec_drafts.i  -draft / -mtp runs: output, accepted count per verify
                                                   step, proposals
     layer_norm.i                        [L+1, P]  per-layer summary (engines with hidden states): the residual
@@ -134,6 +135,10 @@ def record_of(run: RunArtifacts) -> Record:
             out[f"gen_tokens.{i}"] = t[f"gen_tokens.{i}"].to(torch.int32)
         if f"gen_topk_ids.{i}" in t:
             ids, lp, scale = _from_topk(t[f"gen_topk_ids.{i}"], t[f"gen_topk_logprobs.{i}"])
+            # the generation's own logits are not at hand: the case's largest logit magnitude on the other paths
+            # (the same model on the same text) where it is larger than the top-k's spread shows
+            seen = [out[f"{path}_scale.{i}"].max() for path in ("prefill", "decode") if f"{path}_scale.{i}" in out]
+            scale = torch.maximum(scale, torch.stack(seen).max()) if seen else scale
             out.update({f"gen_ids.{i}": ids, f"gen_logprobs.{i}": lp, f"gen_scale.{i}": scale})
         for name in ("spec_tokens", "spec_accepted", "spec_drafts"):
             if f"{name}.{i}" in t:
