@@ -222,3 +222,40 @@ def test_an_intended_change_is_refused_by_update_accepted_with_a_reason_and_sign
     assert "new attention kernel" in (tmp / "signoff" / "signoff.md").read_text()
     assert main(["baseline", "accept", "--from", str(tmp / "changed"), "--dir", str(folder),
                  "--reason", " "]) == 2  # a reason is required
+
+
+HTTP_SUITE = """
+name: refhttp
+version: 1
+models: [tiny-gqa]
+topologies: [tp2]
+reference: tp1
+max_new_tokens: 6
+decode_prefix_tokens: 2
+kv_budget_mib: 4
+max_seq_len: 64
+prompts: ["The capital of France is"]
+checks: {layout: {}, logits: {}, generation: {}}
+"""
+
+
+@pytest.mark.xdist_group("refbase")
+def test_an_http_engines_reference_is_recorded_per_engine_version(tmp_path: Path) -> None:
+    """`harness serve` (top-k only, no per-layer summaries): recorded under its engine and version; a rerun on a
+    fresh cache PASSes against it."""
+    (tmp_path / "refhttp.yaml").write_text(HTTP_SUITE)
+    folder = tmp_path / "baselines"
+
+    def run(out: str, cache: str) -> dict[str, Any]:
+        main(["run", "--suite", str(tmp_path / "refhttp.yaml"), "--engine", "harness-serve", "--out",
+              str(tmp_path / out), "--cache-dir", str(tmp_path / cache), "--baselines-dir", str(folder)])
+        (cell,) = json.loads((tmp_path / out / "results.json").read_text())["cells"]
+        return next(k for k in cell["checks"] if k["name"] == "reference_baseline")  # type: ignore[no-any-return]
+
+    assert run("first", "cache-a")["verdict"] == "SKIP"
+    assert main(["baseline", "update", "--from", str(tmp_path / "first"), "--dir", str(folder), "--yes"]) == 0
+    (entry,) = yaml.safe_load(references_path(folder).read_text())["baselines"]
+    assert entry["engine"] == "harness-serve" and "llm-parallel-harness" in entry["engine_version"]
+    assert not any(k.startswith("layer_") for k in load_file(str(folder / entry["record"])))
+    again = run("again", "cache-b")
+    assert again["verdict"] == "PASS", again["reason"]
