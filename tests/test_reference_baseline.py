@@ -155,6 +155,18 @@ def test_a_clean_rerun_on_a_fresh_cache_and_either_seed_pass(recorded: tuple[Pat
     results = _run(tmp, "rerun", "cache-fresh", folder)
     assert [r["verdict"] for r in results.values()] == ["PASS", "PASS"]
     assert all("matches its recording" in r["reason"] for r in results.values())
+    # the sign-off compares a candidate run made before anything was recorded (its cells SKIP) now
+    assert main(["signoff", "--candidate", str(tmp / "clean"), "--baseline", str(tmp / "rerun"), "--out",
+                 str(tmp / "so-clean"), "--baselines-dir", str(folder)]) == 0
+    assert "reference_baseline" not in (tmp / "so-clean" / "signoff.md").read_text().split("## Skipped")[1]
+    changed = tmp / "baselines-changed"
+    shutil.copytree(folder, changed)
+    seed0 = read_run(next(r for r in sorted((tmp / "cache" / "runs").iterdir()) if "tp1-draft-float32-" in r.name))
+    _shift_recorded_prefill(changed, seed0.manifest["weights_hash"])
+    assert main(["signoff", "--candidate", str(tmp / "clean"), "--baseline", str(tmp / "rerun"), "--out",
+                 str(tmp / "so-changed"), "--baselines-dir", str(changed)]) == 1
+    (row,) = json.loads((tmp / "so-changed" / "signoff.json").read_text())["references"]
+    assert row["verdict"] == "FAIL" and row["reason"].startswith(CHANGED)
 
 
 @pytest.mark.xdist_group("refbase")

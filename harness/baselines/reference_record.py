@@ -22,7 +22,7 @@ The bound is rounding's, from first principles (RoundingBound): never a noise ru
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -293,7 +293,6 @@ def compare_records(old: Record, new: Record, bound: RoundingBound, cases: Seque
     summaries; the first difference localized to its case, position and (where summaries exist) layer."""
     walk = _Walk(bound)
     for n in cases:
-        before = walk.first
         for path in ("prefill", "decode"):
             a, b = _triple(old, path, n), _triple(new, path, n)
             if a is None and b is None:
@@ -304,18 +303,15 @@ def compare_records(old: Record, new: Record, bound: RoundingBound, cases: Seque
                 continue
             walk.topk_rows(n, PATH_WORDS[path], a, b, a[0].shape[0])
         _compare_generation(walk, old, new, n)
-        if walk.first is not None and walk.first is not before and walk.first.case == n:
-            layer = _first_layer(old, new, n, bound)
+        layer = _first_layer(old, new, n, bound)
+        if walk.first is not None:  # the outputs differ: where in the stack it starts, where summaries exist
             if layer is not None:
-                walk.first = Difference(n, walk.first.what, walk.first.position,
-                                        walk.first.detail + f" (hidden summaries first differ at probe {layer[1]})",
-                                        layer[0])
-        elif walk.first is None:
-            layer = _first_layer(old, new, n, bound)
-            if layer is not None:
-                walk.found(Difference(n, "per-layer summary", layer[1], "the residual stream's summary differs "
-                                      "beyond rounding while the logprobs agree", layer[0]))
-        if walk.first is not None:
+                walk.first = replace(walk.first, layer=layer[0],
+                                     detail=walk.first.detail + f" (hidden summaries first differ at probe {layer[1]})")
+            break
+        if layer is not None:
+            walk.found(Difference(n, "per-layer summary", layer[1], "the residual stream's summary differs beyond "
+                                  "rounding while the logprobs agree", layer[0]))
             break
     return Comparison(walk.first, walk.compared, walk.max_error, walk.bound_at_max, walk.near_ties)
 
