@@ -271,3 +271,38 @@ def test_an_http_engines_reference_is_recorded_per_engine_version(tmp_path: Path
     assert not any(k.startswith("layer_") for k in load_file(str(folder / entry["record"])))
     again = run("again", "cache-b")
     assert again["verdict"] == "PASS", again["reason"]
+
+
+HYBRID_SUITE = """
+name: refhyb
+version: 1
+models: [tiny-hybrid]
+topologies: [tp1]
+reference: tp1
+max_new_tokens: 4
+decode_prefix_tokens: 2
+kv_budget_mib: 8
+max_seq_len: 64
+prompts: ["The capital of France is", "Q: 17 + 25 = ?\\nA:"]
+checks: {logits: {}, generation: {}}
+"""
+
+
+@pytest.mark.xdist_group("refbase")
+def test_a_logits_changing_fault_the_reference_shares_fails_at_its_position_and_layer(tmp_path: Path) -> None:
+    """state-slot-stale (a recurrent-state slot reused without zeroing, in code tp1 runs too): every parity check
+    agrees with the faulty reference; the recording does not. The tp1 cell is the reference run itself."""
+    (tmp_path / "refhyb.yaml").write_text(HYBRID_SUITE)
+    folder = tmp_path / "baselines"
+    argv = ["run", "--suite", str(tmp_path / "refhyb.yaml"), "--cache-dir", str(tmp_path / "cache"),
+            "--baselines-dir", str(folder)]
+    assert main([*argv, "--out", str(tmp_path / "clean")]) == 0
+    assert main(["baseline", "update", "--from", str(tmp_path / "clean"), "--dir", str(folder), "--yes"]) == 0
+    assert main([*argv, "--out", str(tmp_path / "fault"), "--fault", "state-slot-stale"]) == 1
+    (cell,) = json.loads((tmp_path / "fault" / "results.json").read_text())["cells"]
+    verdicts = {c["name"]: c for c in cell["checks"]}
+    found = verdicts["reference_baseline"]
+    assert found["verdict"] == "FAIL" and found["reason"].startswith(CHANGED)
+    assert "decode-path logprobs at position 0" in found["reason"] and "first differing layer 1" in found["reason"]
+    assert found["metrics"]["difference"]["layer"] == 1
+    assert [n for n, c in verdicts.items() if c["verdict"] == "FAIL"] == ["reference_baseline"]
