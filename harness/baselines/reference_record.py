@@ -247,12 +247,12 @@ class _Walk:
         """Compare token sequences; the number of leading steps that agree (a benign divergence at a recorded near
         tie ends the comparison there; any other divergence is a difference)."""
         n = min(old.numel(), new.numel())
-        same = (old[:n] != new[:n]).nonzero()
-        if not same.numel():
+        differ = (old[:n] != new[:n]).nonzero()
+        if not differ.numel():
             if old.numel() != new.numel():
                 self.found(Difference(case, what, n, f"{new.numel()} tokens, recorded {old.numel()}"))
             return n
-        s = int(same[0])
+        s = int(differ[0])
         if gaps is not None and tol is not None and s < gaps.numel() and float(gaps[s]) <= 2 * float(tol[s]):
             self.near_ties += 1  # the recorded top-2 were within rounding of each other: either may win
             return s
