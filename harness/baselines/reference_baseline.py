@@ -51,6 +51,7 @@ from harness.baselines.baseline_store import (
     provenance_of,
     read_entries,
     unrecordable,
+    update_command,
     write_file,
 )
 from harness.baselines.reference_record import (
@@ -271,8 +272,8 @@ def accept_command(run_dir: str, suite: str) -> str:
     return f"harness baseline accept --from {run_dir} --suite {suite} --reason TEXT"
 
 
-def gate_reference(baselines: ReferenceBaselines, folder: Path, ref: RunArtifacts, model: str,
-                   update_command: str, run_dir: str, suite: str) -> CheckResult:
+def gate_reference(baselines: ReferenceBaselines, folder: Path, ref: RunArtifacts, model: str, run_dir: str,
+                   suite: str) -> CheckResult:
     """A cell's reference against the recorded one of its key: FAIL (CHANGED) at the first difference beyond
     rounding, naming the build it was recorded from, where it is and how to accept an intended change; PASS
     within rounding (naming an accepted change the recording carries); SKIP naming the command that records one
@@ -282,11 +283,15 @@ def gate_reference(baselines: ReferenceBaselines, folder: Path, ref: RunArtifact
         key = key_of(ref, model)
     except RunError as exc:  # a stored run without its job: nothing to identify it by, so nothing to compare
         return CheckResult(CHECK, Verdict.SKIP, f"the reference cannot be identified: {exc}")
-    metrics: dict[str, Any] = {"key": key.to_dict(), "update_command": update_command}
+    # the reasons name the commands with RUN_DIR (a verdict's words do not depend on where the run was written:
+    # runs of one build into other folders give the same reasons); the metrics hold them for this run's folder
+    metrics: dict[str, Any] = {"key": key.to_dict(), "update_command": update_command(run_dir, suite),
+                               "accept_command": accept_command(run_dir, suite)}
     entry = baselines.get(key)
     if entry is None:
         return CheckResult(CHECK, Verdict.SKIP, f"no recorded reference for {key.label}; record one from a clean "
-                                                f"run with `{update_command}`", metrics)
+                                                f"run with `{update_command('RUN_DIR', suite)}` (RUN_DIR: "
+                                                f"that run's --out)", metrics)
     try:
         found, bound = compare_with(entry, folder, ref)
     except RunError as exc:
@@ -298,7 +303,7 @@ def gate_reference(baselines: ReferenceBaselines, folder: Path, ref: RunArtifact
         return CheckResult(CHECK, Verdict.FAIL,
                            f"{CHANGED} {entry.built_by()}: {found.difference.text()} (bound: {bound.describe()}); "
                            f"a fault in code the reference runs too, or an intended numerics change: accept that "
-                           f"with `{accept_command(run_dir, suite)}`", metrics)
+                           f"with `{accept_command('RUN_DIR', suite)}` (RUN_DIR: this run's --out)", metrics)
     accepted = (f"; carries an accepted numerics change ({entry.accepted.get('date')}: "
                 f"{entry.accepted.get('reason')})" if entry.accepted else "")
     ties = f", {found.near_ties} divergence(s) at recorded near ties" if found.near_ties else ""
@@ -409,8 +414,7 @@ def recheck(cell: CellResult, folder: Path, run_dir: str) -> CellResult:
     ref = read_run(Path(cell.reference_dir))
     if not ref.ok:
         return cell
-    found = gate_reference(load_references(folder), folder, ref, cell.model,
-                           f"harness baseline update --from {run_dir} --suite {cell.suite}", run_dir, cell.suite)
+    found = gate_reference(load_references(folder), folder, ref, cell.model, run_dir, cell.suite)
     if found.verdict is Verdict.SKIP and current is not None:
         return cell
     checks = tuple(found if c.name == CHECK else c for c in cell.checks) if current is not None \

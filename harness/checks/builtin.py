@@ -242,12 +242,10 @@ def acceptance(ctx: CellContext) -> list[CheckResult]:
 def reference_baseline(ctx: CellContext) -> list[CheckResult]:
     """The cell's reference against the one recorded from an earlier build (baselines/references.yaml), within
     the dtype's rounding: it sees a bug in code the reference runs too, which every parity check shares."""
-    from harness.baselines.baseline_store import update_command
     from harness.baselines.reference_baseline import gate_reference, load_references
 
-    run_dir = ctx.info.report_dir or "RUN_DIR"
     return [gate_reference(load_references(ctx.info.baselines_dir), ctx.info.baselines_dir, ctx.ref, ctx.info.model,
-                           update_command(run_dir, ctx.info.suite), run_dir, ctx.info.suite)]
+                           ctx.info.report_dir or "RUN_DIR", ctx.info.suite)]
 
 
 def gsm8k(ctx: CellContext) -> list[CheckResult]:
