@@ -166,7 +166,7 @@ _SELF_CONSISTENCY = ("the same three prompts sent three times: first in one batc
 _SAMPLING = ("three prompts sampled with temperature, min-p, top-k, top-p and penalties, the first sent again alone "
              "with the same seed; the sampling checks test each position's draws against the reference's "
              "processed distribution, the ranks' agreement and the seeded copies' equality")
-SAMPLING = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.3,
+SAMPLING = SamplingParams(temperature=1.5, top_k=12, top_p=0.95, min_p=0.05, repetition_penalty=1.3,
                           presence_penalty=0.5, frequency_penalty=0.2, seed=7, n=400)
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (

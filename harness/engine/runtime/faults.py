@@ -67,7 +67,7 @@ FAULTS: tuple[Fault, ...] = (
           "min-p / top-k / top-p masks computed on the untempered logits and the temperature applied after "
           "(tt-metal #52928's class: greedy CI stays green): another support and another distribution; sampling "
           "workload only", flags={"sampler_slip": "temperature-after-mask"}),
-    Fault("sample-penalty-own-slice", "sampling_distribution, sampling_ranks",
+    Fault("sample-penalty-own-slice", "sampling_ranks",
           "repetition / presence / frequency penalties counting only the history tokens in the rank's own vocab "
           "shard: tokens of the other shards go unpenalized and each rank samples from its own distribution; "
           "sampling workload only", needs_tp=True, flags={"sampler_slip": "penalty-own-slice"}),
