@@ -63,6 +63,7 @@ REPREFILL_TOPK_LOGPROBS = "reprefill_topk_logprobs"  # [N, k] float32
 # picks a new token (prompt end .. last but one), on the logits of each path, as every rank drew them
 SAMPLE_PREFILL = "sample_prefill"          # [W, S, n] int64: W ranks, S = continuation tokens, n draws
 SAMPLE_DECODE = "sample_decode"            # [W, S, n] int64, from the decode path's logits
+SAMPLE_UNIFORMS = "sample_uniforms"        # [N] float64: the uniform each sampled generation step drew
 # the last dim of COLLECTIVES
 COLLECTIVE_SITES: tuple[str, ...] = ("dcp-q-gather", "dcp-lse-merge", "attn-allreduce", "mlp-allreduce")
 

@@ -90,6 +90,8 @@ def run_workloads(engine: Engine, groups: Sequence[WorkloadCases], top_k: int,
     for g, (gen, stats) in zip(routed, served):
         for j, case in enumerate(g.cases):
             out.tokens[case.index] = gen.tokens[j]
+            if gen.uniforms:
+                out.tensors[key(c_.SAMPLE_UNIFORMS, case.index)] = torch.tensor(gen.uniforms[j], dtype=torch.float64)
             out.topk_ids[case.index], out.topk_logprobs[case.index] = gen.topk_ids[j], gen.topk_logprobs[j]
         out.stats[g.workload.name] = {"twin": False, **stats.to_dict()}
     _reprefill(engine, cases, out, top_k)

@@ -83,4 +83,8 @@ FAULTS: tuple[Fault, ...] = (
           "top-p computed on the top-k survivors without renormalizing them, and the draw's uniform not scaled "
           "to the kept mass (ml-explore/mlx-lm #388's class): a draw past the kept mass falls on the least "
           "probable token; sampling workload only", flags={"sampler_slip": "unrenormalized"}),
+    Fault("sample-shared-generator", "sampling_seeded",
+          "every row of a batched sampling step draws from the first row's generator instead of its request's own "
+          "(per-request seeds ignored): a seeded request draws other numbers in a batch than alone; sampling "
+          "workload only", flags={"sampler_slip": "shared-generator"}),
 )

@@ -10,6 +10,7 @@ A sampler slip (FaultFlags.sampler_slip, harness/engine/runtime/faults.py) repro
   rank-seed               each rank's generator seeded with seed + its TP rank (ranks draw different tokens)
   row-mapping             batched top-p maps each row's kept set back through the next row's sort order
   unrenormalized          the kept mass not renormalized and the uniform draw not scaled to it
+  shared-generator        a batch's rows all draw from the first row's generator (no per-request seeds)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from harness.partition.layout import vocab_shard
 from harness.specs.sampling import SamplingParams
 
 SLIPS: tuple[str, ...] = ("topk-per-shard", "temperature-after-mask", "penalty-own-slice", "rank-seed",
-                          "row-mapping", "unrenormalized")
+                          "row-mapping", "unrenormalized", "shared-generator")
 
 
 @dataclass(frozen=True)
@@ -117,12 +118,21 @@ class Sampler:
 
     # -- drawing --------------------------------------------------------------------------------
 
+    def uniforms(self, generators: Sequence[torch.Generator], n: int = 1) -> torch.Tensor:
+        """n uniforms [B, n] float64 per row, row b from generators[b] (the shared-generator slip: all from the
+        first row's)."""
+        gens = [generators[0]] * len(generators) if self.slip == "shared-generator" else generators
+        return torch.stack([torch.rand(n, generator=g, dtype=torch.float64) for g in gens])  # [B, n]
+
     def draw(self, probs: torch.Tensor, generators: Sequence[torch.Generator], n: int = 1) -> torch.Tensor:
-        """n tokens per row of probs [B, V], row b from generators[b]: inverse CDF over the tokens in descending
-        probability (ties by id), each uniform scaled to the row's total mass; [B, n] int64."""
+        """n tokens per row of probs [B, V], row b from generators[b] (self.pick of self.uniforms); [B, n] int64."""
+        return self.pick(probs, self.uniforms(generators, n))
+
+    def pick(self, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """The tokens [B, n] of uniforms u [B, n] under probs [B, V]: inverse CDF over the tokens in descending
+        probability (ties by id), each uniform scaled to the row's total mass."""
         order = probs.argsort(dim=-1, descending=True, stable=True)  # [B, V]
         cdf = probs.gather(-1, order).cumsum(dim=-1)  # [B, V]
-        u = torch.stack([torch.rand(n, generator=g, dtype=torch.float64) for g in generators])  # [B, n]
         scaled = u if self.slip == "unrenormalized" else u * cdf[:, -1:]
         at = torch.searchsorted(cdf, scaled, right=True).clamp(max=probs.shape[-1] - 1)  # [B, n]
         return order.gather(-1, at)

@@ -257,6 +257,7 @@ class _LaneState:
         self.tk_lp: list[list[torch.Tensor]] = [[] for _ in lane.prompts]
         sampler = lane.sampler
         self.generators = [sampler.generator(seed) for seed in lane.seeds] if sampler is not None else []
+        self.uniforms: list[list[float]] = [[] for _ in lane.prompts]  # a sampled lane: each step's uniform
 
     @property
     def busy(self) -> bool:
@@ -449,8 +450,11 @@ class ServingLoop:
             sampler = lane.lane.sampler
             if sampler is not None:  # after the vocab gather: every rank draws alike from the request's generator
                 reqs = [req for _, req in done_rows]
-                chosen = sampler.sample(picked, [r.prompt for r in reqs], [r.new for r in reqs],
-                                        [lane.generators[r.index] for r in reqs])[:, 0]
+                u = sampler.uniforms([lane.generators[r.index] for r in reqs])  # [n, 1]
+                chosen = sampler.pick(sampler.probabilities(picked, [r.prompt for r in reqs], [r.new for r in reqs]),
+                                      u)[:, 0]
+                for r, value in zip(reqs, u[:, 0].tolist()):
+                    lane.uniforms[r.index].append(value)
             for (_, req), token, ids_row, lp_row in zip(done_rows, chosen.tolist(), top.indices.cpu(),
                                                         top.values.float().cpu()):
                 req.new.append(int(token))
@@ -567,7 +571,8 @@ def _generation(st: _LaneState, k: int) -> Generation:
     if st.lane.speculative is None:
         tokens = [list(r.new) for r in st.requests]  # greedy: each step's top-1; a sampled lane: its draws
         return Generation(tokens, [torch.stack(t) if t else torch.empty((0, k), dtype=torch.long) for t in st.tk_ids],
-                          [torch.stack(t) if t else torch.empty((0, k)) for t in st.tk_lp], st.width)
+                          [torch.stack(t) if t else torch.empty((0, k)) for t in st.tk_lp], st.width,
+                          uniforms=st.uniforms if st.lane.sampler is not None else [])
     seqs = [r.spec for r in st.requests]
     tokens = [_trim(s.generated, n, st.lane.stop_token_ids) if s is not None else []
               for s, n in zip(seqs, st.lane.new_tokens)]
