@@ -202,7 +202,12 @@ def check_distribution(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts
         "tests": len(tests), "draws_per_position": params.n, "alpha": settings.alpha, "threshold": threshold,
         "min_p_value": worst.p_value, "worst": {"case": worst.case, "path": worst.path, "step": worst.step},
         "outside_support": sum(len(t.outside) for t in tests), "near_tie_draws": sum(t.near_tie_draws for t in tests),
-        "p_value_strip": strip, "sampling": params.to_dict()}
+        "p_value_strip": strip, "sampling": params.to_dict(),
+        # the report's strip (a list of text rows: the drill-down shows it under the reason), one row per case and
+        # path: each step's p-value, '!' below the threshold, 'x' where a token was drawn outside the support
+        "p_values": [f"prompt {key.replace('/', ' ')}: " + " ".join(f"{t.p_value:.1e}" + ("!" if t.p_value < threshold else "")
+                                           + ("x" if t.outside else "") for t in tests if f"{t.case}/{t.path}" == key)
+                     for key in strip]}
     where = ("; the teacher-forced logits agree with the reference, so the sampler is the suspect"
              if logits_agree else "; the logits checks fail too: the sampled logits already differ")
     if outside:
