@@ -185,6 +185,16 @@ def position_tests(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | N
     return out
 
 
+def strip_rows(tests: Sequence[PositionTest], threshold: float) -> list[str]:
+    """The report's p-value strip (text rows the drill-down shows under the reason): per prompt and path, each
+    step's p-value, '!' below the threshold, 'x' where a token was drawn outside the support."""
+    rows: dict[tuple[int, str], list[str]] = {}
+    for t in tests:
+        mark = ("!" if t.p_value < threshold else "") + ("x" if t.outside else "")
+        rows.setdefault((t.case, t.path), []).append(f"{t.p_value:.1e}{mark}")
+    return [f"prompt {case} {path}: " + " ".join(values) for (case, path), values in rows.items()]
+
+
 def check_distribution(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None, noise_base: RunArtifacts,
                        params: SamplingParams, settings: SamplingSettings, logits_agree: bool) -> CheckResult:
     """sampling_distribution: support and fit of every position's draws (the module docstring)."""
@@ -203,11 +213,7 @@ def check_distribution(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts
         "min_p_value": worst.p_value, "worst": {"case": worst.case, "path": worst.path, "step": worst.step},
         "outside_support": sum(len(t.outside) for t in tests), "near_tie_draws": sum(t.near_tie_draws for t in tests),
         "p_value_strip": strip, "sampling": params.to_dict(),
-        # the report's strip (a list of text rows: the drill-down shows it under the reason), one row per case and
-        # path: each step's p-value, '!' below the threshold, 'x' where a token was drawn outside the support
-        "p_values": [f"prompt {key.replace('/', ' ')}: " + " ".join(f"{t.p_value:.1e}" + ("!" if t.p_value < threshold else "")
-                                           + ("x" if t.outside else "") for t in tests if f"{t.case}/{t.path}" == key)
-                     for key in strip]}
+        "p_values": strip_rows(tests, threshold)}
     where = ("; the teacher-forced logits agree with the reference, so the sampler is the suspect"
              if logits_agree else "; the logits checks fail too: the sampled logits already differ")
     if outside:
