@@ -123,6 +123,7 @@ def workload_manifest(groups: Sequence[WorkloadCases]) -> list[dict[str, Any]]:
     token counts (tokens = prompt + continuation)."""
     return [{"name": g.workload.name, "schedule": g.workload.schedule, "join_per_step": g.workload.join_per_step,
              "route": g.workload.route, "settings": g.workload.engine_settings(),
+             **({"sampling": g.workload.sampling.to_dict()} if g.workload.sampling is not None else {}),
              "cases": [{"index": c.index, "prompt_tokens": len(c.prompt_ids),
                         "continuation_tokens": len(c.sequence_ids) - len(c.prompt_ids),
                         "tokens": len(c.sequence_ids)} for c in g.cases]} for g in groups]

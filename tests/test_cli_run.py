@@ -59,7 +59,7 @@ def test_main_command_passes_and_writes_every_report_file(tmp_path: Path, cache_
     assert sorted({cell["model"] for cell in doc["cells"]}) == ["tiny-bf16-big", "tiny-gqa"]  # float32 GQA, bf16 MHA
     for model in ("tiny-bf16-big", "tiny-gqa"):  # one cell per workload of the suite
         assert [c["workload"] for c in doc["cells"] if c["model"] == model] == [
-            "prompts", "lengths", "prefix-cache", "self-consistency"]
+            "prompts", "lengths", "prefix-cache", "self-consistency", "sampling"]
     for cell in doc["cells"]:
         assert (cell["topology"], cell["status"], cell["silent_corruption"]) == ("tp4dcp4", "PASS", False)
         teacher_forced = {"logits_prefill", "logits_decode"} if cell["workload"] in ("prompts", "lengths") else set()

@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from harness.checks.context import CellContext
+from harness.checks.workload_checks import workload_entry
 from harness.compare.layout.attention import check_kv_capacity, check_layout_with_pool, kv_groups_differ
 from harness.compare.layout.hybrid import check_hybrid_layout
 from harness.compare.layout.sparse import SELECTION_KEY, check_sparse_layout
@@ -156,6 +157,10 @@ def logits_decode(ctx: CellContext) -> list[CheckResult]:
 
 
 def generation(ctx: CellContext) -> list[CheckResult]:
+    entry = workload_entry(ctx)
+    if entry is not None and entry.get("sampling") is not None:
+        return [CheckResult("generation", Verdict.SKIP, f"workload {ctx.info.workload} samples: its tokens are "
+                            "judged by the sampling checks, not against the reference's")]
     try:
         evidence = engine_evidence(ctx.noise_base, ctx.noise)
     except RunError:  # a run without usable generations: the generation check says so itself

@@ -32,6 +32,7 @@ from harness.compare.settings import (
     LocalizationSettings,
     LogitsSettings,
     LosslessSettings,
+    SamplingSettings,
     ScheduleSettings,
     SelfConsistencySettings,
     SpeculativeOutputSettings,
@@ -42,7 +43,8 @@ from harness.records import contract as c
 
 ENTRY_POINT_GROUP = "harness.checks"
 
-CELL_KINDS: tuple[str, ...] = ("all", "speculative", "gsm8k", "route", "workloads", "teacher_forced", "pd")
+CELL_KINDS: tuple[str, ...] = ("all", "speculative", "gsm8k", "route", "workloads", "teacher_forced", "pd",
+                               "sampling")
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,8 @@ class CheckSpec:
     #                                        "workloads" (cells of a run with workloads, Job.workloads),
     #                                        "teacher_forced" (cells whose workload takes no serving route of
     #                                        its own: the suite's prompts, lengths; a route workload's cell
-    #                                        judges its generation route), "pd" (disaggregated PREFILL>DECODE cells)
+    #                                        judges its generation route), "pd" (disaggregated PREFILL>DECODE cells),
+    #                                        "sampling" (cells whose workload samples: Workload.sampling)
     performance_only: bool = False         # measures speed, not outputs: its FAIL is a performance regression
     reads_noise: bool = False              # its bounds scale from the noise run: its reason names the cell's noise
     #                                        source where that is not the reference engine's own noise run
@@ -166,6 +169,17 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
               "each generated step's decode-time top-k against a re-prefill of prompt + generated tokens of the "
               "same run (no reference needed)", settings=ConsistencySettings, requires=(c.GENERATION, c.REPREFILL),
               cells="workloads", reads_noise=True),
+    CheckSpec("sampling_distribution", "sampling", "harness.checks.sampling_checks:sampling_distribution",
+              "each teacher-forced position's n draws of the parallel run's sampler (prefill and decode path) against "
+              "the reference's processed distribution: no token outside its support but near ties, and a chi-square "
+              "fit at a false-positive rate of alpha per cell", settings=SamplingSettings, requires=(c.FULL_LOGITS,),
+              cells="sampling", reads_noise=True),
+    CheckSpec("sampling_ranks", "sampling", "harness.checks.sampling_checks:sampling_ranks",
+              "every rank's sampler drew the same tokens at every position (no exchange needed when ranks agree)",
+              settings=SamplingSettings, cells="sampling"),
+    CheckSpec("sampling_seeded", "sampling", "harness.checks.sampling_checks:sampling_seeded",
+              "a prompt sent again with the same seed, alone instead of in a batch, generated the same tokens",
+              settings=SamplingSettings, requires=(c.GENERATION,), cells="sampling"),
 )
 
 def _specs_of(entry: str, obj: Any) -> list[CheckSpec]:

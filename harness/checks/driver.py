@@ -35,6 +35,8 @@ def belongs(spec: CheckSpec, ctx: CellContext) -> bool:
         return bool(ctx.info.workloads_run)
     if spec.cells == "pd":
         return ctx.pd_plan is not None
+    if spec.cells == "sampling":
+        return ctx.info.workload in WORKLOADS and WORKLOADS[ctx.info.workload].sampling is not None
     if spec.cells == "teacher_forced":
         return ctx.info.workload not in WORKLOADS or not WORKLOADS[ctx.info.workload].route
     return True

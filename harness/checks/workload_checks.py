@@ -89,4 +89,5 @@ def self_consistency(ctx: CellContext) -> list[CheckResult]:
 def decode_consistency(ctx: CellContext) -> list[CheckResult]:
     if workload_entry(ctx) is None:
         return [CheckResult("decode_consistency", Verdict.SKIP, "the run holds no workload re-prefill")]
-    return [check_consistency(ctx.par, ctx.noise_base, ctx.noise, ctx.settings.of(ConsistencySettings))]
+    sampled = (workload_entry(ctx) or {}).get("sampling") is not None  # its tokens are draws, not the top-1
+    return [check_consistency(ctx.par, ctx.noise_base, ctx.noise, ctx.settings.of(ConsistencySettings), sampled)]

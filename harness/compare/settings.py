@@ -258,6 +258,28 @@ class ConsistencySettings:
 
 
 @dataclass(frozen=True)
+class SamplingSettings:
+    """The sampling checks (suite `checks.sampling`), docs/checks.md#sampling: a draw outside the reference's
+    processed support FAILs unless the token is a near tie at the cut-off (its status flips when its logit moves by
+    the slack: max(slack_floor, slack_factor x the noise run's largest logit difference at that position)); each
+    position's draws are tested against the reference's processed distribution (chi-square over the tokens whose
+    membership is certain, bins of expected count below min_expected pooled), and the cell FAILs when the smallest
+    p-value is below alpha / (the number of tests): a false-positive rate of at most alpha per cell."""
+
+    alpha: float = 1e-3
+    slack_floor: float = 1e-4
+    slack_factor: float = 10.0
+    min_expected: float = 20.0  # Pearson's tail near its nominal rate at small p (benchmarks/bench_sampling_power.py)
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self)
+        _check_alpha(self, "alpha")
+        if self.slack_floor < 0 or self.slack_factor < 0 or self.min_expected <= 0:
+            raise ConfigError(f"SamplingSettings: slack_floor={self.slack_floor} and slack_factor="
+                              f"{self.slack_factor} must be >= 0, min_expected={self.min_expected} > 0")
+
+
+@dataclass(frozen=True)
 class SelfConsistencySettings:
     """self_consistency (suite `checks.self_consistency`): the copies of one prompt sent in one run under
     other schedules (first batch, reused slots in another order, alone, the one-batch twin) hold the first

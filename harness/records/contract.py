@@ -59,6 +59,11 @@ TWIN_TOPK_IDS = "twin_topk_ids"            # [N, k] int64
 TWIN_TOPK_LOGPROBS = "twin_topk_logprobs"  # [N, k] float32
 REPREFILL_TOPK_IDS = "reprefill_topk_ids"  # [N, k] int64: top-k of the prefill path at each generated step
 REPREFILL_TOPK_LOGPROBS = "reprefill_topk_logprobs"  # [N, k] float32
+# sampling workloads (Workload.sampling): n draws of the engine's sampler at each teacher-forced position that
+# picks a new token (prompt end .. last but one), on the logits of each path, as every rank drew them
+SAMPLE_PREFILL = "sample_prefill"          # [W, S, n] int64: W ranks, S = continuation tokens, n draws
+SAMPLE_DECODE = "sample_decode"            # [W, S, n] int64, from the decode path's logits
+SAMPLE_UNIFORMS = "sample_uniforms"        # [N] float64: the uniform each sampled generation step drew
 # the last dim of COLLECTIVES
 COLLECTIVE_SITES: tuple[str, ...] = ("dcp-q-gather", "dcp-lse-merge", "attn-allreduce", "mlp-allreduce")
 

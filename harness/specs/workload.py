@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from harness.core.errors import ConfigError
 from harness.specs.loader import did_you_mean
+from harness.specs.sampling import SamplingParams
 
 # how a workload's requests reach the engine (Workload.schedule; helper backends read the same strings)
 ONE_AT_A_TIME = "one-at-a-time"  # each request alone, the next after the previous finished
@@ -34,7 +35,8 @@ class Workload:
     chunks), `kv_tokens` (a KV pool that holds this many tokens: the engine preempts and recomputes).
     `new_tokens` 0 means the suite's max_new_tokens; `route` names the self-check the workload feeds.
     `order` sends the prompts of `lengths` by index, a prompt possibly several times (the same tokens each
-    time; () sends each once), and `arrivals` gives each send's engine step (() : by `schedule`)."""
+    time; () sends each once), and `arrivals` gives each send's engine step (() : by `schedule`). `sampling`
+    (None: greedy) makes every request of the workload sample (harness/specs/sampling.py)."""
 
     name: str
     description: str
@@ -50,6 +52,7 @@ class Workload:
     route: str = ""
     order: tuple[int, ...] = ()
     arrivals: tuple[int, ...] = ()
+    sampling: SamplingParams | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -91,6 +94,12 @@ class Workload:
         return {"schedule": self.schedule, "join_per_step": self.join_per_step, "prefix_cache": self.prefix_cache,
                 "chunk_tokens": self.chunk_tokens, "kv_tokens": self.kv_tokens, "arrivals": list(self.arrivals)}
 
+    def request_seeds(self) -> tuple[int, ...]:
+        """Each send's sampling seed (a prompt sent twice draws with the same seed); () when greedy."""
+        if self.sampling is None:
+            return ()
+        return tuple(self.sampling.request_seed(i) for i in self.sent())
+
     def sends(self, suite_prompts: int = 0) -> str:
         """What the workload sends, in words (harness list workloads)."""
         if self.suite_prompts:
@@ -110,14 +119,18 @@ class Workload:
         routes = [r for r, on in (("prefix cache", self.prefix_cache),
                                   (f"chunked prefill of {self.chunk_tokens} tokens per step", self.chunk_tokens),
                                   (f"a KV pool of {self.kv_tokens} tokens (preemption)", self.kv_tokens)) if on]
-        return f"{what}, {new}, {how}" + (f"; {', '.join(routes)}" if routes else "")
+        sampled = f"; sampled ({self.sampling.describe()})" if self.sampling is not None else ""
+        return f"{what}, {new}, {how}" + (f"; {', '.join(routes)}" if routes else "") + sampled
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "description": self.description, "schedule": self.schedule,
-                "join_per_step": self.join_per_step, "lengths": list(self.lengths), "new_tokens": self.new_tokens,
-                "shared_prefix": self.shared_prefix, "repeat_first": self.repeat_first,
-                "prefix_cache": self.prefix_cache, "chunk_tokens": self.chunk_tokens, "kv_tokens": self.kv_tokens,
-                "route": self.route, "order": list(self.order), "arrivals": list(self.arrivals)}
+        out = {"name": self.name, "description": self.description, "schedule": self.schedule,
+               "join_per_step": self.join_per_step, "lengths": list(self.lengths), "new_tokens": self.new_tokens,
+               "shared_prefix": self.shared_prefix, "repeat_first": self.repeat_first,
+               "prefix_cache": self.prefix_cache, "chunk_tokens": self.chunk_tokens, "kv_tokens": self.kv_tokens,
+               "route": self.route, "order": list(self.order), "arrivals": list(self.arrivals)}
+        if self.sampling is not None:  # absent when greedy: the greedy workloads' serialized jobs stay as they were
+            out["sampling"] = self.sampling.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Workload:
@@ -128,6 +141,8 @@ class Workload:
         rest = dict(data)
         for key in ("lengths", "order", "arrivals"):
             rest[key] = tuple(rest.get(key, ()))
+        if rest.get("sampling") is not None:
+            rest["sampling"] = SamplingParams.from_dict(rest["sampling"])
         return cls(**rest)
 
 
@@ -144,6 +159,15 @@ _STRADDLE_FULL: tuple[int, ...] = (1, 2, 3, 15, 16, 17, 31, 32, 33, 47, 48, 49, 
 _SELF_CONSISTENCY = ("the same three prompts sent three times: first in one batch with three fillers, then in "
                      "reverse order into the KV slots and recurrent-state pages the first six freed, then each "
                      "alone; self_consistency holds the copies (and the one-batch twin) against each other")
+
+# sampling: three prompts (6, 11 and 17 tokens) sampled together at step 0, the first one again alone at step 12
+# (after the batch finished: same prompt, same seed, so the same tokens); every teacher-forced position of each
+# case is also drawn from n = 400 times (the distribution check's sample; its power: docs/checks.md#sampling)
+_SAMPLING = ("three prompts sampled with temperature, min-p, top-k, top-p and penalties, the first sent again alone "
+             "with the same seed; the sampling checks test each position's draws against the reference's "
+             "processed distribution, the ranks' agreement and the seeded copies' equality")
+SAMPLING = SamplingParams(temperature=1.5, top_k=12, top_p=0.95, min_p=0.05, repetition_penalty=1.3,
+                          presence_penalty=0.5, frequency_penalty=0.2, seed=7, n=400)
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload(SUITE_PROMPTS, "the suite's own prompts in one batch"),
@@ -167,6 +191,8 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("preemption", "more concurrent sequences than a 160-token KV pool holds once they grow: the engine "
              "preempts the newest and recomputes it (prompt + its tokens so far) when there is room",
              lengths=(40, 33, 50, 24), kv_tokens=160, new_tokens=10, route="preemption"),
+    Workload("sampling", _SAMPLING, lengths=(6, 11, 17), new_tokens=8, order=(0, 1, 2, 0), arrivals=(0, 0, 0, 12),
+             sampling=SAMPLING),
 )}
 
 

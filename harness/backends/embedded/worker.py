@@ -22,7 +22,7 @@ import torch
 
 from harness import __version__
 from harness.backends.embedded.worker_pd import PD_ROLES, DecodeSide, run_prefill_world
-from harness.backends.embedded.workload_run import run_workloads, teacher_forced
+from harness.backends.embedded.workload_run import run_workloads, sample_draws, teacher_forced
 from harness.cases import WorkloadCases, build_cases, build_workload_cases, prompts_hash, workload_manifest
 from harness.core.jsonio import write_json
 from harness.engine import ENGINE_VERSION
@@ -122,6 +122,7 @@ def run_job(job: Job, topk_only: int | None = None, pd_role: str | None = None, 
         decode = engine.decode_path(sequences, [c.decode_start for c in cases], [c.probe_positions for c in cases],
                                     pd.loader("decode_path") if pd is not None else None)
     served = run_workloads(engine, groups, job.top_k, pd.loader if pd is not None else None) if groups else None
+    draws = sample_draws(engine, groups, prefill, decode) if groups else {}
     gen = (Generation([served.tokens[c.index] for c in cases], [served.topk_ids[c.index] for c in cases],
                       [served.topk_logprobs[c.index] for c in cases]) if served is not None
            else generate(engine, [list(c.prompt_ids) for c in cases], job.max_new_tokens, job.top_k,
@@ -159,6 +160,7 @@ def run_job(job: Job, topk_only: int | None = None, pd_role: str | None = None, 
         }
         if served is not None:
             tensors.update(served.tensors)  # twin_*.{i}, reprefill_topk_*.{i}
+            tensors.update(draws)  # sample_prefill.{i}, sample_decode.{i} of sampling workloads
             manifest["workloads"] = [{**entry, "stats": served.stats[entry["name"]]}
                                      for entry in workload_manifest(groups)]
         if spec_result is not None:

@@ -2,8 +2,10 @@
 
 Every case is generated twice: once in one plain batch (the schedule twin: all at once, whole prompts,
 no prefix cache, an ample KV pool) and once as its workload sends it (harness/engine/runtime/scheduler.py);
-a workload without any route of its own (all at once, nothing else) takes the twin's generation. Each
-scheduled generation is then re-prefilled (prompt + new tokens, one forward) for decode_consistency."""
+a workload without any route of its own (all at once, nothing else, greedy) takes the twin's generation. Each
+scheduled generation is then re-prefilled (prompt + new tokens, one forward) for decode_consistency. A sampling
+workload's lane samples (each request from its own seeded generator), and its cases' teacher-forced logits of
+both paths are drawn from n times per position by the same sampler (sample_draws)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 
 from harness.cases import WorkloadCases
 from harness.engine.runtime.engine import DecodePath, Engine, PrefixLoader, length_buckets
+from harness.engine.runtime.sampler import Sampler
 from harness.engine.runtime.scheduler import Lane, ServeSettings, ServingLoop
 from harness.records import contract as c_
 from harness.records.artifacts import Case
@@ -60,14 +63,16 @@ def run_workloads(engine: Engine, groups: Sequence[WorkloadCases], top_k: int,
     key = c_.tensor_key
     cases = [case for g in groups for case in g.cases]
     new = {case.index: len(case.sequence_ids) - len(case.prompt_ids) for case in cases}
-    routed = [g for g in groups if ServeSettings.from_mapping(g.workload.engine_settings()) != ServeSettings()]
+    routed = [g for g in groups if ServeSettings.from_mapping(g.workload.engine_settings()) != ServeSettings()
+              or g.workload.sampling is not None]
     at = {case.index: j for j, case in enumerate(cases)}
     lanes = [Lane([list(c.prompt_ids) for c in cases], [new[c.index] for c in cases], ServeSettings(split_long=True),
                   loader=loader_of("generation") if loader_of is not None else None)]
     lanes += [Lane([list(c.prompt_ids) for c in g.cases], [new[c.index] for c in g.cases],
                    replace(ServeSettings.from_mapping(g.workload.engine_settings()), split_long=True),
                    loader=_by_position(loader_of(g.workload.name), [at[c.index] for c in g.cases])
-                   if loader_of is not None else None) for g in routed]
+                   if loader_of is not None else None, sampler=sampler_of(engine, g), seeds=g.workload.request_seeds())
+              for g in routed]
     (twin, twin_stats), *served = ServingLoop(engine).run(lanes, top_k)
     out = WorkloadGeneration()
     position = {case.index: j for j, case in enumerate(cases)}
@@ -85,9 +90,55 @@ def run_workloads(engine: Engine, groups: Sequence[WorkloadCases], top_k: int,
     for g, (gen, stats) in zip(routed, served):
         for j, case in enumerate(g.cases):
             out.tokens[case.index] = gen.tokens[j]
+            if gen.uniforms:
+                out.tensors[key(c_.SAMPLE_UNIFORMS, case.index)] = torch.tensor(gen.uniforms[j], dtype=torch.float64)
             out.topk_ids[case.index], out.topk_logprobs[case.index] = gen.topk_ids[j], gen.topk_logprobs[j]
         out.stats[g.workload.name] = {"twin": False, **stats.to_dict()}
     _reprefill(engine, cases, out, top_k)
+    return out
+
+
+def sampler_of(engine: Engine, group: WorkloadCases) -> Sampler | None:
+    """The engine's sampler for a workload with sampling settings (None: greedy), with the fault's slip."""
+    params = group.workload.sampling
+    if params is None:
+        return None
+    state = engine.state
+    return Sampler.of(params, engine.spec.vocab, state.tp, state.rank, engine.flags.sampler_slip)
+
+
+PATH_SALT = {c_.SAMPLE_PREFILL: 1, c_.SAMPLE_DECODE: 2}  # each path's draws from generators of their own
+
+
+def sample_draws(engine: Engine, groups: Sequence[WorkloadCases], prefill: Sequence[torch.Tensor],
+                 decode: Sequence[DecodePath]) -> dict[str, torch.Tensor]:
+    """sample_prefill.{i} / sample_decode.{i} [W, S, n] of every sampling workload's case i: at each position
+    that picks a new token (the prompt's last .. the sequence's last but one), n draws of this rank's sampler
+    from that path's logits, history prompt + the teacher-forced tokens so far, one generator per position
+    (seeded by the request's seed, the position and the path); every rank's draws, gathered in rank order.
+    `prefill` / `decode` are in the order of every group's cases."""
+    out: dict[str, torch.Tensor] = {}
+    position = 0
+    for g in groups:
+        sampler = sampler_of(engine, g)
+        seeds = g.workload.request_seeds()
+        for j, case in enumerate(g.cases):
+            at = position + j
+            if sampler is None:
+                continue
+            first, last = len(case.prompt_ids) - 1, len(case.sequence_ids) - 1
+            steps = range(first, last)
+            prompts = [case.prompt_ids] * len(steps)
+            outputs = [case.sequence_ids[first + 1:t + 1] for t in steps]
+            start = case.decode_start
+            paths = [(c_.SAMPLE_PREFILL, prefill[at][first:last])]  # [S, V]
+            if start <= first:  # the decode path covers every sampled position
+                paths.append((c_.SAMPLE_DECODE, decode[at].logits[first - start:last - start]))
+            for kind, logits in paths:
+                gens = [sampler.generator((seeds[j] * 4096 + t) * 4 + PATH_SALT[kind]) for t in steps]
+                draws = sampler.sample(logits, prompts, outputs, gens, sampler.params.n)  # [S, n]
+                out[c_.tensor_key(kind, case.index)] = torch.stack(engine.state.gather_objects(draws))  # [W, S, n]
+        position += len(g.cases)
     return out
 
 

@@ -149,12 +149,14 @@ def schedule_pairs(run: RunArtifacts) -> list[Pair]:
     return [compare_schedules(c.index, steps_of(run, c.index, TWIN), steps_of(run, c.index, GEN)) for c in run.cases]
 
 
-def consistency_pairs(run: RunArtifacts) -> list[Pair]:
-    return [_consistency_case(run, c.index) for c in run.cases]
+def consistency_pairs(run: RunArtifacts, sampled: bool = False) -> list[Pair]:
+    return [_consistency_case(run, c.index, sampled) for c in run.cases]
 
 
-def _consistency_case(run: RunArtifacts, index: int) -> Pair:
+def _consistency_case(run: RunArtifacts, index: int, sampled: bool = False) -> Pair:
     decode = steps_of(run, index, GEN)
+    if sampled:  # the decode-time top-1 of each step, the drawn token being the context of the next step only
+        decode = Steps([int(t) for t in decode.ids[:, 0].tolist()], decode.ids, decode.lps)
     ids, lps = run.tensor(REPREFILL_TOPK_IDS, index), run.tensor(REPREFILL_TOPK_LOGPROBS, index).to(torch.float64)
     prefill = Steps([int(t) for t in ids[:, 0].tolist()], ids, lps)
     return compare_consistency(index, decode, prefill)
@@ -259,14 +261,15 @@ def check_schedule(name: str, run: RunArtifacts, ref: RunArtifacts, noise: RunAr
 
 
 def check_consistency(run: RunArtifacts, ref: RunArtifacts, noise: RunArtifacts | None,
-                      settings: ConsistencySettings) -> CheckResult:
-    """decode_consistency of `run`; noise: the same comparison in the reference and the noise run."""
+                      settings: ConsistencySettings, sampled: bool = False) -> CheckResult:
+    """decode_consistency of `run`; noise: the same comparison in the reference and the noise run. `sampled`: the
+    generations are draws, so each step's decode-time top-1 (not the drawn token) is held to the re-prefill's."""
     name, kinds = "decode_consistency", (*GEN, REPREFILL_TOPK_IDS, REPREFILL_TOPK_LOGPROBS)
     if not has_tensors(run, kinds):
         return CheckResult(name, Verdict.SKIP, "the run holds no re-prefill (reprefill_topk_*) of its generations")
     try:
-        pairs = consistency_pairs(run)
-        measured = [consistency_pairs(r) for r in (ref, noise) if r is not None and has_tensors(r, kinds)]
+        pairs = consistency_pairs(run, sampled)
+        measured = [consistency_pairs(r, sampled) for r in (ref, noise) if r is not None and has_tensors(r, kinds)]
         evidence = engine_evidence(ref, noise)
     except RunError as exc:
         return CheckResult(name, Verdict.ERROR, str(exc))

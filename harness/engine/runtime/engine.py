@@ -47,6 +47,7 @@ class Generation:
     width: int = 0
     accepted: list[list[int]] = field(default_factory=list)
     drafts: list[list[list[int]]] = field(default_factory=list)
+    uniforms: list[list[float]] = field(default_factory=list)  # a sampled generation: each step's uniform
 
 
 @dataclass(frozen=True)

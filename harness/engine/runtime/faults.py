@@ -58,4 +58,33 @@ FAULTS: tuple[Fault, ...] = (
           "a preempted sequence recomputed with its generated tokens one position too far (a gap after "
           "the prompt): every later step attends with shifted relative positions; only preempted sequences",
           flags={"resume_gap": 1}),
+    # the sampler (sampler.py): each acts on a workload with sampling settings only (the sampling workload)
+    Fault("sample-topk-per-shard", "sampling_distribution",
+          "top-k applied within each TP rank's vocab shard and the shards' survivors gathered (NVIDIA-NeMo/RL "
+          "#1578's slip, aws-neuron/nkipy #52): up to tp x k tokens kept, draws outside the reference's top-k; "
+          "sampling workload only", needs_tp=True, flags={"sampler_slip": "topk-per-shard"}),
+    Fault("sample-temperature-after-mask", "sampling_distribution",
+          "min-p / top-k / top-p masks computed on the untempered logits and the temperature applied after "
+          "(tt-metal #52928's class: greedy CI stays green): another support and another distribution; sampling "
+          "workload only", flags={"sampler_slip": "temperature-after-mask"}),
+    Fault("sample-penalty-own-slice", "sampling_ranks",
+          "repetition / presence / frequency penalties counting only the history tokens in the rank's own vocab "
+          "shard: tokens of the other shards go unpenalized and each rank samples from its own distribution; "
+          "sampling workload only", needs_tp=True, flags={"sampler_slip": "penalty-own-slice"}),
+    Fault("sample-rank-seed", "sampling_ranks",
+          "each rank's generator seeded with seed + its rank (tenstorrent/tt-xla #4440's class): every rank draws "
+          "a token from the right distribution, but not the same one; sampling workload only", needs_tp=True,
+          flags={"sampler_slip": "rank-seed"}),
+    Fault("sample-row-mapping", "sampling_distribution",
+          "batched top-p maps each row's kept set back through the next row's sorted-vocabulary order "
+          "(Blaizzy/mlx-vlm #1094): a row keeps another row's token ids; sampling workload only",
+          flags={"sampler_slip": "row-mapping"}),
+    Fault("sample-unrenormalized", "sampling_distribution",
+          "top-p computed on the top-k survivors without renormalizing them, and the draw's uniform not scaled "
+          "to the kept mass (ml-explore/mlx-lm #388's class): a draw past the kept mass falls on the least "
+          "probable token; sampling workload only", flags={"sampler_slip": "unrenormalized"}),
+    Fault("sample-shared-generator", "sampling_seeded",
+          "every row of a batched sampling step draws from the first row's generator instead of its request's own "
+          "(per-request seeds ignored): a seeded request draws other numbers in a batch than alone; sampling "
+          "workload only", flags={"sampler_slip": "shared-generator"}),
 )

@@ -38,6 +38,7 @@ from harness.engine.runtime.engine import (
     token_groups,
 )
 from harness.engine.runtime.kvcache import PagedKVCache
+from harness.engine.runtime.sampler import Sampler
 from harness.engine.speculative.decoding import SeqState, SpecResult, SpeculativeDecoder
 from harness.engine.speculative.speculator import Speculator
 from harness.partition.layout import ROUND_ROBIN, Placement, local_token_count, token_owner
@@ -221,9 +222,14 @@ class Lane:
     abandoned: Abandoned | None = None
     speculative: SpeculativeDecoder | None = None
     loader: PrefixLoader | None = None  # a disaggregated run's KV source of each prompt but its last token
+    sampler: Sampler | None = None  # a sampled lane: each request draws from its own generator, seeds[i]
+    seeds: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         s = self.settings
+        if self.sampler is not None and (self.speculative is not None or len(self.seeds) != len(self.prompts)):
+            raise ConfigError(f"a sampled lane needs one seed per prompt ({len(self.prompts)}, got {len(self.seeds)}) "
+                              "and no speculator")
         if self.speculative is not None and (s.prefix_cache or s.chunk_tokens or s.kv_tokens or self.stop):
             raise ConfigError(f"a speculative lane prefills whole prompts without a prefix cache, KV-pool limit "
                               f"or stop check; got {s} with stop={self.stop!r}")
@@ -249,6 +255,9 @@ class _LaneState:
         self.width = 0  # the most sequences the lane could run at once (max_batch as the pool allows it)
         self.tk_ids: list[list[torch.Tensor]] = [[] for _ in lane.prompts]
         self.tk_lp: list[list[torch.Tensor]] = [[] for _ in lane.prompts]
+        sampler = lane.sampler
+        self.generators = [sampler.generator(seed) for seed in lane.seeds] if sampler is not None else []
+        self.uniforms: list[list[float]] = [[] for _ in lane.prompts]  # a sampled lane: each step's uniform
 
     @property
     def busy(self) -> bool:
@@ -434,10 +443,21 @@ class ServingLoop:
                     lane.prefix.insert(req.prompt, self.engine.cache.seqs[req.seq_id].blocks)
             done_rows.append((j, req))
         if done_rows:
-            lp = torch.log_softmax(logits[[j for j, _ in done_rows]].double(), dim=-1)  # [n, V]
+            picked = logits[[j for j, _ in done_rows]]  # [n, V]
+            lp = torch.log_softmax(picked.double(), dim=-1)  # [n, V]
             top = torch.topk(lp, k=min(top_k, lp.shape[-1]), dim=-1)
-            for (_, req), ids_row, lp_row in zip(done_rows, top.indices.cpu(), top.values.float().cpu()):
-                req.new.append(int(ids_row[0]))
+            chosen = top.indices[:, 0]  # [n]: greedy
+            sampler = lane.lane.sampler
+            if sampler is not None:  # after the vocab gather: every rank draws alike from the request's generator
+                reqs = [req for _, req in done_rows]
+                u = sampler.uniforms([lane.generators[r.index] for r in reqs])  # [n, 1]
+                chosen = sampler.pick(sampler.probabilities(picked, [r.prompt for r in reqs], [r.new for r in reqs]),
+                                      u)[:, 0]
+                for r, value in zip(reqs, u[:, 0].tolist()):
+                    lane.uniforms[r.index].append(value)
+            for (_, req), token, ids_row, lp_row in zip(done_rows, chosen.tolist(), top.indices.cpu(),
+                                                        top.values.float().cpu()):
+                req.new.append(int(token))
                 lane.tk_ids[req.index].append(ids_row)
                 lane.tk_lp[req.index].append(lp_row)
         for req in [r for r in lane.running if not r.prefilling and lane.lane.finished(r.index, r.new)]:
@@ -549,9 +569,10 @@ def _trim(new: list[int], max_new: int, stop: frozenset[int]) -> list[int]:
 
 def _generation(st: _LaneState, k: int) -> Generation:
     if st.lane.speculative is None:
-        tokens = [[int(t[0]) for t in ids] for ids in st.tk_ids]
+        tokens = [list(r.new) for r in st.requests]  # greedy: each step's top-1; a sampled lane: its draws
         return Generation(tokens, [torch.stack(t) if t else torch.empty((0, k), dtype=torch.long) for t in st.tk_ids],
-                          [torch.stack(t) if t else torch.empty((0, k)) for t in st.tk_lp], st.width)
+                          [torch.stack(t) if t else torch.empty((0, k)) for t in st.tk_lp], st.width,
+                          uniforms=st.uniforms if st.lane.sampler is not None else [])
     seqs = [r.spec for r in st.requests]
     tokens = [_trim(s.generated, n, st.lane.stop_token_ids) if s is not None else []
               for s, n in zip(seqs, st.lane.new_tokens)]
