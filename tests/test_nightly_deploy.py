@@ -166,3 +166,19 @@ def test_github_actions_matrix(tmp_path: Path, single: dict[tuple[Any, ...], Any
     assert merge[0].startswith("deploy/nightly.sh merge") and merge[1] == "deploy/nightly.sh rerun"
     subprocess.run(["bash", "deploy/nightly.sh", "merge"], cwd=ROOT, env=env, check=True)
     _check(tmp_path, refs, cells, single, suites="dcp")
+
+
+def test_reference_cache_under_concurrent_writers(tmp_path: Path) -> None:
+    """Three processes asking one fresh cache for the same references at once: each run is launched by one of them,
+    the others wait for its entry; every entry is complete (its checksums hold) and no staging folder is left."""
+    from harness.flow.refcache import checksum_problem
+
+    cache = tmp_path / "cache"
+    argv = [sys.executable, "-m", "harness", "run", "--suite", "dcp", "--topo", "tp2", "--seed", "0", *ARGS.split(),
+            "--references-only", "--cache-dir", str(cache)]
+    texts = _side_by_side(argv, [dict(os.environ, HF_HUB_OFFLINE="1")] * 3, tmp_path / "logs", "writer")
+    launched = _launched(texts)
+    assert sorted(launched) == ["noise tiny-gqa tp1 float32 seed 0", "reference tiny-gqa tp1 float32 seed 0"]
+    assert all(t.count("references: 1 ready") == 1 for t in texts)
+    entries = sorted((cache / "runs").iterdir())
+    assert len(entries) == 2 and all(checksum_problem(e) is None for e in entries)
