@@ -70,7 +70,10 @@ merge)
     if [ "${#dirs[@]}" -eq 0 ]; then echo "deploy/nightly.sh merge: no share wrote results under $root/shards" >&2; exit 3; fi
     code=0
     "${harness[@]}" report "${dirs[@]}" --out "$root/report" "${history[@]}" || code=$?
-    keep "$code" ;;
+    keep "$code"
+    if [ -n "${HARNESS_HISTORY:-}" ] && [ -f "$root/report/results.json" ]; then
+        "${harness[@]}" history add "$root/report" "${history[@]}"
+    fi ;;
 rerun)
     code=0
     "${harness[@]}" run --rerun-failed "$root/report" --out "$root/report-rerun" "${history[@]}" || code=$?
