@@ -182,3 +182,28 @@ def test_reference_cache_under_concurrent_writers(tmp_path: Path) -> None:
     assert all(t.count("references: 1 ready") == 1 for t in texts)
     entries = sorted((cache / "runs").iterdir())
     assert len(entries) == 2 and all(checksum_problem(e) is None for e in entries)
+
+
+def test_slurm_multinode_cell_takes_its_rendezvous_from_the_allocation(tmp_path: Path, shared_cache: Path) -> None:
+    """deploy/slurm/multinode.sbatch as srun starts it on each of 2 nodes (SLURM_NODEID 0 and 1 of SLURM_NNODES=2,
+    node 0 the first host of SLURM_JOB_NODELIST): one command for both, `--nnodes env`; tp4dcp2 as 2 nodes x 2
+    ranks gives the single-node run's verdicts."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    more = dict(HARNESS_SUITES="dcp", HARNESS_SUITE="dcp", HARNESS_TOPO="tp4dcp2", HARNESS_SEEDS="0",
+                HARNESS_GPUS="4")
+    subprocess.run(["bash", "deploy/nightly.sh", "plan"], cwd=ROOT, env=_env(tmp_path, **more), check=True)
+    envs = [_env(tmp_path, **more, HARNESS_IN_SRUN="1", SLURM_NODEID=str(k), SLURM_NNODES="2",
+                 SLURM_JOB_NODELIST="localhost", HARNESS_RDZV_PORT=str(port), HARNESS_REPO=str(ROOT))
+            for k in range(2)]
+    _side_by_side(["bash", str(DEPLOY / "slurm" / "multinode.sbatch")], envs, tmp_path / "logs", "node")
+    out = tmp_path / "shards" / "dcp" / "multinode-node0"
+    assert json.loads((out / "results.json").read_text())["provenance"]["nnodes"] == 2
+    assert not (tmp_path / "shards" / "dcp" / "multinode-node1" / "results.json").exists()
+    single = tmp_path / "single"
+    assert main(["run", "--suite", "dcp", "--topo", "tp4dcp2", "--seed", "0", *ARGS.split(), "--out", str(single),
+                 "--cache-dir", str(shared_cache)]) == 0
+    assert _verdicts(out) == _verdicts(single)
