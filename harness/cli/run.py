@@ -383,8 +383,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.rerun_failed is not None:
         return rerun_failed(args)
     req = select_cells(build_request(args), args.cells, args.cells_from)
-    if all(c.skip_reason for c in plan_cells(req)):  # nothing would run: an explicit request that cannot work
-        raise ConfigError(plan_cells(req)[0].skip_reason or "no cell to run")
+    every = plan_cells(req)
+    if all(c.skip_reason for c in every):  # nothing would run: an explicit request that cannot work
+        raise ConfigError(every[0].skip_reason or "no cell to run")
     runner = Runner(req, progress=lambda line: print(line, flush=True))
     planned = runner.planned()
     if not planned:  # more shares than launches, or a runner class without cells: nothing to do here
