@@ -102,3 +102,21 @@ def test_cells_from_runs_the_listed_cells_and_history_times_them(tmp_path: Path,
     timed = _matrix(capsys, *CELL, "--history", str(db))
     assert {c["estimate_source"] for c in timed} == {"history"}
     assert timed[0]["estimate_s"] == pytest.approx(cells[0]["wall_s"], abs=0.01)
+
+
+def test_shards_balance_by_the_cell_lists_estimates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With --cells-from every share splits by the file's estimated seconds (a measured 100 s launch gets a share
+    of its own), not by the cost model (which weighs tp4 over tp2)."""
+    argv = ["--suite", "dcp", "--topo", "tp2,tp2dcp2,tp4,tp4dcp2", "--seed", "0", "--model", "tiny-gqa",
+            "--workload", "prompts"]
+    lines = _matrix(capsys, *argv)
+    for line in lines:
+        line["estimate_s"] = 100.0 if line["topology"] == "tp2" else 1.0
+    listed = tmp_path / "cells.jsonl"
+    listed.write_text("".join(json.dumps(c) + "\n" for c in lines))
+    first = _matrix(capsys, *argv, "--cells-from", str(listed), "--shard", "1/2")
+    second = _matrix(capsys, *argv, "--cells-from", str(listed), "--shard", "2/2")
+    assert [c["topology"] for c in first] == ["tp2"]
+    assert [c["topology"] for c in second] == ["tp2dcp2", "tp4", "tp4dcp2"]
+    by_model = [c["topology"] for c in _matrix(capsys, *argv, "--shard", "1/2")]
+    assert by_model != ["tp2"]  # the cost model alone splits otherwise
