@@ -244,7 +244,7 @@ def select_cells(req: "RunRequest", cells: str | None, cells_from: Path | None) 
         return req
     suite = req.suite.name
     probe = Runner(replace(req, shard=None, cells=None, estimates=(), gpus=None), progress=lambda _: None)
-    known = [c.cell_id(suite, w) for c in probe.planned() for w in probe.workload_names]
+    known = [probe.cell_id(c, w) for c in probe.planned() for w in probe.workload_names]
     estimates: dict[str, float] = {}
     if cells_from is not None:
         rows = read_cells(cells_from)
@@ -520,7 +520,7 @@ def rerun_failed(args: argparse.Namespace) -> int:
             old.cache_dir = args.cache_dir
         req = select_cells(build_request(old), old.cells, old.cells_from)
         probe = Runner(req, progress=lambda _: None)
-        planned = [c.cell_id(req.suite.name, w) for c in probe.planned() for w in probe.workload_names
+        planned = [probe.cell_id(c, w) for c in probe.planned() for w in probe.workload_names
                    if probe.wanted(c, w)]
         ids = [i for i in to_rerun([c for c in first if c.suite == req.suite.name], planned) if i in set(planned)]
         if not ids:

@@ -33,7 +33,7 @@ def matrix_cells(runner: Runner, history: Path | None = None, gpus_per_node: int
         model = seeded(cell.model, cell.seed, runner.reseeds)
         for workload in (w for w in runner.workload_names if runner.wanted(cell, w)):
             out.append(MatrixCell(
-                id=cell.cell_id(suite, workload), launch=cell.launch_id(suite), suite=suite,
+                id=runner.cell_id(cell, workload), launch=runner.launch_id(cell), suite=suite,
                 model=cell.model.name, topology=topo.name, fault=cell.fault, seed=cell.seed, workload=workload,
                 gpus=topo.world_size, nodes=nodes_needed(topo.world_size, gpus_per_node),
                 server=server_need(model, model.dtype, topo),

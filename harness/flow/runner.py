@@ -125,12 +125,6 @@ class CellPlan:
     def slug(self) -> str:
         return f"{self.model.name}/{self.topology.name}{'-' + self.fault if self.fault else ''}/seed{self.seed}"
 
-    def launch_id(self, suite: str) -> str:
-        return launch_id(suite, self.model.name, self.topology.name, self.fault, self.seed)
-
-    def cell_id(self, suite: str, workload: str) -> str:
-        return cell_id(suite, self.model.name, self.topology.name, self.fault, self.seed, workload)
-
 
 class Beside:
     """`fn(*args)` run in a daemon thread from now on; `result()` waits for it and returns its value or raises its
@@ -564,26 +558,35 @@ class Runner:
     def planned(self) -> list[CellPlan]:
         """This machine's cells, in plan order: those of --gpus and --cells / --cells-from, then its shard
         (balanced by the cell list's estimates where it has them)."""
-        suite, req = self.req.suite.name, self.req
+        req = self.req
         cells = self._selected()
         estimates = dict(req.estimates)
-        costs = ([estimates.get(c.launch_id(suite), 0.0) if not c.skip_reason else 0.0 for c in cells]
+        costs = ([estimates.get(self.launch_id(c), 0.0) if not c.skip_reason else 0.0 for c in cells]
                  if estimates else None)
         return shard_cells(cells, req.shard, costs)
 
     def _selected(self) -> list[CellPlan]:
         """The plan's cells of --gpus and --cells / --cells-from (every share's), in plan order."""
-        suite, req = self.req.suite.name, self.req
+        req = self.req
         cells = plan_cells(req, (self.backend, self.ref_backend))
         if req.gpus is not None:
             cells = [c for c in cells if c.topology.world_size == req.gpus]
         if req.cells is not None:
-            cells = [c for c in cells if any(c.cell_id(suite, w) in req.cells for w in self.workload_names)]
+            cells = [c for c in cells if any(self.cell_id(c, w) in req.cells for w in self.workload_names)]
         return cells
+
+    def cell_id(self, cell: CellPlan, workload: str) -> str:
+        """The cell's id (harness/records/cells.py) with the fault its results carry (the harness's or the engine's
+        own, _fault), so ids from a plan and from a results.json agree."""
+        return cell_id(self.req.suite.name, cell.model.name, cell.topology.name, self._fault(cell), cell.seed,
+                       workload)
+
+    def launch_id(self, cell: CellPlan) -> str:
+        return launch_id(self.req.suite.name, cell.model.name, cell.topology.name, self._fault(cell), cell.seed)
 
     def wanted(self, cell: CellPlan, workload: str) -> bool:
         """Whether the cell's `workload` is one the run was asked for (every one without --cells)."""
-        return self.req.cells is None or cell.cell_id(self.req.suite.name, workload) in self.req.cells
+        return self.req.cells is None or self.cell_id(cell, workload) in self.req.cells
 
     def reference_key(self, cell: CellPlan) -> str:
         """The cache key of the cell's reference run (what every shard of a nightly reads once it is cached)."""
