@@ -14,9 +14,22 @@ from harness.core.verdict import ExitCode
 
 
 def _subcommands() -> list[ModuleType]:
-    from harness.cli import baseline, cache, export, history, list_cmd, report, run, serve, signoff, validate
+    from harness.cli import (
+        baseline,
+        bisect,
+        cache,
+        export,
+        history,
+        list_cmd,
+        matrix,
+        report,
+        run,
+        serve,
+        signoff,
+        validate,
+    )
     from harness.cli.plan import command as plan
-    return [plan, list_cmd, run, report, baseline, cache, history, signoff, validate, export, serve]
+    return [plan, list_cmd, run, matrix, report, baseline, cache, history, bisect, signoff, validate, export, serve]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,4 +1,5 @@
-"""`harness history add RUN_DIR... | show`: record finished runs into the history store and show trends.
+"""`harness history add RUN_DIR... | show | cell CELL`: record finished runs into the history store, show trends,
+and answer on-call's questions about one cell.
 
 The store is one SQLite file: --history PATH, else $HARNESS_HISTORY. `show` prints one line per
 cell x check (verdicts of its runs, oldest first: P pass, W warn, F fail, E error, S skip), its
@@ -6,6 +7,11 @@ latest key metric and noise multiple, and the marks NEW-FAIL, FIXED and FLAKY (P
 between runs of one build: a harness defect, listed again at the end). A run with an injected fault is
 a positive control: its lines are apart from the clean cell's ([fault NAME]), never a flip or a new
 failure, and are summed up as "still detected" or "NOT detected". Exit 0; 1 when a check is flaky.
+
+`cell CELL --window 60d` prints, per matching cell: whether it fails now and since which run and build (the
+streak's start), its first failure in the window, how many times it flipped between passing and failing, its
+last good run and build, the builds from there to the streak's start, and the `harness bisect` command over
+that range (records/history.py: cell_stories).
 """
 
 from __future__ import annotations
@@ -33,7 +39,15 @@ def add_parser(sub: Any) -> None:
                            "repeatable")
     show.add_argument("--since", default=None, help="only runs created since (ISO date, or an age: 7d, 12h, 2w)")
     show.add_argument("--last", type=int, default=20, help="verdicts shown per line (default 20)")
-    for sp in (add, show):
+    cell = hsub.add_parser("cell", help="what on-call asks of a cell: failing since, first failure in the window, "
+                           "flips, last good build and the builds since")
+    cell.add_argument("cell_pattern", metavar="CELL",
+                      help="the cell (a cell id of harness matrix, topology, model/topology, or part of "
+                           "suite/model/topology/seedN)")
+    cell.add_argument("--window", default="60d", help="how far back (an age: 60d, 12h, 2w; or an ISO date; "
+                      "default 60d)")
+    cell.add_argument("--format", choices=("text", "json"), default="text")
+    for sp in (add, show, cell):
         sp.add_argument("--history", type=Path, default=None, help="history database (default: $HARNESS_HISTORY)")
     p.set_defaults(func=run)
 
@@ -56,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     conn = connect(path, create=False)
     try:
         with reading_store(path):
-            return show(conn, args)
+            return show(conn, args) if args.history_command == "show" else on_call(conn, args)
     finally:
         conn.close()
 
@@ -119,4 +133,55 @@ def show(conn: Any, args: argparse.Namespace) -> int:
                             for r in t.rows})
             print(f"  FLAKY {t.label}: {t.flips} flip(s) over {len(t.rows)} runs ({'; '.join(codes)})")
         return ExitCode.FAIL
+    return ExitCode.OK
+
+
+def _pattern(text: str) -> str:
+    """A cell id of `harness matrix` (suite/model/topology[+fault]/seedN/workload) as the store's cell name
+    (suite/model/topology[/workload]/seedN); any other pattern as it is."""
+    parts = text.split("/")
+    if len(parts) == 5 and parts[3].startswith("seed"):
+        suite, model, topo, seed, workload = parts
+        topo = topo.split("+", 1)[0]
+        return f"{suite}/{model}/{topo}{'' if workload == 'prompts' else '/' + workload}/{seed}"
+    return text
+
+
+def on_call(conn: Any, args: argparse.Namespace) -> int:
+    """`harness history cell CELL`: per matching cell (and fault), its story over the window."""
+    import json
+
+    from harness.records.history import cell_stories, parse_since, query
+    since = parse_since(args.window)
+    pattern = _pattern(args.cell_pattern)
+    wanted_fault = args.cell_pattern.split("/")[2].split("+", 1)[1] if "+" in args.cell_pattern else None
+    rows = [r for r in query(conn, None, [pattern], since)
+            if pattern.count("/") < 3 or f"{r.suite}/{r.model}/{r.topology}/seed{r.seed}" == pattern]
+    stories = [s for s in cell_stories(rows) if wanted_fault is None or s.key[4] == wanted_fault]
+    if not stories:
+        print(f"no recorded runs of {args.cell_pattern} since {since}")
+        return ExitCode.OK
+    if args.format == "json":
+        print(json.dumps([s.to_dict() for s in stories], indent=2))
+        return ExitCode.OK
+    for s in stories:
+        print(f"{s.label}: {len(s.runs)} run(s) since {since}, "
+              + ("FAILING" if s.failing else f"passing ({s.runs[-1].status} in {s.runs[-1].run_id})"))
+        if s.failing:
+            start = s.streak[0]
+            print(f"  failing since      {start.created}  run {start.run_id}  build {start.build} "
+                  f"({len(s.streak)} run(s) in a row)")
+        first = s.first_failure
+        print("  first failure      " + (f"{first.created}  run {first.run_id}  build {first.build}" if first
+                                         else "none in the window"))
+        print(f"  flips              {s.flips} (pass <-> fail between consecutive runs)")
+        good = s.last_good
+        print("  last good          " + (f"{good.created}  run {good.run_id}  build {good.build}" if good
+                                         else "none in the window"))
+        if s.failing:
+            print("  builds since good  " + ", ".join(f"{r.build} ({r.status})" for r in s.between))
+            if good is not None and good.git_commit and s.streak[0].git_commit and \
+                    good.git_commit != s.streak[0].git_commit:
+                print(f"  bisect with        harness bisect --cell ID --good {good.git_commit[:12]} "
+                      f"--bad {s.streak[0].git_commit[:12]}")
     return ExitCode.OK

@@ -25,8 +25,9 @@ from harness.cli.checks import (
 from harness.core.errors import ConfigError, DiskFull, RunError
 from harness.core.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, free_bytes
 from harness.core.paths import BASELINES_DIR, REPORTS_DIR
+from harness.core.verdict import ExitCode
 from harness.formats.locate import load_model
-from harness.launcher.nodes import check_engine, parse_nodes
+from harness.launcher.nodes import NODES_ENV, check_engine, nodes_from_env, parse_nodes
 from harness.records.contract import WORKLOADS, Backend
 from harness.records.history import check_store, history_path
 from harness.records.shard import parse_shard
@@ -43,6 +44,19 @@ MIB = 1024 ** 2
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("run", help="run a suite over topologies and write a report")
+    add_run_arguments(p)
+    p.add_argument("--rerun-failed", type=Path, default=None, metavar="RUN_DIR",
+                   help="run again only the FAIL, ERROR and not-run cells of RUN_DIR (a run or a merge of shards), "
+                   "with its settings; the new report holds every cell of RUN_DIR, each rerun cell showing both "
+                   "attempts (a pass on retry is a WARN, never silently green)")
+    p.add_argument("--references-only", action="store_true",
+                   help="compute every reference and noise run of the (selected, sharded) cells into --cache-dir "
+                   "and stop: the first phase of a nightly whose shards then read them")
+    p.set_defaults(func=run)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments that say which matrix a run is (`harness run` and `harness matrix` take the same)."""
     p.add_argument("--suite", default="dcp", help="shipped suite name or suite .yaml (default: dcp)")
     p.add_argument("--topo", default=None,
                    help="topology, comma list, set name, or 'all' (default: the suite's topologies)")
@@ -79,12 +93,24 @@ def add_parser(sub: Any) -> None:
                    "template file PATH.yaml[:OPTION] (default: embedded)")
     p.add_argument("--reference-engine", default=None,
                    help="backend of the reference runs (default: the same engine at the suite's reference topology)")
-    p.add_argument("--shard", default=None, metavar="K/N",
-                   help="run only share K of N of the matrix (cost-balanced; merge with harness report DIR...)")
+    p.add_argument("--shard", default=None, metavar="K/N|env",
+                   help="run only share K of N of the matrix (cost-balanced; merge with harness report DIR...); env: "
+                   "the share the scheduler's array index names (SLURM_ARRAY_TASK_ID/_COUNT, JOB_COMPLETION_INDEX "
+                   "with HARNESS_SHARD_COUNT, BUILDKITE_PARALLEL_JOB/_COUNT)")
+    chosen = p.add_mutually_exclusive_group()
+    chosen.add_argument("--cells", default=None, metavar="ID[,ID...]",
+                        help="run only these cells (ids as harness matrix prints them; a launch id without the "
+                        "workload means all its workloads)")
+    chosen.add_argument("--cells-from", type=Path, default=None, metavar="FILE",
+                        help="run only the cells of this suite listed in FILE (harness matrix output); shards then "
+                        "balance by its estimated seconds")
+    p.add_argument("--gpus", type=positive_int, default=None, metavar="N",
+                   help="run only the cells of N GPUs (ranks): one runner class")
     p.add_argument("--history", type=Path, default=None, help="record the run into this history database "
                    "and show each cell's recent runs in the report (default: $HARNESS_HISTORY, else none)")
-    p.add_argument("--nnodes", type=int, default=1, help="machines of a multi-node run (default 1); cells whose "
-                   "world size divides by it run over all of them")
+    p.add_argument("--nnodes", type=nnodes_arg, default=1, help="machines of a multi-node run (default 1); cells "
+                   "whose world size divides by it run over all of them; env: the count, this node's rank and node "
+                   "0's address from the allocation (Slurm's SLURM_* node list, a JobSet's pod hostnames)")
     p.add_argument("--node-rank", type=int, default=0, help="this machine's index in a multi-node run "
                    "(0 runs references, compares and writes the report)")
     p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
@@ -100,10 +126,19 @@ def add_parser(sub: Any) -> None:
     servers.add_argument("--server-per-run", action="store_true",
                          help="HTTP engines: start a fresh server for every run instead of one per engine "
                          "configuration for the whole matrix")
-    p.set_defaults(func=run)
 
 
 TIMEOUT_ENV = "HARNESS_LAUNCH_TIMEOUT_S"
+
+
+def nnodes_arg(text: str) -> int | str:
+    """--nnodes: a whole number, or env (from the allocation)."""
+    if text.strip() == NODES_ENV:
+        return NODES_ENV
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a node count nor env") from None
 
 
 def launch_timeout(flag: float | None) -> float:
@@ -177,9 +212,9 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     workloads = selected_workloads(suite, args.workload)
     runs_workloads = all(e.capabilities().has(WORKLOADS) for e in engines)  # else only the suite's prompts
     check_sequence_lengths(suite, workloads if runs_workloads else (SUITE_PROMPTS,), tokenizers, max_seq_len)
-    nodes = parse_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint,
-                        len(suite.seeds if not args.seed else args.seed) * len(models) * len(topologies),
-                        launch_timeout(args.timeout))
+    n_cells = len(suite.seeds if not args.seed else args.seed) * len(models) * len(topologies)
+    nodes = (nodes_from_env(os.environ, n_cells, launch_timeout(args.timeout)) if args.nnodes == NODES_ENV else
+             parse_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, n_cells, launch_timeout(args.timeout)))
     check_engine(args.engine, nodes)
     return RunRequest(
         engine=args.engine, reference_engine=args.reference_engine,
@@ -189,11 +224,40 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
         seeds=tuple(args.seed) if args.seed else suite.seeds, out_dir=out_dir,
         cache_dir=cache_dir, device=args.device, timeout_s=launch_timeout(args.timeout),
         collective_timeout_s=args.collective_timeout, gsm8k=gsm8k, gsm8k_data=gsm8k_data,
-        baselines_dir=args.baselines_dir, shard=parse_shard(args.shard) if args.shard else None,
+        baselines_dir=args.baselines_dir, shard=parse_shard(args.shard, os.environ) if args.shard else None,
+        gpus=args.gpus,
         engine_build=check_label(args.engine_build) if args.engine_build is not None else None,
         nodes=nodes, pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)), workloads=workloads,
         keep_servers=args.keep_servers, server_per_run=args.server_per_run,
         attach=attached_servers(args.attach, engines, topologies, suite.reference))
+
+
+def select_cells(req: "RunRequest", cells: str | None, cells_from: Path | None) -> "RunRequest":
+    """The request restricted to --cells ids or the cells of its suite in a --cells-from list (whose estimates
+    the shards then balance by); every id must be a cell of this run (one ConfigError naming it)."""
+    from dataclasses import replace
+
+    from harness.flow.runner import Runner
+    from harness.records.cells import launch_estimates, parse_ids, read_cells, resolve_ids
+
+    if cells is None and cells_from is None:
+        return req
+    suite = req.suite.name
+    probe = Runner(replace(req, shard=None, cells=None, estimates=(), gpus=None), progress=lambda _: None)
+    known = [probe.cell_id(c, w) for c in probe.planned() for w in probe.workload_names]
+    estimates: dict[str, float] = {}
+    if cells_from is not None:
+        rows = read_cells(cells_from)
+        mine = [r for r in rows if r.suite == suite]
+        if not mine:
+            raise ConfigError(f"--cells-from {cells_from} holds no cell of suite {suite} (it lists suites "
+                              f"{', '.join(sorted({r.suite for r in rows}))})")
+        ids, flag, estimates = [r.id for r in mine], f"--cells-from {cells_from}", launch_estimates(mine)
+    else:
+        assert cells is not None
+        ids, flag = parse_ids(cells), "--cells"
+    chosen = resolve_ids(ids, known, flag)
+    return replace(req, cells=frozenset(chosen), estimates=tuple(sorted(estimates.items())))
 
 
 def attached_servers(given: list[str] | None, engines: list[Backend], topologies: Sequence[Topology],
@@ -316,12 +380,24 @@ def _run(args: argparse.Namespace) -> int:
     from harness.report import render_all
     from harness.report.text import print_matrix
 
-    req = build_request(args)
-    planned = plan_cells(req)
-    if all(c.skip_reason for c in planned):  # nothing would run: an explicit request that cannot work
-        raise ConfigError(planned[0].skip_reason or "no cell to run")
-    require_free_space(req.out_dir, "--out", sum(1 for c in planned if not c.skip_reason))
+    if args.rerun_failed is not None:
+        return rerun_failed(args)
+    req = select_cells(build_request(args), args.cells, args.cells_from)
+    every = plan_cells(req)
+    if all(c.skip_reason for c in every):  # nothing would run: an explicit request that cannot work
+        raise ConfigError(every[0].skip_reason or "no cell to run")
     runner = Runner(req, progress=lambda line: print(line, flush=True))
+    planned = runner.planned()
+    if not planned:  # more shares than launches, or a runner class without cells: nothing to do here
+        why = f"shard {req.shard}" if req.shard else f"--gpus {req.gpus}" if req.gpus else "the selection"
+        print(f"{why}: no cell of this run to run here; no report written")
+        return ExitCode.OK
+    if args.references_only:
+        with runner.servers.session():
+            ready, failed = runner.prepare_references()
+        print(f"references: {ready} ready in {req.cache_dir}" + (f", {failed} failed" if failed else ""))
+        return ExitCode.ERROR if failed else ExitCode.OK
+    require_free_space(req.out_dir, "--out", sum(1 for c in planned if not c.skip_reason))
     if req.nodes is not None and req.nodes.node_rank > 0:  # lends its ranks; node 0 writes the report
         return runner.follow()
     start = time.time()
@@ -386,3 +462,83 @@ def record_history(given: Path | None, out_dir: Path, cells: list[Any], provenan
     if path is not None:
         write_html(out_dir, cells, provenance, run_id, histories_for(path, cells, record=out_dir))
         print(f"history: recorded into {path}")
+
+
+def _matrix_command(command: Any) -> list[str] | None:
+    """A recorded `harness run` command as its arguments without --out and --shard (what says which matrix and
+    settings it ran, whichever share and folder); None for anything else."""
+    import shlex
+    argv = shlex.split(command) if isinstance(command, str) else []
+    if argv[:2] != ["harness", "run"]:
+        return None
+    out, skip = [], False
+    for word in argv[2:]:
+        if skip:
+            skip = False
+        elif word in ("--out", "--shard"):
+            skip = True
+        elif not word.startswith(("--out=", "--shard=")):
+            out.append(word)
+    return out
+
+
+def rerun_failed(args: argparse.Namespace) -> int:
+    """--rerun-failed RUN_DIR: the FAIL, ERROR and not-run cells of RUN_DIR (a run, or a merge of shards and suites)
+    run again with the settings of the command that ran them (a single run's share kept, the selection kept),
+    merged with the other cells into a new report."""
+    from dataclasses import replace
+
+    from harness.flow.runner import Runner
+    from harness.records.rerun import merge_attempts, to_rerun
+    from harness.records.results import exit_code, read_results
+    from harness.report.text import print_matrix
+
+    first_dir: Path = args.rerun_failed
+    first, provenance, first_id = read_results(first_dir)
+    sources = provenance.get("sources") if isinstance(provenance.get("sources"), list) else None
+    runs = [s.get("provenance", {}) for s in sources if isinstance(s, dict)] if sources else [provenance]
+    commands: dict[tuple[str, ...], str | None] = {}
+    for prov in runs:
+        argv = _matrix_command(prov.get("command"))
+        if argv is None:
+            raise ConfigError(f"--rerun-failed {first_dir}: a run it holds was not made by `harness run` "
+                              f"(its command: {prov.get('command')!r})")
+        commands[tuple(argv)] = None if sources else prov.get("shard")  # a single run keeps its share
+    parser = argparse.ArgumentParser(prog="harness run", add_help=False)
+    add_run_arguments(parser)
+    again: list[Any] = []
+    rerun_ids: list[str] = []
+    runner = None
+    out_dir = Path(args.out or REPORTS_DIR / run_id("rerun"))
+    require_no_results(out_dir, "--out")
+    for n, (argv, share) in enumerate(commands.items()):
+        old, _ = parser.parse_known_args(list(argv))  # flags of a rerun itself (--rerun-failed) are not the matrix's
+        # several commands (suites) run into folders of their own: their run folders would share names
+        old.out = out_dir if len(commands) == 1 else out_dir / "reruns" / f"{n + 1}-{Path(old.suite).stem}"
+        old.history, old.shard, old.argv = None, share, args.argv
+        if args.cache_dir is not None:
+            old.cache_dir = args.cache_dir
+        req = select_cells(build_request(old), old.cells, old.cells_from)
+        probe = Runner(req, progress=lambda _: None)
+        planned = [probe.cell_id(c, w) for c in probe.planned() for w in probe.workload_names
+                   if probe.wanted(c, w)]
+        ids = [i for i in to_rerun([c for c in first if c.suite == req.suite.name], planned) if i in set(planned)]
+        if not ids:
+            continue
+        print(f"rerunning {len(ids)} cell(s) of {first_dir} ({first_id}): {', '.join(ids)}", flush=True)
+        runner = Runner(replace(req, cells=frozenset(ids), estimates=()), progress=lambda line: print(line, flush=True))
+        again += runner.run()
+        rerun_ids += ids
+    if runner is None:
+        print(f"nothing to rerun: no cell of {first_dir} failed, errored or was not run")
+        return ExitCode.OK
+    cells = merge_attempts(first, again)
+    provenance = {**runner.provenance(args.argv), "rerun_of": {"dir": str(first_dir.resolve()), "run_id": first_id,
+                                                               "cells": rerun_ids}}
+    written = write_reports(out_dir, cells, provenance)
+    print(print_matrix(cells))
+    if not isinstance(written, dict):
+        raise RunError(f"cannot write the report into {out_dir}: {written.strerror}; the verdicts are above")
+    record_history(args.history, out_dir, cells, provenance, out_dir.name)
+    print(f"report: {written['html']} ({len(rerun_ids)} cell(s) rerun; every attempt in each one's `rerun` check)")
+    return exit_code(cells)

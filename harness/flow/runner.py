@@ -38,6 +38,7 @@ from harness.gsm8k.settings import GSM8KSettings
 from harness.launcher.launch import stop_all_launches
 from harness.launcher.nodes import NodeLaunch, Nodes
 from harness.records.artifacts import RunArtifacts, run_capabilities
+from harness.records.cells import cell_id, launch_id
 from harness.records.contract import (
     NOISE_NONE,
     NOISE_PRECISION_TWIN,
@@ -49,7 +50,7 @@ from harness.records.contract import (
     Job,
     LaunchResult,
 )
-from harness.records.shard import Shard, shard_cells
+from harness.records.shard import Shard, select, shard_cells
 from harness.records.validate import load_run, validate_artifacts
 from harness.records.workload_views import workload_views
 from harness.report.merge import cell_key
@@ -107,6 +108,9 @@ class RunRequest:
     keep_servers: bool = False  # leave HTTP engines' servers up for later runs (harness/backends/http/pool.py)
     server_per_run: bool = False  # a fresh HTTP engine server for every run (no server serves two runs)
     attach: tuple[tuple[str, str], ...] = ()  # topology name -> the URL of a server the user runs (--attach)
+    cells: frozenset[str] | None = None  # run only these cell ids (--cells, --cells-from; harness/records/cells.py)
+    estimates: tuple[tuple[str, float], ...] = ()  # launch id -> estimated seconds, what shards balance by
+    gpus: int | None = None  # run only the cells of this many GPUs (--gpus: one runner class)
 
 
 @dataclass(frozen=True)
@@ -442,7 +446,7 @@ class Runner:
         done = {cell_key(c) for c in self.finished}
         out = []
         for cell in self.planned():
-            for w in self.workload_names:
+            for w in (w for w in self.workload_names if self.wanted(cell, w)):
                 result = CellResult(**{**self._identity(cell), "workload": w, "command": self.command(cell, w)},
                                     checks=(CheckResult(NOT_RUN_CHECK, Verdict.ERROR, f"not run: {why}"),),
                                     clean_exit=True)
@@ -552,8 +556,67 @@ class Runner:
             decode=self._decoder(cell.model), gsm8k=self.req.gsm8k, enabled=suite.check_enabled)
 
     def planned(self) -> list[CellPlan]:
-        """This machine's cells (its shard), in plan order."""
-        return shard_cells(plan_cells(self.req, (self.backend, self.ref_backend)), self.req.shard)
+        """This machine's cells, in plan order: those of --gpus and --cells / --cells-from, then its shard
+        (balanced by the cell list's estimates where it has them)."""
+        req = self.req
+        cells = self._selected()
+        estimates = dict(req.estimates)
+        costs = ([estimates.get(self.launch_id(c), 0.0) if not c.skip_reason else 0.0 for c in cells]
+                 if estimates else None)
+        return shard_cells(cells, req.shard, costs)
+
+    def _selected(self) -> list[CellPlan]:
+        """The plan's cells of --gpus and --cells / --cells-from (every share's), in plan order."""
+        req = self.req
+        cells = plan_cells(req, (self.backend, self.ref_backend))
+        if req.gpus is not None:
+            cells = [c for c in cells if c.topology.world_size == req.gpus]
+        if req.cells is not None:
+            cells = [c for c in cells if any(self.cell_id(c, w) in req.cells for w in self.workload_names)]
+        return cells
+
+    def cell_id(self, cell: CellPlan, workload: str) -> str:
+        """The cell's id (harness/records/cells.py) with the fault its results carry (the harness's or the engine's
+        own, _fault), so ids from a plan and from a results.json agree."""
+        return cell_id(self.req.suite.name, cell.model.name, cell.topology.name, self._fault(cell), cell.seed,
+                       workload)
+
+    def launch_id(self, cell: CellPlan) -> str:
+        return launch_id(self.req.suite.name, cell.model.name, cell.topology.name, self._fault(cell), cell.seed)
+
+    def wanted(self, cell: CellPlan, workload: str) -> bool:
+        """Whether the cell's `workload` is one the run was asked for (every one without --cells)."""
+        return self.req.cells is None or self.cell_id(cell, workload) in self.req.cells
+
+    def reference_key(self, cell: CellPlan) -> str:
+        """The cache key of the cell's reference run (what every shard of a nightly reads once it is cached)."""
+        topo, shared = self._reference_of(cell.topology.speculator, cell.fault)
+        return self.cache.key(self.job(cell.model, topo, shared, cell.seed, Path("."), cell.model.dtype))
+
+    def prepare_references(self) -> tuple[int, int]:
+        """The reference and noise runs of the selected cells into the cache, the first phase of a nightly whose
+        shards then read them: with a shard, its share of the distinct references (each once over the shares);
+        (references ready, references failed)."""
+        shard = self.req.shard
+        unsharded = [c for c in self._selected() if not c.skip_reason]
+        wanted: dict[tuple[str, int, str], CellPlan] = {}
+        for cell in unsharded:
+            wanted.setdefault(self._reference_key(cell.model, cell.seed, cell.topology.speculator, cell.fault), cell)
+        keys = list(wanted)
+        mine = select(keys, [1.0] * len(keys), shard) if shard is not None else keys
+        done = failed = 0
+        for key in mine:
+            cell = wanted[key]
+            try:
+                self.references(cell.model, cell.seed, cell.topology.speculator, cell.fault)
+                done += 1
+            except ReferenceFailed as exc:
+                if exc.refused:  # the engine refuses the model there: its cells are SKIPs, not a failed phase
+                    self.progress(f"  reference of {cell.slug} refused by the engine: {exc.refused}")
+                    continue
+                self.progress(f"  {exc}")
+                failed += 1
+        return done, failed
 
     def _node_launch(self, cell: CellPlan) -> NodeLaunch | None:
         """A cell spanning the nodes rendezvouses on the port of its index in the plan."""
@@ -614,6 +677,8 @@ class Runner:
                 except Exception as exc:  # one broken cell (a harness bug included) never loses the others' results
                     got = self._broken(cell, exc)
                 for result in (got if isinstance(got, list) else self.per_workload(cell, got)):
+                    if not self.wanted(cell, result.workload):
+                        continue
                     self._record(i, len(cells), cell, result, results)
                     at.append(index)
         except BaseException:  # interrupted, or a full disk: the launch under way must not outlive the run

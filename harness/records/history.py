@@ -59,6 +59,9 @@ CREATE TABLE IF NOT EXISTS checks (
 CREATE INDEX IF NOT EXISTS checks_cell ON checks (suite, model, topology, seed, check_name, created);
 CREATE TABLE IF NOT EXISTS merged_from (run_id TEXT NOT NULL, source_run_id TEXT NOT NULL,
     PRIMARY KEY (run_id, source_run_id));
+CREATE TABLE IF NOT EXISTS launch_times (run_id TEXT NOT NULL, suite TEXT NOT NULL, model TEXT NOT NULL,
+    topology TEXT NOT NULL, fault TEXT NOT NULL, seed INTEGER NOT NULL, wall_s REAL NOT NULL,
+    PRIMARY KEY (run_id, suite, model, topology, fault, seed));
 """
 
 CellId = tuple[str, str, str, int]  # (suite, model, topology, seed)
@@ -266,6 +269,7 @@ class LoadedRun:
     provenance: dict[str, Any]
     suites: list[str]
     rows: list[Row]
+    times: list[tuple[str, str, str, str, int, float]]  # (suite, model, topology, fault or "", seed, wall_s)
 
 
 def load_run_rows(run_dir: Path, build_label: str | None = None) -> LoadedRun:
@@ -276,7 +280,10 @@ def load_run_rows(run_dir: Path, build_label: str | None = None) -> LoadedRun:
     created = _created(run_dir)
     rows = rows_of(cells, run_id, created, provenance, label)
     suites = sorted({c.suite for c in cells}) or [str(provenance.get("suite", ""))]
-    return LoadedRun(run_dir, run_id, created, label, provenance, suites, rows)
+    times = {(c.suite, c.model, c.topology, c.fault or "", c.seed): c.wall_s for c in cells
+             if not c.not_run and c.wall_s > 0 and c.run_dir and c.run_dir != c.reference_dir}  # launched here
+    return LoadedRun(run_dir, run_id, created, label, provenance, suites, rows,
+                     [(*k, w) for k, w in times.items()])
 
 
 def record_runs(path: Path, run_dirs: Sequence[Path], build_label: str | None = None) -> list[tuple[str, int]]:
@@ -312,8 +319,8 @@ def add_run(conn: sqlite3.Connection, run_dir: Path, build_label: str | None = N
 
 def _insert(conn: sqlite3.Connection, run: LoadedRun) -> tuple[str, int]:
     """The rows of `run` written (the caller commits)."""
-    run_dir, run_id, created, label, provenance, suites, rows = (
-        run.run_dir, run.run_id, run.created, run.label, run.provenance, run.suites, run.rows)
+    run_dir, run_id, created, label, provenance, suites, rows, _ = (
+        run.run_dir, run.run_id, run.created, run.label, run.provenance, run.suites, run.rows, run.times)
     conn.executemany("DELETE FROM checks WHERE run_id = ? AND suite = ?", [(run_id, s) for s in suites])
     conn.execute("INSERT OR REPLACE INTO runs VALUES (?,?,?,?,?,?,?,?,?,?,?)", (
         run_id, created, datetime.now(timezone.utc).isoformat(timespec="seconds"), ",".join(suites),
@@ -324,6 +331,9 @@ def _insert(conn: sqlite3.Connection, run: LoadedRun) -> tuple[str, int]:
         (r.run_id, r.created, r.suite, r.model, r.topology, r.seed, r.fault, r.cell_status, r.check,
          r.verdict, r.reason, r.key_metric, r.key_value, json.dumps(r.noise_multiples),
          r.max_noise_multiple, r.git_commit, r.engine_version, r.build_label) for r in rows])
+    conn.execute("DELETE FROM launch_times WHERE run_id = ?", (run_id,))
+    conn.executemany("INSERT OR REPLACE INTO launch_times VALUES (?,?,?,?,?,?,?)",
+                     [(run_id, *t) for t in run.times])
     conn.execute("DELETE FROM merged_from WHERE run_id = ?", (run_id,))
     conn.executemany("INSERT OR IGNORE INTO merged_from VALUES (?, ?)",
                      [(run_id, src) for src in source_run_ids(provenance) if src != run_id])
@@ -530,3 +540,102 @@ def histories_for(path: Path, cells: Sequence[CellResult], record: Path | None =
         conn.close()
     rows.sort(key=lambda r: (r.created, r.run_id))
     return cell_histories(rows)
+
+
+def measured_seconds(path: Path | None, last: int = 5) -> dict[tuple[str, str, str, str], float]:
+    """The median wall time of the last `last` recorded launches of each (suite, model, topology, fault or ""),
+    over its seeds: what `harness matrix` estimates a cell by. {} without a store, or one recorded before launch
+    times were kept."""
+    if path is None or not path.is_file():
+        return {}
+    conn = connect(path, create=False)
+    try:
+        with reading_store(path):
+            if conn.execute("SELECT name FROM sqlite_master WHERE name = 'launch_times'").fetchone() is None:
+                return {}
+            found = conn.execute("SELECT t.suite, t.model, t.topology, t.fault, t.wall_s FROM launch_times t "
+                                 "JOIN runs r ON r.run_id = t.run_id AND instr(r.suite, t.suite) > 0 "
+                                 "ORDER BY r.created").fetchall()
+    finally:
+        conn.close()
+    walls: dict[tuple[str, str, str, str], list[float]] = {}
+    for suite, model, topology, fault, wall in found:
+        walls.setdefault((suite, model, topology, fault), []).append(float(wall))
+    out = {}
+    for key, values in walls.items():
+        recent = sorted(values[-last:])
+        mid = len(recent) // 2
+        out[key] = recent[mid] if len(recent) % 2 else (recent[mid - 1] + recent[mid]) / 2
+    return out
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """A cell's status in one recorded run, and the build that run tested."""
+
+    run_id: str
+    created: str
+    status: str
+    build: str
+    git_commit: str
+
+
+@dataclass(frozen=True)
+class CellStory:
+    """What on-call asks of one cell (and fault) over a window of runs, oldest first:
+    is it failing now, since when (the streak's first run), its first failure in the window, how often it
+    flipped between passing and failing, the last run that passed and the builds from there to the streak's
+    start (where the regression came in: `harness bisect --good LAST_GOOD --bad STREAK_START`)."""
+
+    key: TrendKey
+    runs: tuple[RunStatus, ...]
+    streak: tuple[RunStatus, ...]          # the runs of the current failing streak (empty: passing now)
+    first_failure: RunStatus | None        # the first failing run in the window
+    flips: int                             # pass <-> fail changes between consecutive runs (SKIPs left out)
+    last_good: RunStatus | None            # the last passing run before the streak (or the latest, passing now)
+    between: tuple[RunStatus, ...]         # the runs after last_good up to the streak's first run, inclusive
+
+    @property
+    def label(self) -> str:
+        suite, model, topo, seed, fault = self.key
+        return f"{suite}/{model}/{topo}/seed{seed}" + (f" [fault {fault}]" if fault else "")
+
+    @property
+    def failing(self) -> bool:
+        return bool(self.streak)
+
+    def to_dict(self) -> dict[str, Any]:
+        def run(r: RunStatus | None) -> dict[str, str] | None:
+            return None if r is None else {"run_id": r.run_id, "created": r.created, "status": r.status,
+                                           "build": r.build, "git_commit": r.git_commit}
+        return {"cell": self.label, "failing": self.failing, "runs": len(self.runs),
+                "streak_start": run(self.streak[0]) if self.streak else None, "streak_runs": len(self.streak),
+                "first_failure": run(self.first_failure), "flips": self.flips, "last_good": run(self.last_good),
+                "between": [run(r) for r in self.between],
+                "builds_between": list(dict.fromkeys(r.build for r in self.between))}
+
+
+def cell_stories(rows: Sequence[Row]) -> list[CellStory]:
+    """One CellStory per cell and fault in `rows` (the window's rows, oldest first), in first-seen order."""
+    by_key: dict[TrendKey, dict[str, RunStatus]] = {}
+    for row in rows:
+        by_key.setdefault(row.key, {})[row.run_id] = RunStatus(row.run_id, row.created, row.cell_status,
+                                                               row.build, row.git_commit)
+    out = []
+    for key, by_run in by_key.items():
+        runs = [r for r in by_run.values() if r.status != "SKIP"]
+        streak: list[RunStatus] = []
+        for r in reversed(runs):
+            if not _is_fail(r.status):
+                break
+            streak.insert(0, r)
+        before = runs[:len(runs) - len(streak)]
+        last_good = before[-1] if before else None
+        every = list(by_run.values())  # SKIPs included: a build between may have skipped the cell
+        first = every.index(last_good) + 1 if last_good is not None else 0
+        between = tuple(every[first:every.index(streak[0]) + 1]) if streak else ()
+        flips = sum(1 for a, b in zip(runs, runs[1:]) if _is_fail(a.status) != _is_fail(b.status))
+        out.append(CellStory(key=key, runs=tuple(by_run.values()), streak=tuple(streak),
+                             first_failure=next((r for r in runs if _is_fail(r.status)), None), flips=flips,
+                             last_good=last_good, between=between))
+    return out
