@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -13,17 +14,26 @@ from typing import TYPE_CHECKING, Any
 
 from harness.checks.settings import load_suite
 from harness.cli.checks import (
-    positive_float,
-    positive_int,
+    bounded_float,
+    bounded_int,
     require_device,
     require_free_space,
     require_launch_settings,
     require_no_results,
+    require_path_lengths,
     require_writable_dir,
     seed_int,
 )
 from harness.core.errors import ConfigError, DiskFull, RunError
-from harness.core.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, free_bytes
+from harness.core.folder_lock import hold_folder
+from harness.core.limits import (
+    COLLECTIVE_TIMEOUT_S,
+    LAUNCH_TIMEOUT_S,
+    MAX_KV_BUDGET_MIB,
+    MAX_SEQ_LEN,
+    MAX_TIMEOUT_S,
+    free_bytes,
+)
 from harness.core.paths import BASELINES_DIR, REPORTS_DIR
 from harness.formats.locate import load_model
 from harness.launcher.nodes import check_engine, parse_nodes
@@ -39,6 +49,7 @@ if TYPE_CHECKING:  # the engine (and torch) load only when a run is asked for
     from harness.formats.tokenizer import Tokenizer
 
 MIB = 1024 ** 2
+SECONDS = bounded_float(MAX_TIMEOUT_S, "seconds")
 
 
 def add_parser(sub: Any) -> None:
@@ -54,18 +65,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--out", type=Path, default=None, help="report folder, new or without a results.json: an earlier "
                    "run's folder is refused, never written over (default: reports/<run-id>)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--kv-budget-mib", type=positive_int, default=None,
+    p.add_argument("--kv-budget-mib", type=bounded_int(MAX_KV_BUDGET_MIB, "MiB"), default=None,
                    help="KV pool budget per rank, MiB (default: suite's)")
-    p.add_argument("--max-seq-len", type=positive_int, default=None,
+    p.add_argument("--max-seq-len", type=bounded_int(MAX_SEQ_LEN, "tokens"), default=None,
                    help="tokens per KV sequence slot (default: suite's)")
     p.add_argument("--profile", default=None, help="a profile of the suite (e.g. nightly) overriding its settings")
     p.add_argument("--gsm8k-path", default=None, help="folder with GSM8K test.jsonl/train.jsonl "
                    "(default: $HARNESS_GSM8K_PATH, else the hub through datasets)")
     p.add_argument("--baselines-dir", type=Path, default=BASELINES_DIR,
                    help="stored GSM8K baselines (default: baselines/)")
-    p.add_argument("--timeout", type=positive_float, default=None,
+    p.add_argument("--timeout", type=SECONDS, default=None,
                    help=f"seconds before a launch is killed (default: ${TIMEOUT_ENV} or {LAUNCH_TIMEOUT_S:.0f})")
-    p.add_argument("--collective-timeout", type=positive_float, default=COLLECTIVE_TIMEOUT_S,
+    p.add_argument("--collective-timeout", type=SECONDS, default=COLLECTIVE_TIMEOUT_S,
                    help="seconds before a collective fails")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="reference-run cache, and HTTP engines' HF exports and converted checkpoints (default: "
@@ -114,7 +125,7 @@ def launch_timeout(flag: float | None) -> float:
     if not text:
         return LAUNCH_TIMEOUT_S
     try:
-        return positive_float(text)
+        return SECONDS(text)
     except argparse.ArgumentTypeError as exc:
         raise ConfigError(f"{TIMEOUT_ENV}={text!r}: {exc}") from None
 
@@ -148,6 +159,9 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     max_seq_len = suite.max_seq_len if args.max_seq_len is None else args.max_seq_len
     if budget_mib <= 0 or max_seq_len <= 0:
         raise ConfigError(f"--kv-budget-mib={budget_mib} and --max-seq-len={max_seq_len} must be > 0")
+    if budget_mib > MAX_KV_BUDGET_MIB or max_seq_len > MAX_SEQ_LEN:
+        raise ConfigError(f"suite {suite.name}: kv_budget_mib={budget_mib} or max_seq_len={max_seq_len} is more than "
+                          f"the maximum ({MAX_KV_BUDGET_MIB} MiB, {MAX_SEQ_LEN} tokens)")
     SpeculativeSettings.from_mapping(suite.speculative, f"suite {suite.name}: speculative")  # fail before launching
     gsm8k = gsm8k_settings(suite.gsm8k, f"suite {suite.name}: gsm8k") if suite.gsm8k else None
     gsm8k_data = None
@@ -161,6 +175,7 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     require_writable_dir(cache_dir, "--cache-dir")
     history = history_path(args.history)
     if history is not None:  # a store that cannot record is one error now, not after the run
+        require_path_lengths(history, "--history")
         require_writable_dir(history.parent, "--history")
         check_store(history)
     require_device(args.device, [t.tp for t in topologies])
@@ -308,13 +323,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from harness.cli.signals import exit_status
-    from harness.core.errors import Interrupted
-    from harness.flow.refcache import partial_dirs
     from harness.flow.runner import Runner, plan_cells
-    from harness.records.results import exit_code
-    from harness.report import render_all
-    from harness.report.text import print_matrix
 
     req = build_request(args)
     planned = plan_cells(req)
@@ -324,6 +333,20 @@ def _run(args: argparse.Namespace) -> int:
     runner = Runner(req, progress=lambda line: print(line, flush=True))
     if req.nodes is not None and req.nodes.node_rank > 0:  # lends its ranks; node 0 writes the report
         return runner.follow()
+    # the folder is this run's until it ends: a second run or a `harness report` into it is refused naming this one
+    with hold_folder(req.out_dir, shlex.join(["harness", *args.argv])):
+        require_no_results(req.out_dir, "--out")  # again, under the lock: a run that finished meanwhile
+        return _run_matrix(args, req, runner)
+
+
+def _run_matrix(args: argparse.Namespace, req: "RunRequest", runner: "Runner") -> int:
+    from harness.cli.signals import exit_status
+    from harness.core.errors import Interrupted
+    from harness.flow.refcache import partial_dirs
+    from harness.records.results import exit_code
+    from harness.report import render_all
+    from harness.report.text import print_matrix
+
     start = time.time()
     try:
         cells = runner.run()

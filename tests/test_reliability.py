@@ -1,0 +1,170 @@
+"""Issue 48's cases, each a regression test: inputs that gave a traceback (a model YAML that is a list, a 300-character
+--out, --timeout 1e300, a results.json cell with `model: null`, a P/D store that is a file), a suite whose reference is
+disaggregated, two runs into one output folder, an attached server that answers nothing. Each is one `harness:
+error:` line with exit 2 naming the bad value (or a correct result), before anything launches."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main
+from harness.core.errors import ConfigError
+from harness.core.folder_lock import LOCK_FILE, hold_folder
+from tests.report_fixtures import RESULTS_DIR
+
+
+def _error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "internal error" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("harness: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def _run(tmp_path: Path, *extra: str) -> list[str]:
+    return ["run", "--suite", "dcp", "--topo", "tp2", "--cache-dir", str(tmp_path / "cache"), *extra]
+
+
+def test_model_yaml_whose_top_level_is_a_list(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = tmp_path / "listmodel.yaml"
+    spec.write_text("- heads\n- 4\n")
+    assert main(["plan", "--model", str(spec), "--topo", "tp2"]) == 2
+    assert "expected a mapping" in _error_line(capsys)
+
+
+@pytest.mark.parametrize("field,value", [("hidden", '"32"'), ("heads", "null"), ("rope_theta", ".inf")])
+def test_model_yaml_field_of_the_wrong_type_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     field: str, value: str) -> None:
+    text = (Path(__file__).parents[1] / "models" / "tiny-gqa.yaml").read_text()
+    spec = tmp_path / "m.yaml"
+    spec.write_text(text + f"\n{field}: {value}\n" if field not in text else
+                    "\n".join(f"{field}: {value}" if line.startswith(f"{field}:") else line
+                              for line in text.splitlines()))
+    assert main(["plan", "--model", str(spec), "--topo", "tp2"]) == 2
+    line = _error_line(capsys)
+    assert f"{field} must be" in line, line
+
+
+def test_engine_template_with_an_integer_health_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = (Path(__file__).parents[1] / "engines" / "harness-serve.yaml").read_text()
+    engine = tmp_path / "e.yaml"
+    engine.write_text(text + "\nhealth: 300\n")
+    assert main(_run(tmp_path, "--out", str(tmp_path / "out"), "--engine", str(engine))) == 2
+    assert "health must be a string, got 300" in _error_line(capsys)
+
+
+def test_out_name_longer_than_the_file_system_allows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_run(tmp_path, "--out", str(tmp_path / ("x" * 300)))) == 2
+    line = _error_line(capsys)
+    assert "--out" in line and "300 bytes" in line and "255" in line, line
+    assert not (tmp_path / "cache" / "runs").exists()
+
+
+@pytest.mark.parametrize("flag,value,maximum", [("--timeout", "1e300", "604800 seconds"),
+                                                ("--collective-timeout", "1e300", "604800 seconds"),
+                                                ("--max-seq-len", "99999999999", "16777216 tokens")])
+def test_absurd_numbers_have_a_stated_maximum(tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str,
+                                              value: str, maximum: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(_run(tmp_path, "--out", str(tmp_path / "out"), flag, value))
+    assert exc.value.code == 2
+    line = _error_line(capsys)
+    assert flag in line and value in line and maximum in line, line
+
+
+@pytest.mark.parametrize("command", ["report", "history"])
+def test_results_cell_with_a_null_model(tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str) -> None:
+    doc = json.loads((RESULTS_DIR / "clean" / "results.json").read_text())
+    doc["cells"][0]["model"] = None
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.json").write_text(json.dumps(doc))
+    argv = {"report": ["report", str(run), "--out", str(tmp_path / "out")],
+            "history": ["history", "add", str(run), "--history", str(tmp_path / "h.db")]}[command]
+    assert main(argv) == 2
+    line = _error_line(capsys)
+    assert "cell 0: model must be a string, got null" in line and "constraint" not in line, line
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_pd_store_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], role: str) -> None:
+    store = tmp_path / "store"
+    store.write_text("not a folder")
+    assert main(["serve", "--model", "tiny-gqa", "--topo", "tp2>tp1", "--pd-role", role, "--pd-store", str(store),
+                 "--port", "0"]) == 2
+    line = _error_line(capsys)
+    assert f"--pd-store {store} is a file" in line, line
+
+
+SMALL_SUITE = """
+name: small
+version: 1
+models: [tiny-gqa]
+topologies: [tp2]
+seeds: [0]
+max_new_tokens: 4
+decode_prefix_tokens: 2
+kv_budget_mib: 4
+max_seq_len: 64
+prompts: ["The capital of France is"]
+checks: {layout: {}, logits: {}, generation: {}}
+"""
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[str]) -> None:
+    """Until `path` exists (the run holds its folder) or `proc` has ended."""
+    while not path.exists() and proc.poll() is None:
+        time.sleep(0.05)
+
+
+def test_a_second_run_into_a_held_folder_is_refused_naming_the_owner(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Two runs into one --out (the second started while the first runs): the second is exit 2 naming the first's
+    pid and command; the first finishes with its own cell in results.json; `harness report` into the folder while
+    the first runs is refused too."""
+    suite = tmp_path / "small.yaml"
+    suite.write_text(SMALL_SUITE)
+    out, cache = tmp_path / "same", tmp_path / "cache"
+    first = subprocess.Popen([sys.executable, "-m", "harness", "run", "--suite", str(suite), "--topo", "tp2",
+                              "--out", str(out), "--cache-dir", str(cache)], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(out / LOCK_FILE, first)
+        assert first.poll() is None, first.communicate()[0]
+        assert main(["run", "--suite", str(suite), "--topo", "tp1", "--out", str(out), "--cache-dir",
+                     str(cache)]) == 2
+        line = _error_line(capsys)
+        assert f"--out {out} is in use by pid {first.pid}" in line and "--topo tp2" in line, line
+        assert main(["report", str(RESULTS_DIR / "clean"), "--out", str(out)]) == 2
+        assert f"is in use by pid {first.pid}" in _error_line(capsys)
+    finally:
+        log = first.communicate(timeout=600)[0]
+    assert first.returncode == 0, log
+    cells = json.loads((out / "results.json").read_text())["cells"]
+    assert [c["topology"] for c in cells] == ["tp2"]
+    assert not (out / LOCK_FILE).exists()
+
+
+def test_the_folder_lock_dies_with_its_holder(tmp_path: Path) -> None:
+    """A holder killed with SIGKILL leaves its lock file behind but not its lock: the next command takes the
+    folder at once."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from harness.core.folder_lock import hold_folder\n"
+                               "with hold_folder(Path(sys.argv[1]), 'holder'):\n"
+                               "    print('held', flush=True); time.sleep(600)", str(tmp_path / "out")],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    with pytest.raises(ConfigError, match=f"in use by pid {holder.pid}.*: holder"):
+        with hold_folder(tmp_path / "out", "second"):
+            pass
+    holder.kill()
+    holder.wait()
+    assert (tmp_path / "out" / LOCK_FILE).exists()
+    with hold_folder(tmp_path / "out", "third"):
+        assert json.loads((tmp_path / "out" / LOCK_FILE).read_text())["command"] == "third"
