@@ -10,9 +10,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
+import httpx
 import pytest
 
+from harness.backends.http.attached import ATTACHED_READY_S, wait_attached
+from harness.backends.http.server import Server, ServerError, free_port, running_server, wait_ready
 from harness.cli import main
 from harness.core.errors import ConfigError
 from harness.core.folder_lock import LOCK_FILE, hold_folder
@@ -168,3 +172,87 @@ def test_the_folder_lock_dies_with_its_holder(tmp_path: Path) -> None:
     assert (tmp_path / "out" / LOCK_FILE).exists()
     with hold_folder(tmp_path / "out", "third"):
         assert json.loads((tmp_path / "out" / LOCK_FILE).read_text())["command"] == "third"
+
+
+@pytest.fixture(scope="module")
+def decode_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
+    """A real `harness serve` of tiny-gqa as the decode side of tp2>tp1 (one process), its store empty."""
+    folder = tmp_path_factory.mktemp("decode")
+    store = folder / "store"
+    port = free_port()
+    argv = [sys.executable, "-m", "harness", "serve", "--model", "tiny-gqa", "--topo", "tp2>tp1", "--pd-role",
+            "decode", "--pd-store", str(store), "--port", str(port), "--max-seq-len", "128", "--kv-budget-mib", "8"]
+    with running_server(argv, {}, folder / "server.log", f"http://127.0.0.1:{port}") as srv:
+        wait_ready(srv, "/health", 300)
+        yield srv, store
+
+
+def test_an_unknown_pd_namespace_is_an_error_to_the_client(decode_server: tuple[Server, Path]) -> None:
+    server, store = decode_server
+    answer = httpx.post(f"{server.base_url}/v1/completions", timeout=60, json={
+        "model": "tiny-gqa", "prompt": [[72, 101, 108, 108, 111]], "max_tokens": 2,
+        "kv_transfer_params": {"namespace": "never-sent", "requests": [0]}})
+    assert answer.status_code == 400, answer.text
+    assert "namespace='never-sent' is not in this decode server's KV store" in answer.text
+    assert not (store / "never-sent").exists()
+
+
+def _attach(tmp_path: Path, attach: str, *extra: str) -> list[str]:
+    return ["run", "--suite", "dcp", "--topo", "tp2", "--engine", "harness-serve", "--out", str(tmp_path / "out"),
+            "--cache-dir", str(tmp_path / "cache"), "--attach", attach, *extra]
+
+
+def test_an_attached_url_where_nothing_listens_is_refused_before_the_run(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_attach(tmp_path, "tp2=http://127.0.0.1:1")) == 2
+    line = _error_line(capsys)
+    assert "--attach tp2=http://127.0.0.1:1: nothing answers there" in line, line
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache" / "runs").exists()
+
+
+@pytest.mark.parametrize("extra,why", [((), "it serves topology tp2>tp1, not tp2"),
+                                       (("--model", "tiny-kv6"), "it serves model tiny-gqa, this run's model is "
+                                                                 "tiny-kv6")])
+def test_an_attached_server_serving_something_else_is_refused(decode_server: tuple[Server, Path], tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str],
+                                                              extra: tuple[str, ...], why: str) -> None:
+    url = decode_server[0].base_url
+    assert main(_attach(tmp_path, f"tp2={url}", *extra)) == 2
+    line = _error_line(capsys)
+    assert f"--attach tp2={url}: {why}" in line, line
+
+
+def test_an_attached_server_that_is_gone_is_reported_as_such() -> None:
+    """An attached server that died mid-run: the next run's wait names the attached server's death after a few
+    seconds, never the start-up timeout's 'not ready' of a server the harness started."""
+    with pytest.raises(ServerError, match=r"attached server http://127.0.0.1:1 \(--attach\) is gone: /health has "
+                                          r"not answered 200 for 1 s .*the harness did not start it"):
+        wait_attached(Server(base_url="http://127.0.0.1:1", log_path=Path("unused.log")), "/health", timeout_s=1.0)
+    assert ATTACHED_READY_S < 60  # the wait an attached run gets is seconds, not an engine's start-up timeout
+
+
+def test_a_suite_whose_reference_is_disaggregated_is_refused(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    suite = tmp_path / "pdref.yaml"
+    suite.write_text(SMALL_SUITE + "reference: tp2>tp1\n")
+    assert main(["run", "--suite", str(suite), "--out", str(tmp_path / "out"), "--cache-dir",
+                 str(tmp_path / "cache")]) == 2
+    line = _error_line(capsys)
+    assert "reference='tp2>tp1' is a disaggregated PREFILL>DECODE topology" in line, line
+
+
+def test_a_merged_report_headline_agrees_with_its_exit_status(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A clean build merged with a positive-control run: the headline is the build's (SHIPPABLE), and so is the
+    exit status (0); a failing build merged with it stays NOT SHIPPABLE with exit 1."""
+    code = main(["report", str(RESULTS_DIR / "clean"), str(RESULTS_DIR / "corruption"), "--out", str(tmp_path / "a")])
+    out = capsys.readouterr().out
+    assert "\nSHIPPABLE: " in out and code == 0, (code, out)
+    doc = json.loads((RESULTS_DIR / "clean" / "results.json").read_text())
+    doc["cells"][0]["checks"][0]["verdict"] = "FAIL"
+    failing = tmp_path / "failing"
+    failing.mkdir()
+    (failing / "results.json").write_text(json.dumps(doc))
+    code = main(["report", str(failing), str(RESULTS_DIR / "corruption"), "--out", str(tmp_path / "b")])
+    out = capsys.readouterr().out
+    assert "NOT SHIPPABLE" in out and code == 1, (code, out)

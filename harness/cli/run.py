@@ -208,13 +208,14 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
         engine_build=check_label(args.engine_build) if args.engine_build is not None else None,
         nodes=nodes, pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)), workloads=workloads,
         keep_servers=args.keep_servers, server_per_run=args.server_per_run,
-        attach=attached_servers(args.attach, engines, topologies, suite.reference))
+        attach=attached_servers(args.attach, engines, topologies, suite.reference, tuple(m.name for m in models)))
 
 
 def attached_servers(given: list[str] | None, engines: list[Backend], topologies: Sequence[Topology],
-                     reference: str) -> tuple[tuple[str, str], ...]:
+                     reference: str, models: tuple[str, ...] = ()) -> tuple[tuple[str, str], ...]:
     """--attach TOPO=URL items (comma lists, repeatable) validated: TOPO a topology the run serves (a cell's, the
     plain one of a -draft / -mtp cell, or the reference's), URL http(s)://, an engine that starts servers."""
+    from harness.backends.http.attached import probe_attached
     from harness.backends.http.backend import HttpBackend
 
     items = [i.strip() for g in given or [] for i in g.split(",") if i.strip()]
@@ -240,6 +241,11 @@ def attached_servers(given: list[str] | None, engines: list[Backend], topologies
         if name in out and out[name] != url:
             raise ConfigError(f"--attach names topology {name} twice ({out[name]} and {url})")
         out[name] = url
+    health = next((e.spec.health for e in engines if isinstance(e, HttpBackend)), "/health")
+    for name, url in out.items():  # a server that is not there, or serves something else: exit 2 before any work
+        why = probe_attached(name, url, health, models)
+        if why is not None:
+            raise ConfigError(f"--attach {name}={url}: {why}; start the server first, or attach the right one")
     return tuple(sorted(out.items()))
 
 

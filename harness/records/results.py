@@ -81,8 +81,11 @@ def summary_counts(cells: list[CellResult]) -> dict[str, int]:
 
 
 def exit_code(cells: list[CellResult]) -> int:
-    """0 when every cell passes, warns or is skipped; 1 on any FAIL; 3 on any ERROR and no FAIL."""
-    statuses = {c.status for c in cells}
+    """0 when every cell passes, warns or is skipped; 1 on any FAIL; 3 on any ERROR and no FAIL. Of a merge of
+    build cells and positive controls (cells run with a --fault), the build cells' code, as the headline gives the
+    build's verdict (a control's FAIL is its fault flagged, no failure of the build)."""
+    judged = [c for c in cells if not c.fault] or cells
+    statuses = {c.status for c in judged}
     if Verdict.FAIL in statuses:
         return ExitCode.FAIL
     if Verdict.ERROR in statuses:
