@@ -256,3 +256,30 @@ def test_a_merged_report_headline_agrees_with_its_exit_status(tmp_path: Path,
     code = main(["report", str(failing), str(RESULTS_DIR / "corruption"), "--out", str(tmp_path / "b")])
     out = capsys.readouterr().out
     assert "NOT SHIPPABLE" in out and code == 1, (code, out)
+
+
+@pytest.mark.parametrize("suite,model", [("dsa", "tiny-dsa"), ("moe-dp", "tiny-moe-dp"), ("dcp", "tiny-gqa")])
+def test_a_cache_budget_shortfall_is_refused_before_any_launch(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                               suite: str, model: str) -> None:
+    """--max-seq-len far beyond the budget, for the sparse and MoE-DP suites as for the dense ones: exit 2 naming
+    the model, the topology and each cache group's shortfall; no cache entry, no run folder."""
+    assert main(["run", "--suite", suite, "--max-seq-len", "10000000", "--out", str(tmp_path / "out"),
+                 "--cache-dir", str(tmp_path / "cache")]) == 2
+    line = _error_line(capsys)
+    assert f"{model} at tp" in line and "cannot hold one sequence slot" in line and "short by" in line, line
+    assert not (tmp_path / "cache" / "runs").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("field,value", [("hidden", 100_000_000), ("ffn", 10_000_000_000)])
+def test_a_model_larger_than_the_machine_is_refused_with_the_figure(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str], field: str,
+                                                                    value: int) -> None:
+    spec = tmp_path / "big.yaml"
+    text = (Path(__file__).parents[1] / "models" / "tiny-gqa.yaml").read_text()
+    spec.write_text("\n".join(f"{field}: {value}" if line.startswith(f"{field}:") else line
+                              for line in text.splitlines()) + "\n")
+    assert main(["run", "--model", str(spec), "--topo", "tp2", "--out", str(tmp_path / "out"),
+                 "--cache-dir", str(tmp_path / "cache")]) == 2
+    line = _error_line(capsys)
+    assert "model big: its weights take" in line and "GiB of memory" in line, line
+    assert not (tmp_path / "cache" / "runs").exists()

@@ -24,6 +24,7 @@ from harness.cli.checks import (
     require_writable_dir,
     seed_int,
 )
+from harness.cli.resources import check_cache_budgets, require_weight_memory
 from harness.core.errors import ConfigError, DiskFull, RunError
 from harness.core.folder_lock import hold_folder
 from harness.core.limits import (
@@ -162,6 +163,10 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     if budget_mib > MAX_KV_BUDGET_MIB or max_seq_len > MAX_SEQ_LEN:
         raise ConfigError(f"suite {suite.name}: kv_budget_mib={budget_mib} or max_seq_len={max_seq_len} is more than "
                           f"the maximum ({MAX_KV_BUDGET_MIB} MiB, {MAX_SEQ_LEN} tokens)")
+    # every cache group of every cell and of the reference, and the reference's weights: before any work
+    reference = parse_topology_name(suite.reference).without_speculator()
+    check_cache_budgets(models, [*topologies, reference], budget_mib * MIB, max_seq_len)
+    require_weight_memory(models)
     SpeculativeSettings.from_mapping(suite.speculative, f"suite {suite.name}: speculative")  # fail before launching
     gsm8k = gsm8k_settings(suite.gsm8k, f"suite {suite.name}: gsm8k") if suite.gsm8k else None
     gsm8k_data = None
