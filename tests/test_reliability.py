@@ -6,6 +6,7 @@ error:` line with exit 2 naming the bad value (or a correct result), before anyt
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from harness.backends.http.server import Server, ServerError, free_port, running
 from harness.cli import main
 from harness.core.errors import ConfigError
 from harness.core.folder_lock import LOCK_FILE, hold_folder
+from harness.launcher.orphans import OWNER_ENV, Marked, marked_processes, owner_alive, owner_token
 from tests.report_fixtures import RESULTS_DIR
 
 
@@ -283,3 +285,64 @@ def test_a_model_larger_than_the_machine_is_refused_with_the_figure(tmp_path: Pa
     line = _error_line(capsys)
     assert "model big: its weights take" in line and "GiB of memory" in line, line
     assert not (tmp_path / "cache" / "runs").exists()
+
+
+def _of(owner: int) -> list[Marked]:
+    return [m for m in marked_processes() if m.owner_pid == owner]
+
+
+def _started(engine: str, out: Path, run: subprocess.Popen[bytes]) -> bool:
+    """Whether the run has started what its engine starts: ranks beside the forkserver and its resource tracker
+    (embedded), an engine server (harness-serve)."""
+    if engine == "harness-serve":
+        return any(out.rglob("server.log"))
+    return len(_of(run.pid)) >= 3
+
+
+@pytest.mark.parametrize("engine", ["embedded", "harness-serve"])
+def test_no_process_outlives_a_run_killed_with_sigkill(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       engine: str) -> None:
+    """`kill -9` of `harness run` (a CI timeout): the forkserver, its resource tracker, the ranks and the engine
+    servers all end (the guardian), and `harness cache servers` finds nothing of it left."""
+    suite = tmp_path / "small.yaml"
+    suite.write_text(SMALL_SUITE)
+    out = tmp_path / "out"
+    with open(tmp_path / "run.log", "wb") as log:
+        run = subprocess.Popen([sys.executable, "-m", "harness", "run", "--suite", str(suite), "--topo", "tp2",
+                                "--engine", engine, "--out", str(out), "--cache-dir", str(tmp_path / "cache")],
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    while not _started(engine, out, run) and run.poll() is None:
+        time.sleep(0.1)
+    assert run.poll() is None, (tmp_path / "run.log").read_text()
+    assert _of(run.pid), "the run's processes carry its mark"
+    run.kill()
+    run.wait()
+    for _ in range(600):  # the guardian looks every half second; a minute at the most on a loaded machine
+        if not _of(run.pid):
+            break
+        time.sleep(0.1)
+    assert not _of(run.pid), [m.command for m in _of(run.pid)]
+    assert main(["cache", "--cache-dir", str(tmp_path / "cache"), "servers"]) == 0
+    assert "left by harness runs that were killed" not in capsys.readouterr().out
+
+
+def test_cache_servers_lists_and_stops_what_a_killed_run_left(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A process carrying the mark of a run that is gone (its guardian killed too): listed, then stopped."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    token = owner_token(gone.pid)
+    gone.wait()
+    assert token is not None and not owner_alive(token)
+    left = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                            env={**os.environ, OWNER_ENV: token})
+    try:
+        while not any(m.pid == left.pid for m in marked_processes()):
+            time.sleep(0.05)
+        assert main(["cache", "--cache-dir", str(tmp_path / "cache"), "servers"]) == 0
+        listed = capsys.readouterr().out
+        assert "1 process(es) left by harness runs that were killed" in listed and str(left.pid) in listed, listed
+        assert main(["cache", "--cache-dir", str(tmp_path / "cache"), "servers", "--stop"]) == 0
+        assert f"stopped 1 process(es) left by killed harness runs: {left.pid}" in capsys.readouterr().out
+        assert left.wait(timeout=60) == -9
+    finally:
+        left.kill()

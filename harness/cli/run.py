@@ -38,6 +38,7 @@ from harness.core.limits import (
 from harness.core.paths import BASELINES_DIR, REPORTS_DIR
 from harness.formats.locate import load_model
 from harness.launcher.nodes import check_engine, parse_nodes
+from harness.launcher.orphans import guard_this_process
 from harness.records.contract import WORKLOADS, Backend
 from harness.records.history import check_store, history_path
 from harness.records.shard import parse_shard
@@ -337,6 +338,7 @@ def _run(args: argparse.Namespace) -> int:
     from harness.flow.runner import Runner, plan_cells
 
     req = build_request(args)
+    guard_this_process()  # every process this run starts from here on dies with it, however it ends
     planned = plan_cells(req)
     if all(c.skip_reason for c in planned):  # nothing would run: an explicit request that cannot work
         raise ConfigError(planned[0].skip_reason or "no cell to run")
