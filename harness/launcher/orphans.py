@@ -66,6 +66,8 @@ def marked_processes() -> list[Marked]:
         if pid == os.getpid():
             continue
         try:
+            if entry.stat().st_uid != os.getuid():  # another user's processes are never ours to list or stop
+                continue
             environ = (entry / "environ").read_bytes()
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:  # another user's, or gone meanwhile

@@ -165,8 +165,8 @@ _STR, _NUM = (str,), (int, float)
 CELL_TYPES: dict[str, tuple[type, ...]] = {
     "suite": _STR, "model": _STR, "topology": _STR, "checks": (list,), "fault": (str, type(None)), "seed": (int,),
     "clean_exit": (bool,), "localization": (dict, type(None)), "command": _STR, "run_dir": _STR,
-    "reference_dir": _STR, "wall_s": _NUM, "error_log": _STR, "details": (dict,), "engine": _STR,
-    "reference_engine": _STR, "engine_env": (dict,), "engine_build": (str, type(None)), "workload": _STR}
+    "reference_dir": _STR, "wall_s": _NUM, "error_log": _STR, "details": (dict, type(None)), "engine": _STR,
+    "reference_engine": _STR, "engine_env": (dict, type(None)), "engine_build": (str, type(None)), "workload": _STR}
 CELL_REQUIRED: tuple[str, ...] = ("suite", "model", "topology", "checks")
 CHECK_TYPES: dict[str, tuple[type, ...]] = {"name": _STR, "verdict": _STR, "reason": _STR,
                                             "metrics": (dict, type(None)), "performance_only": (bool, type(None))}

@@ -88,7 +88,12 @@ def _fits(tp: Any, value: Any) -> bool:
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool)
     if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        try:
+            return math.isfinite(float(value))
+        except OverflowError:  # an int beyond any float
+            return False
     if tp is str:
         return isinstance(value, str)
     if origin in (tuple, list) or tp in (tuple, list):
