@@ -32,7 +32,7 @@ def test_every_shipped_template_loads() -> None:
     ({"kv_capacity_pattern": "KV (\\d+)"}, "needs a named group"),
     ({"health": "health"}, "must be a path starting with '/'"),
     ({"refuses": ["DCP (not"]}, "refuses pattern 'DCP \\(not' is not a regular expression"),
-    ({"refuses": "DCP"}, "refuses must be a list of regular expressions"),
+    ({"refuses": "DCP"}, "refuses must be a list, got .DCP."),
     ({"refuse": ["DCP"]}, "unknown key 'refuse'.*did you mean 'refuses'"),
 ])
 def test_bad_templates_are_one_clear_error(change: dict, message: str) -> None:

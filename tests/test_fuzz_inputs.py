@@ -356,3 +356,76 @@ def test_mutated_server_answers_parse_or_raise_run_error(dialect: str, data: st.
             ask()
         except RunError as exc:
             assert str(exc)
+
+
+# Structurally wrong documents: a valid document with one part (the whole document included) replaced by a value of
+# the wrong kind: a null, a list, a mapping, a huge or non-finite number, a negative one, a 300-character name.
+WRONG = st.sampled_from([None, [], {}, [1, 2], {"a": 1}, 10 ** 30, 1e308, float("inf"), -1, 0, 0.5, True, "",
+                         "x" * 300, "tp2>tp1"])
+YAML_READERS = {
+    "model": (MODEL_TEXT, lambda p: load_model(str(p)), ModelSpec),
+    "suite": (SUITE_TEXT, lambda p: load_suite(str(p)), Suite),
+    "engine": (ENGINE_TEXTS[0], lambda p: load_engine(str(p)), EngineSpec),
+    "catalog": (CATALOG_TEXT, lambda p: load_catalog((p.parent,)), TopologyCatalog),
+}
+
+
+def _wrong_part(doc: Any, data: st.DataObject) -> Any:
+    for _ in range(data.draw(st.integers(1, 2))):
+        doc = _replaced(doc, data.draw(st.sampled_from(_paths(doc))), data.draw(WRONG))
+    return doc
+
+
+@FUZZ
+@given(reader=st.sampled_from(sorted(YAML_READERS)), data=st.data())
+def test_structurally_wrong_yaml_documents_raise_config_error(reader: str, data: st.DataObject) -> None:
+    """Every YAML reader (model, suite, engine template, topology catalog) given a document with a part of the
+    wrong type: the spec, or one ConfigError that names the bad field; never a TypeError or AttributeError."""
+    import yaml
+
+    text, load, kind = YAML_READERS[reader]
+    doc = _wrong_part(yaml.safe_load(text), data)
+    with tempfile.TemporaryDirectory() as folder:
+        path = _file(folder, "fuzz.yaml", yaml.safe_dump(doc).encode())
+        try:
+            assert isinstance(load(path), kind)
+        except ConfigError as exc:
+            assert str(exc) and "\n" not in str(exc).strip()
+
+
+@FEW
+@given(data=st.data(), command=st.sampled_from(["report", "history"]))
+def test_structurally_wrong_results_files_are_one_error(data: st.DataObject, command: str) -> None:
+    """results.json with a part replaced by a value of the wrong type (a cell's `model: null` among them):
+    `harness report` and `harness history add` read it or give one error line naming it; never a traceback, and
+    never an error blamed on the history database."""
+    doc = _wrong_part(json.loads(RESULTS_TEXTS[0]), data)
+    with tempfile.TemporaryDirectory() as folder:
+        run = Path(folder) / "run"
+        run.mkdir()
+        _file(str(run), "results.json", json.dumps(doc).encode())
+        argv = {"report": ["report", str(run), "--out", f"{folder}/out"],
+                "history": ["history", "add", str(run), "--history", f"{folder}/h.db"]}[command]
+        code, err = _cli(argv)
+        assert "Traceback" not in err and "internal error" not in err, err
+        assert "constraint" not in err, err
+        assert code in (0, 1, 2, 3), (code, err)
+        if code == 2:
+            assert len([line for line in err.splitlines() if line.startswith("harness: error:")]) == 1, err
+
+
+HUGE = st.sampled_from(["1e300", "inf", "99999999999", "1e18", "604801", "16777217", "-5", "0", "nan"])
+
+
+@SMALL
+@given(option=st.sampled_from(["--timeout", "--collective-timeout", "--max-seq-len", "--kv-budget-mib"]), value=HUGE,
+       long_out=st.booleans())
+def test_run_numeric_options_are_bounded(option: str, value: str, long_out: bool) -> None:
+    """Absurd numbers and over-long output names on `harness run`: one error line and exit 2 (the option, the value
+    and the stated maximum), never an overflow or an OSError."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = f"{folder}/{'o' * 300 if long_out else 'out'}"
+        code, err = _cli(["run", "--suite", "dcp", "--out", out, "--cache-dir", f"{folder}/cache",
+                          "--engine", "no-such-engine", option, value])
+        _one_error_or_ok(code, err)
+        assert code == 2, err

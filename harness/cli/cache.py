@@ -41,7 +41,8 @@ def add_parser(sub: Any) -> None:
     prune.add_argument("--older-than", type=positive_float, required=True, metavar="DAYS",
                        help="delete entries last used more than DAYS days ago (fractions allowed)")
     prune.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
-    servers = actions.add_parser("servers", help="the engine servers harness run --keep-servers left up")
+    servers = actions.add_parser("servers", help="the engine servers harness run --keep-servers left up, and any "
+                                 "process a killed harness run left behind")
     servers.add_argument("--stop", action="store_true", help="stop every one of them")
     p.set_defaults(func=run)
 
@@ -119,13 +120,24 @@ def run(args: argparse.Namespace) -> int:
 def kept_servers(cache_dir: Path, stop: bool) -> int:
     """List the kept engine servers (id, pid, URL, whether it still runs), or stop them all."""
     from harness.backends.http.pool import STATE_FILE, kept, pid_alive, stop_kept
+    from harness.launcher.orphans import kill, orphans
 
     state = cache_dir / "servers" / STATE_FILE
+    left = orphans()  # processes of a harness run that was killed (SIGKILL) and whose guardian is gone too
     if stop:
         stopped = stop_kept(state)
         print(f"stopped {len(stopped)} kept engine server(s){': ' + ', '.join(stopped) if stopped else ''}")
+        if left:
+            gone = kill(left)
+            print(f"stopped {len(gone)} process(es) left by killed harness runs: "
+                  f"{', '.join(str(m.pid) for m in gone)}")
         return 0
     rows = [[str(e["id"]), str(e["pid"]), str(e["url"]), "up" if pid_alive(int(e["pid"])) else "gone"]
             for e in kept(state)]
     print(table(["server", "pid", "url", "state"], rows) if rows else f"no kept engine servers in {cache_dir}")
+    if left:
+        print(f"{len(left)} process(es) left by harness runs that were killed (harness cache servers --stop "
+              f"stops them):")
+        print(table(["pid", "its run (gone)", "command"],
+                    [[str(m.pid), str(m.owner_pid), m.command[:100]] for m in left]))
     return 0

@@ -6,7 +6,7 @@ import argparse
 import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -37,6 +37,26 @@ def positive_int(text: str) -> int:
     return value
 
 
+def bounded_float(maximum: float, unit: str) -> Callable[[str], float]:
+    """argparse type: a finite number > 0 and <= `maximum` (named with its `unit` in the error)."""
+    def parse(text: str) -> float:
+        value = positive_float(text)
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"{text!r} is more than the maximum, {maximum:g} {unit}")
+        return value
+    return parse
+
+
+def bounded_int(maximum: int, unit: str) -> Callable[[str], int]:
+    """argparse type: a whole number > 0 and <= `maximum` (named with its `unit` in the error)."""
+    def parse(text: str) -> int:
+        value = positive_int(text)
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"{text!r} is more than the maximum, {maximum} {unit}")
+        return value
+    return parse
+
+
 def seed_int(text: str) -> int:
     """argparse type: a seed, a whole number >= 0."""
     try:
@@ -48,9 +68,27 @@ def seed_int(text: str) -> int:
     return value
 
 
+NAME_MAX_BYTES = 255    # one path component (Linux, macOS: NAME_MAX)
+PATH_MAX_BYTES = 4096   # a whole path (Linux: PATH_MAX)
+
+
+def require_path_lengths(path: Path, flag: str) -> None:
+    """Every component of `path` within NAME_MAX_BYTES and the whole within PATH_MAX_BYTES (the file system's
+    limits), else one ConfigError naming the flag, the length and the limit: never an OSError later."""
+    whole = len(os.fsencode(str(path.absolute())))
+    if whole > PATH_MAX_BYTES:
+        raise ConfigError(f"{flag} {str(path)[:60]}...: the path is {whole} bytes long; at most {PATH_MAX_BYTES}")
+    for part in path.parts:
+        size = len(os.fsencode(part))
+        if size > NAME_MAX_BYTES:
+            raise ConfigError(f"{flag} {str(path)[:60]}...: the name {part[:40]}... is {size} bytes long; a file or "
+                              f"folder name holds at most {NAME_MAX_BYTES} bytes")
+
+
 def require_writable_dir(path: Path, flag: str) -> None:
     """`path` is, or can be created as, a folder this process can write; checked by writing a probe
     file into it (or into its nearest existing parent, which is left as it was)."""
+    require_path_lengths(path, flag)
     probe_in = path
     while not probe_in.exists():
         if probe_in.parent == probe_in:
@@ -66,6 +104,20 @@ def require_writable_dir(path: Path, flag: str) -> None:
     except OSError as exc:
         raise ConfigError(f"{flag} {path} is not writable ({exc.strerror or exc} in {probe_in}); "
                           f"give a folder you can write to") from None
+
+
+def require_store_folder(path: Path, flag: str, writes: bool) -> None:
+    """A store folder another process fills (P/D's KV store): not a file, nor under one; a writer's is writable."""
+    if writes:
+        require_writable_dir(path, flag)
+        return
+    require_path_lengths(path, flag)
+    probe = path
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        where = "is a file" if probe == path else f"lies under the file {probe}"
+        raise ConfigError(f"{flag} {path} {where}; give a folder (the KV store both servers share)")
 
 
 @contextmanager

@@ -10,10 +10,12 @@ results.json is missing, corrupt or of another schema version.
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 from typing import Any
 
 from harness.cli.checks import require_no_results, require_writable_dir, writing_into
+from harness.core.folder_lock import hold_folder
 from harness.core.paths import REPORTS_DIR
 from harness.report import exit_code, merge, print_matrix, render_all
 
@@ -41,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if args.history is not None:
         from harness.records.history import histories_for
         histories = histories_for(args.history, cells)
-    with writing_into(out, "--out"):
+    with writing_into(out, "--out"), hold_folder(out, shlex.join(["harness", *args.argv])):
         paths = render_all(out, cells, provenance, run_id, histories)
     print(print_matrix(cells))
     print(f"report: {paths['html']}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -13,21 +14,33 @@ from typing import TYPE_CHECKING, Any
 
 from harness.checks.settings import load_suite
 from harness.cli.checks import (
-    positive_float,
+    bounded_float,
+    bounded_int,
     positive_int,
     require_device,
     require_free_space,
     require_launch_settings,
     require_no_results,
+    require_path_lengths,
     require_writable_dir,
     seed_int,
 )
+from harness.cli.resources import check_cache_budgets, require_weight_memory
 from harness.core.errors import ConfigError, DiskFull, RunError
-from harness.core.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, free_bytes
+from harness.core.folder_lock import hold_folder
+from harness.core.limits import (
+    COLLECTIVE_TIMEOUT_S,
+    LAUNCH_TIMEOUT_S,
+    MAX_KV_BUDGET_MIB,
+    MAX_SEQ_LEN,
+    MAX_TIMEOUT_S,
+    free_bytes,
+)
 from harness.core.paths import BASELINES_DIR, REPORTS_DIR
 from harness.core.verdict import ExitCode
 from harness.formats.locate import load_model
 from harness.launcher.nodes import NODES_ENV, check_engine, nodes_from_env, parse_nodes
+from harness.launcher.orphans import guard_this_process
 from harness.records.contract import WORKLOADS, Backend
 from harness.records.history import check_store, history_path
 from harness.records.shard import parse_shard
@@ -40,6 +53,7 @@ if TYPE_CHECKING:  # the engine (and torch) load only when a run is asked for
     from harness.formats.tokenizer import Tokenizer
 
 MIB = 1024 ** 2
+SECONDS = bounded_float(MAX_TIMEOUT_S, "seconds")
 
 
 def add_parser(sub: Any) -> None:
@@ -68,18 +82,18 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, help="report folder, new or without a results.json: an earlier "
                    "run's folder is refused, never written over (default: reports/<run-id>)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--kv-budget-mib", type=positive_int, default=None,
+    p.add_argument("--kv-budget-mib", type=bounded_int(MAX_KV_BUDGET_MIB, "MiB"), default=None,
                    help="KV pool budget per rank, MiB (default: suite's)")
-    p.add_argument("--max-seq-len", type=positive_int, default=None,
+    p.add_argument("--max-seq-len", type=bounded_int(MAX_SEQ_LEN, "tokens"), default=None,
                    help="tokens per KV sequence slot (default: suite's)")
     p.add_argument("--profile", default=None, help="a profile of the suite (e.g. nightly) overriding its settings")
     p.add_argument("--gsm8k-path", default=None, help="folder with GSM8K test.jsonl/train.jsonl "
                    "(default: $HARNESS_GSM8K_PATH, else the hub through datasets)")
     p.add_argument("--baselines-dir", type=Path, default=BASELINES_DIR,
                    help="stored GSM8K baselines (default: baselines/)")
-    p.add_argument("--timeout", type=positive_float, default=None,
+    p.add_argument("--timeout", type=SECONDS, default=None,
                    help=f"seconds before a launch is killed (default: ${TIMEOUT_ENV} or {LAUNCH_TIMEOUT_S:.0f})")
-    p.add_argument("--collective-timeout", type=positive_float, default=COLLECTIVE_TIMEOUT_S,
+    p.add_argument("--collective-timeout", type=SECONDS, default=COLLECTIVE_TIMEOUT_S,
                    help="seconds before a collective fails")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="reference-run cache, and HTTP engines' HF exports and converted checkpoints (default: "
@@ -149,7 +163,7 @@ def launch_timeout(flag: float | None) -> float:
     if not text:
         return LAUNCH_TIMEOUT_S
     try:
-        return positive_float(text)
+        return SECONDS(text)
     except argparse.ArgumentTypeError as exc:
         raise ConfigError(f"{TIMEOUT_ENV}={text!r}: {exc}") from None
 
@@ -183,6 +197,13 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     max_seq_len = suite.max_seq_len if args.max_seq_len is None else args.max_seq_len
     if budget_mib <= 0 or max_seq_len <= 0:
         raise ConfigError(f"--kv-budget-mib={budget_mib} and --max-seq-len={max_seq_len} must be > 0")
+    if budget_mib > MAX_KV_BUDGET_MIB or max_seq_len > MAX_SEQ_LEN:
+        raise ConfigError(f"suite {suite.name}: kv_budget_mib={budget_mib} or max_seq_len={max_seq_len} is more than "
+                          f"the maximum ({MAX_KV_BUDGET_MIB} MiB, {MAX_SEQ_LEN} tokens)")
+    # every cache group of every cell and of the reference, and the reference's weights: before any work
+    reference = parse_topology_name(suite.reference).without_speculator()
+    check_cache_budgets(models, [*topologies, reference], budget_mib * MIB, max_seq_len)
+    require_weight_memory(models)
     SpeculativeSettings.from_mapping(suite.speculative, f"suite {suite.name}: speculative")  # fail before launching
     gsm8k = gsm8k_settings(suite.gsm8k, f"suite {suite.name}: gsm8k") if suite.gsm8k else None
     gsm8k_data = None
@@ -196,6 +217,7 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     require_writable_dir(cache_dir, "--cache-dir")
     history = history_path(args.history)
     if history is not None:  # a store that cannot record is one error now, not after the run
+        require_path_lengths(history, "--history")
         require_writable_dir(history.parent, "--history")
         check_store(history)
     require_device(args.device, [t.tp for t in topologies])
@@ -229,7 +251,7 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
         engine_build=check_label(args.engine_build) if args.engine_build is not None else None,
         nodes=nodes, pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)), workloads=workloads,
         keep_servers=args.keep_servers, server_per_run=args.server_per_run,
-        attach=attached_servers(args.attach, engines, topologies, suite.reference))
+        attach=attached_servers(args.attach, engines, topologies, suite.reference, tuple(m.name for m in models)))
 
 
 def select_cells(req: "RunRequest", cells: str | None, cells_from: Path | None) -> "RunRequest":
@@ -261,9 +283,10 @@ def select_cells(req: "RunRequest", cells: str | None, cells_from: Path | None) 
 
 
 def attached_servers(given: list[str] | None, engines: list[Backend], topologies: Sequence[Topology],
-                     reference: str) -> tuple[tuple[str, str], ...]:
+                     reference: str, models: tuple[str, ...] = ()) -> tuple[tuple[str, str], ...]:
     """--attach TOPO=URL items (comma lists, repeatable) validated: TOPO a topology the run serves (a cell's, the
     plain one of a -draft / -mtp cell, or the reference's), URL http(s)://, an engine that starts servers."""
+    from harness.backends.http.attached import probe_attached
     from harness.backends.http.backend import HttpBackend
 
     items = [i.strip() for g in given or [] for i in g.split(",") if i.strip()]
@@ -289,6 +312,11 @@ def attached_servers(given: list[str] | None, engines: list[Backend], topologies
         if name in out and out[name] != url:
             raise ConfigError(f"--attach names topology {name} twice ({out[name]} and {url})")
         out[name] = url
+    health = next((e.spec.health for e in engines if isinstance(e, HttpBackend)), "/health")
+    for name, url in out.items():  # a server that is not there, or serves something else: exit 2 before any work
+        why = probe_attached(name, url, health, models)
+        if why is not None:
+            raise ConfigError(f"--attach {name}={url}: {why}; start the server first, or attach the right one")
     return tuple(sorted(out.items()))
 
 
@@ -372,14 +400,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from harness.cli.signals import exit_status
-    from harness.core.errors import Interrupted
-    from harness.flow.refcache import partial_dirs
     from harness.flow.runner import Runner, plan_cells
-    from harness.records.results import exit_code
-    from harness.report import render_all
-    from harness.report.text import print_matrix
 
+    guard_this_process()  # every process this run starts from here on dies with it, however it ends
     if args.rerun_failed is not None:
         return rerun_failed(args)
     req = select_cells(build_request(args), args.cells, args.cells_from)
@@ -400,6 +423,20 @@ def _run(args: argparse.Namespace) -> int:
     require_free_space(req.out_dir, "--out", sum(1 for c in planned if not c.skip_reason))
     if req.nodes is not None and req.nodes.node_rank > 0:  # lends its ranks; node 0 writes the report
         return runner.follow()
+    # the folder is this run's until it ends: a second run or a `harness report` into it is refused naming this one
+    with hold_folder(req.out_dir, shlex.join(["harness", *args.argv])):
+        require_no_results(req.out_dir, "--out")  # again, under the lock: a run that finished meanwhile
+        return _run_matrix(args, req, runner)
+
+
+def _run_matrix(args: argparse.Namespace, req: "RunRequest", runner: "Runner") -> int:
+    from harness.cli.signals import exit_status
+    from harness.core.errors import Interrupted
+    from harness.flow.refcache import partial_dirs
+    from harness.records.results import exit_code
+    from harness.report import render_all
+    from harness.report.text import print_matrix
+
     start = time.time()
     try:
         cells = runner.run()

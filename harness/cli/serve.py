@@ -14,6 +14,7 @@ from typing import Any
 
 from harness.arch.model import model_of
 from harness.arch.plan import plan_model
+from harness.cli.checks import require_store_folder
 from harness.core.errors import ConfigError
 from harness.engine.faults import fault_flags
 from harness.formats.locate import load_model
@@ -123,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
     refuse_unsupported(args.attention_backend, topo.dcp)
     fault_flags(args.fault, topo)
     check_pd_role(args.pd_role, args.pd_store, topo.prefill is not None, topo.name)
+    if args.pd_store:  # a file, or a folder under one, is one error now, not an HTTP 500 at the first request
+        require_store_folder(Path(args.pd_store), "--pd-store", writes=args.pd_role == "prefill")
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port {args.port} is not a port number (0..65535)")
     check_listen(args.host, args.port)  # a taken port or a bad host: one line, exit 2, before any rank starts

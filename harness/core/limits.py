@@ -7,6 +7,13 @@ from pathlib import Path
 LAUNCH_TIMEOUT_S: float = 900.0       # a launch still running after this is killed (ERROR cell)
 COLLECTIVE_TIMEOUT_S: float = 120.0   # a collective waiting this long fails: a hung peer ends the launch
 
+# The largest values the command line and the engine templates accept (a larger one is exit 2 naming the
+# maximum, never an overflow inside a run): a time limit of a week, a sequence slot of 16 Mi tokens, a KV budget
+# of 16 TiB per rank.
+MAX_TIMEOUT_S: float = 7 * 24 * 3600.0
+MAX_SEQ_LEN: int = 1 << 24
+MAX_KV_BUDGET_MIB: int = 1 << 24
+
 # Disk space, a lower bound (a run given less surely fails): a run folder of the tiny shipped models
 # (6 prompts, 256-token vocabularies) holds about 940 KiB, mostly tensors.safetensors; larger models
 # need more. `harness run` refuses to start when --out has less free than this per launched cell plus

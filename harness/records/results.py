@@ -81,8 +81,11 @@ def summary_counts(cells: list[CellResult]) -> dict[str, int]:
 
 
 def exit_code(cells: list[CellResult]) -> int:
-    """0 when every cell passes, warns or is skipped; 1 on any FAIL; 3 on any ERROR and no FAIL."""
-    statuses = {c.status for c in cells}
+    """0 when every cell passes, warns or is skipped; 1 on any FAIL; 3 on any ERROR and no FAIL. Of a merge of
+    build cells and positive controls (cells run with a --fault), the build cells' code, as the headline gives the
+    build's verdict (a control's FAIL is its fault flagged, no failure of the build)."""
+    judged = [c for c in cells if not c.fault] or cells
+    statuses = {c.status for c in judged}
     if Verdict.FAIL in statuses:
         return ExitCode.FAIL
     if Verdict.ERROR in statuses:
@@ -156,7 +159,45 @@ def results_cells(folder: Path) -> list[dict[str, Any]]:
     return [_absolute_paths(c, path.parent) for c in read_json(path).get("cells") or []]
 
 
+# the JSON types of a stored cell's fields (required ones first): a value of another type (a null model, a string
+# seed, a list for details) is a ResultsError naming the cell and the field, never a crash in a reader after it
+_STR, _NUM = (str,), (int, float)
+CELL_TYPES: dict[str, tuple[type, ...]] = {
+    "suite": _STR, "model": _STR, "topology": _STR, "checks": (list,), "fault": (str, type(None)), "seed": (int,),
+    "clean_exit": (bool,), "localization": (dict, type(None)), "command": _STR, "run_dir": _STR,
+    "reference_dir": _STR, "wall_s": _NUM, "error_log": _STR, "details": (dict, type(None)), "engine": _STR,
+    "reference_engine": _STR, "engine_env": (dict, type(None)), "engine_build": (str, type(None)), "workload": _STR}
+CELL_REQUIRED: tuple[str, ...] = ("suite", "model", "topology", "checks")
+CHECK_TYPES: dict[str, tuple[type, ...]] = {"name": _STR, "verdict": _STR, "reason": _STR,
+                                            "metrics": (dict, type(None)), "performance_only": (bool, type(None))}
+_JSON_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", list: "a list",
+               dict: "an object", type(None): "null"}
+
+
+def _check_fields(where: str, data: Any, types: dict[str, tuple[type, ...]], required: tuple[str, ...]) -> None:
+    if not isinstance(data, dict):
+        raise ResultsError(f"{where} is not a JSON object (got {type(data).__name__})")
+    for key in required:
+        if key not in data:
+            raise ResultsError(f"{where} lacks the key {key!r}")
+    for key, allowed in types.items():
+        if key not in data:
+            continue
+        value = data[key]
+        ok = isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
+        if not ok:
+            want = " or ".join(dict.fromkeys(_JSON_NAMES[t] for t in allowed))
+            raise ResultsError(f"{where}: {key} must be {want}, got {str(json_repr(value))[:60]}")
+
+
+def json_repr(value: Any) -> str:
+    return "null" if value is None else repr(value)
+
+
 def _cell_from_dict(path: Path, index: int, data: Any) -> CellResult:
+    _check_fields(f"corrupt {path}: cell {index}", data, CELL_TYPES, CELL_REQUIRED)
+    for i, check in enumerate(data["checks"]):
+        _check_fields(f"corrupt {path}: cell {index}: check {i}", check, CHECK_TYPES, ("name", "verdict", "reason"))
     try:
         return CellResult.from_dict(data)
     except KeyError as exc:

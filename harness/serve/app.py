@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
@@ -103,8 +104,9 @@ def _peer(request: Request) -> str:
 
 
 def build_app(submit: Callable[[Pending], None], vocab: Vocabulary, limits: Limits, model: str,
-              info: dict[str, Any]) -> FastAPI:
-    """The app; `submit` hands a Pending to the engine loop, which completes its future."""
+              info: dict[str, Any], kv_store: Path | None = None) -> FastAPI:
+    """The app; `submit` hands a Pending to the engine loop, which completes its future. `kv_store`: a P/D decode
+    server's store folder, where each request's namespace must exist (the prefill server made it)."""
     app = FastAPI(title="harness serve")
     metrics = Metrics()
     created = int(time.time())
@@ -130,6 +132,17 @@ def build_app(submit: Callable[[Pending], None], vocab: Vocabulary, limits: Limi
         asked = body.get("model")
         if asked is not None and asked != model:
             raise UnknownModel(str(asked), model)
+
+    def check_namespaces(batch: list[Completion]) -> None:
+        """A P/D generation naming a namespace the prefill server never filled is the client's error (400), not a
+        silent recompute: the client asked for the prefill server's KV and would be answered without it."""
+        if kv_store is None:
+            return
+        for c in batch:
+            if c.kv is not None and not (kv_store / c.kv.namespace).is_dir():
+                raise BadRequest(f"kv_transfer_params.namespace={c.kv.namespace!r} is not in this decode server's KV "
+                                 f"store {kv_store}: no prefill server has sent KV under it; send the prompts to the "
+                                 f"prefill server first, with the same namespace")
 
     async def body_of(request: Request) -> dict[str, Any]:
         try:
@@ -189,6 +202,7 @@ def build_app(submit: Callable[[Pending], None], vocab: Vocabulary, limits: Limi
             raise BadRequest("stream=true is not supported")
         check_model(body)
         batch = parse_completions(body, vocab, limits)
+        check_namespaces(batch)
         return completions_response(body, batch, await run(request, batch), vocab, model)
 
     @app.post("/generate")
@@ -196,6 +210,7 @@ def build_app(submit: Callable[[Pending], None], vocab: Vocabulary, limits: Limi
         body = await body_of(request)
         check_model(body)  # SGLang's /generate has no model field; one that names another model is refused
         batch, batched = parse_generate(body, vocab, limits)
+        check_namespaces(batch)
         return generate_response(body, batch, await run(request, batch), vocab, batched)
 
     return app

@@ -198,7 +198,8 @@ def serve(config: ServeConfig) -> None:
         limits = Limits(vocab=spec.vocab, max_model_len=pool.max_seq_len, max_logprobs=config.max_logprobs)
         vocab = Vocabulary(encode=tokenizer.encode, decode=tokenizer.decode)
         assert sock is not None
-        _serve_http(lockstep, sock, build_app(lockstep.inbox.put, vocab, limits, name, info))
+        _serve_http(lockstep, sock, build_app(lockstep.inbox.put, vocab, limits, name, info,
+                                                   Path(config.pd_store) if config.pd_role == "decode" else None))
     else:
         lockstep.follow()
     state.shutdown()

@@ -40,7 +40,7 @@ from typing import Any
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from harness import __version__
-from harness.core.jsonio import write_json
+from harness.core.jsonio import write_json, write_text_atomic
 from harness.report.history_strip import ERROR_COLOUR
 from harness.report.matrix import format_number
 from harness.report.merge import key_label
@@ -246,7 +246,7 @@ def signoff_document(s: Signoff, out_dir: Path = Path(".")) -> dict[str, Any]:
 def write_signoff(out_dir: Path, s: Signoff) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     html, md, js = out_dir / HTML_FILE, out_dir / MD_FILE, out_dir / JSON_FILE
-    html.write_text(render_html(s, out_dir), encoding="utf-8")
-    md.write_text(render_markdown(s, out_dir), encoding="utf-8")
+    write_text_atomic(html, render_html(s, out_dir))  # each file complete on disk, whoever reads it meanwhile
+    write_text_atomic(md, render_markdown(s, out_dir))
     write_json(js, signoff_document(s, out_dir))
     return {"html": html, "markdown": md, "json": js}

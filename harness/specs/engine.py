@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from harness.core.errors import ConfigError
+from harness.core.limits import MAX_TIMEOUT_S
 from harness.core.paths import PROJECT_ROOT
-from harness.specs.loader import build, check_path_name, did_you_mean, load_yaml
+from harness.specs.loader import build, check_path_name, did_you_mean, expect_mapping, load_yaml
 
 ENGINES_DIR: Path = PROJECT_ROOT / "engines"
 # the request dialects, by name: each is one client class in harness/backends/http/dialects.py (DIALECTS maps
@@ -184,6 +185,10 @@ class EngineSpec:
             raise ConfigError(f"{where}: health={self.health!r} must be a path starting with '/'")
         if self.ready_timeout_s <= 0 or self.request_timeout_s <= 0 or self.max_logprobs < 1:
             raise ConfigError(f"{where}: ready_timeout_s, request_timeout_s and max_logprobs must be > 0")
+        for key in ("ready_timeout_s", "request_timeout_s"):
+            if getattr(self, key) > MAX_TIMEOUT_S:
+                raise ConfigError(f"{where}: {key}={getattr(self, key)!r} is more than the maximum, "
+                                  f"{MAX_TIMEOUT_S:g} seconds")
         if not isinstance(self.refuses, (list, tuple)) or not all(isinstance(p, str) for p in self.refuses):
             raise ConfigError(f"{where}: refuses must be a list of regular expressions, got {self.refuses!r}")
         object.__setattr__(self, "refuses", tuple(self.refuses))
@@ -272,7 +277,7 @@ def shipped_engines(folder: Path = ENGINES_DIR) -> dict[str, Path]:
 
 
 def engine_from_dict(where: str, data: Mapping[str, Any], name: str) -> EngineSpec:
-    data = dict(data)
+    data = dict(expect_mapping(where, data))
     data.setdefault("name", name)
     return build(EngineSpec, where, data)
 

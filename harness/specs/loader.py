@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import types
+import typing
 from pathlib import Path
 from typing import Any, Mapping, TypeVar
 
@@ -35,16 +38,97 @@ def check_keys(where: str, data: Mapping[str, Any], allowed: list[str] | tuple[s
             raise ConfigError(f"{where}: missing required key {key!r}")
 
 
+def expect_mapping(where: str, data: Any) -> Mapping[str, Any]:
+    """`data` (a document's top level or a section of it) when it is a mapping, else a ConfigError naming its type."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of key: value, got {type(data).__name__}: "
+                          f"{_short(data)}")
+    return data
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _type_name(tp: Any) -> str:
+    """A field type as a user reads it: 'an integer', 'a number', 'a list', ..."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
+    names = {str: "a string", int: "an integer", float: "a finite number", bool: "true or false",
+             type(None): "null", tuple: "a list", list: "a list", dict: "a mapping"}
+    if tp in names:
+        return names[tp]
+    if origin in names:
+        return names[origin]
+    if origin is not None and isinstance(origin, type) and issubclass(origin, (Mapping,)) or tp is Mapping:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _fits(tp: Any, value: Any) -> bool:
+    """Whether a YAML value `value` fits the field type `tp` (the container's type, not its items': the field's own
+    validation checks those); a type this does not know fits anything."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(a, value) for a in typing.get_args(tp))
+    if origin is typing.Literal:
+        return value in typing.get_args(tp)
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        try:
+            return math.isfinite(float(value))
+        except OverflowError:  # an int beyond any float
+            return False
+    if tp is str:
+        return isinstance(value, str)
+    if origin in (tuple, list) or tp in (tuple, list):
+        return isinstance(value, (list, tuple))
+    if origin in (dict, Mapping) or tp in (dict, Mapping) or (isinstance(origin, type) and issubclass(origin, Mapping)):
+        return isinstance(value, Mapping)
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return isinstance(value, (tp, Mapping))
+    return True
+
+
+def check_types(cls: type, where: str, data: Mapping[str, Any]) -> None:
+    """Each value of `data` against its dataclass field's declared type: a wrong one (a string for a number, a list
+    for a mapping, a null, an infinite number) is a ConfigError naming the field, the value and the type wanted."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except (NameError, TypeError):  # an annotation not resolvable at run time: nothing to check against
+        return
+    for key, value in data.items():
+        tp = hints.get(str(key))
+        if tp is not None and not _fits(tp, value):
+            raise ConfigError(f"{where}: {key} must be {_type_name(tp)}, got {_short(value)}")
+
+
 def build(cls: type[T], where: str, data: Mapping[str, Any], **extra: Any) -> T:
-    """Construct dataclass `cls` from `data` after checking its keys against the fields."""
+    """Construct dataclass `cls` from `data` after checking its keys against the fields and its values' types."""
     fields = [f for f in dataclasses.fields(cls) if f.init and f.name not in extra]  # type: ignore[arg-type]
     names = tuple(f.name for f in fields)
     required = tuple(f.name for f in fields if f.default is dataclasses.MISSING
                      and f.default_factory is dataclasses.MISSING)
     check_keys(where, data, names, required)
+    check_types(cls, where, data)  # type: ignore[arg-type]
     try:
         return cls(**dict(data), **extra)
-    except TypeError as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ConfigError(f"{where}: {exc}") from exc
 
 

@@ -12,7 +12,7 @@ from harness.partition.hybrid_layout import HybridShape, MoeShape
 from harness.partition.layout import AttentionShape
 from harness.partition.mla_layout import MLAShape
 from harness.partition.sparse_layout import SparseShape
-from harness.specs.loader import build, check_path_name, did_you_mean, expect_int
+from harness.specs.loader import build, check_path_name, did_you_mean, expect_int, expect_mapping
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -158,7 +158,7 @@ class ModelSpec:
 
 
 def model_from_dict(where: str, data: dict[str, Any], name: str = "") -> ModelSpec:
-    data = dict(data)
+    data = dict(expect_mapping(where, data))
     if name and "name" not in data:
         data["name"] = name
     if isinstance(data.get("hybrid"), dict):

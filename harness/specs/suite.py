@@ -9,6 +9,7 @@ from typing import Any, Mapping
 from harness.core.errors import ConfigError
 from harness.core.paths import SUITES_DIR
 from harness.specs.loader import build, check_path_name, did_you_mean, expect_int, load_yaml
+from harness.specs.topology import parse_topology_name
 from harness.specs.workload import SUITE_PROMPTS, Workload, check_workload_names, workload
 
 ENABLED_KEY = "enabled"  # every `checks:` section's switch: `checks: {SECTION: {enabled: false}}`
@@ -59,6 +60,7 @@ class Suite:
             if bad is not None:
                 raise ConfigError(f"{where}: every item of {attr} must be a string, got {bad!r} (quote YAML "
                                   f"text holding ': ' or '#')")
+        self._check_reference(where)
         if not self.models:
             raise ConfigError(f"{where}: models is empty")
         if not self.topologies:
@@ -77,6 +79,18 @@ class Suite:
             if not isinstance((settings or {}).get(ENABLED_KEY, True), bool):
                 raise ConfigError(f"{where}: checks.{check}.{ENABLED_KEY} must be true or false, "
                                   f"got {settings[ENABLED_KEY]!r}")
+
+
+    def _check_reference(self, where: str) -> None:
+        """The reference is one plain world (tpN[dcpM], no speculator run, not a PREFILL>DECODE pair): a
+        disaggregated reference would be read from the plain decode side's cache entry while its noise run is a
+        P/D run, so the two would measure different things."""
+        if not isinstance(self.reference, str):
+            raise ConfigError(f"{where}: reference must be a topology name such as tp1, got {self.reference!r}")
+        topo = parse_topology_name(self.reference)  # a bad name: the grammar's error
+        if topo.prefill is not None:
+            raise ConfigError(f"{where}: reference={self.reference!r} is a disaggregated PREFILL>DECODE topology; "
+                              f"a reference must be one plain world (e.g. tp1)")
 
     def check_settings(self, check: str) -> Mapping[str, Any]:
         """The settings of section `check` (tolerances), without its `enabled` switch."""

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 from harness.core.errors import ConfigError
 from harness.core.paths import TOPOLOGIES_DIR
 from harness.partition.layout import ROUND_ROBIN, Placement
-from harness.specs.loader import check_keys, check_path_name, did_you_mean, expect_int, load_yaml
+from harness.specs.loader import check_keys, check_path_name, did_you_mean, expect_int, expect_mapping, load_yaml
 
 SPECULATORS: tuple[str, ...] = ("none", "draft", "mtp")
 _NAME_RE = re.compile(r"^tp(?P<tp>\d+)(?:dcp(?P<dcp>\d+)(?:i(?P<interleave>\d+)|(?P<contiguous>c))?(?P<q>q)?)?"
@@ -271,9 +271,9 @@ def load_catalog(dirs: tuple[Path, ...] = (TOPOLOGIES_DIR,)) -> TopologyCatalog:
         for path in sorted(folder.glob("*.yaml")):
             data = load_yaml(path) or {}
             check_keys(str(path), data, ("topologies", "sets"))
-            for name, body in (data.get("topologies") or {}).items():
+            for name, body in expect_mapping(f"{path}: topologies", data.get("topologies") or {}).items():
                 topologies[name] = _topology_from_yaml(str(path), name, body)
-            for name, members in (data.get("sets") or {}).items():
+            for name, members in expect_mapping(f"{path}: sets", data.get("sets") or {}).items():
                 if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
                     raise ConfigError(f"{path}: set {name!r} must be a list of topology names, got {members!r}")
                 sets[name] = tuple(members)

@@ -52,6 +52,7 @@ from harness.backends.base import stamp_manifest
 from harness.backends.build import check_label
 from harness.backends.http import pd as http_pd
 from harness.backends.http import pool as server_pool
+from harness.backends.http.attached import wait_attached
 from harness.backends.http.capture import capture_offsets, read_captures, write_probe_cases
 from harness.backends.http.collect import Collected, collect, collect_answers
 from harness.backends.http.dialects import (
@@ -596,7 +597,10 @@ class HttpBackend(Backend):
             return argv, env
 
         with server_pool.current().lease(config, log_path, launch, ready_timeout) as lease:
-            ready = lease.ready_s or wait_ready(lease.server, self.spec.health, ready_timeout)
+            if lease.record.get("origin") == server_pool.ATTACHED:  # someone else's server: gone is gone
+                ready = wait_attached(lease.server, self.spec.health)
+            else:
+                ready = lease.ready_s or wait_ready(lease.server, self.spec.health, ready_timeout)
             ready, answer, kv, url = self._ask(job, lease.server, ready, deadline, ask)
             return ready, answer, kv, {"url": url, **lease.record}
 

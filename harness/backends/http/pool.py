@@ -42,6 +42,7 @@ from typing import Any
 import httpx
 
 from harness.backends.http.server import Server, launch_ready, pid_alive, stop_server
+from harness.core.jsonio import write_text_atomic
 from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
 
@@ -352,7 +353,7 @@ class ServerPool:
                          "folder": str(s.folder), "argv": s.argv}
                         for s in self._up.values() if s.server.proc is not None]
             if entries:
-                self.state_file.write_text(json.dumps(entries, indent=1) + "\n")
+                write_text_atomic(self.state_file, json.dumps(entries, indent=1) + "\n")
             else:
                 self.state_file.unlink(missing_ok=True)
 

@@ -25,6 +25,7 @@ import httpx
 from harness.core.errors import RunError
 from harness.launcher import forkserver
 from harness.launcher.launch import WAIT_POLICY_VAR, Process, descendants, free_port, stop_process_tree, wait_policy
+from harness.launcher.orphans import unmarked_env
 
 __all__ = ["BIND_ATTEMPTS", "AddressTaken", "Server", "ServerError", "bind_failure", "clean_reason", "free_port",
            "launch_ready", "log_line", "log_tail", "pid_alive", "root_cause", "running_server", "server_death",
@@ -336,6 +337,8 @@ def start_server(argv: list[str], env: dict[str, str], log_path: Path, base_url:
     false (a server meant to outlive this process)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **env}
+    if not warm:  # meant to outlive this process (a kept server): not one of the run's, not killed with it
+        full_env = unmarked_env(full_env)
     harness_args = forkserver.harness_command(argv)
     warm_env = {**full_env, WAIT_POLICY_VAR: wait_policy(full_env)}  # as a launch's: passive unless set
     proc: Process

@@ -9,12 +9,13 @@ from typing import Any
 from harness.arch.document import plan_sections
 from harness.arch.model import model_of
 from harness.arch.plan import plan_model
-from harness.cli.checks import positive_float, positive_int
+from harness.cli.checks import bounded_float, bounded_int, positive_int
 from harness.cli.plan.hybrid import render_hybrid, render_moe
 from harness.cli.plan.pd import pd_section, render_pd
 from harness.cli.plan.sparse import render_sparse
 from harness.core.errors import ConfigError
 from harness.core.fmt import human_bytes, id_ranges, table
+from harness.core.limits import MAX_KV_BUDGET_MIB, MAX_SEQ_LEN
 from harness.formats.locate import load_model
 from harness.partition.layout import LAYOUT_SCHEMA_VERSION, token_owner
 from harness.specs.model import ModelSpec
@@ -27,8 +28,10 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="per-rank head/KV layout of a model over a topology")
     p.add_argument("--model", required=True, help="shipped model name, model spec .yaml, checkpoint or .gguf")
     p.add_argument("--topo", required=True, help="one topology, e.g. tp4dcp4 or tp8dcp2-mtp")
-    p.add_argument("--budget-gib", type=positive_float, default=None, help="KV memory budget per rank, GiB")
-    p.add_argument("--max-seq-len", type=positive_int, default=None, help="tokens per sequence slot (default: model's)")
+    p.add_argument("--budget-gib", type=bounded_float(MAX_KV_BUDGET_MIB / 1024, "GiB"),
+                   default=None, help="KV memory budget per rank, GiB")
+    p.add_argument("--max-seq-len", type=bounded_int(MAX_SEQ_LEN, "tokens"),
+                   default=None, help="tokens per sequence slot (default: model's)")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     p.add_argument("--tokens", type=positive_int, default=16,
                    help=f"show the DCP owner of each token of a sequence this long (its whole prompt; at most "
