@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.checks.settings import load_suite
 from harness.cli import main
 from harness.core.errors import ConfigError
 from harness.launcher.nodes import first_host, nodes_from_env
@@ -61,7 +62,9 @@ def _matrix(capsys: pytest.CaptureFixture[str], *argv: str) -> list[dict[str, ob
 def test_matrix_lines_say_what_each_cell_needs(capsys: pytest.CaptureFixture[str]) -> None:
     lines = _matrix(capsys, "--suite", "dcp", "--topo", "tp2,tp4dcp2", "--seed", "0", "--seed", "1",
                     "--model", "tiny-gqa", "--gpus-per-node", "2")
-    assert len(lines) == 2 * 2 * 4 and len({c["id"] for c in lines}) == len(lines)  # topologies x seeds x workloads
+    workloads = len(load_suite("dcp").workloads)
+    assert len(lines) == 2 * 2 * workloads  # topologies x seeds x workloads
+    assert len({c["id"] for c in lines}) == len(lines)
     tp4 = [c for c in lines if c["topology"] == "tp4dcp2"]
     assert {(c["gpus"], c["nodes"]) for c in tp4} == {(4, 2)}
     by_seed = {c["seed"]: c["reference"] for c in lines}  # one reference per (model, seed), shared by topologies
@@ -70,7 +73,7 @@ def test_matrix_lines_say_what_each_cell_needs(capsys: pytest.CaptureFixture[str
     first = lines[0]
     assert first["id"] == "dcp/tiny-gqa/tp2/seed0/prompts" and first["launch"] == "dcp/tiny-gqa/tp2/seed0"
     assert first["command"].endswith("--topo tp2 --model tiny-gqa --seed 0 --workload prompts")
-    assert {c["workload"] for c in lines} == {"prompts", "lengths", "prefix-cache", "self-consistency"}
+    assert {c["workload"] for c in lines} == set(load_suite("dcp").workloads)
     only = _matrix(capsys, "--suite", "dcp", "--topo", "tp2,tp4dcp2", "--seed", "0", "--model", "tiny-gqa",
                    "--gpus", "4")
     assert {c["topology"] for c in only} == {"tp4dcp2"}
