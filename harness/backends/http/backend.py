@@ -76,11 +76,13 @@ from harness.backends.http.server import (
     wait_ready,
 )
 from harness.backends.http.workloads import case_groups, collect_workloads, reprefill_rows
+from harness.backends.identity import code_hash
 from harness.cases import build_cases
 from harness.core.acceptance import histogram_from_positions
 from harness.core.errors import ConfigError, RunError
 from harness.core.fmt import id_ranges
 from harness.core.jsonio import write_json
+from harness.core.paths import PROJECT_ROOT, default_cache_dir
 from harness.engine.faults import FAULTS
 from harness.formats.locate import weights_key
 from harness.formats.tokenizer import load_tokenizer
@@ -114,11 +116,22 @@ VERSION_CODE = ("import importlib.metadata as m, sys\n"
                 "    except m.PackageNotFoundError:\n        pass\n")
 
 
-def export_dir(model: ModelSpec) -> Path:
-    """Where the HF export of a non-HF model is cached (keyed by its spec)."""
-    from harness.core.paths import default_cache_dir
+EXPORTER_ENTRY = "harness.formats.export"  # the module whose import closure writes an export
+_EXPORTER_CODE: dict[Path, str] = {}  # project root -> code_hash(EXPORTER_ENTRY), once per process
 
-    key = hashlib.sha256(json.dumps(model.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+def exporter_code(root: Path = PROJECT_ROOT) -> str:
+    """sha256 of the exporter's code: harness.formats.export and every harness module it imports."""
+    if root not in _EXPORTER_CODE:
+        _EXPORTER_CODE[root] = code_hash(EXPORTER_ENTRY, root)
+    return _EXPORTER_CODE[root]
+
+
+def export_dir(model: ModelSpec, root: Path = PROJECT_ROOT) -> Path:
+    """Where the HF export of a non-HF model is cached: keyed by its spec and by the exporter's code (root: the
+    folder holding the harness package), so an export written by other exporter code is never reused."""
+    key = hashlib.sha256(json.dumps({"spec": model.to_dict(), "exporter": exporter_code(root)},
+                                    sort_keys=True).encode()).hexdigest()[:16]
     return default_cache_dir() / "exports" / f"{model.name}-{key}"
 
 
