@@ -318,7 +318,9 @@ def _run(args: argparse.Namespace) -> int:
 
     req = build_request(args)
     planned = plan_cells(req)
-    if all(c.skip_reason for c in planned):  # nothing would run: an explicit request that cannot work
+    # nothing would run: an explicit request that cannot work (an engine's known incompatibility is a SKIP instead:
+    # the report says what the engine cannot run and why)
+    if all(c.skip_reason for c in planned) and not any(c.engine_skip for c in planned):
         raise ConfigError(planned[0].skip_reason or "no cell to run")
     require_free_space(req.out_dir, "--out", sum(1 for c in planned if not c.skip_reason))
     runner = Runner(req, progress=lambda line: print(line, flush=True))
