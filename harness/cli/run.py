@@ -125,6 +125,7 @@ def run_id(suite: str) -> str:
 
 def build_request(args: argparse.Namespace) -> "RunRequest":
     """Resolve and validate everything a run needs; every bad input is one ConfigError, before launching."""
+    from harness.backends.registry import get_backend
     from harness.checks.settings import CheckSettings
     from harness.core.paths import default_cache_dir
     from harness.flow.runner import RunRequest
@@ -138,7 +139,8 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     catalog = load_catalog()
     topo_expr = ",".join(suite.topologies) if args.topo is None else args.topo  # --topo "" is an error, not all
     topologies = catalog.resolve(topo_expr, all_names=suite.topologies)
-    models = (load_model(args.model),) if args.model else tuple(load_model(m) for m in suite.models)
+    default_models = suite.models_for(get_backend(args.engine).name)  # with the engine's own (engine_models)
+    models = (load_model(args.model),) if args.model else tuple(load_model(m) for m in default_models)
     tokenizers = {}
     for model in models:
         CheckSettings.from_suite(suite, model.dtype)  # a tolerance typo fails here, not after the runs
@@ -166,7 +168,6 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     require_device(args.device, [t.tp for t in topologies])
     require_launch_settings(dict(os.environ))
     from harness.backends.build import check_label
-    from harness.backends.registry import get_backend
     # an unknown engine, a bad option, a build label that is none or a template build command that fails:
     # one error before anything runs
     engines = [get_backend(args.engine)]
@@ -184,7 +185,7 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     return RunRequest(
         engine=args.engine, reference_engine=args.reference_engine,
         reproduce=reproduce_args(args, budget_mib, max_seq_len),
-        model_refs=tuple((m.name, _ref(r)) for m, r in zip(models, [args.model] if args.model else suite.models)),
+        model_refs=tuple((m.name, _ref(r)) for m, r in zip(models, [args.model] if args.model else default_models)),
         suite=suite, models=models, topologies=tuple(topologies), fault=args.fault,
         seeds=tuple(args.seed) if args.seed else suite.seeds, out_dir=out_dir,
         cache_dir=cache_dir, device=args.device, timeout_s=launch_timeout(args.timeout),

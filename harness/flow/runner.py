@@ -705,6 +705,16 @@ class Runner:
             return folder, free
         return None
 
+    def _machine_backends(self) -> dict[str, dict[str, Any]]:
+        """Per model, the attention backend the parallel engine runs it with on this machine (where that depends on
+        the machine: Backend.machine_backend)."""
+        out = {}
+        for model in self.req.models:
+            record = self.backend.machine_backend(model)
+            if record is not None:
+                out[model.name] = record
+        return out
+
     def provenance(self, argv: list[str]) -> dict[str, Any]:
         return {**collect_provenance(shlex.join(["harness", *argv]), self.req.device,
                                      sorted({m.dtype for m in self.req.models}), list(self.req.seeds)),
@@ -713,6 +723,7 @@ class Runner:
                 "engine_version": self.backend.version(), "reference_engine": self.ref_backend.name,
                 **({"engine_build": self.backend.engine_build()} if self.backend.engine_build() else {}),
                 "backends": {"parallel": backend_record(self.backend), "reference": backend_record(self.ref_backend)},
+                **({"attention_backends": backends} if (backends := self._machine_backends()) else {}),
                 **({"shard": str(self.req.shard)} if self.req.shard else {}),
                 **({"servers": self.servers.records()} if self.servers.served else {}),
                 **({"nnodes": self.req.nodes.nnodes} if self.req.nodes else {})}

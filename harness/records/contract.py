@@ -321,6 +321,11 @@ class Backend(Protocol):
         when it injects none."""
         return None
 
+    def machine_backend(self, model: Any) -> dict[str, Any] | None:
+        """The backend the engine runs `model`'s attention with on this machine ({"attention", "backend",
+        "chosen_by"[, "source"]}: recorded in the report), or None when it depends on no machine."""
+        return None
+
     def workload_skip(self, topology: Any, workload: Any) -> str | None:
         """Why this engine cannot run `workload` (a resolved harness.specs.workload.Workload) at `topology`: that
         workload's cells are a SKIP with this reason, decided before any launch, and its runs of the topology leave

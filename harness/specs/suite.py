@@ -38,6 +38,10 @@ class Suite:
     profiles: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     workloads: tuple[str, ...] = (SUITE_PROMPTS,)  # the workload axis (harness/specs/workload.py: WORKLOADS)
     long_context: int = 136                       # tokens of the workloads' long prompt
+    # engine name -> models a run on that engine (its parallel engine) adds to `models` when no --model is given:
+    # ones it loads where the suite's own it cannot (vLLM's CPU MLA takes one latent width and, on an AMX CPU,
+    # half-precision weights only); the suite's own models stay, a SKIP naming why where the engine cannot run them
+    engine_models: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         where = f"suite {self.name!r}"
@@ -61,6 +65,12 @@ class Suite:
                                   f"text holding ': ' or '#')")
         if not self.models:
             raise ConfigError(f"{where}: models is empty")
+        if not isinstance(self.engine_models, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, (list, tuple)) and all(isinstance(m, str) for m in v)
+                for k, v in self.engine_models.items()):
+            raise ConfigError(f"{where}: engine_models must map an engine name to a list of model names, "
+                              f"got {self.engine_models!r}")
+        object.__setattr__(self, "engine_models", {k: tuple(v) for k, v in self.engine_models.items()})
         if not self.topologies:
             raise ConfigError(f"{where}: topologies is empty")
         if not self.prompts and not self.gsm8k:
@@ -77,6 +87,10 @@ class Suite:
             if not isinstance((settings or {}).get(ENABLED_KEY, True), bool):
                 raise ConfigError(f"{where}: checks.{check}.{ENABLED_KEY} must be true or false, "
                                   f"got {settings[ENABLED_KEY]!r}")
+
+    def models_for(self, engine: str) -> tuple[str, ...]:
+        """The models a run whose parallel engine is `engine` runs by default: `models`, then engine_models'."""
+        return self.models + tuple(m for m in self.engine_models.get(engine, ()) if m not in self.models)
 
     def check_settings(self, check: str) -> Mapping[str, Any]:
         """The settings of section `check` (tolerances), without its `enabled` switch."""

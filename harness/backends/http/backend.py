@@ -64,6 +64,7 @@ from harness.backends.http.dialects import (
     post_json,
 )
 from harness.backends.http.layout import probe_layout
+from harness.backends.http.machine import cpu_flags
 from harness.backends.http.pool import probe_folder as probe_dir
 from harness.backends.http.send import SendSchedule
 from harness.backends.http.server import (
@@ -90,6 +91,7 @@ from harness.records import contract as c
 from harness.records.artifacts import Case, write_run
 from harness.records.contract import Backend, Capabilities, Job, LaunchResult
 from harness.records.pd_files import STORE_DAMAGE, damage_store
+from harness.specs.attention_backends import AttentionBackend, pick_backend
 from harness.specs.engine import load_engine
 from harness.specs.model import ModelSpec
 from harness.specs.pool import PoolSettings
@@ -360,6 +362,15 @@ class HttpBackend(Backend):
             return f"engine {self.name} cannot run decode context parallelism on the prefill side (dcp={pre.dcp})"
         return self._missing_axis(pre)
 
+    def attention_backend(self, model: ModelSpec) -> AttentionBackend | None:
+        """The attention backend the engine runs `model` with on this machine (the template's attention_backends),
+        or None when the template says nothing about it."""
+        return pick_backend(self.spec.attention_backends, model, cpu_flags())
+
+    def machine_backend(self, model: ModelSpec) -> dict[str, Any] | None:
+        backend = self.attention_backend(model)
+        return backend.record() if backend is not None else None
+
     def workload_skip(self, topology: Topology, workload: Workload) -> str | None:
         """A disaggregated topology's cases go once through the prefill server, then once through the decode server,
         all at once (harness/backends/http/pd.py): a workload with its own schedule, engine route or self-check
@@ -377,6 +388,10 @@ class HttpBackend(Backend):
         if topology.dcp > 1 and not self.spec.supports_dcp:
             return f"engine {self.name} cannot run decode context parallelism (dcp={topology.dcp})"
         refusal = model_of(model).served_refusal(self.name)  # it reads the Hugging Face folder harness export writes
+        if refusal is not None:
+            return refusal
+        backend = self.attention_backend(model)
+        refusal = backend.refusal(model) if backend is not None else None
         if refusal is not None:
             return refusal
         axis = self._missing_axis(topology)
@@ -776,6 +791,9 @@ class HttpBackend(Backend):
         }
         if counters is not None:
             manifest["speculative"] = counters
+        backend = self.machine_backend(model)
+        if backend is not None:  # which backend this machine's engine ran (the template's rule for its CPU flags)
+            manifest["attention_backend"] = backend
         if collected.requests is not None:  # each request's order and times under the job's request schedule
             manifest["requests"] = collected.requests
         if collected.workloads is not None:  # each workload's cases, what the client saw and its request record

@@ -1,0 +1,101 @@
+"""What an engine can run decides cells before launch: vLLM's template says which attention backend it runs each
+attention kind with on this machine (its CPU flags: AMX or not) and what that backend loads, so a model it cannot
+load is a SKIP naming the backend and the models that load, decided before any server starts (a run of only such
+cells exits 0, starting nothing); a suite run on vLLM adds the suite's vLLM models (engine_models)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.backends.http.backend import HttpBackend
+from harness.backends.http.machine import CPU_FLAGS_ENV, cpu_flags
+from harness.checks.settings import load_suite
+from harness.cli import main
+from harness.core.errors import ConfigError
+from harness.formats.locate import load_model
+from harness.records.results import results_cells
+from harness.specs.engine import engine_from_dict
+from harness.specs.topology import parse_topology_name
+
+AMX = "amx_tile,amx_bf16,avx512f"
+TP2 = parse_topology_name("tp2")
+
+
+@pytest.fixture()
+def vllm(monkeypatch: pytest.MonkeyPatch) -> HttpBackend:
+    monkeypatch.setenv("HARNESS_VLLM_PYTHON", sys.executable)  # the template's interpreter must exist; none starts
+    return HttpBackend("vllm")
+
+
+def test_on_an_amx_cpu_vllm_mla_loads_half_precision_only(vllm: HttpBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CPU_FLAGS_ENV, AMX)
+    why = vllm.skip_reason(load_model("tiny-dsv2"), TP2)
+    assert why is not None and "AMX MLA" in why and "amx_mla.py" in why and "float32" in why, why
+    assert "tiny-dsv2-bf16" in why  # what would run instead
+    assert vllm.skip_reason(load_model("tiny-dsv2-bf16"), TP2) is None
+    assert vllm.machine_backend(load_model("tiny-dsv2-bf16")) == {
+        "attention": "mla", "backend": "AMX MLA", "chosen_by": "CPU flags amx_tile, amx_bf16",
+        "source": "vllm/v1/attention/backends/mla/amx_mla.py"}
+
+
+def test_without_amx_vllm_mla_loads_float32_too(vllm: HttpBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CPU_FLAGS_ENV, "avx2,fma")
+    assert vllm.skip_reason(load_model("tiny-dsv2"), TP2) is None
+    assert vllm.machine_backend(load_model("tiny-dsv2"))["backend"] == "CPU MLA"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("flags", ["", AMX])
+def test_shapes_vllm_cpu_cannot_run_are_skips_naming_the_shape(vllm: HttpBackend, monkeypatch: pytest.MonkeyPatch,
+                                                                flags: str) -> None:
+    monkeypatch.setenv(CPU_FLAGS_ENV, flags)
+    mla = vllm.skip_reason(load_model("tiny-mla-bf16"), TP2)  # bfloat16 (every backend's dtype), latent 48 + 16
+    assert mla is not None and "latent width" in mla and "= 64" in mla and "576" in mla, mla
+    gqa = vllm.skip_reason(load_model("tiny-gqa"), TP2)
+    assert gqa is not None and "head_dim 16" in gqa and "tiny-hd64" in gqa, gqa
+    assert vllm.skip_reason(load_model("tiny-hd64"), TP2) is None
+    assert vllm.skip_reason(load_model("tiny-qwen3next"), TP2) is None
+
+
+def test_cpu_flags_come_from_cpuinfo_or_the_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 amx_tile amx_bf16\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    monkeypatch.delenv(CPU_FLAGS_ENV, raising=False)
+    assert cpu_flags(info) == {"fpu", "sse2", "amx_tile", "amx_bf16"}
+    assert cpu_flags(tmp_path / "none") == frozenset()
+    monkeypatch.setenv(CPU_FLAGS_ENV, "avx2, fma")
+    assert cpu_flags(info) == {"avx2", "fma"}
+    monkeypatch.setenv(CPU_FLAGS_ENV, "avx2;rm")
+    with pytest.raises(ConfigError, match="not a CPU flag name"):
+        cpu_flags(info)
+
+
+def test_a_bad_rule_is_one_error_naming_it() -> None:
+    base = {"dialect": "vllm", "argv": ["x", "{dcp}"]}
+    with pytest.raises(ConfigError, match="attention='flash' is not one of mla, standard"):
+        engine_from_dict("t.yaml", {**base, "attention_backends": [{"attention": "flash", "backend": "b"}]}, "t")
+    with pytest.raises(ConfigError, match="latent_widths must be a list of positive integers"):
+        engine_from_dict("t.yaml", {**base, "attention_backends": [{"attention": "mla", "backend": "b",
+                                                                     "latent_widths": [0]}]}, "t")
+
+
+def test_suites_add_their_vllm_models_only_on_vllm() -> None:
+    assert load_suite("mla").models_for("vllm")[-2:] == ("tiny-dsv2", "tiny-dsv2-bf16")
+    assert load_suite("hybrid").models_for("vllm") == ("tiny-hybrid", "tiny-qwen3next")
+    assert load_suite("mla").models_for("embedded") == load_suite("mla").models
+
+
+def test_a_run_of_only_known_incompatibilities_skips_every_cell_and_starts_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--engine vllm` on an AMX CPU with the float32 DeepSeek-V2 export: every cell a SKIP naming the AMX backend,
+    exit 0 (not a usage error), no server, no reference run."""
+    monkeypatch.setenv("HARNESS_VLLM_PYTHON", sys.executable)
+    monkeypatch.setenv(CPU_FLAGS_ENV, AMX)
+    code = main(["run", "--suite", "mla", "--engine", "vllm", "--topo", "tp2", "--model", "tiny-dsv2",
+                 "--out", str(tmp_path / "r"), "--cache-dir", str(tmp_path / "cache")])
+    cells = results_cells(tmp_path / "r")
+    assert code == 0 and len(cells) == 2 and all(c["status"] == "SKIP" for c in cells)
+    assert all("AMX MLA" in c["checks"][0]["reason"] for c in cells)
+    assert not (tmp_path / "cache" / "runs").exists() and not (tmp_path / "cache" / "exports").exists()
