@@ -99,3 +99,18 @@ def test_a_run_of_only_known_incompatibilities_skips_every_cell_and_starts_nothi
     assert code == 0 and len(cells) == 2 and all(c["status"] == "SKIP" for c in cells)
     assert all("AMX MLA" in c["checks"][0]["reason"] for c in cells)
     assert not (tmp_path / "cache" / "runs").exists() and not (tmp_path / "cache" / "exports").exists()
+
+
+def test_list_cells_says_what_runs_and_what_is_skipped_without_starting_anything(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`harness run --suite mla --engine vllm --list-cells` on an AMX CPU: the suite's own models and the float32
+    export SKIP naming why, the bfloat16 export runs; exit 0, no report, no cache entry."""
+    monkeypatch.setenv("HARNESS_VLLM_PYTHON", sys.executable)
+    monkeypatch.setenv(CPU_FLAGS_ENV, AMX)
+    assert main(["run", "--suite", "mla", "--engine", "vllm", "--topo", "tp2", "--workload", "prompts",
+                 "--list-cells", "--out", str(tmp_path / "r"), "--cache-dir", str(tmp_path / "cache")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "tiny-dsv2-bf16/tp2/seed0 prompts: runs" in lines and lines[-1] == "1 of 4 cells run"
+    assert any(line.startswith("tiny-dsv2/tp2/seed0 prompts: SKIP: ") and "AMX MLA" in line for line in lines)
+    assert "attention backend (tiny-dsv2-bf16): mla on AMX MLA (CPU flags amx_tile, amx_bf16)" in lines
+    assert not (tmp_path / "r").exists() and not (tmp_path / "cache" / "runs").exists()

@@ -35,7 +35,7 @@ from harness.specs.topology import Topology, load_catalog, parse_topology_name
 from harness.specs.workload import SUITE_PROMPTS, check_workload_names
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a run is asked for
-    from harness.flow.runner import Runner, RunRequest
+    from harness.flow.runner import CellPlan, Runner, RunRequest
     from harness.formats.tokenizer import Tokenizer
 
 MIB = 1024 ** 2
@@ -67,6 +67,9 @@ def add_parser(sub: Any) -> None:
                    help=f"seconds before a launch is killed (default: ${TIMEOUT_ENV} or {LAUNCH_TIMEOUT_S:.0f})")
     p.add_argument("--collective-timeout", type=positive_float, default=COLLECTIVE_TIMEOUT_S,
                    help="seconds before a collective fails")
+    p.add_argument("--list-cells", action="store_true",
+                   help="print each cell (x workload) the run would run, and each SKIP decided before launch with its "
+                   "reason (the model's split, the engine's capabilities on this machine), then exit: nothing starts")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="reference-run cache, and HTTP engines' HF exports and converted checkpoints (default: "
                    "$HARNESS_CACHE_DIR, else the user's $XDG_CACHE_HOME or ~/.cache /llm-parallel-harness, mode 0700)")
@@ -308,6 +311,21 @@ def run(args: argparse.Namespace) -> int:
             return exit_status(exc)
 
 
+def list_cells(runner: "Runner", planned: "Sequence[CellPlan]") -> str:
+    """--list-cells: one line per cell and workload, "runs" or "SKIP: why" as decided before any launch, then the
+    attention backend the engine runs each model with on this machine (where the template says)."""
+    lines = []
+    for cell in planned:
+        skipped = {} if cell.skip_reason else runner.skipped_workloads(cell)
+        for name in runner.workload_names:
+            why = cell.skip_reason or skipped.get(name)
+            lines.append(f"{cell.slug} {name}: {'SKIP: ' + why if why else 'runs'}")
+    lines += [f"attention backend ({model}): {r['attention']} on {r['backend']} ({r['chosen_by']})"
+              for model, r in runner.machine_backends().items()]
+    runs = sum(1 for line in lines if line.endswith(": runs"))
+    return "\n".join([*lines, f"{runs} of {len(planned) * len(runner.workload_names)} cells run"])
+
+
 def _run(args: argparse.Namespace) -> int:
     from harness.cli.signals import exit_status
     from harness.core.errors import Interrupted
@@ -323,8 +341,11 @@ def _run(args: argparse.Namespace) -> int:
     # the report says what the engine cannot run and why)
     if all(c.skip_reason for c in planned) and not any(c.engine_skip for c in planned):
         raise ConfigError(planned[0].skip_reason or "no cell to run")
-    require_free_space(req.out_dir, "--out", sum(1 for c in planned if not c.skip_reason))
     runner = Runner(req, progress=lambda line: print(line, flush=True))
+    if args.list_cells:
+        print(list_cells(runner, planned))
+        return 0
+    require_free_space(req.out_dir, "--out", sum(1 for c in planned if not c.skip_reason))
     if req.nodes is not None and req.nodes.node_rank > 0:  # lends its ranks; node 0 writes the report
         return runner.follow()
     start = time.time()

@@ -705,7 +705,7 @@ class Runner:
             return folder, free
         return None
 
-    def _machine_backends(self) -> dict[str, dict[str, Any]]:
+    def machine_backends(self) -> dict[str, dict[str, Any]]:
         """Per model, the attention backend the parallel engine runs it with on this machine (where that depends on
         the machine: Backend.machine_backend)."""
         out = {}
@@ -723,7 +723,7 @@ class Runner:
                 "engine_version": self.backend.version(), "reference_engine": self.ref_backend.name,
                 **({"engine_build": self.backend.engine_build()} if self.backend.engine_build() else {}),
                 "backends": {"parallel": backend_record(self.backend), "reference": backend_record(self.ref_backend)},
-                **({"attention_backends": backends} if (backends := self._machine_backends()) else {}),
+                **({"attention_backends": backends} if (backends := self.machine_backends()) else {}),
                 **({"shard": str(self.req.shard)} if self.req.shard else {}),
                 **({"servers": self.servers.records()} if self.servers.served else {}),
                 **({"nnodes": self.req.nodes.nnodes} if self.req.nodes else {})}
