@@ -91,7 +91,7 @@ def test_the_export_cache_is_keyed_by_the_exporters_code(tmp_path: Path, monkeyp
     same, changed = tmp_path / "same", tmp_path / "changed"
     for root in (same, changed):
         shutil.copytree(ROOT / "harness", root / "harness", ignore=shutil.ignore_patterns("__pycache__"))
-    checkpoint = changed / "harness" / "formats" / "checkpoint.py"  # imported by the exporter, not its entry module
+    checkpoint = changed / "harness" / "formats" / "hf" / "write.py"  # imported by the exporter, not its entry module
     checkpoint.write_text(checkpoint.read_text() + "\n# another writer\n")
     assert export_dir(model, same) == export_dir(model)
     assert export_dir(model, changed).parent == export_dir(model).parent
