@@ -77,3 +77,23 @@ def test_cache_dir_holds_the_http_exports_and_the_noise_twin_is_labelled(tmp_pat
     out = capsys.readouterr().out
     assert out.count("reference tiny-gqa tp1 float32 seed 0 (serve-hf): running") == 1, out
     assert "noise tiny-gqa tp1 float32 seed 0 (serve-hf), cases sent one at a time: running" in out, out
+
+
+def test_the_export_cache_is_keyed_by_the_exporters_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An HF export is reused only by the same exporter code: a copy of the package with the same sources keys the
+    same folder, one whose exporter (harness.formats.export or a module it imports) changed keys another."""
+    import shutil
+
+    from harness.backends.http.backend import export_dir
+
+    monkeypatch.setenv("HARNESS_CACHE_DIR", str(tmp_path / "cache"))
+    model = load_model("tiny-gqa")
+    same, changed = tmp_path / "same", tmp_path / "changed"
+    for root in (same, changed):
+        shutil.copytree(ROOT / "harness", root / "harness", ignore=shutil.ignore_patterns("__pycache__"))
+    checkpoint = changed / "harness" / "formats" / "hf" / "write.py"  # imported by the exporter, not its entry module
+    checkpoint.write_text(checkpoint.read_text() + "\n# another writer\n")
+    assert export_dir(model, same) == export_dir(model)
+    assert export_dir(model, changed).parent == export_dir(model).parent
+    assert export_dir(model, changed) != export_dir(model)
+    assert export_dir(load_model("tiny-hd64"), same) != export_dir(model, same)  # the spec keys it too

@@ -126,3 +126,30 @@ def test_store_damage_deletes_cuts_or_rotates_only_the_kv_tensors(tmp_path: Path
             assert torch.equal(got["k.0"].flatten(), k.flatten().roll(-16))  # half its length: other rows' values
     with pytest.raises(ValueError, match="unknown store damage 'pd-store-x'; valid: pd-store-missing"):
         damage_store(tmp_path, "pd-store-x")
+
+
+def test_the_pd_suites_default_workloads_over_http_run_or_skip_before_any_server(tmp_path: Path) -> None:
+    """docs/pd.md's command on the shipped pd suite (one model): its prompts workload goes through the server pair
+    and passes with pd_transfer on real rows; concurrent and prefix-cache, which the P/D client cannot send (a
+    staggered schedule, a prefix-cache route), are SKIPs naming that, and the run exits 0."""
+    code = main(["run", "--suite", "pd", "--engine", "harness-serve", "--topo", "tp2>tp1", "--model", "tiny-gqa",
+                 "--out", str(tmp_path / "r"), "--cache-dir", str(tmp_path / "cache")])
+    cells = {c["workload"]: c for c in results_cells(tmp_path / "r")}
+    assert code == 0 and set(cells) == {"prompts", "concurrent", "prefix-cache"}
+    prompts = _checks(cells["prompts"])
+    assert cells["prompts"]["status"] == "PASS" and prompts["pd_transfer"]["verdict"] == "PASS"
+    assert prompts["pd_transfer"]["metrics"]["rows_checked"] > 0
+    for name, needs in (("concurrent", "staggered schedule"), ("prefix-cache", "prefix cache route")):
+        (check,) = cells[name]["checks"]
+        assert check["verdict"] == "SKIP" and needs in check["reason"] and "--engine embedded" in check["reason"]
+
+
+def test_workloads_the_pd_client_cannot_send_skip_without_starting_a_server(tmp_path: Path) -> None:
+    """Only workloads the P/D client cannot send: every cell a SKIP decided before any launch (no reference, no
+    server, no run folder), exit 0."""
+    code = main(["run", "--suite", "pd", "--engine", "harness-serve", "--topo", "tp2>tp1", "--model", "tiny-gqa",
+                 "--workload", "concurrent,prefix-cache", "--out", str(tmp_path / "r"),
+                 "--cache-dir", str(tmp_path / "cache")])
+    cells = results_cells(tmp_path / "r")
+    assert code == 0 and [c["status"] for c in cells] == ["SKIP", "SKIP"]
+    assert not (tmp_path / "r" / "runs").exists() and not (tmp_path / "cache" / "runs").exists()

@@ -65,6 +65,12 @@ class LabelledBackend(Backend):
     def skip_reason(self, model: Any, topology: Any) -> str | None:
         return self.inner.skip_reason(model, topology)
 
+    def machine_backend(self, model: Any) -> dict[str, Any] | None:
+        return self.inner.machine_backend(model)
+
+    def workload_skip(self, topology: Any, workload: Any) -> str | None:
+        return self.inner.workload_skip(topology, workload)
+
     def noise_strategy(self) -> str:
         return self.inner.noise_strategy()
 

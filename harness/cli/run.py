@@ -49,7 +49,7 @@ from harness.specs.topology import Topology, load_catalog, parse_topology_name
 from harness.specs.workload import SUITE_PROMPTS, check_workload_names
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a run is asked for
-    from harness.flow.runner import Runner, RunRequest
+    from harness.flow.runner import CellPlan, Runner, RunRequest
     from harness.formats.tokenizer import Tokenizer
 
 MIB = 1024 ** 2
@@ -95,6 +95,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"seconds before a launch is killed (default: ${TIMEOUT_ENV} or {LAUNCH_TIMEOUT_S:.0f})")
     p.add_argument("--collective-timeout", type=SECONDS, default=COLLECTIVE_TIMEOUT_S,
                    help="seconds before a collective fails")
+    p.add_argument("--list-cells", action="store_true",
+                   help="print each cell (x workload) the run would run, and each SKIP decided before launch with its "
+                   "reason (the model's split, the engine's capabilities on this machine), then exit: nothing starts")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="reference-run cache, and HTTP engines' HF exports and converted checkpoints (default: "
                    "$HARNESS_CACHE_DIR, else the user's $XDG_CACHE_HOME or ~/.cache /llm-parallel-harness, mode 0700)")
@@ -174,6 +177,7 @@ def run_id(suite: str) -> str:
 
 def build_request(args: argparse.Namespace) -> "RunRequest":
     """Resolve and validate everything a run needs; every bad input is one ConfigError, before launching."""
+    from harness.backends.registry import get_backend
     from harness.checks.settings import CheckSettings
     from harness.core.paths import default_cache_dir
     from harness.flow.runner import RunRequest
@@ -187,7 +191,8 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     catalog = load_catalog()
     topo_expr = ",".join(suite.topologies) if args.topo is None else args.topo  # --topo "" is an error, not all
     topologies = catalog.resolve(topo_expr, all_names=suite.topologies)
-    models = (load_model(args.model),) if args.model else tuple(load_model(m) for m in suite.models)
+    default_models = suite.models_for(get_backend(args.engine).name)  # with the engine's own (engine_models)
+    models = (load_model(args.model),) if args.model else tuple(load_model(m) for m in default_models)
     tokenizers = {}
     for model in models:
         CheckSettings.from_suite(suite, model.dtype)  # a tolerance typo fails here, not after the runs
@@ -223,7 +228,6 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     require_device(args.device, [t.tp for t in topologies])
     require_launch_settings(dict(os.environ))
     from harness.backends.build import check_label
-    from harness.backends.registry import get_backend
     # an unknown engine, a bad option, a build label that is none or a template build command that fails:
     # one error before anything runs
     engines = [get_backend(args.engine)]
@@ -241,7 +245,7 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     return RunRequest(
         engine=args.engine, reference_engine=args.reference_engine,
         reproduce=reproduce_args(args, budget_mib, max_seq_len),
-        model_refs=tuple((m.name, _ref(r)) for m, r in zip(models, [args.model] if args.model else suite.models)),
+        model_refs=tuple((m.name, _ref(r)) for m, r in zip(models, [args.model] if args.model else default_models)),
         suite=suite, models=models, topologies=tuple(topologies), fault=args.fault,
         seeds=tuple(args.seed) if args.seed else suite.seeds, out_dir=out_dir,
         cache_dir=cache_dir, device=args.device, timeout_s=launch_timeout(args.timeout),
@@ -399,6 +403,21 @@ def run(args: argparse.Namespace) -> int:
             return exit_status(exc)
 
 
+def list_cells(runner: "Runner", planned: "Sequence[CellPlan]") -> str:
+    """--list-cells: one line per cell and workload, "runs" or "SKIP: why" as decided before any launch, then the
+    attention backend the engine runs each model with on this machine (where the template says)."""
+    lines = []
+    for cell in planned:
+        skipped = {} if cell.skip_reason else runner.skipped_workloads(cell)
+        for name in runner.workload_names:
+            why = cell.skip_reason or skipped.get(name)
+            lines.append(f"{cell.slug} {name}: {'SKIP: ' + why if why else 'runs'}")
+    lines += [f"attention backend ({model}): {r['attention']} on {r['backend']} ({r['chosen_by']})"
+              for model, r in runner.machine_backends().items()]
+    runs = sum(1 for line in lines if line.endswith(": runs"))
+    return "\n".join([*lines, f"{runs} of {len(planned) * len(runner.workload_names)} cells run"])
+
+
 def _run(args: argparse.Namespace) -> int:
     from harness.flow.runner import Runner, plan_cells
 
@@ -407,9 +426,14 @@ def _run(args: argparse.Namespace) -> int:
         return rerun_failed(args)
     req = select_cells(build_request(args), args.cells, args.cells_from)
     every = plan_cells(req)
-    if all(c.skip_reason for c in every):  # nothing would run: an explicit request that cannot work
+    # nothing would run: an explicit request that cannot work (an engine's known incompatibility is a SKIP instead:
+    # the report says what the engine cannot run and why)
+    if all(c.skip_reason for c in every) and not any(c.engine_skip for c in every):
         raise ConfigError(every[0].skip_reason or "no cell to run")
     runner = Runner(req, progress=lambda line: print(line, flush=True))
+    if args.list_cells:
+        print(list_cells(runner, every))
+        return ExitCode.OK
     planned = runner.planned()
     if not planned:  # more shares than launches, or a runner class without cells: nothing to do here
         why = f"shard {req.shard}" if req.shard else f"--gpus {req.gpus}" if req.gpus else "the selection"

@@ -120,6 +120,7 @@ class CellPlan:
     fault: str | None
     seed: int
     skip_reason: str | None
+    engine_skip: bool = False  # the skip is an engine's known incompatibility (a capability), not the plan's
 
     @property
     def slug(self) -> str:
@@ -200,9 +201,14 @@ def plan_cells(req: RunRequest, backends: tuple[Backend, Backend] | None = None)
         fault_flags(req.fault, Topology(tp=1))  # raises the did-you-mean error
     backend, ref_backend = backends or (get_backend(req.engine), get_backend(req.ref_engine))
     reference = parse_topology_name(req.suite.reference).without_speculator()
-    return [CellPlan(m, t, req.fault, seed,
-                     skip_reason(m, t, req.fault) or _engine_skip(m, t, backend, ref_backend, reference))
-            for m in req.models for seed in req.seeds for t in req.topologies]
+    out = []
+    for m in req.models:
+        for seed in req.seeds:
+            for t in req.topologies:
+                planned = skip_reason(m, t, req.fault)
+                engine = None if planned else _engine_skip(m, t, backend, ref_backend, reference)
+                out.append(CellPlan(m, t, req.fault, seed, planned or engine, engine_skip=engine is not None))
+    return out
 
 
 class Runner:
@@ -266,9 +272,32 @@ class Runner:
     def workload_names(self) -> tuple[str, ...]:
         return tuple(w.name for w in self.workloads)
 
+    def skipped_workloads(self, cell: CellPlan) -> dict[str, str]:
+        """The workloads the parallel engine cannot run at the cell's topology (Backend.workload_skip), each with
+        why: decided before any launch, they are SKIP cells and its run leaves them out."""
+        out = {}
+        for w in self.workloads:
+            why = self.backend.workload_skip(cell.topology, w)
+            if why:
+                out[w.name] = f"engine {self.backend.name}: {why}"
+        return out
+
+    def cell_workloads(self, cell: CellPlan) -> tuple[Workload, ...]:
+        """The workloads the cell's run holds (every workload but the skipped ones)."""
+        skipped = self.skipped_workloads(cell)
+        return tuple(w for w in self.workloads if w.name not in skipped)
+
+    def workload_skips(self, cell: CellPlan) -> list[CellResult]:
+        """One SKIP result for each workload the parallel engine cannot run at the cell's topology."""
+        return [CellResult(**{**self._identity(cell), "workload": w, "command": self.command(cell, w)},
+                           checks=(CheckResult("cell", Verdict.SKIP, why),), clean_exit=True)
+                for w, why in self.skipped_workloads(cell).items()]
+
     def per_workload(self, cell: CellPlan, result: CellResult) -> list[CellResult]:
-        """A launch's result (a SKIP or ERROR before any check ran) as one cell per workload."""
-        return [replace(result, workload=w, command=self.command(cell, w)) for w in self.workload_names]
+        """A launch's result (a SKIP or ERROR before any check ran) as one cell per workload it held, and a SKIP for
+        each workload the engine cannot run there."""
+        return [replace(result, workload=w.name, command=self.command(cell, w.name))
+                for w in self.cell_workloads(cell)] + self.workload_skips(cell)
 
     def _cached(self, model: ModelSpec, seed: int, dtype: str, topo: Topology, repeat: bool = False,
                 perturbation: str | None = None, fault: str | None = None,
@@ -465,6 +494,9 @@ class Runner:
         if cell.skip_reason:
             skipped = CellResult(**base, checks=(CheckResult("cell", Verdict.SKIP, cell.skip_reason),), clean_exit=True)
             return lambda: skipped
+        if not self.cell_workloads(cell):  # the engine runs none of the workloads there: nothing is launched
+            none_run = self.workload_skips(cell)
+            return lambda: none_run
         try:
             ref, noise = self.references(cell.model, cell.seed, cell.topology.speculator, cell.fault)
         except ReferenceFailed as exc:
@@ -515,13 +547,14 @@ class Runner:
         """The cell's checks of `par` (read from `run_dir`) against the reference: one result per workload,
         each over that workload's cases (harness/records/workload_views.py)."""
         out = []
-        for name, (r, p, n, against) in workload_views(self.workloads, ref, par, noise.run, noise.against).items():
+        views = workload_views(self.cell_workloads(cell), ref, par, noise.run, noise.against)
+        for name, (r, p, n, against) in views.items():
             ctx = self.context(cell, r, p, NoiseRuns(n, against, noise.source), name)
             out.append(CellResult(**{**base, "workload": name, "command": self.command(cell, name)},
                                   checks=tuple(run_checks(ctx)), clean_exit=True, localization=ctx.localization,
                                   run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=wall_s,
                                   details=ctx.details.to_dict()))
-        return out
+        return out + self.workload_skips(cell)
 
     def _reference_job(self, cell: CellPlan, job: Job) -> bool:
         """Whether `job` is the cell's reference job again (the reference topology, speculator and fault,
@@ -737,6 +770,16 @@ class Runner:
             return folder, free
         return None
 
+    def machine_backends(self) -> dict[str, dict[str, Any]]:
+        """Per model, the attention backend the parallel engine runs it with on this machine (where that depends on
+        the machine: Backend.machine_backend)."""
+        out = {}
+        for model in self.req.models:
+            record = self.backend.machine_backend(model)
+            if record is not None:
+                out[model.name] = record
+        return out
+
     def provenance(self, argv: list[str]) -> dict[str, Any]:
         return {**collect_provenance(shlex.join(["harness", *argv]), self.req.device,
                                      sorted({m.dtype for m in self.req.models}), list(self.req.seeds)),
@@ -745,6 +788,7 @@ class Runner:
                 "engine_version": self.backend.version(), "reference_engine": self.ref_backend.name,
                 **({"engine_build": self.backend.engine_build()} if self.backend.engine_build() else {}),
                 "backends": {"parallel": backend_record(self.backend), "reference": backend_record(self.ref_backend)},
+                **({"attention_backends": backends} if (backends := self.machine_backends()) else {}),
                 **({"shard": str(self.req.shard)} if self.req.shard else {}),
                 **({"servers": self.servers.records()} if self.servers.served else {}),
                 **({"nnodes": self.req.nodes.nnodes} if self.req.nodes else {})}

@@ -326,6 +326,17 @@ class Backend(Protocol):
         when it injects none."""
         return None
 
+    def machine_backend(self, model: Any) -> dict[str, Any] | None:
+        """The backend the engine runs `model`'s attention with on this machine ({"attention", "backend",
+        "chosen_by"[, "source"]}: recorded in the report), or None when it depends on no machine."""
+        return None
+
+    def workload_skip(self, topology: Any, workload: Any) -> str | None:
+        """Why this engine cannot run `workload` (a resolved harness.specs.workload.Workload) at `topology`: that
+        workload's cells are a SKIP with this reason, decided before any launch, and its runs of the topology leave
+        the workload out. None (the default): it runs every workload its capabilities name."""
+        return None
+
     def independent_runs(self) -> bool:
         """Whether two of its runs may be in flight at once (each launch its own processes: a reference and its
         noise run then overlap). False (the default): its runs share something, e.g. an HTTP engine's server."""

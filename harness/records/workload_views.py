@@ -43,8 +43,10 @@ def view(run: RunArtifacts, indices: Sequence[int]) -> RunArtifacts:
 def workload_views(workloads: Sequence[Workload], ref: RunArtifacts, par: RunArtifacts,
                    noise: RunArtifacts | None, noise_ref: RunArtifacts | None = None) -> Views:
     """Per workload: (reference, parallel, noise, the run the noise is measured against where not the reference)
-    views over its cases; one workload: the runs themselves."""
-    if len(workloads) == 1:
+    views over its cases; one workload of runs that hold no other: the runs themselves. `workloads` may be a part of
+    the reference's (those a parallel engine ran): each view holds that workload's cases by the reference's indices."""
+    entries = ref.manifest.get("workloads")
+    if len(workloads) == 1 and not (isinstance(entries, list) and len(entries) > 1):
         return {workloads[0].name: (ref, par, noise, noise_ref)}
     indices = workload_indices(workloads, ref if ref.cases else par)
     return {name: (view(ref, idx), view(par, idx), view(noise, idx) if noise is not None else None,

@@ -381,4 +381,8 @@ def engine_items(provenance: dict[str, Any]) -> list[tuple[str, str]]:
         text = " ".join(t for t in (name, version, f"build {build}" if build else "") if t)
         if text and (role == "parallel" or text != (out[0][1] if out else "")):
             out.append((key, text))
+    for model, record in sorted((provenance.get("attention_backends") or {}).items()):
+        if isinstance(record, dict):  # which backend the engine picked on this machine, and why
+            out.append((f"attention backend ({model})", f"{record.get('attention')}: {record.get('backend')} "
+                                                          f"({record.get('chosen_by')})"))
     return out

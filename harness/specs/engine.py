@@ -37,6 +37,7 @@ from typing import Any, Mapping
 from harness.core.errors import ConfigError
 from harness.core.limits import MAX_TIMEOUT_S
 from harness.core.paths import PROJECT_ROOT
+from harness.specs.attention_backends import AttentionBackend, parse_backends
 from harness.specs.loader import build, check_path_name, did_you_mean, expect_mapping, load_yaml
 
 ENGINES_DIR: Path = PROJECT_ROOT / "engines"
@@ -138,9 +139,13 @@ class EngineSpec:
     pd_store: str = "harness"
     pd_topologies: tuple[str, ...] = ()
     pd_refusal: str = ""
+    # what the engine runs each attention kind with on a given machine (harness/specs/attention_backends.py): the
+    # first rule whose CPU flags this machine has; a model its backend cannot load is a SKIP before any server starts
+    attention_backends: tuple[AttentionBackend, ...] = ()
 
     def __post_init__(self) -> None:
         where = f"engine {self.name!r}"
+        object.__setattr__(self, "attention_backends", parse_backends(where, self.attention_backends))
         check_path_name(where, "name", self.name)  # names cache entries and exports
         if self.dialect not in DIALECT_NAMES:
             raise ConfigError(f"{where}: dialect={self.dialect!r} is not one of {', '.join(DIALECT_NAMES)}"

@@ -39,6 +39,10 @@ class Suite:
     profiles: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     workloads: tuple[str, ...] = (SUITE_PROMPTS,)  # the workload axis (harness/specs/workload.py: WORKLOADS)
     long_context: int = 136                       # tokens of the workloads' long prompt
+    # engine name -> models a run on that engine (its parallel engine) adds to `models` when no --model is given:
+    # ones it loads where the suite's own it cannot (vLLM's CPU MLA takes one latent width and, on an AMX CPU,
+    # half-precision weights only); the suite's own models stay, a SKIP naming why where the engine cannot run them
+    engine_models: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         where = f"suite {self.name!r}"
@@ -63,6 +67,12 @@ class Suite:
         self._check_reference(where)
         if not self.models:
             raise ConfigError(f"{where}: models is empty")
+        if not isinstance(self.engine_models, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, (list, tuple)) and all(isinstance(m, str) for m in v)
+                for k, v in self.engine_models.items()):
+            raise ConfigError(f"{where}: engine_models must map an engine name to a list of model names, "
+                              f"got {self.engine_models!r}")
+        object.__setattr__(self, "engine_models", {k: tuple(v) for k, v in self.engine_models.items()})
         if not self.topologies:
             raise ConfigError(f"{where}: topologies is empty")
         if not self.prompts and not self.gsm8k:
@@ -80,7 +90,6 @@ class Suite:
                 raise ConfigError(f"{where}: checks.{check}.{ENABLED_KEY} must be true or false, "
                                   f"got {settings[ENABLED_KEY]!r}")
 
-
     def _check_reference(self, where: str) -> None:
         """The reference is one plain world (tpN[dcpM], no speculator run, not a PREFILL>DECODE pair): a
         disaggregated reference would be read from the plain decode side's cache entry while its noise run is a
@@ -91,6 +100,10 @@ class Suite:
         if topo.prefill is not None:
             raise ConfigError(f"{where}: reference={self.reference!r} is a disaggregated PREFILL>DECODE topology; "
                               f"a reference must be one plain world (e.g. tp1)")
+
+    def models_for(self, engine: str) -> tuple[str, ...]:
+        """The models a run whose parallel engine is `engine` runs by default: `models`, then engine_models'."""
+        return self.models + tuple(m for m in self.engine_models.get(engine, ()) if m not in self.models)
 
     def check_settings(self, check: str) -> Mapping[str, Any]:
         """The settings of section `check` (tolerances), without its `enabled` switch."""

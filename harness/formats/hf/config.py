@@ -46,6 +46,14 @@ def rope_theta(config: dict[str, Any]) -> float:
     return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
 
 
+def partial_rotary_factor(config: dict[str, Any]) -> float:
+    """The fraction of each head RoPE rotates: top level (transformers 4) or in rope_parameters (5.x writes it there,
+    e.g. Qwen3-Next's 0.25); 1.0 when neither says."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    value = config.get("partial_rotary_factor")
+    return float(value if value is not None else params.get("partial_rotary_factor") or 1.0)
+
+
 def max_seq_len(config: dict[str, Any]) -> int:
     """The harness's working length: 2048, capped by the model's context and any sliding window."""
     limits = [DEFAULT_MAX_SEQ_LEN, config.get("max_position_embeddings"), config.get("sliding_window")]

@@ -16,7 +16,7 @@ import torch
 
 from harness.core.errors import ConfigError
 from harness.formats.hf.adapter import HFAdapter, Shape, Weights
-from harness.formats.hf.config import config_value, rope_type
+from harness.formats.hf.config import config_value, partial_rotary_factor, rope_type
 from harness.formats.hf.files import by_name
 from harness.formats.hf.names import hf_name
 from harness.formats.names import EXPERT_CANONICAL, check_weights, expert_name
@@ -36,8 +36,7 @@ def spec_fields(config: dict[str, Any], where: Path) -> dict[str, Any]:
         "qk_rope_dim": int(config_value(config, "qk_rope_head_dim", where)),
         "qk_nope_dim": int(config_value(config, "qk_nope_head_dim", where)),
         "nextn_layers": int(config.get("num_nextn_predict_layers") or 0)}  # DeepSeek-V3's MTP layers
-    layers, first_dense = int(config_value(config, "num_hidden_layers", where)), int(
-        config.get("first_k_dense_replace") or 0)
+    layers, first_dense = int(config_value(config, "num_hidden_layers", where)), dense_layers(config, where)
     experts = int(config.get("n_routed_experts") or 0)
     if experts and first_dense < layers:
         moe_ffn = int(config_value(config, "moe_intermediate_size", where))
@@ -47,21 +46,56 @@ def spec_fields(config: dict[str, Any], where: Path) -> dict[str, Any]:
     return fields
 
 
+MLP_TYPES: tuple[str, ...] = ("dense", "sparse")  # mlp_layer_types (transformers 5.x): a dense FFN, routed experts
+# the model types whose router, where config.json does not name one, is DeepSeek-V3's: sigmoid scores with a
+# correction bias, top-k within the best expert groups (transformers 5.x writes neither scoring_func nor topk_method)
+V3_ROUTERS: tuple[str, ...] = ("deepseek_v3", "deepseek_v32")
+INDEXER_FIELDS: tuple[str, ...] = ("index_topk", "index_n_heads", "index_head_dim")  # DeepSeek-V3.2's sparse attention
+
+
+def dense_layers(config: dict[str, Any], where: Path) -> int:
+    """How many leading layers have a dense FFN: `mlp_layer_types` (transformers 5.x: "dense" then "sparse") where
+    given, else first_k_dense_replace; where both are given they must agree, and a dense layer after an expert
+    layer is one ConfigError naming it."""
+    given = config.get("first_k_dense_replace")
+    types = config.get("mlp_layer_types")
+    if types is None:
+        return int(given or 0)
+    if not isinstance(types, list) or any(t not in MLP_TYPES for t in types):
+        raise ConfigError(f"{where}/config.json: mlp_layer_types must be a list of {', '.join(MLP_TYPES)}; "
+                          f"got {types!r}")
+    first = types.index("sparse") if "sparse" in types else len(types)
+    if "dense" in types[first:]:
+        raise ConfigError(f"{where}/config.json: mlp_layer_types has a dense layer after an expert layer (layer "
+                          f"{types.index('dense', first)}); the harness takes the dense layers first")
+    if given is not None and int(given) != first and first < len(types):
+        raise ConfigError(f"{where}/config.json: first_k_dense_replace {given} disagrees with mlp_layer_types "
+                          f"({first} dense layers first)")
+    return first
+
+
 def rope_gaps(config: dict[str, Any]) -> list[str]:
     """Scaled or partial RoPE, which the embedded engine does not implement."""
     gaps = []
     if rope_type(config) != "default":
         gaps.append(f"{rope_type(config)} RoPE scaling")
-    if float(config.get("partial_rotary_factor") or 1.0) != 1.0:
-        gaps.append(f"partial RoPE (partial_rotary_factor {config['partial_rotary_factor']})")
+    if partial_rotary_factor(config) != 1.0:
+        gaps.append(f"partial RoPE (partial_rotary_factor {partial_rotary_factor(config)})")
     return gaps
 
 
 def engine_gaps(config: dict[str, Any]) -> tuple[str, ...]:
     """What a DeepSeek checkpoint holds that the embedded engine does not implement."""
     gaps = rope_gaps(config)
-    if int(config.get("n_routed_experts") or 0):
+    if config.get("rope_interleave") is False:  # DeepSeek-V3 (5.x): RoPE on halves, where the reader expects pairs
+        gaps.append("RoPE on halves (rope_interleave false), where the reader takes DeepSeek's interleaved pairs")
+    if int(config.get("n_routed_experts") or 0) and dense_layers(config, Path(".")) < int(
+            config.get("num_hidden_layers") or 0):
         gaps += _routing_gaps(config)
+    indexer = [f"{k} {config[k]}" for k in INDEXER_FIELDS if config.get(k) is not None]
+    if indexer:
+        gaps.append(f"DeepSeek-V3.2 sparse attention on MLA (the lightning indexer: {', '.join(indexer)}; planned "
+                    f"as dense MLA)")
     return tuple(gaps)
 
 
@@ -69,10 +103,13 @@ def _routing_gaps(config: dict[str, Any]) -> list[str]:
     """The DeepSeek expert routing the embedded engine does not implement: it takes the greedy top-k of a softmax
     over all experts (optionally renormalized), unscaled."""
     gaps = []
-    if config.get("topk_method", "greedy") != "greedy":
-        gaps.append(f"topk_method {config['topk_method']!r} (expert groups)")
-    if config.get("scoring_func", "softmax") != "softmax":
-        gaps.append(f"scoring_func {config['scoring_func']!r}")
+    v3 = config.get("model_type") in V3_ROUTERS
+    topk = config.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    scoring = config.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    if topk != "greedy":
+        gaps.append(f"topk_method {topk!r} (expert groups)")
+    if scoring != "softmax":
+        gaps.append(f"scoring_func {scoring!r}")
     if float(config.get("routed_scaling_factor") or 1.0) != 1.0:
         gaps.append(f"routed_scaling_factor {config['routed_scaling_factor']}")
     return gaps
@@ -214,7 +251,7 @@ def canonical_shapes(spec: ModelSpec, found: dict[str, Shape], where: Path) -> d
     return {name: tuple(t.shape) for name, t in stacked.items()}
 
 
-DEEPSEEK = HFAdapter(family=FAMILY, model_types=("deepseek_v2", "deepseek_v3"),
+DEEPSEEK = HFAdapter(family=FAMILY, model_types=("deepseek_v2", "deepseek_v3", "deepseek_v32"),
                      engine_module="harness.engine.layers.mla", spec_fields=spec_fields, engine_gaps=engine_gaps,
                      config=deepseek_v2_config, to_file=to_file, from_file=from_file,
                      canonical_shapes=canonical_shapes)

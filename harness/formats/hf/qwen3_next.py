@@ -33,7 +33,7 @@ from harness.formats.hf.config import config_value
 from harness.formats.hf.deepseek import rope_gaps
 from harness.formats.hf.files import whole_file_shapes
 from harness.formats.names import check_weights
-from harness.partition.hybrid_layout import FULL, HybridShape, layer_kinds
+from harness.partition.hybrid_layout import FULL, LINEAR, HybridShape, layer_kinds
 from harness.specs.model import DTYPES as SPEC_DTYPES
 from harness.specs.model import ModelSpec
 
@@ -191,6 +191,35 @@ def qwen3_next_shapes(spec: ModelSpec, canonical: dict[str, Shape]) -> dict[str,
     return {name: tuple(t.shape) for name, t in to_qwen3_next(spec, meta).items()}
 
 
+LAYER_TYPES: dict[str, str] = {"full_attention": FULL, "linear_attention": LINEAR}  # config.json's layer_types
+
+
+def full_attention_interval(config: dict[str, Any], where: Path) -> int:
+    """Every how many layers the full-attention one comes: `full_attention_interval` (transformers 4), or read from
+    `layer_types` (5.x writes only that: "linear_attention" x (k - 1), then "full_attention", repeated); where both
+    are given they must agree. A layer_types list of another pattern is one ConfigError naming it."""
+    given = config.get("full_attention_interval")
+    types = config.get("layer_types")
+    if types is None:
+        return int(config_value(config, "full_attention_interval", where))
+    layers = int(config_value(config, "num_hidden_layers", where))
+    if not isinstance(types, list) or any(t not in LAYER_TYPES for t in types):
+        bad = next((t for t in types if t not in LAYER_TYPES), None) if isinstance(types, list) else types
+        raise ConfigError(f"{where}/config.json: layer_types must be a list of {', '.join(LAYER_TYPES)}; got {bad!r}")
+    if len(types) != layers:
+        raise ConfigError(f"{where}/config.json: layer_types lists {len(types)} layers, num_hidden_layers is {layers}")
+    kinds = tuple(LAYER_TYPES[t] for t in types)
+    interval = kinds.index(FULL) + 1 if FULL in kinds else 0
+    if not interval or kinds != layer_kinds(layers, interval):
+        full = [i for i, k in enumerate(kinds) if k == FULL]
+        raise ConfigError(f"{where}/config.json: layer_types puts full attention at layers {full}; the hybrid "
+                          f"layout takes one full-attention layer every k layers (layers k-1, 2k-1, ...)")
+    if given is not None and int(given) != interval:
+        raise ConfigError(f"{where}/config.json: full_attention_interval {given} disagrees with layer_types (full "
+                          f"attention every {interval} layers)")
+    return interval
+
+
 def _hybrid_fields(config: dict[str, Any], where: Path) -> dict[str, Any]:
     """A Qwen3-Next config.json's linear attention, gated attention and experts as ModelSpec fields."""
     value = lambda key: int(config_value(config, key, where))  # noqa: E731
@@ -198,7 +227,7 @@ def _hybrid_fields(config: dict[str, Any], where: Path) -> dict[str, Any]:
     hybrid = HybridShape(
         linear_k_heads=value("linear_num_key_heads"), linear_v_heads=value("linear_num_value_heads"),
         linear_k_dim=value("linear_key_head_dim"), linear_v_dim=value("linear_value_head_dim"),
-        full_attention_interval=value("full_attention_interval"),
+        full_attention_interval=full_attention_interval(config, where),
         conv_kernel=int(config.get("linear_conv_kernel_dim") or 4), attn_output_gate=True, qk_norm=True,
         experts=experts,
         top_k=value("num_experts_per_tok") if experts else 0, moe_ffn=value("moe_intermediate_size") if experts else 0,
