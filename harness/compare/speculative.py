@@ -55,6 +55,7 @@ from harness.compare.parity.schedule import (
     has_tensors,
     steps_of,
 )
+from harness.compare.parity.step_rounding import step_rounding
 from harness.compare.settings import AcceptanceSettings, LosslessSettings, SpeculativeOutputSettings
 from harness.core.acceptance import histogram, mean_accepted_length, total_variation
 from harness.core.details import divergence_text
@@ -399,11 +400,12 @@ def check_speculative_output(par: RunArtifacts, ref: RunArtifacts,
     try:
         pairs = _spec_vs_plain(par)
         noise = [_spec_vs_plain(ref)] if has_tensors(ref, (*GEN, *SPEC_STEPS)) else []
-        out = [grade("speculative_logprobs", pairs, noise, settings, "speculative vs plain server")]
+        rounding = step_rounding(ref)
+        out = [grade("speculative_logprobs", pairs, noise, settings, "speculative vs plain server", rounding=rounding)]
         if has_tensors(par, SPEC_REPREFILL):
             noise = [_spec_vs_reprefill(ref)] if has_tensors(ref, (*SPEC_STEPS, *SPEC_REPREFILL)) else []
             out.append(grade("speculative_consistency", _spec_vs_reprefill(par), noise, settings,
-                             "speculative decode vs re-prefill"))
+                             "speculative decode vs re-prefill", rounding=rounding))
         else:
             out.append(CheckResult("speculative_consistency", Verdict.SKIP,
                                    "the run holds no re-prefill of the speculative generations "
