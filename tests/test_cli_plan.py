@@ -222,7 +222,7 @@ def test_list_sections(capsys: pytest.CaptureFixture[str], what: str) -> None:
     else:
         assert "dcp-nightly" in first_words
         line = next(line for line in out.splitlines() if line.split()[0] == "dcp-nightly")
-        assert line.split(None, 1)[1] == "set: tp4dcp2, tp4dcp4, tp8dcp2, tp8dcp4, tp4dcp2i4, tp4dcp2c"
+        assert line.split(None, 1)[1] == "set: tp4dcp2, tp4dcp4, tp8dcp2, tp8dcp4, tp4dcp2i4, tp4dcp2c, tp8dcp8"
         assert "tp<N>[dcp<M>[i<K>|c][q]][dp<D>][ep<E>][-draft|-mtp]" in out
 
 
