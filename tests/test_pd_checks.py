@@ -102,3 +102,22 @@ def test_row_digest_is_exact_per_row_and_head() -> None:
     assert not torch.equal(row_digest(v, k), base)  # K and V are not interchangeable
     half = row_digest(k.to(torch.bfloat16), None)
     assert half.shape == (2, 5) and torch.equal(half, row_digest(k.to(torch.bfloat16).clone(), None))
+
+
+def test_a_load_that_falls_back_on_an_undamaged_store_fails() -> None:
+    """Positive control: every load fails and recomputes while no stored entry was lost (a decode instance whose
+    loads all fall back: outputs right, P/D silently off). Negative control: the same fallback of request 1 under
+    its injected loss passes (test_a_recomputed_lost_entry_with_balanced_pools_passes)."""
+    rec = _record()
+    for rank in rec["decode"]:
+        rank["loads"][0] = _load(0, ["FileNotFoundError: x"] * 3, "failed", "recomputed")
+    rec["prefill"]["ranks"] = [{"free_start": 64, "free_end": 64, "sent": [0, 1], "lost": []}] * 2
+    result = check_load(rec)
+    assert result.verdict is Verdict.FAIL
+    assert "2 of 2 loads fell back on an undamaged store (requests 0-1" in result.reason, result.reason
+    assert result.metrics["fallback_undamaged"] == [[0, "generation"], [1, "generation"]]
+    # one request's entry lost: only the other one's fallback is a finding
+    rec["prefill"]["ranks"] = [{"free_start": 64, "free_end": 64, "sent": [0], "lost": [1]}] * 2
+    partly = check_load(rec)
+    assert partly.verdict is Verdict.FAIL
+    assert "1 of 2 loads fell back on an undamaged store (requests 0:" in partly.reason, partly.reason
