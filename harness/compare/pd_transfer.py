@@ -168,8 +168,9 @@ def check_transfer(plan: PDPlan, record: dict[str, Any], tensors: dict[str, torc
                        f"decode rank(s) equal what the prefill side sent, each where the plan puts it", metrics)
 
 
-def check_load(record: dict[str, Any]) -> CheckResult:
-    """The load path's robustness and pool accounting (see the module docstring)."""
+def check_load(record: dict[str, Any], damage: str = "") -> CheckResult:
+    """The load path's robustness and pool accounting (see the module docstring); `damage` names the store damage
+    the run applied between its phases ('' without: then a load falls back only for an entry lost)."""
     policy = record["policy"]
     bound, deadline = int(policy["max_attempts"]), float(policy["deadline_s"])
     problems: list[str] = []
@@ -213,7 +214,8 @@ def check_load(record: dict[str, Any]) -> CheckResult:
     # a load may fall back (fail, recompute) only where the store was damaged: every other fallback is P/D silently
     # off, whatever the outputs say (a recompute gives the right tokens)
     fallback = sorted({(load["request"], load["route"]) for rank_rec in record["decode"] for load in rank_rec["loads"]
-                       if (load["state"] == "failed" or load["outcome"] != "loaded") and load["request"] not in lost})
+                       if (load["state"] == "failed" or load["outcome"] != "loaded") and load["request"] not in lost
+                       and not damage})
     if fallback:
         problems.insert(0, f"{len(fallback)} of {len(by_key)} loads fell back on an undamaged store (requests "
                            f"{id_ranges({r for r, _ in fallback})}: their entries were committed, none lost): P/D "
