@@ -23,7 +23,7 @@ import torch
 from harness.engine.runtime.engine import TORCH_DTYPES, Engine
 from harness.engine.runtime.parallel import ParallelState
 from harness.engine.runtime.scheduler import generate
-from harness.formats.checkpoint import save_hf_checkpoint
+from harness.formats.hf.write import save_hf_checkpoint
 from harness.formats.locate import load_model
 from harness.formats.weights import load_weights
 from harness.specs.pool import PoolSettings

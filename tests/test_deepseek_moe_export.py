@@ -15,7 +15,7 @@ from harness.cli import main
 from harness.core.errors import ConfigError
 from harness.engine.runtime.engine import Engine
 from harness.engine.runtime.parallel import ParallelState
-from harness.formats.checkpoint import stack_experts, unstack_experts
+from harness.formats.hf.deepseek import stack_experts, unstack_experts
 from harness.formats.locate import load_model
 from harness.formats.weights import checkpoint_shapes, load_weights, weights_hash
 

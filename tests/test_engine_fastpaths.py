@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import harness.engine.layers.dense as model
-from harness.engine.faults import FaultFlags, fault_flags
+from harness.engine.fault import FaultFlags
+from harness.engine.faults import fault_flags
 from harness.engine.layers.dense import apply_rope, mask_kind, rms_norm, rope_qk, rope_tables
 from harness.engine.runtime.engine import Engine
 from harness.engine.runtime.parallel import ParallelState

@@ -13,7 +13,7 @@ import torch
 
 from harness.cli import main
 from harness.core.errors import RunError
-from harness.engine.faults import FaultFlags
+from harness.engine.fault import FaultFlags
 from harness.engine.layers.hybrid import HybridParts, shard_moe
 from harness.engine.layers.moe import moe_activations
 from harness.engine.runtime.engine import Engine

@@ -18,7 +18,8 @@ from harness.cli import main
 from harness.compare.layout.hybrid import check_hybrid_layout
 from harness.core.errors import ConfigError
 from harness.core.verdict import Verdict
-from harness.engine.faults import FAULTS, FaultFlags, fault_flags
+from harness.engine.fault import FaultFlags
+from harness.engine.faults import FAULTS, fault_flags
 from harness.engine.layers.dp_moe import DpSplit, combine, gathered_rows
 from harness.engine.layers.hybrid import shard_moe
 from harness.engine.layers.moe import MoeRows, moe_activations

@@ -13,7 +13,8 @@ from harness.compare.speculative import check_acceptance, check_lossless
 from harness.core.acceptance import histogram, mean_accepted_length, total_variation
 from harness.core.errors import ConfigError, RunError
 from harness.core.verdict import Verdict
-from harness.engine.faults import FAULTS, FaultFlags, fault_flags
+from harness.engine.fault import FaultFlags
+from harness.engine.faults import FAULTS, fault_flags
 from harness.engine.runtime.engine import Engine
 from harness.engine.runtime.kvcache import PagedKVCache
 from harness.engine.runtime.parallel import ParallelState

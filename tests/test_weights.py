@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from harness.core.errors import ConfigError
-from harness.formats.checkpoint import save_hf_checkpoint
 from harness.formats.gguf.file import unpermute_rows
+from harness.formats.hf.names import hf_name
+from harness.formats.hf.write import save_hf_checkpoint
 from harness.formats.locate import load_model, spec_from_checkpoint
-from harness.formats.names import expected_shapes, hf_name
+from harness.formats.names import expected_shapes
 from harness.formats.weights import load_weights, weights_hash
 from harness.specs.model import ModelSpec, shipped_models
 from tests.ckpt_helpers import llama_cpp_permute, save_hf, smollm2_gguf, tiny_llama, tiny_qwen2, write_gguf
@@ -197,7 +198,7 @@ def test_gguf_conversion_is_cached_per_file_and_equals_a_fresh_dequantize(tmp_pa
     import os
 
     from harness.formats.gguf.cache import cache_folder
-    from harness.formats.weights import dequantize_gguf_file
+    from harness.formats.gguf.weights import dequantize_gguf_file
 
     monkeypatch.setenv("HARNESS_CACHE_DIR", str(tmp_path / "cache"))
     spec = dataclasses.replace(SMALL, tied_embeddings=True)

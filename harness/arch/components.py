@@ -122,7 +122,7 @@ class LatentAttention(Component):
     def inert_reason(self, site: FaultSite) -> str | None:
         return layout_inert(site)
 
-    # exported as DeepSeek-V2 (harness/formats/checkpoint.py): no refusal
+    # exported as DeepSeek-V2 (harness/formats/hf/deepseek.py): no refusal
 
 
 class SparseAttention(Component):

@@ -22,8 +22,8 @@ from typing import Any
 
 from harness.arch.model import model_of
 from harness.core.errors import ConfigError
-from harness.formats.checkpoint import save_hf_checkpoint
 from harness.formats.hf.deepseek_mtp import to_deepseek_mtp
+from harness.formats.hf.write import save_hf_checkpoint
 from harness.formats.speculator import mtp_weights
 from harness.formats.tokenizer import BYTE_BOS, BYTE_EOS, TokenizersTokenizer, load_tokenizer
 from harness.formats.weights import load_weights

@@ -1,4 +1,5 @@
-"""Canonical weight names and shapes, and their spellings in Hugging Face and GGUF checkpoints.
+"""Canonical weight names and shapes (every checkpoint format maps its own spellings to these: harness/formats/hf/,
+harness/formats/gguf/), and the check of a checkpoint's shapes against them.
 
 Canonical names (all weights are [out, in] like torch.nn.Linear):
   embed.weight [V, H]; norm.weight [H]; lm_head.weight [V, H] (only when not tied);
@@ -11,7 +12,7 @@ MLA models (kv_lora_rank > 0; qk = qk_nope_dim + qk_rope_dim, v = head_dim) repl
   kv_a_norm.weight [kv_lora]; kv_b.weight [heads*(qk_nope_dim + v), kv_lora]; o.weight [H, heads*v]. With
   experts (spec.moe) the layers from first_dense on replace gate/up/down with the MoE tensors of
   harness/formats/hybrid_names.py (router, experts.* stacked [E, ...], shared.*); a Hugging Face folder holds
-  each expert apart (mlp.experts.{e}.gate_proj.weight: `expert_name`, harness/formats/checkpoint.py stacks them).
+  each expert apart (mlp.experts.{e}.gate_proj.weight: `expert_name`, harness/formats/hf/deepseek.py stacks them).
 Sparse-attention models add the indexer to the dense layer: layers.{i}.index_q.weight [index_heads*d, H],
   index_k.weight [d, H] (one key per token), index_w.weight [index_heads, H] (d = index_head_dim).
 """
@@ -19,76 +20,25 @@ Sparse-attention models add the indexer to the dense layer: layers.{i}.index_q.w
 from __future__ import annotations
 
 import re
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable, Mapping
 
 from harness.arch.model import Model, model_of
+from harness.core.errors import ConfigError
 from harness.formats.hybrid_names import expert_shapes, hybrid_shapes
 from harness.specs.model import ModelSpec
 
 Shape = tuple[int, ...]
 
-# canonical per-layer suffix -> Hugging Face per-layer suffix (Llama, Qwen2 and Mistral agree)
-HF_LAYER_NAMES: dict[str, str] = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "q.weight": "self_attn.q_proj.weight",
-    "k.weight": "self_attn.k_proj.weight",
-    "v.weight": "self_attn.v_proj.weight",
-    "q.bias": "self_attn.q_proj.bias",
-    "k.bias": "self_attn.k_proj.bias",
-    "v.bias": "self_attn.v_proj.bias",
-    "o.weight": "self_attn.o_proj.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "gate.weight": "mlp.gate_proj.weight",
-    "up.weight": "mlp.up_proj.weight",
-    "down.weight": "mlp.down_proj.weight",
-    "q_a.weight": "self_attn.q_a_proj.weight",
-    "q_a_norm.weight": "self_attn.q_a_layernorm.weight",
-    "q_b.weight": "self_attn.q_b_proj.weight",
-    "kv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
-    "kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
-    "kv_b.weight": "self_attn.kv_b_proj.weight",
-    # DeepSeek-V2's MoE layers (one tensor per expert in the file: EXPERT_HF below)
-    "router.weight": "mlp.gate.weight",
-    "shared.gate.weight": "mlp.shared_experts.gate_proj.weight",
-    "shared.up.weight": "mlp.shared_experts.up_proj.weight",
-    "shared.down.weight": "mlp.shared_experts.down_proj.weight",
-}
 # one routed expert's tensor: canonical per-layer suffix experts.{e}.gate.weight <-> HF mlp.experts.{e}.gate_proj.weight
 EXPERT_CANONICAL = re.compile(r"experts\.(\d+)\.(gate|up|down)\.weight")
-EXPERT_HF = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
 def expert_name(expert: int, part: str) -> str:
     """The canonical per-layer suffix of routed expert `expert`'s `part` (gate, up or down) as a file holds it."""
     return f"experts.{expert}.{part}.weight"
-HF_TOP_NAMES: dict[str, str] = {
-    "embed.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "lm_head.weight": "lm_head.weight",
-}
 
-# canonical per-layer suffix -> GGUF per-layer suffix (llama.cpp's llama and qwen2 architectures)
-GGUF_LAYER_NAMES: dict[str, str] = {
-    "attn_norm.weight": "attn_norm.weight",
-    "q.weight": "attn_q.weight",
-    "k.weight": "attn_k.weight",
-    "v.weight": "attn_v.weight",
-    "q.bias": "attn_q.bias",
-    "k.bias": "attn_k.bias",
-    "v.bias": "attn_v.bias",
-    "o.weight": "attn_output.weight",
-    "mlp_norm.weight": "ffn_norm.weight",
-    "gate.weight": "ffn_gate.weight",
-    "up.weight": "ffn_up.weight",
-    "down.weight": "ffn_down.weight",
-}
-GGUF_TOP_NAMES: dict[str, str] = {
-    "embed.weight": "token_embd.weight",
-    "norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-
-_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
+LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
 
 
 def mla_attention_shapes(spec: ModelSpec) -> dict[str, Shape]:
@@ -169,14 +119,16 @@ MODEL_SHAPES: dict[str, Callable[[Model], dict[str, Shape]]] = {
 }
 
 
-def _translate(name: str, top: dict[str, str], layer: dict[str, str], layer_prefix: str) -> str:
-    match = _LAYER_RE.fullmatch(name)
+def translate(name: str, top: dict[str, str], layer: dict[str, str], layer_prefix: str) -> str:
+    """Canonical name -> a format's name, from its top-level and per-layer suffix tables."""
+    match = LAYER_RE.fullmatch(name)
     if match:
         return f"{layer_prefix}{match.group(1)}.{layer[match.group(2)]}"
     return top[name]
 
 
-def _translate_back(name: str, top: dict[str, str], layer: dict[str, str], layer_prefix: str) -> str | None:
+def translate_back(name: str, top: dict[str, str], layer: dict[str, str], layer_prefix: str) -> str | None:
+    """A format's name -> canonical name, or None when the tables do not know it."""
     inverse_top = {v: k for k, v in top.items()}
     if name in inverse_top:
         return inverse_top[name]
@@ -189,29 +141,29 @@ def _translate_back(name: str, top: dict[str, str], layer: dict[str, str], layer
     return f"layers.{int(index)}.{inverse_layer[suffix]}"
 
 
-def hf_name(canonical: str) -> str:
-    """Canonical name -> Hugging Face parameter name (a routed expert's own tensor: expert_name)."""
-    match = _LAYER_RE.fullmatch(canonical)
-    expert = EXPERT_CANONICAL.fullmatch(match.group(2)) if match else None
-    if match and expert:
-        return f"model.layers.{match.group(1)}.mlp.experts.{expert.group(1)}.{expert.group(2)}_proj.weight"
-    return _translate(canonical, HF_TOP_NAMES, HF_LAYER_NAMES, "model.layers.")
+def check_weights(spec: ModelSpec, weights: Mapping[str, Any], path: Path) -> None:
+    """One ConfigError naming the checkpoint when a tensor is missing, unexpected or of the wrong shape."""
+    check_shapes(spec, {name: tuple(t.shape) for name, t in weights.items()}, path)
 
 
-def canonical_from_hf(name: str) -> str | None:
-    """Hugging Face parameter name -> canonical name, or None when it is not one we know."""
-    index, _, suffix = name.removeprefix("model.layers.").partition(".")
-    expert = EXPERT_HF.fullmatch(suffix) if name.startswith("model.layers.") and index.isdigit() else None
-    if expert:
-        return f"layers.{int(index)}.{expert_name(int(expert.group(1)), expert.group(2))}"
-    return _translate_back(name, HF_TOP_NAMES, HF_LAYER_NAMES, "model.layers.")
+def check_shapes(spec: ModelSpec, shapes: dict[str, Shape], path: Path) -> None:
+    """One ConfigError naming the checkpoint when a tensor is missing, unexpected or of the wrong shape."""
+    expected = expected_shapes(spec)
+    weights = shapes
+    missing = [name for name in expected if name not in weights]
+    if missing:
+        raise ConfigError(f"checkpoint {path}: missing tensor {missing[0]!r} "
+                          f"({len(missing)} missing in all) for model {spec.name!r}")
+    unexpected = sorted(set(weights) - set(expected))
+    if unexpected:
+        raise ConfigError(f"checkpoint {path}: unexpected tensor {unexpected[0]!r} for model {spec.name!r} "
+                          f"(qkv_bias={spec.qkv_bias}, tied_embeddings={spec.tied_embeddings})")
+    for name, shape in expected.items():
+        if tuple(weights[name]) != shape:
+            raise shape_error(spec, name, tuple(weights[name]), path)
 
 
-def gguf_name(canonical: str) -> str:
-    """Canonical name -> GGUF tensor name."""
-    return _translate(canonical, GGUF_TOP_NAMES, GGUF_LAYER_NAMES, "blk.")
-
-
-def canonical_from_gguf(name: str) -> str | None:
-    """GGUF tensor name -> canonical name, or None when it is not one we know."""
-    return _translate_back(name, GGUF_TOP_NAMES, GGUF_LAYER_NAMES, "blk.")
+def shape_error(spec: ModelSpec, name: str, shape: Shape, path: Path) -> ConfigError:
+    """The error for canonical tensor `name` found with a shape that `spec` does not call for."""
+    return ConfigError(f"checkpoint {path}: tensor {name!r} has shape {tuple(shape)}, "
+                       f"model {spec.name!r} expects {expected_shapes(spec).get(name)}")

@@ -12,7 +12,8 @@ import torch
 
 from harness.arch.model import model_of
 from harness.core.errors import ConfigError
-from harness.formats.weights import load_mtp_weights, seeded_generator, synthetic_weights
+from harness.formats.hf.read import load_mtp_weights
+from harness.formats.weights import seeded_generator, synthetic_weights
 from harness.specs.model import ModelSpec
 from harness.specs.speculative import SpeculativeSettings
 

@@ -15,7 +15,8 @@ from typing import Any, Protocol, Sequence
 
 from harness.core.errors import ConfigError
 from harness.formats.gguf.file import field, open_gguf
-from harness.formats.locate import checkpoint_path, read_json
+from harness.formats.hf.config import read_json
+from harness.formats.locate import checkpoint_path
 from harness.specs.model import ModelSpec
 
 BYTE_BOS = 256

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from harness.engine.faults import FaultFlags
+from harness.engine.fault import FaultFlags
 from harness.engine.pd.connector import KVConnector, LoadPolicy
 from harness.engine.pd.prefill import run_prefill
 from harness.engine.runtime.engine import Engine, PrefixLoader

@@ -27,7 +27,7 @@ from harness.core.errors import HarnessError
 from harness.core.fmt import table
 from harness.engine.runtime.generator import StringStop, stop_string_check
 from harness.engine.runtime.single import LocalGenerator
-from harness.formats.checkpoint import save_hf_checkpoint
+from harness.formats.hf.write import save_hf_checkpoint
 from harness.formats.locate import load_model
 from harness.formats.tokenizer import Tokenizer
 from harness.formats.weights import load_weights

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from harness.engine.faults import FaultFlags
+from harness.engine.fault import FaultFlags
 from harness.engine.layers.linear import Linear
 from harness.engine.runtime.kvcache import PagedKVCache
 from harness.engine.runtime.parallel import Collectives

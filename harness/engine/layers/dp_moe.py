@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.engine.faults import FaultFlags
+from harness.engine.fault import FaultFlags
 from harness.engine.layers.dense import Batch
 from harness.engine.layers.moe import MoeRows, MoeWeights, moe_activations, shared_activations
 from harness.engine.runtime.parallel import Collectives

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from harness.engine.faults import FaultFlags
+from harness.engine.fault import FaultFlags
 from harness.engine.layers.deltanet import LinearHeads, LinearWeights, linear_attention, state_dtype
 from harness.engine.layers.dense import (
     COLLECTIVE_SITES,

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from harness.engine.faults import FaultFlags
+from harness.engine.fault import FaultFlags
 from harness.engine.layers.dense import (
     Batch,
     Decoder,

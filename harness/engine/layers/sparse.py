@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.engine.faults import FaultFlags
+from harness.engine.fault import FaultFlags
 from harness.engine.layers.dense import (
     Batch,
     Capture,

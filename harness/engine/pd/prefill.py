@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from harness.core.errors import ConfigError
-from harness.engine.faults import FaultFlags
+from harness.engine.fault import FaultFlags
 from harness.engine.pd.state import capture, state_digests, state_keys
 from harness.engine.pd.store import layer_rows, pool_rows, sequence_digests, write_entry
 from harness.engine.runtime.engine import Engine

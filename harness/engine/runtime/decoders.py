@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from harness.arch.plan import ModelPlan
-from harness.engine.faults import FaultFlags
+from harness.engine.fault import FaultFlags
 from harness.engine.layers.dense import Decoder, HeadMap, Hyper, LocalWeights
 from harness.engine.layers.hybrid import (
     DataParallel,

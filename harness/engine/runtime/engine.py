@@ -18,7 +18,7 @@ import torch
 from harness.arch.model import model_of
 from harness.arch.plan import plan_model
 from harness.core.errors import ConfigError
-from harness.engine.faults import FaultFlags
+from harness.engine.fault import FaultFlags
 from harness.engine.layers.dense import Batch, Capture
 from harness.engine.layers.dp_moe import owner_of
 from harness.engine.runtime.decoders import RankBuild, build_rank

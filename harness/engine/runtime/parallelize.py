@@ -10,7 +10,7 @@ import hashlib
 import torch
 
 from harness.arch.components import faulty_layout
-from harness.engine.faults import FaultFlags
+from harness.engine.fault import FaultFlags
 from harness.engine.layers.dense import HeadMap, LayerWeights, LocalWeights
 from harness.partition.layout import ROUND_ROBIN, LayoutPlan, Placement, RankLayout, group_kv_slots
 from harness.records.rankreport import (

@@ -38,7 +38,7 @@ import torch
 
 from harness.arch.model import model_of
 from harness.arch.plan import plan_model
-from harness.engine.faults import FaultFlags
+from harness.engine.fault import FaultFlags
 from harness.engine.layers.dense import Decoder, HeadMap, Hyper, LocalWeights, rms_norm
 from harness.engine.runtime.decoders import ModuleReport, RankBuild, build_rank
 from harness.engine.runtime.engine import TORCH_DTYPES, Engine, build_batch

@@ -17,27 +17,15 @@ import dataclasses
 import torch
 
 from harness.core.errors import ConfigError
-from harness.formats.checkpoint import Weights, rope_rows_halves, rope_rows_interleaved
-from harness.formats.names import canonical_from_hf, hf_name
+from harness.formats.hf.adapter import Weights
+from harness.formats.hf.deepseek import mtp_prefix, rope_rows_halves, rope_rows_interleaved
+from harness.formats.hf.names import canonical_from_hf, hf_name
 from harness.specs.model import ModelSpec
 
 # the MTP layer's own tensors beside its decoder layer: file suffix -> canonical MTP name (None: not kept)
 MTP_OWN: dict[str, str | None] = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
                                   "eh_proj.weight": "eh_proj.weight", "shared_head.norm.weight": "norm.weight",
                                   "shared_head.head.weight": "lm_head.weight", "embed_tokens.weight": None}
-
-
-def mtp_prefix(spec: ModelSpec) -> str:
-    """The file-name prefix of the MTP layer: DeepSeek-V3 numbers it after the target's layers."""
-    return f"model.layers.{spec.layers}."
-
-
-def is_mtp_tensor(spec: ModelSpec, key: str) -> bool:
-    """Whether file tensor `key` belongs to the checkpoint's MTP layers (read by the speculator, not the target)."""
-    if not spec.nextn_layers or not key.startswith("model.layers."):
-        return False
-    index = key.removeprefix("model.layers.").partition(".")[0]
-    return index.isdigit() and spec.layers <= int(index) < spec.layers + spec.nextn_layers
 
 
 def _one_layer(spec: ModelSpec) -> ModelSpec:

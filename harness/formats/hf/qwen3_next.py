@@ -21,13 +21,20 @@ The gated attention's q_proj rows are per head [q rows, gate rows] in both. MTP 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from harness.arch.model import model_of
 from harness.core.errors import ConfigError
+from harness.formats.hf.adapter import HFAdapter
+from harness.formats.hf.config import config_value
+from harness.formats.hf.deepseek import rope_gaps
+from harness.formats.hf.files import whole_file_shapes
+from harness.formats.names import check_weights
 from harness.partition.hybrid_layout import FULL, HybridShape, layer_kinds
+from harness.specs.model import DTYPES as SPEC_DTYPES
 from harness.specs.model import ModelSpec
 
 Weights = dict[str, torch.Tensor]
@@ -182,3 +189,55 @@ def qwen3_next_shapes(spec: ModelSpec, canonical: dict[str, Shape]) -> dict[str,
     """The Qwen3-Next file's tensor names and shapes for canonical `canonical` shapes (no data: meta tensors)."""
     meta = {name: torch.empty(shape, device="meta") for name, shape in canonical.items()}
     return {name: tuple(t.shape) for name, t in to_qwen3_next(spec, meta).items()}
+
+
+def _hybrid_fields(config: dict[str, Any], where: Path) -> dict[str, Any]:
+    """A Qwen3-Next config.json's linear attention, gated attention and experts as ModelSpec fields."""
+    value = lambda key: int(config_value(config, key, where))  # noqa: E731
+    experts = int(config.get("num_experts") or 0)
+    hybrid = HybridShape(
+        linear_k_heads=value("linear_num_key_heads"), linear_v_heads=value("linear_num_value_heads"),
+        linear_k_dim=value("linear_key_head_dim"), linear_v_dim=value("linear_value_head_dim"),
+        full_attention_interval=value("full_attention_interval"),
+        conv_kernel=int(config.get("linear_conv_kernel_dim") or 4), attn_output_gate=True, qk_norm=True,
+        experts=experts,
+        top_k=value("num_experts_per_tok") if experts else 0, moe_ffn=value("moe_intermediate_size") if experts else 0,
+        shared_ffn=int(config.get("shared_expert_intermediate_size") or 0) if experts else 0)
+    fields: dict[str, Any] = {"hybrid": hybrid}
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    if dtype in SPEC_DTYPES:  # Qwen3-Next runs in its checkpoint's dtype (vLLM's CPU GDN kernel takes bfloat16 only)
+        fields["dtype"] = dtype
+    return fields
+
+
+def spec_fields(config: dict[str, Any], where: Path) -> dict[str, Any]:
+    """Qwen3-Next's gated attention heads and its linear attention, experts and dtype as ModelSpec fields."""
+    heads = int(config_value(config, "num_attention_heads", where))
+    hidden = int(config_value(config, "hidden_size", where))
+    return {"kv_heads": int(config.get("num_key_value_heads") or heads),
+            "head_dim": int(config.get("head_dim") or hidden // heads), **_hybrid_fields(config, where)}
+
+
+def engine_gaps(config: dict[str, Any]) -> tuple[str, ...]:
+    """What a Qwen3-Next checkpoint holds that the embedded engine does not implement."""
+    gaps = rope_gaps(config)
+    if int(config.get("decoder_sparse_step") or 1) != 1 or config.get("mlp_only_layers"):
+        gaps.append("dense MLP layers among the MoE layers (decoder_sparse_step / mlp_only_layers)")
+    if not int(config.get("num_experts") or 0):
+        gaps.append("a Qwen3-Next model without routed experts")
+    return tuple(gaps)
+
+
+def from_file(spec: ModelSpec, found: Weights, where: Path) -> Weights:
+    weights = from_qwen3_next(spec, found, str(where))
+    check_weights(spec, weights, where)
+    return weights
+
+
+def canonical_shapes(spec: ModelSpec, found: dict[str, Shape], where: Path) -> dict[str, Shape]:
+    return whole_file_shapes(spec, found, qwen3_next_shapes, where)
+
+
+QWEN3_NEXT = HFAdapter(family="Qwen3-Next", model_types=("qwen3_next",), engine_module="harness.engine.layers.hybrid",
+                       spec_fields=spec_fields, engine_gaps=engine_gaps, config=qwen3_next_config,
+                       to_file=to_qwen3_next, from_file=from_file, canonical_shapes=canonical_shapes)

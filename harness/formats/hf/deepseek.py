@@ -1,52 +1,81 @@
-"""Writing canonical weights as a Hugging Face folder (config.json + model.safetensors): the reverse of
-harness/formats/locate.py, which reads specs from checkpoints.
-
-Each engine module an attention component names (harness/arch/components.py) has its own Hugging Face
-architecture: dense models are Llama (Qwen2 with q/k/v biases), MLA models DeepSeek-V2
-(DeepseekV2ForCausalLM: the latent attention, a dense FFN in every layer, or with experts (spec.moe) a dense
-FFN in the first moe.first_dense layers and routed experts plus a shared expert in the others, one tensor per
-expert in the file: `unstack_experts` / `stack_experts`), hybrid models Qwen3-Next (Qwen3NextForCausalLM,
-harness/formats/hf/qwen3_next.py: packed and per-expert tensors, converted as whole files). DeepSeek rotates its RoPE
-dimensions as interleaved pairs (x[2i], x[2i+1]) where the harness rotates halves (x[i], x[i + d/2]): the
-rope rows of q and kv_a are written in the interleaved order (`rope_rows_interleaved`) and read back in
-the halves order, so both engines compute the same scores from the same file.
-"""
+"""The DeepSeek family (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM): multi-head latent attention, a dense FFN
+in every layer, or with experts (spec.moe) a dense FFN in the first moe.first_dense layers and routed experts plus a
+shared expert in the others, one tensor per expert in the file (`unstack_experts` / `stack_experts`); DeepSeek-V3
+adds its MTP layer after the target's layers (harness/formats/hf/deepseek_mtp.py). DeepSeek rotates its RoPE
+dimensions as interleaved pairs (x[2i], x[2i+1]) where the harness rotates halves (x[i], x[i + d/2]): the rope rows
+of q and kv_a are written in the interleaved order (`rope_rows_interleaved`) and read back in the halves order, so
+both engines compute the same scores from the same file."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from harness.arch.model import model_of
 from harness.core.errors import ConfigError
-from harness.formats.hf.qwen3_next import from_qwen3_next, qwen3_next_config, qwen3_next_shapes, to_qwen3_next
-from harness.formats.names import EXPERT_CANONICAL, Shape, expert_name, hf_name
+from harness.formats.hf.adapter import HFAdapter, Shape, Weights
+from harness.formats.hf.config import config_value, rope_type
+from harness.formats.hf.files import by_name
+from harness.formats.hf.names import hf_name
+from harness.formats.names import EXPERT_CANONICAL, check_weights, expert_name
+from harness.partition.hybrid_layout import MoeShape
 from harness.specs.model import ModelSpec
 
-Weights = dict[str, torch.Tensor]
+FAMILY = "DeepSeek-V2/V3"
 
 
-def llama_config(spec: ModelSpec) -> dict[str, Any]:
-    """A transformers config.json for a dense `spec` (Qwen2 when it has q/k/v biases, else Llama)."""
-    qwen = spec.qkv_bias
-    config: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen else "llama", "hidden_act": "silu",
-        "vocab_size": spec.vocab, "hidden_size": spec.hidden, "intermediate_size": spec.ffn,
-        "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads,
-        "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim,
-        "rms_norm_eps": spec.norm_eps, "rope_theta": spec.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
-        "tie_word_embeddings": spec.tied_embeddings, "max_position_embeddings": spec.max_seq_len,
-        "torch_dtype": "float32", "dtype": "float32",
-    }
-    if not qwen:
-        config.update({"attention_bias": False, "mlp_bias": False})
-    return config
+def spec_fields(config: dict[str, Any], where: Path) -> dict[str, Any]:
+    """The MLA numbers of a DeepSeek-V2 config.json as ModelSpec fields (head_dim is the value width), and its
+    routed experts where a layer has them (first_k_dense_replace < num_hidden_layers)."""
+    fields: dict[str, Any] = {
+        "kv_heads": 1, "head_dim": int(config_value(config, "v_head_dim", where)),
+        "kv_lora_rank": int(config_value(config, "kv_lora_rank", where)),
+        "q_lora_rank": int(config.get("q_lora_rank") or 0),
+        "qk_rope_dim": int(config_value(config, "qk_rope_head_dim", where)),
+        "qk_nope_dim": int(config_value(config, "qk_nope_head_dim", where)),
+        "nextn_layers": int(config.get("num_nextn_predict_layers") or 0)}  # DeepSeek-V3's MTP layers
+    layers, first_dense = int(config_value(config, "num_hidden_layers", where)), int(
+        config.get("first_k_dense_replace") or 0)
+    experts = int(config.get("n_routed_experts") or 0)
+    if experts and first_dense < layers:
+        moe_ffn = int(config_value(config, "moe_intermediate_size", where))
+        fields["moe"] = MoeShape(experts=experts, top_k=int(config_value(config, "num_experts_per_tok", where)),
+                                 moe_ffn=moe_ffn, shared_ffn=int(config.get("n_shared_experts") or 0) * moe_ffn,
+                                 first_dense=first_dense, renormalize=bool(config.get("norm_topk_prob", False)))
+    return fields
+
+
+def rope_gaps(config: dict[str, Any]) -> list[str]:
+    """Scaled or partial RoPE, which the embedded engine does not implement."""
+    gaps = []
+    if rope_type(config) != "default":
+        gaps.append(f"{rope_type(config)} RoPE scaling")
+    if float(config.get("partial_rotary_factor") or 1.0) != 1.0:
+        gaps.append(f"partial RoPE (partial_rotary_factor {config['partial_rotary_factor']})")
+    return gaps
+
+
+def engine_gaps(config: dict[str, Any]) -> tuple[str, ...]:
+    """What a DeepSeek checkpoint holds that the embedded engine does not implement."""
+    gaps = rope_gaps(config)
+    if int(config.get("n_routed_experts") or 0):
+        gaps += _routing_gaps(config)
+    return tuple(gaps)
+
+
+def _routing_gaps(config: dict[str, Any]) -> list[str]:
+    """The DeepSeek expert routing the embedded engine does not implement: it takes the greedy top-k of a softmax
+    over all experts (optionally renormalized), unscaled."""
+    gaps = []
+    if config.get("topk_method", "greedy") != "greedy":
+        gaps.append(f"topk_method {config['topk_method']!r} (expert groups)")
+    if config.get("scoring_func", "softmax") != "softmax":
+        gaps.append(f"scoring_func {config['scoring_func']!r}")
+    if float(config.get("routed_scaling_factor") or 1.0) != 1.0:
+        gaps.append(f"routed_scaling_factor {config['routed_scaling_factor']}")
+    return gaps
 
 
 def deepseek_v2_config(spec: ModelSpec) -> dict[str, Any]:
@@ -153,56 +182,39 @@ def rope_rows_halves(spec: ModelSpec, weights: Weights) -> Weights:
     return _permute_rope_rows(spec, weights, torch.argsort(interleave_order(spec.qk_rope_dim)))
 
 
-def _same(spec: ModelSpec, weights: Weights) -> Weights:
-    return weights
+def mtp_prefix(spec: ModelSpec) -> str:
+    """The file-name prefix of the MTP layer: DeepSeek-V3 numbers it after the target's layers."""
+    return f"model.layers.{spec.layers}."
 
 
-# per engine module of the attention component: its config.json, its canonical -> file weights and back
-HF_FORMATS: dict[str, tuple[Callable[[ModelSpec], dict[str, Any]], Callable[[ModelSpec, Weights], Weights],
-                            Callable[[ModelSpec, Weights], Weights]]] = {
-    "harness.engine.layers.dense": (llama_config, _same, _same),
-    "harness.engine.layers.mla": (deepseek_v2_config, rope_rows_interleaved, rope_rows_halves),
-    "harness.engine.layers.hybrid": (qwen3_next_config, _same, _same),
-}
-# engine modules whose files pack several canonical tensors into one or split one per expert (Qwen3-Next): their
-# files are converted whole (canonical weights -> file names and tensors, and file tensors + where -> canonical)
-WHOLE_FILE_FORMATS: dict[str, tuple[Callable[[ModelSpec, Weights], Weights],
-                                    Callable[[ModelSpec, Weights, str], Weights],
-                                    Callable[[ModelSpec, dict[str, Shape]], dict[str, Shape]]]] = {
-    "harness.engine.layers.hybrid": (to_qwen3_next, from_qwen3_next, qwen3_next_shapes),
-}
+def is_mtp_tensor(spec: ModelSpec, key: str) -> bool:
+    """Whether file tensor `key` belongs to the checkpoint's MTP layers (read by the speculator, not the target)."""
+    if not spec.nextn_layers or not key.startswith("model.layers."):
+        return False
+    index = key.removeprefix("model.layers.").partition(".")[0]
+    return index.isdigit() and spec.layers <= int(index) < spec.layers + spec.nextn_layers
 
 
-def whole_file_format(spec: ModelSpec) -> tuple[Callable[[ModelSpec, Weights], Weights],
-                                                 Callable[[ModelSpec, Weights, str], Weights],
-                                                 Callable[[ModelSpec, dict[str, Shape]], dict[str, Shape]]] | None:
-    """(to file, from file, file shapes) of a model whose files are converted whole, else None (name by name)."""
-    return WHOLE_FILE_FORMATS.get(model_of(spec).attention.engine_module)
+def to_file(spec: ModelSpec, weights: Weights) -> Weights:
+    return {hf_name(name): t for name, t in rope_rows_interleaved(spec, weights).items()}
 
 
-def _format(spec: ModelSpec) -> tuple[Callable[[ModelSpec], dict[str, Any]], Callable[[ModelSpec, Weights], Weights],
-                                      Callable[[ModelSpec, Weights], Weights]]:
-    return HF_FORMATS[model_of(spec).attention.engine_module]
+def from_file(spec: ModelSpec, found: Weights, where: Path) -> Weights:
+    """The target's tensors (the MTP layer is the -mtp speculator's: load_mtp_weights) -> canonical float32."""
+    named = by_name(spec, found, where, FAMILY, skip=lambda key: is_mtp_tensor(spec, key))
+    weights = stack_experts({name: t.to(torch.float32).contiguous() for name, t in named.items()})
+    check_weights(spec, weights, where)
+    return rope_rows_halves(spec, weights)
 
 
-def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
-    """The transformers config.json of `spec` (Llama, Qwen2, DeepSeek-V2 or Qwen3-Next)."""
-    return _format(spec)[0](spec)
+def canonical_shapes(spec: ModelSpec, found: dict[str, Shape], where: Path) -> dict[str, Shape]:
+    """Header shapes with each layer's per-expert tensors stacked as the loader stacks them (meta tensors)."""
+    named = by_name(spec, found, where, FAMILY, skip=lambda key: is_mtp_tensor(spec, key))
+    stacked = stack_experts({name: torch.empty(shape, device="meta") for name, shape in named.items()})
+    return {name: tuple(t.shape) for name, t in stacked.items()}
 
 
-def canonical_from_file(spec: ModelSpec, weights: Weights) -> Weights:
-    """Weights read from a Hugging Face folder under canonical names -> the canonical layout (RoPE rows)."""
-    return _format(spec)[2](spec, weights)
-
-
-def save_hf_checkpoint(spec: ModelSpec, weights: Weights, folder: Path) -> Path:
-    """Write canonical `weights` as a Hugging Face folder (config.json + model.safetensors)."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(hf_config_dict(spec), indent=2) + "\n")
-    whole = whole_file_format(spec)
-    tensors = ({name: t.contiguous() for name, t in whole[0](spec, weights).items()} if whole is not None else
-               {hf_name(name): t.contiguous() for name, t in _format(spec)[1](spec, weights).items()})
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
+DEEPSEEK = HFAdapter(family=FAMILY, model_types=("deepseek_v2", "deepseek_v3"),
+                     engine_module="harness.engine.layers.mla", spec_fields=spec_fields, engine_gaps=engine_gaps,
+                     config=deepseek_v2_config, to_file=to_file, from_file=from_file,
+                     canonical_shapes=canonical_shapes)

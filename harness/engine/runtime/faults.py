@@ -1,0 +1,61 @@
+"""Faults in the layout applied to weights (parallelize.py) and the serving loop (scheduler.py): each reproduces one
+real bug of this code behind a flag (harness/engine/fault.py); the catalog (harness/engine/faults.py) gathers them."""
+
+from __future__ import annotations
+
+from harness.engine.fault import Fault
+
+FAULTS: tuple[Fault, ...] = (
+    Fault("dcp-tp-kv-layout", "layout, logits_decode",
+          "under DCP, KV heads assigned by the TP-only layout (kv_tp_size = tp), so ranks of one DCP group "
+          "hold different KV heads and the merged attention mixes them (SGLang Qwen3.5 TP4/DCP4: GSM8K 0.880)",
+          needs_dcp=True,
+          flags={"kv_layout_dcp": 1}),
+    Fault("gcd-naive-gqa", "layout, logits",
+          "the local Q->KV mapping by repeat_interleave of local head counts instead of global head indices "
+          "(wrong when KV heads are GCD-duplicated, e.g. heads=24 kv=6 tp=4; rtp-llm)",
+          flags={"naive_gqa": True}),
+    Fault("vocab-shard-offset", "layout, logits",
+          "vocab-parallel embedding / lm_head shards of ceil(vocab / tp) rows loaded from offset "
+          "rank * floor(vocab / tp): on an uneven split neighbouring shards overlap by one row per rank, "
+          "boundary tokens are embedded twice and the gathered logits of later ranks are shifted by one "
+          "id per rank; inert when tp divides the vocabulary", needs_tp=True,
+          flags={"vocab_floor_offset": True}),
+    Fault("ffn-floor-split", "layout, logits",
+          "an intermediate size that tp does not divide split as ffn // tp columns per rank: the last "
+          "ffn % tp MLP columns are computed by no rank (an engine assuming divisibility); inert when tp "
+          "divides the FFN width", needs_tp=True,
+          flags={"ffn_floor_split": True}),
+    Fault("o-proj-shard-offset", "layout, logits",
+          "the row-parallel attention output projection loaded one head to the right of the rank's own Q "
+          "heads (columns of heads h + 1): every rank's attention output is projected through its "
+          "neighbour's columns, while the attention heads themselves stay right", needs_tp=True,
+          flags={"o_proj_offset": True}),
+    Fault("mlp-norm-other-layer", "layout, logits",
+          "on every rank but rank 0 the MLP input norm of layer i loaded from layer i + 1 (a replicated "
+          "weight taken from the wrong place on some ranks): the ranks normalize the MLP input differently; "
+          "inert on a one-layer model", needs_tp=True,
+          flags={"mlp_norm_other_layer": True}),
+    Fault("dcp-prefix-hit-length", "generation, prefix_cache",
+          "a prefix-cache hit of n KV blocks resumes the prefill at n x block_size tokens instead of "
+          "n x block_size x dcp (the DCP virtual block), so every DCP rank stores the tokens in between a "
+          "second time and the LSE merge counts them twice; only on prefix-cache hits, inert at dcp 1",
+          needs_dcp=True,
+          flags={"prefix_hit_local": True}),
+    Fault("prefix-cache-never-hits", "features_on",
+          "the prefix cache's lookup never finds a cached block (e.g. a block hash keyed by something that "
+          "differs per request), so every request prefills its whole prompt: outputs unchanged, the prefix-cache "
+          "route silently off (SGLang #30968's class: a feature that is off passes every parity check); "
+          "prefix-cache workload only",
+          flags={"prefix_never_hits": True}),
+    Fault("dcp-chunk-restart", "generation, chunked_prefill",
+          "in chunked prefill the positions of every chunk after the first restart at 0 on DCP ranks > 0 "
+          "(a chunk offset taken from the rank's local store): those ranks rotate their Q heads and keys "
+          "by the wrong positions and store the wrong tokens; only prompts longer than the chunk budget",
+          needs_dcp=True,
+          flags={"chunk_restart": True}),
+    Fault("preempt-resume-position", "preemption",
+          "a preempted sequence recomputed with its generated tokens one position too far (a gap after "
+          "the prompt): every later step attends with shifted relative positions; only preempted sequences",
+          flags={"resume_gap": 1}),
+)
