@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from harness.compare.parity.bounds import NoiseLimit, ReductionFloor
+from harness.compare.parity.generation import check_generation
 from harness.compare.parity.logits import check_logits
 from harness.compare.parity.schedule import Steps, compare_consistency, grade
 from harness.compare.parity.step_rounding import StepRounding, discontinuity, step_rounding
-from harness.compare.settings import ConsistencySettings, LogitsSettings
+from harness.compare.settings import ConsistencySettings, GenerationSettings, LogitsSettings
 from harness.core.verdict import Verdict
 from harness.partition.layout import plan_layout
+from tests.test_compare_generation import diverge_at
 from tests.test_compare_support import GQA, synthetic_runs, with_tensors
 
 FLOAT32 = StepRounding(NoiseLimit("float32", 10.0))
@@ -116,3 +118,27 @@ def test_the_reduction_floor_grows_with_the_ranks() -> None:
     one, sixty_four = ReductionFloor("bfloat16", 10.0, 1), ReductionFloor("bfloat16", 10.0, 64)
     assert sixty_four.abs_limit == 7 * one.abs_limit
     assert one.abs_limit == 16 * 2.0 ** -8 * 10.0
+
+
+def test_a_half_precision_step_check_without_noise_is_held_to_its_dtype_not_float32_floors() -> None:
+    """Negative control: a bfloat16 decode 0.05 nats off its re-prefill, the noise comparisons measuring zero (a
+    deterministic engine's twins), passes on bf16 rounding; the same in float32 FAILs the 1e-4 floor (positive)."""
+    checked, silent = _consistency({3: -0.05}), [_consistency({})]
+    bf16 = grade("decode_consistency", checked, silent, ConsistencySettings(), "decode vs re-prefill", rounding=BF16)
+    assert bf16.verdict is Verdict.PASS, bf16.reason
+    assert "noise measured zero: 2 x rounding in bfloat16 over 1 rank" in bf16.reason
+    f32 = grade("decode_consistency", checked, silent, ConsistencySettings(), "decode vs re-prefill", rounding=FLOAT32)
+    assert f32.verdict is Verdict.FAIL and "logprob difference" in f32.reason
+
+
+def test_a_bf16_generation_without_noise_takes_its_near_tie_bound_from_rounding_over_the_topology() -> None:
+    """A bf16 tp8dcp4 run diverging where the reference's top-2 gap is 0.19 (no noise run): a near tie of bf16
+    rounding over 32 ranks, not a FAIL against the 1e-3 floor; in float32 the same divergence FAILs."""
+    run, _, _ = synthetic_runs(plan_layout(GQA, 2), n_cases=1)
+    ref, par = diverge_at(run, step=2, gap=0.19)
+    bf16_ref, bf16_par = _bf16(ref, 32), _bf16(par, 32)
+    result, _ = check_generation(bf16_ref, bf16_par, GenerationSettings())
+    assert result.verdict is Verdict.PASS, result.reason
+    assert "no noise run: 2 x rounding in bfloat16 over 32 ranks" in result.reason
+    f32, _ = check_generation(ref, par, GenerationSettings())
+    assert f32.verdict is Verdict.FAIL, f32.reason

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from harness.compare.parity.bounds import Bound, NoiseLimit, json_float, noise_limit, reduction_floor
+from harness.compare.parity.step_rounding import HALF_DTYPES, topology_ranks
 from harness.compare.parity.tie_flips import tie_flip_test
 from harness.compare.settings import LogitsSettings
 from harness.core.errors import RunError
@@ -103,9 +104,6 @@ def _compare_case(kind: str, ref: RunArtifacts, other: RunArtifacts, who: str, i
     return _Case(index=index, offset=offset, metrics=position_metrics(a, b, k), problem=None)
 
 
-# dtypes whose floors follow the topology's reduction order when the noise measures nothing (bounds.ReductionFloor);
-# float32's floors are its DTYPE_DEFAULTS, a few times what its correct runs measure
-HALF_DTYPES: frozenset[str] = frozenset({"bfloat16", "float16"})
 NOISE_KEEP_SHARE = 0.5  # a noise run whose plausible positions are fewer than this share of all is implausible
 
 
@@ -216,15 +214,6 @@ def _magnitude(kind: str, ref: RunArtifacts) -> float:
     return best
 
 
-def _ranks(run: RunArtifacts) -> int:
-    """tp x dcp of the run's topology (its manifest), 1 where it names none."""
-    topology = run.manifest.get("topology") or {}
-    try:
-        return max(1, int(topology.get("tp") or 1)) * max(1, int(topology.get("dcp") or 1))
-    except (TypeError, ValueError, AttributeError):
-        return 1
-
-
 def _max(t: torch.Tensor) -> float:
     return float(t.max()) if t.numel() else 0.0
 
@@ -280,7 +269,7 @@ def check_logits(path: str, ref: RunArtifacts, par: RunArtifacts, noise: RunArti
         why = f"the noise run implausible: rounding in {measured.rounding.dtype}"
     noise_kl, noise_abs = measured.kl, measured.abs
     if measured.rounding is None and not noise_kl and not noise_abs:  # no noise, or zero: measures nothing
-        floor = reduction_floor(ref.manifest.get("dtype"), _magnitude(kind, ref), _ranks(par))
+        floor = reduction_floor(ref.manifest.get("dtype"), _magnitude(kind, ref), topology_ranks(par))
         if floor is not None and floor.dtype in HALF_DTYPES and floor.abs_limit > abs_floor:
             kl_floor, abs_floor = max(kl_floor, floor.kl_limit), floor.abs_limit
             why = f"{why if noise_kl is None else 'the noise run measured zero'}: {floor.describe()}"

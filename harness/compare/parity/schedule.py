@@ -225,8 +225,14 @@ def grade(name: str, pairs: list[Pair], noise: list[list[Pair]],
                            f"({what}, its rounding-only comparisons): {_beyond_text(beyond, rounding)}; a finding, "
                            f"not noise", {"noise_beyond_rounding": [list(b) for b in beyond[:20]],
                                           "noise_rounding_limit": rounding.logprob_limit, **(extra or {})})
-    tie = Bound(settings.near_tie, settings.near_tie_factor, gap_noise)
-    bound = Bound(settings.logprob_floor, settings.logprob_factor, lp_noise)
+    tie_floor, lp_floor, why = settings.near_tie, settings.logprob_floor, "no noise run"
+    half = rounding.reduction() if rounding is not None and not lp_noise else None  # measured nothing, half dtype
+    if half is not None:  # held to the dtype's rounding, not to float32-like floors
+        why = f"{'no noise run' if lp_noise is None else 'noise measured zero'}: 2 x {half.describe()}"
+        tie_floor, lp_floor = max(tie_floor, 2.0 * half.abs_limit), max(lp_floor, 2.0 * half.abs_limit)
+        lp_noise = gap_noise = None
+    tie = Bound(tie_floor, settings.near_tie_factor, gap_noise, no_noise=why)
+    bound = Bound(lp_floor, settings.logprob_factor, lp_noise, no_noise=why)
     ev = evidence_of(noise) if evidence is None else evidence
     jumps = [{s for s, g in p.diffs if not g <= tie.limit} for p in pairs]  # per pair, its jumping steps
     steps = sum(p.steps for p in pairs)

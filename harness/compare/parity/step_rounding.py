@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 import torch
 
-from harness.compare.parity.bounds import NoiseLimit, noise_limit
+from harness.compare.parity.bounds import NoiseLimit, ReductionFloor, noise_limit, reduction_floor
 from harness.records.artifacts import RunArtifacts
 from harness.records.contract import GEN_TOPK_LOGPROBS, PREFILL_LOGITS, tensor_key
 
@@ -43,6 +43,11 @@ class StepRounding:
 
     def explains(self, value: float) -> bool:
         return math.isfinite(value) and value <= self.logprob_limit
+
+    def reduction(self) -> ReductionFloor | None:
+        """The half-precision floor of a rescheduled repeat (one rank's reduction order changed), None in float32."""
+        dtype = self.rounding.dtype
+        return reduction_floor(dtype, self.rounding.magnitude, 1) if dtype in HALF_DTYPES else None
 
     def describe(self) -> str:
         """'3.8e-03 (2 x 2^10 u x max |logit| 18.8 for float32)'."""
@@ -89,3 +94,24 @@ def _magnitude(run: RunArtifacts) -> float:
             if finite.numel():
                 best = max(best, 0.5 * float(finite.max() - finite.min()))
     return best
+
+
+HALF_DTYPES: frozenset[str] = frozenset({"bfloat16", "float16"})
+
+
+def topology_ranks(run: RunArtifacts) -> int:
+    """tp x dcp of the run's topology (its manifest), 1 where it names none."""
+    topology = run.manifest.get("topology") or {}
+    try:
+        return max(1, int(topology.get("tp") or 1)) * max(1, int(topology.get("dcp") or 1))
+    except (TypeError, ValueError, AttributeError):
+        return 1
+
+
+def half_floor(ref: RunArtifacts | None, ranks: int = 1) -> ReductionFloor | None:
+    """Where a half-precision step comparison's noise measured nothing (absent or zero), what rounding in its dtype
+    over `ranks` ranks explains (bounds.ReductionFloor; a logprob or a top-2 gap moves by at most twice the
+    logits' difference); None for float32 and float64, whose floors are their settings'."""
+    if ref is None or ref.manifest.get("dtype") not in HALF_DTYPES:
+        return None
+    return reduction_floor(ref.manifest.get("dtype"), _magnitude(ref), ranks)
