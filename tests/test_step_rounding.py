@@ -5,10 +5,12 @@ holds a half-precision cell to its dtype's rounding over the topology, not to fl
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
+from harness.cli import main
 from harness.compare.parity.bounds import NoiseLimit, ReductionFloor
 from harness.compare.parity.generation import check_generation
 from harness.compare.parity.logits import check_logits
@@ -17,6 +19,7 @@ from harness.compare.parity.step_rounding import StepRounding, discontinuity, st
 from harness.compare.settings import ConsistencySettings, GenerationSettings, LogitsSettings
 from harness.core.verdict import Verdict
 from harness.partition.layout import plan_layout
+from harness.records.results import results_cells
 from tests.test_compare_generation import diverge_at
 from tests.test_compare_support import GQA, synthetic_runs, with_tensors
 
@@ -47,7 +50,8 @@ def test_a_float32_noise_of_0_67_nats_is_a_finding_naming_the_check_and_steps() 
     found = grade("decode_consistency", checked, noise, ConsistencySettings(), "decode vs re-prefill",
                   rounding=FLOAT32)
     assert found.verdict is Verdict.FAIL
-    assert found.reason.startswith("decode_consistency: the reference disagrees with itself beyond rounding")
+    assert found.name == "decode_consistency"
+    assert found.reason.startswith("the reference disagrees with itself beyond rounding (decode vs re-prefill")
     assert "logprob difference 6.7e-01 > 1.2e-03" in found.reason and "at prompt 0 step 5" in found.reason
     assert [b[:2] for b in found.metrics["noise_beyond_rounding"]] == [[0, 5]]
 
@@ -142,3 +146,19 @@ def test_a_bf16_generation_without_noise_takes_its_near_tie_bound_from_rounding_
     assert "no noise run: 2 x rounding in bfloat16 over 32 ranks" in result.reason
     f32, _ = check_generation(ref, par, GenerationSettings())
     assert f32.verdict is Verdict.FAIL, f32.reason
+
+
+def test_a_preemption_bug_the_reference_shares_fails_on_the_rounding_limit(tmp_path: Path) -> None:
+    """Positive control with a fault the tp1 reference carries too (preempt-resume-shared): the reference's own
+    preempted-vs-uninterrupted comparison differs by ~1 nat in float32, which scaled a 20-nat bound before; now
+    the preemption and decode_consistency checks FAIL naming the steps."""
+    out = tmp_path / "out"
+    code = main(["run", "--suite", "tp", "--model", "tiny-gqa", "--topo", "tp2", "--workload", "preemption",
+                 "--fault", "preempt-resume-shared", "--seed", "0", "--out", str(out), "--cache-dir",
+                 str(tmp_path / "cache")])
+    assert code == 1
+    checks = {ch["name"]: ch for c in results_cells(out) for ch in c["checks"]}
+    for name in ("preemption", "decode_consistency"):
+        assert checks[name]["verdict"] == "FAIL", checks[name]["reason"]
+        assert checks[name]["reason"].startswith("the reference disagrees with itself beyond rounding")
+        assert "for float32) at prompt 3 step" in checks[name]["reason"]

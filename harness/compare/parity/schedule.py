@@ -221,7 +221,7 @@ def grade(name: str, pairs: list[Pair], noise: list[list[Pair]],
     discontinuous component, left out of the noise."""
     lp_noise, gap_noise, unmeasured, beyond = _noise(noise, rounding)
     if beyond and rounding is not None and not rounding.discontinuous:
-        return CheckResult(name, Verdict.FAIL, f"{name}: the reference disagrees with itself beyond rounding "
+        return CheckResult(name, Verdict.FAIL, f"the reference disagrees with itself beyond rounding "
                            f"({what}, its rounding-only comparisons): {_beyond_text(beyond, rounding)}; a finding, "
                            f"not noise", {"noise_beyond_rounding": [list(b) for b in beyond[:20]],
                                           "noise_rounding_limit": rounding.logprob_limit, **(extra or {})})

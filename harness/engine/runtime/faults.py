@@ -58,4 +58,9 @@ FAULTS: tuple[Fault, ...] = (
           "a preempted sequence recomputed with its generated tokens one position too far (a gap after "
           "the prompt): every later step attends with shifted relative positions; only preempted sequences",
           flags={"resume_gap": 1}),
+    Fault("preempt-resume-shared", "preemption",
+          "preempt-resume-position in code the tp1 reference runs too: the reference's own preemption comparison "
+          "and the bound scaled from it carry the bug, so only the dtype's rounding limit on that noise "
+          "(compare/parity/step_rounding.py) can see it; only preempted sequences", shared=True,
+          flags={"resume_gap": 1}),
 )
