@@ -1,16 +1,20 @@
 """The pd checks as pure functions: the load-path robustness check on records a correct and a faulty connector
-leave (each problem named), the prefill-only vs prefill->decode consistency, and the store's row digest."""
+leave (each problem named; a fallback on an undamaged store, end to end too), the prefill-only vs prefill->decode
+consistency, and the store's row digest."""
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from harness.cli import main
 from harness.compare.pd_transfer import check_consistency, check_load
 from harness.core.verdict import Verdict
 from harness.engine.pd.store import row_digest
+from harness.records.results import results_cells
 
 POLICY = {"max_attempts": 3, "deadline_s": 10.0, "backoff_s": 0.05, "on_failure": "recompute"}
 
@@ -123,3 +127,17 @@ def test_a_load_that_falls_back_on_an_undamaged_store_fails() -> None:
     partly = check_load(rec)
     assert partly.verdict is Verdict.FAIL
     assert "1 of 2 loads fell back on an undamaged store (requests 0:" in partly.reason, partly.reason
+
+
+def test_a_decode_side_that_never_reads_its_undamaged_store_fails_pd_load_end_to_end(tmp_path: Path) -> None:
+    """Positive control (pd-load-never-reads): every load fails and the prompts are recomputed, so the outputs and
+    pd_consistency stay right; pd_load FAILs naming the fallback on an undamaged store."""
+    out = tmp_path / "out"
+    code = main(["run", "--suite", "pd", "--model", "tiny-gqa", "--topo", "tp2>tp1", "--workload", "prompts",
+                 "--fault", "pd-load-never-reads", "--seed", "0", "--out", str(out), "--cache-dir",
+                 str(tmp_path / "cache")])
+    assert code == 1
+    checks = {ch["name"]: ch for c in results_cells(out) for ch in c["checks"]}
+    assert checks["pd_load"]["verdict"] == "FAIL"
+    assert "12 of 12 loads fell back on an undamaged store (requests 0-5" in checks["pd_load"]["reason"]
+    assert checks["pd_consistency"]["verdict"] == "PASS"
