@@ -132,7 +132,7 @@ def test_plan_json_dcp_group_and_capacity(capsys: pytest.CaptureFixture[str]) ->
     (["--model", "tiny-gqa", "--topo", "tp4dcp3"], "dcp=3 does not divide tp=4"),
     (["--model", "tiny-gqa", "--topo", "tp4dpc2"], "unknown topology or set 'tp4dpc2'; expected tp<N>"),
     (["--model", "tiny-gqa", "--topo", "tp4-drfat"], "(did you mean 'draft'?)"),
-    (["--model", "tiny-gqa", "--topo", "dcp-nightly"], "names 6 topologies; plan takes exactly one"),
+    (["--model", "tiny-gqa", "--topo", "dcp-nightly"], "names 7 topologies; plan takes exactly one"),
     (["--model", "tiny-gq", "--topo", "tp2"], "unknown model 'tiny-gq' (did you mean 'tiny-gqa'?)"),
     (["--model", "tiny-gqa", "--topo", "tp4dcp4", "--budget-gib", "0.0001"],
      f"short by {32 * 16 * 512 - int(0.0001 * GIB)} bytes"),
@@ -222,7 +222,7 @@ def test_list_sections(capsys: pytest.CaptureFixture[str], what: str) -> None:
     else:
         assert "dcp-nightly" in first_words
         line = next(line for line in out.splitlines() if line.split()[0] == "dcp-nightly")
-        assert line.split(None, 1)[1] == "set: tp4dcp2, tp4dcp4, tp8dcp2, tp8dcp4, tp4dcp2i4, tp4dcp2c"
+        assert line.split(None, 1)[1] == "set: tp4dcp2, tp4dcp4, tp8dcp2, tp8dcp4, tp4dcp2i4, tp4dcp2c, tp8dcp8"
         assert "tp<N>[dcp<M>[i<K>|c][q]][dp<D>][ep<E>][-draft|-mtp]" in out
 
 

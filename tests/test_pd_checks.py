@@ -1,16 +1,20 @@
 """The pd checks as pure functions: the load-path robustness check on records a correct and a faulty connector
-leave (each problem named), the prefill-only vs prefill->decode consistency, and the store's row digest."""
+leave (each problem named; a fallback on an undamaged store, end to end too), the prefill-only vs prefill->decode
+consistency, and the store's row digest."""
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from harness.cli import main
 from harness.compare.pd_transfer import check_consistency, check_load
 from harness.core.verdict import Verdict
 from harness.engine.pd.store import row_digest
+from harness.records.results import results_cells
 
 POLICY = {"max_attempts": 3, "deadline_s": 10.0, "backoff_s": 0.05, "on_failure": "recompute"}
 
@@ -102,3 +106,38 @@ def test_row_digest_is_exact_per_row_and_head() -> None:
     assert not torch.equal(row_digest(v, k), base)  # K and V are not interchangeable
     half = row_digest(k.to(torch.bfloat16), None)
     assert half.shape == (2, 5) and torch.equal(half, row_digest(k.to(torch.bfloat16).clone(), None))
+
+
+def test_a_load_that_falls_back_on_an_undamaged_store_fails() -> None:
+    """Positive control: every load fails and recomputes while no stored entry was lost (a decode instance whose
+    loads all fall back: outputs right, P/D silently off). Negative control: the same fallback of request 1 under
+    its injected loss passes (test_a_recomputed_lost_entry_with_balanced_pools_passes)."""
+    rec = _record()
+    for rank in rec["decode"]:
+        rank["loads"][0] = _load(0, ["FileNotFoundError: x"] * 3, "failed", "recomputed")
+    rec["prefill"]["ranks"] = [{"free_start": 64, "free_end": 64, "sent": [0, 1], "lost": []}] * 2
+    result = check_load(rec)
+    assert result.verdict is Verdict.FAIL
+    assert "2 of 2 loads fell back on an undamaged store (requests 0-1" in result.reason, result.reason
+    assert result.metrics["fallback_undamaged"] == [[0, "generation"], [1, "generation"]]
+    # the same fallbacks under store damage the run applied (pd-store-missing): legitimate
+    assert check_load(rec, "pd-store-missing").verdict is Verdict.PASS
+    # one request's entry lost: only the other one's fallback is a finding
+    rec["prefill"]["ranks"] = [{"free_start": 64, "free_end": 64, "sent": [0], "lost": [1]}] * 2
+    partly = check_load(rec)
+    assert partly.verdict is Verdict.FAIL
+    assert "1 of 2 loads fell back on an undamaged store (requests 0:" in partly.reason, partly.reason
+
+
+def test_a_decode_side_that_never_reads_its_undamaged_store_fails_pd_load_end_to_end(tmp_path: Path) -> None:
+    """Positive control (pd-load-never-reads): every load fails and the prompts are recomputed, so the outputs and
+    pd_consistency stay right; pd_load FAILs naming the fallback on an undamaged store."""
+    out = tmp_path / "out"
+    code = main(["run", "--suite", "pd", "--model", "tiny-gqa", "--topo", "tp2>tp1", "--workload", "prompts",
+                 "--fault", "pd-load-never-reads", "--seed", "0", "--out", str(out), "--cache-dir",
+                 str(tmp_path / "cache")])
+    assert code == 1
+    checks = {ch["name"]: ch for c in results_cells(out) for ch in c["checks"]}
+    assert checks["pd_load"]["verdict"] == "FAIL"
+    assert "12 of 12 loads fell back on an undamaged store (requests 0-5" in checks["pd_load"]["reason"]
+    assert checks["pd_consistency"]["verdict"] == "PASS"

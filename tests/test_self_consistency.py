@@ -60,8 +60,17 @@ def test_copies_that_agree_pass_and_a_copy_that_leaks_state_fails() -> None:
     noise_lps = ref.tensors["gen_topk_logprobs.0"].clone()
     noise_lps[3, 0] -= 0.01
     noisy = with_tensors(ref, gen_topk_logprobs_0=noise_lps)
-    excused = check_self_consistency(with_tensors(run, gen_topk_logprobs_1=lps), ref, noisy, SelfConsistencySettings())
+    # ... in bfloat16, where rounding explains 0.01 nats (compare/parity/step_rounding.py) ...
+    bf16 = replace(noisy, manifest={**noisy.manifest, "dtype": "bfloat16"})
+    ref16 = replace(ref, manifest={**ref.manifest, "dtype": "bfloat16"})
+    excused = check_self_consistency(with_tensors(run, gen_topk_logprobs_1=lps), ref16, bf16, SelfConsistencySettings())
     assert excused.verdict is Verdict.PASS, excused.reason
+    # ... but a float32 reference whose noise run is 0.01 nats off cannot be rounding: a finding naming the step,
+    # never a bound 20x wider
+    found = check_self_consistency(with_tensors(run, gen_topk_logprobs_1=lps), ref, noisy, SelfConsistencySettings())
+    assert found.verdict is Verdict.FAIL
+    assert found.reason.startswith("the reference disagrees with itself beyond rounding (copies against")
+    assert "logprob difference 1.0e-02" in found.reason and "at prompt 0 step 3" in found.reason
 
 
 def test_without_copies_the_check_skips() -> None:

@@ -193,7 +193,8 @@ def test_catalog_yaml_error_names_the_file(tmp_path: Path) -> None:
 def test_shipped_catalog_sets_resolve() -> None:
     cat = load_catalog()
     assert [t.name for t in cat.resolve("dcp-nightly")] == ["tp4dcp2", "tp4dcp4", "tp8dcp2", "tp8dcp4", "tp4dcp2i4",
-                                                       "tp4dcp2c"]
+                                                       "tp4dcp2c", "tp8dcp8"]
+    assert "tp8dcp8" in [t.name for t in cat.resolve("mla-nightly")]
     assert cat.topologies["reference"].canonical_name == "tp1"
     for name in cat.sets:
         assert cat.resolve(name)

@@ -226,3 +226,17 @@ def test_list_workloads_shows_what_each_sends(capsys: pytest.CaptureFixture[str]
 def test_an_unknown_workload_is_one_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--suite", "dcp", "--workload", "prefix-cahce"]) == 2
     assert "unknown workload 'prefix-cahce'" in capsys.readouterr().err
+
+
+def test_a_shared_prefix_is_sized_to_whole_hash_blocks_of_the_run_s_largest_dcp() -> None:
+    """At dcp 8 (blocks of 16 x 8 = 128 tokens) the 72-token shared prefix could never hit the prefix cache and
+    the feature check called a clean build corrupt: it is lengthened to one whole block; at dcp <= 4 it is
+    already one, and a workload without the prefix-cache route keeps its lengths."""
+    suite = Suite(name="s", version=1, models=("m",), topologies=("tp1",), prompts=("Hello there",),
+                  workloads=("prefix-cache", "lengths"), long_context=40, max_new_tokens=6)
+    assert [w.shared_prefix for w in suite.resolved_workloads(hash_block=64)] == [72, 0]
+    sized = suite.resolved_workloads(hash_block=128)
+    assert [w.shared_prefix for w in sized] == [128, 0]
+    cases = build_workload_cases(WorkloadPlan(sized), list(suite.prompts), load_tokenizer(SPEC), 0, 4)[0].cases
+    assert all(c.prompt_ids[:128] == cases[0].prompt_ids[:128] for c in cases)
+    assert len({c.prompt_ids[128] for c in cases[:3]}) > 1  # the prompts part after the shared 128 tokens

@@ -156,6 +156,11 @@ def route_feature(ctx: CellContext) -> Feature | None:
     return Feature(route, True, f"{stat} = {value}")
 
 
+# proposers that propose k tokens at every verify step, whatever the prompts: a draft model, an MTP head (a prompt
+# lookup, what an HTTP engine's template may configure for -draft, may find nothing: "lookup" in its manifest)
+ALWAYS_PROPOSES: frozenset[str] = frozenset({"draft", "mtp"})
+
+
 def speculator_feature(ctx: CellContext, topo: Topology) -> Feature:
     name = f"speculator ({topo.speculator})"
     spec = speculative_manifest(ctx.par)
@@ -170,6 +175,9 @@ def speculator_feature(ctx: CellContext, topo: Topology) -> Feature:
     steps = spec.get("drafts", spec.get("verify_steps"))
     if not isinstance(steps, (int, float)):
         return Feature(name, None, f"the engine's {spec.get('source')} give no verify step count")
+    if steps == 0 and spec.get("proposer", topo.speculator) in ALWAYS_PROPOSES:  # proposes at every verify step
+        return Feature(name, False, f"the engine's {spec.get('source')} counted no drafts, though a {topo.speculator} "
+                                    f"speculator proposes at every verify step: speculative decoding silently off")
     if steps == 0:  # as acceptance: a proposer may propose nothing (n-gram lookup finding no match), so aggregate
         # counters of zero cannot tell a speculator that ran from one that is off
         return Feature(name, None, f"the engine's {spec.get('source')} counted no drafts: a proposer that found "

@@ -15,6 +15,7 @@ from harness.compare.pd_transfer import check_consistency, check_load, check_tra
 from harness.core.jsonio import read_json
 from harness.core.verdict import CheckResult, Verdict
 from harness.records import contract as c
+from harness.records.pd_files import STORE_DAMAGE
 
 PD_RECORD, PD_TENSORS = c.PD_RECORD_FILE, c.PD_TENSORS_FILE  # written by harness/backends/embedded/worker_pd.py
 
@@ -52,7 +53,10 @@ def pd_load(ctx: CellContext) -> list[CheckResult]:
     got = _read(ctx, "pd_load")
     if isinstance(got, CheckResult):
         return [got]
-    return [_unrecorded("pd_load", got[0]) or check_load(got[0])]
+    record = got[0]
+    fault = str(ctx.par.manifest.get("fault") or "")
+    damage = str((record.get("store_damage") or {}).get("condition") or (fault if fault in STORE_DAMAGE else ""))
+    return [_unrecorded("pd_load", record) or check_load(record, damage)]
 
 
 def pd_consistency(ctx: CellContext) -> list[CheckResult]:

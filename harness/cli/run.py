@@ -44,6 +44,7 @@ from harness.launcher.orphans import guard_this_process
 from harness.records.contract import WORKLOADS, Backend
 from harness.records.history import check_store, history_path
 from harness.records.shard import parse_shard
+from harness.specs.pool import PoolSettings
 from harness.specs.suite import Suite, with_profile
 from harness.specs.topology import Topology, load_catalog, parse_topology_name
 from harness.specs.workload import SUITE_PROMPTS, check_workload_names
@@ -237,7 +238,8 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
         backend.engine_build()
     workloads = selected_workloads(suite, args.workload)
     runs_workloads = all(e.capabilities().has(WORKLOADS) for e in engines)  # else only the suite's prompts
-    check_sequence_lengths(suite, workloads if runs_workloads else (SUITE_PROMPTS,), tokenizers, max_seq_len)
+    check_sequence_lengths(suite, workloads if runs_workloads else (SUITE_PROMPTS,), tokenizers, max_seq_len,
+                           PoolSettings().block_size * max((t.dcp for t in topologies), default=1))
     n_cells = len(suite.seeds if not args.seed else args.seed) * len(models) * len(topologies)
     nodes = (nodes_from_env(os.environ, n_cells, launch_timeout(args.timeout)) if args.nnodes == NODES_ENV else
              parse_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, n_cells, launch_timeout(args.timeout)))
@@ -331,13 +333,13 @@ def selected_workloads(suite: Suite, given: list[str] | None) -> tuple[str, ...]
 
 
 def check_sequence_lengths(suite: Suite, workloads: tuple[str, ...], tokenizers: dict[str, "Tokenizer"],
-                           max_seq_len: int) -> None:
+                           max_seq_len: int, hash_block: int = 0) -> None:
     """The longest sequence of the run (a prompt's own tokens, shared prefix included, + the tokens it
     generates), over every model's tokenizer and every workload it runs, must fit a KV slot (max_seq_len)."""
     from harness.cases import build_workload_cases
     from harness.specs.workload import WorkloadPlan
 
-    plan = WorkloadPlan(suite.resolved_workloads(workloads))
+    plan = WorkloadPlan(suite.resolved_workloads(workloads, hash_block))
     longest = (0, "", "", 0)  # (tokens, workload, model, generated)
     for model, tokenizer in tokenizers.items():
         for group in build_workload_cases(plan, suite.prompts, tokenizer, 0, suite.decode_prefix_tokens):

@@ -6,9 +6,10 @@ digests (pd.safetensors) and the transfer plan (harness/partition/pd_layout.py):
   placement's token rows); which prefill rank's digest it must equal, too (the head's source group, the
   prefill placement's owner). A mismatch names the request, route, block, layer, KV heads, the decode
   rank and the prefill ranks.
-- load: the load path's robustness: attempts within the policy's bound, no load reported loaded without a
-  successful attempt, a recompute after a failed load from position 0, every load ended (loaded or
-  failed), no wait past the deadline, every rank took the same decisions, and every pool (prefill and
+- load: the load path's robustness: attempts within the policy's bound, no load that falls back (fails or
+  recomputes) where the store was not damaged (its entry committed, not lost: P/D silently off), no load
+  reported loaded without a successful attempt, a recompute after a failed load from position 0, every load
+  ended (loaded or failed), no wait past the deadline, every rank took the same decisions, and every pool (prefill and
   decode ranks) ends with the free blocks it started with.
 - consistency: the prefill world's own first new token (prefill-only) against the decode world's first
   generated token (prefill -> decode), without a reference: top-1 equal except at a near tie, top-1
@@ -167,8 +168,9 @@ def check_transfer(plan: PDPlan, record: dict[str, Any], tensors: dict[str, torc
                        f"decode rank(s) equal what the prefill side sent, each where the plan puts it", metrics)
 
 
-def check_load(record: dict[str, Any]) -> CheckResult:
-    """The load path's robustness and pool accounting (see the module docstring)."""
+def check_load(record: dict[str, Any], damage: str = "") -> CheckResult:
+    """The load path's robustness and pool accounting (see the module docstring); `damage` names the store damage
+    the run applied between its phases ('' without: then a load falls back only for an entry lost)."""
     policy = record["policy"]
     bound, deadline = int(policy["max_attempts"]), float(policy["deadline_s"])
     problems: list[str] = []
@@ -209,7 +211,17 @@ def check_load(record: dict[str, Any]) -> CheckResult:
                                 f"started with {pool['free_start']} ({pool['free_start'] - pool['free_end']} not "
                                 f"returned)")
     lost = sorted({i for r in record["prefill"]["ranks"] for i in r.get("lost", [])})
+    # a load may fall back (fail, recompute) only where the store was damaged: every other fallback is P/D silently
+    # off, whatever the outputs say (a recompute gives the right tokens)
+    fallback = sorted({(load["request"], load["route"]) for rank_rec in record["decode"] for load in rank_rec["loads"]
+                       if (load["state"] == "failed" or load["outcome"] != "loaded") and load["request"] not in lost
+                       and not damage})
+    if fallback:
+        problems.insert(0, f"{len(fallback)} of {len(by_key)} loads fell back on an undamaged store (requests "
+                           f"{id_ranges({r for r, _ in fallback})}: their entries were committed, none lost): P/D "
+                           f"was silently off; a fallback is legitimate only under store damage")
     metrics = {"loads": total, "retried": retried, "recomputed": recomputed, "lost_entries": lost,
+               "fallback_undamaged": [list(f) for f in fallback],
                "policy": policy, "problems": problems[:MAX_LISTED]}
     if problems:
         return CheckResult("pd_load", Verdict.FAIL, f"{len(problems)} load-path problem(s): "

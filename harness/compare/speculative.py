@@ -55,6 +55,7 @@ from harness.compare.parity.schedule import (
     has_tensors,
     steps_of,
 )
+from harness.compare.parity.step_rounding import step_rounding
 from harness.compare.settings import AcceptanceSettings, LosslessSettings, SpeculativeOutputSettings
 from harness.core.acceptance import histogram, mean_accepted_length, total_variation
 from harness.core.details import divergence_text
@@ -232,9 +233,15 @@ def trace_step_detail(accepted: Sequence[int], tokens: Sequence[int], drafts: to
 
 
 def check_acceptance_aggregate(ref_mean: float, par_mean: float, k: int, settings: AcceptanceSettings,
-                               source: str) -> CheckResult:
+                               source: str, kind: str = "") -> CheckResult:
     """The mean-drop gate alone, for engines that give only a mean accepted length (their Prometheus
-    counters: 1 + accepted draft tokens / drafts) and no per-step traces."""
+    counters: 1 + accepted draft tokens / drafts) and no per-step traces. A `kind` of speculator that proposes at
+    every verify step (a draft model, an MTP head) counting no drafts is a FAIL: speculation silently off."""
+    if math.isnan(par_mean) and kind in ("draft", "mtp"):
+        return CheckResult("acceptance", Verdict.FAIL, (
+            f"the engine counted no drafts for the parallel run, though its {kind} speculator proposes k={k} tokens "
+            f"at every verify step: speculative decoding was silently off (from {source})"),
+            {"k": k, "kind": kind, "mean_accepted_length": None, "source": source})
     if math.isnan(ref_mean) or math.isnan(par_mean):
         who = " and ".join(w for w, m in (("the reference", ref_mean), ("the parallel run", par_mean)) if math.isnan(m))
         return CheckResult("acceptance", Verdict.SKIP, (
@@ -329,7 +336,8 @@ def acceptance_from_runs(ref: RunArtifacts, par: RunArtifacts,
                                    f"per-step traces and no spec-decode counters (vllm:spec_decode_num_*_total)")
             ref_mean = mean_accepted_length(_tokens(ref, SPEC_ACCEPTED)) if has_traces(ref) else counted_mean(ref)
             par_mean = mean_accepted_length(_tokens(par, SPEC_ACCEPTED)) if has_traces(par) else counted_mean(par)
-            return check_acceptance_aggregate(ref_mean, par_mean, k, settings, "the engines' spec-decode counters")
+            return check_acceptance_aggregate(ref_mean, par_mean, k, settings, "the engines' spec-decode counters",
+                                              str(par_m.get("proposer", par_m.get("kind")) or ""))
         ref_acc, par_acc = _tokens(ref, SPEC_ACCEPTED), _tokens(par, SPEC_ACCEPTED)
         ref_tok, par_tok = _tokens(ref, SPEC_TOKENS), _tokens(par, SPEC_TOKENS)
     except RunError as exc:
@@ -399,11 +407,12 @@ def check_speculative_output(par: RunArtifacts, ref: RunArtifacts,
     try:
         pairs = _spec_vs_plain(par)
         noise = [_spec_vs_plain(ref)] if has_tensors(ref, (*GEN, *SPEC_STEPS)) else []
-        out = [grade("speculative_logprobs", pairs, noise, settings, "speculative vs plain server")]
+        rounding = step_rounding(ref)
+        out = [grade("speculative_logprobs", pairs, noise, settings, "speculative vs plain server", rounding=rounding)]
         if has_tensors(par, SPEC_REPREFILL):
             noise = [_spec_vs_reprefill(ref)] if has_tensors(ref, (*SPEC_STEPS, *SPEC_REPREFILL)) else []
             out.append(grade("speculative_consistency", _spec_vs_reprefill(par), noise, settings,
-                             "speculative decode vs re-prefill"))
+                             "speculative decode vs re-prefill", rounding=rounding))
         else:
             out.append(CheckResult("speculative_consistency", Verdict.SKIP,
                                    "the run holds no re-prefill of the speculative generations "

@@ -103,3 +103,4 @@ class FaultFlags:
     pd_state_same_rank: bool = False    # pd-state-same-rank: decode rank r's state read from prefill rank r
     pd_lost_request: int = -1           # the request whose stored KV is never committed (-1: none)
     pd_flaky_reads: bool = False        # pd-load-flaky: every request's first read fails
+    pd_never_reads: bool = False        # pd-load-never-reads: every read of an undamaged store fails

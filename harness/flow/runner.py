@@ -266,7 +266,14 @@ class Runner:
         when an engine of the run does not run workloads (contract.WORKLOADS)."""
         if not all(b.capabilities().has(WORKLOADS) for b in (self.backend, self.ref_backend)):
             return self.req.suite.resolved_workloads((SUITE_PROMPTS,))
-        return self.req.suite.resolved_workloads(self.req.workloads or None)
+        return self.req.suite.resolved_workloads(self.req.workloads or None, self.hash_block)
+
+    @property
+    def hash_block(self) -> int:
+        """Tokens of one prefix-cache hash block at the run's largest dcp (block_size x dcp): the workloads are
+        sized to it, so every cell of the run (and its reference) sends the same cases."""
+        block = int(dict(self.req.pool).get("block_size", PoolSettings().block_size))
+        return block * max((t.dcp for t in self.req.topologies), default=1)
 
     @property
     def workload_names(self) -> tuple[str, ...]:

@@ -113,9 +113,12 @@ class Suite:
         """False when the suite switches section `check` off (`enabled: false`)."""
         return bool((self.checks.get(check) or {}).get(ENABLED_KEY, True))
 
-    def resolved_workloads(self, names: tuple[str, ...] | None = None) -> tuple[Workload, ...]:
-        """Workloads `names` (default: the suite's list), long_context and max_new_tokens filled in."""
-        return tuple(workload(n).resolved(self.long_context, self.max_new_tokens) for n in names or self.workloads)
+    def resolved_workloads(self, names: tuple[str, ...] | None = None, hash_block: int = 0) -> tuple[Workload, ...]:
+        """Workloads `names` (default: the suite's list), long_context and max_new_tokens filled in, each sized
+        so its route can run at the run's largest prefix-cache hash block (`hash_block` tokens: block_size x the
+        largest dcp; Workload.sized_for)."""
+        return tuple(workload(n).resolved(self.long_context, self.max_new_tokens).sized_for(hash_block)
+                     for n in names or self.workloads)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "models": list(self.models),

@@ -80,6 +80,14 @@ class Workload:
         lengths = tuple(long_context if n == LONG else n for n in self.lengths)
         return replace(self, lengths=lengths, new_tokens=self.new_tokens or max_new_tokens)
 
+    def sized_for(self, hash_block: int) -> Workload:
+        """The workload with its route runnable at a hash block of `hash_block` tokens (block_size x dcp: a
+        prefix cache hits only whole such blocks): a shared prefix shorter than one block is lengthened to one
+        (a 72-token prefix at dcp 8, blocks of 16 x 8 = 128 tokens, could never hit)."""
+        if self.prefix_cache and 0 < self.shared_prefix < hash_block:
+            return replace(self, shared_prefix=hash_block)
+        return self
+
     def sent(self) -> tuple[int, ...]:
         """Index into `lengths` of every send, in send order (repeat_first last)."""
         order = self.order or tuple(range(len(self.lengths)))

@@ -104,6 +104,7 @@ SERVER_LOG = "server.log"
 _T = TypeVar("_T")  # what a caller of ask_server gets back from its server
 SPEC_SERVER_LOG = "server-speculative.log"
 DEFAULT_SPEC_K = 3
+LOOKUP_METHODS: tuple[str, ...] = ("ngram", "lookahead")  # prompt-lookup proposers in a speculator argv
 VERSION_TIMEOUT_S = 60.0
 # template keys that do not change what a run produces (version_packages: how its version, which is kept, is found)
 IDENTITY_EXCLUDES: tuple[str, ...] = ("ready_timeout_s", "request_timeout_s", "version_packages", "build_argv",
@@ -743,6 +744,12 @@ class HttpBackend(Backend):
                                  job.gsm8k.data_path, job.pool.max_seq_len)
         return replace(collected, gsm8k=result.to_dict())
 
+    def _proposer(self, job: Job) -> str:
+        """What proposes the drafts: 'lookup' where the template's speculator argv configures a prompt-lookup
+        proposer (an n-gram or lookahead method, which may find nothing to propose), else the speculator kind."""
+        argv = " ".join(self.spec.speculator_argv.get(job.topology.speculator, ())).lower()
+        return "lookup" if any(m in argv for m in LOOKUP_METHODS) else job.topology.speculator
+
     def _collect_speculative(self, job: Job, client: httpx.Client) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Greedy generations with the speculator (tokens and each step's top-k logprobs as the server returns
         them), its counters' growth over them, then a re-prefill of prompt + generated tokens on the same
@@ -755,7 +762,7 @@ class HttpBackend(Backend):
         generated = [g for group, new_tokens in groups
                      for g in dialect.generate([case.prompt_ids for case in group], new_tokens, job.top_k, together)]
         counters = request_counts(generated) or counters_delta(before, spec_counters(client)) or {"source": "none"}
-        summary = {"kind": job.topology.speculator, "k": _spec_k(job), **counters}
+        summary = {"kind": job.topology.speculator, "k": _spec_k(job), "proposer": self._proposer(job), **counters}
         rescored = dialect.score([case.prompt_ids + tuple(int(t) for t in g.tokens)
                                   for case, g in zip(cases, generated)], self.spec.max_logprobs, together)
         key = c.tensor_key

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Mapping, Sequence
 
+from harness.compare.layout.capacity import pool_problems
 from harness.compare.layout.experts import expert_problems
 from harness.compare.layout.params import param_problems
 from harness.compare.layout.placement import placement_problems, q_weight_problems
@@ -213,11 +214,18 @@ def check_layout_with_pool(plan: LayoutPlan, actual: Mapping[str, Any], name: st
         except (KeyError, TypeError, ValueError) as exc:
             return CheckResult(name, Verdict.ERROR, f"layout entry has no usable 'pool' ({exc!r})")
     result = check_layout(plan, actual, pool, name, check_checksums, moe=moe)
-    if pool_note is None or result.verdict is Verdict.ERROR:
+    if result.verdict is Verdict.ERROR:
         return result
-    problems = [pool_note, *result.metrics["problems"]]
+    # the planner's pool is the function the engine sized its pool with: the pool is held to first principles too
+    oracle = (pool_problems(plan.shape, plan.dcp, plan.placement, actual["pool"], reports_by_rank(actual))
+              if pool is not None else [])
+    if pool_note is None and not oracle:
+        return result
+    problems = [*([pool_note] if pool_note else []), *result.metrics["problems"],
+                *(p for p in oracle if p not in result.metrics["problems"])]
     extra = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-    return CheckResult(name, Verdict.FAIL, problems[0] + extra, {**result.metrics, "problems": problems})
+    return CheckResult(name, Verdict.FAIL, problems[0] + extra, {**result.metrics, "problems": problems,
+                                                                  "pool_first_principles": oracle})
 
 
 def kv_groups_differ(result: CheckResult) -> Sequence[int]:

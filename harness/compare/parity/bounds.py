@@ -109,3 +109,40 @@ class NoiseLimit:
 def noise_limit(dtype: str | None, magnitude: float) -> NoiseLimit | None:
     """The plausibility limit of a noise run in `dtype`, or None for a dtype without a known unit roundoff."""
     return NoiseLimit(dtype, magnitude) if dtype in UNIT_ROUNDOFF else None
+
+
+# Without a noise measurement (no noise run, or one that measures zero: a deterministic engine's twin) the floors
+# are what rounding in the dtype does to a topology's changed reduction order: the shipped tiny models' noise runs
+# measure ~13 u x max |logit| (above), and each doubling of the ranks a sum is split over (the TP all-reduce, the
+# DCP log-sum-exp merge) adds one more level of partial sums. So a bfloat16 or float16 cell is never held to a
+# float32-like floor only because its noise run measured nothing.
+REDUCTION_FLOOR_ROUNDOFFS = 16.0
+
+
+@dataclass(frozen=True)
+class ReductionFloor:
+    """The largest logits difference rounding in `dtype` explains when a sum over `ranks` ranks is reordered."""
+
+    dtype: str
+    magnitude: float  # max |logit| of the reference
+    ranks: int        # tp x dcp of the compared topology (1: a rescheduled repeat)
+
+    @property
+    def abs_limit(self) -> float:
+        levels = 1.0 + math.log2(max(self.ranks, 1))
+        return REDUCTION_FLOOR_ROUNDOFFS * levels * UNIT_ROUNDOFF[self.dtype] * max(self.magnitude, 1.0)
+
+    @property
+    def kl_limit(self) -> float:
+        return 0.5 * self.abs_limit ** 2  # Hoeffding's lemma: KL(p||q) <= max |dlogit|^2 / 2
+
+    def describe(self) -> str:
+        """'rounding in bfloat16 over 2 ranks (16 x 2 levels u x max |logit| 9.4)'."""
+        levels = 1.0 + math.log2(max(self.ranks, 1))
+        return (f"rounding in {self.dtype} over {self.ranks} rank{'s' if self.ranks != 1 else ''} "
+                f"({REDUCTION_FLOOR_ROUNDOFFS:g} x {levels:g} levels u x max |logit| {max(self.magnitude, 1.0):.1f})")
+
+
+def reduction_floor(dtype: str | None, magnitude: float, ranks: int) -> ReductionFloor | None:
+    """The ReductionFloor of a cell, None for a dtype without a known unit roundoff."""
+    return ReductionFloor(dtype, magnitude, ranks) if dtype in UNIT_ROUNDOFF else None

@@ -21,6 +21,7 @@ import torch
 from harness.compare.parity.bounds import Bound, json_float
 from harness.compare.parity.jumps import JumpEvidence, JumpTest
 from harness.compare.parity.logprob_values import BadLogprobs, check_finite
+from harness.compare.parity.step_rounding import half_floor, topology_ranks
 from harness.compare.parity.topk import crossed_tie
 from harness.compare.settings import GenerationSettings
 from harness.core.errors import RunError
@@ -175,7 +176,13 @@ def check_generation(ref: RunArtifacts, par: RunArtifacts, settings: GenerationS
     if not ref.cases:
         return CheckResult("generation", Verdict.SKIP, "no prompts"), []
     gap_err, note = noise_gap_error(ref if noise_ref is None else noise_ref, noise)
-    bound = Bound(settings.near_tie, settings.near_tie_factor, gap_err)
+    floor, why = settings.near_tie, "no noise run"
+    rounding = half_floor(ref, topology_ranks(par)) if not gap_err else None  # no noise, or zero: measures nothing
+    if rounding is not None and 2.0 * rounding.abs_limit > floor:
+        why = f"{why if gap_err is None else 'noise measured zero'}: 2 x {rounding.describe()}"
+        floor = 2.0 * rounding.abs_limit
+        gap_err = None
+    bound = Bound(floor, settings.near_tie_factor, gap_err, no_noise=why)
     par_cases = {c.index: c for c in par.cases}
     try:
         for case in ref.cases:  # NaN / inf / null logprobs: the engine's output is wrong, whatever the tokens

@@ -23,12 +23,14 @@ from typing import Any
 
 import torch
 
-from harness.compare.parity.bounds import Bound, NoiseLimit, json_float, noise_limit
+from harness.compare.parity.bounds import Bound, NoiseLimit, json_float, noise_limit, reduction_floor
+from harness.compare.parity.step_rounding import HALF_DTYPES, topology_ranks
 from harness.compare.parity.tie_flips import tie_flip_test
 from harness.compare.settings import LogitsSettings
 from harness.core.errors import RunError
 from harness.core.verdict import CheckResult, Verdict, worst
 from harness.records.artifacts import RunArtifacts
+from harness.records.contract import tensor_key
 
 LOGITS_PATHS: tuple[str, ...] = ("prefill", "decode")
 
@@ -200,6 +202,18 @@ def _plausible_prefix(m: PositionMetrics, limit: NoiseLimit | None) -> int:
     return int(first[0, 0]) if first.numel() else int(m.kl.numel())
 
 
+def _magnitude(kind: str, ref: RunArtifacts) -> float:
+    """Max |logit| of the reference's finite `kind` tensors (0 without any)."""
+    best = 0.0
+    for case in ref.cases:
+        key = tensor_key(kind, case.index)
+        if key in ref.tensors:
+            values = ref.tensors[key]
+            finite = values[torch.isfinite(values)]
+            best = max(best, float(finite.abs().max()) if finite.numel() else 0.0)
+    return best
+
+
 def _max(t: torch.Tensor) -> float:
     return float(t.max()) if t.numel() else 0.0
 
@@ -253,8 +267,15 @@ def check_logits(path: str, ref: RunArtifacts, par: RunArtifacts, noise: RunArti
     if measured.rounding is not None:
         kl_floor, abs_floor = max(kl_floor, measured.rounding.kl_limit), max(abs_floor, measured.rounding.abs_limit)
         why = f"the noise run implausible: rounding in {measured.rounding.dtype}"
-    kl = Bound(kl_floor, settings.kl_factor, measured.kl, settings.fail_ratio, why)
-    abs_ = Bound(abs_floor, settings.abs_factor, measured.abs, settings.fail_ratio, why)
+    noise_kl, noise_abs = measured.kl, measured.abs
+    if measured.rounding is None and not noise_kl and not noise_abs:  # no noise, or zero: measures nothing
+        floor = reduction_floor(ref.manifest.get("dtype"), _magnitude(kind, ref), topology_ranks(par))
+        if floor is not None and floor.dtype in HALF_DTYPES and floor.abs_limit > abs_floor:
+            kl_floor, abs_floor = max(kl_floor, floor.kl_limit), floor.abs_limit
+            why = f"{why if noise_kl is None else 'the noise run measured zero'}: {floor.describe()}"
+            noise_kl = noise_abs = None
+    kl = Bound(kl_floor, settings.kl_factor, noise_kl, settings.fail_ratio, why)
+    abs_ = Bound(abs_floor, settings.abs_factor, noise_abs, settings.fail_ratio, why)
     # each prompt's first sequence position beyond rounding in the noise run (a row of the noise comparison is the
     # same row of this path's tensor, whose row 0 is at the case's offset)
     offsets = {c.index: c.offset for c in cases}

@@ -28,6 +28,7 @@ import torch
 from harness.compare.parity.bounds import Bound, json_float
 from harness.compare.parity.generation import first_divergence, top2_gaps
 from harness.compare.parity.jumps import JumpEvidence, JumpTest
+from harness.compare.parity.step_rounding import StepRounding, step_rounding
 from harness.compare.settings import ConsistencySettings, ScheduleSettings, SelfConsistencySettings
 from harness.core.errors import RunError
 from harness.core.verdict import CheckResult, Verdict
@@ -185,24 +186,55 @@ def engine_evidence(ref: RunArtifacts, noise: RunArtifacts | None) -> JumpEviden
     return JumpEvidence(found.gaps, found.steps, own.gaps, own.steps)
 
 
-def _noise(pairs: list[list[Pair]]) -> tuple[float | None, float | None, int]:
-    """(logprob noise, top-2 gap noise, steps skipped): the max over the noise measurements' pairs of
-    their finite steps (None without any), and how many steps' logprob difference was not finite."""
+def _noise(pairs: list[list[Pair]], rounding: StepRounding | None = None
+           ) -> tuple[float | None, float | None, int, list[tuple[int, int, float]]]:
+    """(logprob noise, top-2 gap noise, steps skipped, steps beyond rounding): the max over the noise
+    measurements' pairs of their finite steps that rounding in the dtype explains (`rounding`; every finite
+    step without it; None without any), how many steps' logprob difference was not finite, and (prompt,
+    step, difference) of each finite step beyond what rounding explains (never counted as noise)."""
     flat = [p for group in pairs for p in group]
-    lps = [p.lp_noise for p in flat if p.lp_noise is not None]
+    beyond = [(p.index, step, v) for p in flat for step, v in enumerate(p.lps)
+              if rounding is not None and math.isfinite(v) and not rounding.explains(v)]
+    if beyond:
+        lps = [v for p in flat for v in p.lps if math.isfinite(v) and rounding is not None and rounding.explains(v)]
+    else:
+        lps = [p.lp_noise for p in flat if p.lp_noise is not None]
     gaps = [p.gap_noise for p in flat if p.gap_noise is not None]
-    return max(lps, default=None), max(gaps, default=None), sum(p.unmeasured for p in flat)
+    return max(lps, default=None), max(gaps, default=None), sum(p.unmeasured for p in flat), beyond
+
+
+def _beyond_text(beyond: list[tuple[int, int, float]], rounding: StepRounding) -> str:
+    """'logprob difference 6.7e-01 > 3.8e-03 (...) at prompt 1 step 5 (3 steps in 2 prompts)'."""
+    index, step, value = max(beyond, key=lambda b: b[2])
+    prompts = len({b[0] for b in beyond})
+    return (f"logprob difference {value:.1e} > {rounding.describe()} at prompt {index} step {step} "
+            f"({len(beyond)} step{'s' if len(beyond) != 1 else ''} in {prompts} prompt{'s' if prompts != 1 else ''})")
 
 
 def grade(name: str, pairs: list[Pair], noise: list[list[Pair]],
           settings: ScheduleSettings | ConsistencySettings | SelfConsistencySettings, what: str,
-          extra: dict[str, Any] | None = None, evidence: JumpEvidence | None = None) -> CheckResult:
+          extra: dict[str, Any] | None = None, evidence: JumpEvidence | None = None,
+          rounding: StepRounding | None = None) -> CheckResult:
     """The verdict over every case's Pair: FAIL on a divergence outside the near-tie bound (a jump) unless the
     jumps are as frequent as those of `evidence` (default: the noise comparisons), or on a logprob
-    difference over its bound (NaN included; benign jumps' steps left out)."""
-    lp_noise, gap_noise, unmeasured = _noise(noise)
-    tie = Bound(settings.near_tie, settings.near_tie_factor, gap_noise)
-    bound = Bound(settings.logprob_floor, settings.logprob_factor, lp_noise)
+    difference over its bound (NaN included; benign jumps' steps left out). The noise comparisons count only
+    where rounding in the dtype explains them (`rounding`, compare/parity/step_rounding.py): a step beyond it
+    is a FAIL naming the check and the step (the reference disagrees with itself), or, in a model with a
+    discontinuous component, left out of the noise."""
+    lp_noise, gap_noise, unmeasured, beyond = _noise(noise, rounding)
+    if beyond and rounding is not None and not rounding.discontinuous:
+        return CheckResult(name, Verdict.FAIL, f"the reference disagrees with itself beyond rounding "
+                           f"({what}, its rounding-only comparisons): {_beyond_text(beyond, rounding)}; a finding, "
+                           f"not noise", {"noise_beyond_rounding": [list(b) for b in beyond[:20]],
+                                          "noise_rounding_limit": rounding.logprob_limit, **(extra or {})})
+    tie_floor, lp_floor, why = settings.near_tie, settings.logprob_floor, "no noise run"
+    half = rounding.reduction() if rounding is not None and not lp_noise else None  # measured nothing, half dtype
+    if half is not None:  # held to the dtype's rounding, not to float32-like floors
+        why = f"{'no noise run' if lp_noise is None else 'noise measured zero'}: 2 x {half.describe()}"
+        tie_floor, lp_floor = max(tie_floor, 2.0 * half.abs_limit), max(lp_floor, 2.0 * half.abs_limit)
+        lp_noise = gap_noise = None
+    tie = Bound(tie_floor, settings.near_tie_factor, gap_noise, no_noise=why)
+    bound = Bound(lp_floor, settings.logprob_factor, lp_noise, no_noise=why)
     ev = evidence_of(noise) if evidence is None else evidence
     jumps = [{s for s, g in p.diffs if not g <= tie.limit} for p in pairs]  # per pair, its jumping steps
     steps = sum(p.steps for p in pairs)
@@ -232,6 +264,10 @@ def grade(name: str, pairs: list[Pair], noise: list[list[Pair]],
                            + test.note(), metrics)
     skipped = (f"; noise not finite at {unmeasured} step{'s' if unmeasured > 1 else ''}, skipped"
                if unmeasured else "")
+    if beyond and rounding is not None:
+        metrics["noise_beyond_rounding"] = [list(b) for b in beyond[:20]]
+        skipped += (f"; noise beyond rounding left out ({rounding.discontinuous}): "
+                    f"{_beyond_text(beyond, rounding)}")
     if lp_bad:
         label = f"prompt {worst.index} {what}: logprob difference"
         return CheckResult(name, Verdict.FAIL, bound.compare(label, worst_diff) + f" over {worst.steps} steps"
@@ -257,7 +293,7 @@ def check_schedule(name: str, run: RunArtifacts, ref: RunArtifacts, noise: RunAr
         evidence = engine_evidence(ref, noise)
     except RunError as exc:
         return CheckResult(name, Verdict.ERROR, str(exc))
-    return grade(name, pairs, measured, settings, what, extra, evidence)
+    return grade(name, pairs, measured, settings, what, extra, evidence, step_rounding(ref))
 
 
 def check_consistency(run: RunArtifacts, ref: RunArtifacts, noise: RunArtifacts | None,
@@ -273,4 +309,5 @@ def check_consistency(run: RunArtifacts, ref: RunArtifacts, noise: RunArtifacts 
         evidence = engine_evidence(ref, noise)
     except RunError as exc:
         return CheckResult(name, Verdict.ERROR, str(exc))
-    return grade(name, pairs, measured, settings, "decode vs re-prefill", evidence=evidence)
+    return grade(name, pairs, measured, settings, "decode vs re-prefill", evidence=evidence,
+                 rounding=step_rounding(ref))

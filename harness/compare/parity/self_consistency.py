@@ -31,6 +31,7 @@ from harness.compare.parity.schedule import (
     has_tensors,
     steps_of,
 )
+from harness.compare.parity.step_rounding import step_rounding
 from harness.compare.settings import SelfConsistencySettings
 from harness.core.errors import RunError
 from harness.core.verdict import CheckResult, Verdict
@@ -81,4 +82,4 @@ def check_self_consistency(run: RunArtifacts, ref: RunArtifacts | None, noise: R
     except RunError as exc:
         return CheckResult(NAME, Verdict.ERROR, str(exc))
     info = {"copies": {str(g[0]): g[1:] for g in groups}, **(extra or {})}
-    return grade(NAME, pairs, measured, settings, WHAT, info, evidence)
+    return grade(NAME, pairs, measured, settings, WHAT, info, evidence, step_rounding(ref))

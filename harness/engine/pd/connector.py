@@ -147,6 +147,8 @@ class KVConnector:
         """Read the entries of the prefill ranks this rank's heads come from and assemble its rows."""
         if self.flags.pd_flaky_reads and attempt == 1:
             raise OSError(f"transient read error of request {index} (first attempt)")
+        if self.flags.pd_never_reads:  # the fault: the entry looked up under another key, on an undamaged store
+            raise FileNotFoundError(f"no store entry for request {index} under the decode side's key")
         ranks = {s for h in self.heads for s in h.sources}
         if self.state_plan is not None:
             ranks |= {m.src_rank for m in self._state_moves()}

@@ -78,6 +78,10 @@ FAULTS: tuple[Fault, ...] = (
           "with request 1's stored KV lost, the failed load is reported loaded and the decode computes on "
           "blocks that never loaded (LMCache #3388; rtp-llm decode on an errored stream)", needs_pd=True,
           flags={"pd_decode_unloaded": True, "pd_lost_request": PD_LOST_REQUEST}),
+    Fault("pd-load-never-reads", "pd_load",
+          "every KV load of the decode side fails on an undamaged store (its reads look the entries up under "
+          "another key) and the prompt is silently recomputed: outputs right, P/D off", needs_pd=True,
+          flags={"pd_never_reads": True}),
     Fault("pd-state-conv-shift", "pd_transfer, logits_decode",
           "a hybrid model's transferred conv state placed one token late on the decode side: the window's newest "
           "input dropped, its oldest slot zero (an off-by-one in the state's cut between prefill and decode); "

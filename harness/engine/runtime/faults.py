@@ -87,4 +87,9 @@ FAULTS: tuple[Fault, ...] = (
           "every row of a batched sampling step draws from the first row's generator instead of its request's own "
           "(per-request seeds ignored): a seeded request draws other numbers in a batch than alone; sampling "
           "workload only", flags={"sampler_slip": "shared-generator"}),
+    Fault("preempt-resume-shared", "preemption",
+          "preempt-resume-position in code the tp1 reference runs too: the reference's own preemption comparison "
+          "and the bound scaled from it carry the bug, so only the dtype's rounding limit on that noise "
+          "(compare/parity/step_rounding.py) can see it; only preempted sequences", shared=True,
+          flags={"resume_gap": 1}),
 )
