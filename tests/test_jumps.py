@@ -110,9 +110,10 @@ def test_generation_jump_against_evidence(runs) -> None:  # noqa: F811
     assert check_generation(ref_gap, par_gap, settings, decode=decode, evidence=rare)[0].verdict is Verdict.FAIL
 
 
-def _hybrid_bf16(tmp_path: Path, *extra: str) -> tuple[int, dict[str, dict[str, dict]]]:
+def _hybrid_bf16(tmp_path: Path, *extra: str,
+                 model: str = "tiny-hybrid-bf16") -> tuple[int, dict[str, dict[str, dict]]]:
     out = tmp_path / "out"
-    code = main(["run", "--suite", "hybrid", "--model", "tiny-hybrid-bf16", "--topo", "tp2", "--seed", "0",
+    code = main(["run", "--suite", "hybrid", "--model", model, "--topo", "tp2", "--seed", "0",
                  "--out", str(out), "--cache-dir", str(tmp_path.parent / "cache"), *extra])
     return code, {c["workload"]: {ch["name"]: ch for ch in c["checks"]} for c in results_cells(out)}
 
@@ -120,18 +121,21 @@ def _hybrid_bf16(tmp_path: Path, *extra: str) -> tuple[int, dict[str, dict[str, 
 def test_bf16_routing_flips_pass_and_a_stale_state_slot_still_fails(tmp_path: Path) -> None:
     """tiny-hybrid-bf16 at tp2, seed 0: a copy's expert routing flips at a router near tie and its tokens jump
     (outside the first copy's top-5) as the reference engine's own decode against re-prefill does: PASS
-    (negative control). The stale state slot the reference shares still FAILs the run (positive control):
-    the prompts cell's decode jumps where its reference, which reuses no slot, never does."""
+    (negative control). The stale state slot the reference shares still FAILs the same jump tests (positive
+    control) on the float32 twin, tiny-hybrid: its decode jumps where its reference, which reuses no slot, never
+    does. (On the bf16 model whether the stale state moves a token out of the top-k depends on the CPU's bf16
+    kernels: flagged where AVX-512 runs them, not on an AVX2-only CPU; docs/tolerances.md.)"""
     code, cells = _hybrid_bf16(tmp_path / "clean")
     assert code == 0, {w: [(n, c["reason"]) for n, c in ch.items() if c["verdict"] != "PASS"]
                        for w, ch in cells.items()}
     sc = cells["self-consistency"]
     assert sc["decode_consistency"]["metrics"]["noise_jumps"] >= 1  # the engine jumps under rounding alone
     assert sum(sc[n]["metrics"]["jumps"] for n in ("self_consistency", "decode_consistency", "generation")) >= 1
-    code, cells = _hybrid_bf16(tmp_path / "fault", "--fault", "state-slot-stale")
+    code, cells = _hybrid_bf16(tmp_path / "fault", "--fault", "state-slot-stale", model="tiny-hybrid")
     assert code == 1
-    check = cells["prompts"]["decode_consistency"]
+    check = cells["self-consistency"]["decode_consistency"]
     assert check["verdict"] == "FAIL" and "outside its top-k" in check["reason"], check["reason"]
+    assert cells["self-consistency"]["self_consistency"]["verdict"] == "FAIL"
 
 
 def test_lossless_bound_follows_the_noise_and_jumps_the_evidence() -> None:
