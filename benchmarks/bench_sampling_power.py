@@ -1,5 +1,5 @@
 """The sampling_distribution check's false-positive rate and power, measured by simulation with its own test
-(harness/compare/parity/sampling.py: chi_square_p at alpha / tests, Bonferroni over a cell's tests).
+(harness/compare/sampling.py: chi_square_p at alpha / tests, Bonferroni over a cell's tests).
 
 Each trial draws a processed distribution like the sampling workload's on the tiny models (a support of 10 tokens,
 logits ~ N(0, 1.5^2)), then n draws from it (the null) or from a shifted one, and tests one position at the cell's
@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from harness.compare.parity.sampling import chi_square_p
+from harness.compare.sampling import chi_square_p
 from harness.compare.settings import SamplingSettings
 
 SUPPORT = 10

@@ -20,8 +20,10 @@ def test_clean_cell_passes_every_check_without_localization() -> None:
     ref, noise, par = synthetic_runs(PLAN)
     checks, loc, details = compare_cell(ref, par, noise, PLAN, CheckSettings())
     assert [c.name for c in checks] == ["inputs", "layout", "features_on", "logits_prefill", "logits_decode",
-                                        "generation", "collectives"]
-    assert all(c.verdict is Verdict.PASS for c in checks), [c.reason for c in checks]
+                                        "generation", "collectives", "reference_baseline"]
+    # no reference recorded (harness baseline update): its check is a SKIP saying so, every other one PASSes
+    assert all(c.verdict is (Verdict.SKIP if c.name == "reference_baseline" else Verdict.PASS) for c in checks), \
+        [c.reason for c in checks]
     assert loc is None
     assert details["layout"]["planned"]["dcp"] == 4 and details["layout"]["actual"] == par.layout["target"]
     assert [p["index"] for p in details["prompts"]] == [0, 1]
@@ -45,7 +47,8 @@ def test_dcp_tp_kv_layout_bug_fails_and_localizes_with_the_group() -> None:
     verdicts = {c.name: c.verdict for c in checks}
     assert verdicts == {"inputs": Verdict.PASS, "layout": Verdict.FAIL, "features_on": Verdict.PASS,
                         "logits_prefill": Verdict.PASS,
-                        "logits_decode": Verdict.FAIL, "generation": Verdict.PASS, "collectives": Verdict.PASS}
+                        "logits_decode": Verdict.FAIL, "generation": Verdict.PASS, "collectives": Verdict.PASS,
+                        "reference_baseline": Verdict.SKIP}
     assert loc is not None and loc.layer == 0 and loc.heads == tuple(range(8)) and loc.ranks == (0, 1, 2, 3)
     # ranks of the group read different KV heads for the same Q head: the summary says so
     assert loc.summary == ("layer 0 attention: heads 0-7 on ranks 0-3 (DCP group 0) diverge; "
@@ -78,11 +81,11 @@ def test_failed_parallel_run_gives_error_checks() -> None:
     assert {c.verdict for c in checks} == {Verdict.ERROR} and loc is None and details == {}
     assert checks[0].reason == "parallel run failed: rank 2 exited with code 137"
     assert [c.name for c in checks] == ["inputs", "layout", "features_on", "logits_prefill", "logits_decode",
-                                        "generation", "collectives", "localization"]
+                                        "generation", "collectives", "localization", "reference_baseline"]
 
 
 def test_missing_noise_run_still_compares_on_floors() -> None:
     ref, _, par = synthetic_runs(PLAN)
     checks, _, details = compare_cell(ref, par, None, PLAN, CheckSettings())
-    assert all(c.verdict is Verdict.PASS for c in checks)
+    assert all(c.verdict is Verdict.PASS for c in checks if c.name != "reference_baseline")
     assert details["layer_errors"]["noise"] is None

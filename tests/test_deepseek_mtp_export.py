@@ -20,7 +20,8 @@ from harness.engine.runtime.scheduler import run_speculative_cases
 from harness.engine.speculative.decoding import SpecResult
 from harness.engine.speculative.speculator import SpeculativeSettings, speculator_for
 from harness.formats.export import export_model
-from harness.formats.locate import load_model, spec_from_hf
+from harness.formats.hf.spec import spec_from_hf
+from harness.formats.locate import load_model
 from harness.formats.tokenizer import load_tokenizer
 from harness.formats.weights import load_weights
 from harness.specs.model import ModelSpec

@@ -238,9 +238,11 @@ def test_read_results_missing(tmp_path: Path) -> None:
 @pytest.mark.parametrize("cells, code", [
     ([], 0),
     ([pass_cell(), skip_cell(), warn_cell()], 0),
-    ([pass_cell(), fail_cell()], 1),
-    ([fail_cell(), error_cell()], 1),
+    ([pass_cell(), replace(fail_cell(), fault=None)], 1),
+    ([replace(fail_cell(), fault=None), error_cell()], 1),
     ([pass_cell(), error_cell()], 3),
+    ([fail_cell()], 1),  # a positive control alone: its FAIL is the run's code
+    ([pass_cell(), fail_cell()], 0),  # merged with a build: the build's code, as the headline says
 ])
 def test_exit_code(cells: list[CellResult], code: int) -> None:
     assert exit_code(cells) == code

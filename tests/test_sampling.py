@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness.cli import main
-from harness.compare.parity.sampling import chi_square_p, distribution, penalized, support
+from harness.compare.sampling import chi_square_p, distribution, penalized, support
 from harness.core.errors import ConfigError
 from harness.engine.faults import FAULTS
 from harness.engine.runtime.sampler import SLIPS, Sampler

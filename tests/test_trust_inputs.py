@@ -52,7 +52,7 @@ def test_a_model_name_that_is_not_one_path_component_is_refused(tmp_path: Path, 
     deep = tmp_path / "a" / "b" / "c"
     model = _model_file(tmp_path, name)
     argv = ["run", "--suite", "dcp", "--topo", "tp2", "--model", str(model), "--out", str(deep / "out"),
-            "--cache-dir", str(deep / "cache"), "--engine", "no-such-engine"]
+            "--cache-dir", str(deep / "cache"), "--engine", "embedded"]
     assert main(argv) == ExitCode.USAGE
     line = _error_line(capsys)
     assert repr(name) in line and "one path component" in line, line

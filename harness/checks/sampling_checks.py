@@ -1,4 +1,4 @@
-"""The sampling checks of a cell whose workload samples (Workload.sampling; harness/compare/parity/sampling.py):
+"""The sampling checks of a cell whose workload samples (Workload.sampling; harness/compare/sampling.py):
 the draws' distribution against the reference, the ranks' agreement, the seeded copies' equality."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Any
 
 from harness.checks.context import CellContext
 from harness.checks.workload_checks import workload_entry
-from harness.compare.parity.sampling import check_distribution, check_ranks, check_seeded
+from harness.compare.sampling import check_distribution, check_ranks, check_seeded
 from harness.compare.settings import SamplingSettings
 from harness.core.verdict import CheckResult, Verdict
 from harness.specs.sampling import SamplingParams

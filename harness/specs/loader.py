@@ -58,7 +58,7 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is typing.Literal:
         return "one of " + ", ".join(map(repr, typing.get_args(tp)))
-    names = {str: "a string", int: "an integer", float: "a finite number", bool: "true or false",
+    names = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
              type(None): "null", tuple: "a list", list: "a list", dict: "a mapping"}
     if tp in names:
         return names[tp]
@@ -87,12 +87,12 @@ def _fits(tp: Any, value: Any) -> bool:
         return isinstance(value, bool)
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if tp is float:  # YAML 1.1 reads 1e-8 (no dot) as a string: a string that is a finite number fits
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             return False
         try:
             return math.isfinite(float(value))
-        except OverflowError:  # an int beyond any float
+        except (OverflowError, ValueError):  # an int beyond any float, a string that is no number
             return False
     if tp is str:
         return isinstance(value, str)

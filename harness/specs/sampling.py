@@ -2,7 +2,7 @@
 repetition / presence / frequency penalties, a per-request seed, draws per position), as plain data.
 
 The order they act in is vLLM's and the embedded engine's (harness/engine/runtime/sampler.py); the distribution
-check (harness/compare/parity/sampling.py) recomputes the same processed distribution from the reference's logits:
+check (harness/compare/sampling.py) recomputes the same processed distribution from the reference's logits:
 
 1. penalties on the raw logits: `repetition_penalty` r over every token of prompt + output (a positive logit
    divided by r, a negative one multiplied), then `presence_penalty` (subtracted once from each output token's

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from harness.partition.layout import AttentionShape, Placement
+from harness.partition.token_bytes import token_bytes
 from harness.records.rankreport import RankReport
 
 
@@ -50,13 +51,6 @@ class FirstPrinciplesPool:
     @property
     def pool_bytes(self) -> int:
         return self.blocks * self.block_size * self.bytes_per_token
-
-
-def token_bytes(shape: AttentionShape, kv_heads_held: int) -> int:
-    """KV bytes one token takes on a rank holding `kv_heads_held` KV heads (MLA: the shared latent row)."""
-    if shape.kv_lora_rank:
-        return shape.layers * (shape.kv_lora_rank + shape.qk_rope_dim) * shape.dtype_bytes
-    return 2 * shape.layers * kv_heads_held * shape.head_dim * shape.dtype_bytes
 
 
 def largest_share(max_seq_len: int, dcp: int, placement: Placement) -> int:
