@@ -20,6 +20,7 @@ from harness.core.jsonio import write_json
 from harness.formats.locate import load_model
 from harness.launcher import forkserver
 from harness.launcher.launch import LAUNCHER_ENV, descendants, thread_env
+from harness.launcher.orphans import GUARD_POLL_S
 from harness.records.artifacts import read_run
 from harness.records.contract import Job
 from harness.specs.topology import parse_topology_name
@@ -167,4 +168,9 @@ def test_no_process_of_the_harness_outlives_it(tmp_path: Path) -> None:
                                  "--model", "tiny-gqa", "--workload", "prompts", "--out", str(tmp_path / "r"),
                                  "--cache-dir", str(tmp_path / "c")], env=env, stdout=out, stderr=subprocess.STDOUT)
         assert proc.wait(timeout=600) == 0, log.read_text()[-2000:]
+    # the run's guardian (harness/launcher/orphans.py, its own session so that it outlives a SIGKILL) notices the
+    # run's end within its poll interval and exits: nothing of the harness is left after that
+    deadline = time.monotonic() + 10 * GUARD_POLL_S
+    while processes_naming(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert processes_naming(marker) == []
