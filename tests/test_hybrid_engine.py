@@ -148,10 +148,11 @@ HYBRID_FAULTS = [
     ("deltanet-state-dcp-split", "tp2dcp2", "recurrent states of the last finished sequences differ inside DCP group",
      "layer 0, Gated DeltaNet linear attention: its output diverges"),
     ("moe-shared-every-rank", "tp2", "rank 0 holds 128 shared-expert columns, planned 64",
-     "layer 0, Gated DeltaNet linear attention: residual stream diverges"),
+     "layer 0, the FFN (MoE: router, routed experts or shared expert), norm or residual: residual stream diverges"),
     ("moe-expert-offset", "tp4ep2", "rank 1 routes to its experts as ids 4-7, planned experts 0-3 (EP rank 0)",
-     "layer 0, Gated DeltaNet linear attention: residual stream diverges"),
-    ("moe-router-local-renorm", "tp2ep2", None, "layer 0, Gated DeltaNet linear attention: residual stream diverges"),
+     "layer 0, the FFN (MoE: router, routed experts or shared expert), norm or residual: residual stream diverges"),
+    ("moe-router-local-renorm", "tp2ep2", None,
+     "layer 0, the FFN (MoE: router, routed experts or shared expert), norm or residual: residual stream diverges"),
     ("cache-groups-own-budget", "tp2", "rank 0's cache groups hold different numbers of sequences", None),
 ]
 

@@ -192,3 +192,5 @@ def test_dp_fault_is_silent_corruption(tmp_path: Path, suite_file: Path, cache_d
     assert cell["status"] == "FAIL" and cell["silent_corruption"] is True, cell["checks"]
     verdicts = {c["name"]: c["verdict"] for c in cell["checks"]}
     assert verdicts["layout"] == "PASS" and verdicts["logits_decode"] == "FAIL", verdicts
+    # every DP fault breaks the MoE combine: the MoE FFN is blamed, never the layer's token mixer
+    assert cell["localization"]["summary"].startswith("layer 0, the FFN (MoE"), cell["localization"]

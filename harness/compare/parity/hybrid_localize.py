@@ -35,6 +35,7 @@ def hybrid_localization(layer: int, kind: str, mixer_diverges: bool, err: str) -
         summary = (f"layer {layer}, {what}: its output diverges ({err}): the in_proj / conv1d shards, the "
                    f"recurrent state or the out projection of this linear-attention layer")
     else:
-        summary = (f"layer {layer}, {what}: residual stream diverges ({err}) while its token mixer stays "
-                   f"within noise: the FFN (MoE: router, routed experts or shared expert), norm or residual")
+        # the component blamed leads: the layer's token mixer is within noise, so naming it first misleads
+        summary = (f"layer {layer}, the FFN (MoE: router, routed experts or shared expert), norm or residual: "
+                   f"residual stream diverges ({err}) while the layer's token mixer ({what}) stays within noise")
     return Localization(layer=layer, heads=(), ranks=(), kv_heads=(), summary=summary)
