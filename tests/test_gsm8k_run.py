@@ -94,3 +94,23 @@ def test_clean_tp3_passes_and_baseline_round_trip(tmp_path: Path, suite_file: Pa
     # fail; a SKIP that says so and names the n it needs, not a silent PASS
     assert gate.verdict is Verdict.SKIP and "no power" in gate.reason and "would detect a drop" in gate.reason
     assert gate.metrics["n"] == N_QUESTIONS and gate.metrics["min_detectable_drop"] > 0.05
+
+
+def test_sampled_gsm8k_at_tp3_passes_and_is_reported_as_sampled(tmp_path: Path, cache_dir: Path) -> None:
+    """GSM8K sampled on the embedded engine (temperature 0.7, per-question seeds): the reference and tp3 draw from
+    the same seeds, the paired check PASSes clean, and the cell says it is sampled (details and the reason)."""
+    suite = small_gsm8k_suite(
+        tmp_path, dict(prompts=["The capital of France is"], max_new_tokens=4, decode_prefix_tokens=2, max_seq_len=384),
+        dict(limit=N_QUESTIONS, num_fewshot=0, max_new_tokens=24, batch_size=N_QUESTIONS,
+             sampling={"temperature": 0.7, "top_p": 0.95, "seed": 3}))
+    out = tmp_path / "run"
+    rc = main(["run", "--suite", str(suite), "--topo", "tp3", "--out", str(out), "--cache-dir", str(cache_dir),
+               "--baselines-dir", str(tmp_path / "b"), "--gsm8k-path", str(GSM8K_FIXTURE)])
+    assert rc == 0
+    cell = _cell(out)
+    paired = next(c for c in cell["checks"] if c["name"] == "gsm8k_paired")
+    assert paired["verdict"] == "PASS" and paired["reason"].startswith("sampled (temperature 0.7, top_p 0.95")
+    gsm8k = cell["details"]["gsm8k"]
+    assert gsm8k["n"] == N_QUESTIONS and gsm8k["sampling"]["temperature"] == 0.7 and gsm8k["sampling"]["seed"] == 3
+    assert gsm8k["decoding"].startswith("sampled") and "per-question seeds" in gsm8k["decoding"]
+    assert "sampled (temperature 0.7" in (out / "index.html").read_text()

@@ -85,3 +85,16 @@ def test_shipped_gsm8k_profiles_kv_budget_holds_their_batch(profile: str) -> Non
         plan = plan_layout(model.attention_shape, ref.tp, ref.dcp)
         slots = pool_capacity(plan, suite.kv_budget_mib * 1024 ** 2, suite.max_seq_len).slots
         assert slots >= batch, (name, profile, slots, batch)
+
+
+def test_sampling_settings_parse_round_trip_and_bad_values_are_one_error() -> None:
+    parse = gsm8k_settings
+    assert parse({}).sampling is None and parse({}).describe_sampling() == "greedy"  # greedy stays the default
+    sampled = parse({"sampling": {"temperature": 0.7, "seed": 3, "top_k": 20}})
+    assert sampled.sampling is not None and sampled.sampling.temperature == 0.7 and sampled.sampling.top_k == 20
+    assert parse(sampled.to_dict()) == sampled  # the job carries the settings as to_dict wrote them
+    assert sampled.describe_sampling().startswith("sampled (temperature 0.7, top_k 20, seed 3")
+    for bad, says in (({"temperature": 0}, "temperature=0 must be > 0"), ({"temp": 1.0}, "unknown keys \\['temp'\\]"),
+                      ({"temperature": "hot"}, "give numbers"), ([0.7], "expected a mapping")):
+        with pytest.raises(ConfigError, match=says):
+            parse({"sampling": bad})

@@ -5,6 +5,7 @@ of the sampling check it names (positive controls)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +119,22 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
+STRIP = re.compile(r'<svg[^>]*aria-label="per-position p-values against the threshold">(.*?)</svg>', re.S)
+
+
+def _strip_marks(out: Path) -> list[tuple[int, int, int]]:
+    """(step, below, outside) of every mark of the report's p-value strip (index.html, as rendered by the run)."""
+    (svg,) = STRIP.findall((out / "index.html").read_text())
+    return [(int(a), int(b), int(c)) for a, b, c in
+            re.findall(r'<rect[^>]*data-step="(\d+)" data-below="(\d)" data-outside="(\d+)"', svg)]
+
+
+def _below(metrics: dict) -> list[tuple[int, int]]:
+    """(row, step) of each position whose p-value is below the check's threshold, from results.json."""
+    return [(r, s) for r, values in enumerate(metrics["p_value_strip"].values()) for s, p in enumerate(values)
+            if p < metrics["threshold"]]
+
+
 def _checks(out: Path, suite: Path, cache: Path, *extra: str) -> tuple[int, dict[str, dict]]:
     code = main(["run", "--suite", str(suite), "--out", str(out), "--cache-dir", str(cache), *extra])
     (cell,) = results_cells(out)
@@ -133,6 +150,10 @@ def test_the_sampling_workload_is_clean_on_tp2(tmp_path: Path, suite_file: Path,
     dist = checks["sampling_distribution"]["metrics"]
     assert dist["tests"] == 4 * 8 * 2 and dist["outside_support"] == 0  # 4 sends x 8 steps x 2 paths
     assert checks["generation"]["verdict"] == "SKIP"  # sampled tokens: not held to the reference's
+    marks = _strip_marks(tmp_path / "r")  # the drill-down's strip: one mark per position, none below the threshold
+    assert len(marks) == 64 and [m[0] for m in marks] == list(range(8)) * 8
+    assert not any(below or outside for _, below, outside in marks)
+    assert "<b>0</b> token(s) drawn outside the reference's support" in (tmp_path / "r" / "index.html").read_text()
 
 
 @pytest.mark.parametrize("fault", sorted(f.name for f in FAULTS.values() if "sampler_slip" in f.flags))
@@ -145,3 +166,9 @@ def test_each_sampler_fault_fails_its_sampling_check(tmp_path: Path, suite_file:
     assert checks["logits_prefill"]["verdict"] == "PASS"  # the logits agree: the failure is the sampler's
     if "sampling_distribution" in named:
         assert "the sampler is the suspect" in checks["sampling_distribution"]["reason"]
+        metrics = checks["sampling_distribution"]["metrics"]
+        marks = _strip_marks(tmp_path / "r")  # the strip marks exactly the positions below the threshold
+        assert len(marks) == metrics["tests"]
+        assert [(i // 8, m[0]) for i, m in enumerate(marks) if m[1]] == _below(metrics)
+        assert sum(m[2] for m in marks) == metrics["outside_support"]
+        assert any(below or outside for _, below, outside in marks)  # the strip shows where it failed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,12 @@ def gsm8k_checks(ref_dir: Path, par_dir: Path, settings: GSM8KSettings, suite: s
                "disagreements": comparison["disagreements"],
                "baseline": gate.metrics, "wall_s": par.wall_s, "questions_per_min": questions_per_min(par),
                "reference_questions_per_min": questions_per_min(ref), "batch": par.batch or None,
-               "reference_batch": ref.batch or None}
-    return [paired_check(comparison, settings), gate], details
+               "reference_batch": ref.batch or None, "decoding": settings.describe_sampling(),
+               "sampling": settings.sampling.to_dict() if settings.sampling is not None else None}
+    paired = paired_check(comparison, settings)
+    if settings.sampling is not None:  # the report says the cell is sampled, and how
+        paired = replace(paired, reason=f"{settings.describe_sampling()}: {paired.reason}")
+    return [paired, gate], details
 
 
 def questions_per_min(result: GSM8KResult) -> float | None:

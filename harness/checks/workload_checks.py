@@ -1,14 +1,18 @@
 """The checks a workload cell runs against itself (harness/compare/parity/schedule.py): the route checks, each
 for the workload whose route it names (Workload.route), self_consistency for the workload that sends
-prompts several times (harness/compare/parity/self_consistency.py), and decode_consistency for every workload."""
+prompts several times (harness/compare/parity/self_consistency.py), and decode_consistency for every workload.
+On an engine that declares batch invariance (Capabilities.batch_invariant) batch_invariance and self_consistency
+compare bitwise, tolerance zero (harness/compare/exact.py); the other routes change a request's own
+arithmetic (cached blocks, chunks, a recomputation) and keep their noise bounds."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from harness.checks.context import CellContext
-from harness.compare.parity.schedule import check_consistency, check_schedule
-from harness.compare.parity.self_consistency import check_self_consistency
+from harness.compare.exact import Twin, check_exact
+from harness.compare.parity.schedule import GEN, TWIN, check_consistency, check_schedule, has_tensors
+from harness.compare.parity.self_consistency import check_self_consistency, copies
 from harness.compare.settings import ConsistencySettings, ScheduleSettings, SelfConsistencySettings
 from harness.core.verdict import CheckResult, Verdict
 
@@ -38,14 +42,23 @@ def _route(ctx: CellContext, name: str) -> list[CheckResult]:
         return [CheckResult(name, Verdict.SKIP, f"workload {ctx.info.workload} takes no {name} route")]
     stats = entry.get("stats") or {}
     if stat not in stats:  # an engine behind HTTP: what it did inside (batches, hits, chunks) is not reported
-        return [unknown_route(name, stat, stats, check_schedule(name, ctx.par, ctx.noise_base, ctx.noise,
-                                                                 ctx.settings.of(ScheduleSettings), what))]
+        return [unknown_route(name, stat, stats, _schedule(ctx, name, what))]
     taken = stats.get(stat, 0) > (1 if stat == "max_running" else 0)
     if not taken:
         return [CheckResult(name, Verdict.SKIP, f"the engine took no {name} route on workload "
                             f"{ctx.info.workload} ({stat} = {stats.get(stat)})")]
     extra = {"route": {k: stats[k] for k in (stat, "steps") if k in stats}}
-    return [check_schedule(name, ctx.par, ctx.noise_base, ctx.noise, ctx.settings.of(ScheduleSettings), what, extra)]
+    return [_schedule(ctx, name, what, extra)]
+
+
+def _schedule(ctx: CellContext, name: str, what: str, extra: dict[str, Any] | None = None) -> CheckResult:
+    """The route's scheduled generations against their one-batch twins: bitwise on an engine that declares
+    batch invariance (batch_invariance only), else within the noise bound."""
+    if name == "batch_invariance" and ctx.par_caps.batch_invariant and has_tensors(ctx.par, (*GEN, *TWIN)):
+        return check_exact(name, ctx.par, [Twin((c.index, TWIN), (c.index, GEN), "its one-batch twin")
+                                           for c in ctx.par.cases], what,
+                           extra)
+    return check_schedule(name, ctx.par, ctx.noise_base, ctx.noise, ctx.settings.of(ScheduleSettings), what, extra)
 
 
 def unknown_route(name: str, stat: str, stats: dict[str, Any], result: CheckResult) -> CheckResult:
@@ -83,6 +96,12 @@ def self_consistency(ctx: CellContext) -> list[CheckResult]:
         return [CheckResult("self_consistency", Verdict.SKIP, f"workload {ctx.info.workload} sends no copies")]
     stats = entry.get("stats") or {}
     extra = {"route": {k: stats[k] for k in ("steps", "max_running") if k in stats}}
+    if ctx.par_caps.batch_invariant and has_tensors(ctx.par, (*GEN, *TWIN)) and copies(ctx.par):
+        groups = copies(ctx.par)
+        twins = [Twin((g[0], GEN), (i, GEN), f"its first copy, request {g[0]}") for g in groups for i in g[1:]]
+        twins += [Twin((g[0], GEN), (g[0], TWIN), "its one-batch twin") for g in groups]
+        return [check_exact("self_consistency", ctx.par, twins, "copies and one-batch twins against the first copy",
+                            extra)]
     return [check_self_consistency(ctx.par, ctx.noise_base, ctx.noise, ctx.settings.of(SelfConsistencySettings), extra)]
 
 

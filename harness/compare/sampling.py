@@ -206,13 +206,15 @@ def check_distribution(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts
     worst = min(tests, key=lambda t: t.p_value)
     outside = [t for t in tests if t.outside]
     strip: dict[str, list[float]] = {}
+    outside_strip: dict[str, list[int]] = {}  # per prompt/path, each step's count of tokens outside the support
     for t in tests:
         strip.setdefault(f"{t.case}/{t.path}", []).append(t.p_value)
+        outside_strip.setdefault(f"{t.case}/{t.path}", []).append(len(t.outside))
     metrics: dict[str, Any] = {
         "tests": len(tests), "draws_per_position": params.n, "alpha": settings.alpha, "threshold": threshold,
         "min_p_value": worst.p_value, "worst": {"case": worst.case, "path": worst.path, "step": worst.step},
         "outside_support": sum(len(t.outside) for t in tests), "near_tie_draws": sum(t.near_tie_draws for t in tests),
-        "p_value_strip": strip, "sampling": params.to_dict(),
+        "p_value_strip": strip, "outside_strip": outside_strip, "sampling": params.to_dict(),
         "p_values": strip_rows(tests, threshold)}
     where = ("; the teacher-forced logits agree with the reference, so the sampler is the suspect"
              if logits_agree else "; the logits checks fail too: the sampled logits already differ")

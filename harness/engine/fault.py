@@ -80,6 +80,7 @@ class FaultFlags:
     spec_logprob_shift: bool = False    # spec-logprob-shift: a speculative step's logprobs from the next row
     chunk_restart: bool = False         # dcp-chunk-restart: later chunks' positions restart at 0 on dcp ranks > 0
     resume_gap: int = 0                 # preempt-resume-position: recomputed new tokens shifted this far
+    batched_decode: bool = False        # batch-variant-decode: the batch-invariant mode still batches decode rows
     sampler_slip: str = ""              # sample-*: the sampler's slip (harness/engine/runtime/sampler.py SLIPS)
     block_table_width: int = 0          # block-table-wrap: block-table entries per sequence (0: unbounded)
     empty_shard_nan: bool = False       # dcp-empty-shard-nan: an empty DCP shard returns NaN

@@ -1,4 +1,5 @@
-"""The lm-eval model that drives the harness's engine: batched greedy generation, stop strings, chat.
+"""The lm-eval model that drives the harness's engine: batched greedy (or seeded sampled) generation, stop strings,
+chat.
 
 Every rank of the engine's process group runs the same requests in lockstep (the engine is
 tensor/context parallel, not data parallel), so this LM tells lm-eval rank 0 / world size 1
@@ -22,6 +23,7 @@ from harness.gsm8k.data import resolve_source
 from harness.gsm8k.records import GSM8KResult
 from harness.gsm8k.settings import GSM8KSettings
 from harness.gsm8k.tasks import evaluate_with
+from harness.specs.sampling import SamplingParams
 
 
 class Generator(Protocol):
@@ -35,7 +37,8 @@ class Generator(Protocol):
                  stop_strings: Sequence[str] = (), max_batch: int | None = None) -> list[list[int]]:
         """Greedy continuation of each prompt; returns only the new tokens (may end with a stop token).
         At most `max_batch` sequences run at once (continuous batching refills finished slots); a
-        sequence may end early once its text contains one of `stop_strings` (the text is cut there)."""
+        sequence may end early once its text contains one of `stop_strings` (the text is cut there).
+        A generator that samples (sampled GSM8K: `samples` True) also takes `seeds=`, one per prompt."""
         ...
 
 
@@ -87,8 +90,13 @@ class HarnessLM(LM):
     """
 
     def __init__(self, generator: Generator, batch_size: int = 8, max_gen_toks: int | None = None,
-                 max_length: int | None = None, name: str = "harness") -> None:
+                 max_length: int | None = None, name: str = "harness", sampling: SamplingParams | None = None) -> None:
         super().__init__()
+        if sampling is not None and not getattr(generator, "samples", False):
+            raise ConfigError(f"GSM8K sampling ({sampling.describe()}) needs an engine whose GSM8K generator samples "
+                              f"(the embedded engine); {type(generator).__name__} generates greedily: drop gsm8k "
+                              f"sampling for this engine")
+        self.sampling = sampling
         if batch_size < 1:
             raise ConfigError(f"batch_size={batch_size} must be >= 1")
         if max_gen_toks is not None and max_gen_toks < 1:
@@ -179,8 +187,9 @@ class HarnessLM(LM):
     def _generate_batch(self, batch: list[_Request]) -> list[str]:
         first = batch[0]
         stops = self.stop_token_ids(first.until)
-        new = self.generator.generate([r.prompt_ids for r in batch], first.max_new_tokens, stops,
-                                      stop_strings=first.until, max_batch=self.batch_size)
+        seeds = {"seeds": [self.sampling.request_seed(r.position) for r in batch]} if self.sampling else {}
+        new = self.generator.generate([r.prompt_ids for r in batch], first.max_new_tokens, stops,  # type: ignore[call-arg]
+                                      stop_strings=first.until, max_batch=self.batch_size, **seeds)
         if len(new) != len(batch):
             raise RunError(f"generator returned {len(new)} sequences for {len(batch)} prompts")
         texts = []
@@ -196,7 +205,7 @@ def evaluate_generator(generator: Generator, settings: GSM8KSettings, data_path:
     """GSM8K (the suite's settings) through any Generator (the engine in engine_eval.py, a server in
     backends/http/gsm8k.py), per-question records included."""
     lm = HarnessLM(generator, batch_size=settings.batch_size, max_gen_toks=settings.max_new_tokens,
-                   max_length=max_length)
+                   max_length=max_length, sampling=settings.sampling)
     return evaluate_with(lm, settings.task, resolve_source(data_path), limit=settings.limit,
                          num_fewshot=settings.num_fewshot, apply_chat_template=settings.chat_template,
                          fewshot_as_multiturn=settings.fewshot_as_multiturn)

@@ -8,7 +8,8 @@ from typing import Any, Mapping
 from harness.core.errors import ConfigError
 from harness.gsm8k.records import FILTERS, STRICT
 from harness.gsm8k.stats import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DETECT_DROP
-from harness.specs.loader import build, did_you_mean, expect_int
+from harness.specs.loader import build, did_you_mean, expect_int, expect_mapping
+from harness.specs.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,8 @@ class GSM8KSettings:
     drop the gate must be able to detect, else WARN; min_answer_agreement: the paired check fails
     below this fraction of equal extracted answers; min_generation_agreement: ... or below this fraction
     of identical greedy generations (vLLM's MTP rule: 80%; small models' answers often all fail to
-    parse, so equal answers alone can hide a broken run).
+    parse, so equal answers alone can hide a broken run); sampling: SamplingParams of a sampled run (per-question
+    seeds), None for greedy.
     """
 
     task: str = "gsm8k"
@@ -39,6 +41,9 @@ class GSM8KSettings:
     detect_drop: float = DEFAULT_DETECT_DROP
     min_answer_agreement: float = 0.9
     min_generation_agreement: float = 0.8
+    # sampled GSM8K (None: greedy): every question's request samples with these settings from its own generator,
+    # seeded by sampling.request_seed(question position), so the reference and the parallel run draw alike
+    sampling: SamplingParams | None = None
 
     def __post_init__(self) -> None:
         where = "gsm8k settings"
@@ -62,9 +67,25 @@ class GSM8KSettings:
             raise ConfigError(f"{where}: sigma={self.sigma!r} must be in (0, 0.5] (a Bernoulli sigma on 0..1)")
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        out["sampling"] = self.sampling.to_dict() if self.sampling is not None else None
+        return out
+
+    def describe_sampling(self) -> str:
+        """'greedy' or 'sampled (temperature 0.7, ..., per-question seeds)'."""
+        if self.sampling is None:
+            return "greedy"
+        text = self.sampling.describe().split(", seed ")[0]
+        return f"sampled ({text}, seed {self.sampling.seed}, per-question seeds)"
 
 
 def gsm8k_settings(data: Mapping[str, Any] | None, where: str = "gsm8k settings") -> GSM8KSettings:
-    """Parse a suite's `gsm8k:` mapping (unknown keys rejected with 'did you mean')."""
-    return build(GSM8KSettings, where, dict(data or {}))
+    """Parse a suite's `gsm8k:` mapping (unknown keys rejected with 'did you mean'; `sampling:` a mapping of
+    SamplingParams fields, e.g. {temperature: 0.7, seed: 3})."""
+    data = dict(data or {})
+    raw = data.pop("sampling", None)
+    try:
+        sampling = SamplingParams.from_dict(expect_mapping(f"{where}: sampling", raw)) if raw is not None else None
+    except TypeError as exc:  # a value of the wrong type (a string for a number)
+        raise ConfigError(f"{where}: sampling {dict(raw)!r}: {exc}; give numbers (e.g. temperature: 0.7)") from None
+    return build(GSM8KSettings, where, data, sampling=sampling)

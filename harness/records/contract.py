@@ -140,10 +140,13 @@ SCHEDULE_SEQUENTIAL = "sequential"  # one case at a time: the NOISE_SCHEDULING t
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend can produce. `top_k` is the number of logprobs per position it returns."""
+    """What a backend can produce. `top_k` is the number of logprobs per position it returns. `batch_invariant`:
+    the engine declares bitwise batch invariance and deterministic inference (a request's logprobs do not depend on
+    what else is in its batch, nor on the run), so the route checks hold it to exact equality (docs/checks.md)."""
 
     provides: frozenset[str]
     top_k: int = 5
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         unknown = sorted(self.provides - set(ALL_CAPABILITIES))
@@ -154,11 +157,15 @@ class Capabilities:
         return capability in self.provides
 
     def to_dict(self) -> dict[str, Any]:
-        return {"provides": sorted(self.provides), "top_k": self.top_k}
+        out: dict[str, Any] = {"provides": sorted(self.provides), "top_k": self.top_k}
+        if self.batch_invariant:  # absent when not declared: other engines' manifests stay as they were
+            out["batch_invariant"] = True
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Capabilities":
-        return cls(provides=frozenset(data.get("provides", ())), top_k=int(data.get("top_k", 5)))
+        return cls(provides=frozenset(data.get("provides", ())), top_k=int(data.get("top_k", 5)),
+                   batch_invariant=data.get("batch_invariant") is True)
 
 
 @dataclass(frozen=True)

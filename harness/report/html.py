@@ -56,7 +56,7 @@ from harness.report.matrix import (
     suspect_text,
 )
 from harness.report.requests_view import RequestsView, requests_view
-from harness.report.svg import head_heatmap, layer_error_plot
+from harness.report.svg import head_heatmap, layer_error_plot, p_value_strip
 
 if TYPE_CHECKING:
     from harness.records.history import CellHistory, TrendKey
@@ -111,6 +111,8 @@ class CheckView:
     metrics: tuple[MetricRow, ...]
     lists: tuple[tuple[str, tuple[str, ...]], ...]
     anchor: str = ""
+    chart: Markup | None = None  # a sampled cell's per-position p-value strip (sampling_distribution)
+    outside_support: int | None = None  # ... and its count of tokens drawn outside the reference's support
 
     @property
     def uses_u(self) -> bool:
@@ -135,8 +137,16 @@ def metric_rows(check: CheckResult) -> tuple[MetricRow, ...]:
 def check_view(check: CheckResult, row_index: int = 0) -> CheckView:
     lists = tuple((name, tuple(str(v) for v in value)) for name, value in check.metrics.items()
                   if isinstance(value, list) and value and all(isinstance(v, str) for v in value))
+    chart, outside = None, None
+    if check.name == "sampling_distribution":
+        try:
+            chart = p_value_strip(check.metrics)
+        except _MALFORMED:  # metrics of another harness version: the table still shows them
+            chart = None
+        value = check.metrics.get("outside_support")
+        outside = value if isinstance(value, int) and not isinstance(value, bool) else None
     return CheckView(check=check, key=key_number(check), metrics=metric_rows(check), lists=lists,
-                     anchor=check_anchor(row_index, check.name))
+                     anchor=check_anchor(row_index, check.name), chart=chart, outside_support=outside)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Inline SVG charts for the HTML report: per-layer error plot, per-head heat map, acceptance bars.
+"""Inline SVG charts for the HTML report: per-layer error plot, per-head heat map, acceptance bars, a sampled
+cell's per-position p-value strip.
 
 Every function returns escaped markup (no xmlns, no external reference) or None when there is
 nothing to draw. Styles are SVG presentation attributes (see _STYLES), so a chart looks the same
@@ -279,3 +280,37 @@ def _counts(value: Any) -> list[float]:
         return []
     counts = [number(v) for v in value]
     return [c if c is not None and math.isfinite(c) and c > 0 else 0.0 for c in counts]
+
+
+_PASS_MARK, _LOW_MARK = "#2da44e", "#cf222e"
+
+
+def p_value_strip(metrics: dict[str, Any]) -> Markup | None:
+    """sampling_distribution's strip: one row per prompt and path, one square per teacher-forced position, green
+    at or above the check's threshold, red below it, outlined black where a token was drawn outside the reference's
+    support (metrics p_value_strip, outside_strip, threshold); None without them."""
+    rows, threshold = metrics.get("p_value_strip"), number(metrics.get("threshold"))
+    if not isinstance(rows, dict) or not rows or threshold is None:
+        return None
+    outside = metrics.get("outside_strip") if isinstance(metrics.get("outside_strip"), dict) else {}
+    box, gap, left, top = 10, 2, 96, 4
+    width = max(len(v) for v in rows.values() if isinstance(v, list)) if rows else 0
+    body: list[str] = []
+    for r, (key, values) in enumerate(rows.items()):
+        y = top + r * (box + gap)
+        body.append(_text(left - 6, y + box - 1, f"prompt {str(key).replace('/', ' ')}", text_anchor="end",
+                          class_="svg-label"))
+        counts = outside.get(key) if isinstance(outside.get(key), list) else []
+        for step, raw in enumerate(values if isinstance(values, list) else []):
+            p = number(raw)
+            low = p is not None and p < threshold
+            out = int(counts[step]) if step < len(counts) and number(counts[step]) else 0
+            tip = (f"prompt {key} step {step}: p = {format_number(p)} "
+                   f"({'below' if low else 'at or above'} threshold {format_number(threshold)})"
+                   + (f", {out} token(s) drawn outside the reference's support" if out else ""))
+            attrs = {"x": left + step * (box + gap), "y": y, "width": box, "height": box,
+                     "fill": _LOW_MARK if low else _PASS_MARK, "data_step": step, "data_below": int(low),
+                     "data_outside": out, "class": "svg-cell-over" if out else "svg-cell"}
+            body.append(_el("rect", attrs, _title(tip)))
+    height = top + len(rows) * (box + gap) + 4
+    return _svg(left + width * (box + gap) + 8, height, "per-position p-values against the threshold", body)

@@ -22,6 +22,13 @@ is a SKIP quoting that line, any other startup failure stays an ERROR with the l
 
 A shipped engine is its file: engines/NAME.yaml is the engine NAME (harness list engines), with no
 line of Python; a template that is not shipped runs by its path (--engine PATH.yaml).
+
+A variant of a shipped template says `extends: NAME`: its keys replace NAME's, its `env` is added to NAME's and
+its `argv_extra` appended to NAME's argv (e.g. engines/vllm-batch-invariant.yaml: vLLM with VLLM_BATCH_INVARIANT=1).
+
+Exactness: `batch_invariant: true` declares that the server is bitwise batch invariant and deterministic (a
+request's logprobs do not depend on its batch nor on the run: vLLM's VLLM_BATCH_INVARIANT=1, SGLang's
+--enable-deterministic-inference); the route checks then hold it to exact equality (docs/checks.md#exactness).
 """
 
 from __future__ import annotations
@@ -139,6 +146,9 @@ class EngineSpec:
     pd_store: str = "harness"
     pd_topologies: tuple[str, ...] = ()
     pd_refusal: str = ""
+    # the server is bitwise batch invariant and deterministic (its batch-invariant kernels or deterministic mode on):
+    # batch_invariance and self_consistency compare bitwise, tolerance zero (harness/compare/exact.py)
+    batch_invariant: bool = False
     # what the engine runs each attention kind with on a given machine (harness/specs/attention_backends.py): the
     # first rule whose CPU flags this machine has; a model its backend cannot load is a SKIP before any server starts
     attention_backends: tuple[AttentionBackend, ...] = ()
@@ -287,13 +297,41 @@ def engine_from_dict(where: str, data: Mapping[str, Any], name: str) -> EngineSp
     return build(EngineSpec, where, data)
 
 
+def extended(where: str, data: Mapping[str, Any], folder: Path = ENGINES_DIR) -> dict[str, Any]:
+    """A template's keys over the shipped template it `extends` (env added to the base's, argv_extra appended to its
+    argv); a template without `extends` as it is (argv_extra then refused: there is no argv to append to)."""
+    data = dict(expect_mapping(where, data))
+    base_name = data.pop("extends", None)
+    extra = data.pop("argv_extra", None)
+    if base_name is None:
+        if extra is not None:
+            raise ConfigError(f"{where}: argv_extra appends to the argv of the template it extends; add extends: NAME "
+                              f"or put the arguments in argv")
+        return data
+    shipped = shipped_engines(folder)
+    if not isinstance(base_name, str) or base_name not in shipped:
+        raise ConfigError(f"{where}: extends={base_name!r} is not a shipped engine template"
+                          f"{did_you_mean(str(base_name), tuple(shipped))}; valid: {', '.join(shipped)}")
+    base = dict(expect_mapping(str(shipped[base_name]), load_yaml(shipped[base_name]) or {}))
+    if "extends" in base:
+        raise ConfigError(f"{where}: extends {base_name!r}, which extends another template; extend the first one")
+    merged = {**base, **data}
+    env = data.get("env") or {}
+    if isinstance(env, Mapping):  # anything else: the engine's own error names it
+        merged["env"] = {**dict(base.get("env") or {}), **env}
+    if extra is not None:
+        merged["argv"] = [*base.get("argv", []), *_strings(where, "argv_extra", extra)]
+    return merged
+
+
 def load_engine(ref: str, folder: Path = ENGINES_DIR) -> EngineSpec:
     """An engine template by shipped name (engines/NAME.yaml) or by path to a .yaml file."""
     shipped = shipped_engines(folder)
     if ref in shipped:
-        return engine_from_dict(str(shipped[ref]), load_yaml(shipped[ref]) or {}, ref)
+        where = str(shipped[ref])
+        return engine_from_dict(where, extended(where, load_yaml(shipped[ref]) or {}, folder), ref)
     path = Path(ref)
     if path.suffix in (".yaml", ".yml") and path.is_file():
-        return engine_from_dict(str(path), load_yaml(path) or {}, path.stem)
+        return engine_from_dict(str(path), extended(str(path), load_yaml(path) or {}, folder), path.stem)
     raise ConfigError(f"unknown engine template {ref!r}{did_you_mean(ref, tuple(shipped))}; valid: "
                       f"{', '.join(shipped)} or an engine .yaml file")

@@ -1,9 +1,13 @@
 """The embedded engine as a backend: harness.backends.embedded.worker under torchrun (launch.launch).
 
-`embedded` produces every artifact of the contract. `embedded-topk` is the same engine in its
-top-k-only mode: it withholds full logits, hidden states and attention outputs and writes top-K
-logprobs of both teacher-forced paths instead, as an HTTP engine would; it proves that the logits
-checks work from top-k logprobs (positive controls in tests/test_backends_topk.py).
+`embedded` produces every artifact of the contract. `embedded:batch-invariant` is the same engine in its
+batch-invariant mode: every request's forward runs alone (one forward per request per engine step, whatever else is
+scheduled), so its logprobs are bitwise the same in any batch and on every run; it declares that
+(Capabilities.batch_invariant) and the route checks hold it to exact equality (docs/checks.md#exactness).
+
+`embedded-topk` is the same engine in its top-k-only mode: it withholds full logits, hidden states and attention
+outputs and writes top-K logprobs of both teacher-forced paths instead, as an HTTP engine would; it proves that the
+logits checks work from top-k logprobs (positive controls in tests/test_backends_topk.py).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ WORKER_MODULE = "harness.backends.embedded.worker"  # each rank runs WORKER_MODU
 ENGINE_ENTRIES: tuple[str, ...] = (WORKER_MODULE, "harness.launcher.launch")
 PREFILL_DIR = "prefill"  # a disaggregated run's prefill world's folder inside the run directory
 TOPK_ONLY_K = 20  # logprobs per position in the top-k-only mode (vLLM's default max_logprobs is 20)
+BATCH_INVARIANT = "batch-invariant"  # the embedded engine's option: one forward per request (worker --batch-invariant)
 
 TOPK_ONLY: frozenset[str] = (c.FULL_ARTIFACTS
                               - {c.FULL_LOGITS, c.HIDDEN_STATES, c.ATTENTION_OUTPUTS, c.COLLECTIVE_ERRORS}) \
@@ -45,18 +50,20 @@ class EmbeddedBackend(Backend):
     name = "embedded"
 
     def __init__(self, option: str | None = None) -> None:
-        if option:
-            raise ConfigError(f"engine {self.name!r} takes no option, got {option!r}")
+        if option and option != BATCH_INVARIANT:
+            raise ConfigError(f"engine {self.name!r} takes no option but {BATCH_INVARIANT!r} "
+                              f"({self.name}:{BATCH_INVARIANT}), got {option!r}")
+        self.batch_invariant = option == BATCH_INVARIANT
         self._code: str | None = None
 
     def version(self) -> str:
         return ENGINE_VERSION
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(provides=c.FULL_ARTIFACTS)
+        return Capabilities(provides=c.FULL_ARTIFACTS, batch_invariant=self.batch_invariant)
 
     def worker_args(self) -> list[str]:
-        return []
+        return ["--batch-invariant"] if self.batch_invariant else []
 
     def identity(self, job: Job) -> dict[str, Any]:
         if self._code is None:

@@ -18,7 +18,7 @@ def evaluate_engine(engine: Engine, tokenizer: Tokenizer, settings: GSM8KSetting
                     data_path: str | Path | None) -> GSM8KResult:
     """GSM8K through the engine, recording the batch it ran: batch_size, or fewer where the KV pool's
     slots cap it (said in the log)."""
-    generator = EngineGenerator(engine, tokenizer)
+    generator = EngineGenerator(engine, tokenizer, settings.sampling)
     result = evaluate_generator(generator, settings, data_path, engine.pool.max_seq_len)
     if generator.widest < settings.batch_size:
         print(f"GSM8K: batch_size={settings.batch_size} but the KV pool holds {engine.max_batch} sequences of "

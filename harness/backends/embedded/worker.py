@@ -90,8 +90,10 @@ def _run_gsm8k(job: Job, engine: Engine, tokenizer: Tokenizer) -> dict[str, Any]
     return evaluate_engine(engine, tokenizer, settings, job.gsm8k.data_path).to_dict()
 
 
-def run_job(job: Job, topk_only: int | None = None, pd_role: str | None = None, pd_store: Path | None = None) -> None:
-    """One rank's run of `job`. `pd_role` (a disaggregated topology's two launches): `prefill` runs the
+def run_job(job: Job, topk_only: int | None = None, pd_role: str | None = None, pd_store: Path | None = None,
+            batch_invariant: bool = False) -> None:
+    """One rank's run of `job` (`batch_invariant`: the engine's batch-invariant mode, every request's forward
+    alone). `pd_role` (a disaggregated topology's two launches): `prefill` runs the
     prefill world (its prompts' KV into `pd_store`, worker_pd.run_prefill_world), `decode` this run with
     each prompt's KV loaded from `pd_store` (worker_pd.DecodeSide)."""
     if pd_role == "prefill" and pd_store is not None:
@@ -105,6 +107,7 @@ def run_job(job: Job, topk_only: int | None = None, pd_role: str | None = None, 
     spec_settings = job.speculative or SpeculativeSettings()
     built = build_engine(state, spec, topo, job.fault, job.pool, job.dtype, spec_settings)
     engine, tokenizer, weights, speculator = built.engine, built.tokenizer, built.weights, built.speculator
+    engine.batch_invariant = batch_invariant
     t_load = time.time()
     _inject_failure(state.rank)
     groups = (build_workload_cases(WorkloadPlan(job.workloads), job.prompts, tokenizer, job.seed,
@@ -205,12 +208,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pd-role", choices=PD_ROLES, default=None,
                         help="a disaggregated topology's world: prefill (KV into the store) or decode (KV from it)")
     parser.add_argument("--pd-store", type=Path, default=None, help="the KV store folder of a disaggregated run")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the batch-invariant mode: every request's forward runs alone (embedded:batch-invariant)")
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     if args.topk is not None and args.topk < 1:
         parser.error(f"--topk={args.topk} must be >= 1")
     if (args.pd_role is None) != (args.pd_store is None):
         parser.error("--pd-role and --pd-store go together")
-    run_job(Job.load(args.job), args.topk, args.pd_role, args.pd_store)
+    run_job(Job.load(args.job), args.topk, args.pd_role, args.pd_store, args.batch_invariant)
     return 0
 
 

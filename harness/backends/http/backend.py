@@ -331,7 +331,8 @@ class HttpBackend(Backend):
             provides.add(c.LAYOUT_REPORT)
         if not self.spec.url:  # a server the harness starts: its probe captures what the template says
             provides.update(self.spec.probe_captures)
-        return Capabilities(provides=frozenset(provides), top_k=self.spec.max_logprobs)
+        return Capabilities(provides=frozenset(provides), top_k=self.spec.max_logprobs,
+                            batch_invariant=self.spec.batch_invariant)
 
     def engine_env(self) -> dict[str, str]:
         """The engine's variables (template engine_env) in the harness's environment, which the server inherits."""
@@ -344,6 +345,8 @@ class HttpBackend(Backend):
         """What decides a run besides the job: the engine, its version, template and the engine's own
         environment variables (a run with HARNESS_VLLM_FAULT set never reuses a clean reference)."""
         template = {k: v for k, v in asdict(self.spec).items() if k not in IDENTITY_EXCLUDES}
+        if not self.spec.batch_invariant:  # declared only where set: the other templates' cache entries stay valid
+            template.pop("batch_invariant")
         build = {"engine_build": self.engine_build()} if self.spec.build_argv else {}
         return {"engine": self.name, "version": self.version(), "template": template,
                 "weights": weights_key(job.model), "engine_env": self.engine_env(), **build}

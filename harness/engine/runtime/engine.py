@@ -117,6 +117,9 @@ class Engine:
         self.flags = flags
         self.dtype = TORCH_DTYPES[dtype or spec.dtype]
         self.pool = pool
+        # the batch-invariant mode (backend embedded:batch-invariant): the serving loop runs every request's rows in
+        # a forward of their own, so a request's logits do not depend on the rest of its batch (scheduler._forward)
+        self.batch_invariant = False
         self._owner_probe: StoredPositions | None = None  # the first decode-path sequence's stored positions
         self.dp = dp  # attention data parallel: a request runs (and is stored) on DP rank owner_of(seq_id) only
         self.model = model_of(spec)  # its components: the attention's engine module builds the decoder (decoders.py)

@@ -58,6 +58,12 @@ FAULTS: tuple[Fault, ...] = (
           "a preempted sequence recomputed with its generated tokens one position too far (a gap after "
           "the prompt): every later step attends with shifted relative positions; only preempted sequences",
           flags={"resume_gap": 1}),
+    Fault("batch-variant-decode", "batch_invariance",
+          "the engine's batch-invariant mode (embedded:batch-invariant) still runs a step's decode rows in one "
+          "forward (a kernel whose reduction order follows the batch size, behind a flag that promises "
+          "invariance): a request's logprobs move by rounding with the batch it decodes in; the noise-bounded "
+          "checks cannot see it, the exact ones must; acts only on an engine in that mode",
+          flags={"batched_decode": True}),
     # the sampler (sampler.py): each acts on a workload with sampling settings only (the sampling workload)
     Fault("sample-topk-per-shard", "sampling_distribution",
           "top-k applied within each TP rank's vocab shard and the shards' survivors gathered (NVIDIA-NeMo/RL "

@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from harness.engine.runtime.engine import Engine
-from harness.engine.runtime.scheduler import ServeSettings, generate, shared_prefix_length
+from harness.engine.runtime.sampler import Sampler
+from harness.engine.runtime.scheduler import Lane, ServeSettings, ServingLoop, generate, shared_prefix_length
 from harness.formats.tokenizer import Tokenizer
+from harness.specs.sampling import SamplingParams
 
 STOP_WINDOW_SLACK = 8  # tokens decoded beyond the longest stop string's length when checking for it
 
@@ -33,10 +35,14 @@ class StringStop:
 
 
 class EngineGenerator:
-    """Greedy batched generation through one rank's Engine; all ranks return the same tokens."""
+    """Greedy batched generation through one rank's Engine; all ranks return the same tokens. With `sampling`
+    each prompt samples from its own generator (generate's `seeds`), every rank alike (the engine's sampler)."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer) -> None:
+    samples = True  # takes seeds= (sampled GSM8K)
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, sampling: SamplingParams | None = None) -> None:
         self.engine = engine
+        self.sampling = sampling
         self.prefix_cache = True  # the prompts' common prefix computed once, into the loop's prefix cache
         self.tokenizer = tokenizer
         self.rank = engine.state.rank
@@ -44,11 +50,21 @@ class EngineGenerator:
         self.widest = 0  # the most sequences any generate() call ran at once
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: set[int],
-                 stop_strings: Sequence[str] = (), max_batch: int | None = None) -> list[list[int]]:
+                 stop_strings: Sequence[str] = (), max_batch: int | None = None,
+                 seeds: Sequence[int] = ()) -> list[list[int]]:
         # the prefix cache (and the pool slot it keeps free) only where the prompts share a whole virtual block
         shared = shared_prefix_length(prompts) >= self.engine.pool.block_size * self.engine.state.dcp
         settings = ServeSettings(prefix_cache=self.prefix_cache and shared, max_batch=max_batch or 0)
-        out = generate(self.engine, prompts, max_new_tokens, stop_token_ids=frozenset(stop_token_ids),
-                       stop=stop_string_check(self.tokenizer, stop_strings), settings=settings)
+        stop = stop_string_check(self.tokenizer, stop_strings)
+        if self.sampling is not None and seeds:  # each prompt draws from its own seeded generator
+            state = self.engine.state
+            sampler = Sampler.of(self.sampling, self.engine.spec.vocab, state.tp, state.rank,
+                                 self.engine.flags.sampler_slip)
+            lane = Lane(prompts, [max_new_tokens] * len(prompts), settings, frozenset(stop_token_ids), stop,
+                        sampler=sampler, seeds=list(seeds))
+            out = ServingLoop(self.engine).run([lane])[0][0]
+        else:
+            out = generate(self.engine, prompts, max_new_tokens, stop_token_ids=frozenset(stop_token_ids),
+                           stop=stop, settings=settings)
         self.widest = max(self.widest, out.width)
         return out.tokens

@@ -407,10 +407,22 @@ class ServingLoop:
                 batches.setdefault(key, []).append(i)
         out: list[torch.Tensor | None] = [None] * len(rows)
         lengths = [len(ids) for _, ids, _ in rows]
-        for group in (g for batch in batches.values() for g in token_groups(batch, lengths, FORWARD_TOKENS)):
+        groups = [g for batch in batches.values() for g in token_groups(batch, lengths, FORWARD_TOKENS)]
+        if self.engine.batch_invariant:
+            groups = self._invariant_groups(rows)
+        for group in groups:
             for i, logits in zip(group, self._batch_forward([rows[i] for i in group])):
                 out[i] = logits
         return torch.stack([t for t in out if t is not None])  # [B, V]
+
+    def _invariant_groups(self, rows: list[tuple[_Request, list[int], list[int]]]) -> list[list[int]]:
+        """The batch-invariant mode's forwards: every row alone, so each request's arithmetic (shapes, reduction
+        orders, collective buffers) is the same whatever else the step runs; under the batched-decode fault the
+        decode rows still share one forward (the mode's promise broken where batches are most common)."""
+        if not self.engine.flags.batched_decode:
+            return [[i] for i in range(len(rows))]
+        decode = [i for i, (req, ids, _) in enumerate(rows) if not req.prefilling and len(ids) == 1]
+        return ([decode] if decode else []) + [[i] for i in range(len(rows)) if i not in decode]
 
     def _batch_forward(self, rows: list[tuple[_Request, list[int], list[int]]]) -> torch.Tensor:
         """One forward of `rows`; float32 logits [B, V] at each row's last token."""
