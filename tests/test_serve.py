@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from harness.backends.http.dialects import SglangDialect, VllmDialect, post_json
+from harness.backends.http.dialects import SglangDialect, VllmDialect, post_json, sampling_fields
 from harness.backends.http.server import Server, free_port, running_server, wait_ready
 from harness.engine.runtime.engine import Engine
 from harness.engine.runtime.parallel import ParallelState
@@ -115,8 +115,9 @@ def test_sampled_requests_draw_with_the_engines_sampler_from_their_own_seeds(ser
         sglang = SglangDialect(post, "tiny-gqa").generate(SEQUENCES[::-1], 6, K, True, sampling=params,
                                                           seeds=[12, 11])
         draws = VllmDialect(post, "tiny-gqa").draw(SEQUENCES[0], params, 40, 3)
-        logprobs = client.post("/v1/completions", json={"prompt": SEQUENCES[0], "max_tokens": 6, "temperature": 1.5,
-                                                        "seed": 11, "logprobs": 1}).json()["choices"][0]["logprobs"]
+        logprobs = client.post("/v1/completions", json={"prompt": SEQUENCES[0], "max_tokens": 6, "seed": 11,
+                                                        "logprobs": 1, **sampling_fields(params)}
+                               ).json()["choices"][0]["logprobs"]
     ours = generate(reference, SEQUENCES, 6, K, sampler=Sampler.of(params, reference.spec.vocab, 1, 0),
                     seeds=[11, 12])
     assert [g.tokens.tolist() for g in vllm] == ours.tokens == [g.tokens.tolist() for g in sglang[::-1]]
