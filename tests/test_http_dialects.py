@@ -4,6 +4,7 @@ top-k keyed by token strings is refused; the server side refuses bad requests wi
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from harness.backends.http.dialects import DIALECTS, SglangDialect, VllmDialect,
 from harness.core.errors import RunError
 from harness.serve.dialects import BadRequest, Limits, Vocabulary, parse_completions, parse_generate
 from harness.specs.engine import DIALECT_NAMES
+from harness.specs.sampling import SamplingParams
 
 VOCAB = Vocabulary(encode=lambda text: list(text.encode()),
                    decode=lambda ids: bytes(i for i in ids if i < 256).decode())
@@ -74,7 +76,15 @@ def test_sglang_generate_reads_ids_from_the_logprob_triples() -> None:
 
 @pytest.mark.parametrize("body, message", [
     ({"prompt": [1, 999]}, r"token id 999 is out of range \[0, 384\)"),
-    ({"prompt": [1, 2], "temperature": 0.7}, "decodes greedily"),
+    ({"prompt": [1, 2], "temperature": -0.5}, r"temperature=-0.5 must be >= 0 \(0: greedy\)"),
+    ({"prompt": [1, 2], "temperature": 0.7, "top_p": 1.5}, r"top_p=1.5 must be in \(0, 1\]"),
+    ({"prompt": [1, 2], "temperature": 0.7, "min_p": 1}, r"min_p=1.0 must be in \[0, 1\)"),
+    ({"prompt": [1, 2], "temperature": 0.7, "repetition_penalty": 0}, "repetition_penalty=0.0 must be > 0"),
+    ({"prompt": [1, 2], "temperature": 0.7, "top_k": -2}, "top_k=-2 must be an integer >= -1"),
+    ({"prompt": [1, 2], "temperature": 0.7, "seed": -1}, "seed=-1 must be an integer >= 0"),
+    ({"prompt": [1, 2], "temperature": "hot"}, "temperature='hot' must be a finite number"),
+    ({"prompt": [1, 2], "n": 2}, "n=2 must be 1 with temperature 0"),
+    ({"prompt": [1, 2], "temperature": 1, "n": 5000}, "n=5000 must be at most 1024"),
     ({"prompt": list(range(60)), "max_tokens": 10}, "exceeds max_model_len=64"),
     ({"prompt": [1], "logprobs": 9}, "at most max_logprobs=5"),
     ({"prompt": [1], "max_tokens": -1}, "max_tokens=-1 must be an integer >= 0"),
@@ -147,3 +157,44 @@ def test_a_logprob_that_is_not_a_number_is_one_clear_error() -> None:
                                                     "top_logprobs": [{"token_id:8": "high"}]}}]}
     with pytest.raises(RunError, match="the server answered a logprob 'high', not a number"):
         VllmDialect(_fake(answer)[1], "m").generate([[1]], n=1, k=1, together=True)
+
+
+def test_a_sampled_workloads_settings_travel_in_each_engines_own_names() -> None:
+    """The client sends the settings under vLLM's / SGLang's names with each request's seed; harness serve parses
+    both to the same SamplingParams, n completions seeded seed, seed + 1, ... (as vLLM seeds its children)."""
+    params = SamplingParams(temperature=1.5, top_k=12, top_p=0.95, min_p=0.05, repetition_penalty=1.3,
+                            presence_penalty=0.5, frequency_penalty=0.2, seed=7, n=3)
+    answer = {"choices": [{"index": 0, "logprobs": {"tokens": ["token_id:7"], "top_logprobs": [{"token_id:7": -0.1}]}}]}
+    sent, post = _fake(answer)
+    gen = VllmDialect(post, "m", seed=0).generate([[1, 2]], 1, 1, together=True, sampling=params, seeds=[99])
+    body = sent[0][1]
+    assert gen[0].tokens.tolist() == [7]
+    assert {k: body[k] for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                                 "frequency_penalty", "seed")} == {
+        "temperature": 1.5, "top_k": 12, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.3,
+        "presence_penalty": 0.5, "frequency_penalty": 0.2, "seed": 99}
+    sent, post = _fake({"choices": [{"index": j, "logprobs": {"tokens": [f"token_id:{t}"], "top_logprobs": [{}]}}
+                                    for j, t in enumerate((5, 6, 5))]})
+    assert VllmDialect(post, "m").draw([1, 2, 3], replace(params, top_k=0), 40, 3) == [5, 6, 5]
+    assert sent[0][1]["n"] == 3 and sent[0][1]["seed"] == 40 and sent[0][1]["top_k"] == -1
+    (vllm,) = parse_completions({"prompt": [1, 2], "max_tokens": 1, **{k: body[k] for k in body if k != "prompt"}},
+                                VOCAB, LIMITS)
+    assert vllm.sampling == replace(params, seed=99, n=1)
+    drawn = parse_completions(sent[0][1], VOCAB, LIMITS)
+    assert [c.sampling.seed for c in drawn if c.sampling] == [40, 41, 42] and all(c.prompt == [1, 2, 3] for c in drawn)
+    # SGLang: sampling_params with sampling_seed; draws as the prompt n times, one seeded params object each
+    sent, post = _fake({"meta_info": {"output_token_logprobs": [[-0.1, 4, None]], "output_top_logprobs": [[]]}})
+    SglangDialect(post, "m").generate([[1, 2]], 1, 1, together=True, sampling=params, seeds=[99])
+    (sglang,), _ = parse_generate(sent[0][1], VOCAB, LIMITS)
+    assert sglang.sampling == vllm.sampling and sent[0][1]["sampling_params"]["sampling_seed"] == 99
+    sent, post = _fake([{"meta_info": {"output_token_logprobs": [[-0.1, t, None]]}} for t in (8, 9)])
+    assert SglangDialect(post, "m").draw([1, 2], params, 40, 2) == [8, 9]
+    parsed, batched = parse_generate(sent[0][1], VOCAB, LIMITS)
+    assert batched and [c.sampling.seed for c in parsed if c.sampling] == [40, 41]
+    assert parse_generate({"input_ids": [1], "sampling_params": {"temperature": 1, "n": 2, "sampling_seed": 5,
+                                                             "max_new_tokens": 1}},
+                          VOCAB, LIMITS)[0][1].sampling == SamplingParams(temperature=1.0, seed=6)
+    with pytest.raises(BadRequest, match=r"sampling: top_p=0.0 must be in \(0, 1\]"):
+        parse_generate({"input_ids": [1], "sampling_params": {"temperature": 1, "top_p": 0}}, VOCAB, LIMITS)
+    with pytest.raises(BadRequest, match=r"a list of one object per prompt \(2\)"):
+        parse_generate({"input_ids": [[1], [2]], "sampling_params": [{}]}, VOCAB, LIMITS)

@@ -13,14 +13,16 @@ import httpx
 import pytest
 import torch
 
-from harness.backends.http.dialects import SglangDialect, VllmDialect, post_json
+from harness.backends.http.dialects import SglangDialect, VllmDialect, post_json, sampling_fields
 from harness.backends.http.server import Server, free_port, running_server, wait_ready
 from harness.engine.runtime.engine import Engine
 from harness.engine.runtime.parallel import ParallelState
+from harness.engine.runtime.sampler import Sampler
 from harness.engine.runtime.scheduler import generate
 from harness.formats.locate import load_model
 from harness.formats.weights import load_weights
 from harness.launcher.launch import THREADS_ENV, available_cores, threads_per_process
+from harness.specs.sampling import SamplingParams
 
 SEQUENCES = [[72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100], [81, 58, 32, 49, 55]]
 K = 5
@@ -80,7 +82,8 @@ def test_bad_requests_are_400_and_metrics_use_vllm_names(server: Server) -> None
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         bad = client.post("/v1/completions", json={"prompt": [1, 5000], "max_tokens": 1})
         assert bad.status_code == 400 and "token id 5000 is out of range" in bad.json()["message"]
-        assert client.post("/generate", json={"text": "x", "sampling_params": {"temperature": 1.0}}).status_code == 400
+        bad = client.post("/generate", json={"text": "x", "sampling_params": {"temperature": 1.0, "top_p": 2}})
+        assert bad.status_code == 400 and bad.json()["message"] == "sampling: top_p=2.0 must be in (0, 1]"
         assert client.get("/v1/models").json()["data"][0]["id"] == "tiny-gqa"
         metrics = client.get("/metrics").text
     assert "vllm:spec_decode_num_accepted_tokens_total" in metrics and "vllm:prompt_tokens_total" in metrics
@@ -98,3 +101,29 @@ def test_ranks_divide_the_cores_as_launched_ranks_do(server: Server) -> None:
     want = int(os.environ["OMP_NUM_THREADS"]) if "OMP_NUM_THREADS" in os.environ else \
         threads_per_process(2, available_cores(), os.environ.get(THREADS_ENV))
     assert httpx.get(f"{server.base_url}/server_info").json()["threads_per_rank"] == [want, want]
+
+
+def test_sampled_requests_draw_with_the_engines_sampler_from_their_own_seeds(server: Server,
+                                                                            reference: Engine) -> None:
+    """Both dialects sample with the embedded engine's sampler (tp1 here, tp2dcp2 behind the server): the same tokens
+    from the same per-request seeds, alone or in a batch, and vLLM's n children seeded seed + j."""
+    params = SamplingParams(temperature=1.5, top_k=12, top_p=0.95, min_p=0.05, repetition_penalty=1.3,
+                            presence_penalty=0.5, frequency_penalty=0.2)
+    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+        post = post_json(client)
+        vllm = VllmDialect(post, "tiny-gqa").generate(SEQUENCES, 6, K, True, sampling=params, seeds=[11, 12])
+        sglang = SglangDialect(post, "tiny-gqa").generate(SEQUENCES[::-1], 6, K, True, sampling=params,
+                                                          seeds=[12, 11])
+        draws = VllmDialect(post, "tiny-gqa").draw(SEQUENCES[0], params, 40, 3)
+        logprobs = client.post("/v1/completions", json={"prompt": SEQUENCES[0], "max_tokens": 6, "seed": 11,
+                                                        "logprobs": 1, **sampling_fields(params)}
+                               ).json()["choices"][0]["logprobs"]
+    ours = generate(reference, SEQUENCES, 6, K, sampler=Sampler.of(params, reference.spec.vocab, 1, 0),
+                    seeds=[11, 12])
+    assert [g.tokens.tolist() for g in vllm] == ours.tokens == [g.tokens.tolist() for g in sglang[::-1]]
+    alone = [generate(reference, [SEQUENCES[0]], 1, K, sampler=Sampler.of(params, reference.spec.vocab, 1, 0),
+                      seeds=[s]).tokens[0][0] for s in (40, 41, 42)]
+    assert draws == alone
+    # a sampled step's logprob is the drawn token's own (not the top-1's)
+    full = torch.log_softmax(reference.prefill_logits([SEQUENCES[0] + ours.tokens[0][:1]])[0].double(), dim=-1)
+    assert logprobs["token_logprobs"][1] == pytest.approx(float(full[-1, ours.tokens[0][1]]), abs=1e-4)

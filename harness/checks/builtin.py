@@ -151,14 +151,19 @@ def logits_decode(ctx: CellContext) -> list[CheckResult]:
         return [CheckResult("logits_decode", Verdict.SKIP, f"{lacking}, and not both give {c.DECODE_PATH}: "
                             "logits_decode unavailable")]
     result, prompts = check_decode_walk(ctx.ref, ctx.par, ctx.noise, ctx.settings.of(LogitsSettings), ctx.top_k,
-                                        ctx.noise_ref)
+                                        ctx.noise_ref, sampled=_sampled(ctx))
     ctx.prompt_rows["decode"] = prompts
     return [result]
 
 
-def generation(ctx: CellContext) -> list[CheckResult]:
+def _sampled(ctx: CellContext) -> bool:
+    """Whether the cell's workload samples (its generated tokens are draws)."""
     entry = workload_entry(ctx)
-    if entry is not None and entry.get("sampling") is not None:
+    return entry is not None and entry.get("sampling") is not None
+
+
+def generation(ctx: CellContext) -> list[CheckResult]:
+    if _sampled(ctx):
         return [CheckResult("generation", Verdict.SKIP, f"workload {ctx.info.workload} samples: its tokens are "
                             "judged by the sampling checks, not against the reference's")]
     try:

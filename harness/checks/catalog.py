@@ -171,12 +171,13 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
               cells="workloads", reads_noise=True),
     CheckSpec("sampling_distribution", "sampling", "harness.checks.sampling_checks:sampling_distribution",
               "each teacher-forced position's n draws of the parallel run's sampler (prefill and decode path) against "
-              "the reference's processed distribution: no token outside its support but near ties, and a chi-square "
-              "fit at a false-positive rate of alpha per cell", settings=SamplingSettings, requires=(c.FULL_LOGITS,),
-              cells="sampling", reads_noise=True),
+              "the reference's processed distribution (full logits: no token outside its support but near ties, and a "
+              "chi-square fit; top-k-only engines: a two-sample chi-square against the reference server's own draws) "
+              "at a false-positive rate of alpha per cell", settings=SamplingSettings, cells="sampling",
+              reads_noise=True),
     CheckSpec("sampling_ranks", "sampling", "harness.checks.sampling_checks:sampling_ranks",
               "every rank's sampler drew the same tokens at every position (no exchange needed when ranks agree)",
-              settings=SamplingSettings, cells="sampling"),
+              settings=SamplingSettings, requires=(c.RANK_DRAWS,), cells="sampling"),
     CheckSpec("sampling_seeded", "sampling", "harness.checks.sampling_checks:sampling_seeded",
               "a prompt sent again with the same seed, alone instead of in a batch, generated the same tokens",
               settings=SamplingSettings, requires=(c.GENERATION,), cells="sampling"),

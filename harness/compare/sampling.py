@@ -12,6 +12,10 @@ prefill and decode logits) are then tested:
 - fit: a chi-square test of the draws that fall on tokens of certain membership against the reference's
   probabilities renormalized over them (bins of small expected count pooled); the cell FAILs when the smallest
   p-value is below alpha / tests (Bonferroni: at most alpha false positives per cell);
+- two-sample (a reference without full logits: an HTTP engine answers top-k logprobs, which cannot place a
+  repetition penalty, since it acts on the sign of the raw logit): each position's draws against the reference run's
+  own draws at that position, a chi-square test of homogeneity (columns of small expected count pooled), with the same
+  Bonferroni threshold; the support is not known, so a token outside it shows only as a shift of the fit;
 - ranks: every rank drew the same tokens (the draws of each rank, gathered);
 - seeded: a prompt sent twice with the same seed (alone and inside a batch) drew the same random numbers.
 """
@@ -124,6 +128,31 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray, min_expected: float = 20
     return float(chi2.sf(((o - e) ** 2 / e).sum(), len(e) - 1))
 
 
+def homogeneity_p(a: np.ndarray, b: np.ndarray, min_expected: float = 20.0) -> float:
+    """p-value that token counts `a` [m] and `b` [m] (two samples over the same tokens) come from one distribution:
+    Pearson's chi-square of the 2 x m table, each token whose smaller expected count (under the pooled distribution)
+    is below min_expected pooled into one column (joined to the smallest other column if still below it); 1.0 with
+    fewer than two columns or an empty sample."""
+    na, nb = float(a.sum()), float(b.sum())
+    if na == 0 or nb == 0:
+        return 1.0
+    pooled = (a + b).astype(np.float64) / (na + nb)
+    small = np.minimum(pooled * na, pooled * nb) < min_expected
+    cols = [(float(x), float(y)) for x, y in zip(a[~small], b[~small])]
+    rest = (float(a[small].sum()), float(b[small].sum()))
+    if rest[0] + rest[1] > 0:
+        if min(na, nb) * (rest[0] + rest[1]) / (na + nb) < min_expected and cols:
+            j = int(np.argmin([x + y for x, y in cols]))
+            cols[j] = (cols[j][0] + rest[0], cols[j][1] + rest[1])
+        else:
+            cols.append(rest)
+    if len(cols) < 2:
+        return 1.0
+    obs = np.asarray(cols, dtype=np.float64).T  # [2, m']
+    expected = np.outer([na, nb], obs.sum(axis=0)) / (na + nb)
+    return float(chi2.sf(((obs - expected) ** 2 / expected).sum(), obs.shape[1] - 1))
+
+
 @dataclass(frozen=True)
 class PositionTest:
     """One position's draws against the reference: p-value, draws outside the support (near ties apart)."""
@@ -185,6 +214,23 @@ def position_tests(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | N
     return out
 
 
+def two_sample_tests(ref: RunArtifacts, par: RunArtifacts, settings: SamplingSettings) -> list[PositionTest]:
+    """Every sampled position of every case and path that both runs drew: rank 0's draws of the parallel run
+    against rank 0's of the reference (homogeneity_p); no support is known, so `outside` stays empty."""
+    out: list[PositionTest] = []
+    for case in par.cases:
+        for kind, path in PATHS.items():
+            if not _has(par, kind, case.index) or not _has(ref, kind, case.index):
+                continue
+            mine, theirs = par.tensor(kind, case.index)[0].numpy(), ref.tensor(kind, case.index)[0].numpy()  # [S, n]
+            for s in range(min(mine.shape[0], theirs.shape[0])):
+                size = int(max(mine[s].max(), theirs[s].max())) + 1
+                a, b = np.bincount(mine[s], minlength=size), np.bincount(theirs[s], minlength=size)
+                out.append(PositionTest(case.index, path, s, homogeneity_p(a, b, settings.min_expected), (), 0,
+                                        int(((a + b) > 0).sum())))
+    return out
+
+
 def strip_rows(tests: Sequence[PositionTest], threshold: float) -> list[str]:
     """The report's p-value strip (text rows the drill-down shows under the reason): per prompt and path, each
     step's p-value, '!' below the threshold, 'x' where a token was drawn outside the support."""
@@ -199,7 +245,12 @@ def check_distribution(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts
                        params: SamplingParams, settings: SamplingSettings, logits_agree: bool) -> CheckResult:
     """sampling_distribution: support and fit of every position's draws (the module docstring)."""
     name = "sampling_distribution"
-    tests = position_tests(ref, par, noise, noise_base, params, settings)
+    full = bool(par.cases) and all(_has(ref, PREFILL_LOGITS, case.index) for case in par.cases)
+    if not full and not any(_has(ref, kind, case.index) for case in par.cases for kind in PATHS):
+        return CheckResult(name, Verdict.SKIP, "the reference holds neither full logits (prefill_logits) nor draws "
+                           "of its own (sample_prefill): no reference distribution to test the draws against")
+    tests = (position_tests(ref, par, noise, noise_base, params, settings) if full
+             else two_sample_tests(ref, par, settings))
     if not tests:
         return CheckResult(name, Verdict.SKIP, "the run holds no sampling draws (sample_prefill / sample_decode)")
     threshold = settings.alpha / len(tests)
@@ -215,7 +266,8 @@ def check_distribution(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts
         "min_p_value": worst.p_value, "worst": {"case": worst.case, "path": worst.path, "step": worst.step},
         "outside_support": sum(len(t.outside) for t in tests), "near_tie_draws": sum(t.near_tie_draws for t in tests),
         "p_value_strip": strip, "outside_strip": outside_strip, "sampling": params.to_dict(),
-        "p_values": strip_rows(tests, threshold)}
+        "p_values": strip_rows(tests, threshold),
+        "reference": "processed distribution of its full logits" if full else "its own draws (two-sample)"}
     where = ("; the teacher-forced logits agree with the reference, so the sampler is the suspect"
              if logits_agree else "; the logits checks fail too: the sampled logits already differ")
     if outside:
@@ -223,14 +275,15 @@ def check_distribution(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts
         return CheckResult(name, Verdict.FAIL, f"prompt {t.case} {t.path} step {t.step}: tokens {list(t.outside)[:5]} "
                            f"drawn outside the reference's support of {t.support} tokens ({len(outside)} of "
                            f"{len(tests)} positions){where}", metrics)
+    against = "the reference's processed distribution" if full else "the reference's own draws (two-sample)"
     if worst.p_value < threshold:
         low = sum(t.p_value < threshold for t in tests)
         return CheckResult(name, Verdict.FAIL, f"prompt {worst.case} {worst.path} step {worst.step}: draws do not fit "
-                           f"the reference's processed distribution (p = {worst.p_value:.1e} < {threshold:.1e} = "
-                           f"alpha {settings.alpha:g} / {len(tests)} tests; {low} positions below){where}", metrics)
-    return CheckResult(name, Verdict.PASS, f"{len(tests)} positions x {params.n} draws fit the reference's processed "
-                       f"distribution (min p = {worst.p_value:.2g} >= {threshold:.1e}), none outside its support",
-                       metrics)
+                           f"{against} (p = {worst.p_value:.1e} < {threshold:.1e} = alpha {settings.alpha:g} / "
+                           f"{len(tests)} tests; {low} positions below){where}", metrics)
+    support = ", none outside its support" if full else " (the support is not known without full logits)"
+    return CheckResult(name, Verdict.PASS, f"{len(tests)} positions x {params.n} draws fit {against} (min p = "
+                       f"{worst.p_value:.2g} >= {threshold:.1e}){support}", metrics)
 
 
 def check_ranks(par: RunArtifacts) -> CheckResult:

@@ -117,11 +117,12 @@ GSM8K = "gsm8k"                        # lm-eval GSM8K records
 WORKLOADS = "workloads"                # runs Job.workloads (their cases, schedules and routes)
 SCHEDULE_TWIN = "schedule_twin"        # twin_* of workload runs: the same prompts in one plain batch
 REPREFILL = "reprefill"                # reprefill_topk_* of workload runs
+RANK_DRAWS = "rank_draws"              # sample_* hold every rank's own draws (W = the ranks; an HTTP server: rank 0's)
 
 ALL_CAPABILITIES: tuple[str, ...] = (
     FULL_LOGITS, TOPK_LOGPROBS, PROMPT_LOGPROBS, DECODE_PATH, HIDDEN_STATES, ATTENTION_OUTPUTS, COLLECTIVE_ERRORS,
     LAYOUT_REPORT, KV_POOL_SIZE, ACCEPT_TRACES, ACCEPTANCE_AGGREGATE, GENERATION, GSM8K, WORKLOADS, SCHEDULE_TWIN,
-    REPREFILL,
+    REPREFILL, RANK_DRAWS,
 )
 # Every artifact of the contract in full (the embedded engine's; what a run that records no backend is read
 # as): full logits carry every top-k, so no *_topk_* tensors; accept traces, not only their mean.

@@ -104,9 +104,10 @@ def _peer(request: Request) -> str:
 
 
 def build_app(submit: Callable[[Pending], None], vocab: Vocabulary, limits: Limits, model: str,
-              info: dict[str, Any], kv_store: Path | None = None) -> FastAPI:
+              info: dict[str, Any], kv_store: Path | None = None, greedy_only: str = "") -> FastAPI:
     """The app; `submit` hands a Pending to the engine loop, which completes its future. `kv_store`: a P/D decode
-    server's store folder, where each request's namespace must exist (the prefill server made it)."""
+    server's store folder, where each request's namespace must exist (the prefill server made it). `greedy_only`:
+    why this server cannot sample (a speculative server, a P/D side), refusing sampled requests with a 400."""
     app = FastAPI(title="harness serve")
     metrics = Metrics()
     created = int(time.time())
@@ -143,6 +144,10 @@ def build_app(submit: Callable[[Pending], None], vocab: Vocabulary, limits: Limi
                 raise BadRequest(f"kv_transfer_params.namespace={c.kv.namespace!r} is not in this decode server's KV "
                                  f"store {kv_store}: no prefill server has sent KV under it; send the prompts to the "
                                  f"prefill server first, with the same namespace")
+
+    def check_sampling(batch: list[Completion]) -> None:
+        if greedy_only and any(c.sampling is not None for c in batch):
+            raise BadRequest(f"temperature > 0: {greedy_only} decodes greedily; send temperature 0")
 
     async def body_of(request: Request) -> dict[str, Any]:
         try:
@@ -202,6 +207,7 @@ def build_app(submit: Callable[[Pending], None], vocab: Vocabulary, limits: Limi
             raise BadRequest("stream=true is not supported")
         check_model(body)
         batch = parse_completions(body, vocab, limits)
+        check_sampling(batch)
         check_namespaces(batch)
         return completions_response(body, batch, await run(request, batch), vocab, model)
 
@@ -210,6 +216,7 @@ def build_app(submit: Callable[[Pending], None], vocab: Vocabulary, limits: Limi
         body = await body_of(request)
         check_model(body)  # SGLang's /generate has no model field; one that names another model is refused
         batch, batched = parse_generate(body, vocab, limits)
+        check_sampling(batch)
         check_namespaces(batch)
         return generate_response(body, batch, await run(request, batch), vocab, batched)
 

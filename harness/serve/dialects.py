@@ -2,23 +2,35 @@
 
 - vLLM's OpenAI-compatible /v1/completions: token-id (or text) prompts, `prompt_logprobs`,
   `logprobs`, `echo`, `return_tokens_as_token_ids`, `ignore_eos`, `stop_token_ids`;
-- SGLang's native /generate: `input_ids` (or `text`), `sampling_params` (incl. `stop_token_ids`), `return_logprob`,
-  `logprob_start_len`, `top_logprobs_num`.
+- SGLang's native /generate: `input_ids` (or `text`), `sampling_params` (incl. `stop_token_ids`; one object, or a
+  list of one per prompt), `return_logprob`, `logprob_start_len`, `top_logprobs_num`.
+Sampling, in each engine's own names (vLLM's at the request's top level, SGLang's in `sampling_params`):
+`temperature` (0 or absent: greedy), `top_k` (-1 or 0: off), `top_p`, `min_p`, `repetition_penalty`,
+`presence_penalty`, `frequency_penalty`, the request's seed (vLLM `seed`, SGLang `sampling_seed`; absent: one drawn
+by the server) and `n` completions per prompt, completion j seeded with seed + j (as vLLM seeds its n children).
+The values are validated by harness/specs/sampling.py's SamplingParams, so a bad one is a 400 naming the field and
+its valid range.
 Pure functions: a bad request raises BadRequest with the message the client gets (HTTP 400).
 """
 
 from __future__ import annotations
 
+import math
 import re
+import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
+from harness.core.errors import ConfigError
 from harness.serve.protocol import Completion, CompletionResult, KVTransfer, TokenLogprob
+from harness.specs.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS_VLLM = 16
 DEFAULT_MAX_TOKENS_SGLANG = 128
+MAX_N = 1024  # completions per prompt (`n`) one request may ask for
+SEED_RANGE = 2 ** 62  # a server-drawn seed of a sampled request without one
 
 
 class BadRequest(ValueError):
@@ -49,9 +61,40 @@ def _int(body: dict[str, Any], key: str, default: int | None, minimum: int = 0) 
     return value
 
 
-def _greedy(temperature: Any) -> None:
-    if temperature not in (None, 0, 0.0):
-        raise BadRequest(f"temperature={temperature!r}: harness serve decodes greedily; send temperature 0")
+def _number(where: dict[str, Any], key: str, default: float) -> float:
+    value = where.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadRequest(f"{key}={value!r} must be a finite number")
+    return float(value)
+
+
+def _sampling(where: dict[str, Any], seed_key: str) -> list[SamplingParams | None]:
+    """The settings of each of a prompt's `n` completions (module docstring): [None] when greedy; sampled ones
+    seeded seed, seed + 1, ..."""
+    temperature = _number(where, "temperature", 0.0)
+    n = _int(where, "n", 1, minimum=1) or 1
+    if n > MAX_N:
+        raise BadRequest(f"n={n} must be at most {MAX_N}")
+    if temperature < 0:
+        raise BadRequest(f"temperature={temperature:g} must be >= 0 (0: greedy)")
+    if temperature == 0:
+        if n != 1:
+            raise BadRequest(f"n={n} must be 1 with temperature 0 (greedy decoding gives one answer)")
+        return [None]
+    top_k = _int(where, "top_k", -1, minimum=-1) or 0
+    seed = _int(where, seed_key, None)
+    try:
+        params = SamplingParams(temperature=temperature, top_k=max(top_k, 0), top_p=_number(where, "top_p", 1.0),
+                                min_p=_number(where, "min_p", 0.0),
+                                repetition_penalty=_number(where, "repetition_penalty", 1.0),
+                                presence_penalty=_number(where, "presence_penalty", 0.0),
+                                frequency_penalty=_number(where, "frequency_penalty", 0.0),
+                                seed=secrets.randbelow(SEED_RANGE) if seed is None else seed)
+    except ConfigError as exc:  # "sampling: top_p=1.5 must be in (0, 1]"
+        raise BadRequest(str(exc)) from exc
+    return [replace(params, seed=params.seed + j) for j in range(n)]
 
 
 def _prompts(value: Any, vocab: Vocabulary, key: str) -> list[list[int]]:
@@ -116,9 +159,9 @@ def _kv_transfer(body: dict[str, Any], prompts: int) -> list[KVTransfer | None]:
 
 
 def parse_completions(body: dict[str, Any], vocab: Vocabulary, limits: Limits) -> list[Completion]:
-    _greedy(body.get("temperature"))
-    if _int(body, "n", 1, minimum=1) != 1:
-        raise BadRequest("n must be 1 (greedy decoding gives one answer)")
+    """Every completion of a /v1/completions request: prompt i's n completions at i * n .. i * n + n - 1 (the
+    order of vLLM's choices)."""
+    children = _sampling(body, "seed")
     if "prompt" not in body:
         raise BadRequest("missing 'prompt'")
     prompts = _prompts(body["prompt"], vocab, "prompt")
@@ -131,9 +174,10 @@ def parse_completions(body: dict[str, Any], vocab: Vocabulary, limits: Limits) -
     out = []
     for p, kv in zip(prompts, _kv_transfer(body, len(prompts))):
         _check(p, max_tokens, max(top_k, prompt_top_k or 0), limits)
-        out.append(Completion(prompt=p, max_tokens=max_tokens, top_k=top_k,
-                              prompt_top_k=max(prompt_top_k or 0, top_k, 1) if wants_prompt else 0,
-                              ignore_eos=bool(body.get("ignore_eos", False)), stop_token_ids=stop, kv=kv))
+        out += [Completion(prompt=p, max_tokens=max_tokens, top_k=top_k,
+                           prompt_top_k=max(prompt_top_k or 0, top_k, 1) if wants_prompt else 0,
+                           ignore_eos=bool(body.get("ignore_eos", False)), stop_token_ids=stop, kv=kv, sampling=params)
+                for params in children]
     return out
 
 
@@ -202,11 +246,8 @@ def completions_response(body: dict[str, Any], batch: list[Completion], results:
 
 
 def parse_generate(body: dict[str, Any], vocab: Vocabulary, limits: Limits) -> tuple[list[Completion], bool]:
-    """The completions of a /generate request and whether it was a batch (a list of prompts)."""
-    params = body.get("sampling_params") or {}
-    if not isinstance(params, dict):
-        raise BadRequest("sampling_params must be an object")
-    _greedy(params.get("temperature"))
+    """The completions of a /generate request (prompt i's n completions together, in prompt order) and whether the
+    answer is a list (a batch of prompts, or n > 1)."""
     if "input_ids" in body:
         value, key = body["input_ids"], "input_ids"
     elif "text" in body:
@@ -215,18 +256,27 @@ def parse_generate(body: dict[str, Any], vocab: Vocabulary, limits: Limits) -> t
         raise BadRequest("give 'input_ids' or 'text'")
     batched = isinstance(value, list) and bool(value) and isinstance(value[0], (list, str))
     prompts = _prompts(value, vocab, key)
-    max_tokens = _int(params, "max_new_tokens", DEFAULT_MAX_TOKENS_SGLANG) or 0
+    given = body.get("sampling_params") or {}
+    if isinstance(given, dict):
+        per_prompt = [given] * len(prompts)
+    elif isinstance(given, list) and len(given) == len(prompts) and all(isinstance(g, dict) for g in given):
+        per_prompt = given
+    else:
+        raise BadRequest(f"sampling_params must be an object, or a list of one object per prompt ({len(prompts)})")
     logprob = bool(body.get("return_logprob", False))
     top_k = (_int(body, "top_logprobs_num", 0) or 0) if logprob else 0
     start = _int(body, "logprob_start_len", -1, minimum=-1)
-    stop = _stop_ids(params, limits)
     out = []
-    for p in prompts:
+    for p, params in zip(prompts, per_prompt):
+        max_tokens = _int(params, "max_new_tokens", DEFAULT_MAX_TOKENS_SGLANG) or 0
+        stop = _stop_ids(params, limits)
+        children = _sampling(params, "sampling_seed")
         _check(p, max_tokens, top_k, limits)
-        out.append(Completion(prompt=p, max_tokens=max_tokens, top_k=top_k if logprob else 0,
-                              prompt_top_k=max(top_k, 1) if logprob and start is not None and start >= 0 else 0,
-                              ignore_eos=bool(params.get("ignore_eos", False)), stop_token_ids=stop))
-    return out, batched
+        out += [Completion(prompt=p, max_tokens=max_tokens, top_k=top_k if logprob else 0,
+                           prompt_top_k=max(top_k, 1) if logprob and start is not None and start >= 0 else 0,
+                           ignore_eos=bool(params.get("ignore_eos", False)), stop_token_ids=stop, sampling=child)
+                for child in children]
+    return out, batched or len(out) > 1
 
 
 def _triple(lp: float | None, token: int, vocab: Vocabulary, text: bool) -> list[Any]:

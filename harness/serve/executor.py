@@ -3,14 +3,15 @@ the same order (lockstep) and gets the same results; only rank 0's are sent back
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from itertools import groupby
 from typing import Callable, Sequence
 
 import torch
 
 from harness.engine.runtime.engine import Engine, PrefixLoader
-from harness.engine.runtime.scheduler import generate, speculate
+from harness.engine.runtime.scheduler import generate, sampler_for, speculate
 from harness.engine.speculative.decoding import SpeculativeDecoder
 from harness.serve.protocol import Completion, CompletionResult, TokenLogprob, TopK
 
@@ -73,15 +74,35 @@ def _no_loader(group: list[Completion]) -> PrefixLoader | None:
     return None
 
 
+def _sampling_key(c: Completion) -> tuple[float, ...]:
+    """What a sampled completion shares with the others of its lane: its settings but the seed (greedy: ())."""
+    if c.sampling is None:
+        return ()
+    return tuple(float(v) for v in replace(c.sampling, seed=0, n=1).to_dict().values())
+
+
 def _plain(engine: Engine, group: list[Completion], stop: frozenset[int], gone: Abandoned,
            loader: PrefixLoader | None = None) -> list[Generated]:
-    gen = generate(engine, [c.prompt for c in group], group[0].max_tokens, max(c.top_k for c in group) or 1, stop,
-                   abandoned=gone, loader=loader)
+    """A greedy group, or a sampled one (every completion the same settings, each its own seed) drawn by the engine's
+    sampler; a sampled step's logprob is the drawn token's (any rank), read from the whole vocabulary's row."""
+    params = group[0].sampling
+    if params is not None:
+        gen = generate(engine, [c.prompt for c in group], group[0].max_tokens, engine.spec.vocab, stop,
+                       abandoned=gone, loader=loader, sampler=sampler_for(engine, params),
+                       seeds=[c.sampling.seed for c in group if c.sampling is not None])
+    else:
+        gen = generate(engine, [c.prompt for c in group], group[0].max_tokens, max(c.top_k for c in group) or 1,
+                       stop, abandoned=gone, loader=loader)
     out = []
     for c, toks, ids, lps in zip(group, gen.tokens, gen.topk_ids, gen.topk_logprobs):
-        steps = [TokenLogprob(token=t, logprob=float(lp[0]), rank=1,
-                              top=[(int(i), float(v)) for i, v in zip(ids_row[:c.top_k], lp[:c.top_k])])
-                 for t, ids_row, lp in zip(toks, ids, lps)]
+        if params is not None:  # the whole row [V]: the drawn token scored against it
+            rows = [torch.full((engine.spec.vocab,), -math.inf, dtype=torch.float64).index_put((i,), lp.double())
+                    for i, lp in zip(ids, lps)]
+            steps = [score(row, t, c.top_k) for t, row in zip(toks, rows)]
+        else:
+            steps = [TokenLogprob(token=t, logprob=float(lp[0]), rank=1,
+                                  top=[(int(i), float(v)) for i, v in zip(ids_row[:c.top_k], lp[:c.top_k])])
+                     for t, ids_row, lp in zip(toks, ids, lps)]
         out.append(Generated(list(toks), steps, []))
     return out
 
@@ -111,14 +132,15 @@ def _speculative(engine: Engine, decoder: SpeculativeDecoder, group: list[Comple
 def execute(engine: Engine, batch: Sequence[Completion], eos_id: int | None,
             decoder: SpeculativeDecoder | None = None,
             abandoned: Abandoned = _nothing_abandoned, loaders: Loaders = _no_loader) -> list[CompletionResult]:
-    """Every completion of `batch`; generations batched by (max_tokens, stop tokens). `abandoned()` (asked
+    """Every completion of `batch`; generations batched by (max_tokens, stop tokens, sampling settings but the
+    seed). `abandoned()` (asked
     before the prompt pass and every generation step, alike on every rank) names completions nobody waits for:
     they are skipped or stopped at that step, and their results are partial. `loaders(group)`: the KV source of a
     plain generation group's prompts (a disaggregated decode server's connector), or None to compute them."""
     prompt_lps = _prompt_logprobs(engine, batch, abandoned())
     generated: dict[int, Generated] = {}
-    key = lambda i: (batch[i].max_tokens, sorted(_stop(batch[i], eos_id)))  # noqa: E731
-    for (max_tokens, _), members in groupby(sorted(range(len(batch)), key=key), key=key):
+    key = lambda i: (batch[i].max_tokens, sorted(_stop(batch[i], eos_id)), _sampling_key(batch[i]))  # noqa: E731
+    for (max_tokens, _, _), members in groupby(sorted(range(len(batch)), key=key), key=key):
         index = list(members)
         group = [batch[i] for i in index]
         stop = _stop(group[0], eos_id)

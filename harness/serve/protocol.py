@@ -5,14 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harness.core.errors import ConfigError
+from harness.specs.sampling import SamplingParams
 
 TopK = list[tuple[int, float]]  # (token id, logprob), best first
 
 
 @dataclass(frozen=True)
 class Completion:
-    """Greedy completion of `prompt` (token ids). `prompt_top_k` > 0 asks for teacher-forced logprobs of
-    every prompt position; `top_k` > 0 for the top-k of every generated step."""
+    """Completion of `prompt` (token ids), greedy or, with `sampling`, sampled by the engine's sampler from a
+    generator seeded by `sampling.seed` (this completion's own seed). `prompt_top_k` > 0 asks for teacher-forced
+    logprobs of every prompt position; `top_k` > 0 for the top-k of every generated step."""
 
     prompt: list[int]
     max_tokens: int
@@ -21,6 +23,7 @@ class Completion:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()  # generation also ends at these (kept, as vLLM's stop_token_ids)
     kv: KVTransfer | None = None  # a disaggregated server's KV store entry of this prompt (kv_transfer_params)
+    sampling: SamplingParams | None = None  # None: greedy
 
 
 @dataclass(frozen=True)

@@ -198,8 +198,11 @@ def serve(config: ServeConfig) -> None:
         limits = Limits(vocab=spec.vocab, max_model_len=pool.max_seq_len, max_logprobs=config.max_logprobs)
         vocab = Vocabulary(encode=tokenizer.encode, decode=tokenizer.decode)
         assert sock is not None
+        greedy_only = (f"a disaggregated {config.pd_role} server" if config.pd_role
+                       else "a speculative server" if decoder is not None else "")
         _serve_http(lockstep, sock, build_app(lockstep.inbox.put, vocab, limits, name, info,
-                                                   Path(config.pd_store) if config.pd_role == "decode" else None))
+                                              Path(config.pd_store) if config.pd_role == "decode" else None,
+                                              greedy_only))
     else:
         lockstep.follow()
     state.shutdown()

@@ -17,7 +17,7 @@ import torch
 from harness.cases import WorkloadCases
 from harness.engine.runtime.engine import DecodePath, Engine, PrefixLoader, length_buckets
 from harness.engine.runtime.sampler import Sampler
-from harness.engine.runtime.scheduler import Lane, ServeSettings, ServingLoop
+from harness.engine.runtime.scheduler import Lane, ServeSettings, ServingLoop, sampler_for
 from harness.records import contract as c_
 from harness.records.artifacts import Case
 
@@ -101,10 +101,7 @@ def run_workloads(engine: Engine, groups: Sequence[WorkloadCases], top_k: int,
 def sampler_of(engine: Engine, group: WorkloadCases) -> Sampler | None:
     """The engine's sampler for a workload with sampling settings (None: greedy), with the fault's slip."""
     params = group.workload.sampling
-    if params is None:
-        return None
-    state = engine.state
-    return Sampler.of(params, engine.spec.vocab, state.tp, state.rank, engine.flags.sampler_slip)
+    return None if params is None else sampler_for(engine, params)
 
 
 PATH_SALT = {c_.SAMPLE_PREFILL: 1, c_.SAMPLE_DECODE: 2}  # each path's draws from generators of their own

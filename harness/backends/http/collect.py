@@ -18,6 +18,7 @@ from harness.records import contract as c
 from harness.records.artifacts import Case
 from harness.records.contract import Job
 from harness.specs.model import ModelSpec
+from harness.specs.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -65,20 +66,23 @@ def collect_answers(job: Job, cases: Sequence[Case], scored: Sequence[Scored], g
 
 
 def send_cases(dialect: Dialect, cases: Sequence[Case], k: int, max_new_tokens: int, top_k: int, together: bool,
-               log: SendLog | None) -> tuple[list[Scored], list[Generation]]:
-    """Each case's teacher-forced top-k (`k`) and greedy generation (`max_new_tokens`, per-step `top_k`), in
-    case order: with a log, one request per case as its schedule says (recorded there); else all in one
-    request (`together`) or one by one."""
+               log: SendLog | None, sampling: SamplingParams | None = None,
+               seeds: Sequence[int] = ()) -> tuple[list[Scored], list[Generation]]:
+    """Each case's teacher-forced top-k (`k`) and generation (`max_new_tokens`, per-step `top_k`; greedy, or with
+    `sampling` sampled from case i's seed seeds[i]), in case order: with a log, one request per case as its schedule
+    says (recorded there); else all in one request (`together`) or one by one."""
     if log is None:
         return (dialect.score([case.sequence_ids for case in cases], k, together),
-                dialect.generate([case.prompt_ids for case in cases], max_new_tokens, top_k, together))
+                dialect.generate([case.prompt_ids for case in cases], max_new_tokens, top_k, together, sampling,
+                                 seeds))
     indices = [case.index for case in cases]
     scored = send("score", indices, [_one(dialect.score, case.sequence_ids, k) for case in cases], log.schedule, log)
-    generated = send("generate", indices, [_one(dialect.generate, case.prompt_ids, max_new_tokens, top_k)
-                                           for case in cases], log.schedule, log)
+    generated = send("generate", indices, [_one(dialect.generate, case.prompt_ids, max_new_tokens, top_k,
+                                                sampling=sampling, seeds=seeds[j:j + 1] if sampling else ())
+                                           for j, case in enumerate(cases)], log.schedule, log)
     return scored, generated
 
 
-def _one(ask: Callable[..., list[Any]], ids: Sequence[int], *args: Any) -> Callable[[], Any]:
-    """A request of one case: `ask([ids], *args, together=True)`'s only answer."""
-    return lambda: ask([ids], *args, True)[0]
+def _one(ask: Callable[..., list[Any]], ids: Sequence[int], *args: Any, **kwargs: Any) -> Callable[[], Any]:
+    """A request of one case: `ask([ids], *args, together=True, **kwargs)`'s only answer."""
+    return lambda: ask([ids], *args, True, **kwargs)[0]

@@ -7,6 +7,12 @@ decode to the same string collapse into one entry.
   vllm   /v1/completions, token-id prompt, prompt_logprobs + logprobs, return_tokens_as_token_ids
   sglang /generate, input_ids, return_logprob, logprob_start_len=0, top_logprobs_num
   openai /v1/completions with echo + logprobs (token ids required in the answer)
+
+A sampled workload's requests (harness/specs/sampling.py) carry its settings in the engine's own names (vLLM's at the
+top level, SGLang's in sampling_params): temperature, top_k (-1: off), top_p, min_p, repetition_penalty,
+presence_penalty, frequency_penalty, and each request's seed (vLLM `seed`, SGLang `sampling_seed`). `draw` asks for n
+draws of one next token: vLLM `n` (its children seeded seed + j), SGLang the prompt n times in one batch, copy j
+seeded seed + j.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import httpx
 import torch
 
 from harness.core.errors import RunError
+from harness.specs.sampling import SamplingParams
 
 TOKEN_ID_KEY = re.compile(r"^token_id:(-?\d+)$")
 # vLLM v1's speculative-decoding Prometheus counters (vllm/v1/spec_decode/metrics.py): verify steps
@@ -143,6 +150,13 @@ def token_id(key: str) -> int:
     return int(match.group(1))
 
 
+def sampling_fields(params: SamplingParams) -> dict[str, Any]:
+    """A sampled request's settings under the names vLLM and SGLang share (the seed goes under each one's key)."""
+    return {"temperature": params.temperature, "top_k": params.top_k or -1, "top_p": params.top_p,
+            "min_p": params.min_p, "repetition_penalty": params.repetition_penalty,
+            "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty}
+
+
 def post_json(client: httpx.Client) -> Post:
     """POST a JSON body, returning the JSON answer; a non-200 answer is a RunError naming status and body."""
     def post(path: str, body: dict[str, Any]) -> Any:
@@ -175,8 +189,8 @@ def answer_shape(dialect: str, what: str) -> Iterator[None]:
 
 class Dialect:
     """Asks for scores and generations of several sequences in one request (`together`) or one by one. `seed`: the
-    run seed, sent with each request as its sampling seed where the dialect has one (the requests are greedy: it
-    decides nothing today, and the server's own seed stays the same for every run seed)."""
+    run seed, sent with each greedy request as its sampling seed where the dialect has one (it decides nothing
+    there); a sampled request carries its own seed (generate's `seeds`, draw's `seed`)."""
 
     name = ""
 
@@ -190,10 +204,25 @@ class Dialect:
         with answer_shape(self.name, "scores"):
             return [s for g in groups for s in self._score(g, k)]
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, k: int, together: bool) -> list[Generation]:
-        groups = [list(prompts)] if together else [[p] for p in prompts]
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, k: int, together: bool,
+                 sampling: SamplingParams | None = None, seeds: Sequence[int] = ()) -> list[Generation]:
+        """Greedy generations, or with `sampling` sampled ones, prompt i seeded seeds[i] (one request each: a request
+        has one seed)."""
         with answer_shape(self.name, "generations"):
+            if sampling is not None:
+                if len(seeds) != len(prompts):
+                    raise RunError(f"a sampled generation needs one seed per prompt ({len(prompts)}, got {len(seeds)})")
+                return [g for p, seed in zip(prompts, seeds) for g in self._generate([p], n, k, None, sampling, seed)]
+            groups = [list(prompts)] if together else [[p] for p in prompts]
             return [g for group in groups for g in self._generate(group, n, k)]
+
+    def draw(self, sequence: Sequence[int], sampling: SamplingParams, seed: int, n: int) -> list[int]:
+        """n draws of the token after `sequence` under `sampling` (one request: draw j seeded seed + j)."""
+        with answer_shape(self.name, "draws"):
+            return self._draw(sequence, sampling, seed, n)
+
+    def _draw(self, sequence: Sequence[int], sampling: SamplingParams, seed: int, n: int) -> list[int]:
+        raise NotImplementedError
 
     def complete(self, prompts: Sequence[Sequence[int]], n: int, stop: Sequence[int]) -> list[list[int]]:
         """Greedy completions of all `prompts` in one request, each ending at EOS or a `stop` token id
@@ -204,9 +233,10 @@ class Dialect:
     def _score(self, sequences: list[Sequence[int]], k: int) -> list[Scored]:
         raise NotImplementedError
 
-    def _generate(self, prompts: list[Sequence[int]], n: int, k: int,
-                  stop: tuple[int, ...] | None = None) -> list[Generation]:
-        """`stop` None: exactly `n` tokens (EOS ignored); else end at EOS or one of `stop`."""
+    def _generate(self, prompts: list[Sequence[int]], n: int, k: int, stop: tuple[int, ...] | None = None,
+                  sampling: SamplingParams | None = None, seed: int | None = None) -> list[Generation]:
+        """`stop` None: exactly `n` tokens (EOS ignored); else end at EOS or one of `stop`. `sampling`: sampled, from
+        `seed`."""
         raise NotImplementedError
 
 
@@ -222,7 +252,7 @@ def _generation(steps: list[Step], k: int) -> Generation:
 def _choices(answer: dict[str, Any], n: int) -> list[dict[str, Any]]:
     choices = sorted(answer.get("choices") or [], key=lambda c: int(c.get("index", 0)))
     if len(choices) != n:
-        raise RunError(f"/v1/completions answered {len(choices)} choices for {n} prompts")
+        raise RunError(f"/v1/completions answered {len(choices)} choices for {n} completions")
     return choices
 
 
@@ -246,12 +276,15 @@ def _shift(bad: list[Nonfinite], row: int) -> list[Nonfinite]:
 class VllmDialect(Dialect):
     name = "vllm"
 
-    def _body(self, prompts: list[Sequence[int]], n: int, k: int,
-              stop: tuple[int, ...] | None = None) -> dict[str, Any]:
+    def _body(self, prompts: list[Sequence[int]], n: int, k: int, stop: tuple[int, ...] | None = None,
+              sampling: SamplingParams | None = None, seed: int | None = None) -> dict[str, Any]:
         ends = {"ignore_eos": True} if stop is None else {"ignore_eos": False, "stop_token_ids": list(stop)}
-        seed = {"seed": self.seed} if self.seed is not None else {}
-        return {"model": self.model, "prompt": [list(p) for p in prompts], "max_tokens": n, "temperature": 0,
-                "logprobs": k, "return_tokens_as_token_ids": True, **ends, **seed}
+        if sampling is None:
+            how: dict[str, Any] = {"temperature": 0, **({"seed": self.seed} if self.seed is not None else {})}
+        else:
+            how = {**sampling_fields(sampling), "seed": seed}
+        return {"model": self.model, "prompt": [list(p) for p in prompts], "max_tokens": n, "logprobs": k,
+                "return_tokens_as_token_ids": True, **how, **ends}
 
     def _score(self, sequences: list[Sequence[int]], k: int) -> list[Scored]:
         answer = self.post("/v1/completions", {**self._body(sequences, 1, k), "prompt_logprobs": k})
@@ -267,10 +300,14 @@ class VllmDialect(Dialect):
             out.append(Scored(*topk_rows([*(row for row, _ in parsed), last], k), nonfinite=tuple(bad)))
         return out
 
-    def _generate(self, prompts: list[Sequence[int]], n: int, k: int,
-                  stop: tuple[int, ...] | None = None) -> list[Generation]:
-        answer = self.post("/v1/completions", self._body(prompts, n, k, stop))
+    def _generate(self, prompts: list[Sequence[int]], n: int, k: int, stop: tuple[int, ...] | None = None,
+                  sampling: SamplingParams | None = None, seed: int | None = None) -> list[Generation]:
+        answer = self.post("/v1/completions", self._body(prompts, n, k, stop, sampling, seed))
         return [_generation(_openai_steps(c.get("logprobs")), k) for c in _choices(answer, len(prompts))]
+
+    def _draw(self, sequence: Sequence[int], sampling: SamplingParams, seed: int, n: int) -> list[int]:
+        answer = self.post("/v1/completions", {**self._body([sequence], 1, 1, None, sampling, seed), "n": n})
+        return [_openai_steps(c.get("logprobs"))[0][0] for c in _choices(answer, n)]
 
 
 class OpenAIDialect(VllmDialect):
@@ -298,11 +335,12 @@ def _sglang_row(entries: list[list[Any]] | None, row: int) -> tuple[dict[int, fl
 class SglangDialect(Dialect):
     name = "sglang"
 
-    def _body(self, prompts: list[Sequence[int]], n: int, k: int,
-              stop: tuple[int, ...] | None = None) -> dict[str, Any]:
+    def _body(self, prompts: list[Sequence[int]], n: int, k: int, stop: tuple[int, ...] | None = None,
+              sampling: SamplingParams | None = None, seed: int | None = None) -> dict[str, Any]:
         ends = {"ignore_eos": True} if stop is None else {"ignore_eos": False, "stop_token_ids": list(stop)}
+        how = {"temperature": 0} if sampling is None else {**sampling_fields(sampling), "sampling_seed": seed}
         return {"input_ids": [list(p) for p in prompts], "return_logprob": True, "top_logprobs_num": k,
-                "sampling_params": {"max_new_tokens": n, "temperature": 0, **ends}}
+                "sampling_params": {"max_new_tokens": n, **how, **ends}}
 
     def _answers(self, body: dict[str, Any], n: int) -> list[dict[str, Any]]:
         answer = self.post("/generate", body)
@@ -325,10 +363,16 @@ class SglangDialect(Dialect):
                               nonfinite=tuple(b for _, bad in rows for b in bad)))
         return out
 
-    def _generate(self, prompts: list[Sequence[int]], n: int, k: int,
-                  stop: tuple[int, ...] | None = None) -> list[Generation]:
+    def _draw(self, sequence: Sequence[int], sampling: SamplingParams, seed: int, n: int) -> list[int]:
+        body = {"input_ids": [list(sequence)] * n, "return_logprob": True, "top_logprobs_num": 0,
+                "sampling_params": [{"max_new_tokens": 1, "ignore_eos": True, **sampling_fields(sampling),
+                                     "sampling_seed": seed + j} for j in range(n)]}
+        return [int(answer["meta_info"]["output_token_logprobs"][0][1]) for answer in self._answers(body, n)]
+
+    def _generate(self, prompts: list[Sequence[int]], n: int, k: int, stop: tuple[int, ...] | None = None,
+                  sampling: SamplingParams | None = None, seed: int | None = None) -> list[Generation]:
         out = []
-        for answer in self._answers(self._body(prompts, n, k, stop), len(prompts)):
+        for answer in self._answers(self._body(prompts, n, k, stop, sampling, seed), len(prompts)):
             meta = answer["meta_info"]
             tokens = [int(t) for _, t, *_ in meta["output_token_logprobs"]]
             rows = [_sglang_row(top, r) for r, top in enumerate(meta["output_top_logprobs"])]

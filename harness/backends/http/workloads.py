@@ -9,7 +9,13 @@ as the embedded engine's):
 - for a workload with a route (Workload.route), the schedule twin: the same prompts generated once more in
   one request (one batch, twin_*);
 - every generation re-prefilled (prompt + generated tokens, one scoring request, reprefill_topk_*) for
-  decode_consistency.
+  decode_consistency;
+- a sampled workload (Workload.sampling): its generations sampled, each request with its seed, and at every
+  teacher-forced position that picks a new token (the prompt's last .. the sequence's last but one) n draws of the
+  next token, the prompt and the teacher-forced tokens so far sent as one prompt (the prefill path; the penalties see
+  them all as prompt), as sample_prefill [1, S, n]: the server answers its rank 0's draws. The draws' seeds depend on
+  the topology too, so the reference's draws and the parallel run's are independent samples (the distribution
+  check's two-sample test, harness/compare/sampling.py). The noise twin sends no draws.
 A noise twin (a sequential job) sends every request one at a time. What the server did inside (its batches,
 prefix-cache hits, chunks, preemptions) is not visible over HTTP: the workload's stats hold only what the
 client saw (`source: client`, the most requests open at once), and the route checks say so
@@ -18,8 +24,9 @@ client saw (`source: client`, the most requests open at once), and the route che
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -32,6 +39,7 @@ from harness.formats.weights import load_weights, weights_hash
 from harness.records import contract as c
 from harness.records.artifacts import Case
 from harness.records.contract import Job
+from harness.specs.sampling import SamplingParams
 from harness.specs.workload import WorkloadPlan
 
 
@@ -69,6 +77,27 @@ def reprefill_rows(scored: Scored, prompt_len: int, steps: int) -> tuple[torch.T
     return scored.ids[rows].clone(), scored.logprobs[rows].clone()  # [steps, k] each
 
 
+def draw_seed(topology: str, request_seed: int, step: int, n: int) -> int:
+    """The seed of one position's draws (draw j: seed + j), distinct per topology, request and step: n times a 40-bit
+    hash, so two positions' seed ranges do not overlap (but by a hash collision)."""
+    digest = hashlib.sha256(f"{topology}/{request_seed}/{step}".encode()).digest()
+    return int.from_bytes(digest[:5], "big") * n
+
+
+def send_draws(dialect: Dialect, cases: Sequence[Case], params: SamplingParams, seeds: Sequence[int],
+               topology: str) -> dict[str, torch.Tensor]:
+    """sample_prefill.{i} [1, S, n] of every case: n draws at each position that picks a new token (module
+    docstring)."""
+    out: dict[str, torch.Tensor] = {}
+    for case, seed in zip(cases, seeds):
+        first, last = len(case.prompt_ids) - 1, len(case.sequence_ids) - 1
+        draws = [dialect.draw(case.sequence_ids[:t + 1], params, draw_seed(topology, seed, t, params.n), params.n)
+                 for t in range(first, last)]
+        out[c.tensor_key(c.SAMPLE_PREFILL, case.index)] = torch.tensor(draws, dtype=torch.long).reshape(
+            1, len(draws), params.n)
+    return out
+
+
 def _nonfinite(index: int, kind: str, bad: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
     return [{"case": index, "kind": kind, **b} for b in bad]
 
@@ -93,7 +122,10 @@ def send_workloads(job: Job, tokenizer: Tokenizer, dialect: Dialect, k: int, tog
         w, cases = group.workload, list(group.cases)
         schedule = (SendSchedule.from_workload(w.to_dict()) if together else SendSchedule(ONE_AT_A_TIME))
         log = SendLog(schedule)
-        scored, generated = send_cases(dialect, cases, k, w.new_tokens, job.top_k, together, log)
+        seeds = w.request_seeds()
+        scored, generated = send_cases(dialect, cases, k, w.new_tokens, job.top_k, together, log, w.sampling, seeds)
+        if w.sampling is not None and together:
+            out.tensors.update(send_draws(dialect, cases, w.sampling, seeds, job.topology.name))
         twin = (dialect.generate([case.prompt_ids for case in cases], w.new_tokens, job.top_k, together)
                 if w.route else generated)
         reprefill = dialect.score([case.prompt_ids + tuple(int(t) for t in g.tokens) for case, g in

@@ -19,6 +19,10 @@ makes the walks diverge early and often, so many flips in few steps. A token mis
 the other run's top-k at the divergence FAILs, unless only one of the two is missing, the other run's top-k holds
 both within the near-tie bound and the top-k it is missing from spans at most that bound (topk.crossed_tie: the
 top-k does not exclude the tie; a bfloat16 model whose noise is wider than its top-5).
+
+A sampled workload's generations are draws (`sampled`): the walk compares the top-k along their common prefix alike
+(the contexts are equal there), but a drawn token may lie anywhere in the processed support, so at the divergence
+neither run's token is required in the other's top-k (the sampling checks judge the draws).
 """
 
 from __future__ import annotations
@@ -125,9 +129,11 @@ def _noise(ref: RunArtifacts, noise: RunArtifacts | None, k: int) -> _Noise:
 
 
 def check_decode_walk(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | None, settings: LogitsSettings,
-                      k: int, noise_ref: RunArtifacts | None = None) -> tuple[CheckResult, list[dict[str, Any]]]:
+                      k: int, noise_ref: RunArtifacts | None = None,
+                      sampled: bool = False) -> tuple[CheckResult, list[dict[str, Any]]]:
     """The `logits_decode` check from the greedy generations' top-k; returns the check and one row per prompt. The
-    noise is `noise` walked against `noise_ref` (default: `ref`; compare/parity/noise_source.py)."""
+    noise is `noise` walked against `noise_ref` (default: `ref`; compare/parity/noise_source.py). `sampled`: the
+    generations are draws (module docstring)."""
     if not ref.cases:
         return CheckResult(NAME, Verdict.SKIP, "decode: no prompts"), []
     try:
@@ -149,10 +155,11 @@ def check_decode_walk(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts 
     diverged = [w for w in walks if w.diverged_at is not None]
     # a token outside the other run's top-k FAILs unless the other side places the two tokens within the tie bound
     missing = [w.missing for w in walks
-               if w.missing and not (w.tie_at is not None and w.tie_at <= metrics["tie_bound"])]
-    head = (f"{steps} greedy steps compared along the common greedy prefixes of {len(walks)} prompts "
+               if w.missing and not (w.tie_at is not None and w.tie_at <= metrics["tie_bound"]) and not sampled]
+    kind = "sampled" if sampled else "greedy"
+    head = (f"{steps} {kind} steps compared along the common {kind} prefixes of {len(walks)} prompts "
             f"({decode_steps} decode steps; step 0 is the prefill's last position); "
-            f"{len(diverged)} prompt(s) diverge")
+            f"{len(diverged)} prompt(s) diverge" + (" (draws: the sampling checks judge them)" if sampled else ""))
     ties = tie_flip_test(settings, metrics["benign_flips"], steps, measured.flips, measured.steps)
     if ties.fails:
         verdicts.append(Verdict.FAIL)

@@ -42,6 +42,7 @@ from harness.engine.runtime.sampler import Sampler
 from harness.engine.speculative.decoding import SeqState, SpecResult, SpeculativeDecoder
 from harness.engine.speculative.speculator import Speculator
 from harness.partition.layout import ROUND_ROBIN, Placement, local_token_count, token_owner
+from harness.specs.sampling import SamplingParams
 from harness.specs.workload import ALL_AT_ONCE, ONE_AT_A_TIME, SCHEDULES, STAGGERED
 
 StopCheck = Callable[[int, list[int]], bool]  # (prompt index, its new tokens so far) -> stop now?
@@ -597,17 +598,26 @@ def _generation(st: _LaneState, k: int) -> Generation:
 # -- the loop's entry points ------------------------------------------------------------------------------
 
 
+def sampler_for(engine: Engine, params: SamplingParams) -> Sampler:
+    """The engine's sampler for `params` on this rank (its vocab shards, TP rank and the fault's sampler slip)."""
+    state = engine.state
+    return Sampler.of(params, engine.spec.vocab, state.tp, state.rank, engine.flags.sampler_slip)
+
+
 def generate(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_k: int = 5,
              stop_token_ids: frozenset[int] = frozenset(), stop: StopCheck | None = None,
              abandoned: Abandoned | None = None, settings: ServeSettings = ServeSettings(),
-             loader: PrefixLoader | None = None) -> Generation:
+             loader: PrefixLoader | None = None, sampler: Sampler | None = None,
+             seeds: Sequence[int] = ()) -> Generation:
     """Greedy generation of every prompt on `engine` (every rank alike): the serving loop with one lane,
     by default all at once with continuous batching (a finished sequence's slot goes to the next prompt),
     whole prompts, no prefix cache. A sequence stops at a stop token, when stop(index, new_tokens) says
     so (it must answer alike on every rank), or after max_new_tokens; `abandoned()` names prompts nobody
     waits for any more (they stop at once with the tokens they have). A `loader` (the decode side of a
-    disaggregated run) places each prompt's KV but its last token's when the request is admitted."""
-    lane = Lane(prompts, [max_new_tokens] * len(prompts), settings, stop_token_ids, stop, abandoned, loader=loader)
+    disaggregated run) places each prompt's KV but its last token's when the request is admitted. With a `sampler`
+    each prompt samples instead, from its own generator seeded seeds[i]."""
+    lane = Lane(prompts, [max_new_tokens] * len(prompts), settings, stop_token_ids, stop, abandoned, loader=loader,
+                sampler=sampler, seeds=seeds)
     return ServingLoop(engine).run([lane], top_k)[0][0]
 
 
