@@ -11,12 +11,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import httpx
 import pytest
 
-from harness.backends.http.attached import ATTACHED_READY_S, wait_attached
+from harness.backends.http.attached import ATTACHED_READY_S, probe_attached, wait_attached
 from harness.backends.http.server import Server, ServerError, free_port, running_server, wait_ready
 from harness.cli import main
 from harness.core.errors import ConfigError
@@ -214,8 +214,8 @@ def test_an_attached_url_where_nothing_listens_is_refused_before_the_run(tmp_pat
 
 
 @pytest.mark.parametrize("extra,why", [((), "it serves topology tp2>tp1, not tp2"),
-                                       (("--model", "tiny-kv6"), "it serves model tiny-gqa, this run's model is "
-                                                                 "tiny-kv6")])
+                                       (("--model", "tiny-kv6"), "it serves model tiny-gqa (harness serve "
+                                                                 "/server_info), this run's model is tiny-kv6")])
 def test_an_attached_server_serving_something_else_is_refused(decode_server: tuple[Server, Path], tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str],
                                                               extra: tuple[str, ...], why: str) -> None:
@@ -351,3 +351,55 @@ def test_cache_servers_lists_and_stops_what_a_killed_run_left(tmp_path: Path,
         assert left.wait(timeout=60) == -9
     finally:
         left.kill()
+
+
+ENDPOINTS = Path(__file__).parent / "data" / "engine_endpoints"
+
+
+@pytest.fixture(scope="module")
+def foreign_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A real HTTP server process answering as an engine does (tests/engine_endpoint_server.py) from a JSON file
+    each test rewrites: (its URL, that file)."""
+    folder = tmp_path_factory.mktemp("foreign")
+    answers = folder / "answers.json"
+    answers.write_text("{}")
+    port = free_port()
+    argv = [sys.executable, str(Path(__file__).parent / "engine_endpoint_server.py"), str(port), str(answers)]
+    with running_server(argv, {}, folder / "server.log", f"http://127.0.0.1:{port}") as srv:
+        wait_ready(srv, "/health", 60)
+        yield srv.base_url, answers
+
+
+def _answers(engine: str, path: str = "", field: str = "", value: Any = None) -> dict[str, Any]:
+    """The recorded bodies of `engine`, with `field` of `path`'s body (of its first model card for /v1/models) set
+    to `value` when a path is given."""
+    bodies = json.loads((ENDPOINTS / f"{engine}.json").read_text())
+    if path:
+        body = bodies[path]
+        (body["data"][0] if "data" in body else body)[field] = value
+    return bodies
+
+
+@pytest.mark.parametrize("engine,changes,why", [
+    ("sglang", ("/get_server_info", "tp_size", 4),
+     "it runs tp=4 (SGLang /get_server_info), topology tp2 needs tp=2, dcp=1, dp=1, ep=1"),
+    ("sglang", ("/get_server_info", "served_model_name", "tiny-kv6"),
+     "it serves model tiny-kv6 from /models/tiny-gqa (SGLang /get_server_info), this run's model is tiny-gqa"),
+    ("vllm", ("/v1/models", "id", "tiny-kv6"),
+     "it serves model tiny-kv6 from /models/tiny-gqa (vLLM /v1/models), this run's model is tiny-gqa"),
+    ("vllm", ("/v1/models", "max_model_len", 256),
+     "its max_model_len is 256 tokens (vLLM /v1/models), this run's sequences need 512 (--max-seq-len)")])
+def test_an_attached_engine_serving_another_model_or_layout_is_refused(
+        foreign_server: tuple[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], engine: str,
+        changes: tuple[str, str, Any], why: str) -> None:
+    """vLLM and SGLang servers are probed through what they expose (SGLang's /get_server_info and /get_model_info,
+    vLLM's /v1/models): a wrong model, parallel size or context length is exit 2 naming the URL before the run;
+    the same server answering the run's model and layout is accepted."""
+    url, answers = foreign_server
+    answers.write_text(json.dumps(_answers(engine)))
+    assert probe_attached("tp2", url, "/health", ("tiny-gqa",), 512) is None  # the right one: accepted
+    answers.write_text(json.dumps(_answers(engine, *changes)))
+    assert main(_attach(tmp_path, f"tp2={url}", "--model", "tiny-gqa")) == 2
+    line = _error_line(capsys)
+    assert f"--attach tp2={url}: {why}" in line, line
+    assert not (tmp_path / "out").exists()

@@ -257,7 +257,8 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
         engine_build=check_label(args.engine_build) if args.engine_build is not None else None,
         nodes=nodes, pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)), workloads=workloads,
         keep_servers=args.keep_servers, server_per_run=args.server_per_run,
-        attach=attached_servers(args.attach, engines, topologies, suite.reference, tuple(m.name for m in models)))
+        attach=attached_servers(args.attach, engines, topologies, suite.reference, tuple(m.name for m in models),
+                                max_seq_len))
 
 
 def select_cells(req: "RunRequest", cells: str | None, cells_from: Path | None) -> "RunRequest":
@@ -289,9 +290,10 @@ def select_cells(req: "RunRequest", cells: str | None, cells_from: Path | None) 
 
 
 def attached_servers(given: list[str] | None, engines: list[Backend], topologies: Sequence[Topology],
-                     reference: str, models: tuple[str, ...] = ()) -> tuple[tuple[str, str], ...]:
+                     reference: str, models: tuple[str, ...] = (), max_seq_len: int = 0) -> tuple[tuple[str, str], ...]:
     """--attach TOPO=URL items (comma lists, repeatable) validated: TOPO a topology the run serves (a cell's, the
-    plain one of a -draft / -mtp cell, or the reference's), URL http(s)://, an engine that starts servers."""
+    plain one of a -draft / -mtp cell, or the reference's), URL http(s)://, an engine that starts servers, and the
+    server there answering and serving `models` at TOPO with at least `max_seq_len` tokens (probe_attached)."""
     from harness.backends.http.attached import probe_attached
     from harness.backends.http.backend import HttpBackend
 
@@ -320,7 +322,7 @@ def attached_servers(given: list[str] | None, engines: list[Backend], topologies
         out[name] = url
     health = next((e.spec.health for e in engines if isinstance(e, HttpBackend)), "/health")
     for name, url in out.items():  # a server that is not there, or serves something else: exit 2 before any work
-        why = probe_attached(name, url, health, models)
+        why = probe_attached(name, url, health, models, max_seq_len)
         if why is not None:
             raise ConfigError(f"--attach {name}={url}: {why}; start the server first, or attach the right one")
     return tuple(sorted(out.items()))
