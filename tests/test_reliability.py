@@ -18,10 +18,15 @@ import pytest
 
 from harness.backends.http.attached import ATTACHED_READY_S, probe_attached, wait_attached
 from harness.backends.http.server import Server, ServerError, free_port, running_server, wait_ready
+from harness.checks.settings import load_suite
 from harness.cli import main
+from harness.cli.activations import activations, require_activation_memory
+from harness.cli.resources import machine_memory_bytes
 from harness.core.errors import ConfigError
 from harness.core.folder_lock import LOCK_FILE, hold_folder
+from harness.formats.locate import load_model
 from harness.launcher.orphans import OWNER_ENV, Marked, marked_processes, owner_alive, owner_token
+from harness.specs.topology import load_catalog, parse_topology_name
 from tests.report_fixtures import RESULTS_DIR
 
 
@@ -403,3 +408,43 @@ def test_an_attached_engine_serving_another_model_or_layout_is_refused(
     line = _error_line(capsys)
     assert f"--attach tp2={url}: {why}" in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_activations_larger_than_this_machine_are_refused_before_the_run(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A model whose weights fit (1.5 GiB) but whose FFN activations of one 8192-token prefill do not (3 x 8192 x
+    2^21 floats = 192 GiB) is exit 2 naming the figure, its largest part and the limit, before anything launches;
+    `harness plan` prints the same figure."""
+    text = (Path(__file__).parents[1] / "models" / "tiny-gqa.yaml").read_text()
+    spec = tmp_path / "wide-ffn.yaml"
+    spec.write_text("\n".join("ffn: 2097152" if line.startswith("ffn:") else "hidden: 32" if line.startswith("hidden:")
+                              else line for line in text.splitlines()) + "\n")
+    assert main(["run", "--suite", "dcp", "--topo", "tp2", "--model", str(spec), "--max-seq-len", "8192",
+                 "--kv-budget-mib", "1024", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "c")]) == 2
+    line = _error_line(capsys)
+    assert ("model wide-ffn: tp=1 (one process) needs 192.0 GiB of activations for one 8192-token prefill" in line
+            and "ffn 192.0" in line and "GiB of memory" in line), line
+    assert not (tmp_path / "out").exists() and not (tmp_path / "c" / "runs").exists()
+    assert main(["plan", "--model", str(spec), "--topo", "tp2", "--max-seq-len", "8192"]) == 0
+    assert ("peak activations of one 8192-token prefill (float32): 96.00 GiB per rank, 192.00 GiB over 2 ranks; "
+            "reference (tp=1): 192.00 GiB + weights 1.50 GiB") in capsys.readouterr().out
+
+
+def test_every_shipped_suite_fits_the_activation_check_and_the_formula_is_the_documented_one() -> None:
+    """Negative control: every shipped suite's models at its topologies and slot length pass the check on this
+    machine (the largest, gsm8k's smollm2-135m at tp3 and 768 tokens, needs well under 1 GiB). The figure for
+    tiny-gqa (hidden 128, heads 8, kv_heads 2, head_dim 16, ffn 288, vocab 384) at tp1 and tp2, 512 tokens, by
+    hand from docs/cli.md's formula."""
+    t = 512
+    residual = 2 * t * 128
+    attention = t * (8 + 2 * 2) * 16 + 8 * t * t + t * 8 * 16  # the scores (8 * t * t) dominate
+    assert activations(load_model("tiny-gqa"), 1, t).peak == 4 * (residual + attention)
+    assert activations(load_model("tiny-gqa"), 2, t).peak == 4 * (residual + t * (4 + 2 * 1) * 16 + 4 * t * t
+                                                                  + t * 4 * 16)
+    for path in sorted((Path(__file__).parents[1] / "suites").glob("*.yaml")):
+        suite = load_suite(str(path))
+        names = set(suite.models) | {m for ms in suite.engine_models.values() for m in ms}
+        topologies = [t for n in suite.topologies for t in load_catalog().resolve(n)]
+        require_activation_memory([load_model(n) for n in sorted(names)],
+                                  [*topologies, parse_topology_name(suite.reference)], suite.max_seq_len,
+                                  machine_memory_bytes())

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.checks.settings import load_suite
+from harness.cli.activations import require_activation_memory
 from harness.cli.checks import (
     bounded_float,
     bounded_int,
@@ -25,7 +26,7 @@ from harness.cli.checks import (
     require_writable_dir,
     seed_int,
 )
-from harness.cli.resources import check_cache_budgets, require_weight_memory
+from harness.cli.resources import check_cache_budgets, machine_memory_bytes, require_weight_memory
 from harness.core.errors import ConfigError, DiskFull, RunError
 from harness.core.folder_lock import hold_folder
 from harness.core.limits import (
@@ -210,6 +211,7 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     reference = parse_topology_name(suite.reference).without_speculator()
     check_cache_budgets(models, [*topologies, reference], budget_mib * MIB, max_seq_len)
     require_weight_memory(models)
+    require_activation_memory(models, [*topologies, reference], max_seq_len, machine_memory_bytes())
     SpeculativeSettings.from_mapping(suite.speculative, f"suite {suite.name}: speculative")  # fail before launching
     gsm8k = gsm8k_settings(suite.gsm8k, f"suite {suite.name}: gsm8k") if suite.gsm8k else None
     gsm8k_data = None
