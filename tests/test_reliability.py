@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -448,3 +449,26 @@ def test_every_shipped_suite_fits_the_activation_check_and_the_formula_is_the_do
         require_activation_memory([load_model(n) for n in sorted(names)],
                                   [*topologies, parse_topology_name(suite.reference)], suite.max_seq_len,
                                   machine_memory_bytes())
+
+
+@pytest.mark.parametrize("extra,named", [(("--model", "x" * 300), "(300 characters) cannot be looked up"),
+                                         (("--max-seq-len", "0"), "--max-seq-len: '0' must be an integer > 0"),
+                                         (("--kv-budget-mib", "1e300"), "--kv-budget-mib: '1e300' is not a whole"),
+                                         (("--dtype", "float33"), "--dtype 'float33' is not one of float32"),
+                                         (("--spec-k", "0"), "--spec-k: '0' must be an integer > 0")])
+def test_serve_options_are_checked_before_it_listens(capsys: pytest.CaptureFixture[str], extra: tuple[str, ...],
+                                                     named: str) -> None:
+    """`harness serve` with a model name longer than the file system allows (was a traceback) or a bad number or
+    dtype (was taken as given and failed in the ranks): one line naming it, exit 2, checked before the port (held
+    here: anything passing every check would end at `cannot listen`)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        argv = ["serve", "--model", "tiny-gqa", "--topo", "tp1", "--port", str(held.getsockname()[1]), *extra]
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+    assert code == 2
+    line = _error_line(capsys)
+    assert named in line, line
