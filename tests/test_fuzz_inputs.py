@@ -1,8 +1,9 @@
 """Fuzzing every parser and file reader with hypothesis (bounded, no network, in the default test run):
 random topology names and mutated topology catalogs, suite, model and engine YAML, results.json (report,
 history add, baseline update, signoff), history databases, GSM8K and acceptance baselines, reference-cache
-entries, server answers of the three HTTP dialects, and command lines of `plan` and of a `run` that always
-fails validation (an unknown engine is checked last, so nothing ever launches). Each either gives a valid
+entries, server answers of the three HTTP dialects, and command lines of `plan`, of a `run` that always
+fails validation (an unknown engine is checked last, so nothing ever launches) and of `serve` (its port held, so
+nothing ever listens; P/D store paths that are files, missing or folders). Each either gives a valid
 result or the project's one clear error (ConfigError / `harness: error:` with exit 2; RunError for a server's
 answer; a cache entry launched again); never a traceback. Example counts are modest so CI stays cheap."""
 
@@ -13,6 +14,7 @@ import functools
 import io
 import json
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -427,5 +429,38 @@ def test_run_numeric_options_are_bounded(option: str, value: str, long_out: bool
         out = f"{folder}/{'o' * 300 if long_out else 'out'}"
         code, err = _cli(["run", "--suite", "dcp", "--out", out, "--cache-dir", f"{folder}/cache",
                           "--engine", "no-such-engine", option, value])
+        _one_error_or_ok(code, err)
+        assert code == 2, err
+
+
+SERVE_VALUES = (st.text(max_size=8) | st.sampled_from(["0", "-1", "1e300", "99999999999999", "nan", "x" * 300, ""])
+                | st.integers(-10, 1 << 40).map(str))
+
+
+@FEW
+@given(options=st.lists(st.tuples(st.sampled_from(["--model", "--topo", "--kv-budget-mib", "--max-seq-len",
+                                                   "--max-logprobs", "--spec-k", "--dtype", "--pd-store", "--pd-role",
+                                                   "--attention-backend", "--fault", "--served-model-name"]),
+                                  SERVE_VALUES), max_size=3),
+       store=st.sampled_from(["none", "file", "missing", "dir"]))
+def test_serve_command_lines_are_one_error(options: list[tuple[str, str]], store: str) -> None:
+    """`harness serve` with fuzzed options (wrong types, huge numbers, long names) and a --pd-store that is a file,
+    a folder under a missing one or a folder: exit 2 with one `harness: error:` line, never a traceback. The port
+    is held by this test, so a command line that passes every check ends at `cannot listen` (exit 2) and nothing
+    ever starts."""
+    with tempfile.TemporaryDirectory() as folder, socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        argv = ["serve", "--model", "tiny-gqa", "--topo", "tp2>tp1", "--pd-role", "decode",
+                "--port", str(held.getsockname()[1])]
+        if store != "none":
+            path = Path(folder) / ("missing/store" if store == "missing" else "store")
+            if store == "file":
+                path.write_text("not a folder")
+            elif store == "dir":
+                path.mkdir()
+            argv += ["--pd-store", str(path)]
+        argv += [x for option in options for x in option]
+        code, err = _cli(argv)
         _one_error_or_ok(code, err)
         assert code == 2, err

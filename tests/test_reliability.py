@@ -7,21 +7,27 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import httpx
 import pytest
 
-from harness.backends.http.attached import ATTACHED_READY_S, wait_attached
+from harness.backends.http.attached import ATTACHED_READY_S, probe_attached, wait_attached
 from harness.backends.http.server import Server, ServerError, free_port, running_server, wait_ready
+from harness.checks.settings import load_suite
 from harness.cli import main
+from harness.cli.activations import activations, require_activation_memory
+from harness.cli.resources import machine_memory_bytes
 from harness.core.errors import ConfigError
 from harness.core.folder_lock import LOCK_FILE, hold_folder
+from harness.formats.locate import load_model
 from harness.launcher.orphans import OWNER_ENV, Marked, marked_processes, owner_alive, owner_token
+from harness.specs.topology import load_catalog, parse_topology_name
 from tests.report_fixtures import RESULTS_DIR
 
 
@@ -214,8 +220,8 @@ def test_an_attached_url_where_nothing_listens_is_refused_before_the_run(tmp_pat
 
 
 @pytest.mark.parametrize("extra,why", [((), "it serves topology tp2>tp1, not tp2"),
-                                       (("--model", "tiny-kv6"), "it serves model tiny-gqa, this run's model is "
-                                                                 "tiny-kv6")])
+                                       (("--model", "tiny-kv6"), "it serves model tiny-gqa (harness serve "
+                                                                 "/server_info), this run's model is tiny-kv6")])
 def test_an_attached_server_serving_something_else_is_refused(decode_server: tuple[Server, Path], tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str],
                                                               extra: tuple[str, ...], why: str) -> None:
@@ -351,3 +357,118 @@ def test_cache_servers_lists_and_stops_what_a_killed_run_left(tmp_path: Path,
         assert left.wait(timeout=60) == -9
     finally:
         left.kill()
+
+
+ENDPOINTS = Path(__file__).parent / "data" / "engine_endpoints"
+
+
+@pytest.fixture(scope="module")
+def foreign_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A real HTTP server process answering as an engine does (tests/engine_endpoint_server.py) from a JSON file
+    each test rewrites: (its URL, that file)."""
+    folder = tmp_path_factory.mktemp("foreign")
+    answers = folder / "answers.json"
+    answers.write_text("{}")
+    port = free_port()
+    argv = [sys.executable, str(Path(__file__).parent / "engine_endpoint_server.py"), str(port), str(answers)]
+    with running_server(argv, {}, folder / "server.log", f"http://127.0.0.1:{port}") as srv:
+        wait_ready(srv, "/health", 60)
+        yield srv.base_url, answers
+
+
+def _answers(engine: str, path: str = "", field: str = "", value: Any = None) -> dict[str, Any]:
+    """The recorded bodies of `engine`, with `field` of `path`'s body (of its first model card for /v1/models) set
+    to `value` when a path is given."""
+    bodies = json.loads((ENDPOINTS / f"{engine}.json").read_text())
+    if path:
+        body = bodies[path]
+        (body["data"][0] if "data" in body else body)[field] = value
+    return bodies
+
+
+@pytest.mark.parametrize("engine,changes,why", [
+    ("sglang", ("/get_server_info", "tp_size", 4),
+     "it runs tp=4 (SGLang /get_server_info), topology tp2 needs tp=2, dcp=1, dp=1, ep=1"),
+    ("sglang", ("/get_server_info", "served_model_name", "tiny-kv6"),
+     "it serves model tiny-kv6 from /models/tiny-gqa (SGLang /get_server_info), this run's model is tiny-gqa"),
+    ("vllm", ("/v1/models", "id", "tiny-kv6"),
+     "it serves model tiny-kv6 from /models/tiny-gqa (vLLM /v1/models), this run's model is tiny-gqa"),
+    ("vllm", ("/v1/models", "max_model_len", 256),
+     "its max_model_len is 256 tokens (vLLM /v1/models), this run's sequences need 512 (--max-seq-len)")])
+def test_an_attached_engine_serving_another_model_or_layout_is_refused(
+        foreign_server: tuple[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], engine: str,
+        changes: tuple[str, str, Any], why: str) -> None:
+    """vLLM and SGLang servers are probed through what they expose (SGLang's /get_server_info and /get_model_info,
+    vLLM's /v1/models): a wrong model, parallel size or context length is exit 2 naming the URL before the run;
+    the same server answering the run's model and layout is accepted."""
+    url, answers = foreign_server
+    answers.write_text(json.dumps(_answers(engine)))
+    assert probe_attached("tp2", url, "/health", ("tiny-gqa",), 512) is None  # the right one: accepted
+    answers.write_text(json.dumps(_answers(engine, *changes)))
+    assert main(_attach(tmp_path, f"tp2={url}", "--model", "tiny-gqa")) == 2
+    line = _error_line(capsys)
+    assert f"--attach tp2={url}: {why}" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_activations_larger_than_this_machine_are_refused_before_the_run(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A model whose weights fit (1.5 GiB) but whose FFN activations of one 8192-token prefill do not (3 x 8192 x
+    2^21 floats = 192 GiB) is exit 2 naming the figure, its largest part and the limit, before anything launches;
+    `harness plan` prints the same figure."""
+    text = (Path(__file__).parents[1] / "models" / "tiny-gqa.yaml").read_text()
+    spec = tmp_path / "wide-ffn.yaml"
+    spec.write_text("\n".join("ffn: 2097152" if line.startswith("ffn:") else "hidden: 32" if line.startswith("hidden:")
+                              else line for line in text.splitlines()) + "\n")
+    assert main(["run", "--suite", "dcp", "--topo", "tp2", "--model", str(spec), "--max-seq-len", "8192",
+                 "--kv-budget-mib", "1024", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "c")]) == 2
+    line = _error_line(capsys)
+    assert ("model wide-ffn: tp=1 (one process) needs 192.0 GiB of activations for one 8192-token prefill" in line
+            and "ffn 192.0" in line and "GiB of memory" in line), line
+    assert not (tmp_path / "out").exists() and not (tmp_path / "c" / "runs").exists()
+    assert main(["plan", "--model", str(spec), "--topo", "tp2", "--max-seq-len", "8192"]) == 0
+    assert ("peak activations of one 8192-token prefill (float32): 96.00 GiB per rank, 192.00 GiB over 2 ranks; "
+            "reference (tp=1): 192.00 GiB + weights 1.50 GiB") in capsys.readouterr().out
+
+
+def test_every_shipped_suite_fits_the_activation_check_and_the_formula_is_the_documented_one() -> None:
+    """Negative control: every shipped suite's models at its topologies and slot length pass the check on this
+    machine (the largest, gsm8k's smollm2-135m at tp3 and 768 tokens, needs well under 1 GiB). The figure for
+    tiny-gqa (hidden 128, heads 8, kv_heads 2, head_dim 16, ffn 288, vocab 384) at tp1 and tp2, 512 tokens, by
+    hand from docs/cli.md's formula."""
+    t = 512
+    residual = 2 * t * 128
+    attention = t * (8 + 2 * 2) * 16 + 8 * t * t + t * 8 * 16  # the scores (8 * t * t) dominate
+    assert activations(load_model("tiny-gqa"), 1, t).peak == 4 * (residual + attention)
+    assert activations(load_model("tiny-gqa"), 2, t).peak == 4 * (residual + t * (4 + 2 * 1) * 16 + 4 * t * t
+                                                                  + t * 4 * 16)
+    for path in sorted((Path(__file__).parents[1] / "suites").glob("*.yaml")):
+        suite = load_suite(str(path))
+        names = set(suite.models) | {m for ms in suite.engine_models.values() for m in ms}
+        topologies = [t for n in suite.topologies for t in load_catalog().resolve(n)]
+        require_activation_memory([load_model(n) for n in sorted(names)],
+                                  [*topologies, parse_topology_name(suite.reference)], suite.max_seq_len,
+                                  machine_memory_bytes())
+
+
+@pytest.mark.parametrize("extra,named", [(("--model", "x" * 300), "(300 characters) cannot be looked up"),
+                                         (("--max-seq-len", "0"), "--max-seq-len: '0' must be an integer > 0"),
+                                         (("--kv-budget-mib", "1e300"), "--kv-budget-mib: '1e300' is not a whole"),
+                                         (("--dtype", "float33"), "--dtype 'float33' is not one of float32"),
+                                         (("--spec-k", "0"), "--spec-k: '0' must be an integer > 0")])
+def test_serve_options_are_checked_before_it_listens(capsys: pytest.CaptureFixture[str], extra: tuple[str, ...],
+                                                     named: str) -> None:
+    """`harness serve` with a model name longer than the file system allows (was a traceback) or a bad number or
+    dtype (was taken as given and failed in the ranks): one line naming it, exit 2, checked before the port (held
+    here: anything passing every check would end at `cannot listen`)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        argv = ["serve", "--model", "tiny-gqa", "--topo", "tp1", "--port", str(held.getsockname()[1]), *extra]
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+    assert code == 2
+    line = _error_line(capsys)
+    assert named in line, line

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.checks.settings import load_suite
+from harness.cli.activations import require_activation_memory
 from harness.cli.checks import (
     bounded_float,
     bounded_int,
@@ -25,7 +26,7 @@ from harness.cli.checks import (
     require_writable_dir,
     seed_int,
 )
-from harness.cli.resources import check_cache_budgets, require_weight_memory
+from harness.cli.resources import check_cache_budgets, machine_memory_bytes, require_weight_memory
 from harness.core.errors import ConfigError, DiskFull, RunError
 from harness.core.folder_lock import hold_folder
 from harness.core.limits import (
@@ -210,6 +211,7 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
     reference = parse_topology_name(suite.reference).without_speculator()
     check_cache_budgets(models, [*topologies, reference], budget_mib * MIB, max_seq_len)
     require_weight_memory(models)
+    require_activation_memory(models, [*topologies, reference], max_seq_len, machine_memory_bytes())
     SpeculativeSettings.from_mapping(suite.speculative, f"suite {suite.name}: speculative")  # fail before launching
     gsm8k = gsm8k_settings(suite.gsm8k, f"suite {suite.name}: gsm8k") if suite.gsm8k else None
     gsm8k_data = None
@@ -257,7 +259,8 @@ def build_request(args: argparse.Namespace) -> "RunRequest":
         engine_build=check_label(args.engine_build) if args.engine_build is not None else None,
         nodes=nodes, pool=(("budget_bytes", budget_mib * MIB), ("max_seq_len", max_seq_len)), workloads=workloads,
         keep_servers=args.keep_servers, server_per_run=args.server_per_run,
-        attach=attached_servers(args.attach, engines, topologies, suite.reference, tuple(m.name for m in models)))
+        attach=attached_servers(args.attach, engines, topologies, suite.reference, tuple(m.name for m in models),
+                                max_seq_len))
 
 
 def select_cells(req: "RunRequest", cells: str | None, cells_from: Path | None) -> "RunRequest":
@@ -289,9 +292,10 @@ def select_cells(req: "RunRequest", cells: str | None, cells_from: Path | None) 
 
 
 def attached_servers(given: list[str] | None, engines: list[Backend], topologies: Sequence[Topology],
-                     reference: str, models: tuple[str, ...] = ()) -> tuple[tuple[str, str], ...]:
+                     reference: str, models: tuple[str, ...] = (), max_seq_len: int = 0) -> tuple[tuple[str, str], ...]:
     """--attach TOPO=URL items (comma lists, repeatable) validated: TOPO a topology the run serves (a cell's, the
-    plain one of a -draft / -mtp cell, or the reference's), URL http(s)://, an engine that starts servers."""
+    plain one of a -draft / -mtp cell, or the reference's), URL http(s)://, an engine that starts servers, and the
+    server there answering and serving `models` at TOPO with at least `max_seq_len` tokens (probe_attached)."""
     from harness.backends.http.attached import probe_attached
     from harness.backends.http.backend import HttpBackend
 
@@ -320,7 +324,7 @@ def attached_servers(given: list[str] | None, engines: list[Backend], topologies
         out[name] = url
     health = next((e.spec.health for e in engines if isinstance(e, HttpBackend)), "/health")
     for name, url in out.items():  # a server that is not there, or serves something else: exit 2 before any work
-        why = probe_attached(name, url, health, models)
+        why = probe_attached(name, url, health, models, max_seq_len)
         if why is not None:
             raise ConfigError(f"--attach {name}={url}: {why}; start the server first, or attach the right one")
     return tuple(sorted(out.items()))

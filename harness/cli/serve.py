@@ -14,13 +14,15 @@ from typing import Any
 
 from harness.arch.model import model_of
 from harness.arch.plan import plan_model
-from harness.cli.checks import require_store_folder
+from harness.cli.checks import bounded_int, positive_int, require_store_folder
 from harness.core.errors import ConfigError
+from harness.core.limits import MAX_KV_BUDGET_MIB, MAX_SEQ_LEN
 from harness.engine.faults import fault_flags
 from harness.formats.locate import load_model
 from harness.serve.listen import check_listen
 from harness.serve.protocol import PD_SERVE_ROLES, check_pd_role
 from harness.specs.loader import did_you_mean
+from harness.specs.model import DTYPES
 from harness.specs.pool import PoolSettings
 from harness.specs.speculative import SpeculativeSettings
 from harness.specs.topology import load_catalog
@@ -29,6 +31,7 @@ MIB = 1024 ** 2
 # attention backends: "lse" returns each partial's log-sum-exp (what a DCP merge needs); "no-lse" does not,
 # so a DCP topology is refused at startup, as vLLM refuses DCP on a backend without it (its CPU backend)
 ATTENTION_BACKENDS: tuple[str, ...] = ("lse", "no-lse")
+MAX_LOGPROBS = 1 << 20  # more top-k entries per position than any vocabulary the harness runs
 ATTENTION_ENV = "HARNESS_SERVE_ATTENTION_BACKEND"  # the default of --attention-backend (cf. VLLM_ATTENTION_BACKEND)
 
 
@@ -42,14 +45,17 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: the model's)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--kv-budget-mib", type=int, default=256, help="KV pool budget per rank, MiB")
-    p.add_argument("--max-seq-len", type=int, default=1024, help="tokens per sequence slot (max_model_len)")
-    p.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request may ask for")
+    p.add_argument("--kv-budget-mib", type=bounded_int(MAX_KV_BUDGET_MIB, "MiB"), default=256,
+                   help="KV pool budget per rank, MiB")
+    p.add_argument("--max-seq-len", type=bounded_int(MAX_SEQ_LEN, "tokens"), default=1024,
+                   help="tokens per sequence slot (max_model_len)")
+    p.add_argument("--max-logprobs", type=bounded_int(MAX_LOGPROBS, "logprobs"), default=20,
+                   help="most logprobs a request may ask for")
     p.add_argument("--served-model-name", default="", help="model id in /v1/models (default: the model's name)")
     p.add_argument("--attention-backend", default=os.environ.get(ATTENTION_ENV, "lse"),
                    help=f"lse (default) or no-lse: an attention without log-sum-exp output, which refuses "
                         f"DCP at startup like vLLM's CPU backend (default from ${ATTENTION_ENV})")
-    p.add_argument("--spec-k", type=int, default=None, help="draft tokens per verify step (-draft/-mtp)")
+    p.add_argument("--spec-k", type=positive_int, default=None, help="draft tokens per verify step (-draft/-mtp)")
     p.add_argument("--pd-role", choices=PD_SERVE_ROLES, default="",
                    help="a disaggregated --topo PREFILL>DECODE: serve its prefill side (prompts' KV into --pd-store) "
                         "or its decode side (generations load it from there); see docs/pd.md")
@@ -122,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
     topo = topos[0]
     plan_model(model_of(model), topo)  # an impossible layout (of any component) is one clear error
     refuse_unsupported(args.attention_backend, topo.dcp)
+    if args.dtype is not None and args.dtype not in DTYPES:
+        raise ConfigError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}{did_you_mean(args.dtype, DTYPES)}")
     fault_flags(args.fault, topo)
     check_pd_role(args.pd_role, args.pd_store, topo.prefill is not None, topo.name)
     if args.pd_store:  # a file, or a folder under one, is one error now, not an HTTP 500 at the first request

@@ -64,11 +64,17 @@ def load_model(ref: str, folder: Path = MODELS_DIR) -> ModelSpec:
     if ref in shipped:
         return model_from_dict(str(shipped[ref]), load_yaml(shipped[ref]) or {}, name=ref)
     path = Path(ref)
+    try:  # a name the file system cannot look up (longer than it allows) is no model
+        is_file, is_dir = path.is_file(), path.is_dir()
+    except OSError as exc:
+        raise ConfigError(f"model {ref[:80]!r}{'...' if len(ref) > 80 else ''} ({len(ref)} characters) cannot be "
+                          f"looked up: {exc.strerror}; give a shipped model name, a model spec .yaml, a checkpoint "
+                          f"folder or a .gguf file") from None
     if path.suffix in (".yaml", ".yml"):
-        if not path.is_file():
+        if not is_file:
             raise ConfigError(f"model spec file {ref!r} does not exist")
         return model_from_dict(str(path), load_yaml(path) or {}, name=path.stem)
-    if path.is_dir() or path.suffix == ".gguf":
+    if is_dir or path.suffix == ".gguf":
         return spec_from_checkpoint(path)
     raise ConfigError(f"unknown model {ref!r}{did_you_mean(ref, tuple(shipped))}; valid: "
                       f"{', '.join(shipped)}, a model spec .yaml, a checkpoint folder or a .gguf file")

@@ -9,10 +9,12 @@ from typing import Any
 from harness.arch.document import plan_sections
 from harness.arch.model import model_of
 from harness.arch.plan import plan_model
+from harness.cli.activations import activations
 from harness.cli.checks import bounded_float, bounded_int, positive_int
 from harness.cli.plan.hybrid import render_hybrid, render_moe
 from harness.cli.plan.pd import pd_section, render_pd
 from harness.cli.plan.sparse import render_sparse
+from harness.cli.resources import weight_bytes
 from harness.core.errors import ConfigError
 from harness.core.fmt import human_bytes, id_ranges, table
 from harness.core.limits import MAX_KV_BUDGET_MIB, MAX_SEQ_LEN
@@ -131,8 +133,26 @@ def _mla_lines(mla: dict[str, Any], tp: int, dcp: int) -> list[str]:
             f"over {tp} ranks"]
 
 
+def memory_section(model: ModelSpec, tp: int, max_seq_len: int) -> dict[str, Any]:
+    """The memory `harness run` checks before work (harness/cli/resources.py, harness/cli/activations.py): the
+    whole model's weights as float32 (the reference loads them in one process) and the peak activations of one
+    `max_seq_len`-token prefill, per rank at `tp` and for the reference (tp=1)."""
+    return {"weight_bytes_float32": weight_bytes(model), "activations": activations(model, tp, max_seq_len).to_dict(),
+            "reference_activations": activations(model, 1, max_seq_len).to_dict()}
+
+
+def render_memory(memory: dict[str, Any]) -> str:
+    act, ref = memory["activations"], memory["reference_activations"]
+    per_rank, all_ranks = human_bytes(act["peak_bytes_per_rank"]), human_bytes(act["peak_bytes_all_ranks"])
+    return (f"peak activations of one {act['tokens']}-token prefill (float32): {per_rank} per rank, {all_ranks} "
+            f"over {act['ranks']} ranks; reference (tp=1): {human_bytes(ref['peak_bytes_per_rank'])} + weights "
+            f"{human_bytes(memory['weight_bytes_float32'])}")
+
+
 def run(args: argparse.Namespace) -> int:
-    doc = plan_document(load_model(args.model), args.topo, args.budget_gib, args.max_seq_len, args.block_size,
-                        args.tokens)
-    print(json.dumps(doc, indent=2) if args.format == "json" else render_table(doc))
+    model = load_model(args.model)
+    doc = plan_document(model, args.topo, args.budget_gib, args.max_seq_len, args.block_size, args.tokens)
+    doc["memory"] = memory_section(model, doc["tp"], args.max_seq_len or model.max_seq_len)
+    print(json.dumps(doc, indent=2) if args.format == "json" else
+          render_table(doc) + "\n" + render_memory(doc["memory"]))
     return 0
