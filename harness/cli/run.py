@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.checks.settings import load_suite
-from harness.cli.activations import require_activation_memory
 from harness.cli.checks import (
     bounded_float,
     bounded_int,
@@ -26,7 +25,12 @@ from harness.cli.checks import (
     require_writable_dir,
     seed_int,
 )
-from harness.cli.resources import check_cache_budgets, machine_memory_bytes, require_weight_memory
+from harness.cli.resources import (
+    check_cache_budgets,
+    machine_memory_bytes,
+    require_activation_memory,
+    require_weight_memory,
+)
 from harness.core.errors import ConfigError, DiskFull, RunError
 from harness.core.folder_lock import hold_folder
 from harness.core.limits import (

@@ -9,12 +9,11 @@ from typing import Any
 from harness.arch.document import plan_sections
 from harness.arch.model import model_of
 from harness.arch.plan import plan_model
-from harness.cli.activations import activations
 from harness.cli.checks import bounded_float, bounded_int, positive_int
 from harness.cli.plan.hybrid import render_hybrid, render_moe
 from harness.cli.plan.pd import pd_section, render_pd
 from harness.cli.plan.sparse import render_sparse
-from harness.cli.resources import weight_bytes
+from harness.cli.resources import activations, weight_bytes
 from harness.core.errors import ConfigError
 from harness.core.fmt import human_bytes, id_ranges, table
 from harness.core.limits import MAX_KV_BUDGET_MIB, MAX_SEQ_LEN
@@ -134,7 +133,7 @@ def _mla_lines(mla: dict[str, Any], tp: int, dcp: int) -> list[str]:
 
 
 def memory_section(model: ModelSpec, tp: int, max_seq_len: int) -> dict[str, Any]:
-    """The memory `harness run` checks before work (harness/cli/resources.py, harness/cli/activations.py): the
+    """The memory `harness run` checks before work (harness/cli/resources.py): the
     whole model's weights as float32 (the reference loads them in one process) and the peak activations of one
     `max_seq_len`-token prefill, per rank at `tp` and for the reference (tp=1)."""
     return {"weight_bytes_float32": weight_bytes(model), "activations": activations(model, tp, max_seq_len).to_dict(),
