@@ -41,6 +41,21 @@ def test_a_recomputed_lost_entry_with_balanced_pools_passes() -> None:
     assert result.metrics["recomputed"] == 2 and result.metrics["lost_entries"] == [1]
 
 
+def test_pools_an_engine_does_not_record_are_said_unchecked_not_balanced() -> None:
+    """vLLM's scheduler owns its KV pool: the harness's connector records no free-block counts (null). The check
+    says the pools were not checked; a pool that is recorded and unbalanced beside them still FAILs."""
+    rec = _record()
+    for rank in rec["decode"]:
+        rank["pool"] = {"free_start": None, "free_end": None}
+    rec["prefill"]["ranks"] = [{"free_start": None, "free_end": None, "sent": [0], "lost": [1]}] * 2
+    result = check_load(rec)
+    assert result.verdict is Verdict.PASS and "pools not checked" in result.reason, result.reason
+    assert "balanced" not in result.reason
+    rec["decode"][0]["pool"] = {"free_start": 64, "free_end": 61}
+    partly = check_load(rec)
+    assert partly.verdict is Verdict.FAIL and "decode rank 0: its KV pool ends with 61 free blocks" in partly.reason
+
+
 def _broken(change: str) -> dict[str, Any]:
     rec = _record()
     for rank in rec["decode"]:
