@@ -430,3 +430,19 @@ def test_suspect_names_a_check_that_locates_itself_without_the_not_localized_pre
     step = "prompt 1, verify step 3: proposed [5, 6, 7], accepted 1 vs 3"
     assert suspect_text(cell("acceptance", step)) == f"acceptance: {step}"
     assert suspect_text(cell("logits_decode", "max KL 3e-1")) == "not localized; logits_decode: max KL 3e-1"
+
+
+def test_a_load_condition_run_is_judged_as_a_build_not_as_a_positive_control() -> None:
+    """--fault pd-store-corrupt (a load condition) on a correct engine: the damage absorbed, every check PASSes. Its
+    headline is the build's (SHIPPABLE, exit 0), never "POSITIVE CONTROL: FAULT MISSED"; its FAIL is a build FAIL
+    (exit 1), where a positive control's FAIL is its fault flagged. The flag survives results.json."""
+    absorbed = replace(_cell("tp2>tp1", Verdict.PASS), fault="pd-store-corrupt", condition=True)
+    assert not absorbed.control and CellResult.from_dict(absorbed.to_dict()).condition
+    head = headline([absorbed])
+    assert head.title.startswith("SHIPPABLE") and "POSITIVE CONTROL" not in head.title, head
+    assert exit_code([absorbed]) == 0
+    decoded_on_damage = replace(absorbed, checks=_cell("tp2>tp1", Verdict.FAIL).checks)
+    assert headline([decoded_on_damage]).title == "NOT SHIPPABLE" and exit_code([decoded_on_damage]) == 1
+    control = replace(_cell("tp2>tp1", Verdict.FAIL), fault="pd-head-offset")
+    assert control.control and headline([control]).title == "POSITIVE CONTROL: FAULT DETECTED"
+    assert exit_code([control]) == 1

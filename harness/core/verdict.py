@@ -120,6 +120,13 @@ class CellResult:
     engine_env: dict[str, str] = field(default_factory=dict)  # the engine's own variables it ran with (engine_env)
     engine_build: str = ""       # the engine build label (--engine-build, or its template's build_argv)
     workload: str = "prompts"    # what the cell sent (harness/specs/workload.py; "prompts": the suite's prompts)
+    condition: bool = False      # `fault` is a load condition (P/D store damage, a lost entry) a correct engine absorbs
+
+    @property
+    def control(self) -> bool:
+        """A positive control: a cell run with an injected bug (--fault), whose FAIL is the bug flagged. A load
+        condition's cell is none: it holds a correct engine to absorbing its surroundings' failure."""
+        return bool(self.fault) and not self.condition
 
     @property
     def status(self) -> Verdict:
@@ -154,7 +161,7 @@ class CellResult:
                 "run_dir": self.run_dir, "reference_dir": self.reference_dir, "wall_s": self.wall_s,
                 "error_log": self.error_log, "details": self.details, "engine": self.engine,
                 "reference_engine": self.reference_engine, "engine_env": dict(self.engine_env),
-                "engine_build": self.engine_build, "workload": self.workload}
+                "engine_build": self.engine_build, "workload": self.workload, "condition": self.condition}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CellResult":
@@ -169,4 +176,4 @@ class CellResult:
                    reference_engine=str(data.get("reference_engine", "")),
                    engine_env={str(k): str(v) for k, v in (data.get("engine_env") or {}).items()},
                    engine_build=str(data.get("engine_build") or ""),
-                   workload=str(data.get("workload") or "prompts"))
+                   workload=str(data.get("workload") or "prompts"), condition=bool(data.get("condition", False)))

@@ -473,7 +473,8 @@ class Runner:
     def _identity(self, cell: CellPlan) -> dict[str, Any]:
         """The CellResult fields every result of `cell` shares (who ran it, and how to run it again)."""
         return dict(suite=self.req.suite.name, model=cell.model.name, topology=cell.topology.name,
-                    fault=self._fault(cell), seed=cell.seed, command=self.command(cell), engine=self.backend.name,
+                    fault=self._fault(cell), condition=cell.fault in LOAD_CONDITIONS, seed=cell.seed,
+                    command=self.command(cell), engine=self.backend.name,
                     reference_engine=self.ref_backend.name, engine_env=self.backend.engine_env(),
                     engine_build=self.backend.engine_build())
 

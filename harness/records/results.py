@@ -22,6 +22,8 @@ Schema, version RESULTS_SCHEMA_VERSION = 1 (a reader refuses any other version):
         {
           "suite": "dcp", "model": "tiny-gqa", "topology": "tp4dcp4",
           "fault": "dcp-tp-kv-layout" | null, "seed": 0,
+          "condition": false,                   # fault is a load condition a correct engine absorbs (pd-store-*,
+                                                #   pd-load-*): no positive control, judged as a build cell
           "workload": "prompts",                # what the cell sent (harness list workloads)
           "status": "PASS" | "WARN" | "FAIL" | "ERROR" | "SKIP",   # the worst check verdict
           "silent_corruption": true,            # output corruption while every process exited cleanly
@@ -84,7 +86,7 @@ def exit_code(cells: list[CellResult]) -> int:
     """0 when every cell passes, warns or is skipped; 1 on any FAIL; 3 on any ERROR and no FAIL. Of a merge of
     build cells and positive controls (cells run with a --fault), the build cells' code, as the headline gives the
     build's verdict (a control's FAIL is its fault flagged, no failure of the build)."""
-    judged = [c for c in cells if not c.fault] or cells
+    judged = [c for c in cells if not c.control] or cells
     statuses = {c.status for c in judged}
     if Verdict.FAIL in statuses:
         return ExitCode.FAIL
@@ -166,7 +168,8 @@ CELL_TYPES: dict[str, tuple[type, ...]] = {
     "suite": _STR, "model": _STR, "topology": _STR, "checks": (list,), "fault": (str, type(None)), "seed": (int,),
     "clean_exit": (bool,), "localization": (dict, type(None)), "command": _STR, "run_dir": _STR,
     "reference_dir": _STR, "wall_s": _NUM, "error_log": _STR, "details": (dict, type(None)), "engine": _STR,
-    "reference_engine": _STR, "engine_env": (dict, type(None)), "engine_build": (str, type(None)), "workload": _STR}
+    "reference_engine": _STR, "engine_env": (dict, type(None)), "engine_build": (str, type(None)), "workload": _STR,
+    "condition": (bool,)}
 CELL_REQUIRED: tuple[str, ...] = ("suite", "model", "topology", "checks")
 CHECK_TYPES: dict[str, tuple[type, ...]] = {"name": _STR, "verdict": _STR, "reason": _STR,
                                             "metrics": (dict, type(None)), "performance_only": (bool, type(None))}

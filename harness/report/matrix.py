@@ -253,8 +253,8 @@ def headline(cells: list[CellResult], interrupted: str = "") -> Headline:
     if not_run and not interrupted:
         interrupted = f"{plural(not_run, 'cell')} not run (listed as such)."
     cells = [c for c in cells if not c.not_run]
-    controls = [c for c in cells if c.fault]
-    builds = [c for c in cells if not c.fault]
+    controls = [c for c in cells if c.control]
+    builds = [c for c in cells if not c.control]
     head = _headline(builds) if builds else _control_headline(controls)
     if builds and controls:  # a merge of build cells and positive controls: the verdict is the build's
         control = _control_headline(controls)
