@@ -141,7 +141,9 @@ def test_the_report_shows_each_request_of_the_cell(runs: dict[str, Any]) -> None
                       details=CellDetails(requests={"parallel": record}).to_dict())
     page = render_html([cell], {}, "r")
     assert "<h4>Requests</h4>" in page and "parallel run: each case" in page
-    assert "schedule.name</th><td>all-at-once" in page and "most in flight.generate</th><td>6" in page
+    # how many were open at once depends on the machine's load (the first answer may come before the last send)
+    seen = record["max_in_flight_seen"]["generate"]
+    assert "schedule.name</th><td>all-at-once" in page and f"most in flight.generate</th><td>{seen}<" in page
     assert page.count("<td>generate</td>") == len(PROMPTS) == page.count("<td>score</td>")
 
 
