@@ -408,9 +408,8 @@ class ServingLoop:
                 batches.setdefault(key, []).append(i)
         out: list[torch.Tensor | None] = [None] * len(rows)
         lengths = [len(ids) for _, ids, _ in rows]
-        groups = [g for batch in batches.values() for g in token_groups(batch, lengths, FORWARD_TOKENS)]
-        if self.engine.batch_invariant:
-            groups = self._invariant_groups(rows)
+        groups = (self._invariant_groups(rows) if self.engine.batch_invariant else
+                  [g for batch in batches.values() for g in token_groups(batch, lengths, FORWARD_TOKENS)])
         for group in groups:
             for i, logits in zip(group, self._batch_forward([rows[i] for i in group])):
                 out[i] = logits
