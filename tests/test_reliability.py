@@ -79,7 +79,8 @@ def test_out_name_longer_than_the_file_system_allows(tmp_path: Path, capsys: pyt
 
 @pytest.mark.parametrize("flag,value,maximum", [("--timeout", "1e300", "604800 seconds"),
                                                 ("--collective-timeout", "1e300", "604800 seconds"),
-                                                ("--max-seq-len", "99999999999", "16777216 tokens")])
+                                                ("--max-seq-len", "99999999999", "16777216 tokens"),
+                                                ("--seed", str(1 << 63), "9223372036854775807")])
 def test_absurd_numbers_have_a_stated_maximum(tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str,
                                               value: str, maximum: str) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -101,6 +102,35 @@ def test_results_cell_with_a_null_model(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(argv) == 2
     line = _error_line(capsys)
     assert "cell 0: model must be a string, got null" in line and "constraint" not in line, line
+
+
+@pytest.mark.parametrize("command", ["report", "history"])
+def test_results_cell_with_a_seed_beyond_64_bits(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 command: str) -> None:
+    """A seed no engine or history store can hold is one line naming the cell, never an overflow inside."""
+    doc = json.loads((RESULTS_DIR / "clean" / "results.json").read_text())
+    doc["cells"][0]["seed"] = 10 ** 30
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.json").write_text(json.dumps(doc))
+    argv = {"report": ["report", str(run), "--out", str(tmp_path / "out")],
+            "history": ["history", "add", str(run), "--history", str(tmp_path / "h.db")]}[command]
+    assert main(argv) == 2
+    line = _error_line(capsys)
+    assert "cell 0: seed must be an integer from 0 to 9223372036854775807, got 1000000000000" in line, line
+
+
+def test_a_provenance_part_of_another_type_still_renders(tmp_path: Path) -> None:
+    """A hand-edited results.json whose provenance holds a list where the report reads an object (the reference
+    engine's record): the report renders what it can read, the cells' verdicts unchanged."""
+    doc = json.loads((RESULTS_DIR / "clean" / "results.json").read_text())
+    doc["provenance"]["backends"] = {"parallel": "embedded", "reference": [1, 2]}
+    doc["provenance"]["attention_backends"] = [3]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.json").write_text(json.dumps(doc))
+    assert main(["report", str(run), "--out", str(tmp_path / "out")]) == 0
+    assert "PASS" in (tmp_path / "out" / "index.html").read_text()
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from harness.core.errors import ConfigError
-from harness.core.limits import REPORTS_MIN_BYTES, RUN_DIR_MIN_BYTES, free_bytes
+from harness.core.limits import MAX_SEED, REPORTS_MIN_BYTES, RUN_DIR_MIN_BYTES, free_bytes
 from harness.records.results import RESULTS_FILE
 
 
@@ -65,6 +65,8 @@ def seed_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; seeds are integers >= 0") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is negative; seeds are integers >= 0")
+    if value > MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{text!r} is too large; seeds are integers from 0 to {MAX_SEED} (2**63 - 1)")
     return value
 
 

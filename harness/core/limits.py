@@ -13,6 +13,9 @@ COLLECTIVE_TIMEOUT_S: float = 120.0   # a collective waiting this long fails: a 
 MAX_TIMEOUT_S: float = 7 * 24 * 3600.0
 MAX_SEQ_LEN: int = 1 << 24
 MAX_KV_BUDGET_MIB: int = 1 << 24
+# a seed fits a signed 64-bit integer: torch's generators, the history store's INTEGER column and the engines'
+# per-request seed fields all take it
+MAX_SEED: int = (1 << 63) - 1
 
 # Disk space, a lower bound (a run given less surely fails): a run folder of the tiny shipped models
 # (6 prompts, 256-token vocabularies) holds about 940 KiB, mostly tensors.safetensors; larger models

@@ -61,6 +61,7 @@ from typing import Any
 
 from harness.core.errors import ConfigError, RunError
 from harness.core.jsonio import read_json, write_json
+from harness.core.limits import MAX_SEED
 from harness.core.verdict import CellResult, ExitCode, FailureClass, Verdict
 
 RESULTS_SCHEMA_VERSION = 1
@@ -199,6 +200,9 @@ def json_repr(value: Any) -> str:
 
 def _cell_from_dict(path: Path, index: int, data: Any) -> CellResult:
     _check_fields(f"corrupt {path}: cell {index}", data, CELL_TYPES, CELL_REQUIRED)
+    if not 0 <= data.get("seed", 0) <= MAX_SEED:
+        raise ResultsError(f"corrupt {path}: cell {index}: seed must be an integer from 0 to {MAX_SEED}, "
+                           f"got {str(data['seed'])[:60]}")
     for i, check in enumerate(data["checks"]):
         _check_fields(f"corrupt {path}: cell {index}: check {i}", check, CHECK_TYPES, ("name", "verdict", "reason"))
     try:

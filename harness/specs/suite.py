@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from harness.core.errors import ConfigError
+from harness.core.limits import MAX_SEED
 from harness.core.paths import SUITES_DIR
 from harness.specs.loader import build, check_path_name, did_you_mean, expect_int, load_yaml
 from harness.specs.topology import parse_topology_name
@@ -80,7 +81,7 @@ class Suite:
         if not self.seeds:
             raise ConfigError(f"{where}: seeds is empty")
         for seed in self.seeds:
-            expect_int(where, "seed", seed)
+            expect_int(where, "seed", seed, maximum=MAX_SEED)
         if not isinstance(self.checks, Mapping):
             raise ConfigError(f"{where}: checks must be a mapping of check name to settings")
         for check, settings in self.checks.items():
