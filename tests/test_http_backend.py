@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from harness.backends.http.backend import HttpBackend, counters_delta, kv_capacity, refusal
-from harness.backends.http.server import BIND_ATTEMPTS
+from harness.backends.http.server import BIND_ATTEMPTS, start_server
 from harness.backends.registry import get_backend
 from harness.core.errors import ConfigError
 from harness.core.jsonio import read_json
@@ -271,16 +271,41 @@ def test_engine_env_is_recorded_and_part_of_the_identity(tmp_path: Path, monkeyp
     assert backend.identity(_job(tmp_path)) != clean and backend.identity(_job(tmp_path))["engine_env"] == {
         "STAND_IN_BUG": "1"}
     assert backend.engine_fault() == "STAND_IN_BUG=1"
+    reference = backend.as_reference()  # the baseline: the same engine without the injected bug
+    assert reference.engine_fault() is None and reference.engine_env() == {}
+    assert backend.engine_fault() == "STAND_IN_BUG=1"  # the engine under test keeps it
+    monkeypatch.delenv("STAND_IN_BUG")
+    assert reference.identity(_job(tmp_path)) == clean  # keyed as the clean reference
     with pytest.raises(ConfigError, match="match no engine_env pattern"):
         HttpBackend(_template(tmp_path, PIDFILE_SERVER, engine_env=["STAND_IN_*"], engine_faults=["OTHER"]))
 
 
+ENV_SERVER = "import os, sys; open(sys.argv[1], 'w').write(repr(os.environ.get('STAND_IN_BUG')))"
+
+
+def test_a_reference_server_never_inherits_an_engine_side_fault(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a template's engine_faults variable set in the harness's environment, the engine under test's
+    server inherits it and the reference's server (as_reference) starts without it: the bug is the build's,
+    never its baseline's."""
+    backend = HttpBackend(_template(tmp_path, ENV_SERVER, engine_env=["STAND_IN_*"], engine_faults=["STAND_IN_BUG"]))
+    monkeypatch.setenv("STAND_IN_BUG", "1")
+    seen = {}
+    for role, engine in (("parallel", backend), ("reference", backend.as_reference())):
+        argv, env = engine.command(_job(tmp_path), "model", 0)
+        proc = start_server(argv, env, tmp_path / f"{role}.log", "http://127.0.0.1:1").proc
+        assert proc is not None
+        proc.wait(30)
+        seen[role] = (tmp_path / "pid").read_text()
+    assert seen == {"parallel": "'1'", "reference": "None"}
+
+
 @pytest.mark.slow
-def test_an_engine_side_fault_is_a_control_with_its_own_reference(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_engine_side_fault_is_a_control_against_the_clean_reference(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A template's engine_faults variable set in the harness's environment: the cell is a fault run named
-    VAR=VALUE, the variable is recorded in the cell and the manifests, shown in the report, repeated by the
-    reproduce command, and the reference is launched with it (the clean reference is not reused)."""
+    VAR=VALUE, the variable is recorded in the cell and the parallel run's manifest, shown in the report and
+    repeated by the reproduce command; the reference is the clean run's (from the cache), computed without it."""
     from harness.cli import main
 
     template = yaml.safe_load((Path(__file__).parents[1] / "engines" / "harness-serve.yaml").read_text())
@@ -304,9 +329,9 @@ def test_an_engine_side_fault_is_a_control_with_its_own_reference(tmp_path: Path
     assert cell["engine_env"] == {"HARNESS_STAND_IN_FAULT": "kv shard"}
     assert cell["command"].startswith("HARNESS_STAND_IN_FAULT='kv shard' harness run ")
     assert "--fault" not in cell["command"]
-    assert cell["reference_dir"] != clean["reference_dir"]
-    for run_dir in (cell["run_dir"], cell["reference_dir"]):
-        assert read_json(Path(run_dir) / "manifest.json")["engine_env"] == {"HARNESS_STAND_IN_FAULT": "kv shard"}
+    assert cell["reference_dir"] == clean["reference_dir"]
+    assert read_json(Path(cell["run_dir"]) / "manifest.json")["engine_env"] == {"HARNESS_STAND_IN_FAULT": "kv shard"}
+    assert read_json(Path(cell["reference_dir"]) / "manifest.json")["engine_env"] == {}
     assert "HARNESS_STAND_IN_FAULT=kv shard" in (tmp_path / "fault" / "index.html").read_text()
 
 

@@ -5,11 +5,11 @@ Two harness runs for the whole module (each vLLM server start costs tens of seco
 per engine configuration (harness/backends/http/pool.py): the spec suite at tp2, tp2dcp2 and tp2-draft (one
 reference and noise twin for all; 5 servers: tp1 for the reference, its noise twin and the tp1-draft reference's
 plain run, tp2 for the tp2 cell and tp2-draft's plain run, tp2dcp2, and the two speculative ones), and the
-same tp2 with the test plugin's fault (HARNESS_VLLM_FAULT=kv-shard: TP rank 1 loads another rank's K/V shard; 2
-servers: tp1 and tp2 with the fault's variable). tp2 PASSes
+same tp2 with the test plugin's fault (HARNESS_VLLM_FAULT=kv-shard: TP rank 1 loads another rank's K/V shard; 1
+server: tp2 with the fault's variable, the reference being the clean run's from the cache). tp2 PASSes
 against vLLM's own tp1; tp2dcp2 is a SKIP quoting vLLM's own refusal (the template's `refuses`); the
 n-gram speculative cell is lossless; the fault run FAILs as silent corruption, is a fault run named by
-its variable, with a reference of its own and a reproduce command that sets it; the stopped servers
+its variable, against the clean reference and with a reproduce command that sets it; the stopped servers
 leave no vllm_dist_* shared memory behind. The layout probe's per-worker report (tests/vllm_plugin) makes
 `layout` PASS at tp2 (the KV cache sized from the harness's budget) and FAIL on the fault, naming rank 1
 and the KV heads it holds; its forward hooks' hidden states and attention outputs localize the fault to layer 0,
@@ -247,21 +247,22 @@ def test_vllm_plugin_fault_fails_layout_naming_ranks_and_heads(fault: dict) -> N
 
 def test_an_engine_side_fault_is_recorded_keyed_and_reproduced(fault: dict, clean: dict) -> None:
     """HARNESS_VLLM_FAULT is the engine's (engines/vllm.yaml engine_env / engine_faults): the cell is a fault
-    run named by it, its reference is launched with it (not the clean tp1 reference), and the reproduce
-    command sets it, so it FAILs again."""
+    run named by it, its reference is the clean run's tp1 reference (a reference server never inherits the
+    fault: the cache entry is reused), and the reproduce command sets it, so it FAILs again."""
     cell = fault["cell"]
     assert cell["fault"] == "HARNESS_VLLM_FAULT=kv-shard" and cell["engine_env"] == {FAULT: "kv-shard"}
     assert cell["command"].startswith("HARNESS_VLLM_FAULT=kv-shard harness run ") and "--topo tp2" in cell["command"]
-    assert cell["reference_dir"] != clean["cells"]["tp2"]["reference_dir"]
-    for run_dir in (cell["run_dir"], cell["reference_dir"]):
-        assert read_json(Path(run_dir) / "manifest.json")["engine_env"] == {FAULT: "kv-shard"}
+    assert cell["reference_dir"] == clean["cells"]["tp2"]["reference_dir"]
+    assert read_json(Path(cell["run_dir"]) / "manifest.json")["engine_env"] == {FAULT: "kv-shard"}
+    assert read_json(Path(cell["reference_dir"]) / "manifest.json")["engine_env"] == {}
 
 
 def test_one_vllm_server_per_engine_configuration(clean: dict, fault: dict) -> None:
     """The clean run's 8 server leases (reference, noise twin, tp2, tp2dcp2, and each -draft run's plain and
-    speculative server) are served by 5 servers; the fault run's 3 by 2 (a server per run started 11)."""
+    speculative server) are served by 5 servers (a server per run would start 8); the fault run's one lease (its
+    tp2 run: the reference and its noise twin are the clean run's, from the cache) by 1."""
     assert (clean["starts"], clean["leases"]) == (5, 8)
-    assert (fault["starts"], fault["leases"]) == (2, 3)
+    assert (fault["starts"], fault["leases"]) == (1, 1)
 
 
 def test_stopped_vllm_servers_leave_no_shared_memory(clean: dict, fault: dict) -> None:
@@ -273,7 +274,7 @@ def test_stopped_vllm_servers_leave_no_shared_memory(clean: dict, fault: dict) -
 # The exported DeepSeek-V2 model with experts (tiny-dsv2-moe: MLA with vLLM CPU's only latent width, 512 + 64, and
 # an MoE layer) through the mla suite: one clean run at tp2 and tp2dcp2 (3 server configurations: tp1 for the
 # reference and its noise twin, tp2; the tp2dcp2 server exits at its config validation) and one per plugin fault
-# at tp2 (2 servers each).
+# at tp2 (its tp2 server each: the reference is the clean run's, from the cache).
 MLA_RUN = ["--suite", "mla", "--model", "tiny-dsv2-moe", "--engine", "vllm", "--max-seq-len", "256", "--timeout",
            "900"]
 MLA_FAULT = "mla-kv-b-shard"
@@ -451,8 +452,8 @@ def test_vllm_mtp_plugin_fault_fails_acceptance_only(mtp_fault: dict) -> None:
 # tp1. Its noise twin (the same server, cases one at a time) is bit-identical to the reference, so the bounds scale
 # from the embedded engine's reduction-order noise run against its tp1 on the same exported weights (two embedded
 # launches, cached, shared by both runs): one clean run at tp2 and tp2dcp2 (tp1 and tp2 servers; the tp2dcp2 server
-# exits at its config validation) and one with the plugin's GDN fault at tp2 (tp1 and tp2 servers with the fault's
-# variable: a fault run has a reference of its own): 5 server starts.
+# exits at its config validation) and one with the plugin's GDN fault at tp2 (a tp2 server with the fault's variable:
+# a reference server never inherits it, so the clean run's reference serves from the cache): 4 server starts.
 HYBRID_RUN = ["--suite", "hybrid", "--model", "tiny-qwen3next", "--engine", "vllm", "--workload", "prompts",
               "--max-seq-len", "256", "--timeout", "900"]
 BORROWED = "noise: the embedded engine's reduction-order noise run against its tp1 bfloat16 run of the same checkpoint"
@@ -568,15 +569,16 @@ def _pd_run(root: Path, name: str, *more: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pd_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """tp2>tp1 through the harness's connector, clean with its servers kept, then with every stored entry corrupted
-    between the phases (--fault pd-store-corrupt, a harness-side load condition: the same servers serve it; the
-    servers left are stopped)."""
+    """tp2>tp1 through the harness's connector, clean with its servers kept, then with every stored entry damaged
+    between the phases (--fault pd-store-corrupt, -missing and -truncated: harness-side load conditions, the same
+    servers serve them; the servers left are stopped)."""
     root = _session_root(tmp_path_factory)
 
     def runs() -> dict[str, Any]:
         try:
-            return {"clean": _pd_run(root, "vllm-pd", "--keep-servers"),
-                    "damaged": _pd_run(root, "vllm-pd-damaged", "--fault", "pd-store-corrupt")}
+            clean = _pd_run(root, "vllm-pd", "--keep-servers")
+            return {"clean": clean, **{damage: _pd_run(root, f"vllm-pd-{damage}", "--fault", f"pd-store-{damage}")
+                                       for damage in DAMAGE}}
         finally:  # the reference's server, which the damaged run did not need (its reference is cached)
             main(["cache", "--cache-dir", str(root / "vllm-cache"), "servers", "--stop"])
     return _shared(root, "vllm-pd", runs)
@@ -594,11 +596,16 @@ def test_vllm_harness_connector_tp2_to_tp1_passes_with_transfer_verdicts(pd_run:
     assert run["starts"] == 3
 
 
-def test_vllm_harness_connector_recomputes_on_a_corrupt_store(pd_run: dict) -> None:
-    """Every stored entry rotated between the phases: each decode load finds a row that differs from its digest, is
+# each store damage and what the connector's decode load says of it
+DAMAGE = {"corrupt": "differs from the digest stored with it", "missing": "", "truncated": ""}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_vllm_harness_connector_recomputes_on_a_damaged_store(pd_run: dict, damage: str) -> None:
+    """Every stored entry damaged between the phases (rotated, deleted, cut short): each decode load finds it so, is
     recorded failed and recomputed by vLLM (kv_load_failure_policy recompute), so the outputs stay right and the
     fallbacks are legitimate under the injected damage; no request answered with an error, no server restarted."""
-    run = pd_run["damaged"]
+    run = pd_run[damage]
     cell = run["cells"]["tp2>tp1"]
     assert run["exit"] == 0 and cell["condition"] is True  # judged as a build cell: the damage absorbed
     checks = {ch["name"]: ch for ch in cell["checks"]}
@@ -606,6 +613,7 @@ def test_vllm_harness_connector_recomputes_on_a_corrupt_store(pd_run: dict) -> N
         assert checks[name]["verdict"] == "PASS", (name, checks[name]["reason"])
     (decode,) = run["pd"]["decode"]
     assert decode["loads"] and all(load["outcome"] == "recomputed" for load in decode["loads"])
-    assert all("differs from the digest stored with it" in load["attempts"][0] for load in decode["loads"])
+    assert all(DAMAGE[damage] in load["attempts"][0] and load["attempts"][0] != "ok" for load in decode["loads"]), (
+        decode["loads"][0]["attempts"])
     assert run["starts"] == 0 and run["kept"] == 2  # the clean run's prefill and decode servers served it
     assert " 500 " not in run["server_log"]

@@ -50,6 +50,9 @@ class LabelledBackend(Backend):
     def reseeds_weights(self) -> bool:
         return self.inner.reseeds_weights()
 
+    def as_reference(self) -> Backend:
+        return LabelledBackend(self.inner.as_reference(), self.label)
+
     def independent_runs(self) -> bool:
         return self.inner.independent_runs()
 

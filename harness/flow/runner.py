@@ -230,7 +230,7 @@ class Runner:
         self._tokenizers: dict[str, Tokenizer] = {}
         self.backend = with_build(get_backend(req.engine), req.engine_build)  # the parallel runs
         # the reference and its noise twin: the same build when they run on the same engine
-        self.ref_backend = with_build(get_backend(req.ref_engine),
+        self.ref_backend = with_build(get_backend(req.ref_engine).as_reference(),
                                       req.engine_build if req.ref_engine == req.engine else None)
         self.cache = ReferenceCache(req.cache_dir, self.ref_backend, req.timeout_s, self.progress)
         # the embedded engine's runs on the same checkpoint, where the reference engine's noise run measures nothing

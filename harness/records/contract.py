@@ -334,6 +334,11 @@ class Backend(Protocol):
         when it injects none."""
         return None
 
+    def as_reference(self) -> Backend:
+        """This engine in the reference role (the tp1 reference and its noise run): the same engine without what
+        injects a fault into the build under test (an HTTP template's engine_faults); itself when it has none."""
+        return self
+
     def machine_backend(self, model: Any) -> dict[str, Any] | None:
         """The backend the engine runs `model`'s attention with on this machine ({"attention", "backend",
         "chosen_by"[, "source"]}: recorded in the report), or None when it depends on no machine."""

@@ -27,6 +27,7 @@ logprob answered as NaN, inf or null is kept and recorded as spelled (manifest n
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import json
@@ -70,6 +71,7 @@ from harness.backends.http.pool import probe_folder as probe_dir
 from harness.backends.http.send import SendSchedule
 from harness.backends.http.server import (
     Server,
+    ServerEnv,
     ServerError,
     log_line,
     log_tail,
@@ -275,6 +277,7 @@ class HttpBackend(Backend):
         self.name = spec.name
         self._version: str | None = None
         self._build: str | None = None
+        self.withheld: tuple[str, ...] = ()  # engine variables its servers never inherit (as_reference)
 
     # -- what the backend declares --------------------------------------------------------------------
 
@@ -335,11 +338,20 @@ class HttpBackend(Backend):
                             batch_invariant=self.spec.batch_invariant)
 
     def engine_env(self) -> dict[str, str]:
-        """The engine's variables (template engine_env) in the harness's environment, which the server inherits."""
-        return self.spec.engine_env_values()
+        """The engine's variables (template engine_env) in the harness's environment, which the server inherits
+        (but the withheld ones)."""
+        return {k: v for k, v in self.spec.engine_env_values().items() if k not in self.withheld}
 
     def engine_fault(self) -> str | None:
-        return self.spec.engine_fault()
+        return None if self.withheld else self.spec.engine_fault()
+
+    def as_reference(self) -> HttpBackend:
+        """This engine as the reference: its servers never inherit the engine-side fault variables (template
+        engine_faults), which fault the build under test and never its baseline. So a positive control keeps the
+        clean run's reference: its cache entry, its kept server, and a noise run free of the injected bug."""
+        twin = copy.copy(self)
+        twin.withheld = tuple(self.spec.engine_faults)
+        return twin
 
     def identity(self, job: Job) -> dict[str, Any]:
         """What decides a run besides the job: the engine, its version, template and the engine's own
@@ -461,7 +473,7 @@ class HttpBackend(Backend):
                 "ep": str(layout.ep), "pd_store": pd_store}
 
     def command(self, job: Job, model_path: str, port: int, role: str = "",
-                pd_store: str = "") -> tuple[list[str], dict[str, str]]:
+                pd_store: str = "") -> tuple[list[str], ServerEnv]:
         """The server's argv and extra environment for `job` (placeholders filled); `role` (a disaggregated
         topology): the prefill server (at the prefill layout) or the decode server, both on store `pd_store`."""
         topo = job.topology.prefill if role == "prefill" and job.topology.prefill is not None else job.topology
@@ -485,7 +497,8 @@ class HttpBackend(Backend):
                 raise ConfigError(f"engine {self.name} cannot inject faults (its template has no fault_argv/fault_env)")
             argv += self.spec.fault_argv
             env.update(self.spec.fault_env)
-        return [a.format(**values) for a in argv], {k: v.format(**values) for k, v in env.items()}
+        withheld: ServerEnv = {k: None for k in self.withheld if k in os.environ}
+        return [a.format(**values) for a in argv], {**{k: v.format(**values) for k, v in env.items()}, **withheld}
 
     def _model_path(self, job: Job, run_dir: Path) -> str:
         model = job.model
@@ -659,7 +672,7 @@ class HttpBackend(Backend):
         cases = self._probe_cases(job)[0] if self.spec.probe_env() and self.spec.probe_captures else None
         config = self._server_config(job, cases, role)
 
-        def launch(server_log: Path, port: int) -> tuple[list[str], dict[str, str]]:
+        def launch(server_log: Path, port: int) -> tuple[list[str], ServerEnv]:
             argv, env = self.command(job, self._model_path(job, server_log.parent), port, role,
                                      str(self._pd_root(job)) if role else "")
             if self.spec.probe_env():  # where the server's probe writes rank<R>.json and its captures
@@ -704,7 +717,8 @@ class HttpBackend(Backend):
         argv, env = self.command(job, "{model}", 0, role, "{pd_store}" if role else "")
         captured = None if cases is None else [[(c.index, list(c.sequence_ids), list(c.probe_positions)) for c in s]
                                                for s in cases]
-        key = server_pool.digest({"argv": argv, "env": env, "engine_env": self.engine_env(),
+        inherited = {k: v for k, v in env.items() if v is not None}  # a withheld variable is one the server lacks
+        key = server_pool.digest({"argv": argv, "env": inherited, "engine_env": self.engine_env(),
                                   "python": self.spec.interpreter(), "weights": weights_key(job.model),
                                   "captures": captured, **({"pd_role": role} if role else {})})
         dtype = job.dtype or job.model.dtype

@@ -41,7 +41,7 @@ from typing import Any
 
 import httpx
 
-from harness.backends.http.server import Server, launch_ready, pid_alive, stop_server
+from harness.backends.http.server import Server, ServerEnv, launch_ready, pid_alive, stop_server
 from harness.core.jsonio import write_text_atomic
 from harness.specs.model import ModelSpec
 from harness.specs.topology import Topology
@@ -56,7 +56,7 @@ HOST = "127.0.0.1"  # where the pool's servers listen
 
 # a lease's launch callable: (server log, port) -> the server's argv and its extra environment; called once
 # per launch (a port taken before the server bound it is picked again: http_server.launch_ready)
-Launch = Callable[[Path, int], tuple[list[str], dict[str, str]]]
+Launch = Callable[[Path, int], tuple[list[str], ServerEnv]]
 
 
 def digest(value: Any) -> str:

@@ -31,6 +31,9 @@ __all__ = ["BIND_ATTEMPTS", "AddressTaken", "Server", "ServerError", "bind_failu
            "launch_ready", "log_line", "log_tail", "pid_alive", "root_cause", "running_server", "server_death",
            "start_server", "stop_server", "wait_ready"]
 
+# a server's extra environment over the harness's own: None withholds an inherited variable (a reference server
+# never gets the engine-side fault variables: harness/backends/http/backend.py, as_reference)
+ServerEnv = dict[str, "str | None"]
 LOG_TAIL_LINES = 40
 CAUSE_CONTEXT_LINES = 30  # lines of the root cause's traceback kept as the error's context
 STOP_GRACE_S = 45.0  # a server's leader gets this long to stop its own processes before the group is killed
@@ -330,13 +333,13 @@ def stop_server(proc: Process, grace_s: float = STOP_GRACE_S) -> None:
                 pass
 
 
-def start_server(argv: list[str], env: dict[str, str], log_path: Path, base_url: str, warm: bool = True) -> Server:
+def start_server(argv: list[str], env: ServerEnv, log_path: Path, base_url: str, warm: bool = True) -> Server:
     """Start `argv` in a new session (its own process group), output to `log_path`; the caller stops it
     (stop_server). `harness ...` of this interpreter (the harness-serve engines) is forked warm from the launch
     forkserver (harness/launcher/forkserver.py) rather than started as a fresh interpreter, unless `warm` is
     false (a server meant to outlive this process)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    full_env = {**os.environ, **env}
+    full_env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}  # None: withheld from the server
     if not warm:  # meant to outlive this process (a kept server): not one of the run's, not killed with it
         full_env = unmarked_env(full_env)
     harness_args = forkserver.harness_command(argv)
@@ -355,7 +358,7 @@ def start_server(argv: list[str], env: dict[str, str], log_path: Path, base_url:
 
 
 @contextmanager
-def running_server(argv: list[str], env: dict[str, str], log_path: Path, base_url: str) -> Iterator[Server]:
+def running_server(argv: list[str], env: ServerEnv, log_path: Path, base_url: str) -> Iterator[Server]:
     """start_server, always stopped on exit."""
     server = start_server(argv, env, log_path, base_url)
     assert server.proc is not None
@@ -365,7 +368,7 @@ def running_server(argv: list[str], env: dict[str, str], log_path: Path, base_ur
         stop_server(server.proc)
 
 
-def launch_ready(command: Callable[[int], tuple[list[str], dict[str, str]]], log_path: Path, host: str,
+def launch_ready(command: Callable[[int], tuple[list[str], ServerEnv]], log_path: Path, host: str,
                  health: str, timeout_s: float, warm: bool = True,
                  on_start: Callable[[Server, list[str]], None] | None = None) -> tuple[Server, float, list[str]]:
     """The server `command(port)` gives (argv, extra environment), started on a free port of `host` and ready:
