@@ -577,9 +577,9 @@ def pd_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     def runs() -> dict[str, Any]:
         try:
             clean = _pd_run(root, "vllm-pd", "--keep-servers")
-            return {"clean": clean, **{damage: _pd_run(root, f"vllm-pd-{damage}", "--fault", f"pd-store-{damage}")
-                                       for damage in DAMAGE}}
-        finally:  # the reference's server, which the damaged run did not need (its reference is cached)
+            return {"clean": clean, **{damage: _pd_run(root, f"vllm-pd-{damage}", "--fault", f"pd-store-{damage}",
+                                                       "--keep-servers") for damage in DAMAGE}}
+        finally:  # the kept servers (the reference's too, which the damaged runs did not need: it is cached)
             main(["cache", "--cache-dir", str(root / "vllm-cache"), "servers", "--stop"])
     return _shared(root, "vllm-pd", runs)
 
@@ -597,7 +597,8 @@ def test_vllm_harness_connector_tp2_to_tp1_passes_with_transfer_verdicts(pd_run:
 
 
 # each store damage and what the connector's decode load says of it
-DAMAGE = {"corrupt": "differs from the digest stored with it", "missing": "", "truncated": ""}
+DAMAGE = {"corrupt": "differs from the digest stored with it (the file is damaged)",
+          "missing": "cannot be read: FileNotFoundError", "truncated": "cannot be read: SafetensorError"}
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
