@@ -8,12 +8,13 @@ import os
 import socket
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
-from harness.backends.http.backend import HttpBackend, counters_delta, kv_capacity, refusal
+from harness.backends.http.backend import HttpBackend, counters_delta, kv_capacity, refusal, server_seed
 from harness.backends.http.server import BIND_ATTEMPTS, start_server
 from harness.backends.registry import get_backend
 from harness.core.errors import ConfigError
@@ -431,3 +432,17 @@ def test_a_worker_s_native_crash_is_the_root_cause_not_the_engine_s_later_traceb
     assert root_cause("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nRuntimeError: cancelled\n"
                       ) == ("RuntimeError: cancelled", "Traceback (most recent call last):\n  File \"x.py\", line 1, "
                                                       "in f\nRuntimeError: cancelled")
+
+
+def test_each_topologys_server_starts_with_a_seed_of_its_own(tmp_path: Path) -> None:
+    """{server_seed}: the same for every run seed (one server serves them all), another per topology, so the
+    reference's server and a parallel one draw unseeded sampled requests from independent streams."""
+    argv = ["{python}", "-c", PIDFILE_SERVER, "{topology}", "--seed", "{server_seed}"]
+    backend = HttpBackend(_template(tmp_path, PIDFILE_SERVER, argv=argv))
+    seeds = {}
+    for topo in ("tp1", "tp2", "tp2dcp2"):
+        for run_seed in (0, 1):
+            argv, _ = backend.command(replace(_job(tmp_path, topo), seed=run_seed), "model", 0)
+            seeds.setdefault(topo, set()).add(argv[argv.index("--seed") + 1])
+    assert all(len(s) == 1 for s in seeds.values()) and len({s.pop() for s in seeds.values()}) == 3, seeds
+    assert server_seed("tp2") == server_seed("tp2") < 2 ** 31

@@ -194,6 +194,22 @@ def test_a_sampled_workloads_settings_travel_in_each_engines_own_names() -> None
     assert parse_generate({"input_ids": [1], "sampling_params": {"temperature": 1, "n": 2, "sampling_seed": 5,
                                                              "max_new_tokens": 1}},
                           VOCAB, LIMITS)[0][1].sampling == SamplingParams(temperature=1.0, seed=6)
+    # an engine that cannot take per-request seeds (template seeded_sampling: false): its sampled requests go unseeded
+    # in both dialects (draws and generations); its greedy requests keep the run seed (it decides nothing there)
+    sent: list[dict] = []
+
+    def choices(path: str, body: dict) -> Any:
+        sent.append(body)
+        return {"choices": [{"index": j, "logprobs": {"tokens": ["token_id:5"], "top_logprobs": [{"token_id:5": -0.1}]}}
+                            for j in range(body.get("n", 1))]}
+    vllm_unseeded = VllmDialect(choices, "m", seed=3, seeded=False)
+    vllm_unseeded.draw([1, 2], params, 40, 2)
+    vllm_unseeded.generate([[1, 2]], 1, 1, together=True, sampling=replace(params, n=1), seeds=[99])
+    vllm_unseeded.generate([[1, 2]], 1, 1, together=True)
+    assert ["seed" in body for body in sent] == [False, False, True] and sent[2]["seed"] == 3
+    sent, post = _fake([{"meta_info": {"output_token_logprobs": [[-0.1, 5, None]]}}] * 2)
+    SglangDialect(post, "m", seeded=False).draw([1, 2], params, 40, 2)
+    assert not any("sampling_seed" in p for p in sent[0][1]["sampling_params"]), sent
     with pytest.raises(BadRequest, match=r"sampling: top_p=0.0 must be in \(0, 1\]"):
         parse_generate({"input_ids": [1], "sampling_params": {"temperature": 1, "top_p": 0}}, VOCAB, LIMITS)
     with pytest.raises(BadRequest, match=r"a list of one object per prompt \(2\)"):

@@ -43,3 +43,19 @@ def test_a_clean_sampled_cell_passes_over_http_and_a_sampler_fault_fails(tmp_pat
     assert code != 0 and checks["sampling_distribution"]["verdict"] == "FAIL", checks["sampling_distribution"]
     assert checks["logits_prefill"]["verdict"] == "PASS"  # the logits agree: the sampler is the suspect
     assert checks["logits_decode"]["verdict"] != "FAIL", checks["logits_decode"]  # draws are not held to a top-k
+
+
+@pytest.mark.slow
+def test_an_engine_without_per_request_seeds_samples_unseeded(tmp_path: Path, cache: Path) -> None:
+    """A template with seeded_sampling: false (vLLM's CPU build: a seeded request crashes its worker): the sampled
+    requests go without seeds, the two-sample test still PASSes on the independent draws, and sampling_seeded is a
+    SKIP naming the capability the engine lacks (never a FAIL of a reproducibility the engine does not offer)."""
+    template = tmp_path / "unseeded.yaml"
+    template.write_text("extends: harness-serve\nseeded_sampling: false\n")
+    code = main(["run", "--suite", "tp", "--model", "tiny-gqa", "--topo", "tp2", "--engine", str(template),
+                 "--workload", "sampling", "--out", str(tmp_path / "out"), "--cache-dir", str(cache)])
+    (cell,) = results_cells(tmp_path / "out")
+    checks = {ch["name"]: ch for ch in cell["checks"]}
+    assert code == 0 and checks["sampling_distribution"]["verdict"] == "PASS", checks["sampling_distribution"]
+    seeded = checks["sampling_seeded"]
+    assert seeded["verdict"] == "SKIP" and "gives no seeded_sampling" in seeded["reason"], seeded

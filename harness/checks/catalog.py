@@ -180,7 +180,7 @@ BUILTIN_CHECKS: tuple[CheckSpec, ...] = (
               settings=SamplingSettings, requires=(c.RANK_DRAWS,), cells="sampling"),
     CheckSpec("sampling_seeded", "sampling", "harness.checks.sampling_checks:sampling_seeded",
               "a prompt sent again with the same seed, alone instead of in a batch, generated the same tokens",
-              settings=SamplingSettings, requires=(c.GENERATION,), cells="sampling"),
+              settings=SamplingSettings, requires=(c.GENERATION, c.SEEDED_SAMPLING), cells="sampling"),
 )
 
 def _specs_of(entry: str, obj: Any) -> list[CheckSpec]:

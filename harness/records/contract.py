@@ -118,11 +118,12 @@ WORKLOADS = "workloads"                # runs Job.workloads (their cases, schedu
 SCHEDULE_TWIN = "schedule_twin"        # twin_* of workload runs: the same prompts in one plain batch
 REPREFILL = "reprefill"                # reprefill_topk_* of workload runs
 RANK_DRAWS = "rank_draws"              # sample_* hold every rank's own draws (W = the ranks; an HTTP server: rank 0's)
+SEEDED_SAMPLING = "seeded_sampling"    # a sampled request's own seed decides its draws (the same seed, the same tokens)
 
 ALL_CAPABILITIES: tuple[str, ...] = (
     FULL_LOGITS, TOPK_LOGPROBS, PROMPT_LOGPROBS, DECODE_PATH, HIDDEN_STATES, ATTENTION_OUTPUTS, COLLECTIVE_ERRORS,
     LAYOUT_REPORT, KV_POOL_SIZE, ACCEPT_TRACES, ACCEPTANCE_AGGREGATE, GENERATION, GSM8K, WORKLOADS, SCHEDULE_TWIN,
-    REPREFILL, RANK_DRAWS,
+    REPREFILL, RANK_DRAWS, SEEDED_SAMPLING,
 )
 # Every artifact of the contract in full (the embedded engine's; what a run that records no backend is read
 # as): full logits carry every top-k, so no *_topk_* tensors; accept traces, not only their mean.

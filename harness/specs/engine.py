@@ -6,8 +6,9 @@ health endpoint, timeouts, the request dialect, and the log line that reports th
 
 Placeholders in argv / env values: {python} {model_path} {model_name} {tp} {dcp} {topology} {port}
 {host} {dtype} {seed} {max_logprobs} {max_model_len} {kv_budget_mib} {block_size} {fault} {spec_k} {cpu_bind}
-{interleave} {ep} (this machine's cores split into tp contiguous ranges, "0-3|4-7": vLLM CPU's
-VLLM_CPU_OMP_THREADS_BIND). An `env`
+{interleave} {ep} {server_seed} (this machine's cores split into tp contiguous ranges, "0-3|4-7": vLLM CPU's
+VLLM_CPU_OMP_THREADS_BIND; {server_seed}: a seed of the topology's own, so two topologies' servers draw unseeded
+requests from independent streams). An `env`
 value is a default: the same variable set in the harness's environment wins. `dcp_argv` is appended when
 dcp > 1, `interleave_argv` for an interleaved DCP placement (i<K>), `q_replicated_argv` for Q replicated in
 the DCP group (q), `ep_argv` for expert parallel (ep<E>; `ep_spans_tp: true` when the engine's expert parallel
@@ -54,7 +55,7 @@ DIALECT_NAMES: tuple[str, ...] = ("vllm", "sglang", "openai")
 MODEL_FORMATS: tuple[str, ...] = ("hf", "spec")  # what {model_path} is: an HF folder, or a harness model spec
 PLACEHOLDERS: tuple[str, ...] = ("python", "model_path", "model_name", "tp", "dcp", "topology", "port", "host",
                                  "dtype", "seed", "max_logprobs", "max_model_len", "kv_budget_mib", "block_size",
-                                 "fault", "spec_k", "cpu_bind", "interleave", "ep", "pd_store")
+                                 "fault", "spec_k", "cpu_bind", "interleave", "ep", "pd_store", "server_seed")
 SPECULATOR_KINDS: tuple[str, ...] = ("draft", "mtp")
 PD_ROLES: tuple[str, ...] = ("prefill", "decode")  # the two servers of a disaggregated topology (pd_argv)
 # how a template's P/D servers use the store folder {pd_store}: "harness" (harness serve: a folder per run named in
@@ -149,6 +150,9 @@ class EngineSpec:
     # the server is bitwise batch invariant and deterministic (its batch-invariant kernels or deterministic mode on):
     # batch_invariance and self_consistency compare bitwise, tolerance zero (harness/compare/exact.py)
     batch_invariant: bool = False
+    # the server honours a sampled request's own seed (vLLM's `seed`, SGLang's `sampling_seed`); false: its sampled
+    # requests go unseeded (independent draws: sampling_distribution still tests them) and sampling_seeded is a SKIP
+    seeded_sampling: bool = True
     # what the engine runs each attention kind with on a given machine (harness/specs/attention_backends.py): the
     # first rule whose CPU flags this machine has; a model its backend cannot load is a SKIP before any server starts
     attention_backends: tuple[AttentionBackend, ...] = ()

@@ -253,6 +253,14 @@ def _findable(module: str) -> bool:
         return False
 
 
+def server_seed(topology: str) -> int:
+    """The seed a server of `topology` starts with ({server_seed}): a 31-bit hash of the topology's name, the same for
+    every run seed (one server serves them all) and another for each topology, so the reference's server and the
+    parallel one draw the requests they get unseeded (a template's seeded_sampling: false) from independent streams
+    (equal streams would couple the two samples the two-sample test holds to be independent)."""
+    return int.from_bytes(hashlib.sha256(f"server/{topology}".encode()).digest()[:4], "little") >> 1
+
+
 class HttpBackend(Backend):
     """An engine template driven over HTTP: `template` is a shipped name (engines/NAME.yaml) or the path of
     a template file (the registry's target for every template). `option` is the URL for templates that
@@ -332,6 +340,8 @@ class HttpBackend(Backend):
             provides.add(c.ACCEPTANCE_AGGREGATE)
         if self.spec.layout_report_env:  # its server's layout probe reports what each rank holds
             provides.add(c.LAYOUT_REPORT)
+        if self.spec.seeded_sampling:  # its sampled requests carry their seeds
+            provides.add(c.SEEDED_SAMPLING)
         if not self.spec.url:  # a server the harness starts: its probe captures what the template says
             provides.update(self.spec.probe_captures)
         return Capabilities(provides=frozenset(provides), top_k=self.spec.max_logprobs,
@@ -357,8 +367,9 @@ class HttpBackend(Backend):
         """What decides a run besides the job: the engine, its version, template and the engine's own
         environment variables (a run with HARNESS_VLLM_FAULT set never reuses a clean reference)."""
         template = {k: v for k, v in asdict(self.spec).items() if k not in IDENTITY_EXCLUDES}
-        if not self.spec.batch_invariant:  # declared only where set: the other templates' cache entries stay valid
-            template.pop("batch_invariant")
+        for flag, default in (("batch_invariant", False), ("seeded_sampling", True)):
+            if template[flag] == default:  # declared only where changed: the other templates' cache entries stay valid
+                template.pop(flag)
         build = {"engine_build": self.engine_build()} if self.spec.build_argv else {}
         return {"engine": self.name, "version": self.version(), "template": template,
                 "weights": weights_key(job.model), "engine_env": self.engine_env(), **build}
@@ -470,7 +481,7 @@ class HttpBackend(Backend):
                 "kv_budget_mib": str(server_budget_bytes(pool) >> 20), "block_size": str(pool.block_size),
                 "fault": job.fault or "", "spec_k": str(_spec_k(job)),
                 "cpu_bind": cpu_bind(layout.tp), "interleave": str(layout.interleave),
-                "ep": str(layout.ep), "pd_store": pd_store}
+                "ep": str(layout.ep), "pd_store": pd_store, "server_seed": str(server_seed(job.topology.name))}
 
     def command(self, job: Job, model_path: str, port: int, role: str = "",
                 pd_store: str = "") -> tuple[list[str], ServerEnv]:
@@ -592,7 +603,7 @@ class HttpBackend(Backend):
             post = post_json(client)
             if harness_store:
                 post = http_pd.kv_post(post, namespace, index_of)
-            return DIALECTS[self.spec.dialect](post, job.model.name, job.seed)
+            return DIALECTS[self.spec.dialect](post, job.model.name, job.seed, self.spec.seeded_sampling)
 
         def prefill(job: Job, client: httpx.Client) -> tuple[list[Scored], list[Generation]]:
             d = dialect(client)
@@ -741,7 +752,7 @@ class HttpBackend(Backend):
         return ready, answer, kv_capacity(self.spec.kv_capacity_pattern, log_text), server.base_url
 
     def _dialect(self, job: Job, client: httpx.Client) -> Dialect:
-        return DIALECTS[self.spec.dialect](post_json(client), job.model.name, job.seed)
+        return DIALECTS[self.spec.dialect](post_json(client), job.model.name, job.seed, self.spec.seeded_sampling)
 
     def _collect_all(self, job: Job, client: httpx.Client) -> Collected:
         """The cases' top-k and generations, then GSM8K through the same server when the job asks."""

@@ -190,14 +190,16 @@ def answer_shape(dialect: str, what: str) -> Iterator[None]:
 class Dialect:
     """Asks for scores and generations of several sequences in one request (`together`) or one by one. `seed`: the
     run seed, sent with each greedy request as its sampling seed where the dialect has one (it decides nothing
-    there); a sampled request carries its own seed (generate's `seeds`, draw's `seed`)."""
+    there); a sampled request carries its own seed (generate's `seeds`, draw's `seed`) unless `seeded` is false (an
+    engine whose template says it cannot take per-request seeds: its sampled requests go unseeded)."""
 
     name = ""
 
-    def __init__(self, post: Post, model: str, seed: int | None = None) -> None:
+    def __init__(self, post: Post, model: str, seed: int | None = None, seeded: bool = True) -> None:
         self.post = post
         self.model = model
         self.seed = seed
+        self.seeded = seeded
 
     def score(self, sequences: Sequence[Sequence[int]], k: int, together: bool) -> list[Scored]:
         groups = [list(sequences)] if together else [[s] for s in sequences]
@@ -212,16 +214,17 @@ class Dialect:
             if sampling is not None:
                 if len(seeds) != len(prompts):
                     raise RunError(f"a sampled generation needs one seed per prompt ({len(prompts)}, got {len(seeds)})")
-                return [g for p, seed in zip(prompts, seeds) for g in self._generate([p], n, k, None, sampling, seed)]
+                return [g for p, seed in zip(prompts, seeds)
+                        for g in self._generate([p], n, k, None, sampling, seed if self.seeded else None)]
             groups = [list(prompts)] if together else [[p] for p in prompts]
             return [g for group in groups for g in self._generate(group, n, k)]
 
     def draw(self, sequence: Sequence[int], sampling: SamplingParams, seed: int, n: int) -> list[int]:
         """n draws of the token after `sequence` under `sampling` (one request: draw j seeded seed + j)."""
         with answer_shape(self.name, "draws"):
-            return self._draw(sequence, sampling, seed, n)
+            return self._draw(sequence, sampling, seed if self.seeded else None, n)
 
-    def _draw(self, sequence: Sequence[int], sampling: SamplingParams, seed: int, n: int) -> list[int]:
+    def _draw(self, sequence: Sequence[int], sampling: SamplingParams, seed: int | None, n: int) -> list[int]:
         raise NotImplementedError
 
     def complete(self, prompts: Sequence[Sequence[int]], n: int, stop: Sequence[int]) -> list[list[int]]:
@@ -282,7 +285,7 @@ class VllmDialect(Dialect):
         if sampling is None:
             how: dict[str, Any] = {"temperature": 0, **({"seed": self.seed} if self.seed is not None else {})}
         else:
-            how = {**sampling_fields(sampling), "seed": seed}
+            how = {**sampling_fields(sampling), **({"seed": seed} if seed is not None else {})}
         return {"model": self.model, "prompt": [list(p) for p in prompts], "max_tokens": n, "logprobs": k,
                 "return_tokens_as_token_ids": True, **how, **ends}
 
@@ -305,7 +308,7 @@ class VllmDialect(Dialect):
         answer = self.post("/v1/completions", self._body(prompts, n, k, stop, sampling, seed))
         return [_generation(_openai_steps(c.get("logprobs")), k) for c in _choices(answer, len(prompts))]
 
-    def _draw(self, sequence: Sequence[int], sampling: SamplingParams, seed: int, n: int) -> list[int]:
+    def _draw(self, sequence: Sequence[int], sampling: SamplingParams, seed: int | None, n: int) -> list[int]:
         answer = self.post("/v1/completions", {**self._body([sequence], 1, 1, None, sampling, seed), "n": n})
         return [_openai_steps(c.get("logprobs"))[0][0] for c in _choices(answer, n)]
 
@@ -338,7 +341,8 @@ class SglangDialect(Dialect):
     def _body(self, prompts: list[Sequence[int]], n: int, k: int, stop: tuple[int, ...] | None = None,
               sampling: SamplingParams | None = None, seed: int | None = None) -> dict[str, Any]:
         ends = {"ignore_eos": True} if stop is None else {"ignore_eos": False, "stop_token_ids": list(stop)}
-        how = {"temperature": 0} if sampling is None else {**sampling_fields(sampling), "sampling_seed": seed}
+        how = {"temperature": 0} if sampling is None else {
+            **sampling_fields(sampling), **({"sampling_seed": seed} if seed is not None else {})}
         return {"input_ids": [list(p) for p in prompts], "return_logprob": True, "top_logprobs_num": k,
                 "sampling_params": {"max_new_tokens": n, **how, **ends}}
 
@@ -363,10 +367,10 @@ class SglangDialect(Dialect):
                               nonfinite=tuple(b for _, bad in rows for b in bad)))
         return out
 
-    def _draw(self, sequence: Sequence[int], sampling: SamplingParams, seed: int, n: int) -> list[int]:
+    def _draw(self, sequence: Sequence[int], sampling: SamplingParams, seed: int | None, n: int) -> list[int]:
         body = {"input_ids": [list(sequence)] * n, "return_logprob": True, "top_logprobs_num": 0,
                 "sampling_params": [{"max_new_tokens": 1, "ignore_eos": True, **sampling_fields(sampling),
-                                     "sampling_seed": seed + j} for j in range(n)]}
+                                     **({"sampling_seed": seed + j} if seed is not None else {})} for j in range(n)]}
         return [int(answer["meta_info"]["output_token_logprobs"][0][1]) for answer in self._answers(body, n)]
 
     def _generate(self, prompts: list[Sequence[int]], n: int, k: int, stop: tuple[int, ...] | None = None,
