@@ -365,7 +365,8 @@ class HttpBackend(Backend):
 
     def identity(self, job: Job) -> dict[str, Any]:
         """What decides a run besides the job: the engine, its version, template and the engine's own
-        environment variables (a run with HARNESS_VLLM_FAULT set never reuses a clean reference)."""
+        environment variables but the withheld ones (a parallel run with HARNESS_VLLM_FAULT set is keyed apart from
+        a clean one; the reference, which never inherits it, is keyed as the clean reference)."""
         template = {k: v for k, v in asdict(self.spec).items() if k not in IDENTITY_EXCLUDES}
         for flag, default in (("batch_invariant", False), ("seeded_sampling", True)):
             if template[flag] == default:  # declared only where changed: the other templates' cache entries stay valid
