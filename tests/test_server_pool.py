@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from harness.backends.http.backend import HttpBackend
+from harness.backends.http.backend import HttpBackend, server_seed
 from harness.backends.http.capture import CASES_FILE, write_probe_cases
 from harness.backends.http.pool import PID_FILE, STATE_FILE, pid_alive, stop_kept
 from harness.backends.http.server import free_port, running_server, wait_ready
@@ -86,7 +86,9 @@ def test_a_server_engine_serves_every_seed_of_a_run_on_one_configuration(tmp_pat
     jobs = [runner.job(runner.req.models[0], topo, None, seed, tmp_path / f"run{seed}") for seed in (0, 1)]
     assert jobs[0].model == jobs[1].model and jobs[0].seed != jobs[1].seed
     argv = backend.command(jobs[1], "{model}", 0)[0]
-    assert argv[argv.index("--seed") + 1] == "0"  # the server's seed is not the run seed
+    # the server's seed is the topology's own ({server_seed}), not the run seed
+    assert argv[argv.index("--seed") + 1] == str(server_seed("tp2")) == backend.command(jobs[0], "{model}", 0)[0][
+        argv.index("--seed") + 1]
     with runner.servers.session():
         probed = [backend._probe_cases(job) for job in jobs]
         keys = {backend._server_config(job, cases).key for job, (cases, _) in zip(jobs, probed)}
