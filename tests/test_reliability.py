@@ -90,34 +90,29 @@ def test_absurd_numbers_have_a_stated_maximum(tmp_path: Path, capsys: pytest.Cap
     assert flag in line and value in line and maximum in line, line
 
 
-@pytest.mark.parametrize("command", ["report", "history"])
-def test_results_cell_with_a_null_model(tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str) -> None:
-    doc = json.loads((RESULTS_DIR / "clean" / "results.json").read_text())
-    doc["cells"][0]["model"] = None
+def _results_run(tmp_path: Path, doc: dict[str, Any]) -> Path:
+    """A run folder holding `doc` as its results.json."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "results.json").write_text(json.dumps(doc))
+    return run
+
+
+@pytest.mark.parametrize("field,value,said", [
+    ("model", None, "cell 0: model must be a string, got null"),
+    # a seed no engine or history store can hold: one line naming the cell, never an overflow inside
+    ("seed", 10 ** 30, "cell 0: seed must be an integer from 0 to 9223372036854775807, got 1000000000000")])
+@pytest.mark.parametrize("command", ["report", "history"])
+def test_results_cell_with_a_field_no_reader_can_hold(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      command: str, field: str, value: Any, said: str) -> None:
+    doc = json.loads((RESULTS_DIR / "clean" / "results.json").read_text())
+    doc["cells"][0][field] = value
+    run = _results_run(tmp_path, doc)
     argv = {"report": ["report", str(run), "--out", str(tmp_path / "out")],
             "history": ["history", "add", str(run), "--history", str(tmp_path / "h.db")]}[command]
     assert main(argv) == 2
     line = _error_line(capsys)
-    assert "cell 0: model must be a string, got null" in line and "constraint" not in line, line
-
-
-@pytest.mark.parametrize("command", ["report", "history"])
-def test_results_cell_with_a_seed_beyond_64_bits(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                 command: str) -> None:
-    """A seed no engine or history store can hold is one line naming the cell, never an overflow inside."""
-    doc = json.loads((RESULTS_DIR / "clean" / "results.json").read_text())
-    doc["cells"][0]["seed"] = 10 ** 30
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "results.json").write_text(json.dumps(doc))
-    argv = {"report": ["report", str(run), "--out", str(tmp_path / "out")],
-            "history": ["history", "add", str(run), "--history", str(tmp_path / "h.db")]}[command]
-    assert main(argv) == 2
-    line = _error_line(capsys)
-    assert "cell 0: seed must be an integer from 0 to 9223372036854775807, got 1000000000000" in line, line
+    assert said in line and "constraint" not in line, line
 
 
 def test_a_provenance_part_of_another_type_still_renders(tmp_path: Path) -> None:
@@ -126,9 +121,7 @@ def test_a_provenance_part_of_another_type_still_renders(tmp_path: Path) -> None
     doc = json.loads((RESULTS_DIR / "clean" / "results.json").read_text())
     doc["provenance"]["backends"] = {"parallel": "embedded", "reference": [1, 2]}
     doc["provenance"]["attention_backends"] = [3]
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "results.json").write_text(json.dumps(doc))
+    run = _results_run(tmp_path, doc)
     assert main(["report", str(run), "--out", str(tmp_path / "out")]) == 0
     assert "PASS" in (tmp_path / "out" / "index.html").read_text()
 
@@ -156,6 +149,14 @@ max_seq_len: 64
 prompts: ["The capital of France is"]
 checks: {layout: {}, logits: {}, generation: {}}
 """
+
+
+def test_a_suite_seed_beyond_64_bits_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    suite = tmp_path / "small.yaml"
+    suite.write_text(SMALL_SUITE.replace("seeds: [0]", f"seeds: [0, {1 << 63}]"))
+    assert main(["run", "--suite", str(suite), "--topo", "tp2", "--out", str(tmp_path / "out")]) == 2
+    line = _error_line(capsys)
+    assert f"seed={1 << 63} must be <= {(1 << 63) - 1}" in line, line
 
 
 def _wait_for(path: Path, proc: subprocess.Popen[str]) -> None:
