@@ -19,6 +19,7 @@ from harness.baselines.reference_baseline import CHANGED, references_path
 from harness.baselines.reference_record import (
     UNIT_ROUNDOFF,
     RoundingBound,
+    _draw_counts,
     compare_records,
     record_of,
 )
@@ -82,6 +83,32 @@ def test_a_greedy_divergence_is_benign_only_at_a_recorded_near_tie() -> None:
     tied["gen_tokens.0"][5] = 998  # after the benign divergence the continuation is another one
     found = compare_records(old, tied, BOUND, [0])
     assert found.difference is None and found.near_ties == 1
+
+
+def _sampled(probs: torch.Tensor, seed: int, positions: int = 6, draws: int = 400) -> dict[str, torch.Tensor]:
+    """A record's draws of one case: `draws` per position from `probs` [positions, V] (or one row for all)."""
+    rows = probs.expand(positions, -1) if probs.dim() == 1 else probs
+    drawn = torch.multinomial(rows, draws, replacement=True, generator=torch.Generator().manual_seed(seed))
+    ids, counts = _draw_counts(drawn)  # [positions, m]
+    return {"sample_prefill_ids.0": ids, "sample_prefill_counts.0": counts}
+
+
+def test_sampled_draws_are_held_to_the_recorded_ones_by_a_two_sample_test() -> None:
+    """Another sample of the same distribution (an unseeded engine) passes; a position whose distribution moved
+    (two tokens' probabilities swapped) is the first difference; a recording without draws compares none, and
+    draws recorded but missing now are a difference."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    old = {**_record(), **_sampled(probs, seed=1)}
+    again = compare_records(old, {**_record(), **_sampled(probs, seed=2)}, BOUND, [0])
+    assert again.difference is None and again.compared > 6
+    moved = probs.repeat(6, 1)
+    moved[4] = torch.tensor([0.3, 0.5, 0.15, 0.05])
+    found = compare_records(old, {**_record(), **_sampled(moved, seed=2)}, BOUND, [0]).difference
+    assert found is not None and (found.what, found.position) == ("sampled draws (prefill path)", 4), found
+    assert "two-sample p = " in found.detail and "/ 6 positions" in found.detail
+    assert compare_records(_record(), {**_record(), **_sampled(probs, seed=2)}, BOUND, [0]).difference is None
+    missing = compare_records(old, _record(), BOUND, [0]).difference
+    assert missing is not None and "draws recorded, none now" in missing.detail
 
 
 def test_a_token_entering_the_top_k_beyond_rounding_fails() -> None:
@@ -306,3 +333,59 @@ def test_a_logits_changing_fault_the_reference_shares_fails_at_its_position_and_
     assert "decode-path logprobs at position 0" in found["reason"] and "first differing layer 1" in found["reason"]
     assert found["metrics"]["difference"]["layer"] == 1
     assert [n for n, c in verdicts.items() if c["verdict"] == "FAIL"] == ["reference_baseline"]
+
+
+SAMPLING_SUITE = """
+name: refsample
+version: 1
+models: [tiny-gqa]
+topologies: [tp2]
+reference: tp1
+max_new_tokens: 4
+decode_prefix_tokens: 2
+kv_budget_mib: 4
+max_seq_len: 64
+prompts: ["The capital of France is"]
+workloads: [sampling]
+checks: {logits: {}, generation: {}}
+"""
+
+
+@pytest.mark.xdist_group("refbase")
+def test_a_references_draws_are_recorded_and_a_changed_sampler_fails(tmp_path: Path) -> None:
+    """The sampling workload's reference draws go into the recording; a rerun on a fresh cache PASSes against them
+    (compared, not skipped); a recording whose draws came from another sampler (one position's draws moved to
+    another token, as an older build with a different sampler would have left them) FAILs at that position."""
+    (tmp_path / "refsample.yaml").write_text(SAMPLING_SUITE)
+    folder = tmp_path / "baselines"
+
+    def check(out: str, cache: str) -> dict[str, Any]:
+        main(["run", "--suite", str(tmp_path / "refsample.yaml"), "--out", str(tmp_path / out), "--cache-dir",
+              str(tmp_path / cache), "--baselines-dir", str(folder)])
+        (cell,) = json.loads((tmp_path / out / "results.json").read_text())["cells"]
+        return next(k for k in cell["checks"] if k["name"] == "reference_baseline")  # type: ignore[no-any-return]
+
+    assert check("first", "cache-a")["verdict"] == "SKIP"
+    assert main(["baseline", "update", "--from", str(tmp_path / "first"), "--dir", str(folder), "--yes"]) == 0
+    index = references_path(folder)
+    data = yaml.safe_load(index.read_text())
+    (entry,) = data["baselines"]
+    record = load_file(str(folder / entry["record"]))
+    draws = sorted(k for k in record if k.startswith("sample_") and k.endswith("_counts." + k.split(".")[-1]))
+    assert draws and all(int(record[k].sum()) > 0 for k in draws), sorted(record)
+    again = check("again", "cache-b")
+    assert again["verdict"] == "PASS", again["reason"]
+    assert again["metrics"]["compared"] > sum(record[k].shape[0] for k in draws)  # the draws were compared
+    key = draws[0]
+    ids = record[key.replace("_counts.", "_ids.")]
+    record[key][1] = 0
+    record[key][1, 0] = int(record[key][0].sum())  # position 1: every draw on one token
+    ids[1, 0] = int(ids[1].max()) + 1               # a token the current sampler never draws there
+    blob = save({k: record[k] for k in sorted(record)})
+    digest = hashlib.sha256(blob).hexdigest()
+    entry.update(record=f"references/{digest[:16]}.safetensors", sha256=digest, bytes=len(blob))
+    (folder / entry["record"]).write_bytes(blob)
+    index.write_text(yaml.safe_dump(data, sort_keys=False))
+    changed = check("changed", "cache-b")
+    assert changed["verdict"] == "FAIL" and changed["reason"].startswith(CHANGED), changed["reason"]
+    assert "sampled draws" in changed["reason"] and "at position 1" in changed["reason"], changed["reason"]

@@ -15,8 +15,14 @@ A record holds, per case i of the run (its own case index; tensors of a safetens
     layer_norm.i                        [L+1, P]  per-layer summary (engines with hidden states): the residual
     layer_proj.i                        [L+1, P, R] stream's norm and its projection on R fixed unit vectors at
                                                   the P probe positions
+    sample_prefill_ids.i, sample_prefill_counts.i   [S, m]  sampling workloads: each sampled position's distinct
+    sample_decode_ids.i, sample_decode_counts.i     [S, m]  drawn tokens (-1 padded) and how often each was drawn,
+                                                  rank 0's draws on the prefill and decode paths
 
-The bound is rounding's, from first principles (RoundingBound): never a noise run of the build under test.
+The bound is rounding's, from first principles (RoundingBound): never a noise run of the build under test. The
+draws are held to the recorded ones by a two-sample test per position (the sampling checks' homogeneity test), at a
+false-positive level of SAMPLE_ALPHA per comparison (Bonferroni over the positions): a seeded engine draws the same
+tokens again, an unseeded one a sample of the same distribution.
 """
 
 from __future__ import annotations
@@ -25,9 +31,13 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
+from harness.compare.sampling import homogeneity_p
+from harness.compare.settings import SamplingSettings
 from harness.records.artifacts import RunArtifacts
+from harness.records.contract import SAMPLE_DECODE, SAMPLE_PREFILL, tensor_key
 
 STORED_TOP_K = 5     # top-k logprobs kept per position
 PROJECTIONS = 4      # fixed unit vectors each layer's residual stream is projected on
@@ -38,6 +48,9 @@ UNIT_ROUNDOFF: dict[str, float] = {"float64": 2.0 ** -53, "float32": 2.0 ** -24,
 GROWTH_CONSTANT = 4.0  # two computations (recorded, current) x a logprob's two rounded terms (logit, logsumexp)
 LOGIT_PATHS: tuple[str, ...] = ("prefill", "decode", "gen")
 PATH_WORDS = {"prefill": "prefill logprobs", "decode": "decode-path logprobs", "gen": "generation top-k"}
+SAMPLE_WORDS = {SAMPLE_PREFILL: "sampled draws (prefill path)", SAMPLE_DECODE: "sampled draws (decode path)"}
+SAMPLE_ALPHA = SamplingSettings().alpha  # the draws' false-positive level per record comparison
+SAMPLE_MIN_EXPECTED = SamplingSettings().min_expected
 
 Record = dict[str, torch.Tensor]
 
@@ -117,6 +130,17 @@ def _projection(width: int) -> torch.Tensor:
     return q / q.norm(dim=0, keepdim=True)
 
 
+def _draw_counts(draws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, counts) [S, m] int32 of draws [S, n]: each position's distinct tokens (-1 padded) and their counts."""
+    rows = [torch.unique(row, return_counts=True) for row in draws]
+    width = max((len(ids) for ids, _ in rows), default=0)
+    ids = torch.full((len(rows), width), -1, dtype=torch.int32)
+    counts = torch.zeros((len(rows), width), dtype=torch.int32)
+    for s, (tokens, count) in enumerate(rows):
+        ids[s, :len(tokens)], counts[s, :len(count)] = tokens.to(torch.int32), count.to(torch.int32)
+    return ids, counts
+
+
 def record_of(run: RunArtifacts) -> Record:
     """The compact record of a reference run (the module docstring's tensors), from the tensors it holds."""
     out: Record = {}
@@ -143,6 +167,10 @@ def record_of(run: RunArtifacts) -> Record:
         for name in ("spec_tokens", "spec_accepted", "spec_drafts"):
             if f"{name}.{i}" in t:
                 out[f"{name}.{i}"] = t[f"{name}.{i}"].to(torch.int32)
+        for kind in SAMPLE_WORDS:
+            if tensor_key(kind, i) in t:
+                ids, counts = _draw_counts(t[tensor_key(kind, i)][0])  # rank 0's draws [S, n]
+                out.update({f"{kind}_ids.{i}": ids, f"{kind}_counts.{i}": counts})
         if f"hidden.{i}" in t:
             hidden = t[f"hidden.{i}"].double()  # [L+1, P, H]
             out[f"layer_norm.{i}"] = hidden.norm(dim=-1).float()  # [L+1, P]
@@ -313,7 +341,46 @@ def compare_records(old: Record, new: Record, bound: RoundingBound, cases: Seque
             walk.found(Difference(n, "per-layer summary", layer[1], "the residual stream's summary differs beyond "
                                   "rounding while the logprobs agree", layer[0]))
             break
+    if walk.first is None:
+        _compare_draws(walk, old, new, cases)
     return Comparison(walk.first, walk.compared, walk.max_error, walk.bound_at_max, walk.near_ties)
+
+
+def _counts_row(ids: torch.Tensor, counts: torch.Tensor) -> dict[int, int]:
+    return {int(t): int(c) for t, c in zip(ids.tolist(), counts.tolist()) if t >= 0}
+
+
+def _compare_draws(walk: _Walk, old: Record, new: Record, cases: Sequence[int]) -> None:
+    """Each sampled position's draws against the recorded ones (a recording made without draws compares none):
+    the first position whose two-sample p-value is below SAMPLE_ALPHA / (positions compared)."""
+    tests: list[tuple[int, str, int, float]] = []
+    for n in cases:
+        for kind, what in SAMPLE_WORDS.items():
+            if f"{kind}_ids.{n}" not in old:
+                continue
+            if f"{kind}_ids.{n}" not in new:
+                walk.found(Difference(n, what, 0, "draws recorded, none now (the sampled run drew nothing there)"))
+                return
+            oid, ocount = old[f"{kind}_ids.{n}"], old[f"{kind}_counts.{n}"]
+            nid, ncount = new[f"{kind}_ids.{n}"], new[f"{kind}_counts.{n}"]
+            if oid.shape[0] != nid.shape[0]:
+                walk.found(Difference(n, what, 0, f"{nid.shape[0]} sampled positions, recorded {oid.shape[0]}"))
+                return
+            for s in range(oid.shape[0]):
+                a, b = _counts_row(oid[s], ocount[s]), _counts_row(nid[s], ncount[s])
+                tokens = sorted(a.keys() | b.keys())
+                p = homogeneity_p(np.array([a.get(t, 0) for t in tokens]), np.array([b.get(t, 0) for t in tokens]),
+                                  SAMPLE_MIN_EXPECTED)
+                tests.append((n, what, s, p))
+    walk.compared += len(tests)
+    if not tests:
+        return
+    threshold = SAMPLE_ALPHA / len(tests)
+    low = next((t for t in tests if t[3] < threshold), None)
+    if low is not None:
+        n, what, s, p = low
+        walk.found(Difference(n, what, s, f"the draws differ from the recorded ones: two-sample p = {p:.2e} < "
+                                          f"{SAMPLE_ALPHA:g} / {len(tests)} positions"))
 
 
 def _compare_generation(walk: _Walk, old: Record, new: Record, n: int) -> None:
