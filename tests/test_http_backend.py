@@ -132,6 +132,8 @@ VLLM_CPU_LSE = ("AssertionError: Decode Context Parallelism (DCP) requires atten
 VLLM_CPU_GQA = ("Decode context parallelism for GQA/MQA requires `--tensor-parallel-size` (2) to be greater than "
                 "the model's total number of KV heads (4). Increase `--tensor-parallel-size` or set "
                 "`--decode-context-parallel-size 1`.")
+# tiny-qwen3next (6 linear-attention value heads) at tp4: every worker fails vLLM's ensure_divisibility at load
+VLLM_DIVISIBILITY = "AssertionError: 6 is not divisible by 4"
 
 
 def _replay_log(log: Path) -> str:
@@ -140,7 +142,8 @@ def _replay_log(log: Path) -> str:
 
 
 @pytest.mark.parametrize(("log", "line"), [("refused-dcp-lse.server.log", VLLM_CPU_LSE),
-                                           ("refused-dcp-gqa.server.log", VLLM_CPU_GQA)])
+                                           ("refused-dcp-gqa.server.log", VLLM_CPU_GQA),
+                                           ("refused-divisibility.server.log", VLLM_DIVISIBILITY)])
 def test_the_vllm_template_refuses_dcp_with_vllms_own_lines(log: str, line: str) -> None:
     """The shipped template's `refuses` match the real lines; the quoted line has no process prefix, logger
     header, pydantic "Value error, " label or "[type=..., input_value=...]" tail."""

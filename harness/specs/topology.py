@@ -29,6 +29,9 @@ PLACEMENT_KEYS: tuple[str, ...] = ("interleave", "contiguous", "q_replicated")
 OPTION_KEYS: tuple[str, ...] = (*PLACEMENT_KEYS, "ep", "dp")  # written only when they differ from their defaults
 
 
+TOPOLOGY_AXES: tuple[str, ...] = ("dcp", "ep", "dp", "speculator", "pd")  # Topology.axes
+
+
 @dataclass(frozen=True)
 class Topology:
     """One parallel configuration. World size = tp; dcp splits each TP group's tokens; ep splits the
@@ -109,6 +112,15 @@ class Topology:
                                   f"topology takes round-robin or interleaved (i<K>) placements: a contiguous "
                                   f"owner depends on the sequence's first forward, which the decode side never runs; "
                                   f"expected {PD_GRAMMAR}")
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The parallel axes this layout (and a disaggregated topology's prefill layout) uses beyond plain TP, in
+        TOPOLOGY_AXES order: what an engine template can declare it cannot run (unsupported_axes)."""
+        used = {"dcp": self.dcp > 1, "ep": self.ep > 1, "dp": self.dp > 1,
+                "speculator": self.speculator != "none", "pd": self.prefill is not None}
+        pre = self.prefill.axes if self.prefill is not None else ()
+        return tuple(a for a in TOPOLOGY_AXES if used[a] or a in pre)
 
     @property
     def disaggregated(self) -> bool:

@@ -109,9 +109,9 @@ DEFAULT_SPEC_K = 3
 LOOKUP_METHODS: tuple[str, ...] = ("ngram", "lookahead")  # prompt-lookup proposers in a speculator argv
 VERSION_TIMEOUT_S = 60.0
 # template keys that do not change what a run produces (version_packages: how its version, which is kept, is found;
-# unsupported_builds: where it runs at all)
+# unsupported_builds, unsupported_axes: where it runs at all)
 IDENTITY_EXCLUDES: tuple[str, ...] = ("ready_timeout_s", "request_timeout_s", "version_packages", "build_argv",
-                                      "requires", "install", "unsupported_builds")
+                                      "requires", "install", "unsupported_builds", "unsupported_axes")
 FIND_CODE = ("import importlib.util, sys\n"
              "for name in sys.argv[1:]:\n"
              "    try:\n        found = importlib.util.find_spec(name) is not None\n"
@@ -415,12 +415,21 @@ class HttpBackend(Backend):
                 f"that client does not send (the embedded engine runs it: --engine embedded)")
 
     def build_refusal(self) -> str | None:
-        """Why the template cannot run on the installed build (its unsupported_builds), or None."""
+        """Why the template cannot run on the installed build at all (its unsupported_builds), or None."""
         if not self.spec.unsupported_builds:
             return None
         version = self.version()
         reason = self.spec.unsupported_builds.get(version.split()[0])
         return None if reason is None else f"it does not run on {version}: {reason}"
+
+    def axis_refusal(self, topology: Topology) -> str | None:
+        """Why the template cannot run an axis of `topology` on the installed build (its unsupported_axes)."""
+        if not self.spec.unsupported_axes:
+            return None
+        version = self.version()
+        limits = self.spec.unsupported_axes.get(version.split()[0], {})
+        axis = next((a for a in topology.axes if a in limits), None)
+        return None if axis is None else f"it does not run {axis} ({topology.name}) on {version}: {limits[axis]}"
 
     def skip_reason(self, model: ModelSpec, topology: Topology) -> str | None:
         build = self.build_refusal()
@@ -438,7 +447,7 @@ class HttpBackend(Backend):
         refusal = backend.refusal(model) if backend is not None else None
         if refusal is not None:
             return refusal
-        axis = self._missing_axis(topology)
+        axis = self.axis_refusal(topology) or self._missing_axis(topology)
         if axis is not None:
             return axis
         if topology.speculator != "none" and topology.speculator not in self.spec.speculator_argv:
