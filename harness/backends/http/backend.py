@@ -475,11 +475,11 @@ class HttpBackend(Backend):
             return (f"engine {self.name}'s template has no option for Q replication in the DCP group of "
                     f"{topology.name} (no q_replicated_argv)")
         if topology.ep > 1 and not t.ep_argv:
-            return f"engine {self.name}: its template has no expert-parallel setting (ep={topology.ep}, no ep_argv)"
+            return f"its template has no expert-parallel setting (ep={topology.ep}, no ep_argv)"
         if topology.dp > 1:
-            return f"engine {self.name}: its template has no attention data-parallel setting (dp={topology.dp})"
+            return f"its template has no attention data-parallel setting (dp={topology.dp})"
         if topology.ep > 1 and t.ep_spans_tp and topology.ep != topology.tp:
-            return (f"engine {self.name}: its expert parallel spans the whole TP world (template: ep_spans_tp), so "
+            return (f"its expert parallel spans the whole TP world (template: ep_spans_tp), so "
                     f"ep={topology.ep} at tp={topology.tp} cannot be expressed")
         return None
 
