@@ -11,7 +11,7 @@ import torch
 
 from harness.cli import main
 from harness.compare.parity.generation import check_generation
-from harness.compare.parity.jumps import JumpEvidence, JumpTest
+from harness.compare.parity.jumps import JumpEvidence, JumpTest, pooled
 from harness.compare.parity.schedule import Steps, compare_consistency, compare_schedules, evidence_of, grade
 from harness.compare.settings import (
     ConsistencySettings,
@@ -80,6 +80,34 @@ def test_schedule_jumps_on_every_prompt_fail_even_with_evidence() -> None:
                    "copies", evidence=rare)
     assert result.verdict is Verdict.FAIL
     assert "12/12 prompts diverge outside near ties (12 jumps in 24 steps against 1 in 3000" in result.reason
+
+
+def test_a_token_outside_the_re_prefills_top_k_is_a_near_tie_where_the_decode_side_shows_one() -> None:
+    """bfloat16 MoE (a clean tiny-hybrid-bf16 tp2ep2 run): the decode step's top-1 is just below the re-prefill's
+    5-wide top-k, whose span is 0.56 nats, and the re-prefill's top-1 is in the decode step's top-k 0.06 below its
+    top-1. Read from the decode side it is a tie of at most 0.56 nats (topk.crossed_tie, as generation reads one), so
+    under a near-tie bound above that it is no jump and the step's logprob difference is the two top-1 logprobs';
+    under a tighter bound it stays a jump, and a token outside both top-k lists stays one at any bound."""
+    prefill = _steps(3)
+    prefill.lps[1] = torch.tensor([-1.963, -2.213, -2.275, -2.463, -2.525], dtype=torch.float64)
+    ids = prefill.ids.clone()
+    ids[1] = torch.tensor([999, 10, 11, 12, 13])  # the decode's top-1 (999) is outside the re-prefill's top-k
+    lps = prefill.lps.clone()
+    lps[1] = torch.tensor([-2.143, -2.2, -2.205, -2.33, -2.393], dtype=torch.float64)
+    decode_steps = Steps([0, 999, 20], ids, lps)
+    pair = compare_consistency(0, decode_steps, prefill)
+    assert pair.diffs == ((1, pytest.approx(0.562)),)
+    assert pair.lps[1] == pytest.approx(abs(-2.143 + 1.963))  # the tied maxima
+    noise = [[compare_consistency(0, prefill, prefill)]]
+    loose = ConsistencySettings(near_tie=1.0, logprob_floor=1.0)  # a bfloat16 cell's measured bounds
+    passed = grade("decode_consistency", [pair], noise, loose, "decode vs re-prefill", evidence=NOISE_FREE)
+    assert passed.verdict is Verdict.PASS and "1 diverge at near ties" in passed.reason, passed.reason
+    tight = grade("decode_consistency", [pair], noise, ConsistencySettings(), "decode vs re-prefill",
+                  evidence=NOISE_FREE)
+    assert tight.verdict is Verdict.FAIL and "gap 5.6e-01 > near-tie" in tight.reason, tight.reason
+    ids[1, 1] = 998  # the re-prefill's top-1 leaves the decode's top-k too: a jump at any bound
+    both = compare_consistency(0, Steps([0, 999, 20], ids, lps), prefill)
+    assert math.isinf(both.diffs[0][1])
 
 
 def test_consistency_counts_every_jumping_step() -> None:
@@ -154,3 +182,15 @@ def test_lossless_bound_follows_the_noise_and_jumps_the_evidence() -> None:
                           evidence=NOISE_FREE).verdict is Verdict.FAIL
     routed = check_lossless(outside, plain, LosslessSettings(), ids, lps, gap_noise=0.7, evidence=ROUTING)
     assert routed.verdict is Verdict.PASS and "1 jump as often as rounding does" in routed.reason, routed.reason
+
+
+def test_the_engines_jump_evidence_pools_its_workloads_steps() -> None:
+    """The jump rate is the engine's, model's and dtype's: a run's greedy workloads are one measurement of it. A
+    prompts view with no jump in 84 rounding-only steps alone FAILs a single jump; pooled with a self-consistency view
+    of the same runs (2 jumps in 211 steps) that jump is as frequent as the engine's (a clean bfloat16 MoE run)."""
+    prompts, copies = JumpEvidence((1e-5,), 84), JumpEvidence((math.inf, math.inf, 0.5), 211, (math.inf,), 100)
+    both = pooled([prompts, copies])
+    assert both == JumpEvidence((1e-5, math.inf, math.inf, 0.5), 295, (math.inf,), 100)
+    assert not JumpTest(1, 36, *prompts.counted(1.0, 1e-3), 1e-3).benign
+    assert JumpTest(1, 36, *both.counted(1.0, 1e-3), 1e-3).benign
+    assert not JumpTest(12, 36, *both.counted(1.0, 1e-3), 1e-3).benign  # a bug's jump rate still FAILs

@@ -167,7 +167,7 @@ def generation(ctx: CellContext) -> list[CheckResult]:
         return [CheckResult("generation", Verdict.SKIP, f"workload {ctx.info.workload} samples: its tokens are "
                             "judged by the sampling checks, not against the reference's")]
     try:
-        evidence = engine_evidence(ctx.noise_base, ctx.noise)
+        evidence = ctx.jump_evidence or engine_evidence(ctx.noise_base, ctx.noise)
     except RunError:  # a run without usable generations: the generation check says so itself
         evidence = None
     result, prompts = check_generation(ctx.ref, ctx.par, ctx.settings.of(GenerationSettings), noise=ctx.noise,

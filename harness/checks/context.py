@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from harness.checks.settings import CheckSettings
+from harness.compare.parity.jumps import JumpEvidence
 from harness.core.details import CellDetails
 from harness.core.paths import BASELINES_DIR
 from harness.core.verdict import CheckResult, Localization
@@ -54,6 +55,9 @@ class CellContext:
     # the run `noise` is measured against (None: `ref`; compare/parity/noise_source.py)
     noise_ref: RunArtifacts | None = None
     noise_source: str = ""  # where the noise comes from when not the reference engine's own noise run
+    # the reference engine's jumps under rounding alone over every greedy workload's cases of the reference and noise
+    # runs (compare/parity/jumps.py: a property of the engine, model and dtype); None: from this workload's views
+    jump_evidence: JumpEvidence | None = None
     speculator_plan: LayoutPlan | None = None
     hybrid_plan: HybridPlan | None = None  # hybrid models: linear attention, MoE, cache groups
     moe_plan: MoePlan | None = None  # the experts of a model whose attention is not hybrid (MLA + MoE)

@@ -58,7 +58,8 @@ def _schedule(ctx: CellContext, name: str, what: str, extra: dict[str, Any] | No
         return check_exact(name, ctx.par, [Twin((c.index, TWIN), (c.index, GEN), "its one-batch twin")
                                            for c in ctx.par.cases], what,
                            extra)
-    return check_schedule(name, ctx.par, ctx.noise_base, ctx.noise, ctx.settings.of(ScheduleSettings), what, extra)
+    return check_schedule(name, ctx.par, ctx.noise_base, ctx.noise, ctx.settings.of(ScheduleSettings), what, extra,
+                          ctx.jump_evidence)
 
 
 def unknown_route(name: str, stat: str, stats: dict[str, Any], result: CheckResult) -> CheckResult:
@@ -102,11 +103,13 @@ def self_consistency(ctx: CellContext) -> list[CheckResult]:
         twins += [Twin((g[0], GEN), (g[0], TWIN), "its one-batch twin") for g in groups]
         return [check_exact("self_consistency", ctx.par, twins, "copies and one-batch twins against the first copy",
                             extra)]
-    return [check_self_consistency(ctx.par, ctx.noise_base, ctx.noise, ctx.settings.of(SelfConsistencySettings), extra)]
+    return [check_self_consistency(ctx.par, ctx.noise_base, ctx.noise, ctx.settings.of(SelfConsistencySettings), extra,
+                                   ctx.jump_evidence)]
 
 
 def decode_consistency(ctx: CellContext) -> list[CheckResult]:
     if workload_entry(ctx) is None:
         return [CheckResult("decode_consistency", Verdict.SKIP, "the run holds no workload re-prefill")]
     sampled = (workload_entry(ctx) or {}).get("sampling") is not None  # its tokens are draws, not the top-1
-    return [check_consistency(ctx.par, ctx.noise_base, ctx.noise, ctx.settings.of(ConsistencySettings), sampled)]
+    return [check_consistency(ctx.par, ctx.noise_base, ctx.noise, ctx.settings.of(ConsistencySettings), sampled,
+                              None if sampled else ctx.jump_evidence)]

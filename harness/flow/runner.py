@@ -25,7 +25,9 @@ from harness.backends.registry import DEFAULT_ENGINE, get_backend
 from harness.checks.context import CellContext, CellInfo
 from harness.checks.driver import run_checks
 from harness.checks.settings import CheckSettings
+from harness.compare.parity.jumps import JumpEvidence, pooled
 from harness.compare.parity.noise_source import NoiseRuns, measures_nothing
+from harness.compare.parity.schedule import engine_evidence
 from harness.core.errors import ConfigError, DiskFull, HarnessError, RunError
 from harness.core.limits import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, RUN_DIR_MIN_BYTES, free_bytes
 from harness.core.paths import BASELINES_DIR
@@ -52,7 +54,7 @@ from harness.records.contract import (
 )
 from harness.records.shard import Shard, select, shard_cells
 from harness.records.validate import load_run, validate_artifacts
-from harness.records.workload_views import workload_views
+from harness.records.workload_views import Views, workload_views
 from harness.report.merge import cell_key
 from harness.report.provenance import collect_provenance, git_commit
 from harness.specs.model import ModelSpec
@@ -210,6 +212,22 @@ def plan_cells(req: RunRequest, backends: tuple[Backend, Backend] | None = None)
                 out.append(CellPlan(m, t, req.fault, seed, planned or engine, engine_skip=engine is not None))
     return out
 
+
+
+def _jump_evidence(views: Views, workloads: Sequence[Workload]) -> JumpEvidence | None:
+    """The reference engine's jumps under rounding alone (schedule.engine_evidence), pooled over the views of the
+    greedy workloads (a sampled workload's tokens are draws: their differences are not rounding's); None where no
+    view holds usable generations."""
+    greedy = {w.name for w in workloads if w.sampling is None}
+    found = []
+    for name, (ref, _, noise, against) in views.items():
+        if name not in greedy:
+            continue
+        try:
+            found.append(engine_evidence(ref if against is None else against, noise))
+        except RunError:  # no usable generations in this view: the checks say so themselves
+            continue
+    return pooled(found) if found else None
 
 class Runner:
     """Runs a matrix; the reference (and its noise-floor twin) is launched once per (model, seed)."""
@@ -555,9 +573,11 @@ class Runner:
         """The cell's checks of `par` (read from `run_dir`) against the reference: one result per workload,
         each over that workload's cases (harness/records/workload_views.py)."""
         out = []
-        views = workload_views(self.cell_workloads(cell), ref, par, noise.run, noise.against)
+        workloads = self.cell_workloads(cell)
+        views = workload_views(workloads, ref, par, noise.run, noise.against)
+        evidence = _jump_evidence(views, workloads)
         for name, (r, p, n, against) in views.items():
-            ctx = self.context(cell, r, p, NoiseRuns(n, against, noise.source), name)
+            ctx = self.context(cell, r, p, NoiseRuns(n, against, noise.source), name, evidence)
             out.append(CellResult(**{**base, "workload": name, "command": self.command(cell, name)},
                                   checks=tuple(run_checks(ctx)), clean_exit=True, localization=ctx.localization,
                                   run_dir=str(run_dir), reference_dir=str(ref.path), wall_s=wall_s,
@@ -575,14 +595,15 @@ class Runner:
         return self.cache.key(replace(job, dtype=job.dtype or cell.model.dtype)) == self.cache.key(ref_job)
 
     def context(self, cell: CellPlan, ref: RunArtifacts, par: RunArtifacts, noise: NoiseRuns,
-                workload: str = SUITE_PROMPTS) -> CellContext:
-        """Everything the checks of `cell` read."""
+                workload: str = SUITE_PROMPTS, evidence: JumpEvidence | None = None) -> CellContext:
+        """Everything the checks of `cell` read (`evidence`: the engine's jumps under rounding over every greedy
+        workload of the runs)."""
         suite = self.req.suite
         topo = cell.topology
         plan = plan_model(model_of(cell.model), topo)
         return CellContext(
             ref=ref, par=par, noise=noise.run, noise_ref=noise.against, noise_source=noise.source,
-            plan=plan.attention, hybrid_plan=plan.hybrid_plan,
+            jump_evidence=evidence, plan=plan.attention, hybrid_plan=plan.hybrid_plan,
             moe_plan=plan.moe if plan.hybrid_plan is None else None,
             indexer_plan=plan.indexer,
             layout_check=plan.model.attention.layout_check,

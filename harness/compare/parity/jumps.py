@@ -22,6 +22,7 @@ Binomial(n, N / (N + M)) under equal rates), failing at p < `jumps_alpha`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from harness.compare.parity.tie_flips import binomial_tail
 
@@ -56,6 +57,13 @@ def _outside(gaps: tuple[float, ...], limit: float) -> int:
 
 
 NO_EVIDENCE = JumpEvidence((), 0)
+
+
+def pooled(evidences: Sequence[JumpEvidence]) -> JumpEvidence:
+    """One engine's rounding-only comparisons over several sets of cases (a run's greedy workloads): the jump rate
+    is the engine's, model's and dtype's, so every step the reference and noise runs hold measures it."""
+    return JumpEvidence(tuple(g for e in evidences for g in e.gaps), sum(e.steps for e in evidences),
+                        tuple(g for e in evidences for g in e.own_gaps), sum(e.own_steps for e in evidences))
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from harness.compare.parity.bounds import Bound, json_float
 from harness.compare.parity.generation import first_divergence, top2_gaps
 from harness.compare.parity.jumps import JumpEvidence, JumpTest
 from harness.compare.parity.step_rounding import StepRounding, step_rounding
+from harness.compare.parity.topk import crossed_tie
 from harness.compare.settings import ConsistencySettings, ScheduleSettings, SelfConsistencySettings
 from harness.core.errors import RunError
 from harness.core.verdict import CheckResult, Verdict
@@ -117,6 +118,18 @@ def _gap_to(base: Steps, step: int, token: int) -> float:
     return float(base.lps[step, 0] - base.lps[step, int(hits[0, 0])]) if hits.numel() else math.inf
 
 
+def _divergence_gap(base: Steps, other: Steps, step: int) -> tuple[float, bool]:
+    """(gap, crossed) of a step where `other` took another token than base's top-1: base's gap to that token; where
+    the token (other's top-1) lies outside base's top-k, the same tie read from the other side (topk.crossed_tie:
+    base's top-1 in other's top-k, at least the span of base's top-k; inf where it is outside that top-k too),
+    crossed True."""
+    gap = _gap_to(base, step, other.tokens[step])
+    if not math.isinf(gap) or step >= other.ids.shape[0] or int(other.ids[step, 0]) != other.tokens[step]:
+        return gap, False  # a token that is not other's own top-1 there is read from base's side only
+    seen = crossed_tie(base.ids[step], base.lps[step], other.ids[step], other.lps[step], int(base.ids[step, 0]))
+    return (math.inf, False) if seen is None else (seen, True)
+
+
 def compare_schedules(index: int, base: Steps, other: Steps) -> Pair:
     """`other` (as scheduled) against `base` (the plain batch): contexts equal up to the first divergence."""
     div = first_divergence(base.tokens, other.tokens)
@@ -127,7 +140,7 @@ def compare_schedules(index: int, base: Steps, other: Steps) -> Pair:
     gaps = gaps[torch.isfinite(top2_gaps(base.lps[:n])) | torch.isnan(gaps)]
     gap = math.inf
     if div is not None and div < n and div < len(other.tokens):
-        gap = _gap_to(base, div, other.tokens[div])
+        gap, _ = _divergence_gap(base, other, div)
     return _pair(index, n, div, gap, lp, gaps, () if div is None else ((div, gap),))
 
 
@@ -136,13 +149,16 @@ def compare_consistency(index: int, decode: Steps, prefill: Steps) -> Pair:
     n = min(len(decode.tokens), prefill.lps.shape[0], decode.lps.shape[0])
     top = [int(t) for t in prefill.ids[:n, 0].tolist()]
     div = first_divergence(top, decode.tokens[:n])
-    lp_vals = [abs(float(decode.lps[t, 0]) - float(prefill.lps[t, 0]) + _gap_to(prefill, t, decode.tokens[t]))
-               for t in range(n)]  # |decode's logprob of its token - re-prefill's logprob of that token|
+    steps = [_divergence_gap(prefill, decode, t) if decode.tokens[t] != top[t] else (0.0, False) for t in range(n)]
+    # |decode's logprob of its token - re-prefill's logprob of that token|; where the token is outside the re-prefill's
+    # top-k at a tie seen from the decode side, the two top-1 logprobs (the tied maxima: equal up to rounding)
+    lp_vals = [abs(float(decode.lps[t, 0]) - float(prefill.lps[t, 0]) + (0.0 if crossed else gap))
+               for t, (gap, crossed) in enumerate(steps)]
     lp = torch.tensor(lp_vals, dtype=torch.float64)
     gaps = (top2_gaps(decode.lps[:n]) - top2_gaps(prefill.lps[:n])).abs()  # [n]
     gaps = gaps[torch.isfinite(top2_gaps(prefill.lps[:n])) | torch.isnan(gaps)]
-    gap = _gap_to(prefill, div, decode.tokens[div]) if div is not None else math.inf
-    diffs = tuple((t, _gap_to(prefill, t, decode.tokens[t])) for t in range(n) if decode.tokens[t] != top[t])
+    gap = steps[div][0] if div is not None else math.inf
+    diffs = tuple((t, steps[t][0]) for t in range(n) if decode.tokens[t] != top[t])
     return _pair(index, n, div, gap, lp, gaps, diffs)
 
 
@@ -279,9 +295,11 @@ def grade(name: str, pairs: list[Pair], noise: list[list[Pair]],
 
 
 def check_schedule(name: str, run: RunArtifacts, ref: RunArtifacts, noise: RunArtifacts | None,
-                   settings: ScheduleSettings, what: str, extra: dict[str, Any] | None = None) -> CheckResult:
+                   settings: ScheduleSettings, what: str, extra: dict[str, Any] | None = None,
+                   evidence: JumpEvidence | None = None) -> CheckResult:
     """`run`'s scheduled generation against its plain batch; noise from the reference run's own pair and
-    the reference against the noise run (both as scheduled)."""
+    the reference against the noise run (both as scheduled); `evidence`: the engine's jumps under rounding over
+    more cases than these (None: engine_evidence of `ref` and `noise`)."""
     if not has_tensors(run, (*GEN, *TWIN)):
         return CheckResult(name, Verdict.SKIP, "the run holds no plain-batch twin (twin_*) of its workload")
     try:
@@ -290,14 +308,15 @@ def check_schedule(name: str, run: RunArtifacts, ref: RunArtifacts, noise: RunAr
         if noise is not None and has_tensors(noise, GEN):
             measured.append([compare_schedules(c.index, steps_of(ref, c.index, GEN), steps_of(noise, c.index, GEN))
                              for c in ref.cases])
-        evidence = engine_evidence(ref, noise)
+        evidence = engine_evidence(ref, noise) if evidence is None else evidence
     except RunError as exc:
         return CheckResult(name, Verdict.ERROR, str(exc))
     return grade(name, pairs, measured, settings, what, extra, evidence, step_rounding(ref))
 
 
 def check_consistency(run: RunArtifacts, ref: RunArtifacts, noise: RunArtifacts | None,
-                      settings: ConsistencySettings, sampled: bool = False) -> CheckResult:
+                      settings: ConsistencySettings, sampled: bool = False,
+                      evidence: JumpEvidence | None = None) -> CheckResult:
     """decode_consistency of `run`; noise: the same comparison in the reference and the noise run. `sampled`: the
     generations are draws, so each step's decode-time top-1 (not the drawn token) is held to the re-prefill's."""
     name, kinds = "decode_consistency", (*GEN, REPREFILL_TOPK_IDS, REPREFILL_TOPK_LOGPROBS)
@@ -306,7 +325,7 @@ def check_consistency(run: RunArtifacts, ref: RunArtifacts, noise: RunArtifacts 
     try:
         pairs = consistency_pairs(run, sampled)
         measured = [consistency_pairs(r, sampled) for r in (ref, noise) if r is not None and has_tensors(r, kinds)]
-        evidence = engine_evidence(ref, noise)
+        evidence = engine_evidence(ref, noise) if evidence is None else evidence
     except RunError as exc:
         return CheckResult(name, Verdict.ERROR, str(exc))
     return grade(name, pairs, measured, settings, "decode vs re-prefill", evidence=evidence,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from harness.compare.parity.jumps import JumpEvidence
 from harness.compare.parity.schedule import (
     GEN,
     TWIN,
@@ -68,8 +69,10 @@ def noise_pairs(ref: RunArtifacts | None, noise: RunArtifacts | None) -> list[li
 
 
 def check_self_consistency(run: RunArtifacts, ref: RunArtifacts | None, noise: RunArtifacts | None,
-                           settings: SelfConsistencySettings, extra: dict[str, Any] | None = None) -> CheckResult:
-    """The copies of every prompt sent more than once held against the first copy, within the noise."""
+                           settings: SelfConsistencySettings, extra: dict[str, Any] | None = None,
+                           evidence: JumpEvidence | None = None) -> CheckResult:
+    """The copies of every prompt sent more than once held against the first copy, within the noise; `evidence`:
+    the engine's jumps under rounding over more cases than these (None: engine_evidence of `ref` and `noise`)."""
     if not has_tensors(run, (*GEN, *TWIN)):
         return CheckResult(NAME, Verdict.SKIP, "the run holds no scheduled generations with their one-batch twin")
     groups = copies(run)
@@ -78,7 +81,8 @@ def check_self_consistency(run: RunArtifacts, ref: RunArtifacts | None, noise: R
     try:
         pairs = self_pairs(run)
         measured = noise_pairs(ref, noise)
-        evidence = engine_evidence(ref, noise) if ref is not None else None
+        if evidence is None and ref is not None:
+            evidence = engine_evidence(ref, noise)
     except RunError as exc:
         return CheckResult(NAME, Verdict.ERROR, str(exc))
     info = {"copies": {str(g[0]): g[1:] for g in groups}, **(extra or {})}
