@@ -134,6 +134,9 @@ VLLM_CPU_GQA = ("Decode context parallelism for GQA/MQA requires `--tensor-paral
                 "`--decode-context-parallel-size 1`.")
 # tiny-qwen3next (6 linear-attention value heads) at tp4: every worker fails vLLM's ensure_divisibility at load
 VLLM_DIVISIBILITY = "AssertionError: 6 is not divisible by 4"
+# tiny-hd64 (4 KV heads) at tp8dcp8: vLLM's config validation caps the DCP size
+VLLM_DCP_SIZE = ("`--decode-context-parallel-size` (8) exceeds the maximum supported value (2) for "
+                 "`--tensor-parallel-size` (8) and 4 model KV heads.")
 
 
 def _replay_log(log: Path) -> str:
@@ -143,7 +146,8 @@ def _replay_log(log: Path) -> str:
 
 @pytest.mark.parametrize(("log", "line"), [("refused-dcp-lse.server.log", VLLM_CPU_LSE),
                                            ("refused-dcp-gqa.server.log", VLLM_CPU_GQA),
-                                           ("refused-divisibility.server.log", VLLM_DIVISIBILITY)])
+                                           ("refused-divisibility.server.log", VLLM_DIVISIBILITY),
+                                           ("refused-dcp-size.server.log", VLLM_DCP_SIZE)])
 def test_the_vllm_template_refuses_dcp_with_vllms_own_lines(log: str, line: str) -> None:
     """The shipped template's `refuses` match the real lines; the quoted line has no process prefix, logger
     header, pydantic "Value error, " label or "[type=..., input_value=...]" tail."""
