@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import harness.engine.runtime.scheduler as scheduler
-from harness.engine.layers.linear import PACK_MIN, PACK_ONE_ROW_MIN, PACK_WORK, Linear
+from harness.engine.layers.linear import PACK_MIN, PACK_ONE_ROW_MIN, PACK_WORK, Linear, matmul_t
 from harness.engine.runtime.engine import Engine, token_groups
 from harness.engine.runtime.parallel import ParallelState
 from harness.engine.runtime.scheduler import generate
@@ -40,11 +40,25 @@ def test_packed_matmul_is_x_times_w_transposed(shape: tuple[int, int]) -> None:
     torch.testing.assert_close(lin(batched), batched @ w.T, rtol=1e-5, atol=1e-5 * shape[1] ** 0.5)
 
 
-def test_other_dtypes_keep_torch_matmul() -> None:
-    w = torch.randn(640, 512).bfloat16()
-    lin = Linear(w)
-    x = torch.randn(16, 512).bfloat16()
-    assert lin.packed is None and torch.equal(lin(x), x @ w.T)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_sums_in_float32_and_rounds_once(dtype: torch.dtype) -> None:
+    """As a GPU's half-precision GEMM: operands widened exactly, products summed in float32, one rounding."""
+    g = torch.Generator().manual_seed(1)
+    small, large = torch.randn(64, 48, generator=g).to(dtype), torch.randn(640, 512, generator=g).to(dtype)
+    x_small, x_large = torch.randn(3, 48, generator=g).to(dtype), torch.randn(16, 512, generator=g).to(dtype)
+    lin = Linear(small)
+    assert not lin.packs(3) and lin.weight is small  # torch's float32 matmul here; the weight stays as loaded
+    widened = (x_small.float() @ small.float().T).to(dtype)
+    assert lin(x_small).dtype == dtype and torch.equal(lin(x_small), widened)
+    assert torch.equal(matmul_t(x_small, small), widened)
+    packed = Linear(large)  # the widened weight is packed by the float32 rule
+    assert packed.packs(16)
+    got, want = packed(x_large), (x_large.float() @ large.float().T).to(dtype)
+    # another float32 summation order (oneDNN's), then one rounding each: a last place of the dtype apart at most,
+    # or float32's own error where the sum cancels
+    scale = x_large.float().abs() @ large.float().abs().T  # [16, 640]
+    bound = 2 * torch.finfo(dtype).eps * want.float().abs() + 1e-6 * scale
+    assert got.dtype == dtype and bool(((got.float() - want.float()).abs() <= bound).all())
 
 
 def test_token_groups_bound_each_forward() -> None:

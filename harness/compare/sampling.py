@@ -60,21 +60,22 @@ def penalized(logits: np.ndarray, prompt: Sequence[int], output: Sequence[int], 
 
 
 def support(x: np.ndarray, p: SamplingParams) -> np.ndarray:
-    """The kept tokens [V] (bool) of penalized logits x [V]: min-p, top-k (ties at the k-th value kept), top-p."""
+    """The kept tokens [..., V] (bool) of penalized logits x [..., V], each row on its own: min-p, top-k (ties at
+    the k-th value kept), top-p."""
     z = x / p.temperature
-    order = np.argsort(-z, kind="stable")
-    zs = z[order]
-    ps = np.exp(zs - zs[0])
-    ps /= ps.sum()
-    keep = ps >= p.min_p * ps[0] if p.min_p > 0 else np.ones(z.size, dtype=bool)
-    if p.top_k and p.top_k < z.size:
-        keep &= zs >= zs[p.top_k - 1]
+    order = np.argsort(-z, axis=-1, kind="stable")  # [..., V]
+    zs = np.take_along_axis(z, order, axis=-1)  # [..., V], best first
+    ps = np.exp(zs - zs[..., :1])
+    ps /= ps.sum(axis=-1, keepdims=True)
+    keep = ps >= p.min_p * ps[..., :1] if p.min_p > 0 else np.ones(z.shape, dtype=bool)
+    if p.top_k and p.top_k < z.shape[-1]:
+        keep &= zs >= zs[..., p.top_k - 1:p.top_k]
     if p.top_p < 1.0:
         q = np.where(keep, ps, 0.0)
-        q /= q.sum()
-        keep &= (np.cumsum(q) - q) < p.top_p
-    out = np.zeros(z.size, dtype=bool)
-    out[order] = keep
+        q /= q.sum(axis=-1, keepdims=True)
+        keep &= (np.cumsum(q, axis=-1) - q) < p.top_p
+    out = np.zeros(z.shape, dtype=bool)
+    np.put_along_axis(out, order, keep, axis=-1)
     return out
 
 
@@ -85,17 +86,25 @@ def distribution(x: np.ndarray, keep: np.ndarray, p: SamplingParams) -> np.ndarr
     return e / e.sum()
 
 
+NEAR_TIE_BLOCK = 1 << 22  # logits per block of near_ties' moved copies (32 MiB of float64)
+
+
 def near_ties(x: np.ndarray, keep: np.ndarray, p: SamplingParams, slack: float) -> np.ndarray:
     """Tokens [V] (bool) whose membership flips when their own logit moves by `slack` (raised when outside, lowered
-    when inside); only tokens within 2 x slack of the cut-off are tried."""
+    when inside); only tokens within 2 x slack of the cut-off are tried, each as one row of a block of moved
+    copies of x."""
     out = np.zeros(x.size, dtype=bool)
     if slack <= 0 or keep.all():
         return out
     cut_in, cut_out = x[keep].min(), x[~keep].max()
-    for t in np.nonzero((x >= cut_out - 2 * slack) & (x <= cut_in + 2 * slack))[0]:
-        moved = x.copy()
-        moved[t] += -slack if keep[t] else slack
-        out[t] = support(moved, p)[t] != keep[t]
+    tried = np.nonzero((x >= cut_out - 2 * slack) & (x <= cut_in + 2 * slack))[0]
+    step = max(1, NEAR_TIE_BLOCK // x.size)
+    for start in range(0, tried.size, step):
+        tokens = tried[start:start + step]  # [C]
+        rows = np.arange(tokens.size)
+        moved = np.repeat(x[None, :], tokens.size, axis=0)  # [C, V]: row c moves token tokens[c]
+        moved[rows, tokens] += np.where(keep[tokens], -slack, slack)
+        out[tokens] = support(moved, p)[rows, tokens] != keep[tokens]
     return out
 
 
@@ -166,18 +175,32 @@ class PositionTest:
     support: int
 
 
-def test_position(logits: np.ndarray, prompt: Sequence[int], output: Sequence[int], draws: np.ndarray,
-                  p: SamplingParams, slack: float, min_expected: float, where: tuple[int, str, int]) -> PositionTest:
-    """`draws` [n] of one position against the reference's processed distribution of `logits` [V]."""
-    x = penalized(logits, prompt, output, p)
-    keep = support(x, p)
-    ties = near_ties(x, keep, p, slack)
-    certain = keep & ~ties
-    outside = sorted({int(t) for t in draws if not keep[t] and not ties[t]})
-    counts = np.bincount(draws.astype(np.int64), minlength=x.size)
-    probs = distribution(x, certain, p) if certain.any() else np.zeros(x.size)
-    p_value = chi_square_p(counts[certain], probs[certain], min_expected)
-    return PositionTest(*where, p_value, tuple(outside), int(counts[ties].sum()), int(keep.sum()))
+@dataclass(frozen=True)
+class ReferencePosition:
+    """The reference's processed distribution at one position: its support, the near ties in it and the
+    probabilities over the rest (the tokens certainly kept)."""
+
+    keep: np.ndarray     # [V] bool
+    ties: np.ndarray     # [V] bool
+    certain: np.ndarray  # [V] bool: keep and not a near tie
+    probs: np.ndarray    # [V]: over `certain` (zeros without any)
+
+    @classmethod
+    def of(cls, logits: np.ndarray, prompt: Sequence[int], output: Sequence[int], p: SamplingParams,
+           slack: float) -> "ReferencePosition":
+        """Of the reference's logits [V] at a position after `prompt` + `output`."""
+        x = penalized(logits, prompt, output, p)
+        keep = support(x, p)
+        ties = near_ties(x, keep, p, slack)
+        certain = keep & ~ties
+        return cls(keep, ties, certain, distribution(x, certain, p) if certain.any() else np.zeros(x.size))
+
+    def test(self, draws: np.ndarray, min_expected: float, where: tuple[int, str, int]) -> PositionTest:
+        """`draws` [n] of one position against this distribution."""
+        outside = sorted({int(t) for t in draws if not self.keep[t] and not self.ties[t]})
+        counts = np.bincount(draws.astype(np.int64), minlength=self.keep.size)
+        p_value = chi_square_p(counts[self.certain], self.probs[self.certain], min_expected)
+        return PositionTest(*where, p_value, tuple(outside), int(counts[self.ties].sum()), int(self.keep.sum()))
 
 
 # -- the checks ------------------------------------------------------------------------------------------
@@ -204,13 +227,16 @@ def position_tests(ref: RunArtifacts, par: RunArtifacts, noise: RunArtifacts | N
         first, last = len(case.prompt_ids) - 1, len(case.sequence_ids) - 1
         logits = ref.tensor(PREFILL_LOGITS, case.index)[first:last].double().numpy()  # [S, V]
         slack = _slack(noise, noise_base, case.index, slice(first, last), settings)
+        positions: dict[int, ReferencePosition] = {}  # by step: both paths' draws test against one distribution
         for kind, path in PATHS.items():
             if not _has(par, kind, case.index):
                 continue
             draws = par.tensor(kind, case.index)[0].numpy()  # [S, n] of rank 0
             for s in range(min(draws.shape[0], logits.shape[0])):
-                out.append(test_position(logits[s], case.prompt_ids, case.sequence_ids[first + 1:first + 1 + s],
-                                         draws[s], params, slack, settings.min_expected, (case.index, path, s)))
+                if s not in positions:
+                    positions[s] = ReferencePosition.of(logits[s], case.prompt_ids,
+                                                        case.sequence_ids[first + 1:first + 1 + s], params, slack)
+                out.append(positions[s].test(draws[s], settings.min_expected, (case.index, path, s)))
     return out
 
 

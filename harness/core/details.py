@@ -7,7 +7,7 @@ keys differ between the full-logits and the top-k checks) and GSM8K's section is
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Mapping
 
 
@@ -87,6 +87,20 @@ _SECTIONS: dict[str, type] = {"layout": LayoutDetails, "speculator_layout": Layo
                               "speculator": SpeculatorDetails}
 
 
+def plain(value: Any) -> Any:
+    """dataclasses.asdict without its deep copy of every leaf (the details of a 140-cell run hold half a million):
+    dataclasses as dicts, lists, tuples and dicts rebuilt, anything else as it is."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple takes its fields one by one
+        return type(value)(*(plain(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return value
+
+
 @dataclass
 class CellDetails:
     """Every section a cell may have; a section is None when its check did not run."""
@@ -111,9 +125,9 @@ class CellDetails:
             if value is None:
                 continue
             if f.name == "prompts":
-                out[f.name] = [asdict(p) for p in value]
+                out[f.name] = [plain(p) for p in value]
             elif f.name in _SECTIONS:
-                out[f.name] = asdict(value)
+                out[f.name] = plain(value)
             else:
                 out[f.name] = value
         return out

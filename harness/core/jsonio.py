@@ -38,8 +38,10 @@ def write_text_atomic(path: Path, text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
-def write_json(path: Path, data: Any) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False, default=str))
+def write_json(path: Path, data: Any, indent: int | None = 2) -> None:
+    """Write `data` as JSON atomically; `indent=None` for files of megabytes that programs read (json's C encoder
+    writes only those: a 140-cell results.json of 20 MB took 0.94 s indented, 0.15 s compact)."""
+    write_text_atomic(path, json.dumps(data, indent=indent, sort_keys=False, default=str))
 
 
 def read_json(path: Path, error: type[HarnessError] = RunError) -> Any:

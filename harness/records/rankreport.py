@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import types
 from dataclasses import MISSING, dataclass, fields, is_dataclass, replace
-from typing import Any, Mapping, Sequence, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, Callable, Mapping, Sequence, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from harness.core.errors import RunError
 
@@ -308,7 +308,17 @@ def _kind(value: Any) -> str:
 
 
 def _from_json(cls: type[_D], data: Any, at: str, path: str) -> _D:
-    """An instance of dataclass `cls` from JSON object `data`; errors say '<at>: field <path.name> ...'."""
+    """An instance of dataclass `cls` from JSON object `data`; errors say '<at>: field <path.name> ...'.
+    Well-formed data goes through the class's compiled reader; anything it does not take goes through
+    the field-by-field reading below, which names the first problem."""
+    try:
+        return _reader(cls)(data)  # type: ignore[no-any-return]
+    except _Mismatch:
+        return _checked(cls, data, at, path)
+
+
+def _checked(cls: type[_D], data: Any, at: str, path: str) -> _D:
+    """_from_json field by field, naming what is missing or mistyped."""
     if not isinstance(data, Mapping):
         what = path.rstrip(".") or cls.__name__
         raise LayoutSchemaError(f"{at}: field {what!r} is {_kind(data)}, expected an object")
@@ -325,6 +335,81 @@ def _from_json(cls: type[_D], data: Any, at: str, path: str) -> _D:
             continue
         values[field_name] = _value(hint, data[field_name], at, name)
     return cls(**values)
+
+
+class _Mismatch(Exception):
+    """The compiled reader met something it does not take (the checked reading then says what)."""
+
+
+def _exactly(kind: type) -> Callable[[Any], Any]:
+    def read(value: Any) -> Any:
+        if type(value) is not kind:  # a bool is no int here; a subclass goes to the checked reading
+            raise _Mismatch
+        return value
+    return read
+
+
+def _as_is(value: Any) -> Any:
+    return value
+
+
+@functools.cache
+def _reader(hint: Any) -> Callable[[Any], Any]:
+    """A reader of JSON values of type `hint` (a field's type hint) that takes exactly what _value accepts
+    and raises _Mismatch on anything else, compiled once per hint: a layout.json of an 8-rank run holds
+    thousands of values, which _value's per-value hint inspection and field paths made the harness's
+    largest cost per cell."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        (inner,) = [a for a in args if a is not type(None)]
+        read_inner = _reader(inner)
+        return lambda value: None if value is None else read_inner(value)
+    if is_dataclass(hint):
+        return _object_reader(hint)
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            read_item = _reader(args[0])
+
+            def read_many(value: Any) -> tuple[Any, ...]:
+                if type(value) is not list:
+                    raise _Mismatch
+                return tuple(map(read_item, value))
+            return read_many
+        readers = tuple(_reader(a) for a in args)
+
+        def read_fixed(value: Any) -> tuple[Any, ...]:
+            if type(value) is not list or len(value) != len(readers):
+                raise _Mismatch
+            return tuple(read(v) for read, v in zip(readers, value))
+        return read_fixed
+    if origin is dict:
+        read_value = _reader(args[1])
+
+        def read_map(value: Any) -> dict[str, Any]:
+            if type(value) is not dict:
+                raise _Mismatch
+            return {str(k): read_value(v) for k, v in value.items()}
+        return read_map
+    if hint is int or hint is str:
+        return _exactly(hint)
+    return _as_is
+
+
+def _object_reader(cls: type) -> Callable[[Any], Any]:
+    schema = _schema(cls)
+    readers = tuple((name, _reader(hint), required) for name, hint, required in schema.fields)
+
+    def read_object(value: Any) -> Any:
+        if type(value) is not dict or not schema.known.issuperset(value):
+            raise _Mismatch
+        values: dict[str, Any] = {}
+        for name, read, required in readers:
+            if name in value:
+                values[name] = read(value[name])
+            elif required:
+                raise _Mismatch
+        return cls(**values)
+    return read_object
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,7 @@ def write_results(out_dir: Path, cells: list[CellResult], provenance: dict[str, 
     """Write out_dir/results.json atomically and return its path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / RESULTS_FILE
-    write_json(path, results_document(cells, provenance, run_id, out_dir))
+    write_json(path, results_document(cells, provenance, run_id, out_dir), indent=None)
     return path
 
 

@@ -123,22 +123,30 @@ class _Noise:
 
 
 class _NoiseMemo:
-    """The noise levels measured for the latest (reference, noise run) pair, by (kind, k, cases): every cell of a
-    (model, seed) compares against the same pair, and each cell's checks would measure them again. Keyed on the
-    pair's tensor dicts themselves (held here, so their identities stay theirs) and their manifests' dtype."""
+    """The noise levels measured for the latest PAIRS (reference, noise run) pairs, by (kind, k, cases): every cell of a
+    (model, seed) compares against the same pair, and each cell's checks would measure them again (a matrix
+    alternates between its seeds' pairs). Keyed on the pairs' tensor dicts themselves (held here, so their identities
+    stay theirs) and their manifests' dtype."""
+
+    PAIRS = 8
 
     def __init__(self) -> None:
-        self._pair: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
-        self._levels: dict[tuple[Any, ...], _Noise] = {}
+        # (id(ref tensors), id(noise tensors)) -> (the two dicts, their levels), oldest first
+        self._pairs: dict[tuple[int, int], tuple[tuple[Any, Any], dict[tuple[Any, ...], _Noise]]] = {}
 
     def get(self, kind: str, ref: RunArtifacts, noise: RunArtifacts, k: int) -> _Noise:
-        pair = self._pair
-        if pair is None or pair[0] is not ref.tensors or pair[1] is not noise.tensors:
-            self._pair, self._levels = (ref.tensors, noise.tensors), {}
+        ident = (id(ref.tensors), id(noise.tensors))
+        held = self._pairs.pop(ident, None)
+        if held is None or held[0][0] is not ref.tensors or held[0][1] is not noise.tensors:
+            held = ((ref.tensors, noise.tensors), {})
+        self._pairs[ident] = held  # the newest last
+        while len(self._pairs) > self.PAIRS:
+            del self._pairs[next(iter(self._pairs))]
+        levels = held[1]
         key = (kind, k, tuple(c.index for c in ref.cases), ref.manifest.get("dtype"), noise.ok)
-        if key not in self._levels:
-            self._levels[key] = _measure_noise(kind, ref, noise, k)
-        return self._levels[key]
+        if key not in levels:
+            levels[key] = _measure_noise(kind, ref, noise, k)
+        return levels[key]
 
 
 _NOISE_MEMO = _NoiseMemo()

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.engine.fault import FaultFlags
-from harness.engine.layers.linear import Linear
+from harness.engine.layers.linear import Linear, matmul_t
 from harness.engine.runtime.kvcache import PagedKVCache
 from harness.engine.runtime.parallel import Collectives
 from harness.partition.layout import ROUND_ROBIN, Placement, local_positions, token_owner
@@ -428,12 +428,12 @@ class Decoder:
         `reduce_dtype` (a fault) does the all-reduce in a lower precision."""
         n = self.flags.split_reduction
         if n > 1 and x.shape[-1] >= n:
-            parts = [xc @ wc.T for xc, wc in zip(x.chunk(n, dim=-1), w.chunk(n, dim=-1))]  # each [B, S, H]
+            parts = [matmul_t(xc, wc) for xc, wc in zip(x.chunk(n, dim=-1), w.chunk(n, dim=-1))]  # each [B, S, H]
             y = parts[-1]
             for part in reversed(parts[:-1]):
                 y = y + part
         else:
-            y = linear(x) if linear is not None else x @ w.T
+            y = linear(x) if linear is not None else matmul_t(x, w)
         # every rank's partial, taken before the (in-place) all-reduce, when captured: [tp, B, S, H]
         parts64 = self.comm.gather_tp(y.unsqueeze(0), dim=0).to(torch.float64) if self._sites is not None else None
         if self.flags.reduce_dtype is not None and (attn_out or not self.flags.reduce_attn_only):

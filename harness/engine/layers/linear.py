@@ -8,6 +8,12 @@ box (docs/benchmarks.md, "Engine against transformers"): smollm2-135m's projecti
 prefill sizes, its 49152-row output head 2x at one row and 5x at three (MKL takes 2-3 rows as separate
 matrix-vector products). The kernels sum in other orders, so results differ from torch's matmul by
 rounding; every run of a build uses the same rule.
+
+A float16 or bfloat16 weight on the CPU is multiplied as a GPU's half-precision GEMM does it: the operands
+widened to float32 (exactly), the products summed in float32 and the result rounded once to the dtype
+(`matmul_t`; a Linear keeps the widened weight). torch's own half-precision CPU kernels agree with that to
+a last-place rounding in 0.1% of the elements (float16; 0.005% bfloat16) and take 5-10x longer on the tiny
+models' shapes (`python benchmarks/bench_half_matmul.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,19 @@ PACK_WORK = 1 << 24  # rows x weight elements from which a packed oneDNN matmul 
 PACK_MIN = 1 << 18  # weight elements from which it does for 2+ rows
 PACK_ONE_ROW_MIN = 1 << 20  # ... and for a single row
 PACK_ROWS_HINT = 1024  # the row count oneDNN tunes the packed layout for (it serves any)
+HALF = (torch.float16, torch.bfloat16)  # multiplied through float32 on the CPU (above)
+
+
+def _widened(t: torch.Tensor) -> bool:
+    return t.dtype in HALF and t.device.type == "cpu"
+
+
+def matmul_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w.T [K, N] -> [..., N] in x's dtype; half precision on the CPU summed in float32 and
+    rounded once (above)."""
+    if _widened(x) and _widened(w):
+        return (x.float() @ w.float().T).to(x.dtype)
+    return x @ w.T
 
 
 def _packable(weight: torch.Tensor) -> bool:
@@ -29,15 +48,22 @@ class Linear:
     """A fixed weight w [N, K] and, where packable, its oneDNN packed copy; calling it on x [..., K] gives
     x @ w.T [..., N]."""
 
-    __slots__ = ("weight", "packed")
+    __slots__ = ("weight", "wide", "packed")
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT) if _packable(weight) else None
+        self.wide = weight.float() if _widened(weight) else weight  # [N, K]: what the products are taken of
+        self.packed = (torch.ops.mkldnn._reorder_linear_weight(self.wide, PACK_ROWS_HINT) if _packable(self.wide)
+                       else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wide is not self.weight and x.dtype == self.weight.dtype:
+            return self._product(x.float()).to(x.dtype)
+        return self._product(x)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or not self.packs(x.numel() // max(1, x.shape[-1])):
-            return x @ self.weight.T
+            return x @ self.wide.T
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
     def packs(self, rows: int) -> bool:
