@@ -405,8 +405,17 @@ def local_token_count(seq_len: int, dcp_rank: int, dcp: int, placement: Placemen
 
 def local_positions(seq_len: int, dcp_rank: int, dcp: int, placement: Placement = ROUND_ROBIN,
                     prompt_len: int = 0) -> list[int]:
-    """Positions 0..seq_len-1 that DCP rank `dcp_rank` stores, in increasing (storage) order."""
-    return [t for t in range(seq_len) if token_owner(t, dcp, placement, prompt_len) == dcp_rank]
+    """Positions 0..seq_len-1 that DCP rank `dcp_rank` stores, in increasing (storage) order: the positions
+    whose token_owner is `dcp_rank`, listed by the ranges that rule gives (an engine calls this per sequence
+    and forward, so it takes time in the rank's share, not in seq_len)."""
+    if placement.kind == "interleave":  # chunk c of `size` positions goes to rank c % dcp
+        k = placement.size
+        starts = range(dcp_rank * k, max(seq_len, 0), k * dcp)
+        return [t for start in starts for t in range(start, min(start + k, seq_len))]
+    block = (prompt_len + dcp - 1) // dcp + (prompt_len <= 0)  # token_owner's block
+    inside = range(dcp_rank * block, min((dcp_rank + 1) * block, prompt_len, seq_len))  # the prompt's block
+    later = range(max(prompt_len, 0), seq_len) if dcp_rank == dcp - 1 else range(0)  # every later token: the last rank
+    return [*inside, *later]
 
 
 def max_local_tokens(max_seq_len: int, dcp: int, placement: Placement = ROUND_ROBIN) -> int:

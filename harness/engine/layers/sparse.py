@@ -30,7 +30,7 @@ from harness.engine.layers.dense import (
     RopeCache,
     apply_rope,
 )
-from harness.engine.runtime.kvcache import PagedKVCache
+from harness.engine.runtime.kvcache import PagedKVCache, zeroed
 from harness.engine.runtime.parallel import Collectives
 from harness.partition.cache_groups import CacheGroup, GroupedCapacity, check_aligned, grouped_capacity
 from harness.partition.layout import Placement
@@ -118,7 +118,7 @@ class SparseDecoder(Decoder):
         self.shape = shape
         d = shape.index_head_dim
         dev, dtype = weights.norm.device, weights.norm.dtype
-        self.index_keys = [torch.zeros(index_blocks * cache.block_size, d, dtype=dtype, device=dev)
+        self.index_keys = [zeroed((index_blocks * cache.block_size, d), dtype, dev)
                            for _ in indexer]  # [rows, d] per layer, addressed by the KV pool's rows
         self._index_rope = RopeCache(d, hyper.rope_theta)
         self._keys: tuple[torch.Tensor, torch.Tensor] | None = None  # (positions, valid) [B, L] of this forward

@@ -8,6 +8,8 @@ budget rule (whole per-sequence slots).
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -15,6 +17,17 @@ import torch
 
 from harness.core.errors import RunError
 from harness.partition.layout import PoolCapacity
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor for a pool: on the CPU in fresh anonymous pages, which the kernel hands out zeroed when
+    first touched, so a pool costs what is written to it (torch.zeros writes every byte: 64 MiB per rank
+    per launch at the default budget); elsewhere torch.zeros."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # the tensor keeps the mapping alive (torch.frombuffer holds a reference to the buffer)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 @dataclass
@@ -40,8 +53,8 @@ class PagedKVCache:
         self.capacity = capacity
         self.block_size = capacity.block_size
         shape = (capacity.blocks, capacity.block_size, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)] if values else []
+        self.k = [zeroed(shape, dtype, device) for _ in range(layers)]
+        self.v = [zeroed(shape, dtype, device) for _ in range(layers)] if values else []
         self._free = list(range(capacity.blocks - 1, -1, -1))
         self._refs: dict[int, int] = {}  # block -> holders (sequences and prefix-cache pins) beyond the first
         self.seqs: dict[int, SequenceState] = {}

@@ -12,7 +12,7 @@ import torch
 
 from harness.core.errors import RunError
 from harness.engine.layers.deltanet import LinearState, LinearSteps
-from harness.engine.runtime.kvcache import PagedKVCache
+from harness.engine.runtime.kvcache import PagedKVCache, zeroed
 from harness.partition.layout import PoolCapacity
 
 KEPT_DIGESTS = 8
@@ -29,8 +29,8 @@ class HybridCache(PagedKVCache):
         super().__init__(capacity, full_layers, kv_heads, head_dim, dtype, device)
         self.reset_slots = reset_slots  # False: the state-slot-stale fault (a reused slot keeps its old state)
         self.state_slots = state_slots
-        self.conv = torch.zeros((state_slots, linear_layers, *conv_shape), dtype=dtype, device=device)
-        self.recurrent = torch.zeros((state_slots, linear_layers, *recurrent_shape), dtype=state_dtype, device=device)
+        self.conv = zeroed((state_slots, linear_layers, *conv_shape), dtype, device)
+        self.recurrent = zeroed((state_slots, linear_layers, *recurrent_shape), state_dtype, device)
         self._free_slots = list(range(state_slots - 1, -1, -1))
         self.slot_of: dict[int, int] = {}
         self.state_length: dict[int, int] = {}  # tokens folded into each sequence's state
