@@ -112,9 +112,9 @@ def sample_draws(engine: Engine, groups: Sequence[WorkloadCases], prefill: Seque
     """sample_prefill.{i} / sample_decode.{i} [W, S, n] of every sampling workload's case i: at each position
     that picks a new token (the prompt's last .. the sequence's last but one), n draws of this rank's sampler
     from that path's logits, history prompt + the teacher-forced tokens so far, one generator per position
-    (seeded by the request's seed, the position and the path); every rank's draws, gathered in rank order.
-    `prefill` / `decode` are in the order of every group's cases."""
-    out: dict[str, torch.Tensor] = {}
+    (seeded by the request's seed, the position and the path); every rank's draws, gathered in rank order
+    (one gather for them all). `prefill` / `decode` are in the order of every group's cases."""
+    mine: dict[str, torch.Tensor] = {}  # key -> this rank's draws [S, n]
     position = 0
     for g in groups:
         sampler = sampler_of(engine, g)
@@ -133,10 +133,13 @@ def sample_draws(engine: Engine, groups: Sequence[WorkloadCases], prefill: Seque
                 paths.append((c_.SAMPLE_DECODE, decode[at].logits[first - start:last - start]))
             for kind, logits in paths:
                 gens = [sampler.generator((seeds[j] * 4096 + t) * 4 + PATH_SALT[kind]) for t in steps]
-                draws = sampler.sample(logits, prompts, outputs, gens, sampler.params.n)  # [S, n]
-                out[c_.tensor_key(kind, case.index)] = torch.stack(engine.state.gather_objects(draws))  # [W, S, n]
+                mine[c_.tensor_key(kind, case.index)] = sampler.sample(logits, prompts, outputs, gens,
+                                                                      sampler.params.n)  # [S, n]
         position += len(g.cases)
-    return out
+    if not mine:
+        return {}
+    ranks = engine.state.gather_objects(mine)  # [W] of key -> [S, n]
+    return {key: torch.stack([r[key] for r in ranks]) for key in mine}  # key -> [W, S, n]
 
 
 def _by_position(loader: PrefixLoader, positions: list[int]) -> PrefixLoader:
