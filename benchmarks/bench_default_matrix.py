@@ -31,15 +31,19 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_suite(python: str, env: dict[str, str], suite: str, seeds: list[int], work: Path) -> dict[str, Any]:
-    """One cold-or-warm `harness run --suite S --topo all` with the given seeds: wall, CPU, cells and verdicts."""
+def run_suite(python: str, env: dict[str, str], suite: str, seeds: list[int], work: Path,
+              cwd: str | None = None) -> dict[str, Any]:
+    """One cold-or-warm `harness run --suite S --topo all` with the given seeds: wall, CPU, cells and verdicts.
+    `cwd`: the folder it runs in (`python -m` puts it before PYTHONPATH on sys.path, so another checkout's harness
+    runs only from that checkout)."""
     out = work / f"out-{suite}"
     argv = [python, "-m", "harness", "run", "--suite", suite, "--topo", "all", "--out", str(out),
             "--cache-dir", str(work / "cache")]
     for seed in seeds:
         argv += ["--seed", str(seed)]
     cpu0, wall0 = _cpu(), time.perf_counter()
-    proc = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
+    proc = subprocess.run(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          check=False)
     wall, cpu = time.perf_counter() - wall0, _cpu() - cpu0
     verdicts: dict[str, str] = {}
     results = out / "results.json"
@@ -59,9 +63,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--work", default=None, help="folder for the reports and the cache (default: a new temp dir)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--harness-python", default=sys.executable)
-    parser.add_argument("--pythonpath", default=None, help="checkout whose harness runs (default: this PYTHONPATH)")
+    parser.add_argument("--pythonpath", default=None,
+                        help="checkout whose harness runs, from that folder (default: this PYTHONPATH)")
     args = parser.parse_args(argv)
-    work = Path(args.work or tempfile.mkdtemp(prefix="default-matrix-"))
+    work = Path(args.work or tempfile.mkdtemp(prefix="default-matrix-")).resolve()
     if (work / "cache").exists():
         raise SystemExit(f"--work {work} already holds a cache: the matrix is measured cold, give a new folder")
     work.mkdir(parents=True, exist_ok=True)
@@ -72,7 +77,7 @@ def main(argv: list[str]) -> int:
     print("| suite | exit | cells | statuses | wall s | CPU s |")
     print("| --- | --- | ---: | --- | ---: | ---: |")
     for suite in args.suites:
-        row = run_suite(args.harness_python, env, suite, args.seeds, work)
+        row = run_suite(args.harness_python, env, suite, args.seeds, work, args.pythonpath)
         rows.append(row)
         statuses = ", ".join(f"{n} {s}" for s, n in sorted(row["statuses"].items()))
         print(f"| {suite} | {row['exit']} | {row['cells']} | {statuses} | {row['wall_s']} | {row['cpu_s']} |",
