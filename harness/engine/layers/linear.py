@@ -12,8 +12,8 @@ rounding; every run of a build uses the same rule.
 A float16 or bfloat16 weight on the CPU is multiplied as a GPU's half-precision GEMM does it: the operands
 widened to float32 (exactly), the products summed in float32 and the result rounded once to the dtype
 (`matmul_t`; a Linear keeps the widened weight). torch's own half-precision CPU kernels agree with that to
-a last-place rounding in 0.1% of the elements (float16; 0.005% bfloat16) and take 5-10x longer on the tiny
-models' shapes (`python benchmarks/bench_half_matmul.py`).
+a last-place rounding in 0.07-0.2% of the elements (float16; 0-0.01% bfloat16) and take 2-13x longer at 8 rows or
+more on the tiny models' shapes (0.5x at one row; `python benchmarks/bench_half_matmul.py`).
 """
 
 from __future__ import annotations
