@@ -22,7 +22,7 @@ from harness.engine.layers.dense import (
 )
 from harness.engine.runtime.engine import Engine
 from harness.engine.runtime.generator import EngineGenerator
-from harness.engine.runtime.kvcache import PagedKVCache
+from harness.engine.runtime.kvcache import PagedKVCache, zeroed
 from harness.engine.runtime.parallel import ParallelState
 from harness.engine.runtime.scheduler import ServeSettings, generate, shared_prefix_length
 from harness.engine.speculative.decoding import SpeculativeDecoder
@@ -172,6 +172,22 @@ def test_mask_free_and_causal_kernel_calls_equal_the_masked_one() -> None:
     for mask in (causal, every):
         torch.testing.assert_close(fused_attention(q, k, v, mask, (0, 1, 2, 3), mask_kind(mask)),
                                    fused_attention(q, k, v, mask, (0, 1, 2, 3)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+def test_a_zeroed_pool_reads_zero_and_keeps_what_is_written(dtype: torch.dtype) -> None:
+    """Pools come from fresh anonymous pages (zero until written, nothing written at creation): every element
+    reads 0, writes land where indexed, and the memory outlives every name for the mapping."""
+    pool = zeroed((64, 16, 2, 8), dtype, "cpu")  # [blocks, block, heads, hd]
+    assert pool.shape == (64, 16, 2, 8) and pool.dtype == dtype and pool.is_contiguous()
+    assert not pool.any()
+    pool[3, 5] = 7
+    pool.view(-1, 8)[1000] += 1  # [blocks * block * heads, hd]
+    expect = torch.zeros(64, 16, 2, 8, dtype=dtype)
+    expect[3, 5] = 7
+    expect.view(-1, 8)[1000] += 1
+    assert torch.equal(pool, expect)
+    assert zeroed((0, 4), dtype, "cpu").shape == (0, 4)
 
 
 def test_cached_rope_tables_equal_direct_ones() -> None:
