@@ -137,6 +137,26 @@ def test_a_launch_with_another_openmp_wait_policy_starts_fresh(tmp_path: Path) -
     assert fresh.ok and all(torch.equal(fresh.tensors[k], first.tensors[k]) for k in first.tensors)
 
 
+STDIN_SCRIPT = """
+import sys
+from harness.cli import main
+from harness.launcher import forkserver
+print("warm launches:", forkserver.main_preparable())
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_run_from_a_script_on_standard_input_launches_fresh_and_passes(tmp_path: Path, shared_cache: Path) -> None:
+    """A script read from standard input (`python - ARGS`) names its main file '<stdin>', which a forkserver's child
+    cannot run again before its target: its launches start as fresh interpreters, and its cells run (forked warm,
+    every launch failed at once with an empty rank log)."""
+    argv = [sys.executable, "-", "run", "--suite", "dcp", "--topo", "tp2", "--model", "tiny-gqa", "--workload",
+            "prompts", "--seed", "0", "--out", str(tmp_path / "out"), "--cache-dir", str(shared_cache)]
+    proc = subprocess.run(argv, input=STDIN_SCRIPT, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "warm launches: False" in proc.stdout and "SHIPPABLE" in proc.stdout
+    assert forkserver.main_preparable()  # this test process (pytest, an xdist worker) forks its launches warm
+
 def test_an_engine_server_forked_first_leaves_later_launches_warm(tmp_path: Path) -> None:
     """Whatever the harness forks first (here a `harness ...` engine-server command) starts the forkserver
     with the wait policy every launch asks for, so later launches are still forked warm."""

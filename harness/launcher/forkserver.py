@@ -21,6 +21,7 @@ import atexit
 import importlib
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.process
 import multiprocessing.resource_tracker
 import os
 import subprocess
@@ -62,10 +63,25 @@ class WarmProcess:
 
 
 def usable(env: Mapping[str, str]) -> bool:
-    """Whether a launch with `env` can be forked warm: the forkserver is not running yet (it will start
-    with this policy) or runs with the same OMP_WAIT_POLICY."""
+    """Whether a launch with `env` can be forked warm: this process's __main__ can be prepared in a forked
+    child, and the forkserver is not running yet (it will start with this policy) or runs with the same
+    OMP_WAIT_POLICY."""
     with _lock:
-        return not _policy or _policy[0] == env.get(WAIT_POLICY_VAR)
+        return main_preparable() and (not _policy or _policy[0] == env.get(WAIT_POLICY_VAR))
+
+
+def main_preparable() -> bool:
+    """Whether a child of the forkserver can prepare this process's __main__ as multiprocessing does before
+    its target runs: by module name (`python -m`), or by running the main file again (a script), or not at
+    all (no file: `python -c`, an embedding). A script read from standard input names its file '<stdin>',
+    which is nowhere: every warm launch would fail before its first line, so such a caller launches fresh."""
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None) is not None:
+        return True
+    path = getattr(main, "__file__", None)
+    if path is None:
+        return True
+    return (Path(multiprocessing.process.ORIGINAL_DIR or os.getcwd()) / path).is_file()
 
 
 def start(world: int, log_path: Path, log_dir: Path | None, module: str, worker_args: Sequence[str],
