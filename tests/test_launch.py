@@ -157,6 +157,7 @@ def test_a_run_from_a_script_on_standard_input_launches_fresh_and_passes(tmp_pat
     assert "warm launches: False" in proc.stdout and "SHIPPABLE" in proc.stdout
     assert forkserver.main_preparable()  # this test process (pytest, an xdist worker) forks its launches warm
 
+
 def test_an_engine_server_forked_first_leaves_later_launches_warm(tmp_path: Path) -> None:
     """Whatever the harness forks first (here a `harness ...` engine-server command) starts the forkserver
     with the wait policy every launch asks for, so later launches are still forked warm."""
