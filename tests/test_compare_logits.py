@@ -40,12 +40,17 @@ def test_noise_floor_sized_error_passes_on_noise_scaled_bounds(runs) -> None:
     assert "noise" in result.reason and result.metrics["kl_bound"]["noise"] > 0
 
 
+def _scaled_noise(ref, noise, scale: float):
+    """A parallel run whose decode logits differ from the reference's as the noise run's do, `scale` times."""
+    return with_tensors(noise, **{f"decode_logits_{i}": ref.tensors[f"decode_logits.{i}"] + scale *
+                                  (noise.tensors[f"decode_logits.{i}"] - ref.tensors[f"decode_logits.{i}"])
+                                  for i in range(2)})
+
+
 def test_scaling_the_noise_floor_changes_the_verdict(runs) -> None:
     ref, noise, par = runs
     # a noise run 1000x closer to the reference: the same parallel error is now far beyond the bound
-    quiet = with_tensors(noise, **{f"decode_logits_{i}": ref.tensors[f"decode_logits.{i}"] + 1e-3 *
-                                   (noise.tensors[f"decode_logits.{i}"] - ref.tensors[f"decode_logits.{i}"])
-                                   for i in range(2)})
+    quiet = _scaled_noise(ref, noise, 1e-3)
     result, _ = check_logits("decode", ref, par, quiet, NOISE_ONLY)
     assert result.verdict is Verdict.FAIL, result.reason
     # and a tighter factor on the original noise run lands in the WARN band or beyond
@@ -55,6 +60,26 @@ def test_scaling_the_noise_floor_changes_the_verdict(runs) -> None:
     # without any noise run the floors decide: tiny floors fail, default floors pass
     assert check_logits("decode", ref, par, None, NOISE_ONLY)[0].verdict is Verdict.FAIL
     assert check_logits("decode", ref, par, None, LogitsSettings())[0].verdict is Verdict.PASS
+
+
+def test_the_kl_bound_grows_with_the_square_of_the_logit_error(runs) -> None:
+    """KL is quadratic in the logit error: a difference shaped as the noise run's and 3x its size has 3x its max abs
+    error and ~9x its KL, which the default KL factor (25 = 5^2) passes and a KL factor equal to the max abs one (10)
+    came close to flagging; at 4x (KL ~16x) that factor flags it, the default does not; at 30x the error WARNs and
+    the KL (~900x) FAILs."""
+    ref, noise, _ = runs
+    linear = LogitsSettings(kl_floor=0.0, abs_floor=0.0, kl_factor=10)
+    for scale in (3.0, 4.0):
+        result, _ = check_logits("decode", ref, _scaled_noise(ref, noise, scale), noise, NOISE_ONLY)
+        assert result.verdict is Verdict.PASS, result.reason
+        ratio = result.metrics["max_kl"] / result.metrics["kl_bound"]["noise"]
+        assert 0.7 * scale ** 2 < ratio < 1.3 * scale ** 2
+    four = check_logits("decode", ref, _scaled_noise(ref, noise, 4.0), noise, linear)[0]
+    assert four.verdict is Verdict.WARN and "max abs" in four.reason and "(noise" in four.reason
+    thirty, _ = check_logits("decode", ref, _scaled_noise(ref, noise, 30.0), noise, NOISE_ONLY)
+    assert thirty.verdict is Verdict.FAIL
+    assert thirty.metrics["max_kl"] > thirty.metrics["kl_bound"]["fail_limit"]
+    assert thirty.metrics["max_abs"] <= thirty.metrics["abs_bound"]["fail_limit"]
 
 
 def test_warn_band_between_bound_and_fail_ratio(runs) -> None:

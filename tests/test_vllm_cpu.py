@@ -430,7 +430,9 @@ def test_vllm_deepseek_mtp_acceptance_equals_the_embedded_engines(mtp_clean: dic
     argv = json.loads((run_dir / "server-speculative.argv.json").read_text())
     assert argv[argv.index("--speculative-config") + 1] == '{"method": "mtp", "num_speculative_tokens": 3}'
     assert "SpeculativeConfig(method='mtp'" in (run_dir / "server-speculative.log").read_text(errors="replace")
-    assert not any(c["verdict"] in ("FAIL", "ERROR") for c in cell["checks"]), cell["checks"]
+    # a clean cell PASSes: its decode KL (~12x the noise run's, with the logprob error ~2x) is within KL's bound
+    # (25x: quadratic in the logit error, harness/compare/settings.py LogitsSettings.kl_factor)
+    assert cell["status"] == "PASS", [(c["name"], c["verdict"], c["reason"]) for c in cell["checks"]]
     assert mtp_clean["shm_left"] == []
 
 
