@@ -19,7 +19,7 @@ import pytest
 
 from harness.backends.http.backend import HttpBackend, server_seed
 from harness.backends.http.capture import CASES_FILE, write_probe_cases
-from harness.backends.http.pool import PID_FILE, STATE_FILE, pid_alive, stop_kept
+from harness.backends.http.pool import PID_FILE, STATE_FILE, ServerConfig, ServerPool, pid_alive, stop_kept
 from harness.backends.http.server import free_port, running_server, wait_ready
 from harness.cli import build_parser, main
 from harness.cli.run import build_request
@@ -258,3 +258,49 @@ def test_a_bad_attach_is_one_usage_error(engine: str, attach: str, message: str,
     assert main([*args, "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache")]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("harness: error:") == 1, err
+
+
+# A server that answers its health path and, on SIGTERM, writes when it was asked to stop, takes a second to shut
+# down (as vLLM's engine core and workers do) and writes when it exits.
+SLOW_STOP = """
+import http.server, signal, sys, threading, time
+port, marks = int(sys.argv[1]), sys.argv[2]
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *args):
+        pass
+def stop(signum, frame):
+    with open(marks, "a") as f:
+        f.write(f"term {time.time()}\\n")
+    time.sleep(1.0)
+    with open(marks, "a") as f:
+        f.write(f"exit {time.time()}\\n")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+server = http.server.HTTPServer(("127.0.0.1", port), Health)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_run_stops_its_servers_side_by_side(tmp_path: Path) -> None:
+    """Three servers up when the session ends: each is asked to stop before any has exited (their shutdowns
+    overlap instead of adding up), and every one is stopped and recorded as such."""
+    pool = ServerPool(folder=tmp_path / "servers")
+    marks = [tmp_path / f"marks-{k}" for k in range(3)]
+    with pool.session():
+        for k, mark in enumerate(marks):
+            config = ServerConfig(key=f"{k:064x}", need=str(k), health="/health", topology=f"tp{k + 1}")
+            def launch(log: Path, port: int, mark: Path = mark) -> tuple[list[str], dict[str, str | None]]:
+                return [sys.executable, "-c", SLOW_STOP, str(port), str(mark)], {}
+
+            with pool.lease(config, tmp_path / f"run-{k}" / "server.log", launch, timeout_s=60):
+                pass
+    times = {kind: [float(line.split()[1]) for m in marks for line in m.read_text().splitlines()
+                    if line.startswith(kind)] for kind in ("term", "exit")}
+    assert len(times["term"]) == len(times["exit"]) == 3
+    assert max(times["term"]) < min(times["exit"])
+    assert [s["stopped"] for s in pool.records()] == ["the run ended"] * 3
+    assert not any(pid_alive(s["pid"]) for s in pool.records())
