@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -295,6 +296,25 @@ def test_mutated_cache_entries_are_used_or_launched_again(name: str, data: st.Da
         cache = ReferenceCache(Path(folder), None, 60, said.append)  # type: ignore[arg-type]  # reads only
         got = cache._read(entry, "reference")
         assert (got is not None) or (said and not entry.exists()), said
+
+
+@pytest.mark.parametrize("provides", [["generation", "orkloads"], 5, [{"a": 1}]])
+def test_a_cache_entry_with_unreadable_capabilities_is_launched_again(provides: Any) -> None:
+    """The manifest's backend capabilities name an unknown capability (a character lost: Hypothesis's find), are not
+    a list, or hold an unhashable item, with checksums recomputed to match: the entry is reported and removed (the
+    run launches it again), never an exception out of the cache."""
+    from harness.flow.refcache import ReferenceCache, write_checksums
+
+    with tempfile.TemporaryDirectory() as folder:
+        entry = Path(folder) / "runs" / _cached_entry().name
+        shutil.copytree(_cached_entry(), entry)
+        manifest = json.loads((entry / "manifest.json").read_text())
+        manifest["backend"]["capabilities"]["provides"] = provides
+        (entry / "manifest.json").write_text(json.dumps(manifest))
+        write_checksums(entry)
+        said: list[str] = []
+        assert ReferenceCache(Path(folder), None, 60, said.append)._read(entry, "reference") is None  # type: ignore[arg-type]
+        assert not entry.exists() and "backend capabilities unreadable" in said[-1], said
 
 
 VLLM_ANSWER = {"choices": [{"index": 0, "prompt_logprobs": [

@@ -61,6 +61,10 @@ def _manifest_problems(manifest: Any) -> list[str]:
         entry = manifest.get(key)
         if isinstance(entry, dict):
             out += [f"{c.MANIFEST_FILE}: {key} lacks {f!r}" for f in fields if f not in entry]
+    try:  # what every reader of the run asks first (run_capabilities)
+        c.recorded_capabilities(manifest)
+    except (TypeError, ValueError) as exc:
+        out.append(f"{c.MANIFEST_FILE}: backend capabilities unreadable ({exc})")
     return out
 
 
