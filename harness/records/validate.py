@@ -61,10 +61,6 @@ def _manifest_problems(manifest: Any) -> list[str]:
         entry = manifest.get(key)
         if isinstance(entry, dict):
             out += [f"{c.MANIFEST_FILE}: {key} lacks {f!r}" for f in fields if f not in entry]
-    try:  # what every reader of the run asks first (run_capabilities)
-        c.recorded_capabilities(manifest)
-    except (TypeError, ValueError) as exc:
-        out.append(f"{c.MANIFEST_FILE}: backend capabilities unreadable ({exc})")
     return out
 
 
@@ -122,7 +118,10 @@ def validate_artifacts(run: RunArtifacts) -> list[str]:
         return problems
     if not run.ok:
         return [f"run status is 'error': {run.manifest.get('error') or 'no error text'}"]
-    caps = run_capabilities(run)
+    try:
+        caps = run_capabilities(run)
+    except (TypeError, ValueError) as exc:  # unknown capability names, or no list of names
+        return [f"{c.MANIFEST_FILE}: backend capabilities unreadable ({exc})"]
     model, topo = run.manifest["model"], run.manifest["topology"]
     problems += layout_problems(run.layout, caps.has(c.LAYOUT_REPORT))
     if c.GSM8K in caps.provides and (run.path / c.GSM8K_FILE).exists():

@@ -299,11 +299,9 @@ class ServerPool:
         exit (vLLM's engine core and workers take 10-20 s on 2 cores), so one after another a run's servers
         took the sum of those waits."""
         procs = [e.server.proc for e in entries if e.server.proc is not None]
-        if len(procs) > 1:
+        if procs:
             with ThreadPoolExecutor(max_workers=len(procs), thread_name_prefix="server-stop") as stopping:
                 list(stopping.map(stop_server, procs))  # every stop ends before the first error is raised
-        elif procs:
-            stop_server(procs[0])
         for entry in entries:
             entry.stopped = why
             if self._up.get(entry.config.key) is entry:
